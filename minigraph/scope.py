@@ -1,0 +1,111 @@
+"""Scopes and variables: where every value of a net lives.
+
+A Scope is a node in a tree; `find_var` walks up to the parents, so a
+branch's child scope sees the persistables held by the root.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Variable:
+    """A named slot holding one array (numpy on the CPU, a GPUArray on a GPU).
+
+    `shape` and `dtype` come from the value once it is set, or from a
+    declaration (a `data` layer, shape inference) before that; a declared
+    shape may hold -1 for a dimension not known until a feed arrives.
+    """
+
+    __slots__ = ("name", "persistable", "trainable", "value", "decl_shape",
+                 "decl_dtype", "is_data", "scope")
+
+    def __init__(self, name, persistable=False, trainable=False, scope=None):
+        self.name = name
+        self.persistable = persistable
+        self.trainable = trainable
+        self.value = None
+        self.decl_shape = None
+        self.decl_dtype = None
+        self.is_data = False
+        self.scope = scope
+
+    def set(self, value):
+        """Store `value` (an array of this variable's place) as the new value."""
+        self.value = value
+
+    def get(self):
+        """The value as a numpy array (a host copy for device arrays)."""
+        v = self.value
+        if v is None:
+            raise ValueError(f"variable {self.name!r} has no value yet")
+        if isinstance(v, np.ndarray):
+            return v
+        if hasattr(v, "get"):            # pycuda GPUArray and friends
+            return v.get()
+        return np.asarray(v)
+
+    @property
+    def shape(self):
+        """The shape of the value, else the declared shape, else None."""
+        return tuple(self.value.shape) if self.value is not None else self.decl_shape
+
+    @property
+    def dtype(self):
+        """The dtype of the value, else the declared dtype, else None."""
+        return np.dtype(self.value.dtype) if self.value is not None else self.decl_dtype
+
+    def declare(self, shape, dtype):
+        """Record the shape and dtype this variable is expected to hold."""
+        self.decl_shape = None if shape is None else tuple(int(d) for d in shape)
+        self.decl_dtype = None if dtype is None else np.dtype(dtype)
+
+    def __repr__(self):
+        kind = "persistable " if self.persistable else ""
+        return f"<Variable {kind}{self.name} shape={self.shape} dtype={self.dtype}>"
+
+
+class Scope:
+    """A tree of name → Variable tables; lookups fall back to the parent."""
+
+    def __init__(self, parent=None):
+        self.parent = parent
+        self.vars = {}
+        self.kids = []
+
+    def new_var(self, name, persistable=False, trainable=False):
+        """Create `name` here; creating a name twice in one scope is an error."""
+        if name in self.vars:
+            raise ValueError(f"variable {name!r} already exists in this scope")
+        var = Variable(name, persistable=persistable, trainable=trainable, scope=self)
+        self.vars[name] = var
+        return var
+
+    def find_local_var(self, name):
+        """The variable named `name` in this scope only, or None."""
+        return self.vars.get(name)
+
+    def find_var(self, name):
+        """The variable named `name` here or in the nearest ancestor, or None."""
+        scope = self
+        while scope is not None:
+            var = scope.vars.get(name)
+            if var is not None:
+                return var
+            scope = scope.parent
+        return None
+
+    def new_scope(self):
+        """A new child scope whose lookups fall back to this one."""
+        kid = Scope(parent=self)
+        self.kids.append(kid)
+        return kid
+
+    def drop_kids(self):
+        """Forget every child scope (and the variables they hold)."""
+        self.kids.clear()
+
+    def __contains__(self, name):
+        return self.find_var(name) is not None
+
+    def __repr__(self):
+        return f"<Scope {len(self.vars)} vars, {len(self.kids)} kids>"
