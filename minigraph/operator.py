@@ -74,6 +74,8 @@ class Operator:
                 raise OpError(f"{type}: output {out_slot!r} must be the same Variable as "
                               f"input {in_slot!r} (they are an in-place pair); got "
                               f"{_name(out)} and {_name(src)}")
+        if schema.resolve_attrs is not None:
+            attrs = schema.resolve_attrs(attrs)
         self._attrs = FrozenAttrs(type, attrs)
         self._checked = None
         if schema.validate is not None:

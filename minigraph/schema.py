@@ -65,6 +65,8 @@ class OpSchema:
       `make_grad(var)` gives the Variable to write d(loss)/d(var) into, or
       None when `var` needs no gradient.
     validate(op) raises OpError for rules that span slots and attributes.
+    resolve_attrs(attrs) -> attrs turns checked attribute values into their
+      stored form (an int into a pair, a None stride into the window size).
     kernels[kind](op, ins) -> {out_slot: array}: `ins` maps input slots to
       arrays; outputs the op leaves unbound may be skipped.
     """
@@ -77,6 +79,8 @@ class OpSchema:
     infer: Callable | None = None
     grad: Callable | None = None
     validate: Callable | None = None                # validate(op): cross-slot rules at build
+    resolve_attrs: Callable | None = None           # resolve_attrs(dict) -> dict: canonical
+                                                    # forms, defaults that depend on other attrs
     kernels: dict = field(default_factory=dict)
     doc: str = ""
 
