@@ -1,11 +1,19 @@
-"""minigraph: a small operator-graph deep-learning framework."""
+"""minigraph: a small operator-graph deep-learning framework.
+
+Scopes hold Variables; Operators bind an op's schema to Variables with
+frozen attributes; an Executor runs ops on a place; a Net built by `layers`
+forks into train and infer branches at its first batch norm.
+"""
+from minigraph import ops as _ops  # noqa: F401  (registers every op)
+from minigraph import initializer, layers, optimizer
+from minigraph.backward import append_backward
 from minigraph.executor import Executor
+from minigraph.net import Net
 from minigraph.operator import Operator
-from minigraph.place import CPUPlace, GPUPlace
+from minigraph.place import CPUPlace, GPUError, GPUPlace
 from minigraph.schema import OpError
 from minigraph.scope import Scope, Variable
 
-from minigraph import ops as _ops  # noqa: F401  registers every op
-
-__all__ = ["CPUPlace", "Executor", "GPUPlace", "OpError", "Operator", "Scope", "Variable"]
+__all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Operator",
+           "Scope", "Variable", "append_backward", "initializer", "layers", "optimizer"]
 __version__ = "0.1.0"
