@@ -165,7 +165,7 @@ def _attr_value(op_type, attr, kwargs):
         want = " or ".join(t.__name__ for t in attr.types) + (" or None" if attr.nullable else "")
         raise OpError(f"{op_type}: attribute {attr.name!r} must be {want}, "
                       f"got {type(value).__name__} {value!r}")
-    if float in attr.types and not isinstance(value, float):
+    if float in attr.types:
         value = float(value)
     elif int in attr.types and not isinstance(value, (int, bool)):
         value = int(value)
