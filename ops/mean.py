@@ -1,0 +1,57 @@
+"""mean: the mean of every element of x, a scalar (shape ())."""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.schema import (
+    Meta,
+    OpDesc,
+    OpError,
+    OpSchema,
+    Slot,
+    check_float,
+    check_shape,
+    kernel,
+    register,
+)
+
+
+def infer_mean(ins, attrs):
+    check_float("mean", "x", ins["x"])
+    return {"out": Meta((), ins["x"].dtype)}
+
+
+def grad_mean(op, dout, make_grad):
+    """mean_grad: dx = dout / x.size everywhere."""
+    d = dout.get("out")
+    dx = make_grad(op.inputs["x"])
+    if d is None or dx is None:
+        return []
+    return [OpDesc("mean_grad", dict(x=op.inputs["x"], dout=d, dx=dx))]
+
+
+def infer_mean_grad(ins, attrs):
+    check_shape("mean_grad", "dout", ins["dout"], (), " (the shape of mean's output)")
+    return {"dx": Meta(ins["x"].shape, ins["x"].dtype)}
+
+
+register(OpSchema(type="mean", inputs=(Slot("x"),), outputs=(Slot("out"),),
+                  infer=infer_mean, grad=grad_mean, doc=__doc__))
+register(OpSchema(type="mean_grad", inputs=(Slot("x"), Slot("dout")),
+                  outputs=(Slot("dx", optional=True),), infer=infer_mean_grad))
+
+
+@kernel("mean", "cpu")
+def mean_cpu(op, ins):
+    """out = mean(x), accumulated in float64 (pairwise), cast back to x's dtype."""
+    x = ins["x"]
+    if x.size == 0:
+        raise OpError(f"mean: input 'x' is empty (shape {x.shape}); its mean is undefined")
+    return {"out": np.asarray(np.mean(x, dtype=np.float64), dtype=x.dtype)}
+
+
+@kernel("mean_grad", "cpu")
+def mean_grad_cpu(op, ins):
+    """dx = full_like(x, dout / x.size)."""
+    x, d = ins["x"], ins["dout"]
+    return {"dx": np.full_like(x, np.asarray(d, dtype=np.float64).reshape(()) / x.size)}

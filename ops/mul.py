@@ -1,0 +1,99 @@
+"""mul: a matrix product after flattening x to 2-D.
+
+x is viewed as (prod(x.shape[:n]), prod(x.shape[n:])) with n = x_num_col_dims,
+y is (K, M) with K the second of those, and out has shape x.shape[:n] + (M,).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.schema import (
+    Meta,
+    OpDesc,
+    OpSchema,
+    Slot,
+    check_float,
+    check_rank,
+    check_same_dtype,
+    dims_equal,
+    fail,
+    int_attr,
+    kernel,
+    positive,
+    register,
+)
+
+
+def flat_cols(shape, n):
+    """prod(shape[n:]), or -1 when a dim there is unknown."""
+    tail = shape[n:]
+    return -1 if any(d < 0 for d in tail) else int(np.prod(tail, dtype=np.int64))
+
+
+def infer_mul(ins, attrs):
+    x, y = ins["x"], ins["y"]
+    n = attrs["x_num_col_dims"]
+    check_float("mul", "x", x)
+    check_same_dtype("mul", "y", y, "x", x)
+    if len(x.shape) <= n:
+        fail("mul", "x", f"must have more than x_num_col_dims={n} dims, got shape {x.shape}")
+    check_rank("mul", "y", y, (2,))
+    k = flat_cols(x.shape, n)
+    if not dims_equal(y.shape[0], k):
+        fail("mul", "y", f"must have {k} rows (the product of dims {n}.. of input 'x' with "
+                         f"shape {x.shape}, x_num_col_dims={n}), got shape {y.shape}")
+    return {"out": Meta(tuple(x.shape[:n]) + (y.shape[1],), x.dtype)}
+
+
+def as_matrix(x, n):
+    """x viewed as (prod(x.shape[:n]), prod(x.shape[n:]))."""
+    return x.reshape(int(np.prod(x.shape[:n], dtype=np.int64)), flat_cols(x.shape, n))
+
+
+def grad_mul(op, dout, make_grad):
+    """mul_grad: dx = dout @ y.T (reshaped to x), dy = x2.T @ dout."""
+    d = dout.get("out")
+    if d is None:
+        return []
+    dx, dy = make_grad(op.inputs["x"]), make_grad(op.inputs["y"])
+    if dx is None and dy is None:
+        return []
+    return [OpDesc("mul_grad", dict(x=op.inputs["x"], y=op.inputs["y"], dout=d, dx=dx, dy=dy,
+                                    x_num_col_dims=op.attrs["x_num_col_dims"]))]
+
+
+def infer_mul_grad(ins, attrs):
+    x, y = ins["x"], ins["y"]
+    return {"dx": Meta(x.shape, x.dtype), "dy": Meta(y.shape, y.dtype)}
+
+
+register(OpSchema(
+    type="mul", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
+    attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul, grad=grad_mul,
+    doc=__doc__))
+register(OpSchema(
+    type="mul_grad", inputs=(Slot("x"), Slot("y"), Slot("dout")),
+    outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
+    attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul_grad))
+
+
+@kernel("mul", "cpu")
+def mul_cpu(op, ins):
+    """out = flatten(x) @ y, reshaped to x.shape[:n] + (M,)."""
+    x, y = ins["x"], ins["y"]
+    n = op.attrs["x_num_col_dims"]
+    return {"out": (as_matrix(x, n) @ y).reshape(x.shape[:n] + (y.shape[1],))}
+
+
+@kernel("mul_grad", "cpu")
+def mul_grad_cpu(op, ins):
+    """dx = dout2 @ y.T reshaped to x's shape; dy = x2.T @ dout2."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    n = op.attrs["x_num_col_dims"]
+    d2 = d.reshape(int(np.prod(x.shape[:n], dtype=np.int64)), y.shape[1])
+    out = {}
+    if op.outputs.get("dx") is not None:
+        out["dx"] = (d2 @ y.T).reshape(x.shape)
+    if op.outputs.get("dy") is not None:
+        out["dy"] = as_matrix(x, n).T @ d2
+    return out

@@ -1,0 +1,179 @@
+"""pool2d: max or average pooling over 2-D windows, NCHW.
+
+out (N, C, Ho, Wo), Ho = floor((H + 2 ph - kh) / sh) + 1; `strides` None means
+`ksize`; `global_pooling` pools each whole H x W plane to 1 x 1 (ksize,
+strides and paddings are then ignored). Padding never wins a max (it is
+-inf) and is not counted by an average: the divisor is the number of real
+elements under the window. Padding must be smaller than the window, so
+every window holds at least one real element.
+Grad: max sends dout to the first maximum of each window (row-major); avg
+spreads dout / count over the real elements of the window.
+"""
+from __future__ import annotations
+
+import numpy as np
+from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
+
+from minigraph.schema import (
+    Meta,
+    OpDesc,
+    OpError,
+    OpSchema,
+    Slot,
+    bool_attr,
+    check_float,
+    check_rank,
+    kernel,
+    one_of,
+    register,
+    str_attr,
+)
+
+
+def pool_attrs():
+    return (str_attr("pool_type", "max", one_of("max", "avg")),
+            pair_attr("ksize", (2, 2), 1), pair_attr("strides", None, 1, nullable=True),
+            pair_attr("paddings", (0, 0), 0), bool_attr("global_pooling", False))
+
+
+def resolve(attrs):
+    ksize = as_pair(attrs["ksize"])
+    strides = as_pair(attrs["strides"]) or ksize
+    return {**attrs, "ksize": ksize, "strides": strides, "paddings": as_pair(attrs["paddings"])}
+
+
+def validate_pool(op):
+    a = op.attrs
+    (ph, pw), (kh, kw) = a["paddings"], a["ksize"]
+    if not a["global_pooling"] and (ph >= kh or pw >= kw):
+        raise OpError(f"{op.type}: attribute 'paddings' {a['paddings']} must be smaller than "
+                      f"'ksize' {a['ksize']} in each dim, so every window holds an element "
+                      "of the input")
+
+
+def out_hw(op_type, x_shape, attrs):
+    """(Ho, Wo); OpError when the padded input is smaller than the window."""
+    if attrs["global_pooling"]:
+        return (1, 1)
+    sizes = []
+    for axis, name in ((0, "height"), (1, "width")):
+        size = x_shape[2 + axis]
+        k, s, p = (attrs[a][axis] for a in ("ksize", "strides", "paddings"))
+        o = out_size(size, k, s, p)
+        if size >= 0 and o <= 0:
+            raise OpError(f"{op_type}: output {name} would be {o}: input 'x' {name} {size} "
+                          f"plus padding 2*{p} is smaller than the window {k}")
+        sizes.append(o)
+    return tuple(sizes)
+
+
+def infer_pool(ins, attrs):
+    x = ins["x"]
+    check_rank("pool2d", "x", x, (4,))
+    check_float("pool2d", "x", x)
+    return {"out": Meta(tuple(x.shape[:2]) + out_hw("pool2d", x.shape, attrs), x.dtype)}
+
+
+def grad_pool(op, dout, make_grad):
+    """pool2d_grad: dx from x and dout (the max is located again)."""
+    d = dout.get("out")
+    dx = make_grad(op.inputs["x"])
+    if d is None or dx is None:
+        return []
+    return [OpDesc("pool2d_grad", dict(x=op.inputs["x"], dout=d, dx=dx, **op.attrs))]
+
+
+register(OpSchema(
+    type="pool2d", inputs=(Slot("x"),), outputs=(Slot("out"),), attrs=pool_attrs(),
+    infer=infer_pool, grad=grad_pool, validate=validate_pool, resolve_attrs=resolve,
+    doc=__doc__))
+register(OpSchema(
+    type="pool2d_grad", inputs=(Slot("x"), Slot("dout")), outputs=(Slot("dx", optional=True),),
+    attrs=pool_attrs(), infer=lambda ins, attrs: {"dx": ins["x"]}, validate=validate_pool,
+    resolve_attrs=resolve))
+
+
+def taps(attrs):
+    kh, kw = attrs["ksize"]
+    return [(i, j) for i in range(kh) for j in range(kw)]
+
+
+def window_max(x, attrs, hw):
+    """The max of every window, padding as -inf."""
+    xp = pad_hw(x, attrs["paddings"], -np.inf)
+    best = None
+    for i, j in taps(attrs):
+        v = xp[offset_slices(i, j, hw, attrs["strides"])]
+        best = v.copy() if best is None else np.maximum(best, v, out=best)
+    return best
+
+
+def window_argmax(x, attrs, hw):
+    """The tap index (row-major) of the first max of every window, padding as -inf."""
+    xp = pad_hw(x, attrs["paddings"], -np.inf)
+    best, where = None, None
+    for t, (i, j) in enumerate(taps(attrs)):
+        v = xp[offset_slices(i, j, hw, attrs["strides"])]
+        if best is None:
+            best, where = v.copy(), np.zeros(v.shape, dtype=np.intp)
+            continue
+        better = v > best
+        np.copyto(best, v, where=better)
+        np.copyto(where, t, where=better)
+    return where
+
+
+def window_counts(size, k, s, p, out):
+    """How many real (unpadded) elements each of `out` windows covers along one axis."""
+    start = np.arange(out) * s
+    return np.minimum(start + k, p + size) - np.maximum(start, p)
+
+
+def avg_divisor(x_shape, attrs, hw, dtype):
+    rows, cols = (window_counts(x_shape[2 + a], attrs["ksize"][a], attrs["strides"][a],
+                                attrs["paddings"][a], hw[a]) for a in (0, 1))
+    return np.outer(rows, cols).astype(dtype)
+
+
+@kernel("pool2d", "cpu")
+def pool2d_cpu(op, ins):
+    """Max or average of every window (see the module doc)."""
+    x, a = ins["x"], op.attrs
+    if a["global_pooling"]:
+        if a["pool_type"] == "max":
+            return {"out": x.max(axis=(2, 3), keepdims=True)}
+        return {"out": x.mean(axis=(2, 3), keepdims=True, dtype=np.float64).astype(x.dtype)}
+    hw = out_hw(op.type, x.shape, a)
+    if a["pool_type"] == "max":
+        return {"out": window_max(x, a, hw)}
+    xp = pad_hw(x, a["paddings"])
+    total = np.zeros(x.shape[:2] + hw, dtype=np.float64)
+    for i, j in taps(a):
+        total += xp[offset_slices(i, j, hw, a["strides"])]
+    return {"out": (total / avg_divisor(x.shape, a, hw, np.float64)).astype(x.dtype)}
+
+
+@kernel("pool2d_grad", "cpu")
+def pool2d_grad_cpu(op, ins):
+    """dx: dout routed to each window's first max, or spread evenly over its real elements."""
+    x, d, a = ins["x"], ins["dout"], op.attrs
+    n, c, h, w = x.shape
+    if a["global_pooling"]:
+        if a["pool_type"] == "avg":
+            return {"dx": np.broadcast_to(d / (h * w), x.shape).astype(x.dtype)}
+        flat = x.reshape(n, c, h * w)
+        dx = np.zeros_like(flat)
+        np.put_along_axis(dx, flat.argmax(axis=2)[..., None], d.reshape(n, c, 1), axis=2)
+        return {"dx": dx.reshape(x.shape)}
+    hw = out_hw("pool2d", x.shape, a)
+    ph, pw = a["paddings"]
+    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)
+    if a["pool_type"] == "max":
+        where = window_argmax(x, a, hw)
+        for t, (i, j) in enumerate(taps(a)):
+            dxp[offset_slices(i, j, hw, a["strides"])] += np.where(where == t, d, 0)
+    else:
+        share = d / avg_divisor(x.shape, a, hw, x.dtype)
+        for i, j in taps(a):
+            dxp[offset_slices(i, j, hw, a["strides"])] += share
+    return {"dx": np.ascontiguousarray(dxp[:, :, ph:ph + h, pw:pw + w])}

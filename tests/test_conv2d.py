@@ -1,0 +1,104 @@
+"""conv2d: strides, paddings, dilations, groups, non-square filters."""
+import numpy as np
+import pytest
+from helpers import helper_test_op
+
+import minigraph as mg
+
+rng = np.random.default_rng(0)
+
+
+def pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def conv_reference(x, filter, strides=1, paddings=0, dilations=1, groups=1):
+    """Direct loops over output pixels, one dot product per (n, o, h, w)."""
+    (sh, sw), (ph, pw), (dh, dw) = pair(strides), pair(paddings), pair(dilations)
+    n, c, h, w = x.shape
+    o, cg, kh, kw = filter.shape
+    xp = np.zeros((n, c, h + 2 * ph, w + 2 * pw))
+    xp[:, :, ph:ph + h, pw:pw + w] = x
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros((n, o, ho, wo))
+    per_group = o // groups
+    for oc in range(o):
+        g = oc // per_group
+        for i in range(ho):
+            for j in range(wo):
+                patch = xp[:, g * cg:(g + 1) * cg,
+                           i * sh:i * sh + dh * (kh - 1) + 1:dh,
+                           j * sw:j * sw + dw * (kw - 1) + 1:dw]
+                out[:, oc, i, j] = (patch * filter[oc]).sum(axis=(1, 2, 3))
+    return {"out": out}
+
+
+CASES = [
+    ((2, 3, 5, 5), (4, 3, 3, 3), {}),
+    ((2, 3, 6, 7), (4, 3, 3, 3), {"strides": 2, "paddings": 1}),
+    ((1, 2, 7, 7), (3, 2, 3, 3), {"dilations": 2, "paddings": (2, 1)}),
+    ((2, 4, 5, 6), (6, 2, 3, 3), {"groups": 2, "paddings": 1}),
+    ((1, 4, 5, 5), (4, 1, 2, 2), {"groups": 4, "strides": (2, 1)}),
+    ((2, 2, 5, 7), (3, 2, 2, 3), {"strides": (1, 2), "paddings": (1, 0), "dilations": (2, 1)}),
+]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_forward_and_grads(x_shape, w_shape, attrs):
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
+                   grad_wrt=("x", "filter"))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_matches_torch(x_shape, w_shape, attrs):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal(x_shape).astype("float32")
+    w = rng.standard_normal(w_shape).astype("float32")
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(x), torch.from_numpy(w), stride=attrs.get("strides", 1),
+        padding=attrs.get("paddings", 0), dilation=attrs.get("dilations", 1),
+        groups=attrs.get("groups", 1)).numpy()
+    got = helper_test_op("conv2d", {"x": x, "filter": w}, attrs)["out"]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_conv2d_attrs_stored_as_pairs():
+    scope = mg.Scope()
+    x, w = scope.new_var("x"), scope.new_var("w")
+    x.declare((-1, 1, 8, 8), "float32")
+    w.declare((16, 1, 3, 3), "float32")
+    op = mg.Operator("conv2d", x=x, filter=w, out=scope.new_var("out"), strides=1,
+                     paddings=[1, 1], dilations=np.int64(1))
+    assert (op.attrs["strides"], op.attrs["paddings"], op.attrs["dilations"]) == \
+        ((1, 1), (1, 1), (1, 1))
+    assert op.outputs["out"].decl_shape == (-1, 16, 8, 8)
+
+
+def build_conv(x_shape, w_shape, **attrs):
+    scope = mg.Scope()
+    x, w = scope.new_var("x"), scope.new_var("w")
+    x.declare(x_shape, "float32")
+    w.declare(w_shape, "float32")
+    return mg.Operator("conv2d", x=x, filter=w, out=scope.new_var("out"), **attrs)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs, match", [
+    ((2, 3, 8, 8), (4, 2, 3, 3), {},
+     r"conv2d: input 'filter' must have 3 input channels .* with 3 channels and groups=1"),
+    ((2, 4, 8, 8), (4, 4, 3, 3), {"groups": 2}, r"input 'filter' must have 2 input channels"),
+    ((2, 3, 8, 8), (4, 1, 3, 3), {"groups": 2}, "input 'x' has 3 channels .* groups=2"),
+    ((2, 4, 8, 8), (3, 2, 3, 3), {"groups": 2}, "input 'filter' has 3 output channels"),
+    ((2, 3, 2, 8), (4, 3, 3, 3), {}, "output height would be 0"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), {"dilations": (1, 5)},
+     "output width would be -2: .* smaller than the dilated filter 11"),
+    ((2, 3, 8), (4, 3, 3, 3), {}, "input 'x' must have rank 4, got rank 3"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), {"strides": 0}, "attribute 'strides' must be >= 1"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), {"paddings": (1, 1, 1)}, "'paddings' must be an int or a pair"),
+    ((2, 3, 8, 8), (4, 3, 3, 3), {"groups": 0}, "attribute 'groups' must be > 0"),
+])
+def test_conv2d_bad_inputs(x_shape, w_shape, attrs, match):
+    with pytest.raises(mg.OpError, match=match):
+        build_conv(x_shape, w_shape, **attrs)

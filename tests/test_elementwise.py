@@ -1,0 +1,97 @@
+"""elementwise_add (PaddlePaddle broadcasting) and sum."""
+import numpy as np
+import pytest
+from helpers import helper_test_op
+
+import minigraph as mg
+
+rng = np.random.default_rng(0)
+
+
+def add_reference(x, y, axis=-1):
+    start = x.ndim - y.ndim if axis == -1 else axis
+    out = x.copy()
+    for idx in np.ndindex(x.shape):
+        out[idx] += y[idx[start:start + y.ndim]]
+    return {"out": out}
+
+
+@pytest.mark.parametrize("x_shape, y_shape, axis", [
+    ((2, 3, 4, 5), (3,), 1),             # per-channel bias, NCHW
+    ((4, 6), (6,), -1),                  # fc bias
+    ((2, 3, 4), (3, 4), -1),
+    ((2, 3, 4), (2, 3), 0),
+    ((2, 3, 4), (3,), 1),
+    ((3, 4), (3, 4), -1),
+    ((3, 4), (), -1),
+])
+def test_add_forward_and_grads(x_shape, y_shape, axis):
+    x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    helper_test_op("elementwise_add", {"x": x, "y": y}, {"axis": axis}, add_reference,
+                   grad_wrt=("x", "y"))
+
+
+def test_add_keeps_float32():
+    x, y = rng.standard_normal((2, 3)).astype("float32"), rng.standard_normal(3).astype("float32")
+    assert helper_test_op("elementwise_add", {"x": x, "y": y}, {}, add_reference)["out"].dtype \
+        == np.float32
+
+
+def build_add(x_shape, y_shape, axis=-1, y_dtype="float64"):
+    scope = mg.Scope()
+    x, y = scope.new_var("x"), scope.new_var("y")
+    x.set(np.zeros(x_shape))
+    y.set(np.zeros(y_shape, dtype=y_dtype))
+    return mg.Operator("elementwise_add", x=x, y=y, out=scope.new_var("out"), axis=axis)
+
+
+@pytest.mark.parametrize("x_shape, y_shape, axis, match", [
+    ((2, 3), (4,), -1, r"elementwise_add: input 'y' must have shape \(3,\) .*got \(4,\)"),
+    ((2, 3, 4, 5), (4,), 1, r"input 'y' must have shape \(3,\) \(dims 1\.\.1 of input 'x'"),
+    ((2, 3), (3,), 2, r"input 'y' of rank 1 cannot start at axis=2 .* in \[0, 1\]"),
+    ((3,), (2, 3), -1, r"input 'y' must not have more dims than input 'x'"),
+])
+def test_add_bad_shapes(x_shape, y_shape, axis, match):
+    with pytest.raises(mg.OpError, match=match):
+        build_add(x_shape, y_shape, axis)
+
+
+def test_add_bad_dtype_and_axis():
+    with pytest.raises(mg.OpError, match="input 'y' has dtype float32 but input 'x' has float64"):
+        build_add((2, 3), (3,), y_dtype="float32")
+    with pytest.raises(mg.OpError, match="attribute 'axis' must be -1"):
+        build_add((2, 3), (3,), axis=-2)
+
+
+def test_add_unknown_batch_dim_is_fine():
+    scope = mg.Scope()
+    x, y = scope.new_var("x"), scope.new_var("y")
+    x.declare((-1, 3, 4, 4), "float32")
+    y.declare((3,), "float32")
+    mg.Operator("elementwise_add", x=x, y=y, out=scope.new_var("out"), axis=1)
+    with pytest.raises(mg.OpError, match=r"input 'y' must have shape \(3,\)"):
+        y2 = scope.new_var("y2")
+        y2.declare((5,), "float32")
+        mg.Operator("elementwise_add", x=x, y=y2, out=scope.new_var("out2"), axis=1)
+
+
+def sum_reference(x):
+    return {"out": np.sum(x, axis=0)}
+
+
+def test_sum_forward_and_grads():
+    xs = [rng.standard_normal((2, 3)) for _ in range(3)]
+    helper_test_op("sum", {"x": xs}, {}, sum_reference, grad_wrt=("x",))
+
+
+def test_sum_of_one():
+    helper_test_op("sum", {"x": [rng.standard_normal(4)]}, {}, sum_reference, grad_wrt=("x",))
+
+
+def test_sum_bad_shapes():
+    scope = mg.Scope()
+    a, b = scope.new_var("a"), scope.new_var("b")
+    a.set(np.zeros((2, 3)))
+    b.set(np.zeros((3, 2)))
+    with pytest.raises(mg.OpError, match=r"sum: input 'x\[1\]' must have shape \(2, 3\)"):
+        mg.Operator("sum", x=[a, b], out=scope.new_var("out"))

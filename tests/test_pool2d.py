@@ -1,0 +1,111 @@
+"""pool2d: max and avg, padding, strides != ksize, non-square windows, global pooling."""
+import numpy as np
+import pytest
+from helpers import helper_test_op
+
+import minigraph as mg
+
+rng = np.random.default_rng(0)
+
+
+def pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def pool_reference(x, pool_type="max", ksize=2, strides=None, paddings=0,
+                   global_pooling=False):
+    """Loops over output pixels; each window is clipped to the real input."""
+    n, c, h, w = x.shape
+    if global_pooling:
+        (kh, kw), (sh, sw), (ph, pw) = (h, w), (h, w), (0, 0)
+    else:
+        (kh, kw), (ph, pw) = pair(ksize), pair(paddings)
+        sh, sw = pair(strides if strides is not None else ksize)
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    out = np.zeros((n, c, ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            r0, c0 = i * sh - ph, j * sw - pw
+            win = x[:, :, max(r0, 0):min(r0 + kh, h), max(c0, 0):min(c0 + kw, w)]
+            out[:, :, i, j] = win.max(axis=(2, 3)) if pool_type == "max" else \
+                win.mean(axis=(2, 3))
+    return {"out": out}
+
+
+CASES = [
+    {},                                                              # 2x2, strides = ksize
+    {"pool_type": "avg"},
+    {"ksize": 3, "strides": 1},
+    {"pool_type": "avg", "ksize": 3, "strides": 2, "paddings": 1},
+    {"pool_type": "max", "ksize": 3, "strides": 2, "paddings": 1},
+    {"pool_type": "max", "ksize": (2, 3), "strides": (1, 2), "paddings": (1, 0)},
+    {"pool_type": "avg", "ksize": (3, 2), "strides": (2, 1), "paddings": (1, 1)},
+    {"global_pooling": True},
+    {"global_pooling": True, "pool_type": "avg"},
+]
+
+
+@pytest.mark.parametrize("attrs", CASES)
+def test_pool2d_forward_and_grad(attrs):
+    x = rng.permutation(2 * 3 * 5 * 6).reshape(2, 3, 5, 6) / 10.0    # distinct: no max ties
+    helper_test_op("pool2d", {"x": x}, attrs, pool_reference, grad_wrt=("x",))
+
+
+@pytest.mark.parametrize("attrs", CASES[:7])
+def test_pool2d_matches_torch(attrs):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((2, 3, 7, 8)).astype("float32")
+    k = attrs.get("ksize", 2)
+    kw = dict(kernel_size=k, stride=attrs.get("strides") or k, padding=attrs.get("paddings", 0))
+    t = torch.from_numpy(x)
+    want = (torch.nn.functional.avg_pool2d(t, count_include_pad=False, **kw)
+            if attrs.get("pool_type") == "avg" else torch.nn.functional.max_pool2d(t, **kw))
+    got = helper_test_op("pool2d", {"x": x}, attrs)["out"]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-6, rtol=1e-6)
+
+
+def test_max_grad_goes_to_first_max_of_each_window():
+    x = np.ones((1, 1, 2, 4))
+    x[0, 0, 1, 3] = 0.0
+    scope = mg.Scope()
+    xv, out, dout = scope.new_var("x"), scope.new_var("out"), scope.new_var("dout")
+    xv.set(x)
+    op = mg.Operator("pool2d", x=xv, out=out)
+    dx = scope.new_var("dx")
+    (desc,) = op.schema.grad(op, {"out": dout}, lambda v: dx if v is xv else None)
+    dout.set(np.array([[[[1.0, 2.0]]]]))
+    mg.Executor().run([op, mg.Operator(desc.type, **desc.kwargs)], scope)
+    np.testing.assert_array_equal(dx.get(), [[[[1, 0, 2, 0], [0, 0, 0, 0]]]])
+
+
+def test_strides_default_to_ksize_and_are_stored():
+    scope = mg.Scope()
+    x = scope.new_var("x")
+    x.declare((-1, 4, 9, 9), "float32")
+    op = mg.Operator("pool2d", x=x, out=scope.new_var("out"), ksize=3)
+    assert op.attrs["ksize"] == (3, 3) and op.attrs["strides"] == (3, 3)
+    assert op.outputs["out"].decl_shape == (-1, 4, 3, 3)
+    op = mg.Operator("pool2d", x=x, out=scope.new_var("out2"), ksize=3, strides=[2, 1])
+    assert op.attrs["strides"] == (2, 1)
+
+
+def build_pool(x_shape, **attrs):
+    scope = mg.Scope()
+    x = scope.new_var("x")
+    x.declare(x_shape, "float32")
+    return mg.Operator("pool2d", x=x, out=scope.new_var("out"), **attrs)
+
+
+@pytest.mark.parametrize("x_shape, attrs, match", [
+    ((2, 3, 8, 8), {"ksize": 2, "paddings": 2},
+     r"pool2d: attribute 'paddings' \(2, 2\) must be smaller than 'ksize' \(2, 2\)"),
+    ((2, 3, 2, 8), {"ksize": 3}, "output height would be 0: input 'x' height 2"),
+    ((2, 3, 8), {}, "input 'x' must have rank 4, got rank 3"),
+    ((2, 3, 8, 8), {"pool_type": "min"}, "attribute 'pool_type' must be one of 'max', 'avg'"),
+    ((2, 3, 8, 8), {"ksize": 0}, "attribute 'ksize' must be >= 1"),
+    ((2, 3, 8, 8), {"strides": "2"}, "attribute 'strides' must be tuple or list or Integral"),
+])
+def test_pool2d_bad_inputs(x_shape, attrs, match):
+    with pytest.raises(mg.OpError, match=match):
+        build_pool(x_shape, **attrs)
