@@ -29,7 +29,8 @@ class FrozenAttrs(Mapping):
         raise TypeError(f"{self._op_type}: attributes are immutable (tried to set {key!r}); "
                         "build a new Operator with the value you want")
 
-    __delitem__ = __setitem__
+    def __delitem__(self, key):
+        self[key] = None
 
     def __setattr__(self, key, value):
         raise TypeError(f"{self._op_type}: attributes are immutable")
@@ -162,7 +163,8 @@ def _attr_value(op_type, attr, kwargs):
     else:
         ok = isinstance(value, attr.types)
     if not ok:
-        want = " or ".join(t.__name__ for t in attr.types) + (" or None" if attr.nullable else "")
+        want = " or ".join(t.__name__ for t in attr.types if t.__module__ == "builtins")
+        want += " or None" if attr.nullable else ""
         raise OpError(f"{op_type}: attribute {attr.name!r} must be {want}, "
                       f"got {type(value).__name__} {value!r}")
     if float in attr.types:
