@@ -38,8 +38,8 @@ def as_pair(v):
 
 
 def out_size(size, k, stride, pad, dilation=1):
-    """floor((size + 2 pad - dilation (k - 1) - 1) / stride) + 1; -1 for an unknown size."""
-    if size < 0:
+    """floor((size + 2 pad - dilation (k - 1) - 1) / stride) + 1; -1 when size or k is unknown."""
+    if size < 0 or k < 0:
         return -1
     return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
 
