@@ -163,8 +163,7 @@ def _attr_value(op_type, attr, kwargs):
     else:
         ok = isinstance(value, attr.types)
     if not ok:
-        want = " or ".join(t.__name__ for t in attr.types if t.__module__ == "builtins")
-        want += " or None" if attr.nullable else ""
+        want = " or ".join(_type_names(attr.types) + (["None"] if attr.nullable else []))
         raise OpError(f"{op_type}: attribute {attr.name!r} must be {want}, "
                       f"got {type(value).__name__} {value!r}")
     if float in attr.types:
@@ -178,6 +177,15 @@ def _attr_value(op_type, attr, kwargs):
         if complaint:
             raise OpError(f"{op_type}: attribute {attr.name!r} {complaint}, got {value!r}")
     return value
+
+
+def _type_names(types):
+    names = []
+    for t in types:
+        name = {"Integral": "int", "Real": "float"}.get(t.__name__, t.__name__)
+        if t.__module__ in ("builtins", "numbers") and name not in names:
+            names.append(name)
+    return names
 
 
 def _flatten(bound):
