@@ -58,10 +58,8 @@ class Operator:
         self.outputs = {}
         attrs = {}
         valid = [s.name for s in schema.inputs + schema.outputs] + [a.name for a in schema.attrs]
-        for name, value in kwargs.items():
-            if schema.slot(name) is not None:
-                continue
-            if schema.attr(name) is None:
+        for name in kwargs:
+            if schema.slot(name) is None and schema.attr(name) is None:
                 raise OpError(f"{type}: unknown slot or attribute {name!r}; "
                               f"valid names: {', '.join(valid)}")
         for slots, bound in ((schema.inputs, self.inputs), (schema.outputs, self.outputs)):
@@ -131,7 +129,8 @@ class Operator:
     def __repr__(self):
         def show(d):
             return ", ".join(f"{k}={_name(v)}" for k, v in d.items() if v is not None)
-        return f"<Operator {self.type}({show(self.inputs)}) -> ({show(self.outputs)}) {dict(self._attrs)}>"
+        return (f"<Operator {self.type}({show(self.inputs)}) -> ({show(self.outputs)}) "
+                f"{dict(self._attrs)}>")
 
 
 def _bind(op_type, slot, value, valid):

@@ -7,8 +7,9 @@ register schemas and kernels here; the runtime finds ops only through here.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
