@@ -1,0 +1,187 @@
+"""CPU batch_norm benchmark: minigraph against PyTorch and a plain memory copy.
+
+    python benchmarks/bn_cpu.py [--threads N] [--repeat R]
+
+For fp32 NCHW inputs it times, through `Executor.run` as a user calls it,
+the training forward of `batch_norm` and forward + `batch_norm_grad` (the op
+the grad maker builds); PyTorch's `torch.nn.functional.batch_norm`
+(training=True) forward and forward + backward at the same thread count; and
+`np.copyto` of x into a preallocated array (the cost of touching the bytes
+once). Times are medians after warm-up. Then it measures the executor's
+overhead per op on tiny tensors: Executor.run over 100 tiny ops, divided by
+100, minus the time of calling the kernel directly.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+from minigraph.ops import batch_norm as bn_ops
+
+import minigraph as mg
+from minigraph.schema import get_schema, registered_ops
+
+SHAPES = ((32, 64, 56, 56), (256, 512, 7, 7))
+
+
+def median_ms(fns, repeat, warmup=3):
+    """{name: median wall time of fn() in ms}, after `warmup` untimed calls of each.
+    The functions take turns, so a change in the machine's load hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def bn_ops_for(x, dy):
+    """A scope holding x, dy and the batch-norm state, the forward op and its grad op."""
+    scope = mg.Scope()
+    c = x.shape[1]
+
+    def var(name, value=None, persistable=False):
+        v = scope.new_var(name, persistable=persistable)
+        if value is not None:
+            v.set(value)
+        return v
+
+    xv, dyv = var("x", x), var("y@GRAD", dy)
+    mean = var("mean", np.zeros(c, x.dtype), True)
+    variance = var("var", np.ones(c, x.dtype), True)
+    count = var("num_batches", np.array(0, np.int64), True)
+    scale, bias = var("scale", np.ones(c, x.dtype), True), var("bias", np.zeros(c, x.dtype), True)
+    fwd = mg.Operator("batch_norm", x=xv, estimated_mean=mean, estimated_var=variance,
+                      scale=scale, bias=bias, num_batches=count, y=var("y"),
+                      batch_mean=var("batch_mean"), batch_var=var("batch_var"),
+                      saved_mean=mean, saved_var=variance, saved_num_batches=count)
+    grads = {id(xv): var("x@GRAD"), id(scale): var("scale@GRAD"), id(bias): var("bias@GRAD")}
+    (desc,) = fwd.schema.grad(fwd, {"y": dyv}, lambda v: grads.get(id(v)))
+    return scope, fwd, mg.Operator(desc.type, **desc.kwargs)
+
+
+def torch_cases(x, dy, threads):
+    """{"torch fwd": fn, "torch fwd+bwd": fn} timing PyTorch's batch_norm; {} without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return {}
+    torch.set_num_threads(threads)
+    c = x.shape[1]
+    tx, tdy = torch.from_numpy(x), torch.from_numpy(dy)
+    rmean, rvar = torch.zeros(c), torch.ones(c)
+    w, b = torch.ones(c, requires_grad=True), torch.zeros(c, requires_grad=True)
+    gx = tx.clone().requires_grad_(True)
+
+    def forward():
+        with torch.no_grad():
+            F.batch_norm(tx, rmean, rvar, w, b, training=True, momentum=0.1, eps=1e-5)
+
+    def forward_backward():
+        gx.grad = w.grad = b.grad = None
+        y = F.batch_norm(gx, rmean, rvar, w, b, training=True, momentum=0.1, eps=1e-5)
+        y.backward(tdy)
+
+    return {"torch fwd": forward, "torch fwd+bwd": forward_backward}
+
+
+def shape_times(shape, threads, repeat):
+    """Median ms of every case on an fp32 NCHW input of `shape`."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    dy = rng.standard_normal(shape, dtype=np.float32)
+    scope, fwd, bwd = bn_ops_for(x, dy)
+    ex = mg.Executor(mg.CPUPlace())
+    dst = np.empty_like(x)
+    cases = {"mg fwd": lambda: ex.run([fwd], scope),
+             "mg fwd+bwd": lambda: ex.run([fwd, bwd], scope),
+             "copy": lambda: np.copyto(dst, x)}
+    cases.update(torch_cases(x, dy, threads))
+    return median_ms(cases, repeat)
+
+
+def ratio(a, b):
+    return "n/a" if a is None or b is None else f"{a / b:.2f}"
+
+
+def fmt(t):
+    return "n/a" if t is None else f"{t:.2f}"
+
+
+def bench_shapes(threads, repeat):
+    print(f"{'shape':<18} {'pass':<8} {'minigraph ms':>12} {'pytorch ms':>11} {'copy ms':>8} "
+          f"{'mg/pytorch':>10} {'mg/copy':>8}")
+    for shape in SHAPES:
+        t = shape_times(shape, threads, repeat)
+        for name in ("fwd", "fwd+bwd"):
+            mine, theirs, copy = t["mg " + name], t.get("torch " + name), t["copy"]
+            label = str(shape) if name == "fwd" else ""
+            print(f"{label:<18} {name:<8} {fmt(mine):>12} {fmt(theirs):>11} {fmt(copy):>8} "
+                  f"{ratio(mine, theirs):>10} {ratio(mine, copy):>8}")
+
+
+def tiny_ops(count):
+    """`count` independent tiny ops (relu on (2, 3) if registered, else batch_norm with
+    is_infer=True on (2, 3)), the scope they read and a description."""
+    scope = mg.Scope()
+    x = scope.new_var("x")
+    x.set(np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32))
+    if "relu" in registered_ops() and {s.name for s in get_schema("relu").inputs} == {"x"}:
+        out_slot = get_schema("relu").outputs[0].name
+        ops = [mg.Operator("relu", x=x, **{out_slot: scope.new_var(f"out{i}")})
+               for i in range(count)]
+        return scope, ops, "relu on (2, 3)"
+    params = {}
+    for name, value in (("mean", 0.0), ("var", 1.0), ("scale", 1.0), ("bias", 0.0)):
+        params[name] = scope.new_var(name, persistable=True)
+        params[name].set(np.full(3, value, np.float32))
+    ops = [mg.Operator("batch_norm", x=x, estimated_mean=params["mean"],
+                       estimated_var=params["var"], scale=params["scale"], bias=params["bias"],
+                       y=scope.new_var(f"y{i}"), batch_mean=scope.new_var(f"bm{i}"),
+                       batch_var=scope.new_var(f"bv{i}"), saved_mean=params["mean"],
+                       saved_var=params["var"], is_infer=True)
+           for i in range(count)]
+    return scope, ops, "batch_norm is_infer on (2, 3)"
+
+
+def bench_overhead(repeat, count=100):
+    scope, ops, what = tiny_ops(count)
+    ex = mg.Executor(mg.CPUPlace())
+    kernel = ops[0].schema.kernels["cpu"]
+    ins = {slot: (None if v is None else v.value) for slot, v in ops[0].inputs.items()}
+
+    def kernels_only():
+        for op in ops:
+            kernel(op, ins)
+
+    t = median_ms({"run": lambda: ex.run(ops, scope), "kernels": kernels_only}, repeat * 5)
+    run_us, kernel_us = t["run"] * 1e3 / count, t["kernels"] * 1e3 / count
+    print(f"\nexecutor overhead, {what}, {count} ops per run: "
+          f"{run_us:.1f} us per op in Executor.run, {kernel_us:.1f} us in the kernel, "
+          f"overhead {run_us - kernel_us:.1f} us per op (target <= 15)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="threads for minigraph's batch_norm and for PyTorch "
+                             "(default: every core)")
+    parser.add_argument("--repeat", type=int, default=10, help="timed runs per case")
+    args = parser.parse_args(argv)
+    bn_ops.set_num_threads(args.threads)
+    print(f"threads: {args.threads} (minigraph batch_norm and PyTorch), cores: {os.cpu_count()}, "
+          f"median of {args.repeat} runs, fp32 NCHW")
+    bench_shapes(args.threads, args.repeat)
+    bench_overhead(args.repeat)
+
+
+if __name__ == "__main__":
+    main()
