@@ -1,0 +1,96 @@
+"""The MPI backend (mpi4py): numpy arrays directly; GPU arrays staged through host memory.
+
+mpi4py is imported when an MPIComm is made, never when this module is
+imported. Without `mpiexec` MPI starts as a world of one process.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from minigraph.distributed.comm import Communicator, is_host_array
+
+# dtypes MPI has no reduction type for: reduced in a wider one, then cast back
+_WIDEN = {np.dtype("float16"): np.dtype("float32"), np.dtype("bool"): np.dtype("int32")}
+
+
+class MPIComm(Communicator):
+    """Collectives over an mpi4py communicator (MPI.COMM_WORLD by default).
+
+    On a GPU place, device arrays are copied to the host, reduced there and
+    copied back to the place (no CUDA-aware MPI needed).
+    """
+
+    backend = "mpi"
+
+    def __init__(self, place=None, check_order=False, mpi_comm=None):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.mpi_comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+        node = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = node.Get_rank()
+        node.Free()
+        super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), local_rank,
+                         place, check_order)
+
+    def _allreduce(self, x):
+        host = _to_host(x)
+        wide = _WIDEN.get(host.dtype, host.dtype)
+        send = np.ascontiguousarray(host, dtype=wide)
+        recv = np.empty_like(send)
+        self.mpi_comm.Allreduce(send, recv, op=self.MPI.SUM)
+        return self._like(x, recv.astype(host.dtype, copy=False))
+
+    def _allgather(self, x):
+        host = np.ascontiguousarray(_to_host(x))
+        recv = np.empty((self.size,) + host.shape, dtype=host.dtype)
+        self.mpi_comm.Allgather(_bytes_view(host), _bytes_view(recv))
+        return self._like(x, recv)
+
+    def _broadcast(self, x, root):
+        buf = np.array(_to_host(x), copy=True, order="C")
+        self.mpi_comm.Bcast(_bytes_view(buf), root=root)
+        return self._like(x, buf)
+
+    def _barrier(self):
+        self.mpi_comm.Barrier()
+
+    def _gather_ints(self, arr):
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        recv = np.empty((self.size,) + arr.shape, dtype=np.int64)
+        self.mpi_comm.Allgather(arr, recv)
+        return recv
+
+    def _gather_objects(self, obj):
+        return self.mpi_comm.allgather(obj)
+
+    def abort(self, code=1):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.mpi_comm.Abort(code)
+
+    def _like(self, x, host):
+        """`host` as an array of x's kind: itself for numpy input, else a device copy."""
+        if is_host_array(x):
+            return host
+        if self.place is not None and self.place.kind == "gpu":
+            return self.place.to_device(host)
+        import pycuda.gpuarray as gpuarray
+
+        return gpuarray.to_gpu(np.ascontiguousarray(host))
+
+
+def _to_host(x):
+    if is_host_array(x):
+        return x
+    if hasattr(x, "get"):                     # pycuda GPUArray
+        return x.get()
+    return np.asarray(x)
+
+
+def _bytes_view(a):
+    """The array's memory as bytes: gathers and broadcasts move bytes, so
+    every dtype (float16, bool, ...) travels unchanged."""
+    return a.reshape(-1).view(np.uint8)

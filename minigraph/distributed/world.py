@@ -1,0 +1,191 @@
+"""The process's communicator: one slot, set by `init`, read by `get_comm`.
+
+This module is the meeting point between ops and the distributed runtime.
+Collective op kernels (ops/sync_batch_norm.py, ops/collective.py) import
+`get_comm` from here lazily, inside the kernel, so the op modules keep
+importing nothing but `minigraph.schema` at import time, and this module
+imports no backend (mpi4py, pycuda, nccl4py) until a communicator is made.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import traceback
+
+CHECK_ORDER_ENV = "MINIGRAPH_CHECK_ORDER"
+BACKENDS = ("auto", "mpi", "nccl", "local")
+_LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+_comm = None
+_previous_excepthook = None
+
+
+def init(backend="auto", place=None, check_order=None):
+    """Start (once) and return the communicator of this process.
+
+    backend: "auto" picks NCCL on a GPU place when nccl4py is installed and
+      MPI otherwise (a world of one process when started without mpiexec);
+      "local" is a world of one process without MPI (also what "auto" falls
+      back to when mpi4py is missing and no launcher started the process).
+    place: None or "cpu" for CPUPlace(); "gpu" for GPUPlace(local_rank %
+      device_count); or a place object, used as given. The communicator's
+      `place` is the place to build the net on.
+    check_order: verify before every collective that all ranks make the same
+      call (defaults to the MINIGRAPH_CHECK_ORDER environment variable).
+
+    With more than one rank, an uncaught exception on any rank prints its
+    traceback and ends the whole job (MPI_Abort) with a non-zero status.
+    Calling init again returns the same communicator; asking for a different
+    backend or place then is an error.
+    """
+    global _comm
+    if backend not in BACKENDS:
+        raise ValueError(f"init: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if check_order is None:
+        check_order = os.environ.get(CHECK_ORDER_ENV, "0") not in ("", "0", "false", "no")
+    if _comm is not None:
+        _check_compatible(_comm, backend, place)
+        _comm.check_order = bool(check_order) or _comm.check_order
+        return _comm
+    _comm = _make(backend, place, bool(check_order))
+    if _comm.size > 1:
+        _install_excepthook()
+        if _comm.check_order:
+            atexit.register(_check_exit_order)
+    return _comm
+
+
+def get_comm():
+    """The communicator `init` made; calls `init()` (backend "auto", CPU) if none yet."""
+    return _comm if _comm is not None else init()
+
+
+def is_initialized():
+    """True once `init` has made the communicator."""
+    return _comm is not None
+
+
+def rank():
+    """This process's rank (0 in a world of one)."""
+    return get_comm().rank
+
+
+def world_size():
+    """The number of ranks."""
+    return get_comm().size
+
+
+# ---- making a communicator ---------------------------------------------------------
+
+def _make(backend, place, check_order):
+    want_gpu = _wants_gpu(place)
+    if backend == "local" or (backend == "auto" and not _has_mpi4py()):
+        launched = _launcher_size()
+        if launched > 1:
+            raise RuntimeError(f"minigraph.distributed.init: started as one of {launched} ranks "
+                               "but mpi4py is not installed (pip install mpi4py mpich)")
+        from minigraph.distributed.comm import LocalComm
+
+        return LocalComm(_resolve_place(place, 0), check_order)
+    from minigraph.distributed.mpi import MPIComm
+
+    host = MPIComm(None, check_order)
+    host.place = _resolve_place(place, host.local_rank)
+    if backend == "mpi" or (backend == "auto" and not want_gpu):
+        return host
+    from minigraph.distributed.nccl import NCCLComm, nccl_available
+
+    if backend == "auto" and not nccl_available():
+        return host                        # GPU place, no nccl4py: MPI staged through the host
+    if host.place.kind != "gpu":
+        raise ValueError("init: backend='nccl' needs a GPU place (place='gpu')")
+    return NCCLComm(host.place, host, check_order)
+
+
+def _wants_gpu(place):
+    if place is None or isinstance(place, str):
+        if place not in (None, "cpu", "gpu"):
+            raise ValueError(f"init: place must be 'cpu', 'gpu' or a place object, got {place!r}")
+        return place == "gpu"
+    return getattr(place, "kind", None) == "gpu"
+
+
+def _resolve_place(place, local_rank):
+    from minigraph.place import CPUPlace, GPUPlace
+
+    if place is None or place == "cpu":
+        return CPUPlace()
+    if place == "gpu":
+        return GPUPlace(local_rank % _gpu_count())
+    return place
+
+
+def _gpu_count():
+    from minigraph.place import GPUError
+
+    try:
+        import pycuda.driver as drv
+
+        drv.init()
+        count = drv.Device.count()
+    except Exception as e:
+        raise GPUError(f"init(place='gpu'): no usable GPU ({e})") from e
+    if count == 0:
+        raise GPUError("init(place='gpu'): the CUDA driver found no GPU")
+    return count
+
+
+def _has_mpi4py():
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def _launcher_size():
+    for name in _LAUNCHER_SIZE_ENV:
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return 1
+
+
+def _check_compatible(comm, backend, place):
+    if backend not in ("auto", comm.backend):
+        raise ValueError(f"init: already initialised with backend {comm.backend!r}, "
+                         f"asked for {backend!r}")
+    if place is not None and not isinstance(place, str) and place != comm.place:
+        raise ValueError(f"init: already initialised on {comm.place!r}, asked for {place!r}")
+    if isinstance(place, str) and place != comm.place.kind:
+        raise ValueError(f"init: already initialised on {comm.place!r}, asked for {place!r}")
+
+
+# ---- failing loudly instead of hanging ----------------------------------------------
+
+def _install_excepthook():
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        return
+    _previous_excepthook = sys.excepthook
+    sys.excepthook = _abort_on_exception
+
+
+def _abort_on_exception(kind, value, tb):
+    """Print the traceback, then end every rank: the others may be waiting in a
+    collective this rank will never reach."""
+    try:
+        sys.stderr.write(f"minigraph.distributed: rank {_comm.rank} of {_comm.size} raised an "
+                         "uncaught exception; aborting all ranks.\n")
+        (_previous_excepthook or sys.__excepthook__)(kind, value, tb)
+    finally:
+        _comm.abort(1)
+
+
+def _check_exit_order():
+    """At exit (with the order check on): make sure no rank still waits in a
+    collective this one skipped."""
+    try:
+        _comm.verify_same_call("exit (the script ended)")
+    except Exception:
+        traceback.print_exc()
+        _comm.abort(1)

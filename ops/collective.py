@@ -1,0 +1,155 @@
+"""Collective ops for data-parallel training (no gradients of their own).
+
+c_allreduce_avg(x=[...], out=[...]):  out_i = (Σ over ranks of x_i) / world size.
+    Every x_i is reduced in one allreduce per dtype (the arrays travel
+    packed). `out` may be the x Variables themselves (in place).
+c_avg_presummed(x=[...], out=[...]):  out_i = x_i / world size, no communication:
+    for values that are already the sum over ranks and identical on every
+    rank (sync_batch_norm's dscale and dbias).
+c_scale_by_batch_share(x, batch, out):  out = x * size * B_r / ΣB, B_r the
+    leading dimension of `batch` on this rank (one scalar allreduce): scales
+    the loss gradient so that averaging per-rank gradients weights each rank
+    by its share of the global batch (exactly 1 when all B_r are equal).
+
+The communicator comes from minigraph.distributed.world, imported inside the
+kernels, so this module imports only the schema at load time.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.schema import Meta, OpError, OpSchema, Slot, check_float, kernel, register
+
+
+def communicator():
+    """The process's communicator (made on first use when none was initialised)."""
+    from minigraph.distributed.world import get_comm
+
+    return get_comm()
+
+
+def _infer_pairs(op_type):
+    def infer(ins, attrs):
+        for i, m in enumerate(ins["x"]):
+            check_float(op_type, f"x[{i}]", m)
+        return {"out": [Meta(m.shape, m.dtype) for m in ins["x"]]}
+    return infer
+
+
+def _validate_pairs(op):
+    if len(op.inputs["x"]) != len(op.outputs["out"]):
+        raise OpError(f"{op.type}: 'x' has {len(op.inputs['x'])} Variables but 'out' has "
+                      f"{len(op.outputs['out'])}; they pair up one to one")
+
+
+def _label(op):
+    names = [v.name for v in op.inputs["x"]]
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    return f"{op.type} [{shown}]"
+
+
+register(OpSchema(
+    type="c_allreduce_avg",
+    inputs=(Slot("x", duplicable=True),),
+    outputs=(Slot("out", duplicable=True),),
+    infer=_infer_pairs("c_allreduce_avg"),
+    validate=_validate_pairs,
+    doc=__doc__,
+))
+
+register(OpSchema(
+    type="c_avg_presummed",
+    inputs=(Slot("x", duplicable=True),),
+    outputs=(Slot("out", duplicable=True),),
+    infer=_infer_pairs("c_avg_presummed"),
+    validate=_validate_pairs,
+    doc=__doc__,
+))
+
+
+def _infer_share(ins, attrs):
+    check_float("c_scale_by_batch_share", "x", ins["x"])
+    if len(ins["batch"].shape) == 0:
+        raise OpError("c_scale_by_batch_share: input 'batch' must have a leading batch "
+                      "dimension, got a scalar")
+    return {"out": Meta(ins["x"].shape, ins["x"].dtype)}
+
+
+register(OpSchema(
+    type="c_scale_by_batch_share",
+    inputs=(Slot("x"), Slot("batch")),
+    outputs=(Slot("out"),),
+    infer=_infer_share,
+    doc=__doc__,
+))
+
+
+def scaled(x, factor):
+    """x * factor as a new array of x's kind and dtype (0-d numpy arrays stay arrays)."""
+    if isinstance(x, np.ndarray):
+        out = np.empty_like(x)
+        np.multiply(x, factor, out=out, casting="same_kind")
+        return out
+    return x * factor
+
+
+@kernel("c_allreduce_avg", "cpu")
+def allreduce_avg_cpu(op, ins):
+    """Pack the arrays of each dtype into one buffer, allreduce it once, unpack."""
+    comm = communicator()
+    xs = ins["x"]
+    if comm.size == 1:
+        return {"out": [x.copy() for x in xs]}
+    outs = [None] * len(xs)
+    by_dtype = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    for dtype, idx in by_dtype.items():
+        packed = np.concatenate([xs[i].reshape(-1) for i in idx])
+        total = comm.allreduce(packed, what=_label(op))
+        total /= comm.size
+        start = 0
+        for i in idx:
+            size = xs[i].size
+            outs[i] = total[start:start + size].reshape(xs[i].shape).astype(dtype, copy=False)
+            start += size
+    return {"out": outs}
+
+
+@kernel("c_allreduce_avg", "gpu")
+def allreduce_avg_gpu(op, ins):
+    """One allreduce per array on the device (no packing), then / size."""
+    comm = communicator()
+    scale = 1.0 / comm.size
+    outs = []
+    for x in ins["x"]:
+        outs.append(scaled(comm.allreduce(x, what=_label(op)), scale) if comm.size > 1
+                    else x.copy())
+    return {"out": outs}
+
+
+def avg_presummed(op, ins):
+    """x / size on the place (numpy arrays and GPUArrays alike)."""
+    size = communicator().size
+    return {"out": [scaled(x, 1.0 / size) if size > 1 else x.copy() for x in ins["x"]]}
+
+
+kernel("c_avg_presummed", "cpu")(avg_presummed)
+kernel("c_avg_presummed", "gpu")(avg_presummed)
+
+
+def scale_by_batch_share(op, ins):
+    """x * size * B_r / ΣB; the counts are reduced on the host (one scalar)."""
+    comm = communicator()
+    mine = ins["batch"].shape[0]
+    if comm.size == 1:
+        return {"out": ins["x"].copy()}
+    what = f"{op.type} batch={op.inputs['batch'].name}"
+    total = comm.allreduce(np.array([float(mine)]), what=what)
+    if total[0] == 0:
+        raise OpError(f"{op.type}: every rank's batch is empty")
+    return {"out": scaled(ins["x"], comm.size * mine / total[0])}
+
+
+kernel("c_scale_by_batch_share", "cpu")(scale_by_batch_share)
+kernel("c_scale_by_batch_share", "gpu")(scale_by_batch_share)

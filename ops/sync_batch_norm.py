@@ -1,0 +1,85 @@
+"""sync_batch_norm: batch_norm over the union of every rank's batch.
+
+Same slots, attributes and semantics as batch_norm (ops/batch_norm.py); in
+training the statistics are those of the concatenation of all ranks'
+batches (uneven per-rank sizes and ranks with zero rows included), so y
+slices, gradients, running estimates and the counter equal a one-process
+batch_norm on the whole batch, and the estimates stay identical on every
+rank. "n == 1" is judged on the global count.
+
+Communication (float64, O(C) bytes whatever the number of ranks):
+  forward:  ONE allreduce of (n, n·mean, M2 + n·mean²) from each rank's
+            stable local (n, mean, M2); the global M2 = Σ(M2_r + n_r·mean_r²) − N·μ²
+            loses about 1e-16·(|μ|/σ)² relative to the variance, which is
+            1e-8 at |mean|/std = 1e4.
+  backward: ONE allreduce of (n, Σdy, Σdy·(x−μ)); dscale and dbias are then the
+            whole batch's gradients, identical on every rank.
+The infer copy and use_global_est make no collective. In a world of one
+rank nothing is communicated. There is no GPU kernel yet.
+
+The communicator comes from minigraph.distributed.world, imported inside
+the kernels: this module imports only the schema and batch_norm at load time.
+"""
+from __future__ import annotations
+
+import numpy as np
+from minigraph.ops.batch_norm import backward_cpu, bn_grad_schema, bn_schema, forward_cpu
+
+from minigraph.schema import kernel, register
+
+
+def communicator():
+    """The process's communicator (made on first use when none was initialised)."""
+    from minigraph.distributed.world import get_comm
+
+    return get_comm()
+
+
+def stats_combiner(op, comm):
+    """combine(n, mean, m2) -> global (n, mean, m2) with one allreduce."""
+    def combine(n, mean, m2):
+        c = mean.shape[0]
+        buf = np.empty(2 * c + 1)
+        buf[0] = n
+        buf[1:c + 1] = n * mean
+        buf[c + 1:] = m2 + n * mean * mean
+        total = comm.allreduce(buf, what=f"{op.type} forward x={op.inputs['x'].name}")
+        n_all = total[0]
+        if n_all == 0:
+            return 0, np.zeros(c), np.zeros(c)
+        s1 = total[1:c + 1]
+        mean_all = s1 / n_all
+        m2_all = np.maximum(total[c + 1:] - mean_all * s1, 0.0)
+        return int(round(n_all)), mean_all, m2_all
+    return combine
+
+
+def grad_combiner(op, comm):
+    """combine(n, s_dy, s_dyxmu) -> sums over every rank, with one allreduce."""
+    def combine(n, s_dy, s_dyxmu):
+        c = s_dy.shape[0]
+        buf = np.concatenate(([float(n)], s_dy, s_dyxmu))
+        total = comm.allreduce(buf, what=f"{op.type} x={op.inputs['x'].name}")
+        return int(round(total[0])), total[1:c + 1], total[c + 1:]
+    return combine
+
+
+def forward(op, ins):
+    """CPU forward: batch_norm's kernel with the statistics combined over ranks."""
+    comm = communicator()
+    training = not (op.attrs["is_infer"] or op.attrs["use_global_est"])
+    combine = stats_combiner(op, comm) if training and comm.size > 1 else None
+    return forward_cpu(op, ins, combine=combine)
+
+
+def backward(op, ins):
+    """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks."""
+    comm = communicator()
+    combine = grad_combiner(op, comm) if comm.size > 1 else None
+    return backward_cpu(op, ins, combine=combine)
+
+
+register(bn_schema("sync_batch_norm"))
+register(bn_grad_schema("sync_batch_norm"))
+kernel("sync_batch_norm", "cpu")(forward)
+kernel("sync_batch_norm_grad", "cpu")(backward)

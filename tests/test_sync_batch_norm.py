@@ -1,0 +1,115 @@
+"""sync_batch_norm: the op in a world of one (in process), and on K = 2, 3, 4 MPI ranks
+(tests/mpi_scripts/sync_bn_check.py, launched with mpiexec under a hard timeout)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_scripts.launch import RANKS, check_ok
+
+import minigraph as mg
+from minigraph import layers
+from minigraph.distributed import world
+from minigraph.distributed.comm import LocalComm
+from minigraph.schema import get_schema
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A world of one process without MPI, for the duration of a test."""
+    comm = LocalComm(mg.CPUPlace())
+    monkeypatch.setattr(world, "_comm", comm)
+    return comm
+
+
+def test_schema_matches_batch_norm():
+    bn, sync = get_schema("batch_norm"), get_schema("sync_batch_norm")
+    assert [s.name for s in sync.inputs] == [s.name for s in bn.inputs]
+    assert [s.name for s in sync.outputs] == [s.name for s in bn.outputs]
+    assert [(a.name, a.default) for a in sync.attrs] == [(a.name, a.default) for a in bn.attrs]
+    assert sync.inplace == bn.inplace
+    grad, sync_grad = get_schema("batch_norm_grad"), get_schema("sync_batch_norm_grad")
+    assert [s.name for s in sync_grad.inputs] == [s.name for s in grad.inputs]
+
+
+def test_no_gpu_kernel_yet():
+    assert "gpu" not in get_schema("sync_batch_norm").kernels
+    assert "gpu" not in get_schema("sync_batch_norm_grad").kernels
+    assert "cpu" in get_schema("sync_batch_norm").kernels
+
+
+def digits_like_net(sync, seed=0):
+    net = mg.Net(seed=seed)
+    img = layers.data(net, "image", shape=(-1, 2, 4, 4))
+    lbl = layers.data(net, "label", shape=(-1,), dtype="int64")
+    h = layers.conv2d(net, img, num_filters=3, filter_size=3, padding=1, name="c1")
+    h = layers.relu(net, layers.batch_norm(net, h, name="bn1", sync=sync))
+    logits = layers.fc(net, h, size=4, name="fc1")
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, lbl))
+    return net, loss, logits
+
+
+def test_layer_sync_flag_builds_sync_op_in_both_branches():
+    net, _, _ = digits_like_net(sync=True)
+    for branch in ("train", "infer"):
+        types = [op.type for op in net.branch[branch]]
+        assert "sync_batch_norm" in types and "batch_norm" not in types
+
+
+def test_one_rank_trains_exactly_like_batch_norm(one_rank):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 2, 4, 4)).astype(np.float32)
+    y = rng.integers(0, 4, 6)
+    runs = []
+    for sync in (False, True):
+        net, loss, logits = digits_like_net(sync)
+        mg.optimizer.SGD(0.1).minimize(net, loss)
+        losses = [float(net.train(feed={"image": x, "label": y}, fetch=[loss])[0])
+                  for _ in range(3)]
+        (out,) = net.infer(feed={"image": x}, fetch=[logits])
+        runs.append((losses, out, {v.name: v.get().copy() for v in net.persistables()}))
+    (l0, o0, p0), (l1, o1, p1) = runs
+    assert l0 == l1
+    np.testing.assert_array_equal(o0, o1)
+    for name in p0:
+        np.testing.assert_array_equal(p0[name], p1[name], err_msg=name)
+    assert one_rank.calls == 0                  # nothing to communicate in a world of one
+
+
+def test_convert_keeps_variables_and_attributes():
+    net, loss, _ = digits_like_net(sync=False)
+    before = {b: list(net.branch[b]) for b in ("train", "infer")}
+    assert mg.distributed.convert_sync_batchnorm(net) == 2
+    for b in ("train", "infer"):
+        for old, new in zip(before[b], net.branch[b]):
+            if old.type != "batch_norm":
+                assert new is old
+                continue
+            assert new.type == "sync_batch_norm"
+            assert new.inputs == old.inputs and new.outputs == old.outputs
+            assert dict(new.attrs) == dict(old.attrs)
+    assert mg.distributed.convert_sync_batchnorm(net) == 0
+
+
+def test_convert_after_minimize_rewrites_grad_ops(one_rank):
+    net, loss, _ = digits_like_net(sync=False)
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    assert mg.distributed.convert_sync_batchnorm(net) == 3        # train, infer, grad
+    types = [op.type for op in net.ops("train")]
+    assert "sync_batch_norm_grad" in types and "batch_norm_grad" not in types
+    x = np.random.default_rng(1).standard_normal((5, 2, 4, 4)).astype(np.float32)
+    (lo,) = net.train(feed={"image": x, "label": np.arange(5) % 4}, fetch=[loss])
+    assert np.isfinite(lo)
+
+
+def test_n_equal_one_is_an_error(one_rank):
+    net = mg.Net()
+    x = layers.data(net, "x", shape=(-1, 3))
+    y = layers.batch_norm(net, x, sync=True)
+    with pytest.raises(mg.OpError, match="n=1"):
+        net.train(feed={"x": np.ones((1, 3), np.float32)}, fetch=[y])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", RANKS)
+def test_matches_one_process_batch_norm_on_ranks(ranks):
+    check_ok("sync_bn_check.py", ranks, timeout=90)
