@@ -4,8 +4,8 @@ Scopes hold Variables; Operators bind an op's schema to Variables with
 frozen attributes; an Executor runs ops on a place; a Net built by `layers`
 forks into train and infer branches at its first batch norm.
 """
+from minigraph import distributed, initializer, io, layers, optimizer
 from minigraph import ops as _ops  # noqa: F401  (registers every op)
-from minigraph import distributed, initializer, layers, optimizer
 from minigraph.backward import append_backward
 from minigraph.executor import Executor
 from minigraph.net import Net
@@ -15,6 +15,6 @@ from minigraph.schema import OpError
 from minigraph.scope import Scope, Variable
 
 __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Operator",
-           "Scope", "Variable", "append_backward", "distributed", "initializer", "layers",
+           "Scope", "Variable", "append_backward", "distributed", "initializer", "io", "layers",
            "optimizer"]
 __version__ = "0.1.0"

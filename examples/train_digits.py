@@ -1,0 +1,203 @@
+"""Train a small conv net with batch norm on scikit-learn's 8x8 digits.
+
+conv(16, 3x3, pad 1) -> batch_norm -> relu -> max pool 2 -> fc(64) -> batch_norm
+-> relu -> fc(10), trained with momentum SGD (learning rate on a cosine decay)
+in a plain `net.train` loop; after every epoch `net.infer` measures the
+held-out accuracy. Writes a picture of the
+net (net.svg, or net.dot without Graphviz) and a loss/accuracy plot.
+
+Run it with `minigraph demo` or `python -m minigraph.examples.train_digits`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import minigraph as mg
+from minigraph import layers
+
+DEFAULT_EPOCHS = 6
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_OUT = "demo_out"
+LEARNING_RATE = 0.05
+HELD_OUT_FRACTION = 0.2
+SPLIT_SEED = 0
+
+
+def load_digits_split(held_out=HELD_OUT_FRACTION):
+    """(train_x, train_y, test_x, test_y): the 1797 digits bundled with
+    scikit-learn (no download), scaled to [0, 1] float32 of shape (-1, 1, 8, 8)
+    with int64 labels; a fixed split keeps `held_out` of each class apart."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = digits.target.astype(np.int64)
+    rng = np.random.default_rng(SPLIT_SEED)
+    test = np.zeros(len(y), dtype=bool)
+    for label in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == label))
+        test[idx[:round(len(idx) * held_out)]] = True
+    return x[~test], y[~test], x[test], y[test]
+
+
+def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9):
+    """(net, handles): the digits net on `place`, its parameters seeded by
+    `seed`, minimised with Momentum. handles: image, label, logits, loss."""
+    net = mg.Net(place=place, seed=seed)
+    image = layers.data(net, "image", shape=(-1, 1, 8, 8))
+    label = layers.data(net, "label", shape=(-1,), dtype="int64")
+    h = layers.conv2d(net, image, num_filters=16, filter_size=3, padding=1, name="conv1")
+    h = layers.relu(net, layers.batch_norm(net, h, name="bn1"))
+    h = layers.pool2d(net, h, pool_size=2, pool_type="max")
+    h = layers.fc(net, h, size=64, name="fc1")
+    h = layers.relu(net, layers.batch_norm(net, h, name="bn2"))
+    logits = layers.fc(net, h, size=10, name="fc2")
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Momentum(learning_rate=learning_rate, momentum=momentum).minimize(net, loss)
+    return net, {"image": image, "label": label, "logits": logits, "loss": loss}
+
+
+def accuracy(net, logits, x, y, batch_size=512):
+    """Fraction of `x` that the infer branch classifies as `y`."""
+    correct = 0
+    for start in range(0, len(x), batch_size):
+        (out,) = net.infer(feed={"image": x[start:start + batch_size]}, fetch=[logits])
+        correct += int((out.argmax(axis=1) == y[start:start + batch_size]).sum())
+    return correct / len(x)
+
+
+def train(epochs=DEFAULT_EPOCHS, device="cpu", out_dir=DEFAULT_OUT,
+          batch_size=DEFAULT_BATCH_SIZE, seed=0, progress=True, place=None):
+    """Train, evaluate after each epoch, write the picture and the plot.
+
+    device: "cpu" or "gpu" (mg.GPUPlace(0)); `place` overrides it. Returns a
+    history dict: loss (mean training loss per epoch), accuracy (held-out,
+    per epoch), seconds (training wall time) and files (what was written).
+    """
+    from tqdm import tqdm
+
+    if place is None:
+        place = mg.GPUPlace(0) if device == "gpu" else mg.CPUPlace()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_x, train_y, test_x, test_y = load_digits_split()
+    net, h = build_net(place, seed)
+    rng = np.random.default_rng(seed)
+    steps = math.ceil(len(train_x) / batch_size)
+    history = {"loss": [], "accuracy": [], "seconds": 0.0, "files": []}
+    start = time.perf_counter()
+    bar = tqdm(total=epochs * steps, disable=not progress, unit="batch", leave=False,
+               file=sys.stderr)
+    for epoch in range(1, epochs + 1):
+        # cosine decay over the run, one step per epoch
+        net.optimizer.set_learning_rate(
+            LEARNING_RATE * 0.5 * (1 + math.cos(math.pi * (epoch - 1) / epochs)))
+        order = rng.permutation(len(train_x))
+        losses = []
+        for k in range(steps):
+            idx = order[k * batch_size:(k + 1) * batch_size]
+            if len(idx) < 2:                      # batch norm needs two rows to train
+                continue
+            (loss,) = net.train(feed={"image": train_x[idx], "label": train_y[idx]},
+                                fetch=[h["loss"]])
+            losses.append(float(loss))
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
+        acc = accuracy(net, h["logits"], test_x, test_y)
+        history["loss"].append(float(np.mean(losses)))
+        history["accuracy"].append(acc)
+        bar.write(f"epoch {epoch}/{epochs}  loss {history['loss'][-1]:.4f}  "
+                  f"held-out accuracy {100 * acc:.1f}% ({len(test_y)} digits)")
+    bar.close()
+    history["seconds"] = time.perf_counter() - start
+    history["files"] = [write_picture(net, out), write_plot(history, out / "training.png")]
+    return history
+
+
+def write_picture(net, out):
+    """net.svg in `out`; net.dot (and a note) when Graphviz's `dot` is missing."""
+    if shutil.which("dot") is not None:
+        return net.render(out / "net.svg")
+    path = out / "net.dot"
+    path.write_text(net.to_dot())
+    print(f"note: Graphviz's 'dot' program is not installed, so wrote {path} instead of an "
+          "SVG (install the system package `graphviz`, or render it with `dot -Tsvg`)")
+    return path
+
+
+def write_plot(history, path):
+    """A two-panel plot of the training loss and held-out accuracy per epoch."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    epochs = range(1, len(history["loss"]) + 1)
+    fig = Figure(figsize=(8, 3.2))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc = fig.subplots(1, 2)
+    ax_loss.plot(epochs, history["loss"], marker="o")
+    ax_loss.set(xlabel="epoch", ylabel="mean training loss", title="loss")
+    ax_acc.plot(epochs, [100 * a for a in history["accuracy"]], marker="o", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="held-out accuracy (%)", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return Path(path)
+
+
+def add_arguments(parser):
+    """The demo's options (shared with `minigraph demo`)."""
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+                        help=f"training epochs (default {DEFAULT_EPOCHS})")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="where to run: cpu (default) or gpu (GPU 0)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for net.svg and training.png (default {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the parameters and "
+                        "the batch order (default 0)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def run(args):
+    """Run the demo for parsed `args`; prints the result; returns an exit code."""
+    if args.epochs < 1 or args.batch_size < 2:
+        print("error: --epochs must be >= 1 and --batch-size >= 2", file=sys.stderr)
+        return 2
+    missing = [m for m in ("sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: the demo needs {' and '.join(missing)}: pip install 'minigraph[demo]'",
+              file=sys.stderr)
+        return 1
+    try:
+        place = mg.GPUPlace(0) if args.device == "gpu" else mg.CPUPlace()
+    except mg.GPUError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    history = train(epochs=args.epochs, out_dir=args.out, batch_size=args.batch_size,
+                    seed=args.seed, progress=not args.no_progress, place=place)
+    print(f"held-out accuracy {100 * history['accuracy'][-1]:.1f}% after {args.epochs} "
+          f"epochs ({history['seconds']:.1f} s on {place!r})")
+    print("wrote " + ", ".join(str(p) for p in history["files"]))
+    return 0
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit code."""
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="python -m minigraph.examples.train_digits", description=__doc__.split("\n")[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Saving and loading persistables: round trips, mismatches, atomic writes, formats."""
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+
+import numpy as np
+import pytest
+from minigraph.examples.train_digits import build_net
+
+import minigraph as mg
+from minigraph import io
+
+
+def trained_net(seed, steps=3):
+    """The digits net after a few Momentum steps on random data (every kind of
+    persistable has a non-initial value: weights, estimates, counters, velocities)."""
+    net, h = build_net(mg.CPUPlace(), seed=seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        net.train(feed={"image": rng.random((16, 1, 8, 8), dtype=np.float32),
+                        "label": rng.integers(0, 10, 16)}, fetch=[h["loss"]])
+    return net, h
+
+
+def snapshot(net):
+    return {v.name: v.get().copy() for v in net.persistables()}
+
+
+def test_round_trip_restores_every_persistable_bitwise(tmp_path):
+    a, h = trained_net(seed=0)
+    path = io.save(a, tmp_path / "ck.npz")
+    kinds = {v.name for v in a.persistables()}
+    assert {"conv1.w", "bn1.estimated_var", "bn1.num_batches", "fc1.w.velocity",
+            "learning_rate_0"} <= kinds
+    for seed in (0, 1):
+        b, hb = build_net(mg.CPUPlace(), seed=seed)     # never run: nothing initialised yet
+        assert sorted(io.load(b, path)) == sorted(kinds)
+        for var in a.persistables():
+            got = b.var(var.name)
+            assert got.get().dtype == var.get().dtype and got.get().shape == var.get().shape
+            assert got.get().tobytes() == var.get().tobytes(), var.name
+        x = np.random.default_rng(5).random((7, 1, 8, 8), dtype=np.float32)
+        (pa,) = a.infer(feed={"image": x}, fetch=[h["logits"]])
+        (pb,) = b.infer(feed={"image": x}, fetch=[hb["logits"]])
+        assert pa.tobytes() == pb.tobytes()         # the first run kept the loaded values
+
+
+def test_save_initialises_a_fresh_net_and_uses_ordinary_permissions(tmp_path):
+    net, _ = build_net(mg.CPUPlace(), seed=3)
+    path = io.save(net, tmp_path / "fresh.npz")
+    with np.load(path) as npz:
+        assert str(npz["__format__"]) == "minigraph-persistables/1"
+        assert int(npz["bn1.num_batches"]) == 0
+        assert npz["bn1.num_batches"].shape == () and npz["bn1.num_batches"].dtype == np.int64
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["fresh.npz"]
+
+
+def rewrite(src, dst, change):
+    with np.load(src) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    change(arrays)
+    with open(dst, "wb") as f:
+        io.write_npz(f, arrays)
+    return dst
+
+
+def test_mismatches_are_reported_together_and_nothing_is_assigned(tmp_path):
+    a, _ = trained_net(seed=0)
+    good = io.save(a, tmp_path / "good.npz")
+
+    def damage(arrays):
+        del arrays["fc2.b"]
+        arrays["ghost.w"] = np.zeros(3, np.float32)
+        arrays["fc1.w"] = arrays["fc1.w"][:10]
+        arrays["bn1.scale"] = arrays["bn1.scale"].astype(np.float64)
+
+    bad = rewrite(good, tmp_path / "bad.npz", damage)
+    b, _ = trained_net(seed=1, steps=1)
+    before = snapshot(b)
+    with pytest.raises(io.CheckpointError) as err:
+        io.load(b, bad)
+    msg = str(err.value)
+    assert "4 problem(s)" in msg and "nothing was loaded" in msg
+    assert "missing 'fc2.b'" in msg
+    assert "unexpected 'ghost.w'" in msg
+    assert "wrong shape for 'fc1.w'" in msg and "(256, 64)" in msg and "(10, 64)" in msg
+    assert "wrong dtype for 'bn1.scale'" in msg and "float64" in msg
+    after = snapshot(b)
+    assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    a, _ = trained_net(seed=0, steps=1)
+    path = io.save(a, tmp_path / "ck.npz")
+    old = path.read_bytes()
+    trained_net_b, _ = trained_net(seed=1, steps=1)
+
+    def half_then_fail(f, arrays):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(io, "write_npz", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        io.save(trained_net_b, path)
+    assert path.read_bytes() == old
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.npz"]
+    monkeypatch.undo()
+
+    def no_rename(src, dst):
+        raise PermissionError("rename refused")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(PermissionError):
+        io.save(trained_net_b, path)
+    assert path.read_bytes() == old
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.npz"]
+
+
+def test_a_missing_counter_means_already_trained_with_a_warning(tmp_path):
+    a, _ = trained_net(seed=0)
+    old = rewrite(io.save(a, tmp_path / "ck.npz"), tmp_path / "old.npz",
+                  lambda arrays: [arrays.pop(k) for k in ("bn1.num_batches",
+                                                           "bn2.num_batches")])
+    b, h = build_net(mg.CPUPlace(), seed=1)
+    with pytest.warns(UserWarning, match="bn1.num_batches, bn2.num_batches"):
+        io.load(b, old)
+    counter = b.var("bn1.num_batches").get()
+    assert counter.shape == () and counter.dtype == np.int64 and int(counter) == 1
+    # the next batch blends into the loaded estimate instead of replacing it
+    loaded = b.var("bn1.estimated_mean").get().copy()
+    rng = np.random.default_rng(9)
+    _, batch_mean = b.train(feed={"image": rng.random((16, 1, 8, 8), dtype=np.float32),
+                                  "label": rng.integers(0, 10, 16)},
+                            fetch=[h["loss"], "bn1.batch_mean"])
+    np.testing.assert_allclose(b.var("bn1.estimated_mean").get(),
+                               0.9 * loaded + 0.1 * batch_mean, rtol=1e-5, atol=1e-6)
+    assert int(b.var("bn1.num_batches").get()) == 2
+
+
+def test_a_complete_checkpoint_loads_without_warnings(tmp_path):
+    a, _ = trained_net(seed=0, steps=1)
+    path = io.save(a, tmp_path / "ck.npz")
+    b, _ = build_net(mg.CPUPlace(), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        io.load(b, path)
+    assert int(b.var("bn2.num_batches").get()) == 1
+
+
+def test_loading_sets_the_optimizer_learning_rate(tmp_path):
+    a, _ = trained_net(seed=0, steps=1)
+    a.optimizer.set_learning_rate(0.0125)
+    path = io.save(a, tmp_path / "ck.npz")
+    b, _ = build_net(mg.CPUPlace(), seed=0)
+    io.load(b, path)
+    assert b.optimizer.learning_rate == pytest.approx(0.0125, rel=1e-7)
+    assert b.var("learning_rate_0").get() == np.float32(0.0125)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.pop("__format__"), "no '__format__' entry"),
+    (lambda a: a.update(__format__=np.array("minigraph-persistables/2")), "version '2'"),
+    (lambda a: a.update(__format__=np.array("something-else/1")), "unknown format"),
+])
+def test_bad_formats_are_clear_errors(tmp_path, change, message):
+    a, _ = trained_net(seed=0, steps=1)
+    path = rewrite(io.save(a, tmp_path / "ck.npz"), tmp_path / "bad.npz", change)
+    b, _ = build_net(mg.CPUPlace(), seed=0)
+    with pytest.raises(io.CheckpointError, match=message):
+        io.load(b, path)
+
+
+def test_files_that_are_not_checkpoints(tmp_path):
+    net, _ = build_net(mg.CPUPlace(), seed=0)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
+    with pytest.raises(io.CheckpointError, match="not a minigraph checkpoint"):
+        io.load(net, tmp_path / "junk.npz")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    with pytest.raises(io.CheckpointError, match="single array"):
+        io.load(net, tmp_path / "one.npy")
+    with pytest.raises(FileNotFoundError):
+        io.load(net, tmp_path / "absent.npz")
