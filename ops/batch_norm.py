@@ -115,12 +115,22 @@ def as_3d(x, layout):
 # dtype) inside one block, float64 across blocks. Blocks are split into one
 # contiguous run per thread; numpy and BLAS release the GIL while they work.
 
-_threads = os.cpu_count() or 1
+_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _pool = None
 _pool_lock = threading.Lock()
 _local = threading.local()
 _ones_cache = {}
 _plans = {}
+
+
+def _forget_pool():
+    """After a fork the pool's threads are gone: start a fresh pool when needed."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def set_num_threads(n):
@@ -163,6 +173,8 @@ def run_parts(fn, parts):
 def _ones(n, dtype):
     v = _ones_cache.get((n, dtype))
     if v is None:
+        if len(_ones_cache) >= 256:
+            _ones_cache.clear()
         v = _ones_cache[(n, dtype)] = np.ones(n, dtype)
     return v
 
