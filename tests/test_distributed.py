@@ -50,14 +50,16 @@ def digits_file(tmp_path_factory):
 
 def test_init_without_mpiexec_is_a_world_of_one():
     require_mpi()
-    code = ("import minigraph as mg; c = mg.distributed.init(); "
+    code = ("import sys; import minigraph as mg; c = mg.distributed.init(); "
             "import numpy as np; s = c.allreduce(np.arange(3.0)); "
-            "print(c.backend, c.rank, c.size, c.local_rank, s.tolist(), c.place)")
+            "gpu = sorted(m for m in sys.modules if m.split('.')[0] in ('pycuda', 'nccl')); "
+            "print(c.backend, c.rank, c.size, c.local_rank, s.tolist(), c.place, gpu)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_"))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={**env, "MINIGRAPH_CHECK_ORDER": "1"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["mpi", "0", "1", "0", "[0.0,", "1.0,", "2.0]", "CPUPlace()"]
+    assert out.stdout.split() == ["mpi", "0", "1", "0", "[0.0,", "1.0,", "2.0]", "CPUPlace()",
+                                  "[]"]                # nothing GPU-related was imported
 
 
 def test_local_backend_and_init_rules(no_comm):
@@ -69,6 +71,15 @@ def test_local_backend_and_init_rules(no_comm):
         mg.distributed.init(backend="mpi")
     with pytest.raises(ValueError, match="already initialised"):
         mg.distributed.init(place="gpu")
+
+
+def test_launched_ranks_without_mpi4py_is_an_error(no_comm, monkeypatch):
+    monkeypatch.setattr(world, "_has_mpi4py", lambda: False)
+    monkeypatch.setenv("PMI_SIZE", "3")
+    with pytest.raises(RuntimeError, match="one of 3 ranks but mpi4py is not installed"):
+        mg.distributed.init()
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert mg.distributed.init().backend == "local"
 
 
 def test_bad_backend(no_comm):

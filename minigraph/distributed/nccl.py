@@ -117,7 +117,7 @@ class NCCLComm(Communicator):
             if time.monotonic() > deadline:
                 sys.stderr.write(
                     f"minigraph.distributed: rank {self.rank}: NCCL {kind} did not finish within "
-                    f"{self.timeout_s:.0f} s (MINIGRAPH_NCCL_TIMEOUT); another rank probably "
+                    f"{self.timeout_s:g} s (MINIGRAPH_NCCL_TIMEOUT); another rank probably "
                     "failed or runs different ops. Aborting the job.\n")
                 self.abort(1)
             time.sleep(pause)

@@ -82,12 +82,14 @@ def _make(backend, place, check_order):
     want_gpu = _wants_gpu(place)
     if backend == "local" or (backend == "auto" and not _has_mpi4py()):
         launched = _launcher_size()
-        if launched > 1:
+        if backend == "auto" and launched > 1:
             raise RuntimeError(f"minigraph.distributed.init: started as one of {launched} ranks "
                                "but mpi4py is not installed (pip install mpi4py mpich)")
         from minigraph.distributed.comm import LocalComm
 
         return LocalComm(_resolve_place(place, 0), check_order)
+    if not _has_mpi4py():
+        raise RuntimeError(f"init: backend={backend!r} needs mpi4py (pip install mpi4py mpich)")
     from minigraph.distributed.mpi import MPIComm
 
     host = MPIComm(None, check_order)
@@ -96,10 +98,12 @@ def _make(backend, place, check_order):
         return host
     from minigraph.distributed.nccl import NCCLComm, nccl_available
 
-    if backend == "auto" and not nccl_available():
-        return host                        # GPU place, no nccl4py: MPI staged through the host
     if host.place.kind != "gpu":
         raise ValueError("init: backend='nccl' needs a GPU place (place='gpu')")
+    if not nccl_available():
+        if backend == "auto":
+            return host                    # GPU place, no nccl4py: MPI staged through the host
+        raise RuntimeError("init: backend='nccl' needs nccl4py (pip install 'minigraph[gpu]')")
     return NCCLComm(host.place, host, check_order)
 
 
