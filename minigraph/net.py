@@ -62,7 +62,7 @@ class Net:
         var.declare(shape, dtype)
         var.is_data = True
         self.data_vars[name] = var
-        self._changed()
+        self.ops_changed()
         return var
 
     def create_parameter(self, name, shape, dtype, init, trainable=True, fan_in=None,
@@ -91,7 +91,7 @@ class Net:
         if not self.forked:
             op = self._build(op_type, inputs, outputs, attrs, self.scope)
             self.trunk.append(op)
-            self._changed()
+            self.ops_changed()
             return op.outputs
         result = None
         for b in BRANCHES:
@@ -102,7 +102,7 @@ class Net:
             op = self._build(op_type, ins, outputs, attrs, scope)
             self.branch[b].append(op)
             result = result or op.outputs
-        self._changed()
+        self.ops_changed()
         return result
 
     def append_op(self, op, branch=None):
@@ -127,14 +127,14 @@ class Net:
         else:
             raise ValueError(f"append_op: branch must be 'trunk', 'train' or 'infer', "
                              f"got {branch!r}")
-        self._changed()
+        self.ops_changed()
         return op
 
     def append_desc(self, desc, section):
         """Build an OpDesc and append it to `section` (a list of this net's)."""
         op = Operator(desc.type, **desc.kwargs)
         section.append(op)
-        self._changed()
+        self.ops_changed()
         return op
 
     def _build(self, op_type, inputs, outputs, attrs, scope):
@@ -148,7 +148,8 @@ class Net:
                 outs[slot] = scope.new_var(target)
         return Operator(op_type, **inputs, **outs, **attrs)
 
-    def _changed(self):
+    def ops_changed(self):
+        """Forget cached run plans; call after rewriting ops in place (graph passes)."""
         self._plans.clear()
 
     # ---- looking things up -------------------------------------------------
@@ -246,15 +247,16 @@ class Net:
 
     # ---- pictures ----------------------------------------------------------
 
-    def to_dot(self):
-        """DOT source of this net (needs no Graphviz binary)."""
+    def to_dot(self, backward=False):
+        """DOT source of this net (needs no Graphviz binary); backward=True
+        also draws the grad and update ops."""
         from minigraph.render import to_dot
-        return to_dot(self)
+        return to_dot(self, backward=backward)
 
-    def render(self, path):
+    def render(self, path, backward=False):
         """Write the net's picture; .svg, .png or .pdf by suffix (needs `dot`)."""
         from minigraph.render import render
-        return render(self, path)
+        return render(self, path, backward=backward)
 
 
 def prune(ops, targets):

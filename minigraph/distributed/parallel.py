@@ -62,7 +62,7 @@ def data_parallel(net, comm=None, batch_size_from=None):
         partial.setdefault(grad.dtype, []).append(grad)
     for grads in partial.values():
         net.backward_ops.append(Operator("c_allreduce_avg", x=grads, out=grads))
-    net._changed()
+    net.ops_changed()
     return net
 
 

@@ -27,7 +27,7 @@ def convert_sync_batchnorm(net):
             section[i] = Operator(new_type, **kwargs)
             count += 1
     if count:
-        net._changed()                      # cached run plans hold the old ops
+        net.ops_changed()
     return count
 
 
