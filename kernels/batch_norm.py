@@ -1,0 +1,263 @@
+"""Launchers for kernels/batch_norm.cu: batch norm on device arrays (no graph).
+
+Layouts: "NCHW" (channel axis 1; rank 2 to 5) or "NHWC" (channel axis last).
+Every launch is asynchronous and nothing is copied to the host:
+
+  forward_train  2 kernels: statistics (Welford per thread, Chan merges across
+                 the warp, the block and, when one channel is split over
+                 several blocks, the last block of the channel) and
+                 normalisation, which also commits the running estimates and
+                 the counter - on the device, unless the batch was flagged.
+  forward_infer  1 elementwise kernel.
+  backward       2 kernels: sums of dy and dy (x - mean) per channel (giving
+                 dscale and dbias), then the elementwise dx.
+
+Non-finite statistics. The statistics kernel flags a batch whose mean or
+variance is NaN or Inf in any channel by writing its epoch into the Guard's
+status word; the normalisation kernel then writes neither estimate nor the
+counter (for any channel) and counts the batch as rejected. The host learns of
+it only when it asks: `Guard.check()` reads the status (a synchronising copy of
+8 bytes) and raises; call it where the host synchronises anyway (when results
+are fetched), or after every step in a debug mode. y and the batch statistics
+of a flagged batch are written (they hold the NaNs); only the estimates and the
+counter are protected.
+"""
+from __future__ import annotations
+
+import numpy as np
+from minigraph.kernels import launch, loader
+
+MODULE = "batch_norm"
+_STATS_TAIL = "PPPPPddiIPPPPP"
+SIGNATURES = {}
+for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
+    for _w in _ws:
+        SIGNATURES.update({
+            f"bn_stats_planar_{_t}_w{_w}": "PqqqqiPP" + _STATS_TAIL,
+            f"bn_stats_rows_{_t}_w{_w}": "PqqqiPP" + _STATS_TAIL,
+            f"bn_normalize_{_t}_w{_w}": "PPqqqPiPPPPPI",
+            f"bn_infer_{_t}_w{_w}": "PPqqqPPPPd",
+            f"bn_grad_planar_{_t}_w{_w}": "PPqqqqiPPPPPddiPPP",
+            f"bn_grad_rows_{_t}_w{_w}": "PPqqqiPPPPPddiPPP",
+            f"bn_grad_dx_{_t}_w{_w}": "PPPqqqP",
+            f"bn_grad_dx_global_{_t}_w{_w}": "PPqqqP",
+        })
+
+
+def _kernel(name):
+    return loader.kernel(MODULE, name, SIGNATURES[name])
+
+
+class Guard:
+    """Device-side record of training batches whose statistics were not finite.
+
+    status[0] = the epoch of the last flagged launch, status[1] = batches
+    rejected so far. Each forward_train launch takes a fresh epoch.
+    """
+
+    def __init__(self):
+        from minigraph.kernels import fill
+
+        self.status = fill.full((2,), 0, np.uint32)
+        self.epoch = 0
+        self._reported = 0
+
+    def next_epoch(self):
+        """A new nonzero epoch for the next launch."""
+        self.epoch = self.epoch % 0xFFFFFFFF + 1
+        return self.epoch
+
+    def rejected(self):
+        """Batches rejected since the last call (reads the device: synchronises)."""
+        total = int(self.status.get()[1])
+        new, self._reported = total - self._reported, total
+        return new
+
+    def check(self, what="batch_norm"):
+        """Raise FloatingPointError if a batch was rejected since the last check."""
+        n = self.rejected()
+        if n:
+            raise FloatingPointError(
+                f"{what}: {n} training batch(es) had NaN or Inf batch statistics (input 'x' "
+                "has non-finite values); the running estimates and the counter were left "
+                "unchanged for them")
+
+
+_default_guards = {}
+
+
+def default_guard():
+    """The Guard used by forward_train calls that are not given one (per backend)."""
+    key = id(loader.backend())
+    if key not in _default_guards:
+        _default_guards[key] = Guard()
+    return _default_guards[key]
+
+
+def _check(x, layout, params):
+    if layout not in ("NCHW", "NHWC"):
+        raise ValueError(f"batch_norm: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+    if not 2 <= len(x.shape) <= 5:
+        raise ValueError(f"batch_norm: x must have rank 2 to 5, got shape {tuple(x.shape)}")
+    pre, channels, post = launch.channel_view(x.shape, layout)
+    for name, a in params:
+        if a is None:
+            continue
+        if tuple(a.shape) != (channels,) or a.dtype != x.dtype:
+            raise ValueError(f"batch_norm: '{name}' must be {np.dtype(x.dtype)} of shape "
+                             f"({channels},) for x {tuple(x.shape)} ({layout}), got "
+                             f"{a.dtype}{tuple(a.shape)}")
+    return pre, channels, post
+
+
+def _flat_launch(name, total, width, at_least, *args):
+    k = _kernel(name)
+    dev = loader.device()
+    threads = launch.block_threads(dev)
+    grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
+    k.launch((grid, 1, 1), (threads, 1, 1), *args)
+
+
+def _flat_width(x, *others):
+    width = launch.vector_width(np.dtype(x.dtype).itemsize)
+    return width if launch.is_aligned(loader.ptr(x), *(loader.ptr(a) for a in others)) else 1
+
+
+def _reduce_plan(name_stem, x, others, pre, channels, post):
+    dev = loader.device()
+    aligned = launch.is_aligned(loader.ptr(x), *(loader.ptr(a) for a in others))
+    sfx = loader.suffix(x.dtype)
+    plan = launch.reduce_plan(pre, channels, post, np.dtype(x.dtype).itemsize, aligned, dev)
+    # size the grid with the resources of the kernel the plan picked
+    k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+    plan = launch.reduce_plan(pre, channels, post, np.dtype(x.dtype).itemsize, aligned, dev,
+                              k.resources)
+    return plan, _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+
+
+def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, layout="NCHW",
+                  out=None, guard=None):
+    """Training forward: normalise x with its own batch statistics and update
+    the running estimates in place.
+
+    x: (N, C, ...) for "NCHW" or (..., C) for "NHWC", float32/float64;
+    scale, bias, est_mean, est_var: (C,) of x's dtype; counter: int64 device
+    scalar of batches seen, or None (then the first-batch rule is skipped);
+    momentum: weight of the OLD estimate in [0, 1], or None for the cumulative
+    average est += (batch - est) / k of the k-th batch (needs the counter).
+    Estimates take the unbiased variance var * n / (n - 1); on the first batch
+    (counter == 0) they are set to the batch statistics; the counter goes up
+    by one. All of that happens on the device, skipped for a batch with
+    non-finite statistics (see the module doc and Guard).
+
+    Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
+    when given. Raises ValueError when a channel has fewer than 2 values.
+    """
+    pre, channels, post = _check(x, layout, [("scale", scale), ("bias", bias),
+                                             ("estimated_mean", est_mean),
+                                             ("estimated_var", est_var)])
+    n = pre * post
+    if n <= 1:
+        raise ValueError(f"batch_norm: training needs more than one value per channel, got "
+                         f"n={n} for x of shape {tuple(x.shape)} ({layout})")
+    if momentum is None and counter is None:
+        raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
+    if counter is not None and (np.dtype(counter.dtype) != np.int64 or counter.size != 1):
+        raise ValueError(f"batch_norm: counter must be an int64 scalar, got "
+                         f"{counter.dtype}{tuple(counter.shape)}")
+    guard = default_guard() if guard is None else guard
+    epoch = guard.next_epoch()
+    dtype = np.dtype(x.dtype)
+    y = loader.empty(x.shape, dtype) if out is None else out
+    batch_mean = loader.empty((channels,), dtype)
+    batch_var = loader.empty((channels,), dtype)
+    coef = loader.empty((3 * channels,), dtype)
+    newest = loader.empty((2 * channels,), dtype)
+
+    plan, stats = _reduce_plan("bn_stats", x, (), pre, channels, post)
+    partial = loader.empty((max(1, 3 * channels * plan.splits),), dtype)
+    tail = (loader.ptr(partial), loader.ptr(loader.tickets(plan.tickets)), loader.ptr(scale),
+            loader.ptr(bias), loader.ptr(est_mean), loader.ptr(est_var), loader.ptr(counter),
+            float(eps), 0.0 if momentum is None else float(momentum), int(momentum is None),
+            epoch, loader.ptr(batch_mean), loader.ptr(batch_var), loader.ptr(coef),
+            loader.ptr(newest), loader.ptr(guard.status))
+    if plan.kind == "planar":
+        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
+                     plan.chunk, plan.splits, *tail)
+    else:
+        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
+                     plan.splits, *tail)
+
+    width = _flat_width(x, y)
+    _flat_launch(f"bn_normalize_{loader.suffix(dtype)}_w{width}", x.size, width, channels,
+                 loader.ptr(x), loader.ptr(y), x.size, channels, post, loader.ptr(coef), 1,
+                 loader.ptr(est_mean), loader.ptr(est_var), loader.ptr(newest),
+                 loader.ptr(counter), loader.ptr(guard.status), epoch)
+    return y, batch_mean, batch_var
+
+
+def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=None):
+    """Inference (and use_global_est) forward, one elementwise kernel:
+    y = (x - est_mean) / sqrt(est_var + eps) * scale + bias per channel.
+    Nothing else is written. Returns y (in `out` when given)."""
+    pre, channels, post = _check(x, layout, [("scale", scale), ("bias", bias),
+                                             ("estimated_mean", est_mean),
+                                             ("estimated_var", est_var)])
+    y = loader.empty(x.shape, x.dtype) if out is None else out
+    if x.size:
+        width = _flat_width(x, y)
+        _flat_launch(f"bn_infer_{loader.suffix(x.dtype)}_w{width}", x.size, width, 1,
+                     loader.ptr(x), loader.ptr(y), x.size, channels, post, loader.ptr(est_mean),
+                     loader.ptr(est_var), loader.ptr(scale), loader.ptr(bias), float(eps))
+    return y
+
+
+def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, need_dx=True,
+             need_dscale=True, need_dbias=True):
+    """Gradients of batch norm given dy (x's shape and dtype).
+
+    mean, var: the statistics the forward normalised with - the batch mean and
+    (biased) batch variance, or the estimates with use_global_est=True (then
+    they are constants: dx = dy * scale / sqrt(var + eps)). With
+    xhat = (x - mean) * invstd: dbias = sum(dy), dscale = sum(dy * xhat),
+    dx = scale * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
+    Returns (dx, dscale, dbias), None for those not needed.
+    """
+    pre, channels, post = _check(x, layout, [("scale", scale), ("mean", mean), ("var", var)])
+    if tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
+        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
+                         f"{dy.dtype}{tuple(dy.shape)}")
+    dtype = np.dtype(x.dtype)
+    dscale = loader.empty((channels,), dtype) if need_dscale else None
+    dbias = loader.empty((channels,), dtype) if need_dbias else None
+    dx = loader.empty(x.shape, dtype) if need_dx else None
+    n = pre * post
+    if n == 0:
+        from minigraph.kernels import fill
+
+        for a in (dscale, dbias):
+            if a is not None:
+                fill.fill_constant(a, 0)
+        return dx, dscale, dbias
+    coef = loader.empty((4 * channels,), dtype)
+    plan, reduce = _reduce_plan("bn_grad", x, (dy,), pre, channels, post)
+    partial = loader.empty((max(1, 2 * channels * plan.splits),), dtype)
+    head = (loader.ptr(x), loader.ptr(dy), pre, channels)
+    head += (plan.post_v, plan.chunk, plan.splits) if plan.kind == "planar" else \
+        (plan.chunk, plan.splits)
+    reduce.launch(plan.grid, plan.block, *head, loader.ptr(partial),
+                  loader.ptr(loader.tickets(plan.tickets)), loader.ptr(scale), loader.ptr(mean),
+                  loader.ptr(var), float(eps), float(n), int(bool(use_global_est)),
+                  loader.ptr(dscale), loader.ptr(dbias), loader.ptr(coef))
+    if dx is not None:
+        sfx = loader.suffix(dtype)
+        if use_global_est:
+            width = _flat_width(dy, dx)
+            _flat_launch(f"bn_grad_dx_global_{sfx}_w{width}", x.size, width, 1, loader.ptr(dy),
+                         loader.ptr(dx), x.size, channels, post, loader.ptr(coef))
+        else:
+            width = _flat_width(x, dy, dx)
+            _flat_launch(f"bn_grad_dx_{sfx}_w{width}", x.size, width, 1, loader.ptr(x),
+                         loader.ptr(dy), loader.ptr(dx), x.size, channels, post,
+                         loader.ptr(coef))
+    return dx, dscale, dbias

@@ -1,0 +1,130 @@
+"""Launchers for kernels/elementwise.cu: elementwise_add with Paddle
+broadcasting and its gradient, sum of n tensors, copy, per-channel sums."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from minigraph.kernels import launch, loader
+
+MODULE = "elementwise"
+_WIDTHS = (("f32", (1, 4)), ("f64", (1, 2)))
+SIGNATURES = {}
+for _t, _ws in _WIDTHS:
+    for _w in _ws:
+        SIGNATURES.update({
+            f"add_{_t}_w{_w}": "PPPqqq",
+            f"copy_{_t}_w{_w}": "PPq",
+            f"sum_{_t}_w{_w}": "Pqii" + "P" * 8,
+            f"channel_sum_planar_{_t}_w{_w}": "PqqqqiPPP",
+            f"channel_sum_rows_{_t}_w{_w}": "PqqqiPPP",
+        })
+SUM_ARITY = 8          # inputs per sum launch (elementwise.cu's SUM_ARITY)
+
+
+def broadcast_view(x_shape, y_shape, axis=-1):
+    """(pre, n, post): y's dims are x's dims [start, start + y.ndim) with start
+    = axis (or x.ndim - y.ndim for axis=-1); ValueError when they are not."""
+    x_shape, y_shape = tuple(x_shape), tuple(y_shape)
+    start = len(x_shape) - len(y_shape) if axis == -1 else axis
+    if not 0 <= start <= len(x_shape) - len(y_shape) or \
+            x_shape[start:start + len(y_shape)] != y_shape:
+        raise ValueError(f"elementwise_add: y of shape {y_shape} does not match the dims of x "
+                         f"{x_shape} from axis={axis}")
+    return (math.prod(x_shape[:start]), math.prod(y_shape),
+            math.prod(x_shape[start + len(y_shape):]))
+
+
+def add(x, y, axis=-1, out=None):
+    """out = x + y with y broadcast along x's dims from `axis` (Paddle rules; see
+    broadcast_view). A new array of x's shape unless `out` is given. Returns out."""
+    if x.dtype != y.dtype:
+        raise ValueError(f"elementwise_add: dtypes differ ({x.dtype} and {y.dtype})")
+    _, n, post = broadcast_view(x.shape, y.shape, axis)
+    out = loader.empty(x.shape, x.dtype) if out is None else out
+    launch.check_array("elementwise_add: out", out, x.shape, x.dtype)
+    if x.size:
+        loader.launch_flat(MODULE, SIGNATURES, "add_{t}_w{w}", x.dtype, x.size, (x, y, out),
+                           x.size, n, post)
+    return out
+
+
+def copy(src, out=None):
+    """A device-to-device copy of `src` (into `out` when given). Returns out."""
+    out = loader.empty(src.shape, src.dtype) if out is None else out
+    launch.check_array("copy: out", out, src.shape, src.dtype)
+    if src.size:
+        loader.launch_flat(MODULE, SIGNATURES, "copy_{t}_w{w}", src.dtype, src.size, (src, out),
+                           src.size)
+    return out
+
+
+def sum_n(xs, out=None):
+    """out = xs[0] + xs[1] + ... (same shapes and dtypes), at most SUM_ARITY
+    inputs per launch. Returns out (a new array unless given)."""
+    if not xs:
+        raise ValueError("sum: needs at least one input")
+    first = xs[0]
+    for i, a in enumerate(xs):
+        if tuple(a.shape) != tuple(first.shape) or a.dtype != first.dtype:
+            raise ValueError(f"sum: input {i} is {a.dtype}{tuple(a.shape)}, input 0 is "
+                             f"{first.dtype}{tuple(first.shape)}")
+    out = loader.empty(first.shape, first.dtype) if out is None else out
+    launch.check_array("sum: out", out, first.shape, first.dtype)
+    if first.size == 0:
+        return out
+    for lo in range(0, len(xs), SUM_ARITY):
+        part = list(xs[lo:lo + SUM_ARITY])
+        pointers = [loader.ptr(a) for a in part] + [0] * (SUM_ARITY - len(part))
+        width = launch.vector_width(np.dtype(first.dtype).itemsize)
+        if not launch.is_aligned(loader.ptr(out), *pointers[:len(part)]):
+            width = 1
+        name = f"sum_{loader.suffix(first.dtype)}_w{width}"
+        k = loader.kernel(MODULE, name, SIGNATURES[name])
+        dev = loader.device()
+        threads = launch.block_threads(dev)
+        grid = launch.flat_grid(-(-first.size // width), dev, threads, k.resources)
+        k.launch((grid, 1, 1), (threads, 1, 1), loader.ptr(out), first.size, len(part),
+                 int(lo > 0), *pointers)
+    return out
+
+
+def channel_sum(d, pre, channels, post, out=None):
+    """out[c] = the sum of d viewed as (pre, channels, post) over pre and post,
+    accumulated in double on the device. Returns out (shape (channels,) unless
+    an `out` of another shape with `channels` elements is given)."""
+    out = loader.empty((channels,), d.dtype) if out is None else out
+    if d.size != pre * channels * post:
+        raise ValueError(f"channel_sum: {d.size} values do not form ({pre}, {channels}, {post})")
+    if out.size != channels or out.dtype != d.dtype:
+        raise ValueError(f"channel_sum: out must hold {channels} values of {d.dtype}, got "
+                         f"{out.dtype}{tuple(out.shape)}")
+    if channels == 0:
+        return out
+    dev = loader.device()
+    itemsize = np.dtype(d.dtype).itemsize
+    plan = launch.reduce_plan(pre, channels, post, itemsize, launch.is_aligned(loader.ptr(d)),
+                              dev)
+    name = f"channel_sum_{plan.kind}_{loader.suffix(d.dtype)}_w{plan.width}"
+    k = loader.kernel(MODULE, name, SIGNATURES[name])
+    partial = loader.empty((channels * plan.splits,), np.float64)
+    tickets = loader.tickets(plan.tickets)
+    if plan.kind == "planar":
+        args = (loader.ptr(d), pre, channels, plan.post_v, plan.chunk, plan.splits)
+    else:
+        args = (loader.ptr(d), pre, channels, plan.chunk, plan.splits)
+    k.launch(plan.grid, plan.block, *args, loader.ptr(partial), loader.ptr(tickets),
+             loader.ptr(out))
+    return out
+
+
+def add_grad(dout, y_shape, axis=-1, need_dx=True, need_dy=True):
+    """(dx, dy) of out = x + y: dx = a copy of dout, dy = dout summed over every
+    dim outside y's run (shape y_shape); None for the ones not needed."""
+    pre, n, post = broadcast_view(dout.shape, y_shape, axis)
+    dx = copy(dout) if need_dx else None
+    dy = None
+    if need_dy:
+        dy = loader.empty(tuple(y_shape), dout.dtype)
+        channel_sum(dout, pre, n, post, out=dy)
+    return dx, dy

@@ -1,0 +1,39 @@
+"""Launchers for kernels/mean.cu: the mean of all elements and its gradient."""
+from __future__ import annotations
+
+from minigraph.kernels import launch, loader
+
+MODULE = "mean"
+SIGNATURES = {"mean_f32": "PqPPP", "mean_f64": "PqPPP",
+              **{f"mean_grad_{s}_w{w}": "PPq" for s, ws in (("f32", (1, 4)), ("f64", (1, 2)))
+                 for w in ws}}
+
+
+def mean(x, out=None):
+    """out (shape ()) = the mean of every element of x, summed in double on the
+    device; x must not be empty. Returns out."""
+    if x.size == 0:
+        raise ValueError(f"mean: input is empty (shape {tuple(x.shape)}); its mean is undefined")
+    out = loader.empty((), x.dtype) if out is None else out
+    name = f"mean_{loader.suffix(x.dtype)}"
+    k = loader.kernel(MODULE, name, SIGNATURES[name])
+    dev = loader.device()
+    threads = launch.block_threads(dev)
+    blocks = launch.flat_grid(x.size, dev, threads, k.resources)
+    partial = loader.empty((blocks,), "float64")
+    k.launch((blocks, 1, 1), (threads, 1, 1), loader.ptr(x), x.size, loader.ptr(partial),
+             loader.ptr(loader.tickets(1)), loader.ptr(out))
+    return out
+
+
+def mean_grad(shape, dout, dx=None):
+    """dx of `shape` = dout / size everywhere; dout is a one-element device
+    array read on the device. Returns dx."""
+    if dout.size != 1:
+        raise ValueError(f"mean_grad: dout must hold one value, got shape {tuple(dout.shape)}")
+    dx = loader.empty(shape, dout.dtype) if dx is None else dx
+    launch.check_array("mean_grad: dx", dx, tuple(shape), dout.dtype)
+    if dx.size:
+        loader.launch_flat(MODULE, SIGNATURES, "mean_grad_{t}_w{w}", dx.dtype, dx.size,
+                           (dout, dx), dx.size)
+    return dx

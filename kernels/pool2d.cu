@@ -1,0 +1,140 @@
+// pool2d max / avg over NCHW planes and their gradients.
+//
+// Windows start at (oh * sh - ph, ow * sw - pw). Max: taps in row-major
+// order, padding counts as -inf, the first tap always taken and a later one
+// only when strictly greater (the first maximum wins, as on the CPU). Avg:
+// the sum over the real elements divided by their count (padding excluded).
+// Grads: max sends dout to the window's first maximum with atomicAdd into a
+// zeroed dx (windows may overlap); avg gathers dout / count from every window
+// that covers an element.
+#include "common.cuh"
+
+namespace mg {
+
+struct PoolGeometry {
+  int H, W, kh, kw, sh, sw, ph, pw, Ho, Wo;
+};
+
+// (value, flat index in the plane or -1 for padding) of the window's first maximum.
+template <typename T>
+__device__ __forceinline__ void window_max(const T* plane, int oh, int ow, const PoolGeometry& g,
+                                           T& best, long long& where) {
+  best = T(-HUGE_VAL);
+  where = -1;
+  for (int i = 0; i < g.kh; ++i) {
+    const int h = oh * g.sh - g.ph + i;
+    for (int j = 0; j < g.kw; ++j) {
+      const int w = ow * g.sw - g.pw + j;
+      const bool real = h >= 0 && h < g.H && w >= 0 && w < g.W;
+      const T v = real ? plane[(long long)h * g.W + w] : T(-HUGE_VAL);
+      if ((i == 0 && j == 0) || v > best) {
+        best = v;
+        where = real ? (long long)h * g.W + w : -1;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int window_count(int o, int s, int p, int k, int size) {
+  const int lo = o * s - p, hi = lo + k;
+  return (hi < size ? hi : size) - (lo > 0 ? lo : 0);
+}
+
+template <typename T, bool MAX>
+__device__ void pool_forward(const T* __restrict__ x, T* __restrict__ out, long long planes,
+                             const PoolGeometry g) {
+  const long long per_plane = (long long)g.Ho * g.Wo, total = planes * per_plane;
+  const long long nt = global_threads();
+  for (long long e = global_tid(); e < total; e += nt) {
+    const long long plane = e / per_plane;
+    const int p = e % per_plane, oh = p / g.Wo, ow = p % g.Wo;
+    const T* xp = x + plane * g.H * (long long)g.W;
+    if (MAX) {
+      T best;
+      long long where;
+      window_max(xp, oh, ow, g, best, where);
+      out[e] = best;
+    } else {
+      double sum = 0.0;
+      for (int i = 0; i < g.kh; ++i) {
+        const int h = oh * g.sh - g.ph + i;
+        if (h < 0 || h >= g.H) continue;
+        for (int j = 0; j < g.kw; ++j) {
+          const int w = ow * g.sw - g.pw + j;
+          if (w >= 0 && w < g.W) sum += double(xp[(long long)h * g.W + w]);
+        }
+      }
+      const int count = window_count(oh, g.sh, g.ph, g.kh, g.H) *
+                        window_count(ow, g.sw, g.pw, g.kw, g.W);
+      out[e] = T(sum / double(count));
+    }
+  }
+}
+
+template <typename T>
+__device__ void pool_max_grad(const T* __restrict__ x, const T* __restrict__ dout, T* dx,
+                              long long planes, const PoolGeometry g) {
+  const long long per_plane = (long long)g.Ho * g.Wo, total = planes * per_plane;
+  const long long nt = global_threads();
+  for (long long e = global_tid(); e < total; e += nt) {
+    const long long plane = e / per_plane;
+    const int p = e % per_plane, oh = p / g.Wo, ow = p % g.Wo;
+    const long long base = plane * g.H * (long long)g.W;
+    T best;
+    long long where;
+    window_max(x + base, oh, ow, g, best, where);
+    if (where >= 0) atomicAdd(dx + base + where, dout[e]);
+  }
+}
+
+template <typename T>
+__device__ void pool_avg_grad(const T* __restrict__ dout, T* __restrict__ dx, long long planes,
+                              const PoolGeometry g) {
+  const long long per_plane = (long long)g.H * g.W, total = planes * per_plane;
+  const long long nt = global_threads();
+  for (long long e = global_tid(); e < total; e += nt) {
+    const long long plane = e / per_plane;
+    const int p = e % per_plane, h = p / g.W, w = p % g.W;
+    const T* dp = dout + plane * g.Ho * (long long)g.Wo;
+    // windows oh with oh * sh - ph <= h < oh * sh - ph + kh
+    const int oh_hi = (h + g.ph) / g.sh;
+    const int oh_lo_num = h + g.ph - g.kh + 1;
+    const int oh_lo = oh_lo_num <= 0 ? 0 : (oh_lo_num + g.sh - 1) / g.sh;
+    const int ow_hi = (w + g.pw) / g.sw;
+    const int ow_lo_num = w + g.pw - g.kw + 1;
+    const int ow_lo = ow_lo_num <= 0 ? 0 : (ow_lo_num + g.sw - 1) / g.sw;
+    double acc = 0.0;
+    for (int oh = oh_lo; oh <= oh_hi && oh < g.Ho; ++oh) {
+      const int ch = window_count(oh, g.sh, g.ph, g.kh, g.H);
+      for (int ow = ow_lo; ow <= ow_hi && ow < g.Wo; ++ow) {
+        const int cw = window_count(ow, g.sw, g.pw, g.kw, g.W);
+        acc += double(dp[(long long)oh * g.Wo + ow]) / double(ch * cw);
+      }
+    }
+    dx[e] = T(acc);
+  }
+}
+
+}  // namespace mg
+
+#define MG_POOL_ARGS \
+  long long planes, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw, int Ho, int Wo
+#define MG_POOL_GEOMETRY mg::PoolGeometry{H, W, kh, kw, sh, sw, ph, pw, Ho, Wo}
+
+#define MG_POOL_KERNELS(T, SFX)                                                                 \
+  extern "C" __global__ void pool_max_##SFX(const T* x, T* out, MG_POOL_ARGS) {                 \
+    mg::pool_forward<T, true>(x, out, planes, MG_POOL_GEOMETRY);                                \
+  }                                                                                             \
+  extern "C" __global__ void pool_avg_##SFX(const T* x, T* out, MG_POOL_ARGS) {                 \
+    mg::pool_forward<T, false>(x, out, planes, MG_POOL_GEOMETRY);                               \
+  }                                                                                             \
+  extern "C" __global__ void pool_max_grad_##SFX(const T* x, const T* dout, T* dx,              \
+                                                 MG_POOL_ARGS) {                                \
+    mg::pool_max_grad<T>(x, dout, dx, planes, MG_POOL_GEOMETRY);                                \
+  }                                                                                             \
+  extern "C" __global__ void pool_avg_grad_##SFX(const T* dout, T* dx, MG_POOL_ARGS) {          \
+    mg::pool_avg_grad<T>(dout, dx, planes, MG_POOL_GEOMETRY);                                   \
+  }
+
+MG_POOL_KERNELS(float, f32)
+MG_POOL_KERNELS(double, f64)

@@ -1,0 +1,82 @@
+"""Launchers for kernels/pool2d.cu: max / avg pooling of NCHW device arrays and
+their gradients (avg excludes padding; max grad goes to the first maximum)."""
+from __future__ import annotations
+
+import numpy as np
+from minigraph.kernels import launch, loader
+
+MODULE = "pool2d"
+_GEOM = "i" * 10
+SIGNATURES = {}
+for _t in ("f32", "f64"):
+    SIGNATURES.update({f"pool_max_{_t}": "PPq" + _GEOM, f"pool_avg_{_t}": "PPq" + _GEOM,
+                       f"pool_max_grad_{_t}": "PPPq" + _GEOM,
+                       f"pool_avg_grad_{_t}": "PPq" + _GEOM})
+
+
+def _pair(v):
+    return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
+
+
+def geometry(x_shape, ksize=2, strides=None, paddings=0, global_pooling=False):
+    """(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo); global pooling is one window of
+    the whole plane. ValueError when a window would hold only padding."""
+    _, _, h, w = (int(d) for d in x_shape)
+    if global_pooling:
+        return (h, w, h, w, 1, 1, 0, 0, 1, 1)
+    (kh, kw) = _pair(ksize)
+    (sh, sw) = _pair(strides) if strides is not None else (kh, kw)
+    (ph, pw) = _pair(paddings)
+    if ph >= kh or pw >= kw:
+        raise ValueError(f"pool2d: paddings {(ph, pw)} must be smaller than ksize {(kh, kw)}")
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    if ho <= 0 or wo <= 0:
+        raise ValueError(f"pool2d: output would be {ho}x{wo} for input {tuple(x_shape)}")
+    return (h, w, kh, kw, sh, sw, ph, pw, ho, wo)
+
+
+def _launch(name, items, *args):
+    k = loader.kernel(MODULE, name, SIGNATURES[name])
+    dev = loader.device()
+    threads = launch.block_threads(dev)
+    k.launch((launch.flat_grid(items, dev, threads, k.resources), 1, 1), (threads, 1, 1), *args)
+
+
+def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False,
+           out=None):
+    """out (N, C, Ho, Wo): the max or average (over real elements) of each
+    window of x (N, C, H, W). Returns out."""
+    geom = geometry(x.shape, ksize, strides, paddings, global_pooling)
+    planes = int(x.shape[0]) * int(x.shape[1])
+    out_shape = (x.shape[0], x.shape[1], geom[8], geom[9])
+    out = loader.empty(out_shape, x.dtype) if out is None else out
+    launch.check_array("pool2d: out", out, out_shape, x.dtype)
+    if out.size:
+        _launch(f"pool_{pool_type}_{loader.suffix(x.dtype)}", out.size, loader.ptr(x),
+                loader.ptr(out), planes, *geom)
+    return out
+
+
+def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
+                global_pooling=False, dx=None):
+    """dx of pool2d: dout routed to each window's first maximum, or spread evenly
+    over its real elements. Returns dx."""
+    geom = geometry(x.shape, ksize, strides, paddings, global_pooling)
+    planes = int(x.shape[0]) * int(x.shape[1])
+    launch.check_array("pool2d_grad: dout", dout, (x.shape[0], x.shape[1], geom[8], geom[9]),
+                       x.dtype)
+    dx = loader.empty(x.shape, x.dtype) if dx is None else dx
+    launch.check_array("pool2d_grad: dx", dx, x.shape, x.dtype)
+    if dx.size == 0:
+        return dx
+    sfx = loader.suffix(x.dtype)
+    if pool_type == "max":
+        from minigraph.kernels import fill
+
+        fill.fill_constant(dx, 0)
+        _launch(f"pool_max_grad_{sfx}", dout.size, loader.ptr(x), loader.ptr(dout),
+                loader.ptr(dx), planes, *geom)
+    else:
+        _launch(f"pool_avg_grad_{sfx}", dx.size, loader.ptr(dout), loader.ptr(dx), planes,
+                *geom)
+    return dx

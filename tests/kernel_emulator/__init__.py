@@ -1,0 +1,202 @@
+"""A CPU emulator for the CUDA kernels in kernels/, for tests on machines with no GPU.
+
+`EmuBackend` compiles a kernel module's real .cu source with g++ against
+emu.h (a stand-in for the CUDA runtime: cooperative fibers per block, see
+there) and plugs into minigraph.kernels.loader in place of PyCUDA, so the real
+launchers run unchanged on `EmuArray`s (host buffers shaped like GPUArrays,
+poisoned with NaN bytes and fenced with canaries that are checked after
+every launch). It checks the kernels' logic - indexing, reductions, the
+last-block merges, the launch plans - not their speed, their memory model or
+anything a real GPU would add (races between blocks, float contraction).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import weakref
+from types import SimpleNamespace
+
+import numpy as np
+from minigraph.kernels import loader
+from minigraph.kernels.launch import DeviceInfo, KernelResources
+
+HERE = pathlib.Path(__file__).parent
+CXX = shutil.which("g++")
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-w",
+             "-Wl,--no-undefined")
+PAD = 64                      # canary bytes on each side of an array
+CANARY = 0xA5
+POISON = 0xFF                 # fresh arrays: NaN for floats, -1 for ints
+
+C_TYPES = {"P": ("void*", ctypes.c_void_p), "q": ("long long", ctypes.c_longlong),
+           "Q": ("unsigned long long", ctypes.c_ulonglong), "i": ("int", ctypes.c_int),
+           "I": ("unsigned", ctypes.c_uint), "d": ("double", ctypes.c_double),
+           "f": ("float", ctypes.c_float)}
+
+
+class EmulatorError(RuntimeError):
+    """A launch failed in the emulator (deadlock, out-of-bounds write)."""
+
+
+_live = weakref.WeakSet()
+
+
+class EmuArray:
+    """A host buffer that launchers treat as a device array (gpudata, shape,
+    dtype, size, get()); `offset` elements shift its start (to test unaligned
+    data)."""
+
+    def __init__(self, shape, dtype, fill=POISON, offset=0):
+        self.shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list)
+                                            else (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        shift = offset * self.dtype.itemsize
+        self._raw = np.empty(self.nbytes + shift + 3 * PAD, np.uint8)
+        self._start = (-self._raw.ctypes.data) % PAD + PAD + shift
+        self._raw[:] = CANARY
+        self._raw[self._start:self._start + self.nbytes] = fill
+        self.gpudata = self._raw.ctypes.data + self._start
+        self.flags = SimpleNamespace(c_contiguous=True)
+        _live.add(self)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def _view(self):
+        return self._raw[self._start:self._start + self.nbytes].view(self.dtype).reshape(
+            self.shape)
+
+    def get(self):
+        """A numpy copy of the contents."""
+        return self._view().copy()
+
+    def set(self, values):
+        """Copy `values` (of this shape) in."""
+        self._view()[...] = np.asarray(values, dtype=self.dtype).reshape(self.shape)
+        return self
+
+    def check(self):
+        """EmulatorError if anything wrote outside the array."""
+        head = self._raw[self._start - PAD:self._start]
+        tail = self._raw[self._start + self.nbytes:self._start + self.nbytes + PAD]
+        if (head != CANARY).any() or (tail != CANARY).any():
+            raise EmulatorError(f"a kernel wrote outside an array of shape {self.shape}")
+
+
+def to_device(values, offset=0):
+    """An EmuArray holding a copy of numpy `values`."""
+    values = np.asarray(values)
+    return EmuArray(values.shape, values.dtype, offset=offset).set(values)
+
+
+_build_lock = threading.Lock()
+
+
+def _build(module, signatures):
+    """Compile kernels/<module>.cu with emu.h and call wrappers; the library path."""
+    kdir = loader.kernel_dir()
+    sources = [kdir / f"{module}.cu", *sorted(kdir.glob("*.cuh")), HERE / "emu.h",
+               HERE / "runtime.cpp"]
+    wrappers = ["#include <stddef.h>"]
+    for name, fmt in sorted(signatures.items()):
+        params = ", ".join(C_TYPES[c][0] for c in fmt)
+        args = ", ".join(f"*({C_TYPES[c][0]}*)a[{i}]" for i, c in enumerate(fmt))
+        wrappers.append(f'extern "C" void {name}({params});')
+        wrappers.append(f'extern "C" void emu_wrap_{name}(void** a) {{ {name}({args}); }}')
+    wrapper_src = "\n".join(wrappers) + "\n"
+    digest = hashlib.sha256()
+    for p in sources:
+        digest.update(p.read_bytes())
+    digest.update(wrapper_src.encode())
+    digest.update(" ".join(CXX_FLAGS).encode())
+    out_dir = pathlib.Path(tempfile.gettempdir()) / "minigraph-kernel-emulator"
+    out_dir.mkdir(exist_ok=True)
+    lib = out_dir / f"{module}-{digest.hexdigest()[:16]}.so"
+    if not lib.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            wrapper_file = pathlib.Path(tmp) / "wrappers.cpp"
+            wrapper_file.write_text(wrapper_src)
+            target = pathlib.Path(tmp) / lib.name
+            cmd = [CXX, *CXX_FLAGS, "-I", str(kdir), "-I", str(HERE), "-x", "c++",
+                   "-include", str(HERE / "emu.h"), str(kdir / f"{module}.cu"),
+                   str(wrapper_file), str(HERE / "runtime.cpp"), "-o", str(target)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise EmulatorError(f"g++ failed on {module}.cu:\n{done.stderr[-4000:]}")
+            shutil.move(str(target), lib)
+    return lib
+
+
+class EmuKernel:
+    def __init__(self, lib, name, fmt, seed):
+        self.name, self.fmt = name, fmt
+        self._lib = lib
+        self._fn = ctypes.cast(getattr(lib, f"emu_wrap_{name}"), ctypes.c_void_p)
+        self._seed = seed
+
+    def __call__(self, grid, block, args):
+        values = [C_TYPES[c][1](int(a) if c in "PqQiI" else float(a))
+                  for c, a in zip(self.fmt, args, strict=True)]
+        argv = (ctypes.c_void_p * len(values))(
+            *(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
+        err = ctypes.create_string_buffer(512)
+        self._seed[0] += 1
+        rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err, len(err))
+        if rc:
+            raise EmulatorError(f"{self.name}: {err.value.decode()}")
+        for a in list(_live):
+            a.check()
+
+
+class EmuBackend:
+    """The loader backend of the emulator; `device` describes a small made-up GPU
+    (few multiprocessors keep grids small and still split reductions)."""
+
+    def __init__(self, sm_count=2, seed=1):
+        self.info = DeviceInfo(name="emulated", compute_capability=(9, 0), sm_count=sm_count,
+                               total_memory=2**30)
+        self._libs = {}
+        self._kernels = {}
+        self._seed = [seed]
+
+    def device(self):
+        return self.info
+
+    def _lib(self, module):
+        if module not in self._libs:
+            with _build_lock:
+                path = _build(module, loader.signature_table()[module])
+            lib = ctypes.CDLL(str(path))
+            lib.emu_launch.restype = ctypes.c_int
+            lib.emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
+                ctypes.c_void_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int]
+            self._libs[module] = lib
+        return self._libs[module]
+
+    def kernel(self, module, name, fmt):
+        key = (module, name)
+        if key not in self._kernels:
+            expected = loader.signature_table()[module].get(name)
+            if expected != fmt:
+                raise EmulatorError(f"{module}.{name}: launched with format {fmt!r}, "
+                                    f"SIGNATURES says {expected!r}")
+            run = EmuKernel(self._lib(module), name, fmt, self._seed)
+            self._kernels[key] = loader.Kernel(name, fmt, run, KernelResources(32, 0))
+        return self._kernels[key]
+
+    def empty(self, shape, dtype):
+        return EmuArray(shape, dtype)
+
+    def build_all(self):
+        """Compile every kernel module (a test that they all build with g++ too)."""
+        for module in loader.module_names():
+            self._lib(module)
