@@ -41,9 +41,10 @@ from minigraph.schema import (
 )
 
 PARAM_SLOTS = ("scale", "bias", "estimated_mean", "estimated_var")
-CHUNK_BYTES = 1 << 18          # work on x in cache-sized blocks
+CHUNK_BYTES = 1 << 20          # work on x in cache-sized blocks
 MIN_UNIT = 2048                # short rows are grouped into units of at least this many values
 MIN_INNER = 16                 # shorter inner axes (NHWC: 1) sum over rows, not along them
+MAX_DOT = 8192                 # longest row whose dot products go through einsum
 SHIFT_VALUES = 256             # values per channel that pick the shift of the statistics
 PARALLEL_MIN_BYTES = 1 << 21   # smaller tensors stay on the calling thread
 
@@ -252,6 +253,11 @@ class RowPlan:
         else:
             np.matmul(_ones(a.shape[0], a.dtype), a, out=out)
 
+    def add_dots(self, sums, blk, a, b, tmp):
+        """Store the sums of a*b over the units of the block; tmp may be a itself."""
+        np.multiply(a, b, out=tmp)
+        self.add_sums(sums, blk, tmp)
+
     def fold(self, sums):
         """Per-channel float64 totals."""
         _, C, I = self.shape
@@ -319,6 +325,16 @@ class FlatPlan:
     def add_sums(sums, blk, a):
         a = a.reshape(-1, blk[4])
         np.matmul(a, _ones(blk[4], a.dtype), out=sums[blk[5]:blk[6], blk[7]])
+
+    def add_dots(self, sums, blk, a, b, tmp):
+        """Store the sums of a*b per row of the block; tmp may be a itself. Rows of
+        up to MAX_DOT values go through einsum (one pass, no temporary)."""
+        if blk[4] > MAX_DOT:                     # einsum accumulates less carefully
+            np.multiply(a, b, out=tmp)
+            self.add_sums(sums, blk, tmp)
+        else:
+            np.einsum("ij,ij->i", a.reshape(-1, blk[4]), b.reshape(-1, blk[4]),
+                      out=sums[blk[5]:blk[6], blk[7]])
 
     def fold(self, sums):
         R, C, _ = self.shape
@@ -548,12 +564,9 @@ def grad_sums(x3, dy3, mean, invstd=None):
         for blk in blocks:
             xb, gb = plan.view(xs, blk), plan.view(dys, blk)
             d = buf[:xb.size].reshape(xb.shape)
-            if M is None:
-                np.multiply(xb, gb, out=d)
-            else:
-                np.subtract(xb, plan.const(M, blk), out=d)
-                d *= gb
-            plan.add_sums(s_dyx, blk, d)
+            if M is not None:
+                xb = np.subtract(xb, plan.const(M, blk), out=d)
+            plan.add_dots(s_dyx, blk, xb, gb, d)
             plan.add_sums(s_dy, blk, gb)
 
     run_parts(part, plan.parts)

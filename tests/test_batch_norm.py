@@ -400,13 +400,16 @@ def grad_reference(x, dy, scale, mean, var, eps, layout, use_global_est):
     return dx, dscale, dbias
 
 
+@pytest.mark.parametrize("max_dot", [8192, 4])                   # einsum or multiply + sum
 @pytest.mark.parametrize("use_global_est", [False, True])
 @pytest.mark.parametrize("offset, dtype", [(3.0, np.float64), (3.0, np.float32),
                                            (1e4, np.float32)])
 @pytest.mark.parametrize("layout, shape", [("NCHW", (4, 3, 5, 6)), ("NHWC", (4, 5, 6, 3)),
                                            ("NCHW", (9, 2, 150))])
-def test_grad_kernel_closed_form(layout, shape, offset, dtype, use_global_est, monkeypatch):
+def test_grad_kernel_closed_form(layout, shape, offset, dtype, use_global_est, max_dot,
+                                 monkeypatch):
     monkeypatch.setattr(bn_ops, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(bn_ops, "MAX_DOT", max_dot)
     bn = BN(data(shape, dtype, offset=offset, std=1.0), layout, counter=1,
             use_global_est=use_global_est)
     if use_global_est:
