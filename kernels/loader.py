@@ -179,6 +179,7 @@ def use_backend(new):
     global _backend
     old, _backend = _backend, new
     _workspace_cache.clear()
+    _error_flags.clear()
     return old
 
 
@@ -236,6 +237,39 @@ def tickets(count):
 def _context_key():
     b = backend()
     return b.drv.Context.get_current() if isinstance(b, PyCudaBackend) else None
+
+
+_error_flags = {}
+
+
+def error_flag(what, make):
+    """The device-side error record named `what` (e.g. "batch_norm") of the
+    current backend, made by `make()` on first use (a
+    softmax_with_cross_entropy.LabelStatus, a batch_norm.Guard: anything whose
+    `check(what)` raises for what kernels flagged since its last check).
+    `check_flags` checks every one of them."""
+    found = _error_flags.get(what)
+    if found is None:
+        found = _error_flags[what] = make()
+    return found
+
+
+def check_flags():
+    """Check every error_flag (one small synchronising read each) and raise the
+    first error found, with the messages of any others appended; every flag
+    is read and reset first, so nothing is reported twice."""
+    errors = []
+    for what, flag in list(_error_flags.items()):
+        try:
+            flag.check(what)
+        except Exception as e:  # each flag raises its own error type
+            errors.append(e)
+    if errors:
+        first = errors[0]
+        if len(errors) > 1 and first.args and isinstance(first.args[0], str):
+            first.args = (first.args[0] + "".join(f"\nalso: {e}" for e in errors[1:]),
+                          *first.args[1:])
+        raise first
 
 
 @functools.cache

@@ -20,13 +20,13 @@ class Executor:
         feed: {name: array}, each checked against the variable's declared
         dtype and shape (-1 matches any size) and copied to the place once.
         fetch: Variables or names looked up in `scope`; returned as numpy
-        arrays in the same order.
+        arrays in the same order (see `fetch_all` for device errors).
         """
         for name, value in (feed or {}).items():
             self.feed(scope, name, value)
         for op in ops:
             self.run_op(op)
-        return [self.fetch(scope, f) for f in (fetch or [])]
+        return self.fetch_all(scope, fetch or [])
 
     def feed(self, scope, name, value):
         """Check `value` against the declaration of `name` and store it on the place."""
@@ -38,13 +38,25 @@ class Executor:
 
     def fetch(self, scope, target):
         """The value of `target` (a Variable or a name) as a numpy array."""
-        var = target if isinstance(target, Variable) else scope.find_var(target)
-        if var is None:
-            raise KeyError(f"fetch {target!r}: no such variable in the scope")
-        if var.value is None:
-            raise ValueError(f"fetch {var.name!r}: the variable has no value "
-                             "(no op that ran produced it)")
-        return self.place.to_host(var.value)
+        return self.fetch_all(scope, [target])[0]
+
+    def fetch_all(self, scope, targets):
+        """The values of `targets` (Variables or names) as numpy arrays, copied
+        out once each. When there is anything to fetch, the place first raises
+        any error its kernels flagged on the device since the last fetch
+        (`place.check_errors()`: GPU kernels cannot raise inside a step)."""
+        found = []
+        for target in targets:
+            var = target if isinstance(target, Variable) else scope.find_var(target)
+            if var is None:
+                raise KeyError(f"fetch {target!r}: no such variable in the scope")
+            if var.value is None:
+                raise ValueError(f"fetch {var.name!r}: the variable has no value "
+                                 "(no op that ran produced it)")
+            found.append(var)
+        if found:
+            self.place.check_errors()
+        return [self.place.to_host(var.value) for var in found]
 
     def run_op(self, op):
         """Run one op: gather inputs, check them, call the kernel, store outputs."""

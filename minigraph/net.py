@@ -198,7 +198,10 @@ class Net:
 
     def train(self, feed=None, fetch=None):
         """One training step: trunk, train branch, backward and updates.
-        Returns the fetched values (Variables or names) as numpy arrays."""
+        Returns the fetched values (Variables or names) as numpy arrays. On a
+        GPU, errors that kernels flag on the device (labels outside [0, K),
+        non-finite batch statistics) raise at the first fetch after the step
+        that caused them, when the fetched values are copied out."""
         return self._run("train", feed, fetch)
 
     def infer(self, feed=None, fetch=None):
@@ -228,7 +231,7 @@ class Net:
             var.set(self.place.to_device(check_feed(var, value)))
         for op in ops:
             ex.run_op(op)
-        return [ex.fetch(scope, t) for t in targets]
+        return ex.fetch_all(scope, targets)     # raises what GPU kernels flagged
 
     def _plan(self, mode, targets):
         key = (mode, tuple(id(t) for t in targets))

@@ -3,6 +3,13 @@
 A place's `kind` picks the kernel registered for an op ("cpu" or "gpu").
 The GPU place imports PyCUDA only when it is created, so CPU-only machines
 import nothing from it.
+
+Errors on a GPU: kernels cannot raise, so a GPU kernel that meets bad data
+(a label outside [0, K), non-finite batch-norm statistics) records it in a
+flag on the device and carries on. `check_errors()` reads those flags and
+raises; the Executor calls it when it fetches (where the host waits for the
+device anyway), so such an error surfaces at the first fetch after the step
+that caused it, not inside the step.
 """
 from __future__ import annotations
 
@@ -21,6 +28,9 @@ class CPUPlace:
     def to_host(self, value):
         """`value` as a numpy array."""
         return np.asarray(value)
+
+    def check_errors(self):
+        """Nothing to do: CPU kernels raise at once."""
 
     def __eq__(self, other):
         return isinstance(other, CPUPlace)
@@ -58,13 +68,20 @@ class GPUPlace:
 
         self.context.push()
         try:
-            return gpuarray.to_gpu(np.ascontiguousarray(array))
+            return gpuarray.to_gpu(np.require(array, requirements="C"))  # 0-d stays 0-d
         finally:
             self._drv.Context.pop()
 
     def to_host(self, value):
         """`value` (a GPUArray) copied into a numpy array."""
         return value.get() if hasattr(value, "get") else np.asarray(value)
+
+    def check_errors(self):
+        """Raise what GPU kernels flagged on the device since the last check
+        (see the module doc): one small synchronising read per flag."""
+        from minigraph.kernels import loader
+
+        loader.check_flags()
 
     def __eq__(self, other):
         return isinstance(other, GPUPlace) and other.device_id == self.device_id

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import activation as gpu
+from minigraph.ops.device import check_gpu_float, wants
 
 from minigraph.schema import Meta, OpDesc, OpSchema, Slot, check_float, kernel, register
 
@@ -42,3 +44,20 @@ def relu_grad_cpu(op, ins):
     """dx = dout where out > 0, else 0."""
     out, d = ins["out"], ins["dout"]
     return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
+
+
+@kernel("relu", "gpu")
+def relu_gpu(op, ins):
+    """out = max(x, 0) on the device."""
+    check_gpu_float(op, x=ins["x"])
+    return {"out": gpu.relu(ins["x"])}
+
+
+@kernel("relu_grad", "gpu")
+def relu_grad_gpu(op, ins):
+    """dx = dout where out > 0, else 0, on the device; nothing when dx is unbound."""
+    out, d = ins["out"], ins["dout"]
+    check_gpu_float(op, out=out, dout=d)
+    if not wants(op, "dx"):
+        return {}
+    return {"dx": gpu.relu_grad(out, d)}

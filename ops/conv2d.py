@@ -10,6 +10,8 @@ the grad scatters columns back with one strided add per filter tap.
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import conv2d as gpu
+from minigraph.ops.device import check_gpu_float, present, wants
 from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
 
 from minigraph.schema import (
@@ -165,3 +167,31 @@ def conv2d_grad_cpu(op, ins):
         dcols = dcols.reshape((x.shape[1],) + w.shape[2:] + (x.shape[0],) + hw)
         out["dx"] = col2im(dcols, x.shape, op.attrs, hw)
     return out
+
+
+def conv_geometry(op):
+    """The launchers' keyword arguments for this op's attributes."""
+    a = op.attrs
+    return dict(strides=a["strides"], paddings=a["paddings"], dilations=a["dilations"],
+                groups=a["groups"])
+
+
+@kernel("conv2d", "gpu")
+def conv2d_gpu(op, ins):
+    """out on the device: im2col in chunks, one batched matrix product per chunk."""
+    x, w = ins["x"], ins["filter"]
+    check_gpu_float(op, x=x, filter=w)
+    out_hw(op.type, tuple(x.shape), tuple(w.shape[2:]), op.attrs)
+    return {"out": gpu.conv2d(x, w, **conv_geometry(op))}
+
+
+@kernel("conv2d_grad", "gpu")
+def conv2d_grad_gpu(op, ins):
+    """dfilter (dout @ cols^T, summed over images) and dx (col2im of filter^T @ dout)
+    on the device; each only when bound."""
+    x, w, d = ins["x"], ins["filter"], ins["dout"]
+    check_gpu_float(op, x=x, filter=w, dout=d)
+    out_hw("conv2d", tuple(x.shape), tuple(w.shape[2:]), op.attrs)
+    dx, dw = gpu.conv2d_grad(x, w, d, **conv_geometry(op), need_dx=wants(op, "dx"),
+                             need_dfilter=wants(op, "dfilter"))
+    return present(dx=dx, dfilter=dw)

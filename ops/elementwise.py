@@ -9,6 +9,8 @@ sum: out = x[0] + x[1] + ...; autodiff uses it to add gradient contributions.
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import elementwise as gpu
+from minigraph.ops.device import check_gpu_float, present, wants
 
 from minigraph.schema import (
     Meta,
@@ -110,6 +112,27 @@ def elementwise_add_grad_cpu(op, ins):
     return out
 
 
+@kernel("elementwise_add", "gpu")
+def elementwise_add_gpu(op, ins):
+    """out = x + y on the device, y broadcast along x's dims from `axis`."""
+    x, y = ins["x"], ins["y"]
+    check_gpu_float(op, x=x, y=y)
+    broadcast_axis(op.type, tuple(x.shape), tuple(y.shape), op.attrs["axis"])
+    return {"out": gpu.add(x, y, op.attrs["axis"])}
+
+
+@kernel("elementwise_add_grad", "gpu")
+def elementwise_add_grad_gpu(op, ins):
+    """dx = a device copy of dout; dy = dout summed over the broadcast dims (in
+    double on the device); each only when bound."""
+    y, d = ins["y"], ins["dout"]
+    check_gpu_float(op, dout=d)
+    broadcast_axis(op.type, tuple(d.shape), tuple(y.shape), op.attrs["axis"])
+    dx, dy = gpu.add_grad(d, tuple(y.shape), op.attrs["axis"], need_dx=wants(op, "dx"),
+                          need_dy=wants(op, "dy"))
+    return present(dx=dx, dy=dy)
+
+
 def infer_sum(ins, attrs):
     xs = ins["x"]
     if not xs:
@@ -152,3 +175,18 @@ def sum_cpu(op, ins):
 def sum_grad_cpu(op, ins):
     """dx = a copy of dout."""
     return {"dx": ins["dout"].copy()}
+
+
+@kernel("sum", "gpu")
+def sum_gpu(op, ins):
+    """out = x[0] + x[1] + ... (a new device array)."""
+    xs = ins["x"]
+    check_gpu_float(op, **{f"x[{i}]": x for i, x in enumerate(xs)})
+    return {"out": gpu.sum_n(xs)}
+
+
+@kernel("sum_grad", "gpu")
+def sum_grad_gpu(op, ins):
+    """dx = a device copy of dout."""
+    check_gpu_float(op, dout=ins["dout"])
+    return {"dx": gpu.copy(ins["dout"])}

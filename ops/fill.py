@@ -2,12 +2,19 @@
 
 The random ops draw from `np.random.default_rng(seed)` afresh on every run, so
 one seed always gives the same values. None of them has a gradient.
+GPU: fill_constant fills on the device (one launch, also inside a step). The
+random ops draw on the host with the same generator and copy the values in
+once, so a seed initialises a net identically on every place; they are
+initialisers and do not run inside a step. (minigraph.kernels.fill has a
+device-side Philox generator, but its stream is not numpy's.)
 """
 from __future__ import annotations
 
 import numbers
 
 import numpy as np
+from minigraph.kernels import fill as gpu
+from minigraph.kernels import loader
 
 from minigraph.schema import (
     Attr,
@@ -98,3 +105,30 @@ def gaussian_random_cpu(op, ins):
     a = op.attrs
     rng = np.random.default_rng(a["seed"])
     return {"out": rng.normal(a["mean"], a["std"], size=a["shape"]).astype(a["dtype"])}
+
+
+@kernel("fill_constant", "gpu")
+def fill_constant_gpu(op, ins):
+    """out = a device array of `shape` and `dtype` holding `value`, filled on the device."""
+    a = op.attrs
+    return {"out": gpu.full(a["shape"], a["value"], a["dtype"])}
+
+
+def upload(values):
+    """A device array holding a copy of host array `values` (one host-to-device copy)."""
+    out = loader.empty(values.shape, values.dtype)
+    if values.size:
+        out.set(np.ascontiguousarray(values))
+    return out
+
+
+@kernel("uniform_random", "gpu")
+def uniform_random_gpu(op, ins):
+    """The CPU kernel's values (same seed, same numbers), copied to the device once."""
+    return {"out": upload(uniform_random_cpu(op, ins)["out"])}
+
+
+@kernel("gaussian_random", "gpu")
+def gaussian_random_gpu(op, ins):
+    """The CPU kernel's values (same seed, same numbers), copied to the device once."""
+    return {"out": upload(gaussian_random_cpu(op, ins)["out"])}

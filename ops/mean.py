@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import mean as gpu
+from minigraph.ops.device import check_gpu_float, wants
 
 from minigraph.schema import (
     Meta,
@@ -55,3 +57,24 @@ def mean_grad_cpu(op, ins):
     """dx = full_like(x, dout / x.size)."""
     x, d = ins["x"], ins["dout"]
     return {"dx": np.full_like(x, np.asarray(d, dtype=np.float64).reshape(()) / x.size)}
+
+
+@kernel("mean", "gpu")
+def mean_gpu(op, ins):
+    """out = mean(x), summed in double on the device, in x's dtype."""
+    x = ins["x"]
+    check_gpu_float(op, x=x)
+    if x.size == 0:
+        raise OpError(f"mean: input 'x' is empty (shape {tuple(x.shape)}); its mean is "
+                      "undefined")
+    return {"out": gpu.mean(x)}
+
+
+@kernel("mean_grad", "gpu")
+def mean_grad_gpu(op, ins):
+    """dx = dout / x.size everywhere, dout read on the device; nothing when dx is unbound."""
+    x, d = ins["x"], ins["dout"]
+    check_gpu_float(op, x=x, dout=d)
+    if not wants(op, "dx"):
+        return {}
+    return {"dx": gpu.mean_grad(tuple(x.shape), d)}

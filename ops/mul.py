@@ -6,6 +6,8 @@ y is (K, M) with K the second of those, and out has shape x.shape[:n] + (M,).
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import matmul as gpu
+from minigraph.ops.device import check_gpu_float, present, wants
 
 from minigraph.schema import (
     Meta,
@@ -97,3 +99,21 @@ def mul_grad_cpu(op, ins):
     if op.outputs.get("dy") is not None:
         out["dy"] = as_matrix(x, n).T @ d2
     return out
+
+
+@kernel("mul", "gpu")
+def mul_gpu(op, ins):
+    """out = flatten(x) @ y on the device (tiled matrix product), shaped x.shape[:n] + (M,)."""
+    x, y = ins["x"], ins["y"]
+    check_gpu_float(op, x=x, y=y)
+    return {"out": gpu.mul(x, y, op.attrs["x_num_col_dims"])}
+
+
+@kernel("mul_grad", "gpu")
+def mul_grad_gpu(op, ins):
+    """dx = dout2 @ y.T (x's shape), dy = x2.T @ dout2 on the device; each only when bound."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    check_gpu_float(op, x=x, y=y, dout=d)
+    dx, dy = gpu.mul_grad(x, y, d, op.attrs["x_num_col_dims"], need_dx=wants(op, "dx"),
+                          need_dy=wants(op, "dy"))
+    return present(dx=dx, dy=dy)

@@ -12,6 +12,8 @@ spreads dout / count over the real elements of the window.
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import pool2d as gpu
+from minigraph.ops.device import check_gpu_float, wants
 from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
 
 from minigraph.schema import (
@@ -177,3 +179,31 @@ def pool2d_grad_cpu(op, ins):
         for i, j in taps(a):
             dxp[offset_slices(i, j, hw, a["strides"])] += share
     return {"dx": np.ascontiguousarray(dxp[:, :, ph:ph + h, pw:pw + w])}
+
+
+def pool_geometry(op):
+    """The launchers' keyword arguments for this op's attributes."""
+    a = op.attrs
+    return dict(pool_type=a["pool_type"], ksize=a["ksize"], strides=a["strides"],
+                paddings=a["paddings"], global_pooling=a["global_pooling"])
+
+
+@kernel("pool2d", "gpu")
+def pool2d_gpu(op, ins):
+    """Max or average of every window on the device (see the module doc)."""
+    x = ins["x"]
+    check_gpu_float(op, x=x)
+    out_hw(op.type, tuple(x.shape), op.attrs)
+    return {"out": gpu.pool2d(x, **pool_geometry(op))}
+
+
+@kernel("pool2d_grad", "gpu")
+def pool2d_grad_gpu(op, ins):
+    """dx on the device: dout routed to each window's first max, or spread evenly
+    over its real elements; nothing when dx is unbound."""
+    x, d = ins["x"], ins["dout"]
+    check_gpu_float(op, x=x, dout=d)
+    if not wants(op, "dx"):
+        return {}
+    out_hw("pool2d", tuple(x.shape), op.attrs)
+    return {"dx": gpu.pool2d_grad(x, d, **pool_geometry(op))}

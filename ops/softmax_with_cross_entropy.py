@@ -10,6 +10,9 @@ The label has no gradient.
 from __future__ import annotations
 
 import numpy as np
+from minigraph.kernels import loader
+from minigraph.kernels import softmax_with_cross_entropy as gpu
+from minigraph.ops.device import check_gpu_float, wants
 
 from minigraph.schema import (
     Meta,
@@ -108,3 +111,32 @@ def softmax_with_cross_entropy_grad_cpu(op, ins):
         inner = np.einsum("ij,ij->i", dsoftmax, sm, dtype=np.float64)[:, None]
         dlogits += sm * (dsoftmax - inner)
     return {"dlogits": dlogits.astype(sm.dtype)}
+
+
+def label_status(what):
+    """The device-side record of out-of-range labels met by the `what` kernels;
+    the place's check_errors() (at fetch time) raises for them."""
+    return loader.error_flag(what, gpu.LabelStatus)
+
+
+@kernel(OP, "gpu")
+def softmax_with_cross_entropy_gpu(op, ins):
+    """softmax and loss on the device, from the max-shifted logits in double.
+    A label outside [0, K) gets loss NaN and is flagged on the device; the
+    error raises at the next fetch (see minigraph.place), not here."""
+    logits, label = ins["logits"], ins["label"]
+    check_gpu_float(op, logits=logits)
+    softmax, loss = gpu.forward(logits, label, label_status(OP))
+    return {"softmax": softmax, "loss": loss}
+
+
+@kernel(OP + "_grad", "gpu")
+def softmax_with_cross_entropy_grad_gpu(op, ins):
+    """dlogits on the device, from the terms whose incoming gradient is bound;
+    nothing when dlogits is unbound."""
+    sm, label = ins["softmax"], ins["label"]
+    dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
+    check_gpu_float(op, softmax=sm, dloss=dloss, dsoftmax=dsoftmax)
+    if not wants(op, "dlogits"):
+        return {}
+    return {"dlogits": gpu.grad(label, sm, dloss, dsoftmax, label_status(op.type))}

@@ -8,9 +8,12 @@ poisoned with NaN bytes and fenced with canaries that are checked after
 every launch). It checks the kernels' logic - indexing, reductions, the
 last-block merges, the launch plans - not their speed, their memory model or
 anything a real GPU would add (races between blocks, float contraction).
+`EmuPlace` is a GPU place on top of it (`emulated_gpu()` installs both), so
+the Executor runs the ops' GPU kernel bindings on it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -25,6 +28,8 @@ from types import SimpleNamespace
 import numpy as np
 from minigraph.kernels import loader
 from minigraph.kernels.launch import DeviceInfo, KernelResources
+
+from minigraph.place import GPUPlace
 
 HERE = pathlib.Path(__file__).parent
 CXX = shutil.which("g++")
@@ -200,3 +205,34 @@ class EmuBackend:
         """Compile every kernel module (a test that they all build with g++ too)."""
         for module in loader.module_names():
             self._lib(module)
+
+
+class EmuPlace(GPUPlace):
+    """A GPU place on the emulator: kind "gpu", so ops run their GPU kernel
+    bindings; feeds become EmuArrays; fetches and device error flags go
+    through GPUPlace's own to_host and check_errors. Needs an EmuBackend
+    installed in the loader (see `emulated_gpu`)."""
+
+    def __init__(self, device_id=0):
+        self.device_id = int(device_id)       # no driver, no context
+
+    def to_device(self, array):
+        """`array` copied into a new EmuArray."""
+        return to_device(np.require(array, requirements="C"))
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __repr__(self):
+        return f"EmuPlace({self.device_id})"
+
+
+@contextlib.contextmanager
+def emulated_gpu(sm_count=2):
+    """Install an EmuBackend in the loader and yield an EmuPlace; the previous
+    backend comes back afterwards."""
+    old = loader.use_backend(EmuBackend(sm_count=sm_count))
+    try:
+        yield EmuPlace()
+    finally:
+        loader.use_backend(old)

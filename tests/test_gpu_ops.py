@@ -1,0 +1,415 @@
+"""The ops' GPU kernel bindings, through the real Executor, against the CPU kernels.
+
+Every case runs on two GPU places and is compared with the same op on the CPU:
+- "emulated": `EmuPlace` (tests/kernel_emulator): kind "gpu", so the
+  Executor picks the GPU bindings, which run the real launchers and the real
+  .cu kernels compiled with g++; arrays are host buffers shaped like GPUArrays.
+  Runs wherever g++ exists.
+- "gpu" (marker `gpu`): GPUPlace(0) through PyCUDA; skipped without a GPU.
+Also: a small net trains with the CPU's losses, nothing but feeds and fetches
+(and the device error flags) crosses between host and device in a step, and
+errors flagged on the device raise at fetch time.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from minigraph.kernels import loader
+
+import minigraph as mg
+from minigraph import layers
+from minigraph.schema import get_schema
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import kernel_emulator  # noqa: E402
+
+TOL = {np.dtype("float16"): 1e-3, np.dtype("float32"): 2e-5, np.dtype("float64"): 1e-12}
+
+
+@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
+def place(request):
+    """A GPU place: the emulator's, or GPUPlace(0) (skipped without one)."""
+    if request.param == "gpu":
+        gpu = request.getfixturevalue("gpu_place")
+        old = loader.use_backend(None)
+        yield gpu
+        loader.use_backend(old)
+        return
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ for the kernel emulator")
+    with kernel_emulator.emulated_gpu() as emu:
+        yield emu
+
+
+def is_device_array(value):
+    return not isinstance(value, np.ndarray) and hasattr(value, "gpudata")
+
+
+def _leaves(v):
+    return v if isinstance(v, list) else [v]
+
+
+def run_op(place, op_type, inputs, attrs=None, grad_sets=(), dout_slots=None, seed=0):
+    """Run `op_type` once on `place` through an Executor, then its grad ops.
+
+    inputs: {slot: array or list of arrays}. grad_sets: tuples of input slots
+    whose gradients are asked for together (one backward run per tuple), with
+    d(loss)/d(out) fixed random values (from `seed`) for each float output in
+    `dout_slots` (default: every one that is not an in-place alias).
+    Returns (outputs {slot: array}, grads {slots: {input var name: array}}).
+    """
+    schema = get_schema(op_type)
+    scope = mg.Scope()
+    ex = mg.Executor(place)
+    in_vars, originals = {}, {}
+    for slot in schema.inputs:
+        value = inputs.get(slot.name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            in_vars[slot.name] = [scope.new_var(f"{slot.name}{i}") for i in range(len(value))]
+        else:
+            in_vars[slot.name] = scope.new_var(slot.name)
+        for var, a in zip(_leaves(in_vars[slot.name]), _leaves(value), strict=True):
+            var.set(place.to_device(np.array(a, copy=True)))
+            originals[var.name] = var.value
+    out_vars = {}
+    for slot in schema.outputs:
+        src = schema.inplace.get(slot.name)
+        out_vars[slot.name] = in_vars[src] if src else scope.new_var(f"out.{slot.name}")
+    op = mg.Operator(op_type, **in_vars, **out_vars, **(attrs or {}))
+    fetched = ex.run([op], scope, fetch=list(out_vars.values()))
+    outs = dict(zip(out_vars, fetched, strict=True))
+    for slot, var in out_vars.items():
+        if place.kind == "gpu":
+            assert is_device_array(var.value), f"{op_type}: output {slot!r} is not on the device"
+        if slot in schema.inplace:
+            assert var.value is originals[var.name], \
+                f"{op_type}: in-place output {slot!r} is not the input's own buffer"
+    grads = {}
+    for wanted in grad_sets:
+        gscope = scope.new_scope()
+        rng = np.random.default_rng(seed)
+        dout = {}
+        for slot, var in out_vars.items():
+            if slot in schema.inplace or outs[slot].dtype.kind != "f" or \
+                    (dout_slots is not None and slot not in dout_slots):
+                dout[slot] = None
+                continue
+            d = gscope.new_var(f"{var.name}@GRAD")
+            d.set(place.to_device(rng.standard_normal(outs[slot].shape).astype(outs[slot].dtype)))
+            dout[slot] = d
+        targets = {id(v) for s in wanted for v in _leaves(in_vars[s])}
+        made = {}
+
+        def make_grad(var, targets=targets, made=made, gscope=gscope):
+            if id(var) not in targets:
+                return None
+            made[var.name] = gscope.new_var(f"{var.name}@GRAD")
+            return made[var.name]
+
+        grad_ops = [mg.Operator(d.type, **d.kwargs) for d in schema.grad(op, dout, make_grad)]
+        values = ex.run(grad_ops, gscope, fetch=list(made.values()))
+        for var in made.values():
+            if place.kind == "gpu":
+                assert is_device_array(var.value), f"{op_type}: {var.name} is not on the device"
+        grads[wanted] = dict(zip(made, values, strict=True))
+    return outs, grads
+
+
+def assert_close(got, want, where):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{where}: {got.dtype}{got.shape}, expected {want.dtype}{want.shape}"
+    if want.dtype.kind != "f":
+        np.testing.assert_array_equal(got, want, err_msg=where)
+        return
+    assert np.isfinite(got).all() == np.isfinite(want).all(), f"{where}: non-finite values"
+    scale = np.linalg.norm(want.astype(np.float64).ravel()) or 1.0
+    err = np.linalg.norm((got.astype(np.float64) - want).ravel()) / scale
+    assert err < TOL[want.dtype], f"{where}: relative error {err:.3g}"
+
+
+def r(*shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(dtype)
+
+
+def labels(n, k, seed=0):
+    return np.random.default_rng(seed).integers(0, k, n).astype(np.int64)
+
+
+F64 = np.float64
+LR32 = np.array(0.1, np.float32)
+XY = (("x", "y"), ("x",), ("y",))
+CASES = {
+    "fill_constant-f32": ("fill_constant", {}, dict(shape=(3, 4), value=2.5), ()),
+    "fill_constant-int64": ("fill_constant", {}, dict(shape=(5,), dtype="int64", value=7.9), ()),
+    "fill_constant-bool": ("fill_constant", {}, dict(shape=(2, 2), dtype="bool", value=1.0), ()),
+    "fill_constant-f16": ("fill_constant", {}, dict(shape=(3,), dtype="float16", value=0.1), ()),
+    "fill_constant-scalar-f64": ("fill_constant", {}, dict(shape=(), dtype="float64",
+                                                           value=-1.25), ()),
+    "uniform_random-f32": ("uniform_random", {}, dict(shape=(4, 5), min=-2.0, max=3.0,
+                                                      seed=3), ()),
+    "uniform_random-f64": ("uniform_random", {}, dict(shape=(7,), dtype="float64", seed=4), ()),
+    "gaussian_random-f64": ("gaussian_random", {}, dict(shape=(2, 3), dtype="float64", mean=1.0,
+                                                        std=2.0, seed=5), ()),
+    "add-channel-f32": ("elementwise_add", {"x": r(2, 3, 4, 5), "y": r(3)}, dict(axis=1), XY),
+    "add-same-f64": ("elementwise_add", {"x": r(4, 6, dtype=F64), "y": r(4, 6, dtype=F64)}, {},
+                     XY),
+    "add-trailing-f32": ("elementwise_add", {"x": r(2, 3, 4), "y": r(3, 4)}, {}, XY),
+    "add-leading-f64": ("elementwise_add", {"x": r(2, 3, 4, dtype=F64), "y": r(2, dtype=F64)},
+                        dict(axis=0), (("y",),)),
+    "sum-f32": ("sum", {"x": [r(3, 5, seed=k) for k in range(3)]}, {}, (("x",),)),
+    "mul-f32": ("mul", {"x": r(2, 3, 4), "y": r(12, 5)}, {}, XY),
+    "mul-cols2-f64": ("mul", {"x": r(2, 3, 4, dtype=F64), "y": r(4, 6, dtype=F64)},
+                      dict(x_num_col_dims=2), XY),
+    "conv2d-groups-f32": ("conv2d", {"x": r(2, 4, 6, 6), "filter": r(6, 2, 3, 3)},
+                          dict(paddings=1, groups=2), (("x", "filter"), ("x",), ("filter",))),
+    "conv2d-strided-f64": ("conv2d", {"x": r(1, 3, 9, 8, dtype=F64),
+                                      "filter": r(4, 3, 3, 2, dtype=F64)},
+                           dict(strides=2, paddings=(1, 0), dilations=2), (("x", "filter"),)),
+    "pool2d-max-f32": ("pool2d", {"x": r(2, 3, 6, 6)}, dict(ksize=2), (("x",),)),
+    "pool2d-avg-pad-f64": ("pool2d", {"x": r(2, 2, 7, 7, dtype=F64)},
+                           dict(pool_type="avg", ksize=3, strides=2, paddings=1), (("x",),)),
+    "pool2d-max-pad-f32": ("pool2d", {"x": r(1, 2, 5, 5)}, dict(ksize=3, strides=2, paddings=1),
+                           (("x",),)),
+    "pool2d-global-max-f64": ("pool2d", {"x": r(2, 3, 4, 5, dtype=F64)},
+                              dict(global_pooling=True), (("x",),)),
+    "pool2d-global-avg-f32": ("pool2d", {"x": r(2, 3, 4, 5)},
+                              dict(pool_type="avg", global_pooling=True), (("x",),)),
+    "relu-f32": ("relu", {"x": r(3, 4, 5)}, {}, (("x",),)),
+    "relu-f64": ("relu", {"x": r(7, dtype=F64)}, {}, (("x",),)),
+    "swce-f32": ("softmax_with_cross_entropy", {"logits": r(5, 7) * 10, "label": labels(5, 7)},
+                 {}, (("logits",),)),
+    "swce-f64": ("softmax_with_cross_entropy", {"logits": r(4, 3, dtype=F64),
+                                                "label": labels(4, 3)}, {}, (("logits",),)),
+    "mean-f32": ("mean", {"x": r(3, 4, 5)}, {}, (("x",),)),
+    "mean-f64": ("mean", {"x": r(6, dtype=F64)}, {}, (("x",),)),
+    "sgd-f32": ("sgd", {"param": r(3, 5), "grad": r(3, 5, seed=1), "learning_rate": LR32}, {},
+                ()),
+    "sgd-f64-lr64": ("sgd", {"param": r(9, dtype=F64), "grad": r(9, dtype=F64, seed=1),
+                             "learning_rate": np.array([0.3])}, {}, ()),
+    "momentum-f32": ("momentum", {"param": r(3, 5), "grad": r(3, 5, seed=1),
+                                  "velocity": r(3, 5, seed=2), "learning_rate": LR32},
+                     dict(mu=0.8), ()),
+    "momentum-nesterov-f64": ("momentum", {"param": r(4, 3, dtype=F64),
+                                           "grad": r(4, 3, dtype=F64, seed=1),
+                                           "velocity": r(4, 3, dtype=F64, seed=2),
+                                           "learning_rate": LR32},
+                              dict(mu=0.9, use_nesterov=True), ()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_op_and_its_grad_match_the_cpu(place, case):
+    op_type, inputs, attrs, grad_sets = CASES[case]
+    want, want_grads = run_op(mg.CPUPlace(), op_type, inputs, attrs, grad_sets)
+    got, got_grads = run_op(place, op_type, inputs, attrs, grad_sets)
+    assert set(got) == set(want)
+    for slot in want:
+        assert_close(got[slot], want[slot], f"{case}: output {slot!r}")
+    for wanted in grad_sets:
+        assert set(got_grads[wanted]) == set(want_grads[wanted])
+        for name in want_grads[wanted]:
+            assert_close(got_grads[wanted][name], want_grads[wanted][name],
+                         f"{case}: d/d {name} (grads asked for {wanted})")
+
+
+def test_softmax_grad_from_the_loss_alone(place):
+    inputs = {"logits": r(6, 4), "label": labels(6, 4)}
+    args = ("softmax_with_cross_entropy", inputs, {}, (("logits",),), ("loss",))
+    want, want_grads = run_op(mg.CPUPlace(), *args)
+    got, got_grads = run_op(place, *args)
+    assert_close(got_grads[("logits",)]["logits"], want_grads[("logits",)]["logits"], "dlogits")
+
+
+@pytest.mark.parametrize("op_type,inputs,attrs,skipped", [
+    ("mul_grad", {"x": r(2, 3), "y": r(3, 4), "dout": r(2, 4)}, {}, "dx"),
+    ("mul_grad", {"x": r(2, 3), "y": r(3, 4), "dout": r(2, 4)}, {}, "dy"),
+    ("elementwise_add_grad", {"y": r(3), "dout": r(2, 3)}, {}, "dx"),
+    ("elementwise_add_grad", {"y": r(3), "dout": r(2, 3)}, {}, "dy"),
+    ("conv2d_grad", {"x": r(1, 2, 4, 4), "filter": r(3, 2, 3, 3), "dout": r(1, 3, 2, 2)}, {},
+     "dx"),
+    ("conv2d_grad", {"x": r(1, 2, 4, 4), "filter": r(3, 2, 3, 3), "dout": r(1, 3, 2, 2)}, {},
+     "dfilter"),
+])
+def test_unbound_grad_outputs_are_not_computed(place, op_type, inputs, attrs, skipped):
+    schema = get_schema(op_type)
+    scope = mg.Scope()
+    kwargs = {}
+    for slot, value in inputs.items():
+        kwargs[slot] = scope.new_var(slot)
+        kwargs[slot].set(place.to_device(value))
+    outs = {s.name: scope.new_var(s.name) for s in schema.outputs if s.name != skipped}
+    op = mg.Operator(op_type, **kwargs, **outs, **attrs)
+    ins = {slot: var.value for slot, var in kwargs.items()}
+    assert set(schema.kernels["gpu"](op, ins)) == set(outs)
+
+
+def test_outputs_stay_on_the_device_and_get_copies_them_out(place):
+    scope = mg.Scope()
+    x, out = scope.new_var("x"), scope.new_var("out")
+    x.set(place.to_device(np.array([-1.0, 2.0], np.float32)))
+    mg.Executor(place).run([mg.Operator("relu", x=x, out=out)], scope)
+    assert is_device_array(out.value)
+    host = out.get()
+    assert isinstance(host, np.ndarray) and host.tolist() == [0.0, 2.0]
+    host[:] = 7
+    assert out.get().tolist() == [0.0, 2.0]          # a copy, not a view of the device
+
+
+def test_scalars_stay_scalars_on_the_device(place):
+    assert tuple(place.to_device(np.array(2.5, np.float32)).shape) == ()
+    assert tuple(place.to_device(np.float64(1.0)).shape) == ()
+    assert place.to_device(np.array(2.5, np.float32)).get() == np.float32(2.5)
+
+
+def test_float16_on_the_gpu_is_a_clear_error(place):
+    scope = mg.Scope()
+    x, out = scope.new_var("x"), scope.new_var("out")
+    x.set(place.to_device(np.ones(3, np.float16)))
+    with pytest.raises(mg.OpError, match=r"relu: input 'x' has dtype float16; the GPU kernels "
+                                         r"take float32 or float64"):
+        mg.Executor(place).run([mg.Operator("relu", x=x, out=out)], scope)
+
+
+def test_empty_mean_is_the_cpu_error(place):
+    scope = mg.Scope()
+    x, out = scope.new_var("x"), scope.new_var("out")
+    x.set(place.to_device(np.ones((0, 3), np.float32)))
+    with pytest.raises(mg.OpError, match=r"mean: input 'x' is empty \(shape \(0, 3\)\)"):
+        mg.Executor(place).run([mg.Operator("mean", x=x, out=out)], scope)
+
+
+# ---- a small net -------------------------------------------------------------------
+
+
+def small_net(place, optimizer, seed=7):
+    """data -> conv2d -> relu -> pool2d -> fc -> softmax_with_cross_entropy -> mean."""
+    net = mg.Net(place=place, seed=seed)
+    image = layers.data(net, "image", shape=(-1, 2, 6, 6))
+    label = layers.data(net, "label", shape=(-1,), dtype="int64")
+    h = layers.relu(net, layers.conv2d(net, image, num_filters=4, filter_size=3, padding=1))
+    h = layers.pool2d(net, h, 2)
+    logits = layers.fc(net, h, size=5)
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    optimizer.minimize(net, loss)
+    return net, logits, loss
+
+
+def batches(steps, n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"image": rng.standard_normal((n, 2, 6, 6)).astype(np.float32),
+             "label": rng.integers(0, 5, n).astype(np.int64)} for _ in range(steps)]
+
+
+def train_losses(place, make_optimizer, steps=3):
+    net, logits, loss = small_net(place, make_optimizer())
+    feeds = batches(steps + 1)
+    losses = [float(net.train(feed=f, fetch=[loss])[0]) for f in feeds[:steps]]
+    (out,) = net.infer(feed={"image": feeds[-1]["image"]}, fetch=[logits])
+    params = {v.name: v.get() for v in net.parameters()}
+    return losses, out, params
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: mg.optimizer.SGD(learning_rate=0.1),
+    lambda: mg.optimizer.Momentum(learning_rate=0.05, momentum=0.9),
+    lambda: mg.optimizer.Momentum(learning_rate=0.05, momentum=0.9, nesterov=True),
+], ids=["sgd", "momentum", "nesterov"])
+def test_small_net_trains_like_on_the_cpu(place, make_optimizer):
+    want_losses, want_out, want_params = train_losses(mg.CPUPlace(), make_optimizer)
+    got_losses, got_out, got_params = train_losses(place, make_optimizer)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert want_losses[-1] < want_losses[0]
+    assert_close(got_out, want_out, "infer logits")
+    for name, want in want_params.items():
+        assert_close(got_params[name], want, f"parameter {name}")
+
+
+def test_a_step_moves_only_feeds_and_fetches(monkeypatch):
+    """Host <-> device traffic of one emulated training step: the two feeds in;
+    out, only when something is fetched: the loss and the two label-status
+    flags (softmax_with_cross_entropy's and its grad's). Nothing else: the
+    learning rate and mean's gradient are read on the device."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ for the kernel emulator")
+    with kernel_emulator.emulated_gpu() as emu:
+        net, _, loss = small_net(emu, mg.optimizer.Momentum(learning_rate=0.05))
+        first, second = batches(2)
+        net.train(feed=first, fetch=[loss])                     # initialises the parameters
+        moved = {"in": 0, "out": 0}
+        real_get, real_set = kernel_emulator.EmuArray.get, kernel_emulator.EmuArray.set
+
+        def counting_get(self):
+            moved["out"] += 1
+            return real_get(self)
+
+        def counting_set(self, values):
+            moved["in"] += 1
+            return real_set(self, values)
+
+        monkeypatch.setattr(kernel_emulator.EmuArray, "get", counting_get)
+        monkeypatch.setattr(kernel_emulator.EmuArray, "set", counting_set)
+        net.train(feed=second)
+        assert moved == {"in": 2, "out": 0}
+        net.train(feed=second, fetch=[loss])
+        assert moved == {"in": 4, "out": 3}
+
+
+def test_bad_labels_raise_at_the_next_fetch(place):
+    net, logits, loss = small_net(place, mg.optimizer.SGD(learning_rate=0.1))
+    good, bad = batches(2)
+    bad["label"][2] = 9
+    net.train(feed=good, fetch=[loss])
+    net.train(feed=bad)                                 # no fetch: nothing is read back
+    with pytest.raises(ValueError, match=r"softmax_with_cross_entropy: input 'label' had 1 "
+                                         r"value\(s\) outside \[0, K\), e.g. at row 2") as e:
+        net.train(feed=good, fetch=[loss])
+    assert "also: softmax_with_cross_entropy_grad: input 'label' had 1 value(s)" in str(e.value)
+    (value,) = net.train(feed=good, fetch=[loss])       # reported once, then clear
+    assert np.isfinite(value)
+    with pytest.raises(ValueError, match="outside"):
+        net.train(feed=bad, fetch=[loss])
+
+
+# ---- the real GPU only -----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_digits_net_trains_on_the_gpu_like_on_the_cpu(gpu_place):
+    from minigraph.examples.train_digits import build_net, load_digits_split
+
+    if "gpu" not in get_schema("batch_norm").kernels:
+        pytest.skip("batch_norm has no GPU kernel binding yet")
+    pytest.importorskip("sklearn")
+    old = loader.use_backend(None)
+    try:
+        x, y, _, _ = load_digits_split()
+        runs = []
+        for place in (mg.CPUPlace(), gpu_place):
+            net, h = build_net(place, seed=0)
+            losses = []
+            for k in range(5):
+                feed = {"image": x[32 * k:32 * k + 32], "label": y[32 * k:32 * k + 32]}
+                losses.append(float(net.train(feed=feed, fetch=[h["loss"]])[0]))
+            (logits,) = net.infer(feed={"image": x[:64]}, fetch=[h["logits"]])
+            runs.append((losses, logits))
+        (cpu_losses, cpu_logits), (gpu_losses, gpu_logits) = runs
+        np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
+        np.testing.assert_allclose(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-4)
+    finally:
+        loader.use_backend(old)
+
+
+def test_importing_minigraph_imports_nothing_from_pycuda():
+    code = ("import sys, minigraph\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'pycuda']\n"
+            "assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
