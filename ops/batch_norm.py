@@ -112,9 +112,10 @@ def as_3d(x, layout):
 # Each pass reads x (and dy) from memory once and does all of its arithmetic on
 # one cache-sized block at a time. Per-channel constants are laid out to match
 # a block ("expanded"), so every ufunc runs over long contiguous rows. Sums go
-# through BLAS matrix-vector products with a vector of ones: float32 (x's
-# dtype) inside one block, float64 across blocks. Blocks are split into one
-# contiguous run per thread; numpy and BLAS release the GIL while they work.
+# through BLAS matrix-vector products with a vector of ones (or einsum for dot
+# products): x's dtype inside one block, float64 across blocks, and every block
+# stores its sums in its own slot, so results do not depend on the threads.
+# Threads take blocks from a shared iterator; numpy releases the GIL while it works.
 
 _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _pool = None
@@ -152,23 +153,27 @@ def get_num_threads():
     return _threads
 
 
-def run_parts(fn, parts):
-    """[fn(part) for part in parts]: the first on this thread, the rest on the pool.
-    Returns once every part has finished, also when one of them raised."""
-    if len(parts) <= 1:
-        return [fn(p) for p in parts]
+def run_blocks(body, plan):
+    """Run body(blocks) on plan.workers threads (this one and pool threads) that share
+    one iterator over plan.blocks, so a thread that starts late or is slowed down
+    takes fewer blocks. Returns once every thread has finished, also after a raise."""
+    blocks = iter(plan.blocks)
+    if plan.workers <= 1:
+        body(blocks)
+        return
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=max(1, _threads - 1),
                                        thread_name_prefix="minigraph-bn")
         pool = _pool
-    futures = [pool.submit(fn, p) for p in parts[1:]]
+    futures = [pool.submit(body, blocks) for _ in range(plan.workers - 1)]
     try:
-        first = fn(parts[0])
+        body(blocks)
     finally:
         wait(futures)
-    return [first] + [f.result() for f in futures]
+    for f in futures:
+        f.result()
 
 
 def _ones(n, dtype):
@@ -342,8 +347,8 @@ class FlatPlan:
 
 
 def plan_for(x3):
-    """The block plan of a C-contiguous (R, C, I) array; `plan.parts` splits its
-    blocks into one contiguous run per thread (a single run for small arrays)."""
+    """The block plan of a C-contiguous (R, C, I) array; `plan.workers` threads
+    share its blocks (one for small arrays)."""
     R, C, I = x3.shape
     key = (R, C, I, x3.dtype, CHUNK_BYTES, PARALLEL_MIN_BYTES, _threads)
     plan = _plans.get(key)
@@ -354,9 +359,7 @@ def plan_for(x3):
         plan = RowPlan(R, C, I, block)
     else:
         plan = FlatPlan(R, C, I, block)
-    parts = 1 if x3.nbytes < PARALLEL_MIN_BYTES else min(_threads, len(plan.blocks))
-    edges = [round(i * len(plan.blocks) / parts) for i in range(parts + 1)]
-    plan.parts = [plan.blocks[edges[i]:edges[i + 1]] for i in range(parts)]
+    plan.workers = 1 if x3.nbytes < PARALLEL_MIN_BYTES else min(_threads, len(plan.blocks))
     if len(_plans) >= 64:
         _plans.clear()
     _plans[key] = plan
@@ -395,7 +398,7 @@ def local_stats(x3):
                 np.square(d, out=d)
                 plan.add_sums(s2, blk, d)
 
-    run_parts(part, plan.parts)
+    run_blocks(part, plan)
     with np.errstate(invalid="ignore", over="ignore"):
         s1, s2 = plan.fold(s1), plan.fold(s2)
         mean = shift + s1 / n
@@ -437,7 +440,7 @@ def normalize(x3, mean, invstd, scale, bias, out3):
                 o *= plan.const(Kc, blk)
             o += plan.const(B, blk)
 
-    run_parts(part, plan.parts)
+    run_blocks(part, plan)
 
 
 def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
@@ -569,7 +572,7 @@ def grad_sums(x3, dy3, mean, invstd=None):
             plan.add_dots(s_dyx, blk, xb, gb, d)
             plan.add_sums(s_dy, blk, gb)
 
-    run_parts(part, plan.parts)
+    run_blocks(part, plan)
     s_dy, s_dyx = plan.fold(s_dy), plan.fold(s_dyx)
     return n, s_dy, s_dyx - s_dy * (mean - shift)
 
@@ -610,7 +613,7 @@ def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
             np.multiply(gb, plan.const(KD, blk), out=t)
             o += t
 
-    run_parts(part, plan.parts)
+    run_blocks(part, plan)
 
 
 def backward_cpu(op, ins, combine=None):
