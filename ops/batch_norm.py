@@ -13,6 +13,7 @@ updated in place, and never with NaN or Inf.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -47,6 +48,7 @@ MIN_INNER = 16                 # shorter inner axes (NHWC: 1) sum over rows, not
 MAX_DOT = 8192                 # longest row whose dot products go through einsum
 SHIFT_VALUES = 256             # values per channel that pick the shift of the statistics
 PARALLEL_MIN_BYTES = 1 << 21   # smaller tensors stay on the calling thread
+SMALL_VALUES = 1 << 14         # tensors this small take plain float64 numpy (less overhead)
 
 
 def bn_schema(op_type):
@@ -103,7 +105,7 @@ def infer_bn(op_type, ins, attrs):
 def as_3d(x, layout):
     """View x as (rows, C, inner) so every statistic reduces over axes 0 and 2."""
     if layout == "NCHW":
-        return x.reshape(x.shape[0], x.shape[1], int(np.prod(x.shape[2:])))  # 0 rows too
+        return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))  # 0 rows too
     return x.reshape(-1, x.shape[-1], 1)
 
 
@@ -378,6 +380,12 @@ def local_stats(x3):
     n = R * I
     if n == 0:
         return 0, np.zeros(C), np.zeros(C)
+    if x3.size <= SMALL_VALUES:                        # two passes in float64
+        with np.errstate(invalid="ignore", over="ignore"):
+            xd = x3.astype(np.float64)
+            mean = xd.sum(axis=(0, 2)) / n
+            d = xd - mean[:, None]
+            return n, mean, np.einsum("rci,rci->c", d, d)
     head = x3[:-(-SHIFT_VALUES // I), :, :SHIFT_VALUES]
     shift = np.add.reduce(head, axis=(0, 2), dtype=np.float64) / (head.shape[0] * head.shape[2])
     shift = shift.astype(x3.dtype).astype(np.float64)       # exactly what is subtracted
@@ -417,9 +425,12 @@ def normalize(x3, mean, invstd, scale, bias, out3):
     out3 is C-contiguous in x's work dtype. Offset data is centred first;
     otherwise x * k + c, one step fewer."""
     x3 = as_work(x3)
+    k = invstd * scale
+    if x3.size <= SMALL_VALUES:
+        out3[...] = (x3 - mean[:, None]) * k[:, None] + bias[:, None]
+        return
     plan = plan_for(x3)
     dt = x3.dtype
-    k = invstd * scale
     if centring_needed(mean, invstd):
         m = mean.astype(dt)
         M = plan.expand(m, dt)
@@ -460,8 +471,7 @@ def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
                momentum * est_var + (1 - momentum) * unbiased)
     with np.errstate(over="ignore", invalid="ignore"):
         new = tuple(v.astype(dtype) for v in new)
-    if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(var))
-            and all(np.all(np.isfinite(v)) for v in new)):
+    if not np.isfinite(np.concatenate((mean, var) + new)).all():
         raise OpError(f"{op.type}: the batch statistics are not finite (input 'x' holds NaN "
                       "or Inf, or its variance overflows); the running estimates and the "
                       "counter were left unchanged")
@@ -554,6 +564,9 @@ def grad_sums(x3, dy3, mean, invstd=None):
     n = R * I
     if n == 0:
         return 0, np.zeros(C), np.zeros(C)
+    if x3.size <= SMALL_VALUES:
+        gd = dy3.astype(np.float64)
+        return n, gd.sum(axis=(0, 2)), np.einsum("rci,rci->c", gd, x3 - mean[:, None])
     plan = plan_for(x3)
     centred = invstd is None or centring_needed(mean, invstd)
     shift = mean.astype(x3.dtype).astype(np.float64) if centred else np.zeros(C)
@@ -582,6 +595,12 @@ def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
     k_dy*dy when k_x is None; out3 is C-contiguous in x's work dtype. With
     centre=False (|mean| <= std) it is computed as k_dy*dy + k_x*x + c."""
     x3, dy3 = as_work(x3), as_work(dy3)
+    if x3.size <= SMALL_VALUES:
+        dx = dy3 * k_dy[:, None]
+        if k_x is not None:
+            dx += (x3 - mean[:, None]) * k_x[:, None] + k_c[:, None]
+        out3[...] = dx
+        return
     plan = plan_for(x3)
     dt = x3.dtype
     KD = plan.expand(k_dy, dt)

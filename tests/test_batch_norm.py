@@ -314,20 +314,25 @@ BLOCK_CASES = [
 
 @pytest.fixture
 def tiny_blocks(monkeypatch):
-    """Blocks of 64 floats (32 doubles), and two threads even for small tensors."""
+    """Blocks of 64 floats (32 doubles), and two threads even for small tensors (which
+    otherwise take the plain float64 path)."""
     monkeypatch.setattr(bn_ops, "CHUNK_BYTES", 256)
     monkeypatch.setattr(bn_ops, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(bn_ops, "SMALL_VALUES", 0)
     threads = bn_ops.get_num_threads()
     bn_ops.set_num_threads(2)
     yield
     bn_ops.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("offset", [3.0, 1e4])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("offset", [0.1, 3.0, 1e4])      # |mean| below std: x * k + c
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("layout, shape", BLOCK_CASES)
-def test_many_blocks_match_the_reference(tiny_blocks, layout, shape, dtype, offset):
-    bn = BN(data(shape, dtype, offset=offset, std=1.0), layout, counter=1)
+def test_many_blocks_match_the_reference(tiny_blocks, layout, shape, dtype, offset, mode):
+    bn = BN(data(shape, dtype, offset=offset, std=1.0), layout, counter=1, **MODES[mode])
+    if mode != "train":          # estimates near the data: y keeps its size
+        bn.mean.set(bn.mean.get() + np.asarray(offset, dtype))
     want = bn.expected()
     bn.run()
     t = tol(dtype)
@@ -344,6 +349,7 @@ def test_results_do_not_depend_on_threads_or_blocks(monkeypatch):
     for threads, chunk in ((1, 1 << 18), (3, 512), (1, 512)):
         monkeypatch.setattr(bn_ops, "CHUNK_BYTES", chunk)
         monkeypatch.setattr(bn_ops, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(bn_ops, "SMALL_VALUES", 0)
         old = bn_ops.get_num_threads()
         bn_ops.set_num_threads(threads)
         try:
@@ -400,15 +406,17 @@ def grad_reference(x, dy, scale, mean, var, eps, layout, use_global_est):
     return dx, dscale, dbias
 
 
-@pytest.mark.parametrize("max_dot", [8192, 4])                   # einsum or multiply + sum
+@pytest.mark.parametrize("small, max_dot", [(1 << 14, 8192),   # plain float64
+                                            (0, 8192), (0, 4)])  # blocks: einsum, multiply
 @pytest.mark.parametrize("use_global_est", [False, True])
 @pytest.mark.parametrize("offset, dtype", [(3.0, np.float64), (3.0, np.float32),
                                            (1e4, np.float32)])
 @pytest.mark.parametrize("layout, shape", [("NCHW", (4, 3, 5, 6)), ("NHWC", (4, 5, 6, 3)),
                                            ("NCHW", (9, 2, 150))])
-def test_grad_kernel_closed_form(layout, shape, offset, dtype, use_global_est, max_dot,
+def test_grad_kernel_closed_form(layout, shape, offset, dtype, use_global_est, small, max_dot,
                                  monkeypatch):
     monkeypatch.setattr(bn_ops, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(bn_ops, "SMALL_VALUES", small)
     monkeypatch.setattr(bn_ops, "MAX_DOT", max_dot)
     bn = BN(data(shape, dtype, offset=offset, std=1.0), layout, counter=1,
             use_global_est=use_global_est)
