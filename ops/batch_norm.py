@@ -371,9 +371,11 @@ def plan_for(x3):
 def local_stats(x3):
     """(n, mean, M2) per channel of x3 (R, C, I) in float64, over axes 0 and 2.
 
-    One read of x: the sums are of d = x - K with K a per-channel shift taken
-    from the first values of each channel (near the mean), so
-    M2 = Σd² - (Σd)²/n keeps its digits on offset data. A shape with no values
+    One read of x, the shifted-data algorithm: the sums are of d = x - K with K
+    a per-channel shift near the mean, so M2 = Σd² - (Σd)²/n keeps its digits
+    on offset data. K is the mean of the first values of each channel, or 0
+    when every channel's first values have |mean| <= std (x is then centred
+    enough as it is, and the subtraction is skipped). A shape with no values
     gives n = 0 and zeros (a rank holding no rows of a synced batch)."""
     x3 = as_work(x3)
     R, C, I = x3.shape
@@ -386,11 +388,14 @@ def local_stats(x3):
             mean = xd.sum(axis=(0, 2)) / n
             d = xd - mean[:, None]
             return n, mean, np.einsum("rci,rci->c", d, d)
-    head = x3[:-(-SHIFT_VALUES // I), :, :SHIFT_VALUES]
-    shift = np.add.reduce(head, axis=(0, 2), dtype=np.float64) / (head.shape[0] * head.shape[2])
-    shift = shift.astype(x3.dtype).astype(np.float64)       # exactly what is subtracted
+    head = x3[:-(-SHIFT_VALUES // I), :, :SHIFT_VALUES].astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        shift = head.mean(axis=(0, 2))
+        spread = ((head - shift[:, None]) ** 2).mean(axis=(0, 2))
+        centre = not bool(np.all(shift * shift <= spread))
+    shift = shift.astype(x3.dtype).astype(np.float64) if centre else np.zeros(C)
     plan = plan_for(x3)
-    K = plan.expand(shift, x3.dtype)
+    K = plan.expand(shift, x3.dtype) if centre else None
     xs = plan.bases(x3)
 
     s1, s2 = plan.new_sums(x3.dtype), plan.new_sums(x3.dtype)
@@ -401,9 +406,13 @@ def local_stats(x3):
             for blk in blocks:
                 xb = plan.view(xs, blk)
                 d = buf[:xb.size].reshape(xb.shape)
-                np.subtract(xb, plan.const(K, blk), out=d)
-                plan.add_sums(s1, blk, d)
-                np.square(d, out=d)
+                if K is None:
+                    np.square(xb, out=d)
+                    plan.add_sums(s1, blk, xb)
+                else:
+                    np.subtract(xb, plan.const(K, blk), out=d)
+                    plan.add_sums(s1, blk, d)
+                    np.square(d, out=d)
                 plan.add_sums(s2, blk, d)
 
     run_blocks(part, plan)

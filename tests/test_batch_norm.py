@@ -192,6 +192,20 @@ def test_offset_data_keeps_precision(layout, shape):
     assert abs(bn.var.get() - 1.0).max() < 0.6          # not swamped by the offset
 
 
+@pytest.mark.parametrize("first, rest", [(0.0, 1e4), (1e4, 0.0), (1e4, 1e4 + 5.0)])
+def test_batch_whose_first_values_are_unlike_the_rest(first, rest):
+    """The statistics' shift comes from the first values of each channel: a batch
+    whose first sample differs from the others must still be exact to 1e-3."""
+    x = data((64, 2, 32, 32), np.float32, offset=rest, std=1.0)
+    x[0] = data((2, 32, 32), np.float32, offset=first, std=1.0)
+    bn = BN(x, counter=0, params=(np.ones(2), np.zeros(2)))
+    want = bn.expected()
+    bn.run()
+    np.testing.assert_allclose(bn.bv.get(), want["batch_var"], rtol=1e-3)
+    np.testing.assert_allclose(bn.bm.get(), want["batch_mean"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(bn.y.get(), want["y"], atol=1e-4)
+
+
 # ---- sequences of batches: first batch, momentum, cumulative average ---------------------
 
 def test_first_batch_takes_the_batch_statistics():
