@@ -7,9 +7,11 @@ the training forward of `batch_norm` and forward + `batch_norm_grad` (the op
 the grad maker builds); PyTorch's `torch.nn.functional.batch_norm`
 (training=True) forward and forward + backward at the same thread count; and
 `np.copyto` of x into a preallocated array (the cost of touching the bytes
-once). Times are medians after warm-up. Then it measures the executor's
-overhead per op on tiny tensors: Executor.run over 100 tiny ops, divided by
-100, minus the time of calling the kernel directly.
+once). Times are medians after warm-up; the cases of one shape take turns, so
+a change in the machine's load hits them alike. Then it measures the
+executor's overhead per op on tiny tensors (relu when registered, and
+batch_norm with is_infer=True, on (2, 3)): Executor.run over 100 ops, divided
+by 100, minus the time of calling the kernel directly.
 """
 from __future__ import annotations
 
@@ -128,13 +130,13 @@ def bench_shapes(threads, repeat):
                   f"{ratio(mine, theirs):>10} {ratio(mine, copy):>8}")
 
 
-def tiny_ops(count):
-    """`count` independent tiny ops (relu on (2, 3) if registered, else batch_norm with
-    is_infer=True on (2, 3)), the scope they read and a description."""
+def tiny_ops(kind, count):
+    """`count` independent tiny ops on a (2, 3) float32 tensor: relu, or batch_norm
+    with is_infer=True; the scope they read and a description."""
     scope = mg.Scope()
     x = scope.new_var("x")
     x.set(np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32))
-    if "relu" in registered_ops() and {s.name for s in get_schema("relu").inputs} == {"x"}:
+    if kind == "relu":
         out_slot = get_schema("relu").outputs[0].name
         ops = [mg.Operator("relu", x=x, **{out_slot: scope.new_var(f"out{i}")})
                for i in range(count)]
@@ -153,20 +155,25 @@ def tiny_ops(count):
 
 
 def bench_overhead(repeat, count=100):
-    scope, ops, what = tiny_ops(count)
-    ex = mg.Executor(mg.CPUPlace())
-    kernel = ops[0].schema.kernels["cpu"]
-    ins = {slot: (None if v is None else v.value) for slot, v in ops[0].inputs.items()}
+    """Executor.run over `count` tiny ops, per op, against calling their kernel directly."""
+    relu_ok = "relu" in registered_ops() and {s.name for s in get_schema("relu").inputs} == {"x"}
+    print()
+    for kind in (["relu"] if relu_ok else []) + ["batch_norm"]:
+        scope, ops, what = tiny_ops(kind, count)
+        ex = mg.Executor(mg.CPUPlace())
+        kernel = ops[0].schema.kernels["cpu"]
+        ins = {slot: (None if v is None else v.value) for slot, v in ops[0].inputs.items()}
 
-    def kernels_only():
-        for op in ops:
-            kernel(op, ins)
+        def kernels_only(ops=ops, kernel=kernel, ins=ins):
+            for op in ops:
+                kernel(op, ins)
 
-    t = median_ms({"run": lambda: ex.run(ops, scope), "kernels": kernels_only}, repeat * 5)
-    run_us, kernel_us = t["run"] * 1e3 / count, t["kernels"] * 1e3 / count
-    print(f"\nexecutor overhead, {what}, {count} ops per run: "
-          f"{run_us:.1f} us per op in Executor.run, {kernel_us:.1f} us in the kernel, "
-          f"overhead {run_us - kernel_us:.1f} us per op (target <= 15)")
+        t = median_ms({"run": lambda ex=ex, ops=ops, scope=scope: ex.run(ops, scope),
+                       "kernels": kernels_only}, repeat * 5)
+        run_us, kernel_us = t["run"] * 1e3 / count, t["kernels"] * 1e3 / count
+        print(f"executor overhead, {what}, {count} ops per run: {run_us:.1f} us per op in "
+              f"Executor.run, {kernel_us:.1f} us in the kernel, overhead "
+              f"{run_us - kernel_us:.1f} us per op (target <= 15)")
 
 
 def main(argv=None):
