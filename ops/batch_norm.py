@@ -210,8 +210,8 @@ class RowPlan:
 
     Rows are grouped g at a time into units of U = g*C*I values; a block is a
     (units, U) matrix; the R % g rows left over form (rows, C*I) blocks. Each
-    block's sums over its units go to its own row of a float32 array, folded
-    to channels in float64 at the end.
+    block's sums over its units go to its own row of an array in x's dtype,
+    folded to channels in float64 at the end.
     """
 
     def __init__(self, R, C, I, block):
@@ -275,7 +275,7 @@ class RowPlan:
 class FlatPlan:
     """Blocks of x3 (R, C, I) that are contiguous runs of memory: several whole
     rows, a run of whole channels inside one row, or a piece of one channel.
-    Each block stores one float32 sum per (row, channel, piece)."""
+    Each block stores one sum (in x's dtype) per (row, channel, piece)."""
 
     def __init__(self, R, C, I, block):
         self.shape = (R, C, I)
