@@ -33,7 +33,6 @@ from minigraph.schema import (
     check_shape,
     fail,
     float_attr,
-    in_range,
     kernel,
     one_of,
     positive,
@@ -51,6 +50,14 @@ PARALLEL_MIN_BYTES = 1 << 21   # smaller tensors stay on the calling thread
 SMALL_VALUES = 1 << 14         # tensors this small take plain float64 numpy (less overhead)
 
 
+def momentum_range(v):
+    """The momentum attribute's check: a weight of the old estimate, in [0, 1]."""
+    if 0.0 <= v <= 1.0:
+        return None
+    return ("must be in [0, 1] (the weight of the old estimate), or None for the "
+            "cumulative average")
+
+
 def bn_schema(op_type):
     """The batch-norm schema under `op_type` (sync_batch_norm shares it)."""
     return OpSchema(
@@ -61,7 +68,7 @@ def bn_schema(op_type):
                  Slot("saved_var"), Slot("saved_num_batches", optional=True)),
         attrs=(bool_attr("is_infer", False), bool_attr("use_global_est", False),
                float_attr("epsilon", 1e-5, positive),
-               float_attr("momentum", 0.9, in_range(0.0, 1.0), nullable=True),
+               float_attr("momentum", 0.9, momentum_range, nullable=True),
                str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC"))),
         inplace={"saved_mean": "estimated_mean", "saved_var": "estimated_var",
                  "saved_num_batches": "num_batches"},

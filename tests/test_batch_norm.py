@@ -572,8 +572,9 @@ def test_bad_inplace_pair():
 @pytest.mark.parametrize("attrs, message", [
     ({"epsilon": 0.0}, r"attribute 'epsilon' must be > 0, got 0.0"),
     ({"epsilon": -1e-5}, r"attribute 'epsilon' must be > 0"),
-    ({"momentum": 1.5}, r"attribute 'momentum' must be in \[0.0, 1.0\], got 1.5"),
-    ({"momentum": -0.1}, r"attribute 'momentum' must be in \[0.0, 1.0\]"),
+    ({"momentum": 1.5}, r"attribute 'momentum' must be in \[0, 1\] .*or None .*got 1.5"),
+    ({"momentum": -0.1}, r"attribute 'momentum' must be in \[0, 1\]"),
+    ({"momentum": "fast"}, r"attribute 'momentum' must be float or int or None, got str"),
     ({"data_layout": "NCWH"}, r"attribute 'data_layout' must be one of 'NCHW', 'NHWC', "
                               r"got 'NCWH'"),
     ({"epsilon": "a"}, r"attribute 'epsilon' must be float .*got str 'a'"),
