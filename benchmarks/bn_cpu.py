@@ -21,9 +21,9 @@ import statistics
 import time
 
 import numpy as np
-from minigraph.ops import batch_norm as bn_ops
 
 import minigraph as mg
+from minigraph.ops import batch_norm as bn_ops
 from minigraph.schema import get_schema, registered_ops
 
 SHAPES = ((32, 64, 56, 56), (256, 512, 7, 7))

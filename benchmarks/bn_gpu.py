@@ -178,9 +178,9 @@ def bench_shape(shape, layout, env, args):
 def main(argv=None):
     args = parse_args(argv)
     import numpy as np
-    from minigraph.kernels import batch_norm
 
     import minigraph as mg
+    from minigraph.kernels import batch_norm
 
     try:
         mg.GPUPlace(args.device)             # primary context, current from now on

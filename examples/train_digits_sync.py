@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from minigraph.examples.train_digits import LEARNING_RATE, build_net, load_digits_split
 
 import minigraph as mg
+from minigraph.examples.train_digits import LEARNING_RATE, build_net, load_digits_split
 from minigraph.schema import get_schema
 
 

@@ -25,6 +25,7 @@ counter are protected.
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import launch, loader
 
 MODULE = "batch_norm"

@@ -10,6 +10,7 @@ chunk and group g (Og = O / G output channels, Kg = C / G * kh * kw):
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import launch, loader
 from minigraph.kernels.matmul import gemm
 

@@ -5,6 +5,7 @@ Plain functions on device arrays (PyCUDA GPUArrays): no graph needed.
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import launch, loader
 
 MODULE = "fill"

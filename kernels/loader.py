@@ -19,6 +19,7 @@ import importlib.resources
 import pathlib
 
 import numpy as np
+
 from minigraph.kernels import launch
 from minigraph.kernels.launch import DeviceInfo, KernelResources
 

@@ -3,6 +3,7 @@ their gradients (avg excludes padding; max grad goes to the first maximum)."""
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import launch, loader
 
 MODULE = "pool2d"

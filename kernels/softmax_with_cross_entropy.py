@@ -7,6 +7,7 @@ trip: their loss is NaN and a `LabelStatus` on the device counts them;
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import launch, loader
 
 MODULE = "softmax_with_cross_entropy"

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import activation as gpu
 from minigraph.ops.device import check_gpu_float, wants
-
 from minigraph.schema import Meta, OpDesc, OpSchema, Slot, check_float, kernel, register
 
 

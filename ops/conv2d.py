@@ -10,10 +10,10 @@ the grad scatters columns back with one strided add per filter tap.
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import conv2d as gpu
 from minigraph.ops.device import check_gpu_float, present, wants
 from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
-
 from minigraph.schema import (
     Meta,
     OpDesc,

@@ -9,9 +9,9 @@ sum: out = x[0] + x[1] + ...; autodiff uses it to add gradient contributions.
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import elementwise as gpu
 from minigraph.ops.device import check_gpu_float, present, wants
-
 from minigraph.schema import (
     Meta,
     OpDesc,

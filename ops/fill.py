@@ -13,9 +13,9 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+
 from minigraph.kernels import fill as gpu
 from minigraph.kernels import loader
-
 from minigraph.schema import (
     Attr,
     Meta,

@@ -6,9 +6,9 @@ y is (K, M) with K the second of those, and out has shape x.shape[:n] + (M,).
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import matmul as gpu
 from minigraph.ops.device import check_gpu_float, present, wants
-
 from minigraph.schema import (
     Meta,
     OpDesc,

@@ -11,9 +11,9 @@ return them. learning_rate is a float array of shape () or (1,).
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import optimizer_ops as gpu
 from minigraph.ops.device import check_gpu_float
-
 from minigraph.schema import (
     Meta,
     OpSchema,

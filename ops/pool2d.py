@@ -12,10 +12,10 @@ spreads dout / count over the real elements of the window.
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import pool2d as gpu
 from minigraph.ops.device import check_gpu_float, wants
 from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
-
 from minigraph.schema import (
     Meta,
     OpDesc,

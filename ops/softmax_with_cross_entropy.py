@@ -10,10 +10,10 @@ The label has no gradient.
 from __future__ import annotations
 
 import numpy as np
+
 from minigraph.kernels import loader
 from minigraph.kernels import softmax_with_cross_entropy as gpu
 from minigraph.ops.device import check_gpu_float, wants
-
 from minigraph.schema import (
     Meta,
     OpDesc,

@@ -23,8 +23,8 @@ the kernels: this module imports only the schema and batch_norm at load time.
 from __future__ import annotations
 
 import numpy as np
-from minigraph.ops.batch_norm import backward_cpu, bn_grad_schema, bn_schema, forward_cpu
 
+from minigraph.ops.batch_norm import backward_cpu, bn_grad_schema, bn_schema, forward_cpu
 from minigraph.schema import kernel, register
 
 

@@ -4,10 +4,10 @@ the errors a user can run into. (Finite-difference gradient checks live in
 test_batch_norm_grad.py; the grad kernel is checked here against its closed form.)"""
 import numpy as np
 import pytest
-from minigraph.ops import batch_norm as bn_ops
 
 import minigraph as mg
 from minigraph import OpError
+from minigraph.ops import batch_norm as bn_ops
 
 rng = np.random.default_rng(1234)
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from minigraph.examples import train_digits
 
 import minigraph as mg
 from minigraph import cli
+from minigraph.examples import train_digits
 
 
 def run_cli(*args, cwd=None):

@@ -19,10 +19,10 @@ import sys
 
 import numpy as np
 import pytest
-from minigraph.kernels import loader
 
 import minigraph as mg
 from minigraph import layers
+from minigraph.kernels import loader
 from minigraph.schema import get_schema
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

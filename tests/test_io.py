@@ -7,10 +7,10 @@ import warnings
 
 import numpy as np
 import pytest
-from minigraph.examples.train_digits import build_net
 
 import minigraph as mg
 from minigraph import io
+from minigraph.examples.train_digits import build_net
 
 
 def trained_net(seed, steps=3):

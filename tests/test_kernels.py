@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from minigraph.kernels import launch, loader
 
 KERNEL_DIR = loader.kernel_dir()

@@ -6,10 +6,10 @@ import shutil
 
 import graphviz
 import pytest
-from minigraph.examples.train_digits import build_net
 
 import minigraph as mg
 from minigraph import render as render_mod
+from minigraph.examples.train_digits import build_net
 
 NODE = re.compile(r'^\s*("(?:[^"\\]|\\.)*") \[(.*)\];$')
 EDGE = re.compile(r'^\s*("(?:[^"\\]|\\.)*") -> ("(?:[^"\\]|\\.)*")(?: \[(.*)\])?;$')

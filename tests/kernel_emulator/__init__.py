@@ -26,9 +26,9 @@ import weakref
 from types import SimpleNamespace
 
 import numpy as np
+
 from minigraph.kernels import loader
 from minigraph.kernels.launch import DeviceInfo, KernelResources
-
 from minigraph.place import GPUPlace
 
 HERE = pathlib.Path(__file__).parent

@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from minigraph.examples.train_digits import build_net, load_digits_split
 
 import minigraph as mg
+from minigraph.examples.train_digits import build_net, load_digits_split
 
 STEPS = 4
 
