@@ -1,0 +1,69 @@
+import math
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import initializer as init
+
+
+def _init(initializer, shape, seed=3, fan_in=None, fan_out=None):
+    scope = mg.Scope()
+    var = scope.new_var("w", persistable=True)
+    var.declare(shape, "float32")
+    desc = initializer.op(var, seed=seed, fan_in=fan_in, fan_out=fan_out)
+    mg.Executor().run([mg.Operator(desc.type, **desc.kwargs)], scope)
+    return var.get()
+
+
+def test_constant_uniform_normal():
+    np.testing.assert_array_equal(_init(init.Constant(2.5), (3, 2)), np.full((3, 2), 2.5))
+    u = _init(init.Uniform(-0.5, 2.0), (200, 100))
+    assert u.dtype == np.float32 and u.min() >= -0.5 and u.max() <= 2.0
+    assert abs(u.mean() - 0.75) < 0.02
+    g = _init(init.Normal(1.0, 3.0), (200, 100))
+    assert abs(g.mean() - 1.0) < 0.05 and abs(g.std() - 3.0) < 0.05
+
+
+def test_xavier_uses_fan_in_plus_fan_out():
+    w = _init(init.Xavier(), (300, 100))                     # fc weight: (in, out)
+    bound = math.sqrt(6.0 / (300 + 100))
+    assert np.abs(w).max() <= bound and np.abs(w).max() > 0.98 * bound
+    conv = _init(init.Xavier(uniform=False), (64, 32, 3, 3))  # conv: (out, in, kh, kw)
+    assert abs(conv.std() - math.sqrt(2.0 / (32 * 9 + 64 * 9))) < 0.002
+
+
+def test_kaiming_uses_fan_in_and_relu_gain():
+    w = _init(init.Kaiming(), (64, 32, 3, 3))
+    assert abs(w.std() - math.sqrt(2.0 / (32 * 9))) < 0.003
+    u = _init(init.Kaiming(uniform=True), (500, 10), fan_in=500)
+    assert np.abs(u).max() <= math.sqrt(6.0 / 500)
+    explicit = _init(init.Kaiming(), (10, 10), fan_in=1000)
+    assert explicit.std() < 0.1
+
+
+def test_same_seed_same_values_other_seed_other_values():
+    a = _init(init.Xavier(), (20, 30), seed=7)
+    b = _init(init.Xavier(), (20, 30), seed=7)
+    c = _init(init.Xavier(), (20, 30), seed=8)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_layers_initialise_biases_to_zero_and_bn_to_identity():
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 3, 4, 4))
+    h = mg.layers.conv2d(net, x, num_filters=4, filter_size=3, name="c")
+    mg.layers.batch_norm(net, h, name="bn")
+    net.initialize()
+    assert not np.all(net.var("c.w").get() == 0)
+    np.testing.assert_array_equal(net.var("c.b").get(), np.zeros(4))
+    np.testing.assert_array_equal(net.var("bn.scale").get(), np.ones(4))
+    np.testing.assert_array_equal(net.var("bn.estimated_var").get(), np.ones(4))
+    assert net.var("bn.num_batches").get() == 0 and net.var("bn.num_batches").dtype == np.int64
+
+
+@pytest.mark.parametrize("bad", [{"std": -1.0}])
+def test_bad_initialiser_values_are_op_errors(bad):
+    with pytest.raises(mg.OpError, match="gaussian_random: attribute 'std' must be >= 0"):
+        _init(init.Normal(**bad), (2, 2))
