@@ -15,6 +15,13 @@
 // normalize kernel (y, and the commit of the estimates and the counter unless
 // this launch's epoch was flagged). Backward = reduce kernel (sums of dy and
 // dy*(x - mean), dscale, dbias, dx coefficients) + dx kernel.
+//
+// Synchronized batch norm splits both reductions at the channel finish: the
+// same reduce kernels, finished by a SumsOut / GradSumsOut, write this
+// rank's float64 vector of 2C+1 sums (n first); after the caller has summed
+// it over the ranks, a one-thread-per-channel kernel finishes each channel
+// from the global sums exactly as the single-device path does (finish_stats /
+// finish_grad), and the same normalize / dx kernels follow.
 #include "common.cuh"
 
 namespace mg {
@@ -54,7 +61,6 @@ __device__ void finish_stats(long long c, double n, double shift, double mean_s,
   o.coef[C + c] = T(k);
   // x is centred on mean_t: fold the rounding of the mean into the bias
   o.coef[2 * C + c] = T(double(o.bias[c]) - (mean - double(mean_t)) * k);
-  if (!(isfinite(mean) && isfinite(var))) o.status[0] = o.epoch;
   const double unbiased = var * (n / (n - 1.0));
   const double em = double(o.est_mean[c]), ev = double(o.est_var[c]);
   double new_mean, new_var;
@@ -69,16 +75,55 @@ __device__ void finish_stats(long long c, double n, double shift, double mean_s,
     new_mean = o.momentum * em + (1.0 - o.momentum) * mean;
     new_var = o.momentum * ev + (1.0 - o.momentum) * unbiased;
   }
-  o.newest[c] = T(new_mean);
-  o.newest[C + c] = T(new_var);
+  const T new_mean_t = T(new_mean), new_var_t = T(new_var);
+  o.newest[c] = new_mean_t;
+  o.newest[C + c] = new_var_t;
+  // as the CPU kernel: statistics (double) and new estimates (T) must be finite
+  if (!(isfinite(mean) && isfinite(var) && isfinite(double(new_mean_t)) &&
+        isfinite(double(new_var_t))))
+    o.status[0] = o.epoch;
+}
+
+template <typename T>
+__device__ __forceinline__ void finish_channel(const StatsOut<T>& o, long long c, double n,
+                                               double shift, double mean_s, double m2) {
+  finish_stats<T>(c, n, shift, mean_s, m2, o);
+}
+
+// This rank's contribution to synchronized statistics, float64 [2C+1]:
+// (n, n * mean_c..., M2_c + n * mean_c^2...), summed over ranks by the caller.
+struct SumsOut {
+  long long C;
+  double* sums;
+};
+
+__device__ __forceinline__ void finish_channel(const SumsOut& o, long long c, double n,
+                                               double shift, double mean_s, double m2) {
+  const double mean = shift + mean_s;
+  if (c == 0) o.sums[0] = n;
+  o.sums[1 + c] = n * mean;
+  o.sums[1 + o.C + c] = m2 + n * mean * mean;
+}
+
+// Channel c of global sums (as SumsOut writes them, summed over ranks):
+// mean = S1 / n, M2 = S2 - mean * S1 (NaN passes through), then the usual finish.
+template <typename T>
+__device__ void stats_from_sums(const double* __restrict__ sums, const StatsOut<T>& o) {
+  const long long c = global_tid();
+  if (c >= o.C) return;
+  const double n = sums[0];
+  const double s1 = sums[1 + c];
+  const double mean = s1 / n;
+  const double d = sums[1 + o.C + c] - mean * s1;
+  finish_stats<T>(c, n, 0.0, mean, d < 0.0 ? 0.0 : d, o);
 }
 
 constexpr int UNROLL = 4;   // packs in flight per thread in the reductions
 
-template <typename T, int W>
+template <typename T, int W, class Out>
 __device__ void stats_planar(const T* __restrict__ x, long long pre, long long post_v,
                              long long chunk, int splits, T* partial, unsigned* tickets,
-                             const StatsOut<T>& o) {
+                             const Out& o) {
   using A = T;
   const long long c = blockIdx.x;
   const int s = blockIdx.y;
@@ -101,7 +146,7 @@ __device__ void stats_planar(const T* __restrict__ x, long long pre, long long p
   });
   st = block_merge<WelfordOp<A, 1>>(st);
   if (splits == 1) {
-    if (threadIdx.x == 0) finish_stats<T>(c, st.v[0], shift, st.v[1], st.v[2], o);
+    if (threadIdx.x == 0) finish_channel(o, c, st.v[0], shift, st.v[1], st.v[2]);
     return;
   }
   if (threadIdx.x == 0) {
@@ -121,12 +166,12 @@ __device__ void stats_planar(const T* __restrict__ x, long long pre, long long p
     f = WelfordOp<double, 1>::merge(f, b);
   }
   f = block_merge<WelfordOp<double, 1>>(f);
-  if (threadIdx.x == 0) finish_stats<T>(c, f.v[0], shift, f.v[1], f.v[2], o);
+  if (threadIdx.x == 0) finish_channel(o, c, f.v[0], shift, f.v[1], f.v[2]);
 }
 
-template <typename T, int W>
+template <typename T, int W, class Out>
 __device__ void stats_rows(const T* __restrict__ x, long long rows, long long chunk, int splits,
-                           T* partial, unsigned* tickets, const StatsOut<T>& o) {
+                           T* partial, unsigned* tickets, const Out& o) {
   using A = T;
   const long long Cv = o.C / W;
   const long long cv = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -162,7 +207,7 @@ __device__ void stats_rows(const T* __restrict__ x, long long rows, long long ch
     if (owner)
 #pragma unroll
       for (int k = 0; k < W; ++k)
-        finish_stats<T>(cv * W + k, st.v[0], shift[k], st.v[1 + k], st.v[1 + W + k], o);
+        finish_channel(o, cv * W + k, st.v[0], shift[k], st.v[1 + k], st.v[1 + W + k]);
     return;
   }
   if (owner) {
@@ -193,7 +238,7 @@ __device__ void stats_rows(const T* __restrict__ x, long long rows, long long ch
   if (owner)
 #pragma unroll
     for (int k = 0; k < W; ++k)
-      finish_stats<T>(cv * W + k, f.v[0], shift[k], f.v[1 + k], f.v[1 + W + k], o);
+      finish_channel(o, cv * W + k, f.v[0], shift[k], f.v[1 + k], f.v[1 + W + k]);
 }
 
 // y = (x - m) * k + b per channel over a flat (pre, C, post) tensor; `coef`
@@ -290,10 +335,44 @@ __device__ void finish_grad(long long c, double s_dy, double s_dyx, const GradOu
   o.coef[3 * C + c] = T(scale * invstd);
 }
 
-template <typename T, int W>
+template <typename T>
+__device__ __forceinline__ void finish_grad_channel(const GradOut<T>& o, long long c, double s_dy,
+                                                    double s_dyx) {
+  finish_grad<T>(c, s_dy, s_dyx, o);
+}
+
+// This rank's contribution to synchronized gradients, float64 [2C+1]:
+// (n, sum dy per channel..., sum dy (x - mean) per channel...).
+template <typename T>
+struct GradSumsOut {
+  long long C;
+  double n;
+  const T* mean;
+  double* sums;
+};
+
+template <typename T>
+__device__ __forceinline__ void finish_grad_channel(const GradSumsOut<T>& o, long long c,
+                                                    double s_dy, double s_dyx) {
+  if (c == 0) o.sums[0] = o.n;
+  o.sums[1 + c] = s_dy;
+  o.sums[1 + o.C + c] = s_dyx;
+}
+
+// Channel c of the gradient from global sums (GradSumsOut's, summed over ranks);
+// n is the global count sums[0].
+template <typename T>
+__device__ void grad_from_sums(const double* __restrict__ sums, GradOut<T> o) {
+  const long long c = global_tid();
+  if (c >= o.C) return;
+  o.n = sums[0];
+  finish_grad<T>(c, sums[1 + c], sums[1 + o.C + c], o);
+}
+
+template <typename T, int W, class Out>
 __device__ void grad_planar(const T* __restrict__ x, const T* __restrict__ dy, long long pre,
                             long long post_v, long long chunk, int splits, T* partial,
-                            unsigned* tickets, const GradOut<T>& o) {
+                            unsigned* tickets, const Out& o) {
   using A = T;
   const long long c = blockIdx.x;
   const int s = blockIdx.y;
@@ -321,7 +400,7 @@ __device__ void grad_planar(const T* __restrict__ x, const T* __restrict__ dy, l
   });
   st = block_merge<SumOp<A, 2>>(st);
   if (splits == 1) {
-    if (threadIdx.x == 0) finish_grad<T>(c, st.v[0], st.v[1], o);
+    if (threadIdx.x == 0) finish_grad_channel(o, c, st.v[0], st.v[1]);
     return;
   }
   if (threadIdx.x == 0) {
@@ -337,13 +416,13 @@ __device__ void grad_planar(const T* __restrict__ x, const T* __restrict__ dy, l
     f.v[1] += load_cg(p + 1);
   }
   f = block_merge<SumOp<double, 2>>(f);
-  if (threadIdx.x == 0) finish_grad<T>(c, f.v[0], f.v[1], o);
+  if (threadIdx.x == 0) finish_grad_channel(o, c, f.v[0], f.v[1]);
 }
 
-template <typename T, int W>
+template <typename T, int W, class Out>
 __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, long long rows,
                           long long chunk, int splits, T* partial, unsigned* tickets,
-                          const GradOut<T>& o) {
+                          const Out& o) {
   using A = T;
   const long long Cv = o.C / W;
   const long long cv = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -377,7 +456,7 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
   if (splits == 1) {
     if (owner)
 #pragma unroll
-      for (int k = 0; k < W; ++k) finish_grad<T>(cv * W + k, st.v[k], st.v[W + k], o);
+      for (int k = 0; k < W; ++k) finish_grad_channel(o, cv * W + k, st.v[k], st.v[W + k]);
     return;
   }
   if (owner) {
@@ -403,7 +482,7 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
   f = column_merge<SumOp<double, 2 * W>>(f);
   if (owner)
 #pragma unroll
-    for (int k = 0; k < W; ++k) finish_grad<T>(cv * W + k, f.v[k], f.v[W + k], o);
+    for (int k = 0; k < W; ++k) finish_grad_channel(o, cv * W + k, f.v[k], f.v[W + k]);
 }
 
 template <typename T, int W, bool USE_X>
@@ -494,9 +573,49 @@ __device__ void grad_dx(const T* __restrict__ x, const T* __restrict__ dy, T* __
   extern "C" __global__ void bn_grad_dx_global_##SFX##_w##W(                                     \
       const T* dy, T* dx, long long total, long long C, long long post, const T* coef) {       \
     mg::grad_dx<T, W, false>(nullptr, dy, dx, total, C, post, coef);                            \
+  }                                                                                               \
+  extern "C" __global__ void bn_local_stats_planar_##SFX##_w##W(                                  \
+      const T* x, long long pre, long long C, long long post_v, long long chunk, int splits,      \
+      T* partial, unsigned* tickets, double* sums) {                                              \
+    const mg::SumsOut o{C, sums};                                                                 \
+    mg::stats_planar<T, W>(x, pre, post_v, chunk, splits, partial, tickets, o);                   \
+  }                                                                                               \
+  extern "C" __global__ void bn_local_stats_rows_##SFX##_w##W(                                    \
+      const T* x, long long rows, long long C, long long chunk, int splits, T* partial,           \
+      unsigned* tickets, double* sums) {                                                          \
+    const mg::SumsOut o{C, sums};                                                                 \
+    mg::stats_rows<T, W>(x, rows, chunk, splits, partial, tickets, o);                            \
+  }                                                                                               \
+  extern "C" __global__ void bn_grad_sums_planar_##SFX##_w##W(                                    \
+      const T* x, const T* dy, long long pre, long long C, long long post_v, long long chunk,     \
+      int splits, T* partial, unsigned* tickets, const T* mean, double n, double* sums) {         \
+    mg::GradSumsOut<T> o{C, n, mean, sums};                                                       \
+    mg::grad_planar<T, W>(x, dy, pre, post_v, chunk, splits, partial, tickets, o);                \
+  }                                                                                               \
+  extern "C" __global__ void bn_grad_sums_rows_##SFX##_w##W(                                      \
+      const T* x, const T* dy, long long rows, long long C, long long chunk, int splits,          \
+      T* partial, unsigned* tickets, const T* mean, double n, double* sums) {                     \
+    mg::GradSumsOut<T> o{C, n, mean, sums};                                                       \
+    mg::grad_rows<T, W>(x, dy, rows, chunk, splits, partial, tickets, o);                         \
+  }
+
+// Finishing every channel from global sums: one thread per channel.
+#define MG_BN_FROM_SUMS_KERNELS(T, SFX)                                                           \
+  extern "C" __global__ void bn_stats_from_sums_##SFX(const double* sums, long long C,            \
+                                                      MG_BN_STATS_ARGS(T)) {                      \
+    MG_BN_STATS_OUT(T);                                                                           \
+    mg::stats_from_sums<T>(sums, o);                                                              \
+  }                                                                                               \
+  extern "C" __global__ void bn_grad_from_sums_##SFX(                                             \
+      const double* sums, long long C, const T* scale, const T* mean, const T* var, double eps,   \
+      T* dscale, T* dbias, T* coef) {                                                             \
+    mg::GradOut<T> o{C, 0.0, eps, 0, scale, mean, var, dscale, dbias, coef};                      \
+    mg::grad_from_sums<T>(sums, o);                                                               \
   }
 
 MG_BN_KERNELS(float, f32, 1)
 MG_BN_KERNELS(float, f32, 4)
 MG_BN_KERNELS(double, f64, 1)
 MG_BN_KERNELS(double, f64, 2)
+MG_BN_FROM_SUMS_KERNELS(float, f32)
+MG_BN_FROM_SUMS_KERNELS(double, f64)

@@ -12,11 +12,24 @@ Every launch is asynchronous and nothing is copied to the host:
   backward       2 kernels: sums of dy and dy (x - mean) per channel (giving
                  dscale and dbias), then the elementwise dx.
 
+Synchronized batch norm (statistics over several devices or processes): the
+caller sums one float64 vector of 2C+1 numbers over the ranks between two
+launches, with one allreduce each way:
+
+  local_stats              1 kernel: this device's (n, n*mean, M2 + n*mean^2)
+  forward_train_from_sums  2 kernels: the channels finished from the global
+                           sums (the first-batch / momentum / cumulative update,
+                           the guard), then forward_train's normalisation
+  backward_sums            1 kernel: (n, sum dy, sum dy (x - mean))
+  backward_from_sums       1 or 2 kernels: dscale, dbias (global) and the dx
+                           coefficients from the global sums (global n), then dx
+
 Non-finite statistics. The statistics kernel flags a batch whose mean or
-variance is NaN or Inf in any channel by writing its epoch into the Guard's
-status word; the normalisation kernel then writes neither estimate nor the
-counter (for any channel) and counts the batch as rejected. The host learns of
-it only when it asks: `Guard.check()` reads the status (a synchronising copy of
+variance is NaN or Inf in any channel, or whose new estimates would be (as
+the CPU kernel checks them), by writing its epoch into the Guard's status
+word; the normalisation kernel then writes neither estimate nor the counter
+(for any channel) and counts the batch as rejected. The host learns of it only
+when it asks: `Guard.check()` reads the status (a synchronising copy of
 8 bytes) and raises; call it where the host synchronises anyway (when results
 are fetched), or after every step in a debug mode. y and the batch statistics
 of a flagged batch are written (they hold the NaNs); only the estimates and the
@@ -42,7 +55,13 @@ for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
             f"bn_grad_rows_{_t}_w{_w}": "PPqqqiPPPPPddiPPP",
             f"bn_grad_dx_{_t}_w{_w}": "PPPqqqP",
             f"bn_grad_dx_global_{_t}_w{_w}": "PPqqqP",
+            f"bn_local_stats_planar_{_t}_w{_w}": "PqqqqiPPP",
+            f"bn_local_stats_rows_{_t}_w{_w}": "PqqqiPPP",
+            f"bn_grad_sums_planar_{_t}_w{_w}": "PPqqqqiPPPdP",
+            f"bn_grad_sums_rows_{_t}_w{_w}": "PPqqqiPPPdP",
         })
+    SIGNATURES[f"bn_stats_from_sums_{_t}"] = "Pq" + _STATS_TAIL
+    SIGNATURES[f"bn_grad_from_sums_{_t}"] = "PqPPPdPPP"
 
 
 def _kernel(name):
@@ -136,6 +155,55 @@ def _reduce_plan(name_stem, x, others, pre, channels, post):
     return plan, _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
 
 
+def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
+    pre, channels, post = _check(x, layout, [("scale", scale), ("bias", bias),
+                                             ("estimated_mean", est_mean),
+                                             ("estimated_var", est_var)])
+    if momentum is None and counter is None:
+        raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
+    if counter is not None and (np.dtype(counter.dtype) != np.int64 or counter.size != 1):
+        raise ValueError(f"batch_norm: counter must be an int64 scalar, got "
+                         f"{counter.dtype}{tuple(counter.shape)}")
+    return pre, channels, post
+
+
+class _Training:
+    """The buffers and arguments one training forward shares between its two
+    launches: outputs, the per-channel coefficients and candidate estimates,
+    and the Guard's epoch for this launch."""
+
+    def __init__(self, x, channels, post, scale, bias, est_mean, est_var, counter, momentum,
+                 eps, out, guard):
+        dtype = np.dtype(x.dtype)
+        self.x, self.channels, self.post = x, channels, post
+        self.est_mean, self.est_var, self.counter = est_mean, est_var, counter
+        self.guard = default_guard() if guard is None else guard
+        self.epoch = self.guard.next_epoch()
+        self.y = loader.empty(x.shape, dtype) if out is None else out
+        self.batch_mean = loader.empty((channels,), dtype)
+        self.batch_var = loader.empty((channels,), dtype)
+        self.coef = loader.empty((3 * channels,), dtype)
+        self.newest = loader.empty((2 * channels,), dtype)
+        # the StatsOut arguments every statistics kernel ends with (MG_BN_STATS_ARGS)
+        self.stats_args = (
+            loader.ptr(scale), loader.ptr(bias), loader.ptr(est_mean), loader.ptr(est_var),
+            loader.ptr(counter), float(eps), 0.0 if momentum is None else float(momentum),
+            int(momentum is None), self.epoch, loader.ptr(self.batch_mean),
+            loader.ptr(self.batch_var), loader.ptr(self.coef), loader.ptr(self.newest),
+            loader.ptr(self.guard.status))
+
+    def normalize(self):
+        """y from the coefficients; commit the estimates and the counter unless flagged."""
+        x, y = self.x, self.y
+        width = _flat_width(x, y)
+        _flat_launch(f"bn_normalize_{loader.suffix(x.dtype)}_w{width}", x.size, width,
+                     self.channels, loader.ptr(x), loader.ptr(y), x.size, self.channels,
+                     self.post, loader.ptr(self.coef), 1, loader.ptr(self.est_mean),
+                     loader.ptr(self.est_var), loader.ptr(self.newest), loader.ptr(self.counter),
+                     loader.ptr(self.guard.status), self.epoch)
+        return self.y, self.batch_mean, self.batch_var
+
+
 def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, layout="NCHW",
                   out=None, guard=None):
     """Training forward: normalise x with its own batch statistics and update
@@ -149,52 +217,74 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     Estimates take the unbiased variance var * n / (n - 1); on the first batch
     (counter == 0) they are set to the batch statistics; the counter goes up
     by one. All of that happens on the device, skipped for a batch with
-    non-finite statistics (see the module doc and Guard).
+    non-finite statistics or estimates (see the module doc and Guard).
 
     Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
     when given. Raises ValueError when a channel has fewer than 2 values.
     """
-    pre, channels, post = _check(x, layout, [("scale", scale), ("bias", bias),
-                                             ("estimated_mean", est_mean),
-                                             ("estimated_var", est_var)])
+    pre, channels, post = _check_train(x, scale, bias, est_mean, est_var, counter, momentum,
+                                       layout)
     n = pre * post
     if n <= 1:
         raise ValueError(f"batch_norm: training needs more than one value per channel, got "
                          f"n={n} for x of shape {tuple(x.shape)} ({layout})")
-    if momentum is None and counter is None:
-        raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
-    if counter is not None and (np.dtype(counter.dtype) != np.int64 or counter.size != 1):
-        raise ValueError(f"batch_norm: counter must be an int64 scalar, got "
-                         f"{counter.dtype}{tuple(counter.shape)}")
-    guard = default_guard() if guard is None else guard
-    epoch = guard.next_epoch()
-    dtype = np.dtype(x.dtype)
-    y = loader.empty(x.shape, dtype) if out is None else out
-    batch_mean = loader.empty((channels,), dtype)
-    batch_var = loader.empty((channels,), dtype)
-    coef = loader.empty((3 * channels,), dtype)
-    newest = loader.empty((2 * channels,), dtype)
-
+    run = _Training(x, channels, post, scale, bias, est_mean, est_var, counter, momentum, eps,
+                    out, guard)
     plan, stats = _reduce_plan("bn_stats", x, (), pre, channels, post)
-    partial = loader.empty((max(1, 3 * channels * plan.splits),), dtype)
-    tail = (loader.ptr(partial), loader.ptr(loader.tickets(plan.tickets)), loader.ptr(scale),
-            loader.ptr(bias), loader.ptr(est_mean), loader.ptr(est_var), loader.ptr(counter),
-            float(eps), 0.0 if momentum is None else float(momentum), int(momentum is None),
-            epoch, loader.ptr(batch_mean), loader.ptr(batch_var), loader.ptr(coef),
-            loader.ptr(newest), loader.ptr(guard.status))
+    partial = loader.empty((max(1, 3 * channels * plan.splits),), x.dtype)
+    tail = (loader.ptr(partial), loader.ptr(loader.tickets(plan.tickets))) + run.stats_args
     if plan.kind == "planar":
         stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
                      plan.chunk, plan.splits, *tail)
     else:
         stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
                      plan.splits, *tail)
+    return run.normalize()
 
-    width = _flat_width(x, y)
-    _flat_launch(f"bn_normalize_{loader.suffix(dtype)}_w{width}", x.size, width, channels,
-                 loader.ptr(x), loader.ptr(y), x.size, channels, post, loader.ptr(coef), 1,
-                 loader.ptr(est_mean), loader.ptr(est_var), loader.ptr(newest),
-                 loader.ptr(counter), loader.ptr(guard.status), epoch)
-    return y, batch_mean, batch_var
+
+def local_stats(x, layout="NCHW"):
+    """This device's share of synchronized batch statistics: a new float64
+    device vector of 2C+1 numbers (n, n * mean_c..., M2_c + n * mean_c^2...),
+    from the same stable per-channel statistics as forward_train. Summed over
+    ranks it gives forward_train_from_sums its input. x with no values gives
+    zeros (a rank holding no rows)."""
+    pre, channels, post = _check(x, layout, [])
+    sums = loader.empty((2 * channels + 1,), np.float64)
+    if pre * post == 0:
+        from minigraph.kernels import fill
+
+        return fill.fill_constant(sums, 0)
+    plan, stats = _reduce_plan("bn_local_stats", x, (), pre, channels, post)
+    partial = loader.empty((max(1, 3 * channels * plan.splits),), x.dtype)
+    tail = (loader.ptr(partial), loader.ptr(loader.tickets(plan.tickets)), loader.ptr(sums))
+    if plan.kind == "planar":
+        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
+                     plan.chunk, plan.splits, *tail)
+    else:
+        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
+                     plan.splits, *tail)
+    return sums
+
+
+def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, momentum, eps,
+                            layout="NCHW", out=None, guard=None):
+    """forward_train with the batch statistics taken from `sums`: local_stats
+    vectors summed over every rank (float64, 2C+1, on the device). Each channel
+    gets mean = S1 / n and var = (S2 - mean * S1) / n; the estimates and the
+    counter are updated as in forward_train (same rules, same guard) and x is
+    normalised with the global statistics. x may have no rows.
+
+    The global n = sums[0] must be at least 2: the caller checks it (only it
+    knows whether that needs reading the device). Returns (y, batch_mean,
+    batch_var) as forward_train does."""
+    _, channels, post = _check_train(x, scale, bias, est_mean, est_var, counter, momentum,
+                                     layout)
+    launch.check_array("batch_norm: sums", sums, (2 * channels + 1,), np.float64)
+    run = _Training(x, channels, post, scale, bias, est_mean, est_var, counter, momentum, eps,
+                    out, guard)
+    _flat_launch(f"bn_stats_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
+                 loader.ptr(sums), channels, *run.stats_args)
+    return run.normalize()
 
 
 def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=None):
@@ -213,6 +303,46 @@ def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=Non
     return y
 
 
+def _check_grad(x, dy, layout, params):
+    pre, channels, post = _check(x, layout, params)
+    if tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
+        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
+                         f"{dy.dtype}{tuple(dy.shape)}")
+    return pre, channels, post
+
+
+def _grad_outputs(x, channels, need_dx, need_dscale, need_dbias):
+    dtype = np.dtype(x.dtype)
+    return (loader.empty(x.shape, dtype) if need_dx else None,
+            loader.empty((channels,), dtype) if need_dscale else None,
+            loader.empty((channels,), dtype) if need_dbias else None)
+
+
+def _grad_reduce(name_stem, x, dy, pre, channels, post, *tail):
+    """Launch the per-channel sums of dy and dy (x - mean); `tail` ends the arguments."""
+    plan, reduce = _reduce_plan(name_stem, x, (dy,), pre, channels, post)
+    partial = loader.empty((max(1, 2 * channels * plan.splits),), x.dtype)
+    head = (loader.ptr(x), loader.ptr(dy), pre, channels)
+    head += (plan.post_v, plan.chunk, plan.splits) if plan.kind == "planar" else \
+        (plan.chunk, plan.splits)
+    reduce.launch(plan.grid, plan.block, *head, loader.ptr(partial),
+                  loader.ptr(loader.tickets(plan.tickets)), *tail)
+
+
+def _grad_dx(x, dy, dx, channels, post, coef, use_global_est):
+    if not x.size:
+        return
+    sfx = loader.suffix(x.dtype)
+    if use_global_est:
+        width = _flat_width(dy, dx)
+        _flat_launch(f"bn_grad_dx_global_{sfx}_w{width}", x.size, width, 1, loader.ptr(dy),
+                     loader.ptr(dx), x.size, channels, post, loader.ptr(coef))
+    else:
+        width = _flat_width(x, dy, dx)
+        _flat_launch(f"bn_grad_dx_{sfx}_w{width}", x.size, width, 1, loader.ptr(x),
+                     loader.ptr(dy), loader.ptr(dx), x.size, channels, post, loader.ptr(coef))
+
+
 def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, need_dx=True,
              need_dscale=True, need_dbias=True):
     """Gradients of batch norm given dy (x's shape and dtype).
@@ -224,14 +354,9 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
     dx = scale * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
     Returns (dx, dscale, dbias), None for those not needed.
     """
-    pre, channels, post = _check(x, layout, [("scale", scale), ("mean", mean), ("var", var)])
-    if tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
-        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
-                         f"{dy.dtype}{tuple(dy.shape)}")
-    dtype = np.dtype(x.dtype)
-    dscale = loader.empty((channels,), dtype) if need_dscale else None
-    dbias = loader.empty((channels,), dtype) if need_dbias else None
-    dx = loader.empty(x.shape, dtype) if need_dx else None
+    pre, channels, post = _check_grad(x, dy, layout, [("scale", scale), ("mean", mean),
+                                                      ("var", var)])
+    dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
     n = pre * post
     if n == 0:
         from minigraph.kernels import fill
@@ -240,25 +365,47 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
             if a is not None:
                 fill.fill_constant(a, 0)
         return dx, dscale, dbias
-    coef = loader.empty((4 * channels,), dtype)
-    plan, reduce = _reduce_plan("bn_grad", x, (dy,), pre, channels, post)
-    partial = loader.empty((max(1, 2 * channels * plan.splits),), dtype)
-    head = (loader.ptr(x), loader.ptr(dy), pre, channels)
-    head += (plan.post_v, plan.chunk, plan.splits) if plan.kind == "planar" else \
-        (plan.chunk, plan.splits)
-    reduce.launch(plan.grid, plan.block, *head, loader.ptr(partial),
-                  loader.ptr(loader.tickets(plan.tickets)), loader.ptr(scale), loader.ptr(mean),
-                  loader.ptr(var), float(eps), float(n), int(bool(use_global_est)),
-                  loader.ptr(dscale), loader.ptr(dbias), loader.ptr(coef))
+    coef = loader.empty((4 * channels,), x.dtype)
+    _grad_reduce("bn_grad", x, dy, pre, channels, post, loader.ptr(scale), loader.ptr(mean),
+                 loader.ptr(var), float(eps), float(n), int(bool(use_global_est)),
+                 loader.ptr(dscale), loader.ptr(dbias), loader.ptr(coef))
     if dx is not None:
-        sfx = loader.suffix(dtype)
-        if use_global_est:
-            width = _flat_width(dy, dx)
-            _flat_launch(f"bn_grad_dx_global_{sfx}_w{width}", x.size, width, 1, loader.ptr(dy),
-                         loader.ptr(dx), x.size, channels, post, loader.ptr(coef))
-        else:
-            width = _flat_width(x, dy, dx)
-            _flat_launch(f"bn_grad_dx_{sfx}_w{width}", x.size, width, 1, loader.ptr(x),
-                         loader.ptr(dy), loader.ptr(dx), x.size, channels, post,
-                         loader.ptr(coef))
+        _grad_dx(x, dy, dx, channels, post, coef, use_global_est)
+    return dx, dscale, dbias
+
+
+def backward_sums(x, dy, mean, layout="NCHW"):
+    """This device's share of synchronized batch-norm gradients: a new float64
+    device vector of 2C+1 numbers (n, sum dy_c..., sum dy (x - mean_c)...),
+    `mean` the (global) batch mean the forward used. Summed over ranks it gives
+    backward_from_sums its input. x with no values gives zeros."""
+    pre, channels, post = _check_grad(x, dy, layout, [("mean", mean)])
+    sums = loader.empty((2 * channels + 1,), np.float64)
+    n = pre * post
+    if n == 0:
+        from minigraph.kernels import fill
+
+        return fill.fill_constant(sums, 0)
+    _grad_reduce("bn_grad_sums", x, dy, pre, channels, post, loader.ptr(mean), float(n),
+                 loader.ptr(sums))
+    return sums
+
+
+def backward_from_sums(x, dy, scale, mean, var, sums, eps, layout="NCHW", need_dx=True,
+                       need_dscale=True, need_dbias=True):
+    """backward (batch statistics) with the sums over every rank: `sums` is
+    backward_sums summed over ranks (float64, 2C+1, on the device), its n the
+    global count. dscale and dbias are those of the whole batch; dx is this
+    device's rows. Returns (dx, dscale, dbias), None for those not needed."""
+    _, channels, post = _check_grad(x, dy, layout, [("scale", scale), ("mean", mean),
+                                                    ("var", var)])
+    launch.check_array("batch_norm_grad: sums", sums, (2 * channels + 1,), np.float64)
+    dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
+    coef = loader.empty((4 * channels,), x.dtype)
+    _flat_launch(f"bn_grad_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
+                 loader.ptr(sums), channels, loader.ptr(scale), loader.ptr(mean),
+                 loader.ptr(var), float(eps), loader.ptr(dscale), loader.ptr(dbias),
+                 loader.ptr(coef))
+    if dx is not None:
+        _grad_dx(x, dy, dx, channels, post, coef, False)
     return dx, dscale, dbias
