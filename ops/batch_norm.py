@@ -1,4 +1,4 @@
-"""batch_norm: schema, shape checks, CPU kernel, grad maker and grad kernel.
+"""batch_norm: schema, shape checks, CPU kernel, grad maker and grad kernel, GPU bindings.
 
 Semantics (n = values per channel in the batch):
   training:        y = (x - batch_mean) / sqrt(batch_var + eps) * scale + bias,
@@ -20,6 +20,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
+from minigraph.kernels import batch_norm as gpu
+from minigraph.kernels import elementwise as gpu_elementwise
+from minigraph.kernels import launch as gpu_launch
+from minigraph.kernels import loader
+from minigraph.ops.device import check_gpu_float, present, wants
 from minigraph.schema import (
     Meta,
     OpDesc,
@@ -683,7 +688,101 @@ def backward_cpu(op, ins, combine=None):
     return out
 
 
+# ---- GPU kernel bindings -------------------------------------------------------------
+#
+# The launchers of minigraph.kernels.batch_norm on device arrays; nothing is
+# copied to the host. The estimates and the counter are updated in place on
+# the device. A batch with non-finite statistics cannot raise inside the step:
+# the kernels flag it and leave the estimates and the counter unchanged, and
+# the error (an OpError, as on the CPU) is raised at the next fetch.
+
+
+class NonFiniteGuard(gpu.Guard):
+    """The device record of rejected training batches (kernels.batch_norm.Guard)
+    that reports them as the CPU kernel does: an OpError naming the op."""
+
+    def check(self, what):
+        n = self.rejected()
+        if n:
+            raise OpError(f"{what}: the batch statistics of {n} training batch(es) were not "
+                          "finite (input 'x' held NaN or Inf, or its variance overflowed); the "
+                          "running estimates and the counter were left unchanged for them "
+                          "(found on the GPU, reported at the first fetch after the step)")
+
+
+def gpu_guard(op_type):
+    """The NonFiniteGuard of `op_type`, checked by GPUPlace.check_errors at fetch."""
+    return loader.error_flag(op_type, NonFiniteGuard)
+
+
+def too_few_values(op, n, x, layout):
+    """The error of a training batch with n <= 1 values per channel (the CPU's words)."""
+    return OpError(f"{op.type}: training needs more than one value per channel, got "
+                   f"n={n} for input 'x' of shape {tuple(x.shape)} ({layout}); use a bigger "
+                   "batch or is_infer/use_global_est")
+
+
+def forward_gpu(op, ins, allreduce=None):
+    """The GPU forward of batch_norm: the CPU kernel's outputs and in-place
+    updates, on the device. With is_infer or use_global_est, y is normalised
+    with the estimates and batch_mean/batch_var are copies of them.
+
+    `allreduce(v) -> v` sums a float64 device vector over ranks (sync_batch_norm):
+    training then takes the statistics of every rank's batch - one call on the
+    2C+1 numbers (n, n*mean, M2 + n*mean^2) of kernels.batch_norm.local_stats."""
+    a = op.attrs
+    x, scale, bias = ins["x"], ins["scale"], ins["bias"]
+    est_mean, est_var, counter = ins["estimated_mean"], ins["estimated_var"], \
+        ins.get("num_batches")
+    check_gpu_float(op, x=x)
+    layout, eps = a["data_layout"], a["epsilon"]
+    if a["is_infer"] or a["use_global_est"]:
+        y = gpu.forward_infer(x, scale, bias, est_mean, est_var, eps, layout)
+        mean, var = gpu_elementwise.copy(est_mean), gpu_elementwise.copy(est_var)
+    else:
+        pre, _, post = gpu_launch.channel_view(x.shape, layout)
+        n = pre * post
+        common = (scale, bias, est_mean, est_var, counter, a["momentum"], eps, layout)
+        if allreduce is None:
+            if n <= 1:
+                raise too_few_values(op, n, x, layout)
+            y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type))
+        else:
+            sums = allreduce(gpu.local_stats(x, layout))
+            if n <= 1:          # only then can the global count be <= 1: read it back
+                n = int(round(float(sums.get()[0])))
+                if n <= 1:
+                    raise too_few_values(op, n, x, layout)
+            y, mean, var = gpu.forward_train_from_sums(x, sums, *common,
+                                                       guard=gpu_guard(op.type))
+    return {"y": y, "batch_mean": mean, "batch_var": var, "saved_mean": est_mean,
+            "saved_var": est_var, "saved_num_batches": counter}
+
+
+def backward_gpu(op, ins, allreduce=None):
+    """The GPU grad kernel; unbound outputs are not computed. `allreduce` (see
+    forward_gpu) sums (n, Σdy, Σdy·(x−μ)) over ranks when the statistics came
+    from the batch: dscale and dbias are then the whole batch's, dx uses the
+    global n."""
+    a = op.attrs
+    x, dy, scale, mean, var = ins["x"], ins["dy"], ins["scale"], ins["mean"], ins["var"]
+    check_gpu_float(op, x=x, dy=dy)
+    layout, eps = a["data_layout"], a["epsilon"]
+    need = dict(need_dx=wants(op, "dx"), need_dscale=wants(op, "dscale"),
+                need_dbias=wants(op, "dbias"))
+    if allreduce is None or a["use_global_est"]:
+        dx, dscale, dbias = gpu.backward(x, dy, scale, mean, var, eps, layout,
+                                         a["use_global_est"], **need)
+    else:
+        sums = allreduce(gpu.backward_sums(x, dy, mean, layout))
+        dx, dscale, dbias = gpu.backward_from_sums(x, dy, scale, mean, var, sums, eps, layout,
+                                                   **need)
+    return present(dx=dx, dscale=dscale, dbias=dbias)
+
+
 register(bn_schema("batch_norm"))
 register(bn_grad_schema("batch_norm"))
 kernel("batch_norm", "cpu")(forward_cpu)
 kernel("batch_norm_grad", "cpu")(backward_cpu)
+kernel("batch_norm", "gpu")(forward_gpu)
+kernel("batch_norm_grad", "gpu")(backward_gpu)

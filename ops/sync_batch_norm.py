@@ -15,7 +15,14 @@ Communication (float64, O(C) bytes whatever the number of ranks):
   backward: ONE allreduce of (n, Σdy, Σdy·(x−μ)); dscale and dbias are then the
             whole batch's gradients, identical on every rank.
 The infer copy and use_global_est make no collective. In a world of one
-rank nothing is communicated. There is no GPU kernel yet.
+rank nothing is communicated.
+
+On a GPU the vectors are made and used on the device (kernels/batch_norm.py:
+local_stats, forward_train_from_sums, backward_sums, backward_from_sums); the
+communicator sums them - NCCL on the device, or MPI staged through the host.
+A rank reads the summed vector back (a small synchronising copy) only when it
+holds at most one value per channel itself, the one case where the global
+count can be too small for training.
 
 The communicator comes from minigraph.distributed.world, imported inside
 the kernels: this module imports only the schema and batch_norm at load time.
@@ -24,7 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.ops.batch_norm import backward_cpu, bn_grad_schema, bn_schema, forward_cpu
+from minigraph.ops.batch_norm import (
+    backward_cpu,
+    backward_gpu,
+    bn_grad_schema,
+    bn_schema,
+    forward_cpu,
+    forward_gpu,
+)
 from minigraph.schema import kernel, register
 
 
@@ -35,22 +49,44 @@ def communicator():
     return get_comm()
 
 
+def forward_label(op):
+    """The `what=` of the forward's allreduce (the same on every rank)."""
+    return f"{op.type} forward x={op.inputs['x'].name}"
+
+
+def backward_label(op):
+    """The `what=` of the backward's allreduce."""
+    return f"{op.type} x={op.inputs['x'].name}"
+
+
+def pack_stats(n, mean, m2):
+    """The forward's message: float64 (n, n·mean_c..., M2_c + n·mean_c²...), 2C+1 numbers
+    (the GPU kernel bn_local_stats writes the same vector on the device)."""
+    c = mean.shape[0]
+    buf = np.empty(2 * c + 1)
+    buf[0] = n
+    buf[1:c + 1] = n * mean
+    buf[c + 1:] = m2 + n * mean * mean
+    return buf
+
+
+def unpack_stats(total):
+    """(n, mean, M2) of the whole batch from the sum over ranks of pack_stats vectors."""
+    c = (total.shape[0] - 1) // 2
+    n_all = total[0]
+    if n_all == 0:
+        return 0, np.zeros(c), np.zeros(c)
+    s1 = total[1:c + 1]
+    mean_all = s1 / n_all
+    m2_all = np.maximum(total[c + 1:] - mean_all * s1, 0.0)
+    return int(round(n_all)), mean_all, m2_all
+
+
 def stats_combiner(op, comm):
     """combine(n, mean, m2) -> global (n, mean, m2) with one allreduce."""
     def combine(n, mean, m2):
-        c = mean.shape[0]
-        buf = np.empty(2 * c + 1)
-        buf[0] = n
-        buf[1:c + 1] = n * mean
-        buf[c + 1:] = m2 + n * mean * mean
-        total = comm.allreduce(buf, what=f"{op.type} forward x={op.inputs['x'].name}")
-        n_all = total[0]
-        if n_all == 0:
-            return 0, np.zeros(c), np.zeros(c)
-        s1 = total[1:c + 1]
-        mean_all = s1 / n_all
-        m2_all = np.maximum(total[c + 1:] - mean_all * s1, 0.0)
-        return int(round(n_all)), mean_all, m2_all
+        total = comm.allreduce(pack_stats(n, mean, m2), what=forward_label(op))
+        return unpack_stats(total)
     return combine
 
 
@@ -59,7 +95,7 @@ def grad_combiner(op, comm):
     def combine(n, s_dy, s_dyxmu):
         c = s_dy.shape[0]
         buf = np.concatenate(([float(n)], s_dy, s_dyxmu))
-        total = comm.allreduce(buf, what=f"{op.type} x={op.inputs['x'].name}")
+        total = comm.allreduce(buf, what=backward_label(op))
         return int(round(total[0])), total[1:c + 1], total[c + 1:]
     return combine
 
@@ -79,7 +115,30 @@ def backward(op, ins):
     return backward_cpu(op, ins, combine=combine)
 
 
+def device_allreduce(comm, what):
+    """allreduce(v) -> v: the sum over ranks of a float64 device vector."""
+    return lambda v: comm.allreduce(v, what=what)
+
+
+def forward_device(op, ins):
+    """GPU forward: batch_norm's binding with ONE allreduce of the 2C+1 local sums
+    (training with more than one rank); otherwise exactly batch_norm."""
+    comm = communicator()
+    return forward_gpu(op, ins, allreduce=device_allreduce(comm, forward_label(op))
+                       if comm.size > 1 else None)
+
+
+def backward_device(op, ins):
+    """GPU grad: ONE allreduce of (n, Σdy, Σdy·(x−μ)) when the statistics came from
+    the batch and there is more than one rank; then dx with the global n."""
+    comm = communicator()
+    return backward_gpu(op, ins, allreduce=device_allreduce(comm, backward_label(op))
+                        if comm.size > 1 else None)
+
+
 register(bn_schema("sync_batch_norm"))
 register(bn_grad_schema("sync_batch_norm"))
 kernel("sync_batch_norm", "cpu")(forward)
 kernel("sync_batch_norm_grad", "cpu")(backward)
+kernel("sync_batch_norm", "gpu")(forward_device)
+kernel("sync_batch_norm_grad", "gpu")(backward_device)
