@@ -385,8 +385,6 @@ def test_bad_labels_raise_at_the_next_fetch(place):
 def test_digits_net_trains_on_the_gpu_like_on_the_cpu(gpu_place):
     from minigraph.examples.train_digits import build_net, load_digits_split
 
-    if "gpu" not in get_schema("batch_norm").kernels:
-        pytest.skip("batch_norm has no GPU kernel binding yet")
     pytest.importorskip("sklearn")
     old = loader.use_backend(None)
     try:

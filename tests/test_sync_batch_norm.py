@@ -31,10 +31,9 @@ def test_schema_matches_batch_norm():
     assert [s.name for s in sync_grad.inputs] == [s.name for s in grad.inputs]
 
 
-def test_no_gpu_kernel_yet():
-    assert "gpu" not in get_schema("sync_batch_norm").kernels
-    assert "gpu" not in get_schema("sync_batch_norm_grad").kernels
-    assert "cpu" in get_schema("sync_batch_norm").kernels
+def test_cpu_and_gpu_kernels_are_registered():
+    for op_type in ("sync_batch_norm", "sync_batch_norm_grad"):
+        assert set(get_schema(op_type).kernels) == {"cpu", "gpu"}   # GPU: test_gpu_batch_norm.py
 
 
 def digits_like_net(sync, seed=0):

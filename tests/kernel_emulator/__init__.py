@@ -89,6 +89,15 @@ class EmuArray:
         self._view()[...] = np.asarray(values, dtype=self.dtype).reshape(self.shape)
         return self
 
+    def copy(self):
+        """A new EmuArray with the same contents (GPUArray.copy, a device-to-device copy)."""
+        return EmuArray(self.shape, self.dtype).set(self._view())
+
+    def __mul__(self, factor):
+        """A new EmuArray of self * scalar in this dtype (GPUArray's own arithmetic,
+        which the collective ops use for their scaling)."""
+        return EmuArray(self.shape, self.dtype).set(self._view() * self.dtype.type(factor))
+
     def check(self):
         """EmulatorError if anything wrote outside the array."""
         head = self._raw[self._start - PAD:self._start]

@@ -1,0 +1,381 @@
+"""batch_norm and sync_batch_norm on a GPU place against the CPU kernels.
+
+Each test runs on the kernel emulator's EmuPlace (the real launchers and .cu
+kernels, compiled with g++; see tests/kernel_emulator) and, marked `gpu`, on
+GPUPlace(0) (skipped without one; these have never run):
+- batch_norm in every mode (training, use_global_est, is_infer), both layouts,
+  ranks 2 to 5, odd shapes, offset data; outputs, in-place estimates and
+  counter, and the gradients equal the CPU's;
+- a sequence of batches (first batch, momentum, cumulative average);
+- a non-finite batch raises at the next fetch and leaves the estimates alone;
+- the digits net trains and infers with the CPU's losses;
+- sync_batch_norm in a world of one is batch_norm; its synchronized path
+  (one allreduce each way) and the packed 2C+1 vectors; several ranks in one
+  process through the launchers; 2 ranks under mpiexec with the host-staged
+  MPI backend (tests/mpi_scripts/gpu_sync_bn_check.py) and, on a real GPU,
+  NCCL in a world of one.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import sys
+
+import numpy as np
+import pytest
+from mpi_scripts.gpu_sync_bn_check import BN
+from mpi_scripts.launch import check_ok
+
+import minigraph as mg
+from minigraph.distributed import world
+from minigraph.distributed.comm import LocalComm
+from minigraph.kernels import launch, loader
+from minigraph.ops import batch_norm as bn_ops
+from minigraph.ops import sync_batch_norm as sync_ops
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import kernel_emulator  # noqa: E402
+from test_gpu_ops import TOL, assert_close, run_op  # noqa: E402
+
+
+@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
+def place(request):
+    """A GPU place: the emulator's, or GPUPlace(0) (skipped without one)."""
+    if request.param == "gpu":
+        gpu = request.getfixturevalue("gpu_place")
+        old = loader.use_backend(None)
+        yield gpu
+        loader.use_backend(old)
+        return
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ for the kernel emulator")
+    with kernel_emulator.emulated_gpu() as emu:
+        yield emu
+
+
+def assert_near(got, want, where, loosen=1.0):
+    """assert_close with the tolerance multiplied by `loosen` (offset data: sums of
+    dy·(x − mean) lose |mean|/std digits in both kernels)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if loosen == 1.0 or want.dtype.kind != "f":
+        return assert_close(got, want, where)
+    assert got.shape == want.shape and got.dtype == want.dtype, where
+    scale = np.linalg.norm(want.astype(np.float64).ravel()) or 1.0
+    err = np.linalg.norm((got.astype(np.float64) - want).ravel()) / scale
+    assert err < TOL[want.dtype] * loosen, f"{where}: relative error {err:.3g}"
+
+
+@pytest.fixture
+def force_splits(monkeypatch):
+    """Let small tensors split one channel over several blocks (the last-block merges)."""
+    monkeypatch.setattr(launch, "MIN_UNITS_PER_THREAD", 1)
+
+
+def bn_inputs(shape, layout, dtype, seed=0, offset=0.0, counter=0):
+    """The inputs of a batch_norm op; counter None leaves num_batches out."""
+    channels = shape[1] if layout == "NCHW" else shape[-1]
+    rng = np.random.default_rng(seed + 100)
+    ins = dict(x=(rng.standard_normal(shape) * 2 + offset).astype(dtype),
+               estimated_mean=rng.normal(0, 1, channels).astype(dtype),
+               estimated_var=rng.uniform(0.5, 2, channels).astype(dtype),
+               scale=rng.uniform(0.5, 1.5, channels).astype(dtype),
+               bias=rng.normal(0, 1, channels).astype(dtype))
+    if counter is not None:
+        ins["num_batches"] = np.array(counter, np.int64)
+    return ins
+
+
+F32, F64 = np.float32, np.float64
+# id: (layout, shape, dtype, extra attrs, bn_inputs keywords)
+SHAPES = {
+    "nchw4-f32": ("NCHW", (4, 3, 5, 7), F32, {}, {}),
+    "nchw4-packs-f64": ("NCHW", (8, 4, 8, 8), F64, dict(momentum=0.8), dict(counter=3)),
+    "nhwc4-f32": ("NHWC", (4, 5, 6, 8), F32, {}, dict(counter=2)),
+    "nhwc4-cumulative-f64": ("NHWC", (3, 7, 7, 3), F64, dict(momentum=None), dict(counter=2)),
+    "rank2-f32": ("NCHW", (6, 3), F32, {}, {}),
+    "rank2-c1-nhwc-f64": ("NHWC", (37, 1), F64, {}, {}),
+    "rank3-f32": ("NCHW", (4, 3, 10), F32, dict(momentum=0.0), dict(counter=1)),
+    "rank3-nhwc-f64": ("NHWC", (4, 10, 3), F64, dict(momentum=1.0), dict(counter=1)),
+    "c1-hw1-f32": ("NCHW", (5, 1, 1, 1), F32, {}, {}),
+    "hw1-f64": ("NCHW", (3, 2, 1, 1), F64, {}, dict(counter=4)),
+    "rank5-f64": ("NCHW", (2, 3, 4, 5, 3), F64, {}, {}),
+    "rank5-nhwc-f32": ("NHWC", (2, 3, 4, 5, 6), F32, dict(epsilon=1e-3), {}),
+    "odd-663-f32": ("NCHW", (3, 2, 17, 13), F32, {}, {}),
+    "offset-1e4-f32": ("NCHW", (3, 2, 17, 13), F32, {}, dict(offset=1e4)),
+    "offset-1e4-nhwc-f32": ("NHWC", (601, 3), F32, {}, dict(offset=1e4, counter=5)),
+    "offset-1e4-f64": ("NHWC", (4, 9, 5), F64, {}, dict(offset=1e4)),
+}
+MODES = {"train": {}, "use_global_est": dict(use_global_est=True), "is_infer": dict(is_infer=True)}
+GRADS = (("x", "scale", "bias"), ("x",), ("scale", "bias"))
+
+
+class LoneRankComm(LocalComm):
+    """Two ranks as this process sees them when the other holds no rows: every
+    vector it contributes is zero, so the sum is this rank's vector."""
+
+    def __init__(self, place):
+        super().__init__(place)
+        self.size = 2
+
+
+# op types of the tests below: sync_batch_norm in a world of one (exactly batch_norm's
+# kernels) and as one of two ranks (the synchronized kernels: one allreduce each way)
+OP_WORLDS = {"batch_norm": ("batch_norm", LocalComm),
+             "sync_batch_norm": ("sync_batch_norm", LocalComm),
+             "sync_batch_norm-2-ranks": ("sync_batch_norm", LoneRankComm)}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_batch_norm_matches_the_cpu(place, force_splits, case, mode):
+    layout, shape, dtype, attrs, kw = SHAPES[case]
+    ins = bn_inputs(shape, layout, dtype, **kw)
+    attrs = dict(attrs, data_layout=layout, **MODES[mode])
+    grad_sets = GRADS if mode == "train" else GRADS[:1]
+    want, want_grads = run_op(mg.CPUPlace(), "batch_norm", ins, attrs, grad_sets, ("y",))
+    got, got_grads = run_op(place, "batch_norm", ins, attrs, grad_sets, ("y",))
+    assert set(got) == set(want)
+    loosen = 10.0 if kw.get("offset") else 1.0
+    for slot in want:
+        assert_near(got[slot], want[slot], f"{case} {mode}: output {slot!r}", loosen)
+    if mode != "train":       # the estimates as batch statistics, nothing updated
+        assert_close(got["batch_mean"], ins["estimated_mean"], "batch_mean")
+        np.testing.assert_array_equal(got["saved_var"], ins["estimated_var"])
+        if "num_batches" in ins:
+            assert got["saved_num_batches"] == ins["num_batches"]
+    for wanted in grad_sets:
+        assert set(got_grads[wanted]) == set(want_grads[wanted])
+        for name, value in want_grads[wanted].items():
+            assert_near(got_grads[wanted][name], value, f"{case} {mode}: d/d {name}", loosen)
+
+
+@pytest.mark.parametrize("momentum", [0.9, None], ids=["momentum", "cumulative"])
+def test_a_sequence_of_batches_updates_like_the_cpu(place, momentum):
+    runs = [BN(p, "batch_norm", 3, np.float32, "NCHW", momentum) for p in (mg.CPUPlace(), place)]
+    rng = np.random.default_rng(3)
+    for step in range(4):
+        x = rng.normal(step, 1 + step, (5, 3, 4, 3)).astype(np.float32)
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        want, got = (r.step(x, dy) for r in runs)
+        for k in want:
+            assert_close(got[k], want[k], f"step {step}: {k}")
+        assert int(got["counter"]) == step + 1
+        if step == 0:                             # the first batch replaces the estimates
+            assert_close(got["mean"], want["bm"], "first batch mean")
+    x = rng.standard_normal((2, 3, 4, 3)).astype(np.float32)
+    assert_close(runs[1].infer(x), runs[0].infer(x), "infer after training")
+
+
+def test_no_counter_always_uses_momentum(place):
+    runs = [BN(p, "batch_norm", 4, np.float64, "NHWC", 0.7, counter=False)
+            for p in (mg.CPUPlace(), place)]
+    for step in range(2):
+        x = np.random.default_rng(step).standard_normal((6, 3, 4))
+        want, got = (r.step(x) for r in runs)
+        for k in want:
+            assert_close(got[k], want[k], f"step {step}: {k}")
+
+
+@pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
+@pytest.mark.parametrize("poison", ["nan", "inf", "overflow"])
+def test_non_finite_batch_raises_at_the_next_fetch(place, monkeypatch, world_case, poison):
+    op_type, make_comm = OP_WORLDS[world_case]
+    monkeypatch.setattr(world, "_comm", make_comm(place))
+    gpu, cpu = (BN(p, op_type, 3, np.float32) for p in (place, mg.CPUPlace()))
+    rng = np.random.default_rng(0)
+    good = rng.standard_normal((4, 3, 5, 5)).astype(np.float32)
+    bad = good.copy()
+    if poison == "overflow":                 # finite values whose variance overflows float32
+        bad[:, 1] = np.where(np.arange(25).reshape(5, 5) % 2, 3e38, -3e38).astype(np.float32)
+    else:
+        bad[1, 2, 3, 4] = np.nan if poison == "nan" else np.inf
+    for r in (gpu, cpu):
+        r.step(good)
+    kept = gpu.estimates()
+    with pytest.raises(mg.OpError, match=f"{op_type}: the batch statistics are not finite"):
+        cpu.step(bad)
+    gpu.step(bad, fetch=False)                            # a GPU kernel cannot raise here
+    for k, v in gpu.estimates().items():                  # ...but commits nothing
+        np.testing.assert_array_equal(v, kept[k], err_msg=k)
+    with pytest.raises(mg.OpError, match=rf"{op_type}: the batch statistics of 1 training "
+                                         r"batch\(es\) were not finite") as e:
+        gpu.ex.run([], gpu.scope, fetch=[gpu.y])         # the next fetch reports it
+    assert "left unchanged" in str(e.value)
+    want, got = cpu.step(good), gpu.step(good)            # reported once; training goes on
+    for k in want:
+        assert_close(got[k], want[k], f"after the bad batch: {k}")
+    assert int(got["counter"]) == 2
+
+
+@pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1, 1), (0, 3)])
+def test_one_value_per_channel_is_the_cpu_error(place, monkeypatch, world_case, shape):
+    op_type, make_comm = OP_WORLDS[world_case]
+    errors = []
+    for p in (mg.CPUPlace(), place):
+        monkeypatch.setattr(world, "_comm", make_comm(p))
+        with pytest.raises(mg.OpError, match="training needs more than one value") as e:
+            BN(p, op_type, 3, np.float32).step(np.ones(shape, np.float32))
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+
+
+def test_float16_is_a_clear_error_on_the_gpu(place):
+    ins = bn_inputs((4, 3), "NCHW", np.float16)
+    with pytest.raises(mg.OpError, match="batch_norm: input 'x' has dtype float16"):
+        run_op(place, "batch_norm", ins)
+
+
+def test_digits_net_trains_like_on_the_cpu(place):
+    pytest.importorskip("sklearn")
+    from minigraph.examples.train_digits import build_net, load_digits_split
+
+    x, y, _, _ = load_digits_split()
+    runs = []
+    for p in (mg.CPUPlace(), place):
+        net, h = build_net(p, seed=0)
+        losses = [float(net.train(feed={"image": x[8 * k:8 * k + 8], "label": y[8 * k:8 * k + 8]},
+                                  fetch=[h["loss"]])[0]) for k in range(3)]
+        (logits,) = net.infer(feed={"image": x[100:110]}, fetch=[h["logits"]])
+        est = {v.name: v.get() for v in net.persistables() if "estimated" in v.name}
+        runs.append((losses, logits, est))
+    (cpu_losses, cpu_logits, cpu_est), (gpu_losses, gpu_logits, gpu_est) = runs
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-5)
+    assert_close(gpu_logits, cpu_logits, "infer logits")
+    for name, value in cpu_est.items():
+        assert_close(gpu_est[name], value, name)
+
+
+# ---- sync_batch_norm -----------------------------------------------------------------
+
+
+def test_sync_batch_norm_in_a_world_of_one_is_batch_norm(place, monkeypatch):
+    comm = LocalComm(place)
+    monkeypatch.setattr(world, "_comm", comm)
+    ins = bn_inputs((5, 3, 4, 4), "NCHW", np.float32, counter=2)
+    grads = (("x", "scale", "bias"),)
+    want, want_grads = run_op(place, "batch_norm", ins, {}, grads, ("y",))
+    got, got_grads = run_op(place, "sync_batch_norm", ins, {}, grads, ("y",))
+    for slot in want:
+        np.testing.assert_array_equal(got[slot], want[slot], err_msg=slot)
+    for name, value in want_grads[grads[0]].items():
+        np.testing.assert_array_equal(got_grads[grads[0]][name], value, err_msg=name)
+    assert comm.calls == 0
+
+
+@pytest.mark.parametrize("layout,shape,dtype", [("NCHW", (5, 3, 4, 4), F32),
+                                                ("NHWC", (7, 2, 5), F64),
+                                                ("NCHW", (9, 4), F32)])
+def test_sync_path_makes_one_allreduce_each_way(place, monkeypatch, layout, shape, dtype):
+    comm = LoneRankComm(place)
+    comm.trace = []
+    monkeypatch.setattr(world, "_comm", comm)
+    ins = bn_inputs(shape, layout, dtype, counter=1)
+    attrs = dict(data_layout=layout)
+    grads = (("x", "scale", "bias"),)
+    want, want_grads = run_op(mg.CPUPlace(), "batch_norm", ins, attrs, grads, ("y",))
+    got, got_grads = run_op(place, "sync_batch_norm", ins, attrs, grads, ("y",))
+    for slot in want:
+        assert_close(got[slot], want[slot], f"sync {slot}")
+    for name, value in want_grads[grads[0]].items():
+        assert_close(got_grads[grads[0]][name], value, f"sync d/d {name}")
+    channels = shape[1] if layout == "NCHW" else shape[-1]
+    size = 8 * (2 * channels + 1)
+    assert comm.trace == [("allreduce", "sync_batch_norm forward x=x", size),
+                          ("allreduce", "sync_batch_norm_grad x=x", size)]
+    comm.trace = []
+    run_op(place, "sync_batch_norm", ins, dict(attrs, is_infer=True), grads, ("y",))
+    run_op(place, "sync_batch_norm", ins, dict(attrs, use_global_est=True), grads, ("y",))
+    assert comm.trace == []                  # the estimates need no communication
+
+
+def test_local_vectors_are_the_cpu_packing(place, force_splits):
+    from minigraph.kernels import batch_norm as gpu
+
+    rng = np.random.default_rng(2)
+    for layout, shape in (("NCHW", (4, 3, 5, 7)), ("NHWC", (6, 5, 4)), ("NCHW", (0, 3))):
+        x = (rng.standard_normal(shape) + 5).astype(np.float32)
+        x3 = bn_ops.as_3d(x, layout)
+        want = sync_ops.pack_stats(*bn_ops.local_stats(x3))
+        got = gpu.local_stats(place.to_device(x), layout).get()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=layout)
+        mean = np.linspace(4, 6, x3.shape[1]).astype(np.float32)
+        dy = rng.standard_normal(shape).astype(np.float32)
+        n, s_dy, s_dyx = bn_ops.grad_sums(x3, bn_ops.as_3d(dy, layout), mean.astype(np.float64))
+        got = gpu.backward_sums(place.to_device(x), place.to_device(dy), place.to_device(mean),
+                                layout).get()
+        np.testing.assert_allclose(got, np.concatenate(([n], s_dy, s_dyx)), rtol=1e-5,
+                                   atol=1e-4, err_msg=layout)
+
+
+@pytest.mark.parametrize("layout,shape_of,dtype", [
+    ("NCHW", lambda n: (n, 3, 4, 5), F64), ("NHWC", lambda n: (n, 3, 4), F32),
+    ("NCHW", lambda n: (n, 2), F64)], ids=["nchw-f64", "nhwc-f32", "rank2-f64"])
+def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_splits, layout,
+                                                                  shape_of, dtype):
+    """Three ranks (5, 0 and 2 rows) run through the launchers one after another,
+    their vectors summed on the host: the whole batch's results on every rank."""
+    from minigraph.kernels import batch_norm as gpu
+
+    counts = (5, 0, 2)
+    channels = shape_of(1)[1] if layout == "NCHW" else shape_of(1)[-1]
+    rng = np.random.default_rng(4)
+    cpu = BN(mg.CPUPlace(), "batch_norm", channels, dtype, layout)
+    params = {k: cpu.scope.find_var(k).get().copy() for k in ("scale", "bias", "mean", "var")}
+    dev = place.to_device
+    ranks = [{k: dev(v) for k, v in params.items()} | {"counter": dev(np.array(0, np.int64))}
+             for _ in counts]
+    for step in range(3):
+        full = (rng.standard_normal(shape_of(sum(counts))) * 3 + 2).astype(dtype)
+        dy = rng.standard_normal(full.shape).astype(dtype)
+        want = cpu.step(full, dy)
+        parts = np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])
+        xs = [dev(full[p]) for p in parts]
+        dys = [dev(dy[p]) for p in parts]
+        total = sum(gpu.local_stats(x, layout).get() for x in xs)
+        outs = [gpu.forward_train_from_sums(x, dev(total), r["scale"], r["bias"], r["mean"],
+                                            r["var"], r["counter"], 0.9, 1e-5, layout)
+                for x, r in zip(xs, ranks, strict=True)]
+        gsum = sum(gpu.backward_sums(x, g, bm, layout).get()
+                   for x, g, (_, bm, _) in zip(xs, dys, outs, strict=True))
+        for p, x, g, r, (y, bm, bv) in zip(parts, xs, dys, ranks, outs, strict=True):
+            dx, dscale, dbias = gpu.backward_from_sums(x, g, r["scale"], bm, bv, dev(gsum), 1e-5,
+                                                       layout)
+            got = dict(y=y.get(), bm=bm.get(), bv=bv.get(), mean=r["mean"].get(),
+                       var=r["var"].get(), counter=r["counter"].get(), dx=dx.get(),
+                       dscale=dscale.get(), dbias=dbias.get())
+            for k in ("y", "dx"):                    # this rank's rows (maybe none)
+                assert_close(got[k], want[k][p], f"step {step} {k}")
+            for k in ("bm", "bv", "mean", "var", "dscale", "dbias", "counter"):
+                assert_close(got[k], want[k], f"step {step} {k}")
+
+
+def prebuild_emulator():
+    """Compile the emulator's libraries here, so the ranks find them cached."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ for the kernel emulator")
+    backend = kernel_emulator.EmuBackend()
+    for module in ("batch_norm", "elementwise", "fill"):
+        backend._lib(module)
+
+
+@pytest.mark.mpi
+def test_two_emulated_gpus_over_host_staged_mpi():
+    prebuild_emulator()
+    check_ok("gpu_sync_bn_check.py", 2, "--place", "emulated", timeout=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_two_ranks_sharing_the_gpu_over_host_staged_mpi(gpu_place):
+    check_ok("gpu_sync_bn_check.py", 2, "--place", "gpu", "--backend", "mpi", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_nccl_in_a_world_of_one(gpu_place):
+    from minigraph.distributed.nccl import nccl_available
+
+    if not nccl_available():
+        pytest.skip("nccl4py is not installed")
+    check_ok("gpu_sync_bn_check.py", 1, "--place", "gpu", "--backend", "nccl", timeout=300)
