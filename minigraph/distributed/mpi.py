@@ -6,6 +6,7 @@ imported. Without `mpiexec` MPI starts as a world of one process.
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 
@@ -13,6 +14,9 @@ from minigraph.distributed.comm import Communicator, is_host_array
 
 # dtypes MPI has no reduction type for: reduced in a wider one, then cast back
 _WIDEN = {np.dtype("float16"): np.dtype("float32"), np.dtype("bool"): np.dtype("int32")}
+
+
+ABORT_GRACE_S = 0.5
 
 
 class MPIComm(Communicator):
@@ -69,6 +73,7 @@ class MPIComm(Communicator):
     def abort(self, code=1):
         sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)      # let the launcher forward what this rank printed
         self.mpi_comm.Abort(code)
 
     def _like(self, x, host):
