@@ -29,7 +29,7 @@ from mpi_scripts.launch import check_ok
 import minigraph as mg
 from minigraph.distributed import world
 from minigraph.distributed.comm import LocalComm
-from minigraph.kernels import launch, loader
+from minigraph.kernels import launch
 from minigraph.ops import batch_norm as bn_ops
 from minigraph.ops import sync_batch_norm as sync_ops
 
@@ -38,19 +38,9 @@ import kernel_emulator  # noqa: E402
 from test_gpu_ops import TOL, assert_close, run_op  # noqa: E402
 
 
-@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
-def place(request):
-    """A GPU place: the emulator's, or GPUPlace(0) (skipped without one)."""
-    if request.param == "gpu":
-        gpu = request.getfixturevalue("gpu_place")
-        old = loader.use_backend(None)
-        yield gpu
-        loader.use_backend(old)
-        return
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ for the kernel emulator")
-    with kernel_emulator.emulated_gpu() as emu:
-        yield emu
+@pytest.fixture
+def place(device_place):
+    return device_place
 
 
 def assert_near(got, want, where, loosen=1.0):

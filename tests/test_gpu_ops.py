@@ -31,19 +31,9 @@ import kernel_emulator  # noqa: E402
 TOL = {np.dtype("float16"): 1e-3, np.dtype("float32"): 2e-5, np.dtype("float64"): 1e-12}
 
 
-@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
-def place(request):
-    """A GPU place: the emulator's, or GPUPlace(0) (skipped without one)."""
-    if request.param == "gpu":
-        gpu = request.getfixturevalue("gpu_place")
-        old = loader.use_backend(None)
-        yield gpu
-        loader.use_backend(old)
-        return
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ for the kernel emulator")
-    with kernel_emulator.emulated_gpu() as emu:
-        yield emu
+@pytest.fixture
+def place(device_place):
+    return device_place
 
 
 def is_device_array(value):
