@@ -58,6 +58,24 @@ def helper_test_op(op_type, inputs, attrs=None, reference=None, grad_wrt=(), out
     return got
 
 
+def tiny_bn_net(sync, place=None, seed=0, optimizer=None):
+    """(net, loss, logits): image (N, 2, 4, 4) -> conv c1 -> batch_norm bn1 (sync_batch_norm
+    when `sync`) -> relu -> fc1 (4 classes) -> mean cross entropy; `optimizer.minimize`d
+    when one is given. The small net of the distributed and GPU tests."""
+    from minigraph import layers
+
+    net = mg.Net(place=place, seed=seed)
+    img = layers.data(net, "image", shape=(-1, 2, 4, 4))
+    lbl = layers.data(net, "label", shape=(-1,), dtype="int64")
+    h = layers.conv2d(net, img, num_filters=3, filter_size=3, padding=1, name="c1")
+    h = layers.relu(net, layers.batch_norm(net, h, name="bn1", sync=sync))
+    logits = layers.fc(net, h, size=4, name="fc1")
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, lbl))
+    if optimizer is not None:
+        optimizer.minimize(net, loss)
+    return net, loss, logits
+
+
 def _is_float(a):
     return np.asarray(a).dtype.kind == "f"
 

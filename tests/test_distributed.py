@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tiny_bn_net
 from mpi_scripts.launch import RANKS, check_ok, require_mpi, run_ranks
 
 import minigraph as mg
@@ -101,14 +102,7 @@ def test_local_collectives(one_rank):
 # ---- data_parallel in one process ----------------------------------------------------
 
 def small_net(seed=0):
-    net = mg.Net(seed=seed)
-    img = layers.data(net, "image", shape=(-1, 2, 4, 4))
-    lbl = layers.data(net, "label", shape=(-1,), dtype="int64")
-    h = layers.conv2d(net, img, num_filters=3, filter_size=3, padding=1, name="c1")
-    h = layers.relu(net, layers.batch_norm(net, h, name="bn1", sync=True))
-    logits = layers.fc(net, h, size=4, name="fc1")
-    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, lbl))
-    mg.optimizer.Momentum(0.1).minimize(net, loss)
+    net, loss, _ = tiny_bn_net(sync=True, seed=seed, optimizer=mg.optimizer.Momentum(0.1))
     return net, loss
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import tiny_bn_net
 from mpi_scripts.launch import RANKS, check_ok
 
 import minigraph as mg
@@ -36,19 +37,8 @@ def test_cpu_and_gpu_kernels_are_registered():
         assert set(get_schema(op_type).kernels) == {"cpu", "gpu"}   # GPU: test_gpu_batch_norm.py
 
 
-def digits_like_net(sync, seed=0):
-    net = mg.Net(seed=seed)
-    img = layers.data(net, "image", shape=(-1, 2, 4, 4))
-    lbl = layers.data(net, "label", shape=(-1,), dtype="int64")
-    h = layers.conv2d(net, img, num_filters=3, filter_size=3, padding=1, name="c1")
-    h = layers.relu(net, layers.batch_norm(net, h, name="bn1", sync=sync))
-    logits = layers.fc(net, h, size=4, name="fc1")
-    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, lbl))
-    return net, loss, logits
-
-
 def test_layer_sync_flag_builds_sync_op_in_both_branches():
-    net, _, _ = digits_like_net(sync=True)
+    net, _, _ = tiny_bn_net(sync=True)
     for branch in ("train", "infer"):
         types = [op.type for op in net.branch[branch]]
         assert "sync_batch_norm" in types and "batch_norm" not in types
@@ -60,7 +50,7 @@ def test_one_rank_trains_exactly_like_batch_norm(one_rank):
     y = rng.integers(0, 4, 6)
     runs = []
     for sync in (False, True):
-        net, loss, logits = digits_like_net(sync)
+        net, loss, logits = tiny_bn_net(sync)
         mg.optimizer.SGD(0.1).minimize(net, loss)
         losses = [float(net.train(feed={"image": x, "label": y}, fetch=[loss])[0])
                   for _ in range(3)]
@@ -75,7 +65,7 @@ def test_one_rank_trains_exactly_like_batch_norm(one_rank):
 
 
 def test_convert_keeps_variables_and_attributes():
-    net, loss, _ = digits_like_net(sync=False)
+    net, loss, _ = tiny_bn_net(sync=False)
     before = {b: list(net.branch[b]) for b in ("train", "infer")}
     assert mg.distributed.convert_sync_batchnorm(net) == 2
     for b in ("train", "infer"):
@@ -90,7 +80,7 @@ def test_convert_keeps_variables_and_attributes():
 
 
 def test_convert_after_minimize_rewrites_grad_ops(one_rank):
-    net, loss, _ = digits_like_net(sync=False)
+    net, loss, _ = tiny_bn_net(sync=False)
     mg.optimizer.SGD(0.1).minimize(net, loss)
     assert mg.distributed.convert_sync_batchnorm(net) == 3        # train, infer, grad
     types = [op.type for op in net.ops("train")]

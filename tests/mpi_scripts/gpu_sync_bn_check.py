@@ -33,6 +33,8 @@ import minigraph as mg
 from minigraph.schema import OpError
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+from helpers import tiny_bn_net  # noqa: E402
 
 
 class BN:
@@ -211,20 +213,13 @@ def check_data_parallel(comm, place, steps=3):
     rank's uneven share of each batch (gradients averaged on the place by the
     collective ops), equals one CPU process training with batch_norm on the
     whole batch: losses every step, every parameter and estimate at the end."""
-    from minigraph import layers
 
     counts = [3 + 2 * r for r in range(comm.size)]
     lo, hi = sum(counts[:comm.rank]), sum(counts[:comm.rank + 1])
 
     def build(where, sync):
-        net = mg.Net(place=where, seed=3)
-        img = layers.data(net, "image", shape=(-1, 2, 4, 4))
-        lbl = layers.data(net, "label", shape=(-1,), dtype="int64")
-        h = layers.conv2d(net, img, num_filters=3, filter_size=3, padding=1, name="c1")
-        h = layers.relu(net, layers.batch_norm(net, h, name="bn1", sync=sync))
-        logits = layers.fc(net, h, size=4, name="fc1")
-        loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, lbl))
-        mg.optimizer.Momentum(0.1).minimize(net, loss)
+        net, loss, _ = tiny_bn_net(sync, place=where, seed=3,
+                                   optimizer=mg.optimizer.Momentum(0.1))
         return net, loss
 
     net, loss = build(place, True)
@@ -250,7 +245,6 @@ def main(argv=None):
     parser.add_argument("--backend", choices=("mpi", "nccl"), default="mpi")
     args = parser.parse_args(argv)
     if args.place == "emulated":
-        sys.path.insert(0, str(TESTS))
         import kernel_emulator
 
         context = kernel_emulator.emulated_gpu()          # yields an EmuPlace
