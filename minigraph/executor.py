@@ -71,7 +71,7 @@ class Executor:
                 ins[slot] = [_value(op, slot, v) for v in var]
             else:
                 ins[slot] = _value(op, slot, var)
-        op.check_inputs(ins)
+        op.check_inputs(ins, self.place.kind)
         outs = fn(op, ins)
         for slot, value in outs.items():
             var = op.outputs.get(slot)

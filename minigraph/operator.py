@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from minigraph.schema import Meta, OpError, get_schema, meta_of
 from minigraph.scope import Variable
 
@@ -86,6 +88,10 @@ class Operator:
         """The attributes, read-only."""
         return self._attrs
 
+    def wants(self, slot):
+        """True when output `slot` is bound (kernels skip unbound optional outputs)."""
+        return self.outputs.get(slot) is not None
+
     def input_vars(self):
         """Every bound input Variable, in slot order."""
         return _flatten(self.inputs)
@@ -100,11 +106,15 @@ class Operator:
             return {}
         return self.schema.infer(metas, self._attrs)
 
-    def check_inputs(self, arrays):
-        """Validate concrete input arrays (cached on their shapes and dtypes)."""
-        key = tuple(_key(a) for a in arrays.values())
+    def check_inputs(self, arrays, kind=None):
+        """Validate concrete input arrays (cached on their shapes and dtypes): shape
+        inference, and the float dtypes the `kind` kernel was registered for."""
+        key = (kind,) + tuple(_key(a) for a in arrays.values())
         if key != self._checked:
             self.infer({slot: _meta(a) for slot, a in arrays.items()})
+            allowed = self.schema.kernel_dtypes.get(kind)
+            if allowed is not None:
+                _check_kernel_dtypes(self.type, kind, arrays, allowed)
             self._checked = key
 
     def _declare_outputs(self):
@@ -131,6 +141,20 @@ class Operator:
             return ", ".join(f"{k}={_name(v)}" for k, v in d.items() if v is not None)
         return (f"<Operator {self.type}({show(self.inputs)}) -> ({show(self.outputs)}) "
                 f"{dict(self._attrs)}>")
+
+
+def _check_kernel_dtypes(op_type, kind, arrays, allowed):
+    for slot, a in arrays.items():
+        for i, x in enumerate(a if isinstance(a, list) else [a]):
+            if x is None:
+                continue
+            dt = np.dtype(x.dtype)
+            if dt.kind == "f" and dt not in allowed:
+                where = f"{slot}[{i}]" if isinstance(a, list) else slot
+                names = " or ".join(str(d) for d in allowed)
+                hint = " (run float16 on the CPU)" if kind == "gpu" else ""
+                raise OpError(f"{op_type}: input {where!r} has dtype {dt}; the {kind.upper()} "
+                              f"kernels take {names}{hint}")
 
 
 def _bind(op_type, slot, value, valid):

@@ -83,6 +83,7 @@ class OpSchema:
     resolve_attrs: Callable | None = None           # resolve_attrs(dict) -> dict: canonical
                                                     # forms, defaults that depend on other attrs
     kernels: dict = field(default_factory=dict)
+    kernel_dtypes: dict = field(default_factory=dict)   # kind -> float dtypes its kernel takes
     doc: str = ""
 
     def slot(self, name):
@@ -112,10 +113,18 @@ def register(schema):
     return schema
 
 
-def kernel(op_type, kind):
-    """Decorator: register `fn(op, ins) -> outs` as `op_type`'s kernel on `kind` places."""
+def kernel(op_type, kind, dtypes=None):
+    """Decorator: register `fn(op, ins) -> outs` as `op_type`'s kernel on `kind` places.
+
+    dtypes: the float dtypes the kernel is written for (None: any). The
+    executor checks every float input against them once per input signature,
+    so the kernel itself holds only arithmetic.
+    """
     def deco(fn):
-        get_schema(op_type).kernels[kind] = fn
+        schema = get_schema(op_type)
+        schema.kernels[kind] = fn
+        if dtypes is not None:
+            schema.kernel_dtypes[kind] = tuple(np.dtype(d) for d in dtypes)
         return fn
     return deco
 
