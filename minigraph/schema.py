@@ -65,11 +65,24 @@ class OpSchema:
       Variable holding d(loss)/d(output) (None where nothing flows back);
       `make_grad(var)` gives the Variable to write d(loss)/d(var) into, or
       None when `var` needs no gradient.
+      `grad_maker(...)` builds the usual one from a declaration.
     validate(op) raises OpError for rules that span slots and attributes.
     resolve_attrs(attrs) -> attrs turns checked attribute values into their
       stored form (an int into a pair, a None stride into the window size).
     kernels[kind](op, ins) -> {out_slot: array}: `ins` maps input slots to
       arrays; outputs the op leaves unbound may be skipped.
+
+    What graph rewrites may ask of an op (declared here, never matched by
+    its type name outside ops/):
+    mode_attr: the bool attribute that says "inference" (batch_norm's and
+      dropout's `is_infer`); a Net forks at the first op that declares one.
+    roles: the jobs other modules look this op up for (`op_for_role`):
+      "accumulate" (sums a list of gradients), "fill" (a constant tensor).
+    presummed(op) -> output slots whose values are already sums over every
+      rank and identical on each (sync_batch_norm_grad's dscale and dbias).
+    replication: "always" when the outputs are identical on every rank (an
+      op that averages presummed values), "inputs" when they are whenever
+      every input is (a sum), None otherwise.
     """
 
     type: str
@@ -84,6 +97,10 @@ class OpSchema:
                                                     # forms, defaults that depend on other attrs
     kernels: dict = field(default_factory=dict)
     kernel_dtypes: dict = field(default_factory=dict)   # kind -> float dtypes its kernel takes
+    mode_attr: str | None = None
+    roles: tuple = ()
+    presummed: Callable | None = None
+    replication: str | None = None
     doc: str = ""
 
     def slot(self, name):
@@ -103,13 +120,24 @@ class OpSchema:
 
 
 _SCHEMAS: dict = {}
+_ROLES: dict = {}
 
 
 def register(schema):
-    """Add `schema` to the registry; registering a type twice is an error."""
+    """Add `schema` to the registry; registering a type twice, or a second op
+    for the same role, is an error."""
     if schema.type in _SCHEMAS:
         raise ValueError(f"op {schema.type!r} is already registered")
+    if schema.mode_attr is not None and bool not in getattr(schema.attr(schema.mode_attr),
+                                                            "types", ()):
+        raise ValueError(f"op {schema.type!r}: mode_attr {schema.mode_attr!r} must name one of "
+                         "its bool attributes")
+    for role in schema.roles:
+        if role in _ROLES:
+            raise ValueError(f"op {schema.type!r}: role {role!r} is already taken by "
+                             f"{_ROLES[role]!r}")
     _SCHEMAS[schema.type] = schema
+    _ROLES.update(dict.fromkeys(schema.roles, schema.type))
     return schema
 
 
@@ -138,9 +166,58 @@ def get_schema(op_type):
                       f"{', '.join(sorted(_SCHEMAS))}") from None
 
 
+def op_for_role(role):
+    """The op type registered for `role` (see OpSchema.roles); an error naming the
+    roles there are when none is."""
+    try:
+        return _ROLES[role]
+    except KeyError:
+        raise OpError(f"no op registered for the role {role!r}; roles: "
+                      f"{', '.join(sorted(_ROLES)) or '(none)'}") from None
+
+
 def registered_ops():
     """Names of every registered op type, sorted."""
     return sorted(_SCHEMAS)
+
+
+def grad_maker(grad_type, keep=("x",), dout=None, wrt=("x",), attrs=True):
+    """The usual grad maker, declared in one line (Paddle's DefaultGradOpMaker).
+
+    The maker builds one `grad_type` op whose slots are: each name in `keep`
+    bound to the forward op's input or output of that name; the incoming
+    gradients, `dout` mapping forward output slots to grad input slots
+    (default {"out": "dout"}); and `d<slot>` for each input slot in `wrt`,
+    bound to make_grad(that input). attrs=True copies every attribute, a
+    tuple copies those named, False none. It builds nothing when no incoming
+    gradient is bound or no input in `wrt` needs a gradient.
+    """
+    dout = {"out": "dout"} if dout is None else dict(dout)
+
+    def make(op, douts, make_grad):
+        incoming = {g: douts.get(f) for f, g in dout.items()}
+        if all(d is None for d in incoming.values()):
+            return []
+        grads = {f"d{slot}": make_grad(op.inputs[slot]) for slot in wrt}
+        if all(g is None for g in grads.values()):
+            return []
+        kwargs = {s: op.inputs[s] if s in op.inputs else op.outputs[s] for s in keep}
+        kwargs.update(incoming)
+        kwargs.update(grads)
+        if attrs:
+            kwargs.update({k: v for k, v in op.attrs.items() if attrs is True or k in attrs})
+        return [OpDesc(grad_type, kwargs)]
+
+    make.grad_type = grad_type
+    return make
+
+
+def grad_schema(forward, inputs, outputs, infer=None, **fields):
+    """The schema of `forward`'s grad op, `<type>_grad`: the given slots, and
+    the forward's attributes (with their checks and canonical forms)."""
+    return OpSchema(type=forward.type + "_grad", inputs=tuple(inputs), outputs=tuple(outputs),
+                    attrs=forward.attrs, resolve_attrs=forward.resolve_attrs, infer=infer,
+                    **fields)
 
 
 # ---- attribute checkers -------------------------------------------------------

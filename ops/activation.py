@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import activation as gpu
-from minigraph.ops.device import check_gpu_float, wants
-from minigraph.schema import Meta, OpDesc, OpSchema, Slot, check_float, kernel, register
+from minigraph.ops.device import GPU_FLOATS
+from minigraph.schema import Meta, OpSchema, Slot, check_float, grad_maker, kernel, register
 
 
 def infer_relu(ins, attrs):
@@ -13,23 +13,11 @@ def infer_relu(ins, attrs):
     return {"out": Meta(ins["x"].shape, ins["x"].dtype)}
 
 
-def grad_relu(op, dout, make_grad):
-    """relu_grad: dx = dout * (out > 0)."""
-    d = dout.get("out")
-    dx = make_grad(op.inputs["x"])
-    if d is None or dx is None:
-        return []
-    return [OpDesc("relu_grad", dict(out=op.outputs["out"], dout=d, dx=dx))]
-
-
-def infer_relu_grad(ins, attrs):
-    return {"dx": Meta(ins["out"].shape, ins["out"].dtype)}
-
-
-register(OpSchema(type="relu", inputs=(Slot("x"),), outputs=(Slot("out"),),
-                  infer=infer_relu, grad=grad_relu, doc=__doc__))
+register(OpSchema(type="relu", inputs=(Slot("x"),), outputs=(Slot("out"),), infer=infer_relu,
+                  grad=grad_maker("relu_grad", keep=("out",)), doc=__doc__))
 register(OpSchema(type="relu_grad", inputs=(Slot("out"), Slot("dout")),
-                  outputs=(Slot("dx", optional=True),), infer=infer_relu_grad))
+                  outputs=(Slot("dx", optional=True),),
+                  infer=lambda ins, attrs: {"dx": Meta(ins["out"].shape, ins["out"].dtype)}))
 
 
 @kernel("relu", "cpu")
@@ -46,18 +34,15 @@ def relu_grad_cpu(op, ins):
     return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
 
 
-@kernel("relu", "gpu")
+@kernel("relu", "gpu", dtypes=GPU_FLOATS)
 def relu_gpu(op, ins):
     """out = max(x, 0) on the device."""
-    check_gpu_float(op, x=ins["x"])
     return {"out": gpu.relu(ins["x"])}
 
 
-@kernel("relu_grad", "gpu")
+@kernel("relu_grad", "gpu", dtypes=GPU_FLOATS)
 def relu_grad_gpu(op, ins):
     """dx = dout where out > 0, else 0, on the device; nothing when dx is unbound."""
-    out, d = ins["out"], ins["dout"]
-    check_gpu_float(op, out=out, dout=d)
-    if not wants(op, "dx"):
+    if not op.wants("dx"):
         return {}
-    return {"dx": gpu.relu_grad(out, d)}
+    return {"dx": gpu.relu_grad(ins["out"], ins["dout"])}

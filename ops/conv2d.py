@@ -12,11 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import conv2d as gpu
-from minigraph.ops.device import check_gpu_float, present, wants
+from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
 from minigraph.schema import (
     Meta,
-    OpDesc,
     OpError,
     OpSchema,
     Slot,
@@ -24,6 +23,8 @@ from minigraph.schema import (
     check_rank,
     check_same_dtype,
     fail,
+    grad_maker,
+    grad_schema,
     int_attr,
     kernel,
     positive,
@@ -102,30 +103,18 @@ def col2im(dcols, x_shape, attrs, hw):
     return np.ascontiguousarray(dxp[:, :, ph:ph + h, pw:pw + w])
 
 
-def grad_conv(op, dout, make_grad):
-    """conv2d_grad: dx by col2im of filter^T @ dout, dfilter = dout @ cols^T."""
-    d = dout.get("out")
-    if d is None:
-        return []
-    dx, dw = make_grad(op.inputs["x"]), make_grad(op.inputs["filter"])
-    if dx is None and dw is None:
-        return []
-    return [OpDesc("conv2d_grad", dict(x=op.inputs["x"], filter=op.inputs["filter"], dout=d,
-                                       dx=dx, dfilter=dw, **op.attrs))]
-
-
 def infer_conv_grad(ins, attrs):
     x, w = ins["x"], ins["filter"]
     return {"dx": Meta(x.shape, x.dtype), "dfilter": Meta(w.shape, w.dtype)}
 
 
-register(OpSchema(
+CONV = register(OpSchema(
     type="conv2d", inputs=(Slot("x"), Slot("filter")), outputs=(Slot("out"),),
-    attrs=conv_attrs(), infer=infer_conv, grad=grad_conv, resolve_attrs=resolve, doc=__doc__))
-register(OpSchema(
-    type="conv2d_grad", inputs=(Slot("x"), Slot("filter"), Slot("dout")),
-    outputs=(Slot("dx", optional=True), Slot("dfilter", optional=True)),
-    attrs=conv_attrs(), infer=infer_conv_grad, resolve_attrs=resolve))
+    attrs=conv_attrs(), infer=infer_conv, resolve_attrs=resolve, doc=__doc__,
+    grad=grad_maker("conv2d_grad", keep=("x", "filter"), wrt=("x", "filter"))))
+register(grad_schema(CONV, inputs=(Slot("x"), Slot("filter"), Slot("dout")),
+                     outputs=(Slot("dx", optional=True), Slot("dfilter", optional=True)),
+                     infer=infer_conv_grad))
 
 
 def grouped_cols(x, k_hw, attrs, hw):
@@ -159,10 +148,10 @@ def conv2d_grad_cpu(op, ins):
     hw = out_hw("conv2d", x.shape, w.shape[2:], op.attrs)
     d = np.ascontiguousarray(d.transpose(1, 0, 2, 3)).reshape(g, w.shape[0] // g, d[:, 0].size)
     out = {}
-    if op.outputs.get("dfilter") is not None:
+    if op.wants("dfilter"):
         cols = grouped_cols(x, w.shape[2:], op.attrs, hw)
         out["dfilter"] = np.matmul(d, cols.transpose(0, 2, 1)).reshape(w.shape)
-    if op.outputs.get("dx") is not None:
+    if op.wants("dx"):
         dcols = np.matmul(grouped_filter(w, g).transpose(0, 2, 1), d)
         dcols = dcols.reshape((x.shape[1],) + w.shape[2:] + (x.shape[0],) + hw)
         out["dx"] = col2im(dcols, x.shape, op.attrs, hw)
@@ -176,22 +165,18 @@ def conv_geometry(op):
                 groups=a["groups"])
 
 
-@kernel("conv2d", "gpu")
+@kernel("conv2d", "gpu", dtypes=GPU_FLOATS)
 def conv2d_gpu(op, ins):
     """out on the device: im2col in chunks, one batched matrix product per chunk."""
     x, w = ins["x"], ins["filter"]
-    check_gpu_float(op, x=x, filter=w)
-    out_hw(op.type, tuple(x.shape), tuple(w.shape[2:]), op.attrs)
     return {"out": gpu.conv2d(x, w, **conv_geometry(op))}
 
 
-@kernel("conv2d_grad", "gpu")
+@kernel("conv2d_grad", "gpu", dtypes=GPU_FLOATS)
 def conv2d_grad_gpu(op, ins):
     """dfilter (dout @ cols^T, summed over images) and dx (col2im of filter^T @ dout)
     on the device; each only when bound."""
     x, w, d = ins["x"], ins["filter"], ins["dout"]
-    check_gpu_float(op, x=x, filter=w, dout=d)
-    out_hw("conv2d", tuple(x.shape), tuple(w.shape[2:]), op.attrs)
-    dx, dw = gpu.conv2d_grad(x, w, d, **conv_geometry(op), need_dx=wants(op, "dx"),
-                             need_dfilter=wants(op, "dfilter"))
+    dx, dw = gpu.conv2d_grad(x, w, d, **conv_geometry(op), need_dx=op.wants("dx"),
+                             need_dfilter=op.wants("dfilter"))
     return present(dx=dx, dfilter=dw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import elementwise as gpu
-from minigraph.ops.device import check_gpu_float, present, wants
+from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.schema import (
     Meta,
     OpDesc,
@@ -20,6 +20,8 @@ from minigraph.schema import (
     check_same_dtype,
     check_shape,
     fail,
+    grad_maker,
+    grad_schema,
     int_attr,
     kernel,
     register,
@@ -62,31 +64,19 @@ def y_view(x_ndim, y, start):
     return y.reshape(y.shape + (1,) * (x_ndim - start - y.ndim))
 
 
-def grad_add(op, dout, make_grad):
-    """elementwise_add_grad: dx = dout, dy = dout summed over the broadcast dims."""
-    d = dout.get("out")
-    if d is None:
-        return []
-    dx, dy = make_grad(op.inputs["x"]), make_grad(op.inputs["y"])
-    if dx is None and dy is None:
-        return []
-    return [OpDesc("elementwise_add_grad", dict(y=op.inputs["y"], dout=d, dx=dx, dy=dy,
-                                                axis=op.attrs["axis"]))]
-
-
 def infer_add_grad(ins, attrs):
     y, d = ins["y"], ins["dout"]
     broadcast_axis("elementwise_add_grad", d.shape, y.shape, attrs["axis"])
     return {"dx": Meta(d.shape, d.dtype), "dy": Meta(y.shape, d.dtype)}
 
 
-register(OpSchema(
+ADD = register(OpSchema(
     type="elementwise_add", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
-    attrs=(int_attr("axis", -1, check_axis),), infer=infer_add, grad=grad_add, doc=__doc__))
-register(OpSchema(
-    type="elementwise_add_grad", inputs=(Slot("y"), Slot("dout")),
-    outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
-    attrs=(int_attr("axis", -1, check_axis),), infer=infer_add_grad))
+    attrs=(int_attr("axis", -1, check_axis),), infer=infer_add,
+    grad=grad_maker("elementwise_add_grad", keep=("y",), wrt=("x", "y")), doc=__doc__))
+register(grad_schema(ADD, inputs=(Slot("y"), Slot("dout")),
+                     outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
+                     infer=infer_add_grad))
 
 
 @kernel("elementwise_add", "cpu")
@@ -102,9 +92,9 @@ def elementwise_add_grad_cpu(op, ins):
     """dx = dout (a copy); dy = dout summed over every dim of x outside y's run."""
     y, d = ins["y"], ins["dout"]
     out = {}
-    if op.outputs.get("dx") is not None:
+    if op.wants("dx"):
         out["dx"] = d.copy()
-    if op.outputs.get("dy") is not None:
+    if op.wants("dy"):
         start = broadcast_axis(op.type, d.shape, y.shape, op.attrs["axis"])
         axes = tuple(range(start)) + tuple(range(start + y.ndim, d.ndim))
         dy = np.add.reduce(d.astype(np.float64, copy=False), axis=axes) if axes else d
@@ -112,24 +102,20 @@ def elementwise_add_grad_cpu(op, ins):
     return out
 
 
-@kernel("elementwise_add", "gpu")
+@kernel("elementwise_add", "gpu", dtypes=GPU_FLOATS)
 def elementwise_add_gpu(op, ins):
     """out = x + y on the device, y broadcast along x's dims from `axis`."""
     x, y = ins["x"], ins["y"]
-    check_gpu_float(op, x=x, y=y)
-    broadcast_axis(op.type, tuple(x.shape), tuple(y.shape), op.attrs["axis"])
     return {"out": gpu.add(x, y, op.attrs["axis"])}
 
 
-@kernel("elementwise_add_grad", "gpu")
+@kernel("elementwise_add_grad", "gpu", dtypes=GPU_FLOATS)
 def elementwise_add_grad_gpu(op, ins):
     """dx = a device copy of dout; dy = dout summed over the broadcast dims (in
     double on the device); each only when bound."""
     y, d = ins["y"], ins["dout"]
-    check_gpu_float(op, dout=d)
-    broadcast_axis(op.type, tuple(d.shape), tuple(y.shape), op.attrs["axis"])
-    dx, dy = gpu.add_grad(d, tuple(y.shape), op.attrs["axis"], need_dx=wants(op, "dx"),
-                          need_dy=wants(op, "dy"))
+    dx, dy = gpu.add_grad(d, tuple(y.shape), op.attrs["axis"], need_dx=op.wants("dx"),
+                          need_dy=op.wants("dy"))
     return present(dx=dx, dy=dy)
 
 
@@ -155,7 +141,7 @@ def grad_sum(op, dout, make_grad):
 
 register(OpSchema(
     type="sum", inputs=(Slot("x", duplicable=True),), outputs=(Slot("out"),),
-    infer=infer_sum, grad=grad_sum, doc=__doc__))
+    infer=infer_sum, grad=grad_sum, roles=("accumulate",), replication="inputs", doc=__doc__))
 register(OpSchema(
     type="sum_grad", inputs=(Slot("dout"),), outputs=(Slot("dx"),),
     infer=lambda ins, attrs: {"dx": ins["dout"]}))
@@ -177,16 +163,13 @@ def sum_grad_cpu(op, ins):
     return {"dx": ins["dout"].copy()}
 
 
-@kernel("sum", "gpu")
+@kernel("sum", "gpu", dtypes=GPU_FLOATS)
 def sum_gpu(op, ins):
     """out = x[0] + x[1] + ... (a new device array)."""
-    xs = ins["x"]
-    check_gpu_float(op, **{f"x[{i}]": x for i, x in enumerate(xs)})
-    return {"out": gpu.sum_n(xs)}
+    return {"out": gpu.sum_n(ins["x"])}
 
 
-@kernel("sum_grad", "gpu")
+@kernel("sum_grad", "gpu", dtypes=GPU_FLOATS)
 def sum_grad_gpu(op, ins):
     """dx = a device copy of dout."""
-    check_gpu_float(op, dout=ins["dout"])
     return {"dx": gpu.copy(ins["dout"])}

@@ -60,13 +60,13 @@ def infer_fill(ins, attrs):
     return {"out": Meta(attrs["shape"], np.dtype(attrs["dtype"]))}
 
 
-def fill_schema(op_type, dtype_kinds, extra_attrs, validate=None):
+def fill_schema(op_type, dtype_kinds, extra_attrs, validate=None, roles=()):
     return OpSchema(
         type=op_type, inputs=(), outputs=(Slot("out"),),
         attrs=(Attr("shape", (tuple, list), (), check_shape_attr, required=True),
                Attr("dtype", (str,), "float32", check_dtype_attr(dtype_kinds)))
         + extra_attrs,
-        infer=infer_fill, resolve_attrs=resolve, validate=validate, doc=__doc__)
+        infer=infer_fill, resolve_attrs=resolve, validate=validate, roles=roles, doc=__doc__)
 
 
 def validate_uniform(op):
@@ -75,7 +75,7 @@ def validate_uniform(op):
                       f"attribute 'max' ({op.attrs['max']})")
 
 
-register(fill_schema("fill_constant", "biuf", (float_attr("value", 0.0),)))
+register(fill_schema("fill_constant", "biuf", (float_attr("value", 0.0),), roles=("fill",)))
 register(fill_schema("uniform_random", "f", (float_attr("min", -1.0), float_attr("max", 1.0),
                                              int_attr("seed", 0, non_negative)),
                      validate_uniform))

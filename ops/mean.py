@@ -4,15 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import mean as gpu
-from minigraph.ops.device import check_gpu_float, wants
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
-    OpDesc,
     OpError,
     OpSchema,
     Slot,
     check_float,
     check_shape,
+    grad_maker,
     kernel,
     register,
 )
@@ -23,22 +23,13 @@ def infer_mean(ins, attrs):
     return {"out": Meta((), ins["x"].dtype)}
 
 
-def grad_mean(op, dout, make_grad):
-    """mean_grad: dx = dout / x.size everywhere."""
-    d = dout.get("out")
-    dx = make_grad(op.inputs["x"])
-    if d is None or dx is None:
-        return []
-    return [OpDesc("mean_grad", dict(x=op.inputs["x"], dout=d, dx=dx))]
-
-
 def infer_mean_grad(ins, attrs):
     check_shape("mean_grad", "dout", ins["dout"], (), " (the shape of mean's output)")
     return {"dx": Meta(ins["x"].shape, ins["x"].dtype)}
 
 
 register(OpSchema(type="mean", inputs=(Slot("x"),), outputs=(Slot("out"),),
-                  infer=infer_mean, grad=grad_mean, doc=__doc__))
+                  infer=infer_mean, grad=grad_maker("mean_grad"), doc=__doc__))
 register(OpSchema(type="mean_grad", inputs=(Slot("x"), Slot("dout")),
                   outputs=(Slot("dx", optional=True),), infer=infer_mean_grad))
 
@@ -59,22 +50,20 @@ def mean_grad_cpu(op, ins):
     return {"dx": np.full_like(x, np.asarray(d, dtype=np.float64).reshape(()) / x.size)}
 
 
-@kernel("mean", "gpu")
+@kernel("mean", "gpu", dtypes=GPU_FLOATS)
 def mean_gpu(op, ins):
     """out = mean(x), summed in double on the device, in x's dtype."""
     x = ins["x"]
-    check_gpu_float(op, x=x)
     if x.size == 0:
         raise OpError(f"mean: input 'x' is empty (shape {tuple(x.shape)}); its mean is "
                       "undefined")
     return {"out": gpu.mean(x)}
 
 
-@kernel("mean_grad", "gpu")
+@kernel("mean_grad", "gpu", dtypes=GPU_FLOATS)
 def mean_grad_gpu(op, ins):
     """dx = dout / x.size everywhere, dout read on the device; nothing when dx is unbound."""
     x, d = ins["x"], ins["dout"]
-    check_gpu_float(op, x=x, dout=d)
-    if not wants(op, "dx"):
+    if not op.wants("dx"):
         return {}
     return {"dx": gpu.mean_grad(tuple(x.shape), d)}

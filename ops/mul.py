@@ -8,10 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import matmul as gpu
-from minigraph.ops.device import check_gpu_float, present, wants
+from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.schema import (
     Meta,
-    OpDesc,
     OpSchema,
     Slot,
     check_float,
@@ -19,6 +18,8 @@ from minigraph.schema import (
     check_same_dtype,
     dims_equal,
     fail,
+    grad_maker,
+    grad_schema,
     int_attr,
     kernel,
     positive,
@@ -52,31 +53,18 @@ def as_matrix(x, n):
     return x.reshape(int(np.prod(x.shape[:n], dtype=np.int64)), flat_cols(x.shape, n))
 
 
-def grad_mul(op, dout, make_grad):
-    """mul_grad: dx = dout @ y.T (reshaped to x), dy = x2.T @ dout."""
-    d = dout.get("out")
-    if d is None:
-        return []
-    dx, dy = make_grad(op.inputs["x"]), make_grad(op.inputs["y"])
-    if dx is None and dy is None:
-        return []
-    return [OpDesc("mul_grad", dict(x=op.inputs["x"], y=op.inputs["y"], dout=d, dx=dx, dy=dy,
-                                    x_num_col_dims=op.attrs["x_num_col_dims"]))]
-
-
 def infer_mul_grad(ins, attrs):
     x, y = ins["x"], ins["y"]
     return {"dx": Meta(x.shape, x.dtype), "dy": Meta(y.shape, y.dtype)}
 
 
-register(OpSchema(
+MUL = register(OpSchema(
     type="mul", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
-    attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul, grad=grad_mul,
-    doc=__doc__))
-register(OpSchema(
-    type="mul_grad", inputs=(Slot("x"), Slot("y"), Slot("dout")),
-    outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
-    attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul_grad))
+    attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul,
+    grad=grad_maker("mul_grad", keep=("x", "y"), wrt=("x", "y")), doc=__doc__))
+register(grad_schema(MUL, inputs=(Slot("x"), Slot("y"), Slot("dout")),
+                     outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
+                     infer=infer_mul_grad))
 
 
 @kernel("mul", "cpu")
@@ -94,26 +82,24 @@ def mul_grad_cpu(op, ins):
     n = op.attrs["x_num_col_dims"]
     d2 = d.reshape(int(np.prod(x.shape[:n], dtype=np.int64)), y.shape[1])
     out = {}
-    if op.outputs.get("dx") is not None:
+    if op.wants("dx"):
         out["dx"] = (d2 @ y.T).reshape(x.shape)
-    if op.outputs.get("dy") is not None:
+    if op.wants("dy"):
         out["dy"] = as_matrix(x, n).T @ d2
     return out
 
 
-@kernel("mul", "gpu")
+@kernel("mul", "gpu", dtypes=GPU_FLOATS)
 def mul_gpu(op, ins):
     """out = flatten(x) @ y on the device (tiled matrix product), shaped x.shape[:n] + (M,)."""
     x, y = ins["x"], ins["y"]
-    check_gpu_float(op, x=x, y=y)
     return {"out": gpu.mul(x, y, op.attrs["x_num_col_dims"])}
 
 
-@kernel("mul_grad", "gpu")
+@kernel("mul_grad", "gpu", dtypes=GPU_FLOATS)
 def mul_grad_gpu(op, ins):
     """dx = dout2 @ y.T (x's shape), dy = x2.T @ dout2 on the device; each only when bound."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
-    check_gpu_float(op, x=x, y=y, dout=d)
-    dx, dy = gpu.mul_grad(x, y, d, op.attrs["x_num_col_dims"], need_dx=wants(op, "dx"),
-                          need_dy=wants(op, "dy"))
+    dx, dy = gpu.mul_grad(x, y, d, op.attrs["x_num_col_dims"], need_dx=op.wants("dx"),
+                          need_dy=op.wants("dy"))
     return present(dx=dx, dy=dy)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import optimizer_ops as gpu
-from minigraph.ops.device import check_gpu_float
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
     OpSchema,
@@ -87,22 +87,20 @@ def momentum_cpu(op, ins):
     return {"param_out": param, "velocity_out": velocity}
 
 
-@kernel("sgd", "gpu")
+@kernel("sgd", "gpu", dtypes=GPU_FLOATS)
 def sgd_gpu(op, ins):
     """param -= learning_rate * grad in place on the device (the rate is read there);
     returns param, the same device buffer."""
     param, grad, lr = ins["param"], ins["grad"], ins["learning_rate"]
-    check_gpu_float(op, param=param, grad=grad, learning_rate=lr)
     return {"param_out": gpu.sgd(param, grad, lr)}
 
 
-@kernel("momentum", "gpu")
+@kernel("momentum", "gpu", dtypes=GPU_FLOATS)
 def momentum_gpu(op, ins):
     """velocity = mu * velocity + grad; param -= lr * (velocity, or grad + mu *
     velocity with use_nesterov); both in place on the device; returns them."""
     param, grad, velocity = ins["param"], ins["grad"], ins["velocity"]
     lr = ins["learning_rate"]
-    check_gpu_float(op, param=param, grad=grad, velocity=velocity, learning_rate=lr)
     param, velocity = gpu.momentum(param, grad, velocity, lr, op.attrs["mu"],
                                    op.attrs["use_nesterov"])
     return {"param_out": param, "velocity_out": velocity}

@@ -14,17 +14,18 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import pool2d as gpu
-from minigraph.ops.device import check_gpu_float, wants
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
 from minigraph.schema import (
     Meta,
-    OpDesc,
     OpError,
     OpSchema,
     Slot,
     bool_attr,
     check_float,
     check_rank,
+    grad_maker,
+    grad_schema,
     kernel,
     one_of,
     register,
@@ -76,23 +77,13 @@ def infer_pool(ins, attrs):
     return {"out": Meta(tuple(x.shape[:2]) + out_hw("pool2d", x.shape, attrs), x.dtype)}
 
 
-def grad_pool(op, dout, make_grad):
-    """pool2d_grad: dx from x and dout (the max is located again)."""
-    d = dout.get("out")
-    dx = make_grad(op.inputs["x"])
-    if d is None or dx is None:
-        return []
-    return [OpDesc("pool2d_grad", dict(x=op.inputs["x"], dout=d, dx=dx, **op.attrs))]
-
-
-register(OpSchema(
+POOL = register(OpSchema(
     type="pool2d", inputs=(Slot("x"),), outputs=(Slot("out"),), attrs=pool_attrs(),
-    infer=infer_pool, grad=grad_pool, validate=validate_pool, resolve_attrs=resolve,
-    doc=__doc__))
-register(OpSchema(
-    type="pool2d_grad", inputs=(Slot("x"), Slot("dout")), outputs=(Slot("dx", optional=True),),
-    attrs=pool_attrs(), infer=lambda ins, attrs: {"dx": ins["x"]}, validate=validate_pool,
-    resolve_attrs=resolve))
+    infer=infer_pool, validate=validate_pool, resolve_attrs=resolve, doc=__doc__,
+    grad=grad_maker("pool2d_grad")))   # dx from x and dout: the max is located again
+register(grad_schema(POOL, inputs=(Slot("x"), Slot("dout")),
+                     outputs=(Slot("dx", optional=True),),
+                     infer=lambda ins, attrs: {"dx": ins["x"]}, validate=validate_pool))
 
 
 def taps(attrs):
@@ -188,22 +179,17 @@ def pool_geometry(op):
                 paddings=a["paddings"], global_pooling=a["global_pooling"])
 
 
-@kernel("pool2d", "gpu")
+@kernel("pool2d", "gpu", dtypes=GPU_FLOATS)
 def pool2d_gpu(op, ins):
     """Max or average of every window on the device (see the module doc)."""
-    x = ins["x"]
-    check_gpu_float(op, x=x)
-    out_hw(op.type, tuple(x.shape), op.attrs)
-    return {"out": gpu.pool2d(x, **pool_geometry(op))}
+    return {"out": gpu.pool2d(ins["x"], **pool_geometry(op))}
 
 
-@kernel("pool2d_grad", "gpu")
+@kernel("pool2d_grad", "gpu", dtypes=GPU_FLOATS)
 def pool2d_grad_gpu(op, ins):
     """dx on the device: dout routed to each window's first max, or spread evenly
     over its real elements; nothing when dx is unbound."""
     x, d = ins["x"], ins["dout"]
-    check_gpu_float(op, x=x, dout=d)
-    if not wants(op, "dx"):
+    if not op.wants("dx"):
         return {}
-    out_hw("pool2d", tuple(x.shape), op.attrs)
     return {"dx": gpu.pool2d_grad(x, d, **pool_geometry(op))}

@@ -13,10 +13,9 @@ import numpy as np
 
 from minigraph.kernels import loader
 from minigraph.kernels import softmax_with_cross_entropy as gpu
-from minigraph.ops.device import check_gpu_float, wants
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
-    OpDesc,
     OpError,
     OpSchema,
     Slot,
@@ -24,6 +23,7 @@ from minigraph.schema import (
     check_rank,
     check_shape,
     fail,
+    grad_maker,
     kernel,
     register,
 )
@@ -52,16 +52,6 @@ def check_labels(label, classes):
                       f"[0, {classes}) for logits with {classes} classes")
 
 
-def grad_swce(op, dout, make_grad):
-    """softmax_with_cross_entropy_grad: dlogits from softmax, label, dloss (and dsoftmax)."""
-    dloss, dsoftmax = dout.get("loss"), dout.get("softmax")
-    dlogits = make_grad(op.inputs["logits"])
-    if dlogits is None or (dloss is None and dsoftmax is None):
-        return []
-    return [OpDesc(OP + "_grad", dict(label=op.inputs["label"], softmax=op.outputs["softmax"],
-                                      dloss=dloss, dsoftmax=dsoftmax, dlogits=dlogits))]
-
-
 def infer_swce_grad(ins, attrs):
     sm = ins["softmax"]
     if ins["dloss"] is not None:
@@ -74,7 +64,9 @@ def infer_swce_grad(ins, attrs):
 
 register(OpSchema(
     type=OP, inputs=(Slot("logits"), Slot("label")), outputs=(Slot("softmax"), Slot("loss")),
-    infer=infer_swce, grad=grad_swce, doc=__doc__))
+    infer=infer_swce, doc=__doc__,
+    grad=grad_maker(OP + "_grad", keep=("label", "softmax"), wrt=("logits",),
+                    dout={"loss": "dloss", "softmax": "dsoftmax"})))
 register(OpSchema(
     type=OP + "_grad",
     inputs=(Slot("label"), Slot("softmax"), Slot("dloss", optional=True),
@@ -119,24 +111,22 @@ def label_status(what):
     return loader.error_flag(what, gpu.LabelStatus)
 
 
-@kernel(OP, "gpu")
+@kernel(OP, "gpu", dtypes=GPU_FLOATS)
 def softmax_with_cross_entropy_gpu(op, ins):
     """softmax and loss on the device, from the max-shifted logits in double.
     A label outside [0, K) gets loss NaN and is flagged on the device; the
     error raises at the next fetch (see minigraph.place), not here."""
     logits, label = ins["logits"], ins["label"]
-    check_gpu_float(op, logits=logits)
     softmax, loss = gpu.forward(logits, label, label_status(OP))
     return {"softmax": softmax, "loss": loss}
 
 
-@kernel(OP + "_grad", "gpu")
+@kernel(OP + "_grad", "gpu", dtypes=GPU_FLOATS)
 def softmax_with_cross_entropy_grad_gpu(op, ins):
     """dlogits on the device, from the terms whose incoming gradient is bound;
     nothing when dlogits is unbound."""
     sm, label = ins["softmax"], ins["label"]
     dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
-    check_gpu_float(op, softmax=sm, dloss=dloss, dsoftmax=dsoftmax)
-    if not wants(op, "dlogits"):
+    if not op.wants("dlogits"):
         return {}
     return {"dlogits": gpu.grad(label, sm, dloss, dsoftmax, label_status(op.type))}
