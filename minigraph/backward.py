@@ -1,7 +1,7 @@
 """Autodiff: append grad ops to a net's train branch, built by each op's grad maker."""
 from __future__ import annotations
 
-from minigraph.schema import OpDesc
+from minigraph.schema import OpDesc, op_for_role
 
 
 def append_backward(net, loss, parameters=None):
@@ -15,9 +15,13 @@ def append_backward(net, loss, parameters=None):
     if net.loss is not None:
         raise ValueError("append_backward: this net already has a backward pass")
     params = list(parameters) if parameters is not None else net.parameters()
-    forward = net.trunk + net.branch["train"]
+    forward = net.section("trunk") + net.section("train")
     if not any(loss in op.output_vars() for op in forward):
         raise ValueError(f"append_backward: {loss.name!r} is not computed by the train path")
+    if loss.shape is not None and tuple(loss.shape) not in ((), (1,)):
+        raise ValueError(f"append_backward: the loss must be a scalar (shape ()), got "
+                         f"{loss.name!r} of shape {tuple(loss.shape)}; reduce it first, e.g. "
+                         "with layers.mean")
     grad_scope = net.scopes["train"]
     wanted = _reaching(forward, params)
     pending = {}                         # id(var) -> [grad contributions]
@@ -43,15 +47,16 @@ def append_backward(net, loss, parameters=None):
             return None
         if len(parts) > 1:
             total = new_grad_var(var)
-            net.append_desc(OpDesc("sum", dict(x=parts, out=total)), net.backward_ops)
+            net.append_op(OpDesc(op_for_role("accumulate"), dict(x=parts, out=total)),
+                          "backward")
             pending[id(var)] = [total]
         net.grads[var.name] = pending[id(var)][0]
         return pending[id(var)][0]
 
     dloss = new_grad_var(loss)
-    net.append_desc(OpDesc("fill_constant", dict(out=dloss, shape=tuple(loss.shape or ()),
-                                                  dtype=str(loss.dtype or "float32"),
-                                                  value=1.0)), net.backward_ops)
+    net.append_op(OpDesc(op_for_role("fill"), dict(out=dloss, shape=tuple(loss.shape or ()),
+                                                    dtype=str(loss.dtype or "float32"),
+                                                    value=1.0)), "backward")
     pending[id(loss)] = [dloss]
     for op in reversed(forward):
         if op.schema.grad is None:
@@ -67,7 +72,7 @@ def append_backward(net, loss, parameters=None):
         if not any(_flat(dout.values())):
             continue
         for desc in op.schema.grad(op, dout, make_grad):
-            net.append_desc(desc, net.backward_ops)
+            net.append_op(desc, "backward")
     net.loss = loss
     return [(p, total_grad(p)) for p in params]
 

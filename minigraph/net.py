@@ -1,80 +1,182 @@
 """Net: a trunk of shared ops that forks into a train branch and an infer branch.
 
-Layers append ops through `Net.append`. Until the first op whose schema has
-an `is_infer` attribute, ops go to the trunk; from that op on, every layer
-appends two copies, one per branch: the train copy with is_infer=False and the
-infer copy with is_infer=True. Both copies bind the same persistables (held by
-the root scope); each branch keeps its temporaries in its own child scope, so
-a name resolves to the branch's own copy. Backward and update ops go to the
-train branch only.
+A Net keeps its ops in sections: `init` (parameter initialisers), `trunk`
+(shared by both modes), the `train` and `infer` branches, `backward` and
+`update` (train only). Layers append ops through `Net.append`. Until the
+first op whose schema declares a mode attribute (`OpSchema.mode_attr`,
+batch_norm's and dropout's `is_infer`), ops go to the trunk; from that op
+on, every layer appends two copies, one per branch: the train copy with the
+mode attribute False and the infer copy with it True. Both copies bind the
+same persistables (held by the root scope); each branch keeps its
+temporaries in its own child scope. Graph rewrites (backward, optimizers,
+passes) change sections only through `append_op`, `insert_op`,
+`replace_op` and `remove_op`, which drop the cached run plans themselves,
+and record what they did with `mark_applied`.
 """
 from __future__ import annotations
 
-from minigraph.executor import Executor, check_feed
+import contextlib
+import threading
+
+import numpy as np
+
+from minigraph.executor import Executor
 from minigraph.operator import Operator
 from minigraph.place import CPUPlace
-from minigraph.schema import get_schema
+from minigraph.run import run_step
+from minigraph.schema import OpDesc, get_schema
 from minigraph.scope import Scope, Variable
 
 BRANCHES = ("train", "infer")
+SECTIONS = ("init", "trunk", "train", "infer", "backward", "update")
+MODE_SECTIONS = {"train": ("trunk", "train", "backward", "update"), "infer": ("trunk", "infer")}
 
 
 class Net:
     """A network built by layers, run with `train` and `infer`.
 
     place: CPUPlace() (default) or GPUPlace(i). seed: seeds every
-    initialiser (each parameter gets its own stream); None draws one.
+    initialiser (each parameter gets its own stream) and every dropout mask;
+    None draws one.
     """
 
     def __init__(self, place=None, seed=None):
-        import numpy as np
-
         self.place = place if place is not None else CPUPlace()
         self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
         self.scope = Scope()
         self.scopes = {b: self.scope.new_scope() for b in BRANCHES}
         self.executor = Executor(self.place)
-        self.init_ops = []
-        self.trunk = []
-        self.branch = {b: [] for b in BRANCHES}
-        self.backward_ops = []
-        self.update_ops = []
         self.forked = False
         self.data_vars = {}
         self.grads = {}
         self.loss = None
         self.optimizer = None
-        self._initialized = False
+        self.layers = []                 # what each layer built (see net.summary)
+        self._sections = {s: [] for s in SECTIONS}
+        self._twins = {}                 # id(branch Variable) -> its copy in the other branch
+        self._applied = []
         self._name_counts = {}
         self._plans = {}
+        self._lock = threading.RLock()
+        self._running = 0
+
+    # ---- sections and rewrites ---------------------------------------------
+
+    def section(self, name):
+        """The ops of section `name` (one of SECTIONS), in order, as a tuple."""
+        return tuple(self._ops_of(name))
+
+    def append_op(self, op, section=None):
+        """Append an Operator (or an OpDesc, built here) to `section`.
+
+        By default: the trunk before the fork, and the branch its mode
+        attribute names for a mode-dependent op (which forks the net).
+        Returns the Operator."""
+        op = _as_operator(op)
+        mode_attr = op.schema.mode_attr
+        if section is None:
+            if mode_attr is not None:
+                section = "infer" if op.attrs[mode_attr] else "train"
+            elif not self.forked:
+                section = "trunk"
+            else:
+                raise ValueError(f"append_op({op.type}): the net has forked; say "
+                                 "section='train' or section='infer'")
+        ops = self._ops_of(section)
+        if section == "trunk" and self.forked:
+            raise ValueError(f"append_op({op.type}): the trunk ends at the fork")
+        if mode_attr is not None and section in BRANCHES:
+            self.forked = True
+        ops.append(op)
+        self._changed()
+        return op
+
+    def insert_op(self, section, index, op):
+        """Insert an Operator (or OpDesc) at `index` of `section`; returns it."""
+        op = _as_operator(op)
+        self._ops_of(section).insert(index, op)
+        self._changed()
+        return op
+
+    def replace_op(self, section, old, new):
+        """Put `new` (an Operator or OpDesc) where the Operator `old` is in `section`."""
+        ops = self._ops_of(section)
+        new = _as_operator(new)
+        ops[self._index(section, ops, old)] = new
+        self._changed()
+        return new
+
+    def remove_op(self, section, op):
+        """Take the Operator `op` out of `section`."""
+        ops = self._ops_of(section)
+        del ops[self._index(section, ops, op)]
+        self._changed()
+
+    def mark_applied(self, name):
+        """Record that the transformation `name` was applied to this net; a second
+        time is an error (a pass must not run twice)."""
+        if name in self._applied:
+            raise ValueError(f"{name}: already applied to this net")
+        self._applied.append(name)
+
+    @property
+    def applied(self):
+        """The names of the transformations applied to this net, in order."""
+        return tuple(self._applied)
+
+    def _ops_of(self, section):
+        if section not in self._sections:
+            raise ValueError(f"section must be one of {', '.join(map(repr, SECTIONS))}, "
+                             f"got {section!r}")
+        return self._sections[section]
+
+    @staticmethod
+    def _index(section, ops, op):
+        for i, o in enumerate(ops):
+            if o is op:
+                return i
+        raise ValueError(f"{op.type} is not an op of section {section!r}")
+
+    def _changed(self):
+        self._plans.clear()
 
     # ---- building ----------------------------------------------------------
 
     def unique_name(self, prefix):
-        """`prefix_k`, k counting the names this net has made for `prefix`."""
+        """`prefix_k` with the smallest k this net has not made nor seen used."""
         k = self._name_counts.get(prefix, 0)
+        while self._name_taken(f"{prefix}_{k}"):
+            k += 1
         self._name_counts[prefix] = k + 1
         return f"{prefix}_{k}"
 
+    def _name_taken(self, name):
+        dotted = name + "."
+        return (any(rec.name == name for rec in self.layers) or name in self.data_vars
+                or any(v.startswith(dotted) for s in (self.scope, *self.scopes.values())
+                       for v in s.vars))
+
     def add_data(self, name, shape, dtype="float32"):
         """Declare a fed input: a root-scope Variable checked against every feed."""
+        self._check_open("data")
         var = self.scope.new_var(name)
         var.declare(shape, dtype)
         var.is_data = True
         self.data_vars[name] = var
-        self.ops_changed()
+        self._changed()
         return var
 
     def create_parameter(self, name, shape, dtype, init, trainable=True, fan_in=None,
                          fan_out=None):
-        """A persistable root-scope Variable initialised once by `init`
-        (an initializer from minigraph.initializer)."""
+        """A persistable root-scope Variable, initialised at once by `init` (an
+        initializer from minigraph.initializer); `initialize(force=True)` runs
+        the initialiser again."""
         var = self.scope.new_var(name, persistable=True, trainable=trainable)
         var.declare(shape, dtype)
-        seed = (self.seed + 7919 * len(self.init_ops)) % (2 ** 31)
+        seed = (self.seed + 7919 * len(self._sections["init"])) % (2 ** 31)
         desc = init.op(var, seed=seed, fan_in=fan_in, fan_out=fan_out)
-        self.init_ops.append(Operator(desc.type, **desc.kwargs))
-        self._initialized = False
+        op = self.append_op(desc, "init")
+        self.executor.run([op], self.scope)
         return var
 
     def append(self, op_type, inputs, outputs, attrs=None):
@@ -84,73 +186,88 @@ class Net:
         an input Variable for an in-place slot}. Returns {slot: Variable} of
         the train copy (the trunk's when not forked).
         """
+        self._check_open(op_type)
         attrs = dict(attrs or {})
-        mode_dependent = get_schema(op_type).has_attr("is_infer")
-        if mode_dependent:
+        mode_attr = get_schema(op_type).mode_attr
+        if mode_attr is not None:
             self.forked = True
         if not self.forked:
             op = self._build(op_type, inputs, outputs, attrs, self.scope)
-            self.trunk.append(op)
-            self.ops_changed()
+            self._sections["trunk"].append(op)
+            self._changed()
             return op.outputs
-        result = None
+        built = {}
         for b in BRANCHES:
-            scope = self.scopes[b]
-            if mode_dependent:
-                attrs["is_infer"] = b == "infer"
-            ins = {slot: _resolve(scope, v) for slot, v in inputs.items()}
-            op = self._build(op_type, ins, outputs, attrs, scope)
-            self.branch[b].append(op)
-            result = result or op.outputs
-        self.ops_changed()
-        return result
+            if mode_attr is not None:
+                attrs[mode_attr] = b == "infer"
+            ins = inputs if b == "train" else {s: self._infer_copy(v) for s, v in inputs.items()}
+            built[b] = self._build(op_type, ins, outputs, attrs, self.scopes[b])
+        for slot, var in built["train"].outputs.items():
+            twin = built["infer"].outputs[slot]
+            for t, i in zip(*((var, twin) if isinstance(var, list) else ([var], [twin]))):
+                if t is not None and t is not i:
+                    self._twins[id(t)], self._twins[id(i)] = i, t
+        for b in BRANCHES:
+            self._sections[b].append(built[b])
+        self._changed()
+        return built["train"].outputs
 
-    def append_op(self, op, branch=None):
-        """Append a hand-built Operator. branch: "trunk", "train" or "infer";
-        by default the trunk before the fork, and the branch named by the op's
-        `is_infer` for a mode-dependent op (which forks the net)."""
-        if branch is None:
-            if "is_infer" in op.attrs:
-                branch = "infer" if op.attrs["is_infer"] else "train"
-                self.forked = True
-            elif not self.forked:
-                branch = "trunk"
-            else:
-                raise ValueError(f"append_op({op.type}): the net has forked; say "
-                                 "branch='train' or branch='infer'")
-        if branch == "trunk":
-            if self.forked and "is_infer" not in op.attrs:
-                raise ValueError(f"append_op({op.type}): the trunk ends at the fork")
-            self.trunk.append(op)
-        elif branch in BRANCHES:
-            self.branch[branch].append(op)
-        else:
-            raise ValueError(f"append_op: branch must be 'trunk', 'train' or 'infer', "
-                             f"got {branch!r}")
-        self.ops_changed()
-        return op
+    def _infer_copy(self, v):
+        if isinstance(v, list):
+            return [self._infer_copy(x) for x in v]
+        return self._twins.get(id(v), v)
 
-    def append_desc(self, desc, section):
-        """Build an OpDesc and append it to `section` (a list of this net's)."""
-        op = Operator(desc.type, **desc.kwargs)
-        section.append(op)
-        self.ops_changed()
-        return op
+    def _check_open(self, what):
+        if self.loss is not None:
+            raise ValueError(f"{what}: cannot add to the net after minimize() / "
+                             "append_backward(): the new layer would never be trained; build "
+                             "every layer first")
 
     def _build(self, op_type, inputs, outputs, attrs, scope):
         outs = {}
-        for slot, target in outputs.items():
-            if isinstance(target, Variable):
-                outs[slot] = target
-            elif isinstance(target, (list, tuple)):
-                outs[slot] = [scope.new_var(t) for t in target]
-            else:
-                outs[slot] = scope.new_var(target)
-        return Operator(op_type, **inputs, **outs, **attrs)
+        made = []
+        try:
+            for slot, target in outputs.items():
+                if isinstance(target, Variable):
+                    outs[slot] = target
+                elif isinstance(target, (list, tuple)):
+                    outs[slot] = [scope.new_var(t) for t in target]
+                    made += outs[slot]
+                else:
+                    outs[slot] = scope.new_var(target)
+                    made.append(outs[slot])
+            return Operator(op_type, **inputs, **outs, **attrs)
+        except BaseException:
+            for v in made:
+                del scope.vars[v.name]
+            raise
 
-    def ops_changed(self):
-        """Forget cached run plans; call after rewriting ops in place (graph passes)."""
-        self._plans.clear()
+    @contextlib.contextmanager
+    def building(self):
+        """Everything built inside is undone if it raises: ops, variables,
+        parameters, data declarations and names (layers build inside one)."""
+        before = self._snapshot()
+        try:
+            yield
+        except BaseException:
+            self._restore(before)
+            raise
+
+    def _snapshot(self):
+        scopes = (self.scope, *self.scopes.values())
+        return ({s: len(ops) for s, ops in self._sections.items()},
+                [(s, dict(s.vars)) for s in scopes], dict(self._name_counts),
+                dict(self.data_vars), self.forked, dict(self._twins), len(self.layers))
+
+    def _restore(self, snap):
+        sizes, scopes, counts, data, forked, twins, layers = snap
+        for s, n in sizes.items():
+            del self._sections[s][n:]
+        for scope, vars_ in scopes:
+            scope.vars = vars_
+        self._name_counts, self.data_vars, self.forked, self._twins = counts, data, forked, twins
+        del self.layers[layers:]
+        self._changed()
 
     # ---- looking things up -------------------------------------------------
 
@@ -160,6 +277,14 @@ class Net:
         if var is None:
             raise KeyError(f"no variable named {name!r} in this net")
         return var
+
+    def twin(self, var):
+        """The other branch's copy of a branch Variable (None when it has none)."""
+        return self._twins.get(id(var))
+
+    def owns(self, var):
+        """True when `var` is a Variable of this net (its root or a branch scope)."""
+        return var.scope is self.scope or any(var.scope is s for s in self.scopes.values())
 
     def persistables(self):
         """Every persistable Variable, once each, in creation order."""
@@ -178,74 +303,71 @@ class Net:
         return self.grads[name]
 
     def ops(self, mode="train"):
-        """The ops `train` or `infer` runs, in order (before pruning)."""
-        if mode == "train":
-            return self.trunk + self.branch["train"] + self.backward_ops + self.update_ops
-        if mode == "infer":
-            return self.trunk + self.branch["infer"]
-        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+        """The ops `train` or `infer` runs, in order (before pruning), as a list."""
+        if mode not in MODE_SECTIONS:
+            raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+        return [op for s in MODE_SECTIONS[mode] for op in self._sections[s]]
+
+    def summary(self):
+        """A table (str): per layer its name, op types, output shape and parameter
+        count; then the trainable and non-trainable totals."""
+        from minigraph.summary import summary
+
+        return summary(self)
 
     # ---- running -----------------------------------------------------------
 
     def initialize(self, force=False):
-        """Run the initialiser of every persistable that has no value yet (all of
-        them with force=True); `train` and `infer` call this when needed, so
-        values loaded or set before the first step are kept."""
-        todo = [op for op in self.init_ops
+        """Run the initialiser of every persistable that has no value (all of
+        them with force=True). Parameters get their values when created, so
+        this matters only after values were dropped, or to start over."""
+        todo = [op for op in self._sections["init"]
                 if force or any(v.value is None for v in op.output_vars())]
         self.executor.run(todo, self.scope)
-        self._initialized = True
 
     def train(self, feed=None, fetch=None):
         """One training step: trunk, train branch, backward and updates.
-        Returns the fetched values (Variables or names) as numpy arrays. On a
-        GPU, errors that kernels flag on the device (labels outside [0, K),
-        non-finite batch statistics) raise at the first fetch after the step
-        that caused them, when the fetched values are copied out."""
+        Returns the fetched values (Variables or names) as numpy arrays.
+
+        A step is all or nothing: if any op raises, every persistable
+        (parameters, estimates, counters, optimizer state) keeps the value it
+        had before the step. On a GPU, errors that kernels flag on the device
+        (labels outside [0, K), non-finite batch statistics) are checked at
+        the end of the step and raise the same way. Calls from several
+        threads are serialised on the net."""
         return self._run("train", feed, fetch)
 
     def infer(self, feed=None, fetch=None):
         """Trunk and infer branch, pruned to what `fetch` needs. Never changes
-        a persistable variable."""
+        a persistable variable. May be called from inside a running step
+        (e.g. from a kernel): the step's own values are kept."""
         return self._run("infer", feed, fetch)
 
     def _run(self, mode, feed, fetch):
-        if not self._initialized:
-            self.initialize()
-        feed = feed or {}
-        fetch = list(fetch or [])
-        scope = self.scopes[mode]
-        targets = tuple(_resolve(scope, f) for f in fetch)
-        ops, needed = self._plan(mode, targets)
-        for name in feed:
-            if name not in self.data_vars:
-                raise KeyError(f"feed {name!r}: not a data variable of this net; data: "
-                               f"{', '.join(self.data_vars) or '(none)'}")
-        missing = [v.name for v in needed if v.name not in feed]
-        if missing:
-            raise KeyError(f"{mode}: missing feed {', '.join(map(repr, missing))}; the ops run "
-                           f"need {', '.join(v.name for v in needed)}")
-        ex = self.executor
-        for name, value in feed.items():
-            var = self.data_vars[name]
-            var.set(self.place.to_device(check_feed(var, value)))
-        for op in ops:
-            ex.run_op(op)
-        return ex.fetch_all(scope, targets)     # raises what GPU kernels flagged
+        with self._lock:
+            nested = self._running > 0
+            kept = self._temporaries() if nested else None
+            self._running += 1
+            try:
+                return run_step(self, mode, feed, fetch)
+            finally:
+                self._running -= 1
+                if kept is not None:
+                    for var, value in kept:
+                        var.value = value
 
-    def _plan(self, mode, targets):
+    def _temporaries(self):
+        return [(v, v.value) for s in (self.scope, *self.scopes.values())
+                for v in s.vars.values() if not v.persistable]
+
+    def plan(self, mode, targets):
+        """The cached run plan of `mode` for fetch `targets` (see minigraph.run.Plan)."""
+        from minigraph.run import make_plan
+
         key = (mode, tuple(id(t) for t in targets))
         plan = self._plans.get(key)
         if plan is None:
-            ops = self.ops(mode)
-            if mode == "infer" and targets:
-                ops = prune(ops, targets)
-            needed = []
-            for op in ops:
-                for v in op.input_vars():
-                    if v.is_data and v not in needed:
-                        needed.append(v)
-            plan = self._plans[key] = (ops, needed)
+            plan = self._plans[key] = make_plan(self.ops(mode), mode, targets)
         return plan
 
     # ---- pictures ----------------------------------------------------------
@@ -257,28 +379,14 @@ class Net:
         return to_dot(self, backward=backward)
 
     def render(self, path, backward=False):
-        """Write the net's picture; .svg, .png or .pdf by suffix (needs `dot`)."""
+        """Write the net's picture; .svg, .png or .pdf by suffix."""
         from minigraph.render import render
         return render(self, path, backward=backward)
 
 
-def prune(ops, targets):
-    """The ops that contribute to `targets`, in their original order."""
-    needed = {id(t) for t in targets}
-    kept = []
-    for op in reversed(ops):
-        if any(id(v) in needed for v in op.output_vars()):
-            kept.append(op)
-            needed.update(id(v) for v in op.input_vars())
-    return kept[::-1]
-
-
-def _resolve(scope, v):
-    if isinstance(v, list):
-        return [_resolve(scope, x) for x in v]
-    name = v.name if isinstance(v, Variable) else v
-    found = scope.find_var(name)
-    if found is None:
-        raise KeyError(f"no variable named {name!r} in this branch")
-    return found
-
+def _as_operator(op):
+    if isinstance(op, OpDesc):
+        return Operator(op.type, **op.kwargs)
+    if not isinstance(op, Operator):
+        raise TypeError(f"expected an Operator or an OpDesc, got {type(op).__name__}")
+    return op

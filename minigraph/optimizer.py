@@ -26,7 +26,7 @@ class Optimizer:
                                            Constant(self.learning_rate), trainable=False)
         for param, grad in params_grads:
             if grad is not None:
-                net.append_desc(self.update(net, param, grad), net.update_ops)
+                net.append_op(self.update(net, param, grad), "update")
         net.optimizer = self
         return params_grads
 

@@ -1,14 +1,14 @@
 """Pictures of a net: DOT source (no binary needed) and files rendered by Graphviz.
 
-The picture: ops are boxes (type in bold, attributes below, `is_infer`
-always shown for mode-dependent ops); variables are ovals, data doubly
+The picture: ops are boxes (type in bold, attributes below, the mode
+attribute a schema declares (`is_infer`) in bold); variables are ovals, data doubly
 outlined, persistables filled and bold (parameters blue, other persistables
 such as estimates and counters orange). The trunk and the two branches are
 clusters (`cluster_trunk`, `cluster_train`, `cluster_infer`); persistables
 and data sit outside every cluster, drawn once, with edges into both
 branches. An in-place output (`saved_mean` -> `estimated_mean`) is a dashed
-edge labelled with its slot; it is grey on ops with is_infer=True, which
-never write it. With backward=True the backward and update ops join the
+edge labelled with its slot; it is grey on infer copies (mode attribute
+True), which never write it. With backward=True the backward and update ops join the
 picture as a lighter nested cluster of the train branch.
 """
 from __future__ import annotations
@@ -36,10 +36,8 @@ def to_dot(net, backward=False):
     and `op:<section>:<index>`. The forward net only, unless backward=True:
     then the backward and update ops (and what only they use) are drawn too.
     """
-    sections = [("trunk", net.trunk), ("train", net.branch["train"]),
-                ("infer", net.branch["infer"])]
-    if backward:
-        sections += [("backward", net.backward_ops), ("update", net.update_ops)]
+    names = ("trunk", "train", "infer") + (("backward", "update") if backward else ())
+    sections = [(name, net.section(name)) for name in names]
     ops = [(f"op:{name}:{i}", name, op) for name, section in sections
            for i, op in enumerate(section)]
     scope_names = {id(net.scope): "root"}
@@ -157,7 +155,7 @@ def _op_node(oid, op, light):
     rows = [f"<b>{_html(op.type)}</b>"]
     for name, value in op.attrs.items():
         text = _html(f"{name}={_attr_text(value)}")
-        rows.append(f"<b>{text}</b>" if name == "is_infer" else text)
+        rows.append(f"<b>{text}</b>" if name == op.schema.mode_attr else text)
     label = rows[0] + "".join(f'<br/><font point-size="8">{r}</font>' for r in rows[1:])
     if light:
         style = f'style="rounded,filled", fillcolor="{GRAD_FILL}", color="#aaaaaa", ' \
@@ -180,7 +178,8 @@ def _op_edges(oid, op, var_id, light):
     ins = [(s, v) for s, v in op.inputs.items() if v is not None]
     outs = [(s, v) for s, v in op.outputs.items() if v is not None]
     grey = ['color="#bbbbbb"'] if light else []
-    alias_color = IDLE_COLOR if op.attrs.get("is_infer") is True else ALIAS_COLOR
+    mode_attr = op.schema.mode_attr
+    alias_color = IDLE_COLOR if mode_attr and op.attrs[mode_attr] is True else ALIAS_COLOR
     lines = []
     for slot, bound in ins:
         attrs = ([f'label="{slot}"'] if len(ins) > 1 else []) + grey

@@ -9,7 +9,7 @@ def _forward_loss(net, loss, feed):
     ex = net.executor
     for name, value in feed.items():
         net.data_vars[name].set(value)
-    for op in net.trunk + net.branch["train"]:
+    for op in net.section("trunk") + net.section("train"):
         ex.run_op(op)
     return float(loss.get())
 
@@ -67,7 +67,7 @@ def test_a_variable_read_by_two_ops_gets_the_sum_of_their_gradients():
     s = net.append("elementwise_add", {"x": a, "y": h}, {"out": "s"})["out"]  # h read twice
     loss = layers.mean(net, s)
     mg.append_backward(net, loss)
-    assert [op.type for op in net.backward_ops].count("sum") == 1
+    assert [op.type for op in net.section("backward")].count("sum") == 1
     xb = np.array([[1.0, -2.0, 0.5], [0.3, 0.2, -1.0]])
     net.train(feed={"x": xb})
     hv = h.get()

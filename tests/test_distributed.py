@@ -117,12 +117,12 @@ def test_data_parallel_needs_minimize(one_rank):
 def test_data_parallel_ops(one_rank):
     net, _ = small_net()
     mg.distributed.data_parallel(net, batch_size_from="label")
-    types = [op.type for op in net.backward_ops]
+    types = [op.type for op in net.section("backward")]
     assert types[1] == "c_scale_by_batch_share"            # right after the d(loss) seed
     grad_at = types.index("sync_batch_norm_grad")
     assert types[grad_at + 1] == "c_avg_presummed"
     assert types[-1] == "c_allreduce_avg"                   # last before the updates
-    (avg,) = [op for op in net.backward_ops if op.type == "c_allreduce_avg"]
+    (avg,) = [op for op in net.section("backward") if op.type == "c_allreduce_avg"]
     averaged = {v.name for v in avg.inputs["x"]}
     assert averaged == {"c1.w@GRAD", "c1.b@GRAD", "fc1.w@GRAD", "fc1.b@GRAD"}
     assert avg.outputs["out"] == avg.inputs["x"]            # in place

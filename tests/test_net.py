@@ -37,8 +37,8 @@ def _hash_persistables(net):
 def test_fork_happens_at_batch_norm_and_branches_share_persistables():
     net, logits, loss = _design_doc_net()
     assert net.forked
-    assert [op.type for op in net.trunk] == ["conv2d", "elementwise_add"]
-    train_bn, infer_bn = net.branch["train"][0], net.branch["infer"][0]
+    assert [op.type for op in net.section("trunk")] == ["conv2d", "elementwise_add"]
+    train_bn, infer_bn = net.section("train")[0], net.section("infer")[0]
     assert train_bn.type == infer_bn.type == "batch_norm"
     assert train_bn.attrs["is_infer"] is False and infer_bn.attrs["is_infer"] is True
     for slot in ("x", "scale", "bias", "estimated_mean", "estimated_var", "num_batches"):
@@ -48,11 +48,11 @@ def test_fork_happens_at_batch_norm_and_branches_share_persistables():
     assert train_bn.outputs["y"].scope is net.scopes["train"]
     assert infer_bn.outputs["y"].scope is net.scopes["infer"]
     assert net.var("batch_norm_0.estimated_mean").scope is net.scope
-    train_fc = [op for op in net.branch["train"] if op.type == "mul"][0]
-    infer_fc = [op for op in net.branch["infer"] if op.type == "mul"][0]
+    train_fc = [op for op in net.section("train") if op.type == "mul"][0]
+    infer_fc = [op for op in net.section("infer") if op.type == "mul"][0]
     assert train_fc.inputs["y"] is infer_fc.inputs["y"] is net.var("fc_0.w")
-    assert not any(op.type.endswith("_grad") or op.type == "sgd" for op in net.branch["infer"])
-    assert all(op.type == "sgd" for op in net.update_ops)
+    assert not any(op.type.endswith("_grad") or op.type == "sgd" for op in net.section("infer"))
+    assert all(op.type == "sgd" for op in net.section("update"))
 
 
 def test_infer_never_changes_a_persistable_and_train_does():
@@ -106,7 +106,7 @@ def test_net_without_batch_norm_never_forks():
     net = mg.Net(seed=1)
     x = layers.data(net, "x", shape=(-1, 4))
     out = layers.relu(net, layers.fc(net, x, size=3))
-    assert not net.forked and net.branch["train"] == [] and net.branch["infer"] == []
+    assert not net.forked and net.section("train") == () and net.section("infer") == ()
     xb = np.ones((2, 4), np.float32)
     (a,) = net.train(feed={"x": xb}, fetch=[out])
     (b,) = net.infer(feed={"x": xb}, fetch=[out])
@@ -131,9 +131,9 @@ def test_infer_is_pruned_to_the_fetch_targets():
     net, logits, loss = _design_doc_net()
     xb, _ = _digits_like()
     net.infer(feed={"image": xb}, fetch=[logits])             # needs no label
-    ops, needed = net._plan("infer", (net.var("fc_0.out", "infer"),))
-    assert "softmax_with_cross_entropy" not in [op.type for op in ops]
-    assert [v.name for v in needed] == ["image"]
+    plan = net.plan("infer", (net.var("fc_0.out", "infer"),))
+    assert "softmax_with_cross_entropy" not in [op.type for op in plan.ops]
+    assert [v.name for v in plan.needed] == ["image"]
 
 
 def test_names_parameters_and_persistables():
@@ -175,8 +175,8 @@ def test_append_op_for_hand_built_ops():
     x = layers.data(net, "x", shape=(-1, 4))
     out = net.scope.new_var("out")
     net.append_op(mg.Operator("relu", x=x, out=out))
-    assert net.trunk[-1].type == "relu"
+    assert net.section("trunk")[-1].type == "relu"
     (r,) = net.infer(feed={"x": -np.ones((2, 4), np.float32)}, fetch=[out])
     assert (r == 0).all()
-    with pytest.raises(ValueError, match="branch must be"):
-        net.append_op(mg.Operator("relu", x=x, out=net.scope.new_var("o2")), branch="side")
+    with pytest.raises(ValueError, match="section must be one of"):
+        net.append_op(mg.Operator("relu", x=x, out=net.scope.new_var("o2")), section="side")

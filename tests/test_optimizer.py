@@ -21,7 +21,7 @@ def test_sgd_step_is_param_minus_lr_times_grad():
     net.train(feed={"x": xb})
     grad_w = np.repeat(xb.sum(axis=0)[:, None] / 6, 3, axis=1)
     np.testing.assert_allclose(net.var("fc.w").get(), w0 - 0.5 * grad_w)
-    assert all(op.type == "sgd" for op in net.update_ops) and len(net.update_ops) == 2
+    assert all(op.type == "sgd" for op in net.section("update")) and len(net.section("update")) == 2
 
 
 def test_momentum_follows_pytorch_convention():

@@ -43,7 +43,7 @@ def net():
 
 
 def op_id(net, branch, op):
-    return f"op:{branch}:{net.branch[branch].index(op)}"
+    return f"op:{branch}:{net.section(branch).index(op)}"
 
 
 def test_dot_has_trunk_and_both_branch_clusters(net):
@@ -62,7 +62,7 @@ def test_dot_has_trunk_and_both_branch_clusters(net):
 
 def test_each_shared_persistable_is_one_node_outside_the_clusters_with_edges_into_both(net):
     nodes, edges = parse(net.to_dot())
-    shared = {v.name for op in net.branch["train"] for v in op.input_vars() if v.persistable}
+    shared = {v.name for op in net.section("train") for v in op.input_vars() if v.persistable}
     assert {"bn1.scale", "bn1.estimated_mean", "bn2.num_batches", "fc1.w", "fc2.b"} <= shared
     for name in shared:
         node = f"var:root:{name}"
@@ -77,7 +77,7 @@ def test_each_shared_persistable_is_one_node_outside_the_clusters_with_edges_int
 def test_in_place_outputs_are_dashed_edges_labelled_with_the_slot(net):
     _, edges = parse(net.to_dot())
     for branch in ("train", "infer"):
-        bn = next(op for op in net.branch[branch] if op.type == "batch_norm")
+        bn = next(op for op in net.section(branch) if op.type == "batch_norm")
         oid = op_id(net, branch, bn)
         for slot, var in (("saved_mean", "estimated_mean"), ("saved_var", "estimated_var"),
                           ("saved_num_batches", "num_batches")):
@@ -94,7 +94,7 @@ def test_in_place_outputs_are_dashed_edges_labelled_with_the_slot(net):
 def test_is_infer_is_visible_on_mode_dependent_ops(net):
     nodes, _ = parse(net.to_dot())
     for branch, value in (("train", "False"), ("infer", "True")):
-        bns = [op for op in net.branch[branch] if op.type == "batch_norm"]
+        bns = [op for op in net.section(branch) if op.type == "batch_norm"]
         assert len(bns) == 2
         for op in bns:
             label = nodes[op_id(net, branch, op)][1]
@@ -109,7 +109,7 @@ def test_backward_and_updates_are_an_option_inside_the_train_cluster(net):
     assert "_grad" not in plain and "velocity" not in plain
     nodes, edges = parse(render_mod.to_dot(net, backward=True))
     grads = [n for n in nodes if n.startswith(("op:backward:", "op:update:"))]
-    assert len(grads) == len(net.backward_ops) + len(net.update_ops)
+    assert len(grads) == len(net.section("backward")) + len(net.section("update"))
     assert all(nodes[n][0] == ("cluster_train", "cluster_train_backward") for n in grads)
     assert nodes["var:root:fc1.w.velocity"][0] == ()
     # sgd/momentum write the parameter in place: a dashed edge back to it

@@ -40,7 +40,7 @@ def test_cpu_and_gpu_kernels_are_registered():
 def test_layer_sync_flag_builds_sync_op_in_both_branches():
     net, _, _ = tiny_bn_net(sync=True)
     for branch in ("train", "infer"):
-        types = [op.type for op in net.branch[branch]]
+        types = [op.type for op in net.section(branch)]
         assert "sync_batch_norm" in types and "batch_norm" not in types
 
 
@@ -66,10 +66,10 @@ def test_one_rank_trains_exactly_like_batch_norm(one_rank):
 
 def test_convert_keeps_variables_and_attributes():
     net, loss, _ = tiny_bn_net(sync=False)
-    before = {b: list(net.branch[b]) for b in ("train", "infer")}
+    before = {b: list(net.section(b)) for b in ("train", "infer")}
     assert mg.distributed.convert_sync_batchnorm(net) == 2
     for b in ("train", "infer"):
-        for old, new in zip(before[b], net.branch[b]):
+        for old, new in zip(before[b], net.section(b)):
             if old.type != "batch_norm":
                 assert new is old
                 continue

@@ -16,22 +16,16 @@ def convert_sync_batchnorm(net):
     gradients stay where they were. Returns the number of ops rewritten.
     """
     count = 0
-    for section in _sections(net):
-        for i, op in enumerate(section):
+    for section in ("trunk", "train", "infer", "backward"):
+        for op in net.section(section):
             new_type = RENAMES.get(op.type)
             if new_type is None:
                 continue
             kwargs = {**{k: v for k, v in op.inputs.items() if v is not None},
                       **{k: v for k, v in op.outputs.items() if v is not None},
                       **dict(op.attrs)}
-            section[i] = Operator(new_type, **kwargs)
+            net.replace_op(section, op, Operator(new_type, **kwargs))
             count += 1
     if count:
-        net.ops_changed()
+        net.mark_applied("convert_sync_batchnorm")
     return count
-
-
-def _sections(net):
-    yield net.trunk
-    yield from net.branch.values()
-    yield net.backward_ops

@@ -1,0 +1,99 @@
+"""Graph pass: the data-parallel rewrite of a net's backward section.
+
+After it, K ranks running the same net on their own rows train like one
+process on all the rows (with sync_batch_norm for the batch statistics):
+  * before the update ops, one `c_allreduce_avg` (per dtype) replaces each
+    parameter gradient by its average over ranks. With the loss a mean over
+    the local rows and equal per-rank batch sizes, that average is the
+    gradient of the mean loss over the whole batch. For uneven sizes pass
+    `batch_size_from`: the loss gradient is first scaled by size·B_r/ΣB
+    (`c_scale_by_batch_share`), which weights each rank by its share;
+  * outputs an op declares presummed (`OpSchema.presummed`: sync_batch_norm
+    grad's dscale and dbias, already sums over every rank) are divided by
+    the world size where they are made (`c_avg_presummed`, no
+    communication), and a gradient made only of replicated values
+    (`OpSchema.replication`) needs no allreduce at all.
+The pass knows the ops only through what their schemas declare.
+"""
+from __future__ import annotations
+
+from minigraph.operator import Operator
+
+NAME = "data_parallel"
+
+
+def rewrite(net, batch_size_from=None):
+    """Insert the gradient averaging into `net` (after minimize); see the module doc.
+    batch_size_from: a data Variable (or its name) whose leading dimension is the
+    local batch size. Returns the number of allreduce ops inserted."""
+    if net.optimizer is None or net.loss is None:
+        raise ValueError("data_parallel: call an optimizer's minimize(net, loss) first; the "
+                         "gradient averaging goes between the backward and the update ops")
+    net.mark_applied(NAME)
+    if batch_size_from is not None:
+        _weight_loss_grad(net, _data_var(net, batch_size_from))
+    _divide_presummed(net)
+    producers = _producers(net.section("backward"))
+    partial = {}
+    seen = set()
+    for op in net.section("update"):
+        grad = op.inputs.get("grad")
+        if grad is None or id(grad) in seen or _replicated(grad, producers):
+            continue
+        seen.add(id(grad))
+        partial.setdefault(grad.dtype, []).append(grad)
+    for grads in partial.values():
+        net.append_op(Operator("c_allreduce_avg", x=grads, out=grads), "backward")
+    return len(partial)
+
+
+def _data_var(net, batch):
+    if isinstance(batch, str):
+        if batch not in net.data_vars:
+            raise KeyError(f"data_parallel: {batch!r} is not a data variable of this net; data: "
+                           f"{', '.join(net.data_vars)}")
+        return net.data_vars[batch]
+    return batch
+
+
+def _weight_loss_grad(net, batch):
+    dloss = net.grads.get(net.loss.name)
+    for i, op in enumerate(net.section("backward")):
+        if dloss is not None and dloss in op.output_vars():
+            net.insert_op("backward", i + 1, Operator("c_scale_by_batch_share", x=dloss,
+                                                      batch=batch, out=dloss))
+            return
+    raise ValueError("data_parallel: could not find the op that seeds d(loss)")
+
+
+def _divide_presummed(net):
+    """After each op with presummed outputs, divide them by the world size."""
+    for op in net.section("backward"):
+        declared = op.schema.presummed
+        grads = [op.outputs[s] for s in (declared(op) if declared else ())
+                 if op.outputs.get(s) is not None]
+        if grads:
+            index = net.section("backward").index(op)
+            net.insert_op("backward", index + 1,
+                          Operator("c_avg_presummed", x=grads, out=grads))
+
+
+def _producers(ops):
+    """id(var) -> the last op writing it."""
+    last = {}
+    for op in ops:
+        for v in op.output_vars():
+            last[id(v)] = op
+    return last
+
+
+def _replicated(var, producers):
+    """True when `var` has the same value on every rank, by what the schemas of
+    the ops that made it declare."""
+    op = producers.get(id(var))
+    rule = op.schema.replication if op is not None else None
+    if rule == "always":
+        return True
+    if rule == "inputs":
+        return all(_replicated(v, producers) for v in op.input_vars())
+    return False
