@@ -52,6 +52,7 @@ class Net:
         self.loss = None
         self.optimizer = None
         self.layers = []                 # what each layer built (see net.summary)
+        self.default_fetches = ()        # what train/infer return when fetch is None
         self._sections = {s: [] for s in SECTIONS}
         self._twins = {}                 # id(branch Variable) -> its copy in the other branch
         self._applied = []

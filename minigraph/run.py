@@ -56,7 +56,9 @@ def prune(ops, targets):
 def run_step(net, mode, feed, fetch):
     """Feed, run the plan of `mode` for `fetch`, fetch (Net.train / Net.infer)."""
     feed = feed_by_name(net, feed or {})
-    targets = tuple(fetch_target(net, mode, f) for f in (fetch or []))
+    if fetch is None:
+        fetch = net.default_fetches
+    targets = tuple(fetch_target(net, mode, f) for f in fetch)
     plan = net.plan(mode, targets)
     missing = [v.name for v in plan.needed if v.name not in feed]
     if missing:
