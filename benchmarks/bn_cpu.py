@@ -23,7 +23,6 @@ import time
 import numpy as np
 
 import minigraph as mg
-from minigraph.ops import batch_norm as bn_ops
 from minigraph.schema import get_schema, registered_ops
 
 SHAPES = ((32, 64, 56, 56), (256, 512, 7, 7))
@@ -183,7 +182,7 @@ def main(argv=None):
                              "(default: every core)")
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per case")
     args = parser.parse_args(argv)
-    bn_ops.set_num_threads(args.threads)
+    mg.set_num_threads(args.threads)
     print(f"threads: {args.threads} (minigraph batch_norm and PyTorch), cores: {os.cpu_count()}, "
           f"median of {args.repeat} runs, fp32 NCHW")
     bench_shapes(args.threads, args.repeat)

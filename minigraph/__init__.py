@@ -7,6 +7,7 @@ forks into train and infer branches at its first batch norm.
 from minigraph import distributed, initializer, io, layers, optimizer
 from minigraph import ops as _ops  # noqa: F401  (registers every op)
 from minigraph.backward import append_backward
+from minigraph.cpu_blocks import get_num_threads, set_num_threads
 from minigraph.executor import Executor
 from minigraph.net import Net
 from minigraph.operator import Operator
@@ -15,6 +16,6 @@ from minigraph.schema import OpError
 from minigraph.scope import Scope, Variable
 
 __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Operator",
-           "Scope", "Variable", "append_backward", "distributed", "initializer", "io", "layers",
-           "optimizer"]
+           "Scope", "Variable", "append_backward", "distributed", "get_num_threads",
+           "initializer", "io", "layers", "optimizer", "set_num_threads"]
 __version__ = "0.1.0"

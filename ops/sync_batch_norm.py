@@ -25,20 +25,21 @@ holds at most one value per channel itself, the one case where the global
 count can be too small for training.
 
 The communicator comes from minigraph.distributed.world, imported inside
-the kernels: this module imports only the schema and batch_norm at load time.
+the kernels: this module imports only the schema and batch_norm's drivers
+(ops/batch_norm.py) and GPU bindings (ops/batch_norm_gpu.py) at load time.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from minigraph.ops.batch_norm import (
-    backward_cpu,
-    backward_gpu,
+    batch_norm_cpu,
+    batch_norm_grad_cpu,
     bn_grad_schema,
     bn_schema,
-    forward_cpu,
-    forward_gpu,
 )
+from minigraph.ops.batch_norm_gpu import batch_norm_gpu, batch_norm_grad_gpu
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import kernel, register
 
 
@@ -100,19 +101,19 @@ def grad_combiner(op, comm):
     return combine
 
 
-def forward(op, ins):
+def sync_batch_norm_cpu(op, ins):
     """CPU forward: batch_norm's kernel with the statistics combined over ranks."""
     comm = communicator()
     training = not (op.attrs["is_infer"] or op.attrs["use_global_est"])
     combine = stats_combiner(op, comm) if training and comm.size > 1 else None
-    return forward_cpu(op, ins, combine=combine)
+    return batch_norm_cpu(op, ins, combine=combine)
 
 
-def backward(op, ins):
+def sync_batch_norm_grad_cpu(op, ins):
     """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks."""
     comm = communicator()
     combine = grad_combiner(op, comm) if comm.size > 1 else None
-    return backward_cpu(op, ins, combine=combine)
+    return batch_norm_grad_cpu(op, ins, combine=combine)
 
 
 def device_allreduce(comm, what):
@@ -120,25 +121,31 @@ def device_allreduce(comm, what):
     return lambda v: comm.allreduce(v, what=what)
 
 
-def forward_device(op, ins):
+def sync_batch_norm_gpu(op, ins):
     """GPU forward: batch_norm's binding with ONE allreduce of the 2C+1 local sums
     (training with more than one rank); otherwise exactly batch_norm."""
     comm = communicator()
-    return forward_gpu(op, ins, allreduce=device_allreduce(comm, forward_label(op))
-                       if comm.size > 1 else None)
+    return batch_norm_gpu(op, ins, allreduce=device_allreduce(comm, forward_label(op))
+                          if comm.size > 1 else None)
 
 
-def backward_device(op, ins):
+def sync_batch_norm_grad_gpu(op, ins):
     """GPU grad: ONE allreduce of (n, Σdy, Σdy·(x−μ)) when the statistics came from
     the batch and there is more than one rank; then dx with the global n."""
     comm = communicator()
-    return backward_gpu(op, ins, allreduce=device_allreduce(comm, backward_label(op))
-                        if comm.size > 1 else None)
+    return batch_norm_grad_gpu(op, ins, allreduce=device_allreduce(comm, backward_label(op))
+                               if comm.size > 1 else None)
+
+
+def presummed_grads(op):
+    """dscale and dbias are the whole batch's sums over every rank (identical on
+    each) when the statistics came from the batch."""
+    return () if op.attrs["use_global_est"] else ("dscale", "dbias")
 
 
 register(bn_schema("sync_batch_norm"))
-register(bn_grad_schema("sync_batch_norm"))
-kernel("sync_batch_norm", "cpu")(forward)
-kernel("sync_batch_norm_grad", "cpu")(backward)
-kernel("sync_batch_norm", "gpu")(forward_device)
-kernel("sync_batch_norm_grad", "gpu")(backward_device)
+register(bn_grad_schema("sync_batch_norm", presummed=presummed_grads))
+kernel("sync_batch_norm", "cpu")(sync_batch_norm_cpu)
+kernel("sync_batch_norm_grad", "cpu")(sync_batch_norm_grad_cpu)
+kernel("sync_batch_norm", "gpu", dtypes=GPU_FLOATS)(sync_batch_norm_gpu)
+kernel("sync_batch_norm_grad", "gpu", dtypes=GPU_FLOATS)(sync_batch_norm_grad_gpu)

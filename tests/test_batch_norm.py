@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph import OpError
-from minigraph.ops import batch_norm as bn_ops
+from minigraph import OpError, cpu_blocks
+from minigraph.ops import batch_norm_cpu as bn_cpu
 
 rng = np.random.default_rng(1234)
 
@@ -330,13 +330,11 @@ BLOCK_CASES = [
 def tiny_blocks(monkeypatch):
     """Blocks of 64 floats (32 doubles), and two threads even for small tensors (which
     otherwise take the plain float64 path)."""
-    monkeypatch.setattr(bn_ops, "CHUNK_BYTES", 256)
-    monkeypatch.setattr(bn_ops, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(bn_ops, "SMALL_VALUES", 0)
-    threads = bn_ops.get_num_threads()
-    bn_ops.set_num_threads(2)
-    yield
-    bn_ops.set_num_threads(threads)
+    monkeypatch.setattr(cpu_blocks, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(cpu_blocks, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(bn_cpu, "SMALL_VALUES", 0)
+    with cpu_blocks.num_threads(2):
+        yield
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -361,16 +359,12 @@ def test_results_do_not_depend_on_threads_or_blocks(monkeypatch):
     x = data((16, 4, 50), np.float32)
     outs = []
     for threads, chunk in ((1, 1 << 18), (3, 512), (1, 512)):
-        monkeypatch.setattr(bn_ops, "CHUNK_BYTES", chunk)
-        monkeypatch.setattr(bn_ops, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(bn_ops, "SMALL_VALUES", 0)
-        old = bn_ops.get_num_threads()
-        bn_ops.set_num_threads(threads)
-        try:
+        monkeypatch.setattr(cpu_blocks, "CHUNK_BYTES", chunk)
+        monkeypatch.setattr(cpu_blocks, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(bn_cpu, "SMALL_VALUES", 0)
+        with cpu_blocks.num_threads(threads):
             bn = BN(x, est=(np.zeros(4), np.ones(4)), params=(np.ones(4), np.zeros(4)))
             bn.run()
-        finally:
-            bn_ops.set_num_threads(old)
         outs.append([bn.y.get(), bn.bm.get(), bn.bv.get()])
     for a, b in zip(outs[1], outs[2], strict=True):          # same blocks, 1 or 3 threads
         assert a.tobytes() == b.tobytes()
@@ -383,14 +377,14 @@ def test_results_do_not_depend_on_threads_or_blocks(monkeypatch):
 def test_local_stats_and_grad_sums_directly(tiny_blocks):
     x = data((6, 3, 40), np.float32, offset=1e4, std=1.0)
     dy = data((6, 3, 40), np.float32, offset=5.0)
-    n, mean, m2 = bn_ops.local_stats(x)
+    n, mean, m2 = bn_cpu.local_stats(x)
     want_mean, want_var, want_n = batch_stats(x, "NCHW")
     assert n == want_n == 240
     assert mean.dtype == m2.dtype == np.float64
     np.testing.assert_allclose(mean, want_mean, rtol=1e-12)
     np.testing.assert_allclose(m2 / n, want_var, rtol=1e-4)
     center = want_mean + 1e-3               # a float64 centre, not representable in float32
-    n, s_dy, s_dyxmu = bn_ops.grad_sums(x, dy, center)
+    n, s_dy, s_dyxmu = bn_cpu.grad_sums(x, dy, center)
     x64, dy64 = np.float64(x), np.float64(dy)
     np.testing.assert_allclose(s_dy, dy64.sum(axis=(0, 2)), rtol=1e-6)
     np.testing.assert_allclose(s_dyxmu, (dy64 * (x64 - center[:, None])).sum(axis=(0, 2)),
@@ -398,9 +392,9 @@ def test_local_stats_and_grad_sums_directly(tiny_blocks):
 
 
 def test_local_stats_of_an_empty_batch():
-    n, mean, m2 = bn_ops.local_stats(np.empty((0, 3, 4), np.float32))
+    n, mean, m2 = bn_cpu.local_stats(np.empty((0, 3, 4), np.float32))
     assert n == 0 and mean.tolist() == [0, 0, 0] and m2.tolist() == [0, 0, 0]
-    n, s_dy, s_dyxmu = bn_ops.grad_sums(np.empty((0, 3, 4)), np.empty((0, 3, 4)), np.zeros(3))
+    n, s_dy, s_dyxmu = bn_cpu.grad_sums(np.empty((0, 3, 4)), np.empty((0, 3, 4)), np.zeros(3))
     assert n == 0 and s_dy.tolist() == [0, 0, 0] and s_dyxmu.tolist() == [0, 0, 0]
 
 
@@ -429,9 +423,9 @@ def grad_reference(x, dy, scale, mean, var, eps, layout, use_global_est):
                                            ("NCHW", (9, 2, 150))])
 def test_grad_kernel_closed_form(layout, shape, offset, dtype, use_global_est, small, max_dot,
                                  monkeypatch):
-    monkeypatch.setattr(bn_ops, "CHUNK_BYTES", 512)
-    monkeypatch.setattr(bn_ops, "SMALL_VALUES", small)
-    monkeypatch.setattr(bn_ops, "MAX_DOT", max_dot)
+    monkeypatch.setattr(cpu_blocks, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(bn_cpu, "SMALL_VALUES", small)
+    monkeypatch.setattr(cpu_blocks, "MAX_DOT", max_dot)
     bn = BN(data(shape, dtype, offset=offset, std=1.0), layout, counter=1,
             use_global_est=use_global_est)
     if use_global_est:

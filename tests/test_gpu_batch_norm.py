@@ -30,7 +30,7 @@ import minigraph as mg
 from minigraph.distributed import world
 from minigraph.distributed.comm import LocalComm
 from minigraph.kernels import launch
-from minigraph.ops import batch_norm as bn_ops
+from minigraph.ops import batch_norm_cpu as bn_cpu
 from minigraph.ops import sync_batch_norm as sync_ops
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -285,13 +285,13 @@ def test_local_vectors_are_the_cpu_packing(place, force_splits):
     rng = np.random.default_rng(2)
     for layout, shape in (("NCHW", (4, 3, 5, 7)), ("NHWC", (6, 5, 4)), ("NCHW", (0, 3))):
         x = (rng.standard_normal(shape) + 5).astype(np.float32)
-        x3 = bn_ops.as_3d(x, layout)
-        want = sync_ops.pack_stats(*bn_ops.local_stats(x3))
+        x3 = bn_cpu.as_3d(x, layout)
+        want = sync_ops.pack_stats(*bn_cpu.local_stats(x3))
         got = gpu.local_stats(place.to_device(x), layout).get()
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=layout)
         mean = np.linspace(4, 6, x3.shape[1]).astype(np.float32)
         dy = rng.standard_normal(shape).astype(np.float32)
-        n, s_dy, s_dyx = bn_ops.grad_sums(x3, bn_ops.as_3d(dy, layout), mean.astype(np.float64))
+        n, s_dy, s_dyx = bn_cpu.grad_sums(x3, bn_cpu.as_3d(dy, layout), mean.astype(np.float64))
         got = gpu.backward_sums(place.to_device(x), place.to_device(dy), place.to_device(mean),
                                 layout).get()
         np.testing.assert_allclose(got, np.concatenate(([n], s_dy, s_dyx)), rtol=1e-5,

@@ -177,7 +177,7 @@ def check_global_n_is_one(comm, place):
 def check_synced_path_in_a_world_of_one(comm, place):
     """batch_norm's GPU binding with the communicator's allreduce (the path
     sync_batch_norm takes on several ranks) equals batch_norm, in one process."""
-    from minigraph.ops import batch_norm as bn
+    from minigraph.ops import batch_norm_gpu as bn
 
     def sums(v):
         return comm.allreduce(v, what="world of one")
@@ -199,8 +199,8 @@ def check_synced_path_in_a_world_of_one(comm, place):
         before = comm.stats.get("allreduce", [0, 0])[0]
         synced.x.set(place.to_device(x))
         synced.dy.set(place.to_device(dy))
-        run(synced.train_op, bn.forward_gpu)
-        run(synced.grad_op, bn.backward_gpu)
+        run(synced.train_op, bn.batch_norm_gpu)
+        run(synced.grad_op, bn.batch_norm_grad_gpu)
         assert comm.stats["allreduce"][0] - before == 2, "world of one: allreduce calls"
         values = synced.ex.run([], synced.scope, fetch=[getattr(synced, k) for k in names])
         got = dict(zip(names, values, strict=True), **synced.estimates())
