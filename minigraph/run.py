@@ -76,24 +76,24 @@ def run_step(net, mode, feed, fetch):
         for op in plan.ops:
             ex.run_op(op)
         return ex.fetch_all(net.scopes[mode], targets)
-    journal = Journal()
+    journal = Journal(place)
     try:
         for op, writes in zip(plan.ops, plan.writes):
             if writes:
                 journal.save(writes)
             ex.run_op(op)
-        if journal.saved:
-            place.check_errors()        # what device kernels flagged fails the step too
+        place.check_errors()            # what device kernels flagged fails the step too
     except BaseException:
         journal.roll_back()
         raise
-    return ex.fetch_all(net.scopes[mode], targets)
+    return ex.fetch_all(net.scopes[mode], targets, check_errors=False)
 
 
 class Journal:
     """Copies of the persistables a step is about to write, to put back on failure."""
 
-    def __init__(self):
+    def __init__(self, place):
+        self.place = place
         self.saved = []
         self._seen = set()
 
@@ -102,7 +102,7 @@ class Journal:
         for var in variables:
             if id(var) not in self._seen and var.value is not None:
                 self._seen.add(id(var))
-                self.saved.append((var, var.value, var.value.copy()))
+                self.saved.append((var, var.value, self.place.copy(var.value)))
 
     def roll_back(self):
         """Give every saved Variable its saved value back, in the same array object

@@ -1,9 +1,10 @@
 """sgd and momentum: parameter updates written in place (no gradients).
 
-sgd:      param -= learning_rate * grad
-momentum: velocity = mu * velocity + grad (the PyTorch convention), then
+With d = grad + weight_decay * param (L2, as torch.optim.SGD):
+sgd:      param -= learning_rate * d
+momentum: velocity = mu * velocity + d (the PyTorch convention), then
           param -= learning_rate * velocity, or with use_nesterov
-          param -= learning_rate * (grad + mu * velocity).
+          param -= learning_rate * (d + mu * velocity).
 `param_out` (and `velocity_out`) are the input Variables themselves: the
 kernels compute every new value first, then overwrite the arrays and
 return them. learning_rate is a float array of shape () or (1,).
@@ -26,6 +27,7 @@ from minigraph.schema import (
     float_attr,
     in_range,
     kernel,
+    non_negative,
     register,
 )
 
@@ -48,15 +50,28 @@ def learning_rate(ins):
     return float(np.asarray(ins["learning_rate"]).reshape(()))
 
 
+def decay_attr():
+    """weight_decay: the L2 coefficient added to the gradient (>= 0)."""
+    return float_attr("weight_decay", 0.0, non_negative)
+
+
+def decayed_grad(op, ins):
+    """grad + weight_decay * param, in param's dtype (grad itself when no decay)."""
+    param, grad = ins["param"], ins["grad"]
+    wd = op.attrs["weight_decay"]
+    return grad + param.dtype.type(wd) * param if wd else grad
+
+
 register(OpSchema(
     type="sgd", inputs=(Slot("param"), Slot("grad"), Slot("learning_rate")),
-    outputs=(Slot("param_out"),), inplace={"param_out": "param"},
+    outputs=(Slot("param_out"),), inplace={"param_out": "param"}, attrs=(decay_attr(),),
     infer=lambda ins, attrs: {"param_out": check_update_inputs("sgd", ins)}, doc=__doc__))
 register(OpSchema(
     type="momentum",
     inputs=(Slot("param"), Slot("grad"), Slot("velocity"), Slot("learning_rate")),
     outputs=(Slot("param_out"), Slot("velocity_out")),
-    attrs=(float_attr("mu", 0.9, in_range(0.0, 1.0)), bool_attr("use_nesterov", False)),
+    attrs=(float_attr("mu", 0.9, in_range(0.0, 1.0)), bool_attr("use_nesterov", False),
+           decay_attr()),
     inplace={"param_out": "param", "velocity_out": "velocity"},
     infer=lambda ins, attrs: dict.fromkeys(
         ("param_out", "velocity_out"), check_update_inputs("momentum", ins, ("velocity",))),
@@ -65,18 +80,19 @@ register(OpSchema(
 
 @kernel("sgd", "cpu")
 def sgd_cpu(op, ins):
-    """param -= learning_rate * grad, in place; returns param."""
+    """param -= learning_rate * (grad + weight_decay * param), in place; returns param."""
     param = ins["param"]
-    step = ins["grad"] * param.dtype.type(learning_rate(ins))
+    step = decayed_grad(op, ins) * param.dtype.type(learning_rate(ins))
     param -= step
     return {"param_out": param}
 
 
 @kernel("momentum", "cpu")
 def momentum_cpu(op, ins):
-    """velocity = mu * velocity + grad; param -= lr * (velocity, or grad + mu * velocity
-    with use_nesterov); both in place; returns them."""
-    param, grad, velocity = ins["param"], ins["grad"], ins["velocity"]
+    """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
+    (velocity, or d + mu * velocity with use_nesterov); both in place; returns them."""
+    param, velocity = ins["param"], ins["velocity"]
+    grad = decayed_grad(op, ins)
     mu = param.dtype.type(op.attrs["mu"])
     lr = param.dtype.type(learning_rate(ins))
     new_velocity = mu * velocity + grad

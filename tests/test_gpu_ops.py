@@ -322,11 +322,12 @@ def test_small_net_trains_like_on_the_cpu(place, make_optimizer):
         assert_close(got_params[name], want, f"parameter {name}")
 
 
-def test_a_step_moves_only_feeds_and_fetches(monkeypatch):
+def test_a_step_moves_only_feeds_flags_and_fetches(monkeypatch):
     """Host <-> device traffic of one emulated training step: the two feeds in;
-    out, only when something is fetched: the loss and the two label-status
-    flags (softmax_with_cross_entropy's and its grad's). Nothing else: the
-    learning rate and mean's gradient are read on the device."""
+    out, the two label-status flags (softmax_with_cross_entropy's and its
+    grad's: a step checks them before it commits), and the loss when it is
+    fetched. Nothing else: the learning rate and mean's gradient are read on
+    the device."""
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the kernel emulator")
     with kernel_emulator.emulated_gpu() as emu:
@@ -347,21 +348,23 @@ def test_a_step_moves_only_feeds_and_fetches(monkeypatch):
         monkeypatch.setattr(kernel_emulator.EmuArray, "get", counting_get)
         monkeypatch.setattr(kernel_emulator.EmuArray, "set", counting_set)
         net.train(feed=second)
-        assert moved == {"in": 2, "out": 0}
+        assert moved == {"in": 2, "out": 2}
         net.train(feed=second, fetch=[loss])
-        assert moved == {"in": 4, "out": 3}
+        assert moved == {"in": 4, "out": 5}
 
 
-def test_bad_labels_raise_at_the_next_fetch(place):
+def test_bad_labels_fail_the_step_and_change_nothing(place):
     net, logits, loss = small_net(place, mg.optimizer.SGD(learning_rate=0.1))
     good, bad = batches(2)
     bad["label"][2] = 9
     net.train(feed=good, fetch=[loss])
-    net.train(feed=bad)                                 # no fetch: nothing is read back
+    before = {v.name: v.get().copy() for v in net.persistables()}
     with pytest.raises(ValueError, match=r"softmax_with_cross_entropy: input 'label' had 1 "
                                          r"value\(s\) outside \[0, K\), e.g. at row 2") as e:
-        net.train(feed=good, fetch=[loss])
+        net.train(feed=bad)                             # checked before the step commits
     assert "also: softmax_with_cross_entropy_grad: input 'label' had 1 value(s)" in str(e.value)
+    for name, value in before.items():
+        np.testing.assert_array_equal(net.var(name).get(), value, err_msg=name)
     (value,) = net.train(feed=good, fetch=[loss])       # reported once, then clear
     assert np.isfinite(value)
     with pytest.raises(ValueError, match="outside"):

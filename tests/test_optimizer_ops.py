@@ -8,15 +8,16 @@ import minigraph as mg
 rng = np.random.default_rng(0)
 
 
-def sgd_reference(param, grad, learning_rate):
-    return {"param_out": param - float(np.ravel(learning_rate)[0]) * grad}
+def sgd_reference(param, grad, learning_rate, weight_decay=0.0):
+    return {"param_out": param - float(np.ravel(learning_rate)[0]) * (grad + weight_decay * param)}
 
 
 @pytest.mark.parametrize("lr_shape", [(), (1,)])
-def test_sgd(lr_shape):
+@pytest.mark.parametrize("attrs", [{}, {"weight_decay": 0.1}])
+def test_sgd(lr_shape, attrs):
     helper_test_op("sgd", {"param": rng.standard_normal((3, 4)),
                            "grad": rng.standard_normal((3, 4)),
-                           "learning_rate": np.full(lr_shape, 0.1)}, {}, sgd_reference)
+                           "learning_rate": np.full(lr_shape, 0.1)}, attrs, sgd_reference)
 
 
 def test_sgd_float32_updates_the_array_in_place():
@@ -34,14 +35,17 @@ def test_sgd_float32_updates_the_array_in_place():
     assert op.schema.grad is None
 
 
-def momentum_reference(param, grad, velocity, learning_rate, mu=0.9, use_nesterov=False):
+def momentum_reference(param, grad, velocity, learning_rate, mu=0.9, use_nesterov=False,
+                       weight_decay=0.0):
     lr = float(np.ravel(learning_rate)[0])
+    grad = grad + weight_decay * param
     v = mu * velocity + grad
     step = grad + mu * v if use_nesterov else v
     return {"param_out": param - lr * step, "velocity_out": v}
 
 
-@pytest.mark.parametrize("attrs", [{}, {"mu": 0.5}, {"use_nesterov": True}, {"mu": 0.0}])
+@pytest.mark.parametrize("attrs", [{}, {"mu": 0.5}, {"use_nesterov": True}, {"mu": 0.0},
+                                   {"weight_decay": 0.05, "use_nesterov": True}])
 def test_momentum(attrs):
     shape = (4, 3)
     helper_test_op("momentum", {

@@ -1,0 +1,205 @@
+"""Optimisers: `minimize(net, loss)` appends backward and update ops to the train branch.
+
+    SGD(learning_rate, weight_decay=0.0, grad_clip=None)
+    Momentum(learning_rate, momentum=0.9, nesterov=False, weight_decay=0.0, grad_clip=None)
+    Adam(learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.0,
+         grad_clip=None)
+    AdamW(learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01,
+          grad_clip=None)
+    ClipGradByGlobalNorm(max_norm)
+    lr.StepDecay(learning_rate, step_size, gamma=0.1)
+    lr.CosineDecay(learning_rate, total_steps, end_lr=0.0, warmup_steps=0)
+
+Each equals its PyTorch namesake step for step: `weight_decay` is L2 added
+to the gradient in SGD, Momentum and Adam, decoupled in AdamW; clipping
+scales the raw gradients before weight decay is added. `learning_rate` is a
+number >= 0 (0 allowed) or a schedule; a schedule advances once per
+`net.train` step and keeps its step counter in a persistable, so a
+checkpoint resumes it. The update section of the net is, in order: the
+schedule's op, the clipping op, one update op per parameter.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from minigraph.backward import append_backward
+from minigraph.initializer import Constant
+from minigraph.optimizer import lr
+from minigraph.schema import OpDesc
+
+__all__ = ["SGD", "Adam", "AdamW", "ClipGradByGlobalNorm", "Momentum", "Optimizer", "lr"]
+
+
+def check_number(value, what, low=0.0, high=math.inf, high_open=False, low_open=False):
+    """`value` as a float when it is a real number in the range, else a ValueError
+    naming `what` (NaN, inf, bools and non-numbers included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    too_low = v <= low if low_open else v < low
+    too_high = v >= high if high_open else v > high
+    if not math.isfinite(v) or too_low or too_high:
+        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+        raise ValueError(f"{what} must be a finite number in {lo}{low:g}, {high:g}{hi}, "
+                         f"got {value!r}")
+    return v
+
+
+def check_learning_rate(value, what="learning_rate"):
+    """A learning rate: a finite number >= 0 (0 is allowed, as in torch)."""
+    return check_number(value, what)
+
+
+class ClipGradByGlobalNorm:
+    """Scale every gradient by min(max_norm / (total_norm + 1e-6), 1), total_norm the L2
+    norm of all the gradients together (torch.nn.utils.clip_grad_norm_), before
+    the optimiser adds weight decay."""
+
+    def __init__(self, max_norm):
+        self.max_norm = check_number(max_norm, "ClipGradByGlobalNorm: max_norm", low_open=True)
+
+    def op(self, grads):
+        """The OpDesc that clips `grads` (Variables) in place."""
+        return OpDesc("clip_by_global_norm", dict(x=list(grads), out=list(grads),
+                                                  max_norm=self.max_norm))
+
+
+class Optimizer:
+    """Base: subclasses say which update op each (parameter, gradient) gets."""
+
+    def __init__(self, learning_rate, weight_decay=0.0, grad_clip=None):
+        name = type(self).__name__
+        if isinstance(learning_rate, lr.Schedule):
+            self.schedule, self._initial = learning_rate, learning_rate.learning_rate
+        else:
+            self.schedule = None
+            self._initial = check_learning_rate(learning_rate, f"{name}: learning_rate")
+        self.weight_decay = check_number(weight_decay, f"{name}: weight_decay")
+        if grad_clip is not None and not isinstance(grad_clip, ClipGradByGlobalNorm):
+            raise TypeError(f"{name}: grad_clip must be a ClipGradByGlobalNorm or None, got "
+                            f"{type(grad_clip).__name__}")
+        self.grad_clip = grad_clip
+        self.lr_var = None
+        self.step_var = None
+        self._place = None
+
+    @property
+    def learning_rate(self):
+        """The current learning rate: the value of the learning-rate variable after
+        minimize() (with a schedule: the rate of the last step taken, the initial
+        rate before the first), else the initial value."""
+        if self.lr_var is None or self.lr_var.value is None:
+            return self._initial
+        return float(self.lr_var.get())
+
+    def minimize(self, net, loss, parameters=None):
+        """Append backward and the update section (schedule, clipping, one update op
+        per trainable parameter; train branch only). Returns [(parameter, gradient)]."""
+        if self.lr_var is not None:
+            raise ValueError(f"{type(self).__name__}.minimize: this optimizer already "
+                             "minimises a net; make one optimizer per net")
+        params_grads = append_backward(net, loss, parameters)
+        self._place = net.place
+        self.lr_var = net.create_parameter(net.unique_name("learning_rate"), (), "float64",
+                                           Constant(self._initial), trainable=False)
+        if self.schedule is not None:
+            self.step_var = net.create_parameter(f"{self.lr_var.name}.step", (), "int64",
+                                                 Constant(0), trainable=False)
+            net.append_op(OpDesc("lr_schedule", dict(step=self.step_var, step_out=self.step_var,
+                                                      learning_rate=self.lr_var,
+                                                      **self.schedule.attrs())), "update")
+        pairs = [(p, g) for p, g in params_grads if g is not None]
+        if self.grad_clip is not None and pairs:
+            net.append_op(self.grad_clip.op([g for _, g in pairs]), "update")
+        for param, grad in pairs:
+            net.append_op(self.update(net, param, grad), "update")
+        net.optimizer = self
+        return params_grads
+
+    def set_learning_rate(self, value):
+        """Change the learning rate for the next steps (after minimize; not with a
+        schedule). Validated like the constructor: a finite number >= 0."""
+        name = type(self).__name__
+        if self.lr_var is None:
+            raise ValueError(f"{name}.set_learning_rate: call minimize() first")
+        if self.schedule is not None:
+            raise ValueError(f"{name}.set_learning_rate: the learning rate follows a schedule "
+                             f"({type(self.schedule).__name__}); build the optimizer with a "
+                             "number instead to set it by hand")
+        value = check_learning_rate(value, f"{name}.set_learning_rate: learning_rate")
+        self.lr_var.set(self._place.to_device(np.array(value, dtype=np.float64)))
+
+    def state(self, net, param, suffix, value=0.0, shape=None, dtype=None):
+        """A persistable optimizer state for `param` (`<param>.<suffix>`), filled with value."""
+        return net.create_parameter(f"{param.name}.{suffix}",
+                                    param.shape if shape is None else shape,
+                                    param.dtype if dtype is None else dtype,
+                                    Constant(value), trainable=False)
+
+    def update(self, net, param, grad):
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """param -= learning_rate * (grad + weight_decay * param)."""
+
+    def update(self, net, param, grad):
+        return OpDesc("sgd", dict(param=param, grad=grad, learning_rate=self.lr_var,
+                                  param_out=param, weight_decay=self.weight_decay))
+
+
+class Momentum(Optimizer):
+    """d = grad + weight_decay * param; velocity = momentum * velocity + d;
+    param -= learning_rate * velocity (PyTorch's convention; nesterov=True
+    steps along d + momentum * velocity)."""
+
+    def __init__(self, learning_rate, momentum=0.9, nesterov=False, weight_decay=0.0,
+                 grad_clip=None):
+        super().__init__(learning_rate, weight_decay, grad_clip)
+        self.momentum = check_number(momentum, "Momentum: momentum", high=1.0)
+        self.nesterov = bool(nesterov)
+
+    def update(self, net, param, grad):
+        velocity = self.state(net, param, "velocity")
+        return OpDesc("momentum", dict(param=param, grad=grad, velocity=velocity,
+                                       learning_rate=self.lr_var, param_out=param,
+                                       velocity_out=velocity, mu=self.momentum,
+                                       use_nesterov=self.nesterov,
+                                       weight_decay=self.weight_decay))
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam: bias-corrected moments; weight_decay is L2 added to the grad."""
+
+    decoupled = False
+
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
+                 weight_decay=0.0, grad_clip=None):
+        super().__init__(learning_rate, weight_decay, grad_clip)
+        name = type(self).__name__
+        self.beta1 = check_number(beta1, f"{name}: beta1", high=1.0, high_open=True)
+        self.beta2 = check_number(beta2, f"{name}: beta2", high=1.0, high_open=True)
+        self.epsilon = check_number(epsilon, f"{name}: epsilon", low_open=True)
+
+    def update(self, net, param, grad):
+        m1, m2 = self.state(net, param, "moment1"), self.state(net, param, "moment2")
+        p1, p2 = (self.state(net, param, s, 1.0, (), "float64")
+                  for s in ("beta1_pow", "beta2_pow"))
+        return OpDesc("adam", dict(
+            param=param, grad=grad, moment1=m1, moment2=m2, beta1_pow=p1, beta2_pow=p2,
+            learning_rate=self.lr_var, param_out=param, moment1_out=m1, moment2_out=m2,
+            beta1_pow_out=p1, beta2_pow_out=p2, beta1=self.beta1, beta2=self.beta2,
+            epsilon=self.epsilon, weight_decay=self.weight_decay, decoupled=self.decoupled))
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay (param *= 1 - lr * wd)."""
+
+    decoupled = True
+
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
+                 weight_decay=0.01, grad_clip=None):
+        super().__init__(learning_rate, beta1, beta2, epsilon, weight_decay, grad_clip)

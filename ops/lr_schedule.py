@@ -1,0 +1,81 @@
+"""lr_schedule: the learning rate of step t from a schedule, then t += 1.
+
+t is the int64 scalar `step` (a persistable, so a checkpoint resumes the
+schedule); `learning_rate` is the optimizer's float64 scalar. With
+base = base_lr:
+  kind="step":    base * gamma ** (t // step_size)           (torch StepLR)
+  kind="cosine":  t < W: base * (t + 1) / W                  (linear warm-up)
+                  else, with t' = t - W and T = total_steps - W:
+                  end_lr + (base - end_lr) * (1 + cos(pi * t' / T)) / 2
+                  (torch CosineAnnealingLR's closed form; W = warmup_steps)
+No gradient.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minigraph.schema import (
+    Meta,
+    OpError,
+    OpSchema,
+    Slot,
+    fail,
+    float_attr,
+    int_attr,
+    kernel,
+    non_negative,
+    one_of,
+    positive,
+    register,
+    str_attr,
+)
+
+
+def schedule_value(attrs, t):
+    """The learning rate of step t (an int >= 0) under `attrs` (a float)."""
+    base = attrs["base_lr"]
+    if attrs["kind"] == "step":
+        return base * attrs["gamma"] ** (t // attrs["step_size"])
+    warm = attrs["warmup_steps"]
+    if t < warm:
+        return base * (t + 1) / warm
+    end = attrs["end_lr"]
+    span = attrs["total_steps"] - warm
+    return end + (base - end) * (1.0 + math.cos(math.pi * (t - warm) / span)) / 2.0
+
+
+def infer_schedule(ins, attrs):
+    step = ins["step"]
+    if tuple(step.shape) != () or step.dtype != np.int64:
+        fail("lr_schedule", "step", f"must be an int64 scalar (shape ()), got {step.dtype} of "
+                                    f"shape {step.shape}")
+    return {"learning_rate": Meta((), np.dtype(np.float64)), "step_out": step}
+
+
+def validate_schedule(op):
+    a = op.attrs
+    if a["kind"] == "cosine" and a["warmup_steps"] >= a["total_steps"]:
+        raise OpError(f"lr_schedule: attribute 'warmup_steps' ({a['warmup_steps']}) must be "
+                      f"smaller than 'total_steps' ({a['total_steps']})")
+
+
+register(OpSchema(
+    type="lr_schedule", inputs=(Slot("step"),),
+    outputs=(Slot("learning_rate"), Slot("step_out")),
+    attrs=(str_attr("kind", "step", one_of("step", "cosine")),
+           float_attr("base_lr", 0.1, non_negative), int_attr("step_size", 1, positive),
+           float_attr("gamma", 0.1, non_negative), int_attr("total_steps", 1, positive),
+           float_attr("end_lr", 0.0, non_negative), int_attr("warmup_steps", 0, non_negative)),
+    inplace={"step_out": "step"}, infer=infer_schedule, validate=validate_schedule,
+    doc=__doc__))
+
+
+@kernel("lr_schedule", "cpu")
+def lr_schedule_cpu(op, ins):
+    """learning_rate = schedule(step); step += 1 in place."""
+    step = ins["step"]
+    lr = np.asarray(schedule_value(op.attrs, int(step)), dtype=np.float64)
+    step[...] = step + 1
+    return {"learning_rate": lr, "step_out": step}
