@@ -146,12 +146,13 @@ class Net:
     def unique_name(self, prefix):
         """`prefix_k` with the smallest k this net has not made nor seen used."""
         k = self._name_counts.get(prefix, 0)
-        while self._name_taken(f"{prefix}_{k}"):
+        while self.name_taken(f"{prefix}_{k}"):
             k += 1
         self._name_counts[prefix] = k + 1
         return f"{prefix}_{k}"
 
-    def _name_taken(self, name):
+    def name_taken(self, name):
+        """True when a layer, a data input or a variable prefix `name.` uses `name`."""
         dotted = name + "."
         return (any(rec.name == name for rec in self.layers) or name in self.data_vars
                 or any(v.startswith(dotted) for s in (self.scope, *self.scopes.values())
@@ -159,7 +160,6 @@ class Net:
 
     def add_data(self, name, shape, dtype="float32"):
         """Declare a fed input: a root-scope Variable checked against every feed."""
-        self._check_open("data")
         var = self.scope.new_var(name)
         var.declare(shape, dtype)
         var.is_data = True
@@ -172,6 +172,10 @@ class Net:
         """A persistable root-scope Variable, initialised at once by `init` (an
         initializer from minigraph.initializer); `initialize(force=True)` runs
         the initialiser again."""
+        if trainable and self.loss is not None:
+            raise ValueError(f"{name}: cannot add a trainable parameter after minimize() / "
+                             "append_backward(): it would never be trained; build every layer "
+                             "with parameters first")
         var = self.scope.new_var(name, persistable=True, trainable=trainable)
         var.declare(shape, dtype)
         seed = (self.seed + 7919 * len(self._sections["init"])) % (2 ** 31)
@@ -187,7 +191,6 @@ class Net:
         an input Variable for an in-place slot}. Returns {slot: Variable} of
         the train copy (the trunk's when not forked).
         """
-        self._check_open(op_type)
         attrs = dict(attrs or {})
         mode_attr = get_schema(op_type).mode_attr
         if mode_attr is not None:
@@ -217,12 +220,6 @@ class Net:
         if isinstance(v, list):
             return [self._infer_copy(x) for x in v]
         return self._twins.get(id(v), v)
-
-    def _check_open(self, what):
-        if self.loss is not None:
-            raise ValueError(f"{what}: cannot add to the net after minimize() / "
-                             "append_backward(): the new layer would never be trained; build "
-                             "every layer first")
 
     def _build(self, op_type, inputs, outputs, attrs, scope):
         outs = {}

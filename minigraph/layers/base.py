@@ -1,0 +1,152 @@
+"""What every layer shares: naming, all-or-nothing building, a record for
+net.summary(), and the argument checks whose errors name the layer and the argument.
+
+A layer is a function `layer(net, inputs..., name=None, ...)` decorated with
+`@layer("kind")`: the decorator checks the net and the name (an unnamed
+layer gets `kind_k`, skipping names already used), builds inside
+`net.building()` (a layer that raises leaves no op, variable, parameter or
+name behind, so a retry with the same name works), and records what the
+layer built (`net.layers`). Write a new layer with `net.append(op_type,
+inputs, outputs, attrs)` and `net.create_parameter(...)` inside such a
+function (see docs/adding_an_op.md).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from minigraph.scope import Variable
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """What one layer call built: its name and kind, the types of the ops it
+    appended (train path), its output's shape, and the sizes of the
+    persistables it created (trainable and not)."""
+
+    name: str
+    kind: str
+    op_types: tuple
+    output_shape: tuple | None
+    trainable: int
+    non_trainable: int
+
+
+def layer(kind):
+    """Decorator for layer functions (see the module doc)."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(net, *args, name=None, **kwargs):
+            from minigraph.net import Net
+
+            if not isinstance(net, Net):
+                raise TypeError(f"{kind}: the first argument must be the Net to build in, got "
+                                f"{type(net).__name__}")
+            with net.building():
+                name = _layer_name(net, kind, name)
+                ops_before = len(net.section("trunk")) + len(net.section("train"))
+                vars_before = set(net.scope.vars)
+                out = fn(net, *args, name=name, **kwargs)
+                ops = (net.section("trunk") + net.section("train"))[ops_before:]
+                made = [v for n, v in net.scope.vars.items()
+                        if n not in vars_before and v.persistable]
+                net.layers.append(LayerRecord(
+                    name, kind, tuple(op.type for op in ops),
+                    tuple(out.shape) if isinstance(out, Variable) and out.shape is not None
+                    else None,
+                    sum(_size(v) for v in made if v.trainable),
+                    sum(_size(v) for v in made if not v.trainable)))
+            return out
+        return wrapper
+    return deco
+
+
+def _layer_name(net, kind, name):
+    if name is None:
+        return net.unique_name(kind)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{kind}: name must be a non-empty str, got {name!r}")
+    if net.name_taken(name):
+        raise ValueError(f"{kind}: the name {name!r} is already used in this net; pick "
+                         "another (or leave name=None for a fresh one)")
+    return name
+
+
+def _size(var):
+    return math.prod(var.shape) if var.shape is not None else 0
+
+
+# ---- argument checks ------------------------------------------------------------------
+
+def tensor(net, kind, arg, x, float_only=False):
+    """`x` checked as a Variable of `net` (a float one with float_only)."""
+    if not isinstance(x, Variable):
+        raise TypeError(f"{kind}: argument '{arg}' must be a Variable of the net, got "
+                        f"{type(x).__name__}")
+    if not net.owns(x):
+        raise ValueError(f"{kind}: argument '{arg}' ({x.name!r}) is a Variable of another net")
+    if float_only and x.dtype is not None and np.dtype(x.dtype).kind != "f":
+        raise TypeError(f"{kind}: argument '{arg}' must be a float tensor, got {x.name!r} of "
+                        f"dtype {x.dtype}")
+    return x
+
+
+def known_dims(kind, arg, x, axes):
+    """x's shape, with the sizes on `axes` known (an error naming them otherwise)."""
+    shape = x.shape
+    if shape is None or any(shape[d] < 0 for d in axes):
+        raise ValueError(f"{kind}: argument '{arg}' ({x.name!r}) needs known sizes on axes "
+                         f"{tuple(axes)}, got shape {shape}")
+    return shape
+
+
+def known_rank(kind, x):
+    """x's shape (its rank must be known when a layer is built)."""
+    if x.shape is None:
+        raise ValueError(f"{kind}: the shape of {x.name!r} is unknown; declare it (data) or "
+                         "compute it from inputs whose shapes are known")
+    return x.shape
+
+
+def int_arg(kind, arg, value, minimum=1):
+    """`value` as an int >= minimum, else an error naming the argument."""
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{kind}: argument '{arg}' must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def pair_arg(kind, arg, value, minimum=1):
+    """An int or a pair of ints, each >= minimum, as a tuple of two ints."""
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or not all(_is_int(v) and v >= minimum for v in items):
+        raise ValueError(f"{kind}: argument '{arg}' must be an int or a pair of ints >= "
+                         f"{minimum}, got {value!r}")
+    return (int(items[0]), int(items[1]))
+
+
+def _is_int(v):
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def float_arg(kind, arg, value, low=-math.inf, high=math.inf, high_open=False):
+    """`value` as a finite float in [low, high] (or [low, high)), else an error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{kind}: argument '{arg}' must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < low or v > high or (high_open and v >= high):
+        bracket = ")" if high_open else "]"
+        raise ValueError(f"{kind}: argument '{arg}' must be a finite number in [{low:g}, "
+                         f"{high:g}{bracket}, got {value!r}")
+    return v
+
+
+def axis_arg(kind, arg, value, rank):
+    """An int axis in [-rank, rank), as a non-negative int."""
+    if not _is_int(value) or not -rank <= value < rank:
+        raise ValueError(f"{kind}: argument '{arg}' must be an int in [{-rank}, {rank}) for a "
+                         f"rank-{rank} input, got {value!r}")
+    return int(value) % rank
