@@ -1,0 +1,198 @@
+"""Running a step (minigraph/run.py): all or nothing, several threads, re-entrant
+infer, and feeds that never share the caller's arrays."""
+import threading
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import layers as L
+from minigraph.schema import Meta, OpSchema, Slot, bool_attr, kernel, register
+
+
+def _passthrough_infer(ins, attrs):
+    return {"out": Meta(ins["x"].shape, ins["x"].dtype)}
+
+
+register(OpSchema(type="test_fail_if", inputs=(Slot("x"),), outputs=(Slot("out"),),
+                  attrs=(bool_attr("armed", False),), infer=_passthrough_infer))
+register(OpSchema(type="test_call_back", inputs=(Slot("x"),), outputs=(Slot("out"),),
+                  infer=_passthrough_infer))
+ARMED = {"on": False}
+CALLBACK = {"fn": None}
+
+
+@kernel("test_fail_if", "cpu")
+def _fail_if(op, ins):
+    if ARMED["on"]:
+        raise RuntimeError("test_fail_if: armed")
+    return {"out": ins["x"]}
+
+
+@kernel("test_call_back", "cpu")
+def _call_back(op, ins):
+    if CALLBACK["fn"] is not None:
+        CALLBACK["fn"]()
+    return {"out": ins["x"]}
+
+
+def bn_net(optimizer=None, seed=0):
+    net = mg.Net(seed=seed)
+    img = L.data(net, "image", shape=(-1, 2, 4, 4))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.relu(net, L.batch_norm(net, L.conv2d(net, img, 3, 3, padding=1), name="bn"))
+    logits = L.fc(net, h, 4, name="fc")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, lbl))
+    (optimizer or mg.optimizer.Momentum(0.1, 0.9)).minimize(net, loss)
+    return net, logits, loss
+
+
+def feed(seed=0, n=6, bad_label=False):
+    r = np.random.default_rng(seed)
+    labels = r.integers(0, 4, n)
+    if bad_label:
+        labels[3] = 7
+    return {"image": r.standard_normal((n, 2, 4, 4)).astype(np.float32), "label": labels}
+
+
+def state(net):
+    return {v.name: v.get().copy() for v in net.persistables()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_a_label_out_of_range_changes_no_persistable():
+    net, _, loss = bn_net()
+    net.train(feed=feed())
+    before = state(net)
+    arrays = {v.name: v.value for v in net.persistables()}
+    with pytest.raises(mg.OpError, match="label"):
+        net.train(feed=feed(1, bad_label=True))
+    assert_same(state(net), before)          # estimates, counter, weights, velocities
+    assert all(v.value is arrays[v.name] for v in net.persistables())   # the same arrays
+    net.train(feed=feed(1))                  # and the net trains on
+    assert int(net.var("bn.num_batches").get()) == 2
+
+
+@pytest.mark.parametrize("optimizer", [lambda: mg.optimizer.SGD(0.1),
+                                       lambda: mg.optimizer.AdamW(
+                                           mg.optimizer.lr.CosineDecay(0.1, 10),
+                                           grad_clip=mg.optimizer.ClipGradByGlobalNorm(0.5))])
+def test_an_op_that_raises_after_some_updates_rolls_every_one_back(optimizer):
+    net, _, loss = bn_net(optimizer())
+    updates = net.section("update")
+    grad = updates[-1].inputs["grad"]
+    net.insert_op("update", len(updates) - 1,
+                  mg.Operator("test_fail_if", x=grad, out=grad, armed=True))
+    ARMED["on"] = False
+    net.train(feed=feed())
+    before = state(net)
+    ARMED["on"] = True
+    try:
+        with pytest.raises(RuntimeError, match="armed"):
+            net.train(feed=feed(2))
+    finally:
+        ARMED["on"] = False
+    assert_same(state(net), before)          # incl. moments, beta powers, schedule step
+
+
+def test_an_evaluation_thread_beside_training_changes_nothing():
+    sequential, _, _ = bn_net()
+    for _ in range(40):
+        sequential.train(feed=feed())
+    net, logits, _ = bn_net()
+    errors = []
+
+    def evaluate():
+        try:
+            for _ in range(40):
+                (p,) = net.infer(feed={"image": feed(5, n=3)["image"]}, fetch=[logits])
+                assert p.shape == (3, 4)
+        except Exception as e:            # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=evaluate)
+    t.start()
+    for _ in range(40):
+        net.train(feed=feed())
+    t.join()
+    assert not errors
+    assert_same(state(net), state(sequential))
+
+
+def test_two_training_threads_equal_the_steps_in_sequence():
+    sequential, _, _ = bn_net(mg.optimizer.SGD(0.05))
+    for _ in range(60):
+        sequential.train(feed=feed())
+    net, _, loss = bn_net(mg.optimizer.SGD(0.05))
+    errors = []
+
+    def work():
+        try:
+            for _ in range(30):
+                (value,) = net.train(feed=feed(), fetch=[loss])
+                assert np.isfinite(value)
+        except Exception as e:            # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert_same(state(net), state(sequential))    # the same 60 steps, one at a time
+
+
+def test_infer_from_inside_a_step_does_not_corrupt_it():
+    def build():
+        net, logits, loss = bn_net()
+        h = net.var("bn.y")
+        net.insert_op("train", 1, mg.Operator("test_call_back", x=h, out=h))
+        return net, logits, loss
+
+    plain, _, ploss = build()
+    net, logits, loss = build()
+    seen = []
+    CALLBACK["fn"] = lambda: seen.append(net.infer(feed={"image": feed(9, n=2)["image"]},
+                                                   fetch=[logits])[0])
+    try:
+        got = [net.train(feed=feed(), fetch=[loss])[0] for _ in range(3)]
+    finally:
+        CALLBACK["fn"] = None
+    want = [plain.train(feed=feed(), fetch=[ploss])[0] for _ in range(3)]
+    np.testing.assert_array_equal(got, want)
+    assert_same(state(net), state(plain))
+    assert len(seen) == 3 and seen[0].shape == (2, 4)
+
+
+def test_feeds_are_copied_and_never_written():
+    net, logits, loss = bn_net()
+    f = feed()
+    kept = {k: v.copy() for k, v in f.items()}
+    net.train(feed=f)
+    assert net.var("image").value is not f["image"]
+    f["image"][...] = 99                   # the caller's array is the caller's
+    (p,) = net.infer(feed={"image": kept["image"]}, fetch=[logits])
+    np.testing.assert_array_equal(f["label"], kept["label"])
+    assert np.isfinite(p).all()
+
+
+def test_rewrites_drop_cached_plans():
+    net, logits, loss = bn_net()
+    net.train(feed=feed())
+    plan = net.plan("train", ())
+    assert net.plan("train", ()) is plan
+    op = mg.Operator("test_fail_if", x=loss, out=loss)
+    net.append_op(op, "backward")
+    assert net.plan("train", ()) is not plan and op in net.plan("train", ()).ops
+    net.remove_op("backward", op)
+    assert op not in net.plan("train", ()).ops
+    with pytest.raises(ValueError, match="is not an op of section 'backward'"):
+        net.remove_op("backward", op)
+    with pytest.raises(ValueError, match="section must be one of"):
+        net.append_op(op, "nowhere")
