@@ -1,30 +1,30 @@
 """Saving and loading a net's persistables (parameters, estimates, counters,
-velocities, learning rates) as one versioned .npz file.
+velocities, learning rates) as one versioned .npz file; the inference model
+directory (`save_inference` / `load_inference`, see minigraph.inference_model).
 
 The file holds one array per persistable, named like the Variable, plus a
 `__format__` entry ("minigraph-persistables/1"). Writes are atomic: the old
-file stays intact until the new one is complete. Loads check everything
-before assigning anything.
+file stays intact until the new one is complete. Loads check the whole file
+(its zip directory and every array's header, see minigraph.npz) against the
+net before reading any data, and assign nothing unless everything fits.
 """
 from __future__ import annotations
 
-import os
-import tempfile
+import math
 import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
-FORMAT_NAME = "minigraph-persistables"
-FORMAT_VERSION = 1
-FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
-FORMAT_KEY = "__format__"
+from minigraph.files import atomic_write
+from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, CheckpointError, write_npz
+
+FORMAT = CHECKPOINT_FORMAT              # "minigraph-persistables/1"
+FORMAT_NAME, FORMAT_VERSION = FORMAT.split("/")[0], int(FORMAT.split("/")[1])
 COUNTER_SUFFIX = ".num_batches"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the net, or is not a minigraph checkpoint."""
+__all__ = ["FORMAT", "CheckpointError", "InferenceModelError", "atomic_write", "load",
+           "load_inference", "read_checkpoint", "save", "save_inference", "write_npz"]
 
 
 def save(net, path):
@@ -33,150 +33,145 @@ def save(net, path):
 
     Atomic: the data goes to a temporary file in the same directory, is
     flushed and fsynced, then renamed over `path`; if anything fails the old
-    file is left as it was and the temporary file is removed. Returns the path.
+    file is left as it was, the temporary file is removed, and the error names
+    `path`. Returns the path.
     """
     path = Path(path)
     if any(v.value is None for v in net.persistables()):
         net.initialize()
     arrays = {FORMAT_KEY: np.array(FORMAT)}
     for var in net.persistables():
+        if var.name == FORMAT_KEY:
+            raise ValueError(f"save {str(path)!r}: the persistable name {FORMAT_KEY!r} is "
+                             "reserved for the checkpoint's format entry")
         arrays[var.name] = np.asarray(var.get())
-    atomic_write(path, lambda f: write_npz(f, arrays))
-    return path
+    return atomic_write(path, lambda f: write_npz(f, arrays))
 
 
-def atomic_write(path, write):
-    """Create or replace the file at `path` with what `write(f)` writes to a
-    binary file object, atomically: a temporary file in the same directory,
-    flushed and fsynced, then renamed over `path`. On any failure `path` is
-    left as it was and the temporary file is removed. The new file gets the
-    old file's permissions, or the usual ones for a new file (0o666 - umask).
+def load(net, path, strict=True):
+    """Set the persistables of `net` from the checkpoint at `path`.
+
+    The file is checked before any data is read (see minigraph.npz): a
+    damaged file is "damaged minigraph checkpoint", a zip without the format
+    entry "not a minigraph checkpoint". Then names, shapes and dtypes are
+    checked against the net, and every problem is reported in one
+    CheckpointError; then nothing is assigned. A shape or dtype mismatch is
+    always such an error, and so is a learning rate (the net's optimizer's
+    `lr_var`) that is NaN, infinite or negative.
+
+    strict=True: every persistable of the net must be in the file and
+    nothing else; returns the names that were set. strict=False: loads the
+    persistables that match by name (an inference-only twin of a trained net
+    loads its training checkpoint) and returns `(missing, unexpected)`: the
+    net's persistables the file lacks (left as they were) and the file's
+    arrays the net lacks (ignored), as torch's load_state_dict(strict=False).
+
+    A missing batch-norm counter (`*.num_batches`, from checkpoints written
+    without counters) is set to 1, "already trained", with a warning, so the
+    first training batch does not replace the loaded estimates; with
+    strict=False only when another persistable of that layer is loaded.
     """
-    path = Path(path)
-    directory = path.parent
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _mode_for(path))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def write_npz(f, arrays):
-    """Write {name: array} to the open binary file `f` in numpy's .npz layout
-    (any name works, unlike the keyword arguments of np.savez)."""
-    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, array in arrays.items():
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
-
-
-def load(net, path):
-    """Set every persistable of `net` from the checkpoint at `path`.
-
-    Names, shapes and dtypes are checked against the net first; every
-    mismatch (missing, unexpected, wrong shape, wrong dtype) is reported in
-    one CheckpointError, and then nothing is assigned. A missing batch-norm
-    counter (`*.num_batches`, from checkpoints written without counters) is
-    set to 1, "already trained", with a warning, so the first training batch
-    does not replace the loaded estimates. Returns the names that were set.
-    """
-    stored = read_checkpoint(path)
-    expected = {v.name: v for v in net.persistables()}
-    problems, defaulted = [], []
-    for name, var in expected.items():
-        if name not in stored:
-            if _is_counter(var):
+    what = f"load {str(path)!r}"
+    with Archive(path, what, FORMAT) as archive:
+        stored = archive.entries
+        expected = {v.name: v for v in net.persistables()}
+        problems, defaulted, missing = [], [], []
+        for name, var in expected.items():
+            if name in stored:
+                problems += _mismatch(name, var, stored[name])
+            elif _is_counter(var) and (strict or _layer_loaded(name, stored)):
                 defaulted.append(name)
-            else:
+            elif strict:
                 problems.append(f"missing {name!r} (shape {var.shape}, {var.dtype})")
-            continue
-        array = stored[name]
-        if var.shape is not None and tuple(array.shape) != tuple(var.shape):
-            problems.append(f"wrong shape for {name!r}: the net has {tuple(var.shape)}, "
-                            f"the file {tuple(array.shape)}")
-        if var.dtype is not None and array.dtype != var.dtype:
-            problems.append(f"wrong dtype for {name!r}: the net has {var.dtype}, "
-                            f"the file {array.dtype}")
-    problems += [f"unexpected {name!r} (shape {tuple(a.shape)}, {a.dtype}): not a persistable "
-                 "of this net" for name, a in stored.items() if name not in expected]
-    if problems:
-        raise CheckpointError(f"load {str(path)!r}: the checkpoint does not fit this net "
-                              f"({len(problems)} problem(s); nothing was loaded):\n  "
-                              + "\n  ".join(problems))
+            else:
+                missing.append(name)
+        unexpected = [name for name in stored if name not in expected]
+        if strict:
+            problems += [f"unexpected {name!r} (shape {stored[name].shape}, "
+                         f"{stored[name].dtype}): not a persistable of this net"
+                         for name in unexpected]
+        _refuse(what, problems)
+        values = {name: archive.read(name) for name in expected if name in stored}
+    _refuse(what, [p for name, check in _checks(net).items() if name in values
+                   for p in [check(name, values[name])] if p])
     if defaulted:
-        warnings.warn(f"load {str(path)!r}: no batch counter for {', '.join(defaulted)}; "
-                      "setting it to 1 (already trained) so the loaded estimates are "
-                      "updated with momentum, not replaced by the next batch", stacklevel=2)
-    for name, var in expected.items():
-        value = stored[name] if name in stored else np.array(1, dtype=np.int64)
-        var.set(net.place.to_device(value))
+        warnings.warn(f"{what}: no batch counter for {', '.join(defaulted)}; setting it to 1 "
+                      "(already trained) so the loaded estimates are updated with momentum, "
+                      "not replaced by the next batch", stacklevel=2)
+    for name in defaulted:
+        values[name] = np.array(1, dtype=np.int64)
+    for name, value in values.items():
+        expected[name].set(net.place.to_device(value))
     opt = getattr(net, "optimizer", None)
-    if opt is not None and getattr(opt, "lr_var", None) is not None and opt.lr_var.name in stored:
-        opt.learning_rate = float(stored[opt.lr_var.name])
-    return list(expected)
+    lr_var = getattr(opt, "lr_var", None)
+    if lr_var is not None and lr_var.name in values and \
+            not isinstance(getattr(type(opt), "learning_rate", None), property):
+        opt.learning_rate = float(values[lr_var.name])      # optimizers that keep a copy
+    if strict:
+        return list(expected)
+    return missing, unexpected
 
 
 def read_checkpoint(path):
-    """{name: numpy array} of a checkpoint file, without the format entry;
-    a CheckpointError unless it is a minigraph checkpoint of a version this
-    code reads."""
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-        raise CheckpointError(f"load {str(path)!r}: not a minigraph checkpoint ({e})") from e
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise CheckpointError(f"load {str(path)!r}: not a minigraph checkpoint (a single "
-                              "array, not an .npz archive)")
-    with npz:
-        try:
-            arrays = {name: npz[name] for name in npz.files}
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-            raise CheckpointError(f"load {str(path)!r}: a damaged checkpoint ({e})") from e
-    fmt = arrays.pop(FORMAT_KEY, None)
-    if fmt is None:
-        raise CheckpointError(f"load {str(path)!r}: not a minigraph checkpoint (no "
-                              f"{FORMAT_KEY!r} entry; expected {FORMAT!r})")
-    fmt = str(fmt[()]) if fmt.shape == () else str(fmt)
-    name, _, version = fmt.partition("/")
-    if name != FORMAT_NAME:
-        raise CheckpointError(f"load {str(path)!r}: unknown format {fmt!r}; expected {FORMAT!r}")
-    if version != str(FORMAT_VERSION):
-        raise CheckpointError(f"load {str(path)!r}: format version {version!r} is not one this "
-                              f"minigraph reads (it reads version {FORMAT_VERSION}, {FORMAT!r})")
-    return arrays
+    """{name: numpy array} of a checkpoint file, without the format entry,
+    read with every check of `load`; a CheckpointError unless it is an
+    undamaged minigraph checkpoint of a version this code reads."""
+    with Archive(path, f"load {str(path)!r}", FORMAT) as archive:
+        return {name: archive.read(name) for name in archive.entries}
 
 
-def _mode_for(path):
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+def _mismatch(name, var, entry):
+    problems = []
+    if var.shape is not None and tuple(entry.shape) != tuple(var.shape):
+        problems.append(f"wrong shape for {name!r}: the net has {tuple(var.shape)}, "
+                        f"the file {tuple(entry.shape)}")
+    if var.dtype is not None and entry.dtype != var.dtype:
+        problems.append(f"wrong dtype for {name!r}: the net has {var.dtype}, "
+                        f"the file {entry.dtype}")
+    if var.shape is None and not problems:
+        # a persistable of unknown shape: still no bigger than what it held before
+        have = var.value
+        if have is not None and entry.nbytes > have.nbytes:
+            problems.append(f"wrong size for {name!r}: the file holds {entry.nbytes} bytes")
+    return problems
+
+
+def _refuse(what, problems):
+    if problems:
+        raise CheckpointError(f"{what}: the checkpoint does not fit this net "
+                              f"({len(problems)} problem(s); nothing was loaded):\n  "
+                              + "\n  ".join(problems))
+
+
+def _checks(net):
+    """{persistable name: check(name, value) -> complaint or None}: the values a
+    loader must validate beyond shape and dtype (the optimizer's learning rate)."""
+    checks = {}
+    lr_var = getattr(getattr(net, "optimizer", None), "lr_var", None)
+    if lr_var is not None:
+        checks[lr_var.name] = _learning_rate_check
+    return checks
+
+
+def _learning_rate_check(name, value):
+    bad = [float(v) for v in np.ravel(value) if not (math.isfinite(float(v)) and v >= 0)]
+    if bad:
+        return (f"learning rate {name!r} holds {bad[0]!r}; a learning rate must be a finite "
+                "number >= 0")
+    return None
 
 
 def _is_counter(var):
     return var.name.endswith(COUNTER_SUFFIX) and var.dtype == np.int64 and var.shape == ()
 
 
-def _fsync_dir(directory):
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return                      # not possible on every platform; the data is synced
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _layer_loaded(counter_name, stored):
+    layer = counter_name[:-len(COUNTER_SUFFIX)] + "."
+    return any(name.startswith(layer) for name in stored)
+
+
+from minigraph.inference_model import (  # noqa: E402  (it builds on this module)
+    InferenceModelError,
+    load_inference,
+    save_inference,
+)

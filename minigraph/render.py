@@ -13,10 +13,10 @@ picture as a lighter nested cluster of the train branch.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from minigraph.io import atomic_write
+from minigraph import dot_runner
+from minigraph.files import atomic_write
 
 FORMATS = (".svg", ".png", ".pdf")
 
@@ -84,12 +84,15 @@ def to_dot(net, backward=False):
     return "\n".join(lines) + "\n"
 
 
-def render(net, path, backward=False):
+def render(net, path, backward=False, timeout=None):
     """Write the picture of `net` to `path`: .svg, .png or .pdf by suffix.
 
-    Needs the Graphviz `dot` program (the system package `graphviz`); without
-    it a RuntimeError says how to install it. The file is written atomically
-    (a temporary file in the same directory, then renamed). Returns the path.
+    Runs Graphviz's `dot` when it is on PATH, else the pip-installed
+    graphviz-pure (svg and png only; .pdf then needs `dot`, and says so). The
+    program gets `timeout` seconds (default 60, or MINIGRAPH_DOT_TIMEOUT);
+    one that hangs, fails or writes nothing is a RuntimeError and no file is
+    written (see minigraph.dot_runner). The file is written atomically (a
+    temporary file in the same directory, then renamed). Returns the path.
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -97,31 +100,13 @@ def render(net, path, backward=False):
         raise ValueError(f"render: cannot tell the format of {str(path)!r} from its suffix "
                          f"{suffix or '(none)'!r}; use one of {', '.join(FORMATS)}")
     source = to_dot(net, backward=backward)
-    data = _pipe(source, suffix[1:])
-    atomic_write(path, lambda f: f.write(data))
-    return path
+    data = dot_runner.pipe(source, suffix[1:], timeout=timeout)
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def missing_dot_message():
-    """What to tell someone whose machine lacks the `dot` program."""
-    return ("render: the Graphviz program 'dot' was not found on PATH. Install the Graphviz "
-            "system package (e.g. `apt install graphviz`, `brew install graphviz` or "
-            "`conda install graphviz`) to write .svg/.png/.pdf files; net.to_dot() still "
-            "works without it.")
-
-
-def _pipe(source, fmt):
-    try:
-        import graphviz
-    except ImportError as e:
-        raise RuntimeError("render: the Python package 'graphviz' is missing "
-                           "(pip install graphviz); net.to_dot() still works without it") from e
-    if shutil.which("dot") is None:
-        raise RuntimeError(missing_dot_message())
-    try:
-        return graphviz.Source(source).pipe(format=fmt)
-    except graphviz.ExecutableNotFound as e:
-        raise RuntimeError(missing_dot_message()) from e
+    """What to tell someone whose machine can render nothing (no `dot`, no graphviz-pure)."""
+    return dot_runner.missing_program_message()
 
 
 # ---- nodes, clusters and edges --------------------------------------------------

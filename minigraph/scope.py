@@ -30,7 +30,16 @@ class Variable:
         self.scope = scope
 
     def set(self, value):
-        """Store `value` (an array of this variable's place) as the new value."""
+        """Store a copy of `value` as the new value.
+
+        Host values (numpy arrays and scalars, Python numbers and lists) are
+        copied into a new C-contiguous numpy array, as Paddle's tensor.set
+        copies: ops that later write the variable in place (a training step
+        updating a parameter) never change the caller's array. Device arrays
+        (a GPUArray of this variable's place) are stored as they are.
+        """
+        if _is_host_value(value):
+            value = np.array(value, order="C", copy=True)
         self.value = value
 
     def get(self):
@@ -64,6 +73,38 @@ class Variable:
         return f"<Variable {kind}{self.name} shape={self.shape} dtype={self.dtype}>"
 
 
+def _is_host_value(value):
+    return isinstance(value, (np.ndarray, np.generic, int, float, complex, bool, list, tuple))
+
+
+MAX_NAME_LENGTH = 255
+
+
+def check_var_name(name):
+    """Raise ValueError unless `name` is a valid variable name: a non-empty str
+    of at most MAX_NAME_LENGTH printable characters, with no path separator
+    ('/' or '\\'), no NUL and not '.' or '..'. So no name can smuggle a path
+    into a checkpoint entry or a model file."""
+    if not isinstance(name, str):
+        raise TypeError(f"variable name {name!r}: must be a str, got {type(name).__name__}")
+    rule = None
+    if not name:
+        rule = "must not be empty"
+    elif len(name) > MAX_NAME_LENGTH:
+        rule = f"must be at most {MAX_NAME_LENGTH} characters long, got {len(name)}"
+    elif "/" in name or "\\" in name:
+        rule = "must not contain a path separator ('/' or '\\')"
+    elif "\0" in name:
+        rule = "must not contain NUL"
+    elif not name.isprintable():
+        rule = "must hold printable characters only (no control characters or line breaks)"
+    elif name in (".", ".."):
+        rule = "must not be '.' or '..'"
+    if rule is not None:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise ValueError(f"variable name {shown!r}: {rule}")
+
+
 class Scope:
     """A tree of name → Variable tables; lookups fall back to the parent."""
 
@@ -73,7 +114,9 @@ class Scope:
         self.kids = []
 
     def new_var(self, name, persistable=False, trainable=False):
-        """Create `name` here; creating a name twice in one scope is an error."""
+        """Create `name` here; creating a name twice in one scope is an error, and
+        so is a name that check_var_name rejects (the error names the rule)."""
+        check_var_name(name)
         if name in self.vars:
             raise ValueError(f"variable {name!r} already exists in this scope")
         var = Variable(name, persistable=persistable, trainable=trainable, scope=self)

@@ -159,7 +159,7 @@ def test_loading_sets_the_optimizer_learning_rate(tmp_path):
     b, _ = build_net(mg.CPUPlace(), seed=0)
     io.load(b, path)
     assert b.optimizer.learning_rate == pytest.approx(0.0125, rel=1e-7)
-    assert b.var("learning_rate_0").get() == np.float32(0.0125)
+    assert float(b.var("learning_rate_0").get()) == pytest.approx(0.0125, rel=1e-7)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -178,10 +178,124 @@ def test_bad_formats_are_clear_errors(tmp_path, change, message):
 def test_files_that_are_not_checkpoints(tmp_path):
     net, _ = build_net(mg.CPUPlace(), seed=0)
     (tmp_path / "junk.npz").write_bytes(b"not a zip at all")
-    with pytest.raises(io.CheckpointError, match="not a minigraph checkpoint"):
+    with pytest.raises(io.CheckpointError, match="damaged minigraph checkpoint"):
         io.load(net, tmp_path / "junk.npz")
     np.save(tmp_path / "one.npy", np.zeros(3))
     with pytest.raises(io.CheckpointError, match="single array"):
         io.load(net, tmp_path / "one.npy")
     with pytest.raises(FileNotFoundError):
         io.load(net, tmp_path / "absent.npz")
+
+
+# ---- learning rates in checkpoints ---------------------------------------------------
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -0.5])
+def test_a_bad_learning_rate_in_a_checkpoint_is_refused(tmp_path, bad):
+    a, _ = trained_net(seed=0, steps=1)
+    lr = a.optimizer.lr_var
+    path = rewrite(io.save(a, tmp_path / "ck.npz"), tmp_path / "bad.npz",
+                   lambda arrays: arrays.update({lr.name: np.array(bad, arrays[lr.name].dtype)}))
+    b, _ = trained_net(seed=1, steps=1)
+    before, rate = snapshot(b), b.optimizer.learning_rate
+    for strict in (True, False):
+        with pytest.raises(io.CheckpointError) as err:
+            io.load(b, path, strict=strict)
+        msg = str(err.value)
+        assert f"learning rate {lr.name!r} holds" in msg and "finite number >= 0" in msg
+        assert "nothing was loaded" in msg
+    after = snapshot(b)
+    assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+    assert b.optimizer.learning_rate == rate
+
+
+def test_a_zero_learning_rate_loads(tmp_path):
+    a, _ = trained_net(seed=0, steps=1)
+    lr = a.optimizer.lr_var
+    path = rewrite(io.save(a, tmp_path / "ck.npz"), tmp_path / "zero.npz",
+                   lambda arrays: arrays.update({lr.name: np.zeros((), arrays[lr.name].dtype)}))
+    b, _ = build_net(mg.CPUPlace(), seed=0)
+    io.load(b, path)
+    assert b.optimizer.learning_rate == 0.0
+
+
+# ---- strict=False ---------------------------------------------------------------------
+
+def conv_bn_fc(train, seed=0):
+    """image -> conv2d c1 -> batch_norm bn1 -> relu -> fc fc1; with train=True
+    also a loss minimised by Momentum. (net, logits, loss or None)."""
+    net = mg.Net(seed=seed)
+    image = mg.layers.data(net, "image", shape=(-1, 1, 6, 6))
+    h = mg.layers.conv2d(net, image, num_filters=4, filter_size=3, padding=1, name="c1")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn1"))
+    logits = mg.layers.fc(net, h, size=5, name="fc1")
+    loss = None
+    if train:
+        label = mg.layers.data(net, "label", shape=(-1,), dtype="int64")
+        loss = mg.layers.mean(net, mg.layers.softmax_with_cross_entropy(net, logits, label))
+        mg.optimizer.Momentum(learning_rate=0.1, momentum=0.9).minimize(net, loss)
+    return net, logits, loss
+
+
+def test_an_inference_twin_loads_the_training_checkpoint_with_strict_false(tmp_path):
+    net, logits, loss = conv_bn_fc(train=True)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        net.train(feed={"image": rng.standard_normal((8, 1, 6, 6)).astype(np.float32),
+                        "label": rng.integers(0, 5, 8)}, fetch=[loss])
+    path = io.save(net, tmp_path / "train.npz")
+    twin, twin_logits, _ = conv_bn_fc(train=False, seed=7)
+    twin_names = {v.name for v in twin.persistables()}
+    with pytest.raises(io.CheckpointError, match="unexpected 'c1.w.velocity'"):
+        io.load(twin, path)                     # strict: the optimizer state does not fit
+    missing, unexpected = io.load(twin, path, strict=False)
+    assert missing == []
+    extra = [v.name for v in net.persistables() if v.name not in twin_names]
+    assert sorted(unexpected) == sorted(extra)
+    assert {"c1.w.velocity", "fc1.w.velocity", net.optimizer.lr_var.name} <= set(unexpected)
+    assert int(twin.var("bn1.num_batches").get()) == 4
+    x = rng.standard_normal((5, 1, 6, 6)).astype(np.float32)
+    (want,) = net.infer(feed={"image": x}, fetch=[logits])
+    (got,) = twin.infer(feed={"image": x}, fetch=[twin_logits])
+    assert got.tobytes() == want.tobytes()
+
+
+def test_strict_false_lists_what_is_missing_and_leaves_it(tmp_path):
+    twin, _, _ = conv_bn_fc(train=False)
+    path = rewrite(io.save(twin, tmp_path / "ck.npz"), tmp_path / "part.npz",
+                   lambda arrays: [arrays.pop(k) for k in ("fc1.w", "fc1.b")])
+    other, _, _ = conv_bn_fc(train=False, seed=3)
+    kept = other.var("fc1.w").get().copy()
+    assert io.load(other, path, strict=False) == (["fc1.w", "fc1.b"], [])
+    assert np.array_equal(other.var("fc1.w").get(), kept)
+    assert np.array_equal(other.var("c1.w").get(), twin.var("c1.w").get())
+
+
+def test_strict_false_still_refuses_a_shape_or_dtype_mismatch(tmp_path):
+    twin, _, _ = conv_bn_fc(train=False)
+    good = io.save(twin, tmp_path / "ck.npz")
+    other, _, _ = conv_bn_fc(train=False, seed=3)
+    before = snapshot(other)
+    for change, message in (
+            (lambda a: a.update({"fc1.w": a["fc1.w"][:10]}), "wrong shape for 'fc1.w'"),
+            (lambda a: a.update({"bn1.scale": a["bn1.scale"].astype(np.float64)}),
+             "wrong dtype for 'bn1.scale'")):
+        bad = rewrite(good, tmp_path / "bad.npz", change)
+        with pytest.raises(io.CheckpointError, match=message):
+            io.load(other, bad, strict=False)
+    after = snapshot(other)
+    assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+
+
+def test_strict_false_defaults_a_missing_counter_only_for_a_loaded_layer(tmp_path):
+    twin, _, _ = conv_bn_fc(train=False)
+    path = rewrite(io.save(twin, tmp_path / "ck.npz"), tmp_path / "old.npz",
+                   lambda arrays: arrays.pop("bn1.num_batches"))
+    other, _, _ = conv_bn_fc(train=False, seed=3)
+    with pytest.warns(UserWarning, match="bn1.num_batches"):
+        assert io.load(other, path, strict=False) == ([], [])
+    assert int(other.var("bn1.num_batches").get()) == 1
+    no_bn = rewrite(path, tmp_path / "no_bn.npz",
+                    lambda arrays: [arrays.pop(k) for k in list(arrays) if k.startswith("bn1.")])
+    third, _, _ = conv_bn_fc(train=False, seed=4)
+    missing, _ = io.load(third, no_bn, strict=False)
+    assert "bn1.num_batches" in missing and int(third.var("bn1.num_batches").get()) == 0

@@ -4,10 +4,10 @@ from __future__ import annotations
 import re
 import shutil
 
-import graphviz
 import pytest
 
 import minigraph as mg
+from minigraph import dot_runner
 from minigraph import render as render_mod
 from minigraph.examples.train_digits import build_net
 
@@ -140,27 +140,102 @@ def test_unknown_suffix_is_a_value_error_listing_the_formats(net, tmp_path):
         net.render(tmp_path / "net")
 
 
-def test_missing_dot_says_to_install_graphviz(net, tmp_path, monkeypatch):
-    monkeypatch.setattr(render_mod.shutil, "which", lambda name: None)
+# ---- which program renders, and what happens when it misbehaves ----------------------
+
+def path_without_dot(tmp_path, monkeypatch, fake=None):
+    """PATH = one fresh folder holding only `fake` (a `dot` shell script body), if given."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    if fake is not None:
+        script = folder / "dot"
+        script.write_text("#!/bin/sh\nPATH=/usr/bin:/bin\n" + fake)
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(folder))
+    return folder
+
+
+def test_without_dot_the_fallback_writes_svg_and_png(net, tmp_path, monkeypatch):
+    path_without_dot(tmp_path, monkeypatch)
+    assert shutil.which("dot") is None
+    exe, name = dot_runner.find_program("svg")
+    assert name == "graphviz-pure"
+    out = tmp_path / "out"
+    out.mkdir()
+    data = net.render(out / "net.svg").read_bytes()
+    assert data.lstrip().startswith(b"<?xml") and b"<svg" in data[:2000]
+    assert b"cluster_train" in data and b"cluster_infer" in data and b"batch_norm" in data
+    png = render_mod.render(net, out / "net.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert sorted(p.name for p in out.iterdir()) == ["net.png", "net.svg"]
+
+
+def test_without_dot_pdf_says_it_needs_dot(net, tmp_path, monkeypatch):
+    path_without_dot(tmp_path, monkeypatch)
+    with pytest.raises(RuntimeError) as err:
+        net.render(tmp_path / "net.pdf")
+    msg = str(err.value)
+    assert "needs Graphviz's 'dot'" in msg and "apt install graphviz" in msg
+    assert "graphviz-pure" in msg and ".svg" in msg
+    assert not (tmp_path / "net.pdf").exists()
+
+
+def test_with_nothing_to_render_with_the_error_says_what_to_install(net, tmp_path, monkeypatch):
+    path_without_dot(tmp_path, monkeypatch)
+    monkeypatch.setattr(dot_runner, "_find_fallback", lambda: None)
+    (tmp_path / "net.svg").write_text("old picture")
     with pytest.raises(RuntimeError) as err:
         net.render(tmp_path / "net.svg")
     msg = str(err.value)
-    assert "apt install graphviz" in msg and "brew install graphviz" in msg
-    assert "to_dot()" in msg
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_dot_vanishing_after_the_check_gives_the_same_error(net, tmp_path, monkeypatch):
-    def not_found(self, *args, **kwargs):
-        raise graphviz.ExecutableNotFound(["dot", "-Tsvg"])
-
-    monkeypatch.setattr(render_mod.shutil, "which", lambda name: "/usr/bin/dot")
-    monkeypatch.setattr(graphviz.Source, "pipe", not_found)
-    (tmp_path / "net.svg").write_text("old picture")
-    with pytest.raises(RuntimeError, match="Install the Graphviz system package"):
-        net.render(tmp_path / "net.svg")
+    assert "pip install graphviz-pure" in msg and "apt install graphviz" in msg
+    assert "to_dot()" in msg and msg == render_mod.missing_dot_message()
     assert (tmp_path / "net.svg").read_text() == "old picture"
-    assert [p.name for p in tmp_path.iterdir()] == ["net.svg"]
+
+
+@pytest.mark.parametrize("script, message", [
+    ("exec sleep 30\n", "did not finish within 0.5 s"),
+    ("sleep 30 & wait\n", "did not finish within 0.5 s"),
+    ("echo 'Error: syntax error in line 3' >&2; exit 1\n", "failed with exit code 1: Error: "
+                                                            "syntax error in line 3"),
+    ("kill -9 $$\n", "was killed by signal 9"),
+    ("cat > /dev/null; exit 0\n", "wrote nothing"),
+    ("cat > /dev/null; echo not a picture\n", "did not write a .svg file"),
+])
+def test_a_dot_that_hangs_fails_or_writes_nothing_is_an_error(net, tmp_path, monkeypatch,
+                                                              script, message):
+    import time
+
+    path_without_dot(tmp_path, monkeypatch, fake=script)
+    assert shutil.which("dot") == str(tmp_path / "bin" / "dot")
+    target = tmp_path / "net.svg"
+    target.write_text("old picture")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=re.escape(message)) as err:
+        render_mod.render(net, target, timeout=0.5)
+    assert time.monotonic() - start < 10
+    assert "no file was written" in str(err.value) and "dot" in str(err.value)
+    assert target.read_text() == "old picture"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "net.svg"]
+
+
+def test_the_timeout_comes_from_the_environment_and_is_checked(net, tmp_path, monkeypatch):
+    path_without_dot(tmp_path, monkeypatch, fake="exec sleep 30\n")
+    monkeypatch.setenv("MINIGRAPH_DOT_TIMEOUT", "0.3")
+    with pytest.raises(RuntimeError, match="within 0.3 s"):
+        net.render(tmp_path / "net.svg")
+    monkeypatch.setenv("MINIGRAPH_DOT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="MINIGRAPH_DOT_TIMEOUT"):
+        net.render(tmp_path / "net.svg")
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            render_mod.render(net, tmp_path / "net.svg", timeout=bad)
+    assert dot_runner.DOT_TIMEOUT == 60.0
+
+
+def test_a_dot_that_cannot_start_is_an_error(net, tmp_path, monkeypatch):
+    folder = path_without_dot(tmp_path, monkeypatch, fake="")
+    (folder / "dot").write_bytes(b"\x7fELF not really")
+    with pytest.raises(RuntimeError, match="could not run dot"):
+        net.render(tmp_path / "net.svg")
 
 
 def test_a_net_that_never_forks_has_no_branch_clusters():

@@ -54,3 +54,76 @@ def test_variable_value_shape_dtype_and_flags():
     assert v.shape == (2, 3) and v.dtype == np.float64
     assert isinstance(v.get(), np.ndarray)
     assert scope.new_var("e").persistable is False
+
+
+# ---- Variable.set copies host arrays -------------------------------------------------
+
+def test_set_copies_a_numpy_array():
+    v = mg.Scope().new_var("w")
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    v.set(a)
+    a[0, 0] = 99.0
+    assert v.get()[0, 0] == 0.0 and v.value is not a
+    v.value[1, 1] = -1.0
+    assert a[1, 1] == 4.0
+    f = np.asfortranarray(np.ones((3, 2)))
+    v.set(f)
+    assert v.value.flags.c_contiguous and v.value.dtype == np.float64
+    v.set(np.float32(2.5))
+    assert v.shape == () and v.dtype == np.float32
+
+
+def test_a_training_step_never_rewrites_the_users_array():
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 4))
+    loss = mg.layers.mean(net, mg.layers.fc(net, x, size=3, name="fc"))
+    mg.optimizer.SGD(learning_rate=0.5).minimize(net, loss)
+    mine = np.full((4, 3), 0.25, np.float32)
+    net.var("fc.w").set(mine)
+    net.train(feed={"x": np.ones((2, 4), np.float32)}, fetch=[loss])
+    assert np.array_equal(mine, np.full((4, 3), 0.25, np.float32))
+    assert not np.array_equal(net.var("fc.w").get(), mine)      # the step did update fc.w
+
+
+# ---- variable names ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["fc_0.w", "x@GRAD", "x@GRAD@1", "bn1.num_batches",
+                                  "learning_rate_0", "learning_rate_0.step", "c1.w.velocity",
+                                  "a b", "ünïcode", "x" * 255, "...", ".hidden"])
+def test_names_the_project_uses_stay_valid(name):
+    assert mg.Scope().new_var(name).name == name
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("", "must not be empty"),
+    ("x" * 256, "at most 255 characters"),
+    ("a/b", "path separator"),
+    ("../etc/passwd", "path separator"),
+    ("a\\b", "path separator"),
+    ("..", "must not be '.' or '..'"),
+    (".", "must not be '.' or '..'"),
+    ("a\0b", "must not contain NUL"),
+    ("line\nbreak", "printable characters only"),
+    ("tab\there", "printable characters only"),
+])
+def test_bad_names_are_refused_naming_the_variable_and_the_rule(name, rule):
+    scope = mg.Scope()
+    with pytest.raises(ValueError) as err:
+        scope.new_var(name)
+    assert rule in str(err.value)
+    assert repr(name[:77])[:-1] in str(err.value)
+    assert scope.vars == {}
+
+
+def test_a_name_must_be_a_string():
+    with pytest.raises(TypeError, match="must be a str"):
+        mg.Scope().new_var(3)
+
+
+def test_layer_names_are_checked_too():
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 4))
+    with pytest.raises(ValueError, match="path separator"):
+        mg.layers.fc(net, x, size=3, name="../fc")
+    with pytest.raises(ValueError, match="path separator"):
+        mg.layers.data(net, "a/b", shape=(-1, 4))

@@ -1,0 +1,154 @@
+"""The inference model file, model.json: its constants, its JSON layout, and
+the checks a reader makes (docs/inference_format.md describes the format).
+
+Attribute values are JSON data: None, bool, int, float and str as
+themselves, tuples as lists, a non-finite float as {"float": "nan" | "inf"
+| "-inf"}; `decode_attr` turns lists back into tuples, and the op's schema
+then canonicalises them as it does for any built op.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from minigraph.npz import CheckpointError
+
+FORMAT_NAME = "minigraph-inference"
+FORMAT_VERSION = 1
+MODEL_FILE = "model.json"
+PARAMS_FILE = "params.npz"
+MAX_MODEL_BYTES = 64 << 20
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class InferenceModelError(CheckpointError):
+    """A model directory that cannot be written or loaded; the message says why."""
+
+
+def dump(model):
+    """JSON text of `model` with one variable or op per line."""
+    parts = []
+    for key, value in model.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            body = ",\n".join("  " + json.dumps(v, allow_nan=False) for v in value)
+            parts.append(f" {json.dumps(key)}: [\n{body}\n ]")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(value, allow_nan=False)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def encode_attr(value, where):
+    """An attribute value as JSON data: None, bool, int, float and str as
+    themselves, tuples (and lists) as lists, a non-finite float as
+    {"float": "nan" | "inf" | "-inf"}; anything else is an InferenceModelError."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, np.bool_):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return v if math.isfinite(v) else {"float": "nan" if v != v else repr(v)}
+    if isinstance(value, (tuple, list)):
+        return [encode_attr(v, where) for v in value]
+    raise InferenceModelError(f"{where}: a {type(value).__name__} value cannot be written to "
+                              "the model file")
+
+
+def decode_attr(value, where):
+    """The attribute value that `encode_attr` turned into `value` (lists become tuples)."""
+    if isinstance(value, list):
+        return tuple(decode_attr(v, where) for v in value)
+    if isinstance(value, dict):
+        if set(value) != {"float"} or value["float"] not in _NON_FINITE:
+            raise InferenceModelError(f"{where}: {value!r} is not an attribute value")
+        return _NON_FINITE[value["float"]]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise InferenceModelError(f"{where}: {value!r} is not an attribute value")
+
+
+def same_value(a, b):
+    """True when two attribute values are equal and of the same types (NaN equals NaN)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
+
+
+def read_model(dirname, what):
+    """The parsed model.json of `dirname` (a dict) after checking its size, that it
+    is JSON, its format name, and a version this minigraph reads."""
+    path = dirname / MODEL_FILE
+    if not path.is_file():
+        raise InferenceModelError(f"{what}: missing {MODEL_FILE}")
+    if path.stat().st_size > MAX_MODEL_BYTES:
+        raise InferenceModelError(f"{what}: {MODEL_FILE} is larger than "
+                                  f"{MAX_MODEL_BYTES >> 20} MiB; not a model file")
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        model = json.loads(path.read_bytes().decode("utf-8"), parse_constant=no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InferenceModelError(f"{what}: {MODEL_FILE} is damaged (not valid JSON: {e})") \
+            from None
+    if not isinstance(model, dict) or model.get("format") != FORMAT_NAME:
+        found = model.get("format") if isinstance(model, dict) else None
+        raise InferenceModelError(f"{what}: {MODEL_FILE} is not a minigraph inference model "
+                                  f"(format {found!r}, expected {FORMAT_NAME!r})")
+    version = field(model, "version", int, what)
+    if version > FORMAT_VERSION:
+        raise InferenceModelError(f"{what}: written by a newer minigraph (format version "
+                                  f"{version}); this minigraph reads version {FORMAT_VERSION}: "
+                                  "upgrade minigraph to load it")
+    if version < 1:
+        raise InferenceModelError(f"{what}: {MODEL_FILE} is damaged (format version {version})")
+    return model
+
+
+def field(record, key, kind, where):
+    """record[key], which must exist and be of type `kind` (a type or a tuple);
+    otherwise an InferenceModelError saying the file is damaged."""
+    if not isinstance(record, dict):
+        raise InferenceModelError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if key not in record:
+        raise InferenceModelError(f"{where}: {MODEL_FILE} is damaged (missing key {key!r})")
+    value = record[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in kinds)
+        raise InferenceModelError(f"{where}: {MODEL_FILE} is damaged ({key!r} must be "
+                                  f"{names}, got {value!r:.60})")
+    return value
+
+
+def records_of(model, what):
+    """{name: variable record} after checking every record's fields."""
+    records = {}
+    for i, rec in enumerate(field(model, "variables", list, what)):
+        where = f"{what}: variable {i}"
+        name = field(rec, "name", str, where)
+        shape = field(rec, "shape", (list, type(None)), where)
+        if shape is not None and not all(isinstance(d, int) and not isinstance(d, bool)
+                                         and d >= -1 for d in shape):
+            raise InferenceModelError(f"{where} ({name!r}): {MODEL_FILE} is damaged (bad "
+                                      f"shape {shape!r})")
+        dtype = field(rec, "dtype", (str, type(None)), where)
+        try:
+            kind = np.dtype(dtype).kind if dtype is not None else "f"
+        except TypeError:
+            kind = None
+        if kind is None or kind not in "biuf":
+            raise InferenceModelError(f"{where} ({name!r}): {MODEL_FILE} is damaged "
+                                      f"(unknown dtype {dtype!r})")
+        for flag in ("persistable", "trainable", "data"):
+            field(rec, flag, bool, where)
+        if name in records:
+            raise InferenceModelError(f"{where}: {MODEL_FILE} is damaged ({name!r} is "
+                                      "declared twice)")
+        records[name] = rec
+    return records

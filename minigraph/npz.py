@@ -1,0 +1,240 @@
+"""The .npz files minigraph writes and reads (checkpoints, inference params),
+read defensively.
+
+A file is a zip archive of `.npy` entries plus a `__format__` entry naming
+its format and version. Reading never trusts the file: the zip directory and
+each entry's .npy header (dtype, shape) are read and checked first, with
+`allow_pickle=False` everywhere; an entry is decompressed only once its
+header says what the caller expects, and never past the size that header
+implies. Object arrays (which would need unpickling) are refused.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT_KEY = "__format__"
+CHECKPOINT_FORMAT = "minigraph-persistables/1"     # what minigraph.io writes
+MAX_HEADER = 10_000         # bytes of .npy header numpy itself accepts by default
+MAX_RATIO = 1100            # deflate cannot compress better than about 1032:1
+MAX_ENTRIES = 100_000
+MAX_FORMAT_BYTES = MAX_HEADER + 1024
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the net, is damaged, or is not a minigraph checkpoint."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One array of an archive, known from its .npy header: `dtype` (native
+    byte order; `stored` is the file's), `shape`, and where its data starts."""
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    stored: np.dtype
+    fortran_order: bool
+    header_bytes: int
+    info: zipfile.ZipInfo
+
+    @property
+    def nbytes(self):
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def write_npz(f, arrays):
+    """Write {name: array} to the open binary file `f` in numpy's .npz layout
+    (stored, uncompressed; any name works, unlike the keyword arguments of np.savez)."""
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, array in arrays.items():
+            with zf.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+class Archive:
+    """An .npz file opened for checked reading.
+
+    Opening reads the zip directory and every .npy header, and checks: the
+    file is a readable zip; entries are unique, unencrypted, stored or
+    deflated `.npy` files of sane compression; `__format__` holds `expect`
+    (a "name/version" string); every header parses, holds a plain numeric
+    (or string) dtype, and implies exactly the entry's uncompressed size.
+    Any failure is a CheckpointError starting with `what` ("load 'ck.npz'").
+    `entries` then maps array names to Entry; `read(name)` returns the data.
+    """
+
+    def __init__(self, path, what, expect):
+        self.path, self.what = path, what
+        if os.path.isdir(path):
+            raise self.error("is a directory, not a checkpoint file")
+        if _is_npy(path):
+            raise self.error("not a minigraph checkpoint (a single array, not an .npz archive)")
+        try:
+            self.zip = zipfile.ZipFile(path)
+        except FileNotFoundError:
+            raise
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
+            raise self.error(f"damaged minigraph checkpoint: not a readable zip archive ({e})") \
+                from e
+        try:
+            infos = self._directory()
+            fmt = infos.pop(FORMAT_KEY, None)
+            if fmt is None:
+                raise self.error(f"not a minigraph checkpoint (no {FORMAT_KEY!r} entry; "
+                                 f"expected {expect!r})")
+            self.format = self._read_format(fmt)
+            self._check_format(expect)
+            self.entries = {name: self._header(name, info) for name, info in infos.items()}
+        except BaseException:
+            self.zip.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.zip.close()
+
+    def error(self, message):
+        return CheckpointError(f"{self.what}: {message}")
+
+    def damaged(self, name, problem):
+        return self.error(f"damaged minigraph checkpoint: entry {name!r} {problem}")
+
+    # ---- reading ---------------------------------------------------------------
+
+    def read(self, name):
+        """The array `name` (C order, native byte order), read within the size its
+        header declares; a damaged entry (bad CRC, truncated data) is a CheckpointError."""
+        entry = self.entries[name]
+        array = np.empty(math.prod(entry.shape), dtype=entry.stored)
+        view = memoryview(array).cast("B") if array.size else memoryview(b"")
+        try:
+            with self.zip.open(entry.info) as f:
+                _read_exactly(f, entry.header_bytes)
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:got + _CHUNK])
+                    if not n:
+                        break
+                    got += n
+                if got < len(view) or f.read(1):    # the final read checks the CRC
+                    raise self.damaged(name, "holds a different amount of data than its "
+                                             "header says")
+        except CheckpointError:
+            raise
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as e:
+            raise self.damaged(name, f"could not be read ({e})") from e
+        order = "F" if entry.fortran_order else "C"
+        array = array.reshape(entry.shape, order=order).astype(entry.dtype, copy=False)
+        return array if array.flags.c_contiguous else np.array(array, order="C")
+
+    # ---- checks ------------------------------------------------------------------
+
+    def _directory(self):
+        infos = self.zip.infolist()
+        if len(infos) > MAX_ENTRIES:
+            raise self.error(f"damaged minigraph checkpoint: {len(infos)} entries (at most "
+                             f"{MAX_ENTRIES})")
+        named = {}
+        for info in infos:
+            raw = info.filename
+            if not raw.endswith(".npy"):
+                raise self.damaged(raw, "is not a .npy array")
+            name = raw[:-4]
+            if name in named:
+                raise self.damaged(name, "appears twice")
+            if info.flag_bits & 0x1:
+                raise self.damaged(name, "is encrypted")
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise self.damaged(name, f"uses compression method {info.compress_type} "
+                                         "(only stored or deflated entries are read)")
+            if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+                raise self.damaged(name, f"is stored uncompressed but its sizes differ "
+                                         f"({info.compress_size} and {info.file_size} bytes)")
+            if info.compress_size > info.file_size + info.file_size // 100 + 1024:
+                raise self.damaged(name, f"has {info.compress_size} bytes of compressed data "
+                                         f"for {info.file_size} bytes (more than deflate ever "
+                                         "needs)")
+            if info.file_size > MAX_RATIO * max(info.compress_size, 1):
+                raise self.damaged(name, f"claims to inflate {info.compress_size} bytes to "
+                                         f"{info.file_size} (an absurd compression ratio)")
+            named[name] = info
+        return named
+
+    def _read_format(self, info):
+        if info.file_size > MAX_FORMAT_BYTES:
+            raise self.damaged(FORMAT_KEY, f"is {info.file_size} bytes, far too large")
+        entry = self._header(FORMAT_KEY, info)
+        if entry.dtype.kind != "U" or entry.shape != ():
+            raise self.error(f"not a minigraph checkpoint ({FORMAT_KEY!r} is not a string)")
+        self.entries = {FORMAT_KEY: entry}
+        return str(self.read(FORMAT_KEY)[()])
+
+    def _check_format(self, expect):
+        name, _, version = self.format.partition("/")
+        want_name, _, want_version = expect.partition("/")
+        if name != want_name:
+            raise self.error(f"unknown format {self.format!r}; expected {expect!r}")
+        if version != want_version:
+            raise self.error(f"format version {version!r} is not one this minigraph reads (it "
+                             f"reads version {want_version}, {expect!r})")
+
+    def _header(self, name, info):
+        try:
+            with self.zip.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    header = np.lib.format.read_array_header_1_0(f, max_header_size=MAX_HEADER)
+                elif version == (2, 0):
+                    header = np.lib.format.read_array_header_2_0(f, max_header_size=MAX_HEADER)
+                else:
+                    raise self.damaged(name, f"has .npy format version {version}, which "
+                                             "minigraph does not read")
+                header_bytes = f.tell()
+        except CheckpointError:
+            raise
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, SyntaxError,
+                RuntimeError) as e:
+            if "allow_pickle" in str(e):
+                raise self.damaged(name, "is an object array: object arrays are not allowed "
+                                         "(minigraph never unpickles)") from None
+            raise self.damaged(name, f"has no readable .npy header ({e})") from e
+        shape, fortran_order, dtype = header
+        if dtype.hasobject:
+            raise self.damaged(name, "is an object array: object arrays are not allowed "
+                                     "(minigraph never unpickles)")
+        if dtype.fields is not None or dtype.subdtype is not None or \
+                dtype.kind not in "biufcSU":
+            raise self.damaged(name, f"has dtype {dtype}, not a plain numeric dtype")
+        if any(d < 0 for d in shape):
+            raise self.damaged(name, f"has a negative dimension in its shape {shape}")
+        native = dtype.newbyteorder("=") if dtype.byteorder not in ("|", "=") else dtype
+        entry = Entry(name, tuple(int(d) for d in shape), np.dtype(native), dtype,
+                      bool(fortran_order), header_bytes, info)
+        if info.file_size != header_bytes + entry.nbytes:
+            raise self.damaged(name, f"holds {info.file_size - header_bytes} bytes of data but "
+                                     f"its header (shape {entry.shape}, {entry.dtype}) says "
+                                     f"{entry.nbytes}")
+        return entry
+
+
+def _is_npy(path):
+    with open(path, "rb") as f:
+        return f.read(6) == b"\x93NUMPY"
+
+
+def _read_exactly(f, n):
+    data = f.read(n)
+    if len(data) != n:
+        raise EOFError(f"expected {n} bytes, got {len(data)}")
+    return data

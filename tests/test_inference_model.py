@@ -1,0 +1,269 @@
+"""The inference model directory: save_inference / load_inference."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import io
+from minigraph.model_format import decode_attr, encode_attr
+
+
+def trained(steps=3, seed=0, momentum=0.9):
+    """conv -> batch_norm -> relu -> max pool -> fc -> batch_norm -> relu -> fc, trained
+    a few Momentum steps: (net, handles)."""
+    net = mg.Net(seed=seed)
+    image = mg.layers.data(net, "image", shape=(-1, 1, 8, 8))
+    label = mg.layers.data(net, "label", shape=(-1,), dtype="int64")
+    h = mg.layers.conv2d(net, image, num_filters=4, filter_size=3, padding=1, name="c1")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn1", momentum=momentum))
+    h = mg.layers.pool2d(net, h, pool_size=2, pool_type="max")
+    h = mg.layers.fc(net, h, size=8, name="fc1")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn2"))
+    logits = mg.layers.fc(net, h, size=5, name="fc2")
+    loss = mg.layers.mean(net, mg.layers.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Momentum(learning_rate=0.1).minimize(net, loss)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        net.train(feed={"image": rng.random((8, 1, 8, 8), dtype=np.float32),
+                        "label": rng.integers(0, 5, 8)}, fetch=[loss])
+    return net, {"image": image, "label": label, "logits": logits, "loss": loss, "h": h}
+
+
+def batch(n=6, seed=1):
+    return np.random.default_rng(seed).random((n, 1, 8, 8), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    net, h = trained()
+    d = tmp_path_factory.mktemp("m") / "model"
+    assert mg.io.save_inference(net, d, feeds=["image"], fetches=[h["logits"], "fc1.out"]) == d
+    return net, h, d
+
+
+def test_the_directory_holds_a_documented_json_and_the_params(saved):
+    net, _, d = saved
+    assert sorted(p.name for p in d.iterdir()) == ["model.json", "params.npz"]
+    model = json.loads((d / "model.json").read_text())
+    assert model["format"] == "minigraph-inference" and model["version"] == 1
+    assert model["feeds"] == ["image"] and model["fetches"] == ["fc2.out", "fc1.out"]
+    types = [op["type"] for op in model["ops"]]
+    assert types[0] == "conv2d" and "batch_norm" in types
+    assert not any(t.endswith("_grad") or t in ("momentum", "sgd", "mean") for t in types)
+    bn = next(op for op in model["ops"] if op["type"] == "batch_norm")
+    assert bn["attrs"]["is_infer"] is True and bn["inputs"]["x"] == "c1.out"
+    conv = model["ops"][0]
+    assert conv["attrs"]["paddings"] == [1, 1] and conv["inputs"]["filter"] == "c1.w"
+    records = {v["name"]: v for v in model["variables"]}
+    assert records["image"] == {"name": "image", "shape": [-1, 1, 8, 8], "dtype": "float32",
+                                "persistable": False, "trainable": False, "data": True}
+    assert records["c1.out"]["shape"] == [-1, 4, 8, 8]
+    assert records["bn1.estimated_mean"]["persistable"] and not \
+        records["bn1.estimated_mean"]["trainable"]
+    assert "label" not in records and not any("velocity" in n for n in records)
+    with np.load(d / "params.npz") as npz:
+        persist = {n for n, r in records.items() if r["persistable"]}
+        assert set(npz.files) == persist | {"__format__"}
+        assert np.array_equal(npz["bn2.estimated_var"], net.var("bn2.estimated_var").get())
+
+
+def test_load_inference_infers_like_the_net(saved):
+    net, h, d = saved
+    m = mg.io.load_inference(d)
+    assert isinstance(m, mg.Net) and m.optimizer is None
+    x = batch()
+    want = net.infer(feed={"image": x}, fetch=[h["logits"], "fc1.out"])
+    got = m.infer(feed={"image": x})                      # fetch=None: the saved fetches
+    assert len(got) == 2
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got, want))
+    (logits,) = m.infer(feed={"image": x}, fetch=["fc2.out"])
+    assert logits.tobytes() == want[0].tobytes()
+    before = {v.name: v.get().copy() for v in m.persistables()}
+    m.infer(feed={"image": batch(seed=5)})
+    assert all(np.array_equal(v.get(), before[v.name]) for v in m.persistables())
+    bns = [op for op in m.ops("infer") if op.type == "batch_norm"]
+    assert len(bns) == 2 and all(op.attrs["is_infer"] is True for op in bns)
+    assert [op.type for op in m.section("trunk")] == ["conv2d", "elementwise_add"]
+
+
+def test_a_loaded_model_cannot_train(saved):
+    m = mg.io.load_inference(saved[2])
+    with pytest.raises(RuntimeError, match="can only infer"):
+        m.train(feed={"image": batch()})
+
+
+def test_load_inference_in_a_process_that_never_built_the_net(saved, tmp_path):
+    net, h, d = saved
+    x = batch(4)
+    np.save(tmp_path / "x.npy", x)
+    (want,) = net.infer(feed={"image": x}, fetch=[h["logits"]])
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        import minigraph as mg
+        m = mg.io.load_inference({str(d)!r})
+        logits, hidden = m.infer(feed={{"image": np.load({str(tmp_path / "x.npy")!r})}})
+        np.save({str(tmp_path / "out.npy")!r}, logits)
+        assert not any(k.startswith(("tests", "test_", "minigraph.examples")) for k in sys.modules)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr
+    assert np.load(tmp_path / "out.npy").tobytes() == want.tobytes()
+
+
+def test_feeds_and_fetches_as_variables_and_a_net_that_never_forks(tmp_path):
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 3))
+    y = mg.layers.relu(net, mg.layers.fc(net, x, size=4, name="a"))
+    out = mg.layers.fc(net, y, size=2, name="b")
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=[x], fetches=[out])
+    m = mg.io.load_inference(d)
+    assert m.section("infer") == () and len(m.section("trunk")) == 5
+    v = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
+    (want,) = net.infer(feed={"x": v}, fetch=[out])
+    (got,) = m.infer(feed={"x": v})
+    assert got.tobytes() == want.tobytes()
+
+
+def test_attribute_types_survive_the_file(tmp_path):
+    net, h = trained(steps=1, momentum=None)           # momentum=None: a null attribute
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    m = mg.io.load_inference(d)
+    for a, b in zip(net.ops("infer"), m.ops("infer")):
+        assert a.type == b.type and dict(a.attrs) == dict(b.attrs)
+        assert all(type(a.attrs[k]) is type(b.attrs[k]) for k in a.attrs)
+    bn = next(op for op in m.ops("infer") if op.type == "batch_norm")
+    assert bn.attrs["momentum"] is None
+    pool = next(op for op in m.ops("infer") if op.type == "pool2d")
+    assert pool.attrs["ksize"] == (2, 2) and pool.attrs["pool_type"] == "max"
+    assert isinstance(pool.attrs["global_pooling"], bool)
+    for value in (None, True, 3, -1, 2.5, 1e-5, "NCHW", (1, 2), ((1, 2), (3,)), float("inf"),
+                  -float("inf")):
+        encoded = encode_attr(value, "test")
+        assert json.loads(json.dumps(encoded, allow_nan=False)) == encoded
+        assert decode_attr(encoded, "test") == value
+    assert np.isnan(decode_attr(encode_attr(float("nan"), "t"), "t"))
+    with pytest.raises(io.InferenceModelError, match="cannot be written"):
+        encode_attr(np.zeros(2), "op 0 (x) attribute 'y'")
+
+
+def test_save_inference_misuse(tmp_path):
+    net, h = trained(steps=0)
+    cases = [
+        (dict(feeds=["nope"], fetches=[h["logits"]]), "feed 'nope' is not a data variable"),
+        (dict(feeds=[], fetches=[h["logits"]]), "need the data 'image', which is not among"),
+        (dict(feeds=["image"], fetches=[]), "non-empty list"),
+        (dict(feeds=["image"], fetches="fc2.out"), "non-empty list"),
+        (dict(feeds=["image"], fetches=["ghost"]), "fetch 'ghost'"),
+        (dict(feeds=["image", "image"], fetches=[h["logits"]]), "given twice"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(io.InferenceModelError, match=message):
+            mg.io.save_inference(net, tmp_path / "m", **kwargs)
+    assert not (tmp_path / "m" / "model.json").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError):
+        mg.io.save_inference(net, tmp_path / "file", feeds=["image"], fetches=[h["logits"]])
+
+
+# ---- damaged, missing and newer directories --------------------------------------------
+
+def edit_model(d, change):
+    model = json.loads((d / "model.json").read_text())
+    change(model)
+    (d / "model.json").write_text(json.dumps(model))
+
+
+@pytest.fixture
+def model_dir(saved, tmp_path):
+    net, h, _ = saved
+    return mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.update(version=2), r"newer minigraph \(format version 2\); this minigraph "
+                                    "reads version 1"),
+    (lambda m: m.update(format="something-else"), "not a minigraph inference model"),
+    (lambda m: m.pop("ops"), "damaged \\(missing key 'ops'\\)"),
+    (lambda m: m.pop("fetches"), "missing key 'fetches'"),
+    (lambda m: m["variables"][0].pop("dtype"), "variable 0: model.json is damaged \\(missing "
+                                               "key 'dtype'\\)"),
+    (lambda m: m["variables"][1].update(shape="big"), "'shape' must be list or null"),
+    (lambda m: m["ops"][0].update(type="fancy_conv"), "op 0 has type 'fancy_conv', which this "
+                                                      "minigraph does not know"),
+    (lambda m: m["ops"][0]["inputs"].update(x="nowhere"), "not among the variables"),
+    (lambda m: m["ops"][0]["inputs"].update(bogus="image"), "unknown input slot 'bogus'"),
+    (lambda m: m["ops"][0]["attrs"].update(groups="two"), "does not build: conv2d: attribute "
+                                                         "'groups'"),
+    (lambda m: m["ops"][0]["attrs"].update(groups={"float": "many"}), "not an attribute value"),
+    (lambda m: m.update(fetches=["nothing"]), "fetch 'nothing' is not computed"),
+    (lambda m: m["params"].update(file="../../etc/passwd"), "must be 'params.npz'"),
+    (lambda m: m["params"].update(sha256="0" * 64), "SHA-256 differs"),
+    (lambda m: m["variables"][0].update(dtype="object"), "unknown dtype 'object'"),
+])
+def test_a_damaged_model_json_is_a_clear_error(model_dir, change, message):
+    edit_model(model_dir, change)
+    with pytest.raises(io.InferenceModelError, match=message):
+        mg.io.load_inference(model_dir)
+
+
+def test_missing_files_and_unparseable_json(model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        mg.io.load_inference(tmp_path / "absent")
+    text = (model_dir / "model.json").read_text()
+    (model_dir / "model.json").write_text(text[: len(text) // 2])
+    with pytest.raises(io.InferenceModelError, match="model.json is damaged \\(not valid JSON"):
+        mg.io.load_inference(model_dir)
+    (model_dir / "model.json").write_text(text.replace("1e-05", "NaN"))
+    with pytest.raises(io.InferenceModelError, match="not valid JSON"):
+        mg.io.load_inference(model_dir)
+    (model_dir / "model.json").unlink()
+    with pytest.raises(io.InferenceModelError, match="missing model.json"):
+        mg.io.load_inference(model_dir)
+    (model_dir / "model.json").write_text(text)
+    (model_dir / "params.npz").unlink()
+    with pytest.raises(io.InferenceModelError, match="missing params.npz"):
+        mg.io.load_inference(model_dir)
+
+
+def test_params_missing_an_entry_or_damaged(model_dir, saved):
+    import hashlib
+    import zipfile
+
+    def rehash(m):
+        m["params"]["sha256"] = hashlib.sha256((model_dir / "params.npz").read_bytes()).hexdigest()
+
+    good = (model_dir / "params.npz").read_bytes()
+    with zipfile.ZipFile(model_dir / "params.npz") as src, \
+            zipfile.ZipFile(model_dir / "less.npz", "w") as dst:
+        for info in src.infolist():
+            if info.filename != "fc2.b.npy":
+                dst.writestr(info, src.read(info))
+    os.replace(model_dir / "less.npz", model_dir / "params.npz")
+    edit_model(model_dir, rehash)
+    with pytest.raises(io.InferenceModelError, match="params.npz: does not match model.json: "
+                                                     "missing 'fc2.b'"):
+        mg.io.load_inference(model_dir)
+    (model_dir / "params.npz").write_bytes(good[:-100])
+    edit_model(model_dir, rehash)
+    with pytest.raises(io.CheckpointError, match="damaged minigraph checkpoint"):
+        mg.io.load_inference(model_dir)
+
+
+def test_saving_again_replaces_both_files_consistently(saved, tmp_path):
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    (d / "notes.txt").write_text("kept")
+    mg.io.save_inference(net, d, feeds=["image"], fetches=["fc1.out"])
+    m = mg.io.load_inference(d)
+    assert [v.name for v in m.default_fetches] == ["fc1.out"]
+    assert sorted(p.name for p in d.iterdir()) == ["model.json", "notes.txt", "params.npz"]
