@@ -2,9 +2,10 @@
 
 Scopes hold Variables; Operators bind an op's schema to Variables with
 frozen attributes; an Executor runs ops on a place; a Net built by `layers`
-forks into train and infer branches at its first batch norm.
+forks into train and infer branches at its first mode-dependent op
+(batch_norm, dropout).
 """
-from minigraph import distributed, initializer, io, layers, optimizer
+from minigraph import distributed, initializer, io, layers, optimizer, passes
 from minigraph import ops as _ops  # noqa: F401  (registers every op)
 from minigraph.backward import append_backward
 from minigraph.cpu_blocks import get_num_threads, set_num_threads
@@ -17,5 +18,5 @@ from minigraph.scope import Scope, Variable
 
 __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Operator",
            "Scope", "Variable", "append_backward", "distributed", "get_num_threads",
-           "initializer", "io", "layers", "optimizer", "set_num_threads"]
+           "initializer", "io", "layers", "optimizer", "passes", "set_num_threads"]
 __version__ = "0.1.0"

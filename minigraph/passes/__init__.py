@@ -1,0 +1,13 @@
+"""Graph rewrites. Each pass changes a net only through the Net's own API
+(append_op, insert_op, replace_op, remove_op) and records itself with
+net.mark_applied; the ops it looks at are known by what their schemas
+declare, or, for the passes about particular layers, by their types.
+
+    convert_sync_batchnorm(net)   batch_norm -> sync_batch_norm, in place
+    fold_batch_norm(net)          a new infer-only net with batch norms folded into conv/fc
+    data_parallel.rewrite(net)    gradient averaging (see minigraph.distributed.data_parallel)
+"""
+from minigraph.passes.fold_bn import FoldNote, fold_batch_norm
+from minigraph.passes.sync_bn import convert_sync_batchnorm
+
+__all__ = ["FoldNote", "convert_sync_batchnorm", "fold_batch_norm"]

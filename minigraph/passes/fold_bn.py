@@ -1,0 +1,135 @@
+"""Graph pass: fold inference batch norms into the conv2d or fc before them.
+
+An inference batch norm computes y = (x - mean) * s + bias with
+s = scale / sqrt(var + eps) per channel. When x is the output of a conv2d
+or an fc (`mul`), with or without its bias add, and nothing else reads x,
+the batch norm disappears into that layer's weight and bias:
+
+    w' = w * s            (conv2d: per output channel; fc: per column)
+    b' = (b - mean) * s + bias     (b = 0 without a bias add)
+
+The new bias is added by the layer's bias add (or one takes the batch
+norm's place). A batch norm that cannot be folded stays, and the report
+says why. The source net is not touched: the pass works on a copy of its
+inference graph (minigraph.passes.infer_clone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from minigraph.operator import Operator
+from minigraph.passes.infer_clone import clone_for_inference, drop_unused_persistables
+
+NAME = "fold_batch_norm"
+BN_TYPES = ("batch_norm", "sync_batch_norm")
+
+
+@dataclass(frozen=True)
+class FoldNote:
+    """One batch norm of the net: folded into `into` (an op description), or kept
+    because of `reason`."""
+
+    batch_norm: str
+    folded: bool
+    into: str = ""
+    reason: str = ""
+
+    def __str__(self):
+        if self.folded:
+            return f"{self.batch_norm}: folded into {self.into}"
+        return f"{self.batch_norm}: kept ({self.reason})"
+
+
+def fold_batch_norm(net, verbose=False):
+    """A new infer-only Net equal to `net.infer` with every foldable batch norm
+    folded (see the module doc); `net` and its persistables are untouched.
+    The new net's `fold_report` lists a FoldNote per batch norm; verbose=True
+    also prints it. Fetch from the new net by name."""
+    folded, _ = clone_for_inference(net)
+    notes = []
+    for bn in [op for op in folded.section("trunk") if op.type in BN_TYPES]:
+        notes.append(_fold_one(folded, bn))
+    drop_unused_persistables(folded)
+    folded.mark_applied(NAME)
+    folded.fold_report = notes
+    if verbose:
+        for note in notes:
+            print(f"fold_batch_norm: {note}")
+    return folded
+
+
+def _fold_one(net, bn):
+    label = bn.outputs["y"].name.rsplit(".", 1)[0]
+    ops = net.section("trunk")
+    x = bn.inputs["x"]
+    readers = [op for op in ops if x in op.input_vars()]
+    producer = next((op for op in ops if x in op.output_vars()), None)
+    bias_add = None
+    if producer is not None and producer.type == "elementwise_add" and \
+            producer.inputs["y"].persistable:
+        bias_add, producer = producer, next(
+            (op for op in ops if producer.inputs["x"] in op.output_vars()), None)
+    why = _why_not(bn, x, readers, producer, bias_add, ops)
+    if why:
+        return FoldNote(label, False, reason=why)
+    w = producer.inputs["y" if producer.type == "mul" else "filter"]
+    channel_axis = 0 if producer.type == "conv2d" else 1
+    a = {s: bn.inputs[s].get().astype(np.float64) for s in
+         ("scale", "bias", "estimated_mean", "estimated_var")}
+    s = a["scale"] / np.sqrt(a["estimated_var"] + bn.attrs["epsilon"])
+    w64 = w.get().astype(np.float64)
+    shape = [1] * w64.ndim
+    shape[channel_axis] = -1
+    w.set(net.place.to_device((w64 * s.reshape(shape)).astype(w.dtype)))
+    b_old = bias_add.inputs["y"].get().astype(np.float64) if bias_add else 0.0
+    b_new = ((b_old - a["estimated_mean"]) * s + a["bias"]).astype(w.dtype)
+    y = bn.outputs["y"]
+    if bias_add is not None:
+        b = bias_add.inputs["y"]
+        b.set(net.place.to_device(b_new))
+        net.replace_op("trunk", bias_add, Operator(
+            "elementwise_add", x=bias_add.inputs["x"], y=b, out=y, **bias_add.attrs))
+        net.remove_op("trunk", bn)
+    else:
+        b = bn.inputs["bias"]
+        b.set(net.place.to_device(b_new))
+        axis = 1 if producer.type == "conv2d" else len(x.shape) - 1
+        net.replace_op("trunk", bn, Operator("elementwise_add", x=x, y=b, out=y, axis=axis))
+    kind = "conv2d" if producer.type == "conv2d" else "fc"
+    return FoldNote(label, True, into=f"the {kind} computing {x.name!r}" +
+                    (" and its bias add" if bias_add else " (as a new bias add)"))
+
+
+def _why_not(bn, x, readers, producer, bias_add, ops):
+    """Why `bn` cannot be folded ('' when it can)."""
+    if not (bn.attrs["is_infer"] or bn.attrs["use_global_est"]):
+        return "it normalises with batch statistics"
+    if len(readers) > 1:
+        others = ", ".join(op.type for op in readers if op is not bn)
+        return f"its input {x.name!r} is also read by {others}"
+    if producer is None or producer.type not in ("conv2d", "mul"):
+        what = "a data input" if producer is None else producer.type
+        return f"its input comes from {what}, not a conv2d or fc"
+    if bias_add is not None:
+        inner = bias_add.inputs["x"]
+        if sum(inner in op.input_vars() for op in ops) > 1:
+            return f"the {producer.type} output {inner.name!r} is read by more than the bias add"
+        bias = bias_add.inputs["y"]
+        if sum(bias in op.input_vars() for op in ops) > 1 or len(bias.shape or ()) != 1:
+            return f"the bias {bias.name!r} is shared or not per channel"
+        rank = len(x.shape)
+        start = rank - 1 if bias_add.attrs["axis"] == -1 else bias_add.attrs["axis"]
+        if start != (1 if producer.type == "conv2d" else rank - 1):
+            return "the bias add does not add per output channel"
+    w = producer.inputs["y" if producer.type == "mul" else "filter"]
+    if not w.persistable or sum(w in op.input_vars() for op in ops) > 1:
+        return f"the weight {w.name!r} is not a parameter of this layer alone"
+    rank, layout = len(x.shape), bn.attrs["data_layout"]
+    channel = 1 if layout == "NCHW" else rank - 1
+    if producer.type == "conv2d" and channel != 1:
+        return f"a {layout} batch norm after conv2d (whose channels are on axis 1)"
+    if producer.type == "mul" and channel != rank - 1:
+        return f"a {layout} batch norm of a rank-{rank} fc output (channels on the last axis)"
+    return ""

@@ -1,0 +1,148 @@
+"""mg.passes.fold_batch_norm: folded nets equal net.infer; the folded weights and
+biases follow w' = w * s, b' = (b - mean) * s + bias with s = scale / sqrt(var + eps);
+what cannot be folded stays and is reported; the source net is untouched."""
+import hashlib
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import layers as L
+
+rng = np.random.default_rng(0)
+
+
+def randomise_estimates(net):
+    """Non-trivial scale, bias and estimates in every batch norm."""
+    for v in net.persistables():
+        for suffix, make in ((".scale", lambda n: rng.uniform(0.5, 2, n)),
+                             (".bias", lambda n: rng.normal(0, 1, n)),
+                             (".estimated_mean", lambda n: rng.normal(0, 1, n)),
+                             (".estimated_var", lambda n: rng.uniform(0.2, 3, n))):
+            if v.name.endswith(suffix) and v.name.split(".")[-2].startswith("bn"):
+                v.set(make(v.shape[0]).astype(v.dtype))
+
+
+def digest(net):
+    h = hashlib.sha256()
+    for v in net.persistables():
+        h.update(v.name.encode() + np.ascontiguousarray(v.get()).tobytes())
+    return h.hexdigest()
+
+
+def conv_net(dtype="float32", bias=True, groups=1, share_input=False, layout_rank=4):
+    net = mg.Net(seed=1)
+    x = L.data(net, "x", shape=(-1, 4, 6, 6), dtype=dtype)
+    h = L.conv2d(net, x, 6, 3, padding=1, groups=groups, bias=bias, name="c1")
+    y = L.batch_norm(net, h, name="bn1")
+    if share_input:
+        y = L.add(net, y, L.relu(net, h))
+    out = L.relu(net, y)
+    return net, out
+
+
+def fc_net(dtype="float32", rank=2):
+    net = mg.Net(seed=2)
+    if rank == 2:
+        x = L.data(net, "x", shape=(-1, 12), dtype=dtype)
+        h = L.fc(net, x, 5, name="f1")
+        return net, L.batch_norm(net, h, name="bn1", data_layout="NHWC")
+    x = L.data(net, "x", shape=(-1, 3, 3, 4), dtype=dtype)      # NHWC: a 1x1 conv as an fc
+    w = net.create_parameter("f1.w", (4, 5), x.dtype, mg.initializer.Xavier())
+    h = net.append("mul", {"x": x, "y": w}, {"out": "f1.out"}, {"x_num_col_dims": 3})["out"]
+    return net, L.batch_norm(net, h, name="bn1", data_layout="NHWC")
+
+
+def check_equal(net, out, x, rtol):
+    randomise_estimates(net)
+    before = digest(net)
+    folded = mg.passes.fold_batch_norm(net)
+    (want,) = net.infer(feed={"x": x}, fetch=[out])
+    (got,) = folded.infer(feed={"x": x}, fetch=[out.name])
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+    assert digest(net) == before                       # the source is untouched
+    return folded
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_folds_and_matches_a_float64_reference(bias, groups):
+    x = rng.standard_normal((7, 4, 6, 6))
+    net, out = conv_net("float64", bias, groups)
+    folded = check_equal(net, out, x, 1e-12)
+    assert [op.type for op in folded.ops("infer")] == ["conv2d", "elementwise_add", "relu"]
+    assert [n.folded for n in folded.fold_report] == [True]
+    net32, out32 = conv_net("float32", bias, groups)
+    check_equal(net32, out32, x.astype(np.float32), 1e-5)
+
+
+def test_the_folded_parameters_follow_the_formula():
+    net, out = conv_net("float64")
+    randomise_estimates(net)
+    w, b = net.var("c1.w").get(), net.var("c1.b").get()
+    scale, bias = net.var("bn1.scale").get(), net.var("bn1.bias").get()
+    mean, var = net.var("bn1.estimated_mean").get(), net.var("bn1.estimated_var").get()
+    folded = mg.passes.fold_batch_norm(net)
+    s = scale / np.sqrt(var + 1e-5)
+    np.testing.assert_allclose(folded.var("c1.w").get(), w * s[:, None, None, None], rtol=1e-15)
+    np.testing.assert_allclose(folded.var("c1.b").get(), (b - mean) * s + bias, rtol=1e-14)
+    names = {v.name for v in folded.persistables()}
+    assert names == {"c1.w", "c1.b"}                  # the batch norm's state is gone
+
+
+@pytest.mark.parametrize("rank", [2, 4])
+def test_fc_folds_rank_2_and_a_channels_last_rank_4_output(rank):
+    net, out = fc_net("float64", rank)
+    shape = (7, 12) if rank == 2 else (7, 3, 3, 4)
+    folded = check_equal(net, out, rng.standard_normal(shape), 1e-12)
+    assert "batch_norm" not in [op.type for op in folded.ops("infer")]
+
+
+def test_the_example_nets_fold_to_1e_5(tmp_path):
+    from minigraph.examples import train_digits, train_resnet_digits
+
+    for build in (train_digits.build_net, train_resnet_digits.build_net):
+        net, h = build(seed=0)
+        for _ in range(3):
+            net.train(feed={"image": rng.random((16, 1, 8, 8), dtype=np.float32),
+                            "label": rng.integers(0, 10, 16)})
+        x = rng.random((7, 1, 8, 8), dtype=np.float32)
+        folded = mg.passes.fold_batch_norm(net)
+        (want,) = net.infer(feed={"image": x}, fetch=[h["logits"]])
+        (got,) = folded.infer(feed={"image": x}, fetch=[h["logits"].name])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_what_cannot_be_folded_stays_and_the_report_says_why(capsys):
+    net, out = conv_net(share_input=True)
+    folded = check_equal(net, out, rng.standard_normal((2, 4, 6, 6)).astype(np.float32), 1e-5)
+    (note,) = folded.fold_report
+    assert not note.folded and "is also read by relu" in note.reason
+    assert "batch_norm" in [op.type for op in folded.ops("infer")]
+
+    net = mg.Net()
+    x = L.data(net, "x", shape=(-1, 3, 4, 4))
+    out = L.batch_norm(net, L.pool2d(net, x, 2), name="bn1")
+    folded = mg.passes.fold_batch_norm(net, verbose=True)
+    assert "kept (its input comes from pool2d, not a conv2d or fc)" in capsys.readouterr().out
+    (want,) = net.infer(feed={"x": np.ones((2, 3, 4, 4), np.float32)}, fetch=[out])
+    (got,) = folded.infer(feed={"x": np.ones((2, 3, 4, 4), np.float32)}, fetch=[out.name])
+    np.testing.assert_array_equal(got, want)
+
+    net = mg.Net()                                   # channels on the wrong axis for a conv
+    x = L.data(net, "x", shape=(-1, 2, 4, 4))
+    h = L.conv2d(net, x, 4, 1, name="c")
+    L.batch_norm(net, h, data_layout="NHWC", name="bn")
+    (note,) = mg.passes.fold_batch_norm(net).fold_report
+    assert "NHWC batch norm after conv2d" in note.reason
+
+
+def test_the_folded_net_is_infer_only_and_the_source_still_trains():
+    net, out = conv_net()
+    loss = L.mean(net, out)
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    folded = mg.passes.fold_batch_norm(net)
+    assert folded.applied == ("fold_batch_norm",) and folded.optimizer is None
+    assert folded.section("train") == () and folded.section("update") == ()
+    net.train(feed={"x": np.ones((2, 4, 6, 6), np.float32)})
+    assert int(net.var("bn1.num_batches").get()) == 1
