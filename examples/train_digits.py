@@ -4,16 +4,15 @@ conv(16, 3x3, pad 1) -> batch_norm -> relu -> max pool 2 -> fc(64) -> batch_norm
 -> relu -> fc(10), trained with momentum SGD (learning rate on a cosine decay)
 in a plain `net.train` loop; after every epoch `net.infer` measures the
 held-out accuracy. Writes a picture of the
-net (net.svg, or net.dot without Graphviz) and a loss/accuracy plot.
+net (net.svg, drawn by Graphviz's dot or the pip-installed graphviz-pure) and
+a loss/accuracy plot.
 
 Run it with `minigraph demo` or `python -m minigraph.examples.train_digits`.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,10 +21,12 @@ import numpy as np
 
 import minigraph as mg
 from minigraph import layers
+from minigraph.cliargs import Parser, fail, int_at_least, out_folder_problem
 
 DEFAULT_EPOCHS = 6
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_OUT = "demo_out"
+PROG = "python -m minigraph.examples.train_digits"
 LEARNING_RATE = 0.05
 HELD_OUT_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -123,14 +124,16 @@ def train(epochs=DEFAULT_EPOCHS, device="cpu", out_dir=DEFAULT_OUT,
 
 
 def write_picture(net, out):
-    """net.svg in `out`; net.dot (and a note) when Graphviz's `dot` is missing."""
-    if shutil.which("dot") is not None:
+    """net.svg in `out`, drawn by Graphviz's `dot` or, without it, by the
+    pip-installed graphviz-pure; net.dot (and a note saying why) only when
+    neither can render."""
+    try:
         return net.render(out / "net.svg")
-    path = out / "net.dot"
-    path.write_text(net.to_dot())
-    print(f"note: Graphviz's 'dot' program is not installed, so wrote {path} instead of an "
-          "SVG (install the system package `graphviz`, or render it with `dot -Tsvg`)")
-    return path
+    except RuntimeError as e:
+        path = out / "net.dot"
+        path.write_text(net.to_dot())
+        print(f"note: could not draw net.svg, so wrote {path} instead ({e})")
+        return path
 
 
 def write_plot(history, path):
@@ -154,26 +157,46 @@ def write_plot(history, path):
 
 
 def add_arguments(parser):
-    """The demo's options (shared with `minigraph demo`)."""
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                        help=f"training epochs (default {DEFAULT_EPOCHS})")
+    """The demo's options (shared with `minigraph demo`); each value is checked
+    as it is parsed (see check_arguments for the --out folder)."""
+    parser.add_argument("--epochs", type=int_at_least(1), default=DEFAULT_EPOCHS,
+                        help=f"training epochs, >= 1 (default {DEFAULT_EPOCHS})")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="where to run: cpu (default) or gpu (GPU 0)")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"folder for net.svg and training.png (default {DEFAULT_OUT})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the parameters and "
-                        "the batch order (default 0)")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
+                        help=f"folder for net.svg and training.png, created if missing "
+                             f"(default {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the "
+                        "parameters and the batch order, >= 0 (default 0)")
+    parser.add_argument("--batch-size", type=int_at_least(2, " (batch norm needs two rows)"),
+                        default=DEFAULT_BATCH_SIZE,
+                        help=f"training batch size, >= 2 (default {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
+def check_arguments(args):
+    """[(option, problem)] for parsed `args`: the ranges of add_arguments (for
+    args made by hand) and whether files can be written into --out."""
+    problems = []
+    for option, value, minimum in (("--epochs", args.epochs, 1), ("--seed", args.seed, 0),
+                                   ("--batch-size", args.batch_size, 2)):
+        if not isinstance(value, int) or value < minimum:
+            problems.append((option, f"must be an integer >= {minimum}, got {value!r}"))
+    if args.device not in ("cpu", "gpu"):
+        problems.append(("--device", f"must be cpu or gpu, got {args.device!r}"))
+    problem = out_folder_problem(args.out)
+    if problem:
+        problems.append(("--out", problem))
+    return problems
+
+
 def run(args):
-    """Run the demo for parsed `args`; prints the result; returns an exit code."""
-    if args.epochs < 1 or args.batch_size < 2:
-        print("error: --epochs must be >= 1 and --batch-size >= 2", file=sys.stderr)
-        return 2
+    """Run the demo for parsed `args`; prints the result; returns an exit code
+    (2 with a one-line error for a bad argument, 1 when the demo cannot run here)."""
+    problems = check_arguments(args)
+    if problems:
+        return fail(PROG, *problems[0])
     missing = [m for m in ("sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"error: the demo needs {' and '.join(missing)}: pip install 'minigraph[demo]'",
@@ -192,11 +215,25 @@ def run(args):
     return 0
 
 
+def parse(parser, argv):
+    """Parse `argv` with a parser built by add_arguments, then check --out the
+    same way (parser.error: one line, exit code 2)."""
+    args = parser.parse_args(argv)
+    problems = check_arguments(args)
+    if problems:
+        option, problem = problems[0]
+        parser.error(f"argument {option}: {problem}")
+    return args
+
+
 def main(argv=None):
     """Command-line entry point; returns the exit code."""
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="python -m minigraph.examples.train_digits", description=__doc__.split("\n")[0]))
-    return run(parser.parse_args(argv))
+    parser = add_arguments(Parser(prog=PROG, description=__doc__.split("\n")[0]))
+    try:
+        args = parse(parser, argv)
+    except SystemExit as e:
+        return e.code
+    return run(args)
 
 
 if __name__ == "__main__":

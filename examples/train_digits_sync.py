@@ -12,7 +12,6 @@ whole batch. Rank 0 prints the progress and writes the checkpoint.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -21,34 +20,62 @@ from pathlib import Path
 import numpy as np
 
 import minigraph as mg
+from minigraph.cliargs import Parser, fail, int_at_least, launcher_rank, out_folder_problem
 from minigraph.examples.train_digits import LEARNING_RATE, build_net, load_digits_split
+
+PROG = "train_digits_sync.py"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The parsed options; a bad value (--epochs 0, --seed -1, --batch-size 1, an
+    --out that is a file or cannot be written) prints one line naming the option
+    and exits with code 2 (printed by rank 0 only when a launcher says ranks)."""
+    parser = QuietRanksParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="cpu (MPI, default) or gpu (NCCL; GPU local_rank %% device count)")
-    parser.add_argument("--epochs", type=int, default=4, help="training epochs (default 4)")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="GLOBAL batch size, split across the ranks (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="parameters and batch order")
+    parser.add_argument("--epochs", type=int_at_least(1), default=4,
+                        help="training epochs, >= 1 (default 4)")
+    parser.add_argument("--batch-size", type=int_at_least(2), default=64,
+                        help="GLOBAL batch size, split across the ranks: at least 2 per rank "
+                             "and at most the training set (default 64)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0,
+                        help="parameters and batch order, >= 0 (default 0)")
     parser.add_argument("--out", default="demo_out",
                         help="folder for the checkpoint digits_sync.npz (default demo_out)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = out_folder_problem(args.out)
+    if problem:
+        parser.error(f"argument --out: {problem}")
+    return args
+
+
+class QuietRanksParser(Parser):
+    """One-line errors, printed by the launcher's rank 0 only (every rank exits 2)."""
+
+    def exit(self, status=0, message=None):
+        if launcher_rank() != 0:
+            message = None
+        super().exit(status, message)
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return e.code
     try:
         comm = mg.distributed.init(place=args.device)
     except mg.GPUError as e:                    # the same on every rank: all stop here
         print(f"error: {e}", file=sys.stderr)
         return 1
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    if args.batch_size < 2 * comm.size:
-        say(f"error: --batch-size must be at least 2 per rank ({2 * comm.size})", file=sys.stderr)
-        return 2
     train_x, train_y, test_x, test_y = load_digits_split()
+    if args.batch_size < 2 * comm.size:        # the same on every rank: all stop here
+        return fail(PROG, "--batch-size", f"must be at least 2 per rank ({2 * comm.size} for "
+                    f"{comm.size} ranks), got {args.batch_size}", comm.rank)
+    if args.batch_size > len(train_x):
+        return fail(PROG, "--batch-size", f"must be at most the {len(train_x)} training "
+                    f"digits (one step per epoch), got {args.batch_size}", comm.rank)
     net, h = build_net(place=comm.place, seed=args.seed)
     mg.distributed.convert_sync_batchnorm(net)
     mg.distributed.data_parallel(net, batch_size_from="label")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,18 @@ from pathlib import Path
 import pytest
 
 import minigraph as mg
-from minigraph import cli
+from minigraph import cli, dot_runner
 from minigraph.examples import train_digits
 
 
-def run_cli(*args, cwd=None):
-    """Run the installed console script (or `python -m minigraph.cli`) in a subprocess."""
+def run_cli(*args, cwd=None, path=None):
+    """Run the installed console script (or `python -m minigraph.cli`) in a
+    subprocess; `path` replaces PATH."""
     script = Path(sys.executable).with_name("minigraph")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "minigraph.cli"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if path is not None:
+        env["PATH"] = path
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120,
                           cwd=cwd, env=env)
 
@@ -33,15 +35,32 @@ def test_demo_reaches_95_percent_and_writes_the_picture_and_plot(tmp_path, capsy
     assert [e[0] for e in epochs] == ["1", "2", "3", "4"]
     assert float(epochs[-1][2]) >= 95.0, out
     assert float(epochs[-1][1]) < float(epochs[0][1])
-    picture = tmp_path / ("net.svg" if shutil.which("dot") else "net.dot")
-    assert picture.stat().st_size > 1000
+    picture = (tmp_path / "net.svg").read_bytes()          # dot, or graphviz-pure without it
+    assert b"<svg" in picture[:2000] and b"cluster_infer" in picture
+    assert not (tmp_path / "net.dot").exists()
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_without_dot_the_demo_writes_dot_source_and_a_note(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_digits.shutil, "which", lambda name: None)
+def test_without_dot_the_demo_command_still_writes_a_real_svg(tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    res = run_cli("demo", "--epochs", "1", "--out", str(tmp_path / "out"), "--no-progress",
+                  cwd=tmp_path, path=str(empty))
+    assert res.returncode == 0, res.stderr
+    svg = (tmp_path / "out" / "net.svg").read_bytes()
+    assert svg.lstrip().startswith(b"<?xml") and b"<svg" in svg[:2000]
+    assert b"batch_norm" in svg and b"cluster_train" in svg
+    assert "net.svg" in res.stdout and "note:" not in res.stdout
+    assert not (tmp_path / "out" / "net.dot").exists()
+
+
+def test_with_nothing_to_draw_with_the_demo_writes_dot_source_and_a_note(tmp_path, monkeypatch,
+                                                                          capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(dot_runner, "_find_fallback", lambda: None)
     history = train_digits.train(epochs=1, out_dir=tmp_path, progress=False)
-    assert "note: Graphviz's 'dot' program is not installed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: could not draw net.svg" in out and "pip install graphviz-pure" in out
     assert len(history["loss"]) == len(history["accuracy"]) == 1
     assert 0.5 < history["accuracy"][0] <= 1.0
     assert history["files"] == [tmp_path / "net.dot", tmp_path / "training.png"]
@@ -77,3 +96,123 @@ def test_help_and_usage(tmp_path):
     res = run_cli(cwd=tmp_path)
     assert res.returncode == 2 and "usage: minigraph" in res.stderr
     assert cli.main(["demo", "--epochs", "0"]) == 2
+
+
+# ---- bad option values: one line naming the option, exit code 2, no traceback ----------
+
+BAD_VALUES = [
+    (["--seed", "-5"], "argument --seed: must be an integer >= 0, got -5"),
+    (["--seed", "1.5"], "argument --seed: must be an integer >= 0, got '1.5'"),
+    (["--epochs", "0"], "argument --epochs: must be an integer >= 1, got 0"),
+    (["--epochs", "-2"], "argument --epochs: must be an integer >= 1, got -2"),
+    (["--epochs", "many"], "argument --epochs: must be an integer >= 1, got 'many'"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 2"),
+    (["--batch-size", "1"], "argument --batch-size: must be an integer >= 2"),
+    (["--device", "nonsense"], "argument --device: invalid choice: 'nonsense'"),
+    (["--device"], "argument --device: expected one argument"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_VALUES)
+def test_a_bad_value_is_one_line_naming_the_option_and_exit_2(tmp_path, capsys, argv, message):
+    assert cli.main(["demo", "--out", str(tmp_path / "out"), *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minigraph demo: error: ")
+    assert message in lines[0]
+    assert captured.out == "" and not (tmp_path / "out").exists()
+
+
+def test_an_out_that_is_a_file_or_under_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for out, message in ((tmp_path / "file", "is a file, not a folder"),
+                         (tmp_path / "file" / "sub", "cannot create")):
+        assert cli.main(["demo", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "argument --out: " in err[0] and message in err[0]
+        assert str(out) in err[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)     # what a read-only folder does
+    assert cli.main(["demo", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --out: cannot write in {str(tmp_path)!r} (Permission denied)" in err
+    assert cli.main(["demo", "--out", str(tmp_path / "new" / "deeper")]) == 2
+    assert "cannot create" in capsys.readouterr().err
+
+
+def test_bad_values_in_a_subprocess_have_no_traceback(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for argv in (["--seed", "-5"], ["--out", str(tmp_path / "file" / "sub")],
+                 ["--batch-size", "0"]):
+        res = run_cli("demo", *argv, cwd=tmp_path)
+        assert res.returncode == 2
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+        assert f"argument {argv[0]}" in res.stderr
+
+
+def test_the_example_module_checks_its_arguments_too(tmp_path, capsys):
+    assert train_digits.main(["--epochs", "0"]) == 2
+    assert "argument --epochs" in capsys.readouterr().err
+    args = train_digits.add_arguments(cli.Parser(prog="x")).parse_args(["--out", str(tmp_path)])
+    args.epochs = 0                                      # made by hand, past the parser
+    assert train_digits.run(args) == 2
+    assert "argument --epochs: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+# ---- the synchronized example refuses to run on useless arguments ----------------------
+
+SYNC = Path(__file__).resolve().parents[1] / "examples" / "train_digits_sync.py"
+
+
+def run_sync(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, str(SYNC), *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "0"], "argument --epochs: must be an integer >= 1, got 0"),
+    (["--epochs", "-1"], "argument --epochs: must be an integer >= 1, got -1"),
+    (["--seed", "-5"], "argument --seed: must be an integer >= 0"),
+    (["--batch-size", "1"], "argument --batch-size: must be an integer >= 2"),
+    (["--device", "tpu"], "argument --device: invalid choice"),
+])
+def test_sync_example_bad_values_exit_2_before_any_work(argv, message, capsys):
+    from minigraph.examples import train_digits_sync
+
+    assert train_digits_sync.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_sync_example_refuses_a_batch_larger_than_the_data_and_writes_nothing(tmp_path):
+    pytest.importorskip("mpi4py")
+    pytest.importorskip("sklearn")
+    (tmp_path / "file").write_text("x")
+    res = run_sync("--out", str(tmp_path / "file" / "sub"), cwd=tmp_path)
+    assert res.returncode == 2 and "argument --out" in res.stderr
+    res = run_sync("--batch-size", "5000", "--epochs", "1", "--out", str(tmp_path / "out"),
+                   cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "argument --batch-size: must be at most the" in lines[0]
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_sync_example_prints_usage_errors_on_rank_0_only(tmp_path, monkeypatch, capsys):
+    from minigraph.examples import train_digits_sync
+
+    monkeypatch.setenv("PMI_RANK", "1")
+    assert train_digits_sync.main(["--epochs", "0"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert train_digits_sync.main(["--epochs", "0"]) == 2
+    assert "argument --epochs" in capsys.readouterr().err
