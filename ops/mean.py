@@ -1,13 +1,19 @@
-"""mean: the mean of every element of x, a scalar (shape ())."""
+"""mean: the mean of every element of x, a scalar (shape ()).
+
+The mean of an empty x (a batch with no rows, as a data-parallel rank may
+hold) is defined as 0, and its gradient is the empty dx: a rank without rows
+adds nothing to the loss or to the averaged gradients (weight ranks by their
+rows with data_parallel(batch_size_from=...)).
+"""
 from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import fill
 from minigraph.kernels import mean as gpu
 from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
-    OpError,
     OpSchema,
     Slot,
     check_float,
@@ -36,10 +42,11 @@ register(OpSchema(type="mean_grad", inputs=(Slot("x"), Slot("dout")),
 
 @kernel("mean", "cpu")
 def mean_cpu(op, ins):
-    """out = mean(x), accumulated in float64 (pairwise), cast back to x's dtype."""
+    """out = mean(x), accumulated in float64 (pairwise), cast back to x's dtype; 0 when
+    x is empty."""
     x = ins["x"]
     if x.size == 0:
-        raise OpError(f"mean: input 'x' is empty (shape {x.shape}); its mean is undefined")
+        return {"out": np.zeros((), dtype=x.dtype)}
     return {"out": np.asarray(np.mean(x, dtype=np.float64), dtype=x.dtype)}
 
 
@@ -47,16 +54,16 @@ def mean_cpu(op, ins):
 def mean_grad_cpu(op, ins):
     """dx = full_like(x, dout / x.size)."""
     x, d = ins["x"], ins["dout"]
-    return {"dx": np.full_like(x, np.asarray(d, dtype=np.float64).reshape(()) / x.size)}
+    share = np.asarray(d, dtype=np.float64).reshape(()) / max(x.size, 1)
+    return {"dx": np.full_like(x, share)}
 
 
 @kernel("mean", "gpu", dtypes=GPU_FLOATS)
 def mean_gpu(op, ins):
-    """out = mean(x), summed in double on the device, in x's dtype."""
+    """out = mean(x), summed in double on the device, in x's dtype; 0 when x is empty."""
     x = ins["x"]
     if x.size == 0:
-        raise OpError(f"mean: input 'x' is empty (shape {tuple(x.shape)}); its mean is "
-                      "undefined")
+        return {"out": fill.full((), 0.0, x.dtype)}
     return {"out": gpu.mean(x)}
 
 

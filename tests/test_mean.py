@@ -29,3 +29,9 @@ def test_mean_rejects_int_input():
     x.set(np.arange(4))
     with pytest.raises(mg.OpError, match="mean: input 'x' must be a float tensor"):
         mg.Operator("mean", x=x, out=scope.new_var("out"))
+
+
+def test_the_mean_of_an_empty_batch_is_zero_with_an_empty_gradient():
+    got = helper_test_op("mean", {"x": np.ones((0, 3))}, {},
+                         lambda x: {"out": np.array(0.0)}, grad_wrt=("x",))
+    assert got["out"].shape == ()
