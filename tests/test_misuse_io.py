@@ -155,6 +155,34 @@ def test_a_non_strict_load_never_reads_unexpected_entries(tmp_path):
         io.load(net, path)
 
 
+def test_an_entry_bigger_than_the_variable_is_refused_before_it_is_read(tmp_path):
+    """fc2.b needs 40 bytes; the file's consistent entry claims 64 MiB."""
+    path = tmp_path / "big.npz"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(zipfile.ZipInfo("__format__.npy"), npy_bytes(np.array(io.FORMAT)))
+        zf.writestr("fc2.w.npy", npy_bytes(np.zeros((4, 10), np.float32)))
+        with zf.open("fc2.b.npy", "w", force_zip64=True) as f:
+            f.write(_header_for((1 << 24,), np.float32))
+            for _ in range(4):
+                f.write(bytes(16 << 20))
+    net = small_net()
+    before = values(net)
+    errors = []
+
+    def load(strict):
+        with pytest.raises(io.CheckpointError) as err:
+            io.load(net, path, strict=strict)
+        errors.append(str(err.value))
+
+    assert peak_bytes(lambda: load(True)) < 32 << 20
+    assert peak_bytes(lambda: load(False)) < 32 << 20
+    assert all("wrong shape for 'fc2.b': the net has (10,), the file (16777216,)" in e
+               for e in errors)
+    assert unchanged(net, before)
+    # the measure sees such reads: np.load, which trusts the header, allocates all 64 MiB
+    assert peak_bytes(lambda: np.load(path)["fc2.b"]) > 60 << 20
+
+
 def _header_for(shape, dtype):
     """The .npy header alone of an array of `shape` and `dtype`."""
     f = bytes_io.BytesIO()
