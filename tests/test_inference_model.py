@@ -267,3 +267,28 @@ def test_saving_again_replaces_both_files_consistently(saved, tmp_path):
     m = mg.io.load_inference(d)
     assert [v.name for v in m.default_fetches] == ["fc1.out"]
     assert sorted(p.name for p in d.iterdir()) == ["model.json", "notes.txt", "params.npz"]
+
+
+def test_the_newer_layers_survive_the_file(tmp_path):
+    """add, concat, dropout (mode-dependent, with a seed), global pooling, flatten,
+    reshape (a -1), transpose (a tuple), leaky_relu (a float), softmax (an axis)."""
+    L = mg.layers
+    net = mg.Net(seed=0)
+    image = L.data(net, "image", shape=(-1, 1, 6, 6))
+    a = L.relu(net, L.batch_norm(net, L.conv2d(net, image, num_filters=3, filter_size=3,
+                                               padding=1, name="c1"), name="bn1"))
+    b = L.conv2d(net, image, num_filters=3, filter_size=1, name="c2")
+    h = L.dropout(net, L.concat(net, [L.add(net, a, b), b], axis=1), p=0.3)
+    h = L.flatten(net, L.pool2d(net, h, global_pooling=True, pool_type="avg"))
+    h = L.leaky_relu(net, L.fc(net, h, size=10, name="fc"), alpha=0.2)
+    out = L.softmax(net, L.transpose(net, L.reshape(net, h, (-1, 2, 5)), (0, 2, 1)), axis=-1)
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[out])
+    m = mg.io.load_inference(d)
+    for x, y in zip(net.ops("infer"), m.ops("infer")):
+        assert x.type == y.type and dict(x.attrs) == dict(y.attrs)
+    assert {"add", "concat", "dropout", "flatten", "reshape", "transpose", "softmax",
+            "leaky_relu"} <= {op.type for op in m.ops("infer")}
+    v = np.random.default_rng(0).standard_normal((4, 1, 6, 6)).astype(np.float32)
+    (want,) = net.infer(feed={"image": v}, fetch=[out])
+    (got,) = m.infer(feed={"image": v})
+    assert got.shape == (4, 5, 2) and got.tobytes() == want.tobytes()
