@@ -84,6 +84,8 @@ def save_inference(net, dirname, feeds, fetches):
                                   f"{'is' if len(absent) == 1 else 'are'} not among the feeds")
     variables = _unique([*feed_vars, *(v for op in ops for v in op.input_vars() +
                                        op.output_vars()), *fetch_vars])
+    if any(v.persistable and v.value is None for v in variables):
+        net.initialize()
     names = {}
     for var in variables:
         if names.setdefault(var.name, var) is not var:
