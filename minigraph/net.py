@@ -376,10 +376,10 @@ class Net:
         from minigraph.render import to_dot
         return to_dot(self, backward=backward)
 
-    def render(self, path, backward=False):
-        """Write the net's picture; .svg, .png or .pdf by suffix."""
+    def render(self, path, backward=False, timeout=None):
+        """Write the net's picture; .svg, .png or .pdf by suffix (minigraph.render.render)."""
         from minigraph.render import render
-        return render(self, path, backward=backward)
+        return render(self, path, backward=backward, timeout=timeout)
 
 
 def _as_operator(op):

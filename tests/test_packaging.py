@@ -127,7 +127,6 @@ def readme_python_blocks():
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="the README renders a picture")
 def test_the_readme_code_runs(tmp_path, monkeypatch):
     blocks = readme_python_blocks()
     assert len(blocks) >= 4
