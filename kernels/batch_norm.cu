@@ -18,9 +18,11 @@
 //
 // Synchronized batch norm splits both reductions at the channel finish: the
 // same reduce kernels, finished by a SumsOut / GradSumsOut, write this
-// rank's float64 vector of 2C+1 sums (n first); after the caller has summed
-// it over the ranks, a one-thread-per-channel kernel finishes each channel
-// from the global sums exactly as the single-device path does (finish_stats /
+// rank's float64 vector of 2C+1 numbers (n first): forward (n, mean_c, M2_c),
+// which the ranks merge with Chan's formula (merge_stats on the device, or
+// the host), backward (n, sums of dy and dy*(x - mean)), which they add; a
+// one-thread-per-channel kernel then finishes each channel from the global
+// vector exactly as the single-device path does (finish_stats /
 // finish_grad), and the same normalize / dx kernels follow.
 #include "common.cuh"
 
@@ -91,7 +93,7 @@ __device__ __forceinline__ void finish_channel(const StatsOut<T>& o, long long c
 }
 
 // This rank's contribution to synchronized statistics, float64 [2C+1]:
-// (n, n * mean_c..., M2_c + n * mean_c^2...), summed over ranks by the caller.
+// (n, mean_c..., M2_c...), merged over ranks (Chan) by the caller.
 struct SumsOut {
   long long C;
   double* sums;
@@ -99,23 +101,46 @@ struct SumsOut {
 
 __device__ __forceinline__ void finish_channel(const SumsOut& o, long long c, double n,
                                                double shift, double mean_s, double m2) {
-  const double mean = shift + mean_s;
   if (c == 0) o.sums[0] = n;
-  o.sums[1 + c] = n * mean;
-  o.sums[1 + o.C + c] = m2 + n * mean * mean;
+  o.sums[1 + c] = shift + mean_s;
+  o.sums[1 + o.C + c] = m2;
 }
 
-// Channel c of global sums (as SumsOut writes them, summed over ranks):
-// mean = S1 / n, M2 = S2 - mean * S1 (NaN passes through), then the usual finish.
+// Channel c of the whole batch's (N, mean, M2) (SumsOut's layout, merged over
+// ranks by merge_stats or the host): the usual finish.
 template <typename T>
 __device__ void stats_from_sums(const double* __restrict__ sums, const StatsOut<T>& o) {
   const long long c = global_tid();
   if (c >= o.C) return;
-  const double n = sums[0];
-  const double s1 = sums[1 + c];
-  const double mean = s1 / n;
-  const double d = sums[1 + o.C + c] - mean * s1;
-  finish_stats<T>(c, n, 0.0, mean, d < 0.0 ? 0.0 : d, o);
+  finish_stats<T>(c, sums[0], 0.0, sums[1 + c], sums[1 + o.C + c], o);
+}
+
+// Channel c of K ranks' (n, mean, M2) vectors (rows of 2C+1 doubles, SumsOut's
+// layout) merged in rank order with Chan's formula - exact for offset data,
+// unlike sums of squares; ranks with n == 0 add nothing. Same layout out.
+__device__ void merge_stats(const double* __restrict__ rows, long long K, long long C,
+                            double* __restrict__ out) {
+  const long long c = global_tid();
+  if (c >= C) return;
+  double n = 0.0, mean = 0.0, m2 = 0.0;
+  for (long long k = 0; k < K; ++k) {
+    const double* r = rows + k * (2 * C + 1);
+    const double nb = r[0];
+    if (nb == 0.0) continue;
+    if (n == 0.0) {
+      n = nb;
+      mean = r[1 + c];
+      m2 = r[1 + C + c];
+      continue;
+    }
+    const double total = n + nb, delta = r[1 + c] - mean;
+    mean += delta * (nb / total);
+    m2 += r[1 + C + c] + delta * delta * (n * nb / total);
+    n = total;
+  }
+  if (c == 0) out[0] = n;
+  out[1 + c] = mean;
+  out[1 + C + c] = m2;
 }
 
 constexpr int UNROLL = 4;   // packs in flight per thread in the reductions
@@ -619,3 +644,8 @@ MG_BN_KERNELS(double, f64, 1)
 MG_BN_KERNELS(double, f64, 2)
 MG_BN_FROM_SUMS_KERNELS(float, f32)
 MG_BN_FROM_SUMS_KERNELS(double, f64)
+
+extern "C" __global__ void bn_merge_stats(const double* rows, long long K, long long C,
+                                          double* out) {
+  mg::merge_stats(rows, K, C, out);
+}

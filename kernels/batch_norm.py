@@ -12,17 +12,8 @@ Every launch is asynchronous and nothing is copied to the host:
   backward       2 kernels: sums of dy and dy (x - mean) per channel (giving
                  dscale and dbias), then the elementwise dx.
 
-Synchronized batch norm (statistics over several devices or processes): the
-caller sums one float64 vector of 2C+1 numbers over the ranks between two
-launches, with one allreduce each way:
-
-  local_stats              1 kernel: this device's (n, n*mean, M2 + n*mean^2)
-  forward_train_from_sums  2 kernels: the channels finished from the global
-                           sums (the first-batch / momentum / cumulative update,
-                           the guard), then forward_train's normalisation
-  backward_sums            1 kernel: (n, sum dy, sum dy (x - mean))
-  backward_from_sums       1 or 2 kernels: dscale, dbias (global) and the dx
-                           coefficients from the global sums (global n), then dx
+Synchronized batch norm (one collective each way between two launches) has
+its own entry points on top of these kernels: kernels/batch_norm_sync.py.
 
 Non-finite statistics. The statistics kernel flags a batch whose mean or
 variance is NaN or Inf in any channel, or whose new estimates would be (as
@@ -62,6 +53,7 @@ for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
         })
     SIGNATURES[f"bn_stats_from_sums_{_t}"] = "Pq" + _STATS_TAIL
     SIGNATURES[f"bn_grad_from_sums_{_t}"] = "PqPPPdPPP"
+SIGNATURES["bn_merge_stats"] = "PqqP"
 
 
 def _kernel(name):
@@ -103,15 +95,9 @@ class Guard:
                 "unchanged for them")
 
 
-_default_guards = {}
-
-
 def default_guard():
-    """The Guard used by forward_train calls that are not given one (per backend)."""
-    key = id(loader.backend())
-    if key not in _default_guards:
-        _default_guards[key] = Guard()
-    return _default_guards[key]
+    """The Guard used by forward_train calls that are not given one (per device)."""
+    return loader.cached("batch_norm.default_guard", Guard)
 
 
 def _check(x, layout, params):
@@ -119,6 +105,7 @@ def _check(x, layout, params):
         raise ValueError(f"batch_norm: layout must be 'NCHW' or 'NHWC', got {layout!r}")
     if not 2 <= len(x.shape) <= 5:
         raise ValueError(f"batch_norm: x must have rank 2 to 5, got shape {tuple(x.shape)}")
+    loader.ptr(x, "batch_norm: x")
     pre, channels, post = launch.channel_view(x.shape, layout)
     for name, a in params:
         if a is None:
@@ -127,15 +114,24 @@ def _check(x, layout, params):
             raise ValueError(f"batch_norm: '{name}' must be {np.dtype(x.dtype)} of shape "
                              f"({channels},) for x {tuple(x.shape)} ({layout}), got "
                              f"{a.dtype}{tuple(a.shape)}")
+        loader.ptr(a, f"batch_norm: '{name}'")
     return pre, channels, post
 
 
 def _flat_launch(name, total, width, at_least, *args):
-    k = _kernel(name)
-    dev = loader.device()
-    threads = launch.block_threads(dev)
-    grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
-    k.launch((grid, 1, 1), (threads, 1, 1), *args)
+    """Launch the grid-stride kernel `name` over `total` values in packs of `width`
+    (its grid memoised per device)."""
+    configs = loader.cached("batch_norm.flat", dict)
+    key = (name, total, width, at_least)
+    found = configs.get(key)
+    if found is None:
+        k = _kernel(name)
+        dev = loader.device()
+        threads = launch.block_threads(dev)
+        grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
+        found = configs[key] = (k, (grid, 1, 1), (threads, 1, 1))
+    k, grid, block = found
+    k.launch(grid, block, *args)
 
 
 def _flat_width(x, *others):
@@ -144,15 +140,21 @@ def _flat_width(x, *others):
 
 
 def _reduce_plan(name_stem, x, others, pre, channels, post):
-    dev = loader.device()
+    """(ReducePlan, Kernel) of a reduction of x, memoised per device."""
     aligned = launch.is_aligned(loader.ptr(x), *(loader.ptr(a) for a in others))
-    sfx = loader.suffix(x.dtype)
-    plan = launch.reduce_plan(pre, channels, post, np.dtype(x.dtype).itemsize, aligned, dev)
-    # size the grid with the resources of the kernel the plan picked
-    k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
-    plan = launch.reduce_plan(pre, channels, post, np.dtype(x.dtype).itemsize, aligned, dev,
-                              k.resources)
-    return plan, _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+    key = (name_stem, pre, channels, post, x.dtype, aligned, launch.tunables())
+    plans = loader.cached("batch_norm.plans", dict)
+    found = plans.get(key)
+    if found is None:
+        dev = loader.device()
+        sfx = loader.suffix(x.dtype)
+        itemsize = np.dtype(x.dtype).itemsize
+        plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev)
+        # size the grid with the resources of the kernel the plan picked
+        k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+        plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
+        found = plans[key] = (plan, _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}"))
+    return found
 
 
 def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
@@ -169,11 +171,13 @@ def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
 
 class _Training:
     """The buffers and arguments one training forward shares between its two
-    launches: outputs, the per-channel coefficients and candidate estimates,
-    and the Guard's epoch for this launch."""
+    launches: outputs, the scratch (loader.scratch) holding the per-channel
+    coefficients [3C], the candidate estimates [2C], then `partials` values for
+    the statistics kernel's split partials (at `self.partial`), and the
+    Guard's epoch."""
 
     def __init__(self, x, channels, post, scale, bias, est_mean, est_var, counter, momentum,
-                 eps, out, guard):
+                 eps, out, guard, partials=0):
         dtype = np.dtype(x.dtype)
         self.x, self.channels, self.post = x, channels, post
         self.est_mean, self.est_var, self.counter = est_mean, est_var, counter
@@ -182,15 +186,15 @@ class _Training:
         self.y = loader.empty(x.shape, dtype) if out is None else out
         self.batch_mean = loader.empty((channels,), dtype)
         self.batch_var = loader.empty((channels,), dtype)
-        self.coef = loader.empty((3 * channels,), dtype)
-        self.newest = loader.empty((2 * channels,), dtype)
+        self.coef = loader.scratch(5 * channels + partials, dtype)
+        self.newest = self.coef + 3 * channels * dtype.itemsize
+        self.partial = self.coef + 5 * channels * dtype.itemsize
         # the StatsOut arguments every statistics kernel ends with (MG_BN_STATS_ARGS)
         self.stats_args = (
             loader.ptr(scale), loader.ptr(bias), loader.ptr(est_mean), loader.ptr(est_var),
             loader.ptr(counter), float(eps), 0.0 if momentum is None else float(momentum),
             int(momentum is None), self.epoch, loader.ptr(self.batch_mean),
-            loader.ptr(self.batch_var), loader.ptr(self.coef), loader.ptr(self.newest),
-            loader.ptr(self.guard.status))
+            loader.ptr(self.batch_var), self.coef, self.newest, loader.ptr(self.guard.status))
 
     def normalize(self):
         """y from the coefficients; commit the estimates and the counter unless flagged."""
@@ -198,8 +202,8 @@ class _Training:
         width = _flat_width(x, y)
         _flat_launch(f"bn_normalize_{loader.suffix(x.dtype)}_w{width}", x.size, width,
                      self.channels, loader.ptr(x), loader.ptr(y), x.size, self.channels,
-                     self.post, loader.ptr(self.coef), 1, loader.ptr(self.est_mean),
-                     loader.ptr(self.est_var), loader.ptr(self.newest), loader.ptr(self.counter),
+                     self.post, self.coef, 1, loader.ptr(self.est_mean),
+                     loader.ptr(self.est_var), self.newest, loader.ptr(self.counter),
                      loader.ptr(self.guard.status), self.epoch)
         return self.y, self.batch_mean, self.batch_var
 
@@ -228,62 +232,16 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     if n <= 1:
         raise ValueError(f"batch_norm: training needs more than one value per channel, got "
                          f"n={n} for x of shape {tuple(x.shape)} ({layout})")
-    run = _Training(x, channels, post, scale, bias, est_mean, est_var, counter, momentum, eps,
-                    out, guard)
     plan, stats = _reduce_plan("bn_stats", x, (), pre, channels, post)
-    partial = loader.empty((max(1, 3 * channels * plan.splits),), x.dtype)
-    tail = (loader.ptr(partial), loader.ptr(loader.tickets(plan.tickets))) + run.stats_args
-    if plan.kind == "planar":
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
-                     plan.chunk, plan.splits, *tail)
-    else:
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
-                     plan.splits, *tail)
-    return run.normalize()
-
-
-def local_stats(x, layout="NCHW"):
-    """This device's share of synchronized batch statistics: a new float64
-    device vector of 2C+1 numbers (n, n * mean_c..., M2_c + n * mean_c^2...),
-    from the same stable per-channel statistics as forward_train. Summed over
-    ranks it gives forward_train_from_sums its input. x with no values gives
-    zeros (a rank holding no rows)."""
-    pre, channels, post = _check(x, layout, [])
-    sums = loader.empty((2 * channels + 1,), np.float64)
-    if pre * post == 0:
-        from minigraph.kernels import fill
-
-        return fill.fill_constant(sums, 0)
-    plan, stats = _reduce_plan("bn_local_stats", x, (), pre, channels, post)
-    partial = loader.empty((max(1, 3 * channels * plan.splits),), x.dtype)
-    tail = (loader.ptr(partial), loader.ptr(loader.tickets(plan.tickets)), loader.ptr(sums))
-    if plan.kind == "planar":
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
-                     plan.chunk, plan.splits, *tail)
-    else:
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
-                     plan.splits, *tail)
-    return sums
-
-
-def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, momentum, eps,
-                            layout="NCHW", out=None, guard=None):
-    """forward_train with the batch statistics taken from `sums`: local_stats
-    vectors summed over every rank (float64, 2C+1, on the device). Each channel
-    gets mean = S1 / n and var = (S2 - mean * S1) / n; the estimates and the
-    counter are updated as in forward_train (same rules, same guard) and x is
-    normalised with the global statistics. x may have no rows.
-
-    The global n = sums[0] must be at least 2: the caller checks it (only it
-    knows whether that needs reading the device). Returns (y, batch_mean,
-    batch_var) as forward_train does."""
-    _, channels, post = _check_train(x, scale, bias, est_mean, est_var, counter, momentum,
-                                     layout)
-    launch.check_array("batch_norm: sums", sums, (2 * channels + 1,), np.float64)
     run = _Training(x, channels, post, scale, bias, est_mean, est_var, counter, momentum, eps,
-                    out, guard)
-    _flat_launch(f"bn_stats_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
-                 loader.ptr(sums), channels, *run.stats_args)
+                    out, guard, 3 * channels * plan.splits)
+    tail = (run.partial, loader.ptr(loader.tickets(plan.tickets))) + run.stats_args
+    if plan.kind == "planar":
+        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
+                     plan.chunk, plan.splits, *tail)
+    else:
+        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
+                     plan.splits, *tail)
     return run.normalize()
 
 
@@ -305,6 +263,7 @@ def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=Non
 
 def _check_grad(x, dy, layout, params):
     pre, channels, post = _check(x, layout, params)
+    loader.ptr(dy, "batch_norm_grad: dy")
     if tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
         raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
                          f"{dy.dtype}{tuple(dy.shape)}")
@@ -318,15 +277,20 @@ def _grad_outputs(x, channels, need_dx, need_dscale, need_dbias):
             loader.empty((channels,), dtype) if need_dbias else None)
 
 
-def _grad_reduce(name_stem, x, dy, pre, channels, post, *tail):
-    """Launch the per-channel sums of dy and dy (x - mean); `tail` ends the arguments."""
+def _grad_reduce(name_stem, x, dy, pre, channels, post, tail, coef_words=0):
+    """Launch the per-channel sums of dy and dy (x - mean); `tail` ends the
+    arguments. The scratch (loader.scratch) holds `coef_words` values (the dx
+    coefficients, whose pointer then ends the arguments) and the split
+    partials. Returns the coefficients' device address."""
     plan, reduce = _reduce_plan(name_stem, x, (dy,), pre, channels, post)
-    partial = loader.empty((max(1, 2 * channels * plan.splits),), x.dtype)
+    coef = loader.scratch(coef_words + 2 * channels * plan.splits, x.dtype)
+    partial = coef + coef_words * np.dtype(x.dtype).itemsize
     head = (loader.ptr(x), loader.ptr(dy), pre, channels)
     head += (plan.post_v, plan.chunk, plan.splits) if plan.kind == "planar" else \
         (plan.chunk, plan.splits)
-    reduce.launch(plan.grid, plan.block, *head, loader.ptr(partial),
-                  loader.ptr(loader.tickets(plan.tickets)), *tail)
+    reduce.launch(plan.grid, plan.block, *head, partial,
+                  loader.ptr(loader.tickets(plan.tickets)), *tail, *((coef,) if coef_words else ()))
+    return coef
 
 
 def _grad_dx(x, dy, dx, channels, post, coef, use_global_est):
@@ -336,11 +300,11 @@ def _grad_dx(x, dy, dx, channels, post, coef, use_global_est):
     if use_global_est:
         width = _flat_width(dy, dx)
         _flat_launch(f"bn_grad_dx_global_{sfx}_w{width}", x.size, width, 1, loader.ptr(dy),
-                     loader.ptr(dx), x.size, channels, post, loader.ptr(coef))
+                     loader.ptr(dx), x.size, channels, post, coef)
     else:
         width = _flat_width(x, dy, dx)
         _flat_launch(f"bn_grad_dx_{sfx}_w{width}", x.size, width, 1, loader.ptr(x),
-                     loader.ptr(dy), loader.ptr(dx), x.size, channels, post, loader.ptr(coef))
+                     loader.ptr(dy), loader.ptr(dx), x.size, channels, post, coef)
 
 
 def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, need_dx=True,
@@ -365,47 +329,10 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
             if a is not None:
                 fill.fill_constant(a, 0)
         return dx, dscale, dbias
-    coef = loader.empty((4 * channels,), x.dtype)
-    _grad_reduce("bn_grad", x, dy, pre, channels, post, loader.ptr(scale), loader.ptr(mean),
-                 loader.ptr(var), float(eps), float(n), int(bool(use_global_est)),
-                 loader.ptr(dscale), loader.ptr(dbias), loader.ptr(coef))
+    coef = _grad_reduce(
+        "bn_grad", x, dy, pre, channels, post,
+        (loader.ptr(scale), loader.ptr(mean), loader.ptr(var), float(eps), float(n),
+         int(bool(use_global_est)), loader.ptr(dscale), loader.ptr(dbias)), 4 * channels)
     if dx is not None:
         _grad_dx(x, dy, dx, channels, post, coef, use_global_est)
-    return dx, dscale, dbias
-
-
-def backward_sums(x, dy, mean, layout="NCHW"):
-    """This device's share of synchronized batch-norm gradients: a new float64
-    device vector of 2C+1 numbers (n, sum dy_c..., sum dy (x - mean_c)...),
-    `mean` the (global) batch mean the forward used. Summed over ranks it gives
-    backward_from_sums its input. x with no values gives zeros."""
-    pre, channels, post = _check_grad(x, dy, layout, [("mean", mean)])
-    sums = loader.empty((2 * channels + 1,), np.float64)
-    n = pre * post
-    if n == 0:
-        from minigraph.kernels import fill
-
-        return fill.fill_constant(sums, 0)
-    _grad_reduce("bn_grad_sums", x, dy, pre, channels, post, loader.ptr(mean), float(n),
-                 loader.ptr(sums))
-    return sums
-
-
-def backward_from_sums(x, dy, scale, mean, var, sums, eps, layout="NCHW", need_dx=True,
-                       need_dscale=True, need_dbias=True):
-    """backward (batch statistics) with the sums over every rank: `sums` is
-    backward_sums summed over ranks (float64, 2C+1, on the device), its n the
-    global count. dscale and dbias are those of the whole batch; dx is this
-    device's rows. Returns (dx, dscale, dbias), None for those not needed."""
-    _, channels, post = _check_grad(x, dy, layout, [("scale", scale), ("mean", mean),
-                                                    ("var", var)])
-    launch.check_array("batch_norm_grad: sums", sums, (2 * channels + 1,), np.float64)
-    dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
-    coef = loader.empty((4 * channels,), x.dtype)
-    _flat_launch(f"bn_grad_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
-                 loader.ptr(sums), channels, loader.ptr(scale), loader.ptr(mean),
-                 loader.ptr(var), float(eps), loader.ptr(dscale), loader.ptr(dbias),
-                 loader.ptr(coef))
-    if dx is not None:
-        _grad_dx(x, dy, dx, channels, post, coef, False)
     return dx, dscale, dbias

@@ -161,9 +161,32 @@ def best_splits(parallel, resident, lo, hi):
     return min(s for s, u in uses.items() if u >= 0.95 * best)
 
 
+_plans = {}
+PLAN_CACHE_SIZE = 4096
+
+
+def tunables():
+    """The module constants every plan depends on (part of plan cache keys)."""
+    return MIN_UNITS_PER_THREAD, MAX_BLOCK_VALUES, MAX_SPLITS
+
+
 def reduce_plan(pre, channels, post, itemsize, aligned, dev, res=KernelResources()):
     """The ReducePlan for a (pre, channels, post) tensor of `itemsize`-byte
-    values; `aligned`: the data pointers allow 16-byte packs."""
+    values; `aligned`: the data pointers allow 16-byte packs. Memoised on all
+    of that (launches ask for the same few plans every step)."""
+    key = (pre, channels, post, itemsize, aligned, id(dev), res.regs_per_thread,
+           res.shared_bytes, tunables())
+    found = _plans.get(key)
+    if found is not None and found[0] is dev:
+        return found[1]
+    plan = _reduce_plan(pre, channels, post, itemsize, aligned, dev, res)
+    if len(_plans) >= PLAN_CACHE_SIZE:
+        _plans.clear()
+    _plans[key] = (dev, plan)          # holding dev keeps its id from being reused
+    return plan
+
+
+def _reduce_plan(pre, channels, post, itemsize, aligned, dev, res):
     vec = vector_width(itemsize)
     if post > 1:
         width = vec if aligned and post % vec == 0 else 1

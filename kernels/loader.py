@@ -1,29 +1,48 @@
-"""Compiling the kernel modules once per process and launching them.
+"""Compiling the kernel modules once per device context and launching them.
 
 Every launcher goes through `kernel(module, name, fmt)` and `empty(shape,
-dtype)`; both ask the current backend. The default backend is PyCUDA on the
-current CUDA context (a `minigraph.GPUPlace` makes the device's primary
-context current); PyCUDA is imported only when the first kernel or array is
-asked for, so importing the launchers on a CPU-only machine imports nothing
-from it. Tests may install another backend with `use_backend`.
+dtype)`; both ask the backend for the *current device*: the one a
+`with activate(place):` block entered on this thread (GPUPlace.activate),
+else the only GPU place of the process, else (PyCUDA with no place made)
+the CUDA context current on this thread. With two GPU places in one process
+and none activated, that is an error rather than a guess.
 
-Modules are compiled with nvcc for the device's own architecture (sm_XY from
-its compute capability), -O3 and no fast-math (exact IEEE division and
-square roots), with this directory on the include path for common.cuh;
-one compile per (context, module) per process, on top of PyCUDA's disk cache.
+The context rule: everything that touches a device - compiling, allocating,
+launching, copying - runs with that device's context current on the calling
+thread. `activate` pushes it for a whole block (the executor's run, one
+collective); a kernel launch or an allocation outside such a block pushes
+and pops it around itself. So any thread may run a net, and two GPUs in one
+process each run their own kernels, with their own memory pool, compiled
+modules, launch plans and error flags (`DeviceState`, one per context).
+
+PyCUDA is imported only when the first kernel or array is asked for, so
+importing the launchers on a CPU-only machine imports nothing from it. Tests
+may install another backend with `use_backend` (tests/kernel_emulator).
+
+Modules are compiled with the `nvcc` first on PATH for the device's own
+architecture (sm_XY), -O3 and no fast-math (exact IEEE division and square
+roots), this directory on the include path for common.cuh; once per
+(context, module) per process, on top of PyCUDA's disk cache. Before the first
+compile the toolkit is compared with the driver (cuda_backend.check_toolkit).
+The PyCUDA backend itself lives in cuda_backend.py.
 """
 from __future__ import annotations
 
 import functools
 import importlib.resources
 import pathlib
+import threading
 
 import numpy as np
 
 from minigraph.kernels import launch
-from minigraph.kernels.launch import DeviceInfo, KernelResources
 
 NVCC_OPTIONS = ("-O3", "-std=c++17")
+
+
+class GPUError(RuntimeError):
+    """No usable GPU: the message says what is missing or mismatched (pycuda,
+    the driver, a device, a toolkit the driver can run) and what to do."""
 
 
 def kernel_dir():
@@ -53,23 +72,129 @@ def suffix(dtype):
     raise TypeError(f"GPU kernels take float32 or float64 arrays, got {dtype}")
 
 
-def ptr(array):
+def ptr(array, name="array"):
     """The device address of an array (0 - a null pointer - for None, and for an
-    empty GPUArray, which PyCUDA gives no allocation)."""
+    empty GPUArray, which PyCUDA gives no allocation). ValueError, naming the
+    array, unless it is C-contiguous: every kernel reads arrays as contiguous."""
     if array is None or array.gpudata is None:
         return 0
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: a {np.dtype(array.dtype)}{tuple(array.shape)} device array "
+                         f"with strides {tuple(getattr(array, 'strides', ()))} is not "
+                         "C-contiguous; the GPU kernels read arrays as contiguous (copy it)")
     return int(array.gpudata)
 
 
-class Kernel:
-    """One compiled entry point: `launch(grid, block, *args)` enqueues it on the
-    default stream (asynchronous: nothing waits for it)."""
+# ---- devices, and which one is current ----------------------------------------------
 
-    def __init__(self, name, fmt, launch, resources):
+class DeviceState:
+    """What the loader keeps for one device context: its DeviceInfo, the
+    allocator of its memory pool, compiled modules and kernels, last-block
+    tickets, device error flags and launcher caches (`cached`). `context` is
+    the backend's handle (a PyCUDA Context; None for emulated devices)."""
+
+    def __init__(self, key, info, allocate, context=None):
+        self.key = key
+        self.info = info
+        self.allocate = allocate
+        self.context = context
+        self.modules = {}
+        self.kernels = {}
+        self.flags = {}
+        self.cache = {}
+        self.tickets = None
+        self.scratch = {}
+        self.pool = None
+
+
+_tls = threading.local()
+_places = {}            # context -> the GPUPlace made on it (register_place)
+
+
+def register_place(place):
+    """Record a GPU place of this process (GPUPlace does, when made): with exactly
+    one, work outside `activate` goes to it."""
+    _places.setdefault(place.context, place)
+
+
+def forget_place(context):
+    """Drop the place of `context` from the registry and its DeviceState from the
+    backend (at teardown; call with the context current)."""
+    _places.pop(context, None)
+    release = getattr(_backend, "release", None)
+    if release is not None:
+        release(context)
+
+
+def _entered():
+    stack = getattr(_tls, "stack", None)
+    if stack is None:
+        stack = _tls.stack = []
+    return stack
+
+
+class _Enter:
+    """Make `state` current on this thread for a block: push its context unless
+    it already is the innermost entered one (then nothing is pushed)."""
+
+    __slots__ = ("state", "pushed", "stack", "backend")
+
+    def __init__(self, state):
+        self.state = state
+
+    def __enter__(self):
+        stack = self.stack = _entered()
+        self.pushed = not stack or stack[-1] is not self.state
+        if self.pushed:
+            self.backend = backend()
+            self.backend.push(self.state)
+            stack.append(self.state)
+        return self.state
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            self.stack.pop()
+            self.backend.pop(self.state)
+        return False
+
+
+def activate(place):
+    """Context manager: `place`'s device is current on this thread inside the
+    block (its context pushed on entry, popped on exit; nested blocks of the
+    same place push nothing)."""
+    return _Enter(backend().state_of(place))
+
+
+def entered(state):
+    """Context manager making `state` (a DeviceState) current for a block."""
+    return _Enter(state)
+
+
+def current():
+    """The DeviceState launches on this thread go to (see the module doc)."""
+    stack = getattr(_tls, "stack", None)
+    if stack:
+        return stack[-1]
+    return backend().default_state()
+
+
+def is_entered(state):
+    """True when `state` is the innermost device entered on this thread."""
+    stack = getattr(_tls, "stack", None)
+    return bool(stack) and stack[-1] is state
+
+
+class Kernel:
+    """One compiled entry point of one device: `launch(grid, block, *args)`
+    enqueues it on that device's default stream (asynchronous: nothing waits
+    for it), with the device's context current."""
+
+    def __init__(self, name, fmt, launch, resources, state=None):
         self.name = name
         self.fmt = fmt
         self._launch = launch
         self.resources = resources
+        self.state = state
 
     def launch(self, grid, block, *args):
         if len(args) != len(self.fmt):
@@ -77,88 +202,16 @@ class Kernel:
                             f"({self.fmt}), got {len(args)}")
         if min(grid) <= 0:
             return
-        self._launch(tuple(int(g) for g in grid), tuple(int(b) for b in block), args)
+        grid = tuple(int(g) for g in grid)
+        block = tuple(int(b) for b in block)
+        if self.state is None or is_entered(self.state):
+            self._launch(grid, block, args)
+        else:
+            with _Enter(self.state):
+                self._launch(grid, block, args)
 
 
-class PyCudaBackend:
-    """Kernels and arrays through PyCUDA on the current context."""
-
-    def __init__(self):
-        import pycuda.driver as drv
-        import pycuda.gpuarray as gpuarray
-
-        self.drv = drv
-        self.gpuarray = gpuarray
-        self._state = {}
-
-    def _context_state(self):
-        ctx = self.drv.Context.get_current()
-        if ctx is None:
-            raise RuntimeError("no CUDA context is current: create minigraph.GPUPlace(i) "
-                               "before launching kernels")
-        state = self._state.get(ctx)     # Context objects hash and compare by handle
-        if state is None:
-            from pycuda.tools import DeviceMemoryPool
-
-            state = self._state[ctx] = {"device": _device_info(self.drv),
-                                        "pool": DeviceMemoryPool(), "modules": {},
-                                        "kernels": {}}
-        return state
-
-    def device(self):
-        """DeviceInfo of the current context's device."""
-        return self._context_state()["device"]
-
-    def kernel(self, module, name, fmt):
-        state = self._context_state()
-        found = state["kernels"].get((module, name))
-        if found is not None:
-            return found
-        mod = state["modules"].get(module)
-        if mod is None:
-            from pycuda.compiler import SourceModule
-
-            mod = state["modules"][module] = SourceModule(
-                read_source(module), options=list(NVCC_OPTIONS), arch=state["device"].arch,
-                include_dirs=[str(kernel_dir())], no_extern_c=True)
-        fn = mod.get_function(name)
-        fn.prepare(fmt)
-        res = KernelResources(regs_per_thread=fn.num_regs, shared_bytes=fn.shared_size_bytes)
-
-        def launch(grid, block, args):
-            fn.prepared_async_call(grid, block, None, *args)
-
-        found = state["kernels"][(module, name)] = Kernel(name, fmt, launch, res)
-        return found
-
-    def empty(self, shape, dtype):
-        """An uninitialised GPUArray from the context's memory pool (no cudaMalloc
-        and no synchronisation once the pool holds a block of that size)."""
-        pool = self._context_state()["pool"]
-        return self.gpuarray.empty(tuple(shape), np.dtype(dtype), allocator=pool.allocate)
-
-
-def _device_info(drv):
-    dev = drv.Context.get_device()
-    attrs = dev.get_attributes()
-    a = drv.device_attribute
-
-    def get(name, default):
-        key = getattr(a, name, None)
-        return attrs.get(key, default) if key is not None else default
-
-    return DeviceInfo(
-        name=dev.name(), compute_capability=tuple(dev.compute_capability()),
-        sm_count=get("MULTIPROCESSOR_COUNT", 1),
-        max_threads_per_block=get("MAX_THREADS_PER_BLOCK", 1024),
-        max_threads_per_sm=get("MAX_THREADS_PER_MULTIPROCESSOR", 2048),
-        max_blocks_per_sm=get("MAX_BLOCKS_PER_MULTIPROCESSOR", 16),
-        regs_per_sm=get("MAX_REGISTERS_PER_MULTIPROCESSOR", 65536),
-        shared_per_sm=get("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", 48 * 1024),
-        max_grid=(get("MAX_GRID_DIM_X", 2**31 - 1), get("MAX_GRID_DIM_Y", 65535),
-                  get("MAX_GRID_DIM_Z", 65535)),
-        total_memory=dev.total_memory())
-
+# ---- the backend in use, and what launchers call ----------------------------------
 
 _backend = None
 
@@ -167,6 +220,8 @@ def backend():
     """The backend in use (PyCUDA unless a test installed another)."""
     global _backend
     if _backend is None:
+        from minigraph.kernels.cuda_backend import PyCudaBackend
+
         try:
             _backend = PyCudaBackend()
         except ImportError as e:
@@ -179,88 +234,126 @@ def use_backend(new):
     """Install `new` as the backend (None: back to PyCUDA, lazily); returns the old one."""
     global _backend
     old, _backend = _backend, new
-    _workspace_cache.clear()
-    _error_flags.clear()
     return old
 
 
 def device():
     """DeviceInfo of the device the kernels run on."""
-    return backend().device()
+    return current().info
 
 
 def kernel(module, name, fmt):
-    """The Kernel `name` of `module`, compiled once per context; `fmt` is its
-    argument format (struct letters: P pointer, q int64, i int32, I uint32,
+    """The Kernel `name` of `module`, compiled once per device context; `fmt` is
+    its argument format (struct letters: P pointer, q int64, i int32, I uint32,
     Q uint64, d double, f float), checked against the PTX by the tests."""
     return backend().kernel(module, name, fmt)
 
 
 def empty(shape, dtype):
-    """An uninitialised device array."""
+    """An uninitialised device array on the current device (from its pool)."""
     return backend().empty(shape, dtype)
+
+
+def copy(array):
+    """A new device array (from the current device's pool) holding a copy of
+    device `array`, of any dtype; nothing crosses to the host."""
+    return backend().copy(array)
+
+
+def to_device(array):
+    """A device copy of numpy `array` on the current device (from its pool)."""
+    return backend().to_device(np.require(array, requirements="C"))
+
+
+def to_host(array):
+    """A numpy copy of device `array` (of the current device; synchronises)."""
+    state = current()
+    if state.context is None or is_entered(state):
+        return array.get()
+    with _Enter(state):
+        return array.get()
+
+
+def cached(key, make):
+    """A per-device launcher cache entry: `make()` once per device and key."""
+    cache = current().cache
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = make()
+    return found
 
 
 def launch_flat(module, signatures, template, dtype, total, arrays, *scalars):
     """Launch the kernel named by `template` ('{t}' -> f32/f64 of `dtype`, '{w}'
     -> the pack width) over `total` elements: the device pointers of `arrays`,
     then `scalars`. Packs of 16 bytes when every array is aligned, else 1."""
-    sfx = suffix(dtype)
-    width = launch.vector_width(np.dtype(dtype).itemsize)
-    if not launch.is_aligned(*(ptr(a) for a in arrays)):
-        width = 1
-    name = template.format(t=sfx, w=width)
-    k = kernel(module, name, signatures[name])
-    dev = device()
-    threads = launch.block_threads(dev)
-    grid = launch.flat_grid(-(-total // width), dev, threads, k.resources)
-    k.launch((grid, 1, 1), (threads, 1, 1), *(ptr(a) for a in arrays), *scalars)
+    pointers = [ptr(a, f"{module}.{template}: array {i}") for i, a in enumerate(arrays)]
+    aligned = launch.is_aligned(*pointers)
+    configs = cached("loader.flat", dict)
+    key = (module, template, dtype, total, aligned)
+    found = configs.get(key)
+    if found is None:
+        width = launch.vector_width(np.dtype(dtype).itemsize) if aligned else 1
+        name = template.format(t=suffix(dtype), w=width)
+        k = kernel(module, name, signatures[name])
+        dev = device()
+        threads = launch.block_threads(dev)
+        grid = launch.flat_grid(-(-total // width), dev, threads, k.resources)
+        found = configs[key] = (k, (grid, 1, 1), (threads, 1, 1))
+    k, grid, block = found
+    k.launch(grid, block, *pointers, *scalars)
 
 
-_workspace_cache = {}
+def scratch(count, dtype):
+    """The device address of room for `count` values of `dtype`, for temporaries
+    that live between the launches of one launcher call (coefficients, split
+    partials): one buffer per device and calling thread, grown as needed and
+    handed out again at the thread's next call - safe, because one thread's
+    launches run in order on the device's stream. No allocation once warm."""
+    state = current()
+    nbytes = max(int(count), 1) * np.dtype(dtype).itemsize
+    key = threading.get_ident()
+    have = state.scratch.get(key)
+    if have is None or have.nbytes < nbytes:
+        grown = max(nbytes, 2 * have.nbytes if have is not None else 0, 4096)
+        have = state.scratch[key] = empty((grown,), np.uint8)
+    return ptr(have)
 
 
 def tickets(count):
     """A device array of at least `count` uint32 zeros for last-block-done
     counters. Kernels leave their tickets at zero when they finish, so one
-    array serves every launch on the stream."""
-    key = (id(backend()), _context_key())
-    have = _workspace_cache.get(key)
+    array serves every launch on the device's stream."""
+    state = current()
+    have = state.tickets
     if have is None or have.size < count:
         from minigraph.kernels import fill
 
         have = empty((max(count, 1024, 2 * (have.size if have is not None else 0)),), np.uint32)
         fill.fill_constant(have, 0)
-        _workspace_cache[key] = have
+        state.tickets = have
     return have
-
-
-def _context_key():
-    b = backend()
-    return b.drv.Context.get_current() if isinstance(b, PyCudaBackend) else None
-
-
-_error_flags = {}
 
 
 def error_flag(what, make):
     """The device-side error record named `what` (e.g. "batch_norm") of the
-    current backend, made by `make()` on first use (a
+    current device, made by `make()` on first use (a
     softmax_with_cross_entropy.LabelStatus, a batch_norm.Guard: anything whose
     `check(what)` raises for what kernels flagged since its last check).
     `check_flags` checks every one of them."""
-    found = _error_flags.get(what)
+    flags = current().flags
+    found = flags.get(what)
     if found is None:
-        found = _error_flags[what] = make()
+        found = flags[what] = make()
     return found
 
 
 def check_flags():
-    """Check every error_flag (one small synchronising read each) and raise the
-    first error found, with the messages of any others appended; every flag
-    is read and reset first, so nothing is reported twice."""
+    """Check every error_flag of the current device (one small synchronising read
+    each) and raise the first error found, with the messages of any others
+    appended; every flag is read and reset first, so nothing is reported twice."""
     errors = []
-    for what, flag in list(_error_flags.items()):
+    for what, flag in list(current().flags.items()):
         try:
             flag.check(what)
         except Exception as e:  # each flag raises its own error type

@@ -4,9 +4,10 @@
 // order, padding counts as -inf, the first tap always taken and a later one
 // only when strictly greater (the first maximum wins, as on the CPU). Avg:
 // the sum over the real elements divided by their count (padding excluded).
-// Grads: max sends dout to the window's first maximum with atomicAdd into a
-// zeroed dx (windows may overlap); avg gathers dout / count from every window
-// that covers an element.
+// Grads gather, one thread per input element, in a fixed window order (no
+// atomics: deterministic for overlapping windows too): max sums dout over the
+// windows whose first maximum the element is; avg sums dout / count over the
+// windows that cover it.
 #include "common.cuh"
 
 namespace mg {
@@ -71,19 +72,47 @@ __device__ void pool_forward(const T* __restrict__ x, T* __restrict__ out, long 
   }
 }
 
+// The windows (oh in [oh_lo, oh_hi], ow likewise) whose taps cover element (h, w).
+struct Covering {
+  int oh_lo, oh_hi, ow_lo, ow_hi;
+};
+
+__device__ __forceinline__ int first_window(int i, int s, int p, int k) {
+  const int num = i + p - k + 1;
+  return num <= 0 ? 0 : (num + s - 1) / s;
+}
+
+__device__ __forceinline__ Covering covering(int h, int w, const PoolGeometry& g) {
+  const int oh_hi = (h + g.ph) / g.sh, ow_hi = (w + g.pw) / g.sw;
+  return Covering{first_window(h, g.sh, g.ph, g.kh), oh_hi < g.Ho ? oh_hi : g.Ho - 1,
+                  first_window(w, g.sw, g.pw, g.kw), ow_hi < g.Wo ? ow_hi : g.Wo - 1};
+}
+
+// Gather, one thread per input element: the sum, in window order, of dout over
+// the windows whose first maximum is this element. No atomics and no zero-fill:
+// the same bits on every run, overlapping windows included.
 template <typename T>
-__device__ void pool_max_grad(const T* __restrict__ x, const T* __restrict__ dout, T* dx,
-                              long long planes, const PoolGeometry g) {
-  const long long per_plane = (long long)g.Ho * g.Wo, total = planes * per_plane;
+__device__ void pool_max_grad(const T* __restrict__ x, const T* __restrict__ dout,
+                              T* __restrict__ dx, long long planes, const PoolGeometry g) {
+  const long long per_plane = (long long)g.H * g.W, total = planes * per_plane;
   const long long nt = global_threads();
   for (long long e = global_tid(); e < total; e += nt) {
     const long long plane = e / per_plane;
-    const int p = e % per_plane, oh = p / g.Wo, ow = p % g.Wo;
-    const long long base = plane * g.H * (long long)g.W;
-    T best;
-    long long where;
-    window_max(x + base, oh, ow, g, best, where);
-    if (where >= 0) atomicAdd(dx + base + where, dout[e]);
+    const long long p = e % per_plane;
+    const int h = p / g.W, w = p % g.W;
+    const T* xp = x + plane * per_plane;
+    const T* dp = dout + plane * g.Ho * (long long)g.Wo;
+    const Covering cov = covering(h, w, g);
+    double acc = 0.0;
+    for (int oh = cov.oh_lo; oh <= cov.oh_hi; ++oh) {
+      for (int ow = cov.ow_lo; ow <= cov.ow_hi; ++ow) {
+        T best;
+        long long where;
+        window_max(xp, oh, ow, g, best, where);
+        if (where == p) acc += double(dp[(long long)oh * g.Wo + ow]);
+      }
+    }
+    dx[e] = T(acc);
   }
 }
 
@@ -96,17 +125,11 @@ __device__ void pool_avg_grad(const T* __restrict__ dout, T* __restrict__ dx, lo
     const long long plane = e / per_plane;
     const int p = e % per_plane, h = p / g.W, w = p % g.W;
     const T* dp = dout + plane * g.Ho * (long long)g.Wo;
-    // windows oh with oh * sh - ph <= h < oh * sh - ph + kh
-    const int oh_hi = (h + g.ph) / g.sh;
-    const int oh_lo_num = h + g.ph - g.kh + 1;
-    const int oh_lo = oh_lo_num <= 0 ? 0 : (oh_lo_num + g.sh - 1) / g.sh;
-    const int ow_hi = (w + g.pw) / g.sw;
-    const int ow_lo_num = w + g.pw - g.kw + 1;
-    const int ow_lo = ow_lo_num <= 0 ? 0 : (ow_lo_num + g.sw - 1) / g.sw;
+    const Covering cov = covering(h, w, g);
     double acc = 0.0;
-    for (int oh = oh_lo; oh <= oh_hi && oh < g.Ho; ++oh) {
+    for (int oh = cov.oh_lo; oh <= cov.oh_hi; ++oh) {
       const int ch = window_count(oh, g.sh, g.ph, g.kh, g.H);
-      for (int ow = ow_lo; ow <= ow_hi && ow < g.Wo; ++ow) {
+      for (int ow = cov.ow_lo; ow <= cov.ow_hi; ++ow) {
         const int cw = window_count(ow, g.sw, g.pw, g.kw, g.W);
         acc += double(dp[(long long)oh * g.Wo + ow]) / double(ch * cw);
       }

@@ -1,5 +1,7 @@
 """Launchers for kernels/pool2d.cu: max / avg pooling of NCHW device arrays and
-their gradients (avg excludes padding; max grad goes to the first maximum)."""
+their gradients (avg excludes padding; max grad goes to the first maximum).
+Both gradients gather per input element in a fixed order: deterministic, the
+same bits on every run, overlapping windows included."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,8 +55,8 @@ def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling
     out = loader.empty(out_shape, x.dtype) if out is None else out
     launch.check_array("pool2d: out", out, out_shape, x.dtype)
     if out.size:
-        _launch(f"pool_{pool_type}_{loader.suffix(x.dtype)}", out.size, loader.ptr(x),
-                loader.ptr(out), planes, *geom)
+        _launch(f"pool_{pool_type}_{loader.suffix(x.dtype)}", out.size,
+                loader.ptr(x, "pool2d: x"), loader.ptr(out, "pool2d: out"), planes, *geom)
     return out
 
 
@@ -71,13 +73,8 @@ def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
     if dx.size == 0:
         return dx
     sfx = loader.suffix(x.dtype)
-    if pool_type == "max":
-        from minigraph.kernels import fill
-
-        fill.fill_constant(dx, 0)
-        _launch(f"pool_max_grad_{sfx}", dout.size, loader.ptr(x), loader.ptr(dout),
-                loader.ptr(dx), planes, *geom)
-    else:
-        _launch(f"pool_avg_grad_{sfx}", dx.size, loader.ptr(dout), loader.ptr(dx), planes,
-                *geom)
+    name = f"pool_max_grad_{sfx}" if pool_type == "max" else f"pool_avg_grad_{sfx}"
+    inputs = (loader.ptr(x, "pool2d_grad: x"),) if pool_type == "max" else ()
+    _launch(name, dx.size, *inputs, loader.ptr(dout, "pool2d_grad: dout"),
+            loader.ptr(dx, "pool2d_grad: dx"), planes, *geom)
     return dx

@@ -35,15 +35,9 @@ class LabelStatus:
                              f"e.g. at row {row - 1}; their loss is NaN")
 
 
-_default_status = {}
-
-
 def default_status():
-    """The LabelStatus shared by launches that are not given one (per backend)."""
-    key = id(loader.backend())
-    if key not in _default_status:
-        _default_status[key] = LabelStatus()
-    return _default_status[key]
+    """The LabelStatus shared by launches that are not given one (per device)."""
+    return loader.cached("softmax_with_cross_entropy.default_status", LabelStatus)
 
 
 def _rows_launch(name, rows, k_classes, *args):

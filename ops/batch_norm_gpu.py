@@ -13,6 +13,7 @@ ops/sync_batch_norm.py calls them with an allreduce.
 from __future__ import annotations
 
 from minigraph.kernels import batch_norm as gpu
+from minigraph.kernels import batch_norm_sync as gpu_sync
 from minigraph.kernels import elementwise as gpu_elementwise
 from minigraph.kernels import launch as gpu_launch
 from minigraph.kernels import loader
@@ -43,9 +44,9 @@ def batch_norm_gpu(op, ins, allreduce=None):
     updates, on the device. With is_infer or use_global_est, y is normalised
     with the estimates and batch_mean/batch_var are copies of them.
 
-    `allreduce(v) -> v` sums a float64 device vector over ranks (sync_batch_norm):
+    `allreduce(v) -> v` combines a float64 device vector over ranks (sync_batch_norm):
     training then takes the statistics of every rank's batch - one call on the
-    2C+1 numbers (n, n*mean, M2 + n*mean^2) of kernels.batch_norm.local_stats."""
+    2C+1 numbers (n, mean, M2) of kernels.batch_norm_sync.local_stats, merged (Chan)."""
     a = op.attrs
     x, scale, bias = ins["x"], ins["scale"], ins["bias"]
     est_mean, est_var, counter = ins["estimated_mean"], ins["estimated_var"], \
@@ -67,12 +68,12 @@ def batch_norm_gpu(op, ins, allreduce=None):
                 raise too_few_values(op, n, x, layout)
             y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type))
         else:
-            sums = allreduce(gpu.local_stats(x, layout))
+            sums = allreduce(gpu_sync.local_stats(x, layout))
             if n <= 1:          # only then can the global count be <= 1: read it back
-                n = int(round(float(sums.get()[0])))
+                n = int(round(float(loader.to_host(sums)[0])))
                 if n <= 1:
                     raise too_few_values(op, n, x, layout)
-            y, mean, var = gpu.forward_train_from_sums(x, sums, *common,
+            y, mean, var = gpu_sync.forward_train_from_sums(x, sums, *common,
                                                        guard=gpu_guard(op.type))
     return {"y": y, "batch_mean": mean, "batch_var": var, "saved_mean": est_mean,
             "saved_var": est_var, "saved_num_batches": counter}
@@ -92,7 +93,7 @@ def batch_norm_grad_gpu(op, ins, allreduce=None):
         dx, dscale, dbias = gpu.backward(x, dy, scale, mean, var, eps, layout,
                                          a["use_global_est"], **need)
     else:
-        sums = allreduce(gpu.backward_sums(x, dy, mean, layout))
-        dx, dscale, dbias = gpu.backward_from_sums(x, dy, scale, mean, var, sums, eps, layout,
+        sums = allreduce(gpu_sync.backward_sums(x, dy, mean, layout))
+        dx, dscale, dbias = gpu_sync.backward_from_sums(x, dy, scale, mean, var, sums, eps, layout,
                                                    **need)
     return present(dx=dx, dscale=dscale, dbias=dbias)

@@ -2,7 +2,9 @@
 
 c_allreduce_avg(x=[...], out=[...]):  out_i = (Σ over ranks of x_i) / world size.
     Every x_i is reduced in one allreduce per dtype (the arrays travel
-    packed). `out` may be the x Variables themselves (in place).
+    packed: on a GPU, packed into one pooled flat buffer on the device, reduced
+    there and unpacked scaled, with no host wait). `out` may be the x
+    Variables themselves (in place).
 c_avg_presummed(x=[...], out=[...]):  out_i = x_i / world size, no communication:
     for values that are already the sum over ranks and identical on every
     rank (sync_batch_norm's dscale and dbias).
@@ -12,12 +14,16 @@ c_scale_by_batch_share(x, batch, out):  out = x * size * B_r / ΣB, B_r the
     by its share of the global batch (exactly 1 when all B_r are equal).
 
 The communicator comes from minigraph.distributed.world, imported inside the
-kernels, so this module imports only the schema at load time.
+kernels, so this module imports only the schema, ops/device.py and the GPU
+launchers (which import nothing from pycuda) at load time.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import collective as gpu_collective
+from minigraph.kernels import elementwise as gpu_elementwise
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import Meta, OpError, OpSchema, Slot, check_float, kernel, register
 
 
@@ -63,6 +69,7 @@ register(OpSchema(
     outputs=(Slot("out", duplicable=True),),
     infer=_infer_pairs("c_avg_presummed"),
     validate=_validate_pairs,
+    replication="always",
     doc=__doc__,
 ))
 
@@ -85,12 +92,26 @@ register(OpSchema(
 
 
 def scaled(x, factor):
-    """x * factor as a new array of x's kind and dtype (0-d numpy arrays stay arrays)."""
+    """x * factor as a new array of x's kind and dtype (0-d numpy arrays stay arrays;
+    device arrays get one launch into a pooled array)."""
     if isinstance(x, np.ndarray):
         out = np.empty_like(x)
         np.multiply(x, factor, out=out, casting="same_kind")
         return out
-    return x * factor
+    return gpu_collective.scaled(x, factor)
+
+
+def copied(x):
+    """A copy of x on its place (device arrays: a device copy into a pooled array)."""
+    return x.copy() if isinstance(x, np.ndarray) else gpu_elementwise.copy(x)
+
+
+def by_dtype(xs):
+    """{dtype: [index, ...]} of the arrays, in first-seen order."""
+    groups = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(np.dtype(x.dtype), []).append(i)
+    return groups
 
 
 @kernel("c_allreduce_avg", "cpu")
@@ -101,10 +122,7 @@ def allreduce_avg_cpu(op, ins):
     if comm.size == 1:
         return {"out": [x.copy() for x in xs]}
     outs = [None] * len(xs)
-    by_dtype = {}
-    for i, x in enumerate(xs):
-        by_dtype.setdefault(x.dtype, []).append(i)
-    for dtype, idx in by_dtype.items():
+    for dtype, idx in by_dtype(xs).items():
         packed = np.concatenate([xs[i].reshape(-1) for i in idx])
         total = comm.allreduce(packed, what=_label(op))
         total /= comm.size
@@ -116,26 +134,36 @@ def allreduce_avg_cpu(op, ins):
     return {"out": outs}
 
 
-@kernel("c_allreduce_avg", "gpu")
+@kernel("c_allreduce_avg", "gpu", dtypes=GPU_FLOATS)
 def allreduce_avg_gpu(op, ins):
-    """One allreduce per array on the device (no packing), then / size."""
+    """As the CPU kernel, on the device: per dtype, the arrays packed into one
+    pooled flat buffer (a copy kernel), ONE allreduce of it, then unpacked
+    scaled by 1 / size on the way (one kernel) - into the x arrays themselves
+    when `out` is `x` (data_parallel's in-place average), else into new ones."""
     comm = communicator()
-    scale = 1.0 / comm.size
-    outs = []
-    for x in ins["x"]:
-        outs.append(scaled(comm.allreduce(x, what=_label(op)), scale) if comm.size > 1
-                    else x.copy())
+    xs = ins["x"]
+    if comm.size == 1:
+        return {"out": [copied(x) for x in xs]}
+    in_place = all(o is i for o, i in zip(op.outputs["out"], op.inputs["x"], strict=True))
+    outs = [None] * len(xs)
+    for idx in by_dtype(xs).values():
+        total = comm.allreduce(gpu_collective.pack([xs[i] for i in idx]), what=_label(op))
+        shapes = [tuple(xs[i].shape) for i in idx]
+        into = [xs[i] for i in idx] if in_place else None
+        for i, out in zip(idx, gpu_collective.unpack_scaled(total, shapes, 1.0 / comm.size,
+                                                            into), strict=True):
+            outs[i] = out
     return {"out": outs}
 
 
 def avg_presummed(op, ins):
     """x / size on the place (numpy arrays and GPUArrays alike)."""
     size = communicator().size
-    return {"out": [scaled(x, 1.0 / size) if size > 1 else x.copy() for x in ins["x"]]}
+    return {"out": [scaled(x, 1.0 / size) if size > 1 else copied(x) for x in ins["x"]]}
 
 
 kernel("c_avg_presummed", "cpu")(avg_presummed)
-kernel("c_avg_presummed", "gpu")(avg_presummed)
+kernel("c_avg_presummed", "gpu", dtypes=GPU_FLOATS)(avg_presummed)
 
 
 def scale_by_batch_share(op, ins):
@@ -143,7 +171,7 @@ def scale_by_batch_share(op, ins):
     comm = communicator()
     mine = ins["batch"].shape[0]
     if comm.size == 1:
-        return {"out": ins["x"].copy()}
+        return {"out": copied(ins["x"])}
     what = f"{op.type} batch={op.inputs['batch'].name}"
     total = comm.allreduce(np.array([float(mine)]), what=what)
     if total[0] == 0:
@@ -152,4 +180,4 @@ def scale_by_batch_share(op, ins):
 
 
 kernel("c_scale_by_batch_share", "cpu")(scale_by_batch_share)
-kernel("c_scale_by_batch_share", "gpu")(scale_by_batch_share)
+kernel("c_scale_by_batch_share", "gpu", dtypes=GPU_FLOATS)(scale_by_batch_share)

@@ -115,11 +115,9 @@ def fill_constant_gpu(op, ins):
 
 
 def upload(values):
-    """A device array holding a copy of host array `values` (one host-to-device copy)."""
-    out = loader.empty(values.shape, values.dtype)
-    if values.size:
-        out.set(np.ascontiguousarray(values))
-    return out
+    """A device array holding a copy of host array `values` (one host-to-device copy,
+    into the pool, with the device's context current)."""
+    return loader.to_device(values)
 
 
 @kernel("uniform_random", "gpu")

@@ -7,20 +7,21 @@ slices, gradients, running estimates and the counter equal a one-process
 batch_norm on the whole batch, and the estimates stay identical on every
 rank. "n == 1" is judged on the global count.
 
-Communication (float64, O(C) bytes whatever the number of ranks):
-  forward:  ONE allreduce of (n, n·mean, M2 + n·mean²) from each rank's
-            stable local (n, mean, M2); the global M2 = Σ(M2_r + n_r·mean_r²) − N·μ²
-            loses about 1e-16·(|μ|/σ)² relative to the variance, which is
-            1e-8 at |mean|/std = 1e4.
+Communication (float64, O(C) bytes per rank whatever the number of ranks):
+  forward:  ONE allreduce_stats of each rank's stable local (n, mean_c, M2_c),
+            merged with Chan's formula (comm.chan_merge: a user-defined MPI op on
+            MPI; an allgather and a rank-order merge on the device with NCCL), never
+            through sums of squares: offset data (|mean|/std = 1e6) keeps its
+            variance to ~1e-6 relative, and every rank gets the same bits.
   backward: ONE allreduce of (n, Σdy, Σdy·(x−μ)); dscale and dbias are then the
             whole batch's gradients, identical on every rank.
 The infer copy and use_global_est make no collective. In a world of one
 rank nothing is communicated.
 
-On a GPU the vectors are made and used on the device (kernels/batch_norm.py:
+On a GPU the vectors are made and used on the device (kernels/batch_norm_sync.py:
 local_stats, forward_train_from_sums, backward_sums, backward_from_sums); the
-communicator sums them - NCCL on the device, or MPI staged through the host.
-A rank reads the summed vector back (a small synchronising copy) only when it
+communicator combines them - NCCL on the device, or MPI staged through the host.
+A rank reads the combined vector back (a small synchronising copy) only when it
 holds at most one value per channel itself, the one case where the global
 count can be too small for training.
 
@@ -61,33 +62,29 @@ def backward_label(op):
 
 
 def pack_stats(n, mean, m2):
-    """The forward's message: float64 (n, n·mean_c..., M2_c + n·mean_c²...), 2C+1 numbers
-    (the GPU kernel bn_local_stats writes the same vector on the device)."""
+    """The forward's message: float64 (n, mean_c..., M2_c...), 2C+1 numbers (the GPU
+    kernel bn_local_stats writes the same vector on the device). A rank with no
+    values sends zeros."""
     c = mean.shape[0]
-    buf = np.empty(2 * c + 1)
-    buf[0] = n
-    buf[1:c + 1] = n * mean
-    buf[c + 1:] = m2 + n * mean * mean
+    buf = np.zeros(2 * c + 1)
+    if n:
+        buf[0] = n
+        buf[1:c + 1] = mean
+        buf[c + 1:] = m2
     return buf
 
 
 def unpack_stats(total):
-    """(n, mean, M2) of the whole batch from the sum over ranks of pack_stats vectors."""
+    """(n, mean, M2) of the whole batch from the merged pack_stats vector."""
     c = (total.shape[0] - 1) // 2
-    n_all = total[0]
-    if n_all == 0:
-        return 0, np.zeros(c), np.zeros(c)
-    s1 = total[1:c + 1]
-    mean_all = s1 / n_all
-    m2_all = np.maximum(total[c + 1:] - mean_all * s1, 0.0)
-    return int(round(n_all)), mean_all, m2_all
+    return int(round(total[0])), total[1:c + 1].copy(), total[c + 1:].copy()
 
 
 def stats_combiner(op, comm):
-    """combine(n, mean, m2) -> global (n, mean, m2) with one allreduce."""
+    """combine(n, mean, m2) -> the whole batch's (n, mean, m2), one allreduce_stats."""
     def combine(n, mean, m2):
-        total = comm.allreduce(pack_stats(n, mean, m2), what=forward_label(op))
-        return unpack_stats(total)
+        return unpack_stats(comm.allreduce_stats(pack_stats(n, mean, m2),
+                                                 what=forward_label(op)))
     return combine
 
 
@@ -121,11 +118,17 @@ def device_allreduce(comm, what):
     return lambda v: comm.allreduce(v, what=what)
 
 
+def device_stats_merge(comm, what):
+    """merge(v) -> v: the whole batch's (n, mean, M2) from every rank's float64
+    device vector of kernels.batch_norm_sync.local_stats (comm.allreduce_stats)."""
+    return lambda v: comm.allreduce_stats(v, what=what)
+
+
 def sync_batch_norm_gpu(op, ins):
-    """GPU forward: batch_norm's binding with ONE allreduce of the 2C+1 local sums
-    (training with more than one rank); otherwise exactly batch_norm."""
+    """GPU forward: batch_norm's binding with ONE allreduce_stats of the 2C+1 local
+    (n, mean, M2) (training with more than one rank); otherwise exactly batch_norm."""
     comm = communicator()
-    return batch_norm_gpu(op, ins, allreduce=device_allreduce(comm, forward_label(op))
+    return batch_norm_gpu(op, ins, allreduce=device_stats_merge(comm, forward_label(op))
                           if comm.size > 1 else None)
 
 

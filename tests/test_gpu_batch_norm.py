@@ -10,8 +10,9 @@ GPUPlace(0) (skipped without one; these have never run):
 - a non-finite batch raises at the next fetch and leaves the estimates alone;
 - the digits net trains and infers with the CPU's losses;
 - sync_batch_norm in a world of one is batch_norm; its synchronized path
-  (one allreduce each way) and the packed 2C+1 vectors; several ranks in one
-  process through the launchers; 2 ranks under mpiexec with the host-staged
+  (one collective each way: allreduce_stats forward, allreduce backward) and
+  the packed 2C+1 vectors; several ranks in one process through the launchers;
+  the device merge of the ranks' (n, mean, M2) on offset data; 2 ranks under mpiexec with the host-staged
   MPI backend (tests/mpi_scripts/gpu_sync_bn_check.py) and, on a real GPU,
   NCCL in a world of one.
 """
@@ -271,7 +272,7 @@ def test_sync_path_makes_one_allreduce_each_way(place, monkeypatch, layout, shap
         assert_close(got_grads[grads[0]][name], value, f"sync d/d {name}")
     channels = shape[1] if layout == "NCHW" else shape[-1]
     size = 8 * (2 * channels + 1)
-    assert comm.trace == [("allreduce", "sync_batch_norm forward x=x", size),
+    assert comm.trace == [("allreduce_stats", "sync_batch_norm forward x=x", size),
                           ("allreduce", "sync_batch_norm_grad x=x", size)]
     comm.trace = []
     run_op(place, "sync_batch_norm", ins, dict(attrs, is_infer=True), grads, ("y",))
@@ -280,7 +281,7 @@ def test_sync_path_makes_one_allreduce_each_way(place, monkeypatch, layout, shap
 
 
 def test_local_vectors_are_the_cpu_packing(place, force_splits):
-    from minigraph.kernels import batch_norm as gpu
+    from minigraph.kernels import batch_norm_sync as gpu
 
     rng = np.random.default_rng(2)
     for layout, shape in (("NCHW", (4, 3, 5, 7)), ("NHWC", (6, 5, 4)), ("NCHW", (0, 3))):
@@ -304,8 +305,9 @@ def test_local_vectors_are_the_cpu_packing(place, force_splits):
 def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_splits, layout,
                                                                   shape_of, dtype):
     """Three ranks (5, 0 and 2 rows) run through the launchers one after another,
-    their vectors summed on the host: the whole batch's results on every rank."""
-    from minigraph.kernels import batch_norm as gpu
+    their statistics merged on the device (merge_stats), their gradient sums added
+    on the host: the whole batch's results on every rank."""
+    from minigraph.kernels import batch_norm_sync as gpu
 
     counts = (5, 0, 2)
     channels = shape_of(1)[1] if layout == "NCHW" else shape_of(1)[-1]
@@ -322,7 +324,8 @@ def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_s
         parts = np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])
         xs = [dev(full[p]) for p in parts]
         dys = [dev(dy[p]) for p in parts]
-        total = sum(gpu.local_stats(x, layout).get() for x in xs)
+        rows = np.stack([gpu.local_stats(x, layout).get() for x in xs])
+        total = gpu.merge_stats(dev(rows)).get()
         outs = [gpu.forward_train_from_sums(x, dev(total), r["scale"], r["bias"], r["mean"],
                                             r["var"], r["counter"], 0.9, 1e-5, layout)
                 for x, r in zip(xs, ranks, strict=True)]
@@ -338,6 +341,26 @@ def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_s
                 assert_close(got[k], want[k][p], f"step {step} {k}")
             for k in ("bm", "bv", "mean", "var", "dscale", "dbias", "counter"):
                 assert_close(got[k], want[k], f"step {step} {k}")
+
+
+def test_device_merge_keeps_offset_variance_and_equals_the_host_merge(place):
+    """kernels.batch_norm_sync.merge_stats on K ranks' local vectors of data with
+    |mean|/std = 1e6 (one rank empty): the variance to 1e-6 relative, and the
+    host's rank-order merge to 1e-12 (the NCCL path vs the MPI path)."""
+    from minigraph.distributed.comm import merge_rows
+    from minigraph.kernels import batch_norm_sync as gpu
+
+    rng = np.random.default_rng(9)
+    counts = (6, 0, 3, 9)
+    full = 1e6 + rng.standard_normal((sum(counts), 5, 3, 3))
+    parts = np.split(full, np.cumsum(counts)[:-1])
+    rows = np.stack([gpu.local_stats(place.to_device(p), "NCHW").get() for p in parts])
+    got = gpu.merge_stats(place.to_device(rows)).get()
+    centred = full - full.mean(axis=(0, 2, 3), keepdims=True)
+    want_var = (centred * centred).mean(axis=(0, 2, 3))
+    assert got[0] == full.size // 5
+    assert np.max(np.abs(got[6:] / got[0] - want_var) / want_var) < 1e-6
+    np.testing.assert_allclose(got, merge_rows(rows), rtol=1e-12)
 
 
 def prebuild_emulator():

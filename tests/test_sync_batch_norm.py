@@ -11,6 +11,7 @@ import minigraph as mg
 from minigraph import layers
 from minigraph.distributed import world
 from minigraph.distributed.comm import LocalComm
+from minigraph.ops import sync_batch_norm as sync_ops
 from minigraph.schema import get_schema
 
 
@@ -102,3 +103,61 @@ def test_n_equal_one_is_an_error(one_rank):
 @pytest.mark.parametrize("ranks", RANKS)
 def test_matches_one_process_batch_norm_on_ranks(ranks):
     check_ok("sync_bn_check.py", ranks, timeout=90)
+
+
+# ---- merging per-rank statistics (Chan) -------------------------------------------------
+
+def rank_vectors(parts):
+    """Each rank's pack_stats vector, from the CPU kernel's local statistics."""
+    from minigraph.ops import batch_norm_cpu
+
+    return [sync_ops.pack_stats(*batch_norm_cpu.local_stats(batch_norm_cpu.as_3d(p, "NCHW")))
+            for p in parts]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_offset_data_keeps_its_variance_over_ranks(ranks):
+    """|mean|/std = 1e6: merging (n, mean, M2) gives the variance to ~1e-6 relative,
+    in any order of merging; the sums-of-squares message it replaced (S2 - mean*S1)
+    loses it (the control below)."""
+    from minigraph.distributed.comm import chan_merge, merge_rows
+
+    rng = np.random.default_rng(ranks)
+    counts = [5 + 3 * r for r in range(ranks)]
+    full = 1e6 + rng.standard_normal((sum(counts), 3, 4, 4))
+    parts = np.split(full, np.cumsum(counts)[:-1])
+    centred = full - full.mean(axis=(0, 2, 3), keepdims=True)
+    want_var = (centred * centred).mean(axis=(0, 2, 3))
+    vectors = rank_vectors(parts)
+    in_order = merge_rows(np.stack(vectors))
+    tree = vectors[0]
+    for v in reversed(vectors[1:]):
+        tree = chan_merge(v, tree)
+    for merged in (in_order, tree):
+        n, mean, m2 = sync_ops.unpack_stats(merged)
+        assert n == full.shape[0] * 16
+        assert np.max(np.abs(m2 / n - want_var) / want_var) < 1e-6
+        np.testing.assert_allclose(mean, full.mean(axis=(0, 2, 3)), rtol=1e-14)
+    # control: the old message, sums of n*mean and M2 + n*mean^2, then S2 - mean*S1
+    s = sum(np.concatenate(([v[0]], v[0] * v[1:4], v[4:] + v[0] * v[1:4] ** 2))
+            for v in vectors)
+    old = (s[4:] - s[1:4] / s[0] * s[1:4]) / s[0]
+    assert np.max(np.abs(old - want_var) / want_var) > 1e-6
+
+
+def test_chan_merge_is_bitwise_commutative_and_skips_empty_ranks():
+    from minigraph.distributed.comm import chan_merge
+
+    rng = np.random.default_rng(3)
+    parts = [1e3 + rng.standard_normal((k, 5, 2, 2)) for k in (4, 4, 7, 0)]
+    a, b, c, empty = rank_vectors(parts)
+    for x, y in ((a, b), (a, c), (b, c), (c, empty)):
+        assert chan_merge(x, y).tobytes() == chan_merge(y, x).tobytes()
+    assert chan_merge(a, empty).tobytes() == a.tobytes()
+    assert not chan_merge(empty, empty).any()
+
+
+def test_one_rank_merges_nothing(one_rank):
+    v = rank_vectors([np.arange(24.0).reshape(2, 3, 4)])[0]
+    np.testing.assert_array_equal(one_rank.allreduce_stats(v), v)
+    assert one_rank.stats["allreduce_stats"] == [1, v.nbytes]

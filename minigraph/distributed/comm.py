@@ -5,6 +5,7 @@ place, GPUArrays (anything with `__cuda_array_interface__`) on a GPU place.
 
     comm.rank, comm.size, comm.local_rank, comm.place
     comm.allreduce(x)          -> sum over ranks (a new array; x is unchanged)
+    comm.allreduce_stats(v)    -> per-rank (n, mean_c, M2_c) merged over ranks (Chan)
     comm.allgather(x)          -> array of shape (size, *x.shape), rank order
     comm.broadcast(x, root=0)  -> root's x on every rank (same shape everywhere)
     comm.barrier()
@@ -55,6 +56,24 @@ class Communicator:
         """The elementwise sum of `x` over all ranks, a new array on x's place."""
         self._enter("allreduce", what, x)
         return self._allreduce(x)
+
+    def allreduce_stats(self, x, what=""):
+        """Batch statistics of the union of every rank's values, a new array on
+        x's place. `x` is this rank's float64 vector of 2C+1 numbers (n,
+        mean_c..., M2_c...): the count of values per channel (the same for
+        every channel), their means and their sums of squared deviations. The
+        ranks' vectors are merged with Chan's pairwise formula, never through
+        sums of squares, so offset data (|mean| >> std) keeps its variance; one
+        collective, O(C) bytes on MPI, the same bits on every rank."""
+        self._enter("allreduce_stats", what, x)
+        return self._allreduce_stats(x)
+
+    def _allreduce_stats(self, x):
+        """Default: allgather, then merge in rank order on the host."""
+        rows = self._allgather(x)
+        host = rows if is_host_array(rows) else rows.get()
+        merged = merge_rows(host)
+        return merged if is_host_array(x) else self.place.to_device(merged)
 
     def allgather(self, x, what=""):
         """Every rank's `x` stacked in rank order: shape (size, *x.shape).
@@ -138,6 +157,9 @@ class LocalComm(Communicator):
     def _allgather(self, x):
         return x.reshape((1,) + tuple(x.shape)).copy()
 
+    def _allreduce_stats(self, x):
+        return x.copy()
+
     def _broadcast(self, x, root):
         if root != 0:
             raise ValueError(f"broadcast: root {root} does not exist in a world of one rank")
@@ -161,3 +183,43 @@ class LocalComm(Communicator):
 def is_host_array(x):
     """True for numpy arrays (host memory); False for device arrays."""
     return isinstance(x, np.ndarray)
+
+
+def chan_merge(a, b):
+    """The (n, mean_c..., M2_c...) vector of two disjoint sets of values from
+    theirs (float64, 2C+1 each; see Communicator.allreduce_stats), by Chan's
+    formula: mean = m1 + d * n2 / n, M2 = M1 + M2' + d^2 * n1 * n2 / n with
+    d = m2 - m1. Per channel the operands are first put in a canonical order
+    (by n, then mean, then M2), so chan_merge(a, b) and chan_merge(b, a) are
+    the same bits: MPI may combine the ranks in any order on any rank."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    c = (a.shape[0] - 1) // 2
+    na, nb = a[0], b[0]
+    if na == 0 or nb == 0:
+        return (b if na == 0 else a).copy() if na or nb else np.zeros_like(a)
+    ma, mb, qa, qb = a[1:c + 1], b[1:c + 1], a[c + 1:], b[c + 1:]
+    if na != nb:
+        swap = np.full(c, nb < na)
+    else:
+        swap = (mb < ma) | ((mb == ma) & (qb < qa))
+    n1 = np.where(swap, nb, na)
+    n2 = np.where(swap, na, nb)
+    m1, m2 = np.where(swap, mb, ma), np.where(swap, ma, mb)
+    q1, q2 = np.where(swap, qb, qa), np.where(swap, qa, qb)
+    n = na + nb
+    d = m2 - m1
+    out = np.empty_like(a)
+    out[0] = n
+    out[1:c + 1] = m1 + d * (n2 / n)
+    out[c + 1:] = (q1 + q2) + d * d * (n1 * n2 / n)
+    return out
+
+
+def merge_rows(rows):
+    """chan_merge over the rows of a (K, 2C+1) array, in rank order."""
+    rows = np.asarray(rows, dtype=np.float64)
+    total = rows[0].copy()
+    for row in rows[1:]:
+        total = chan_merge(total, row)
+    return total

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from minigraph.distributed.comm import Communicator, is_host_array
+from minigraph.distributed.comm import Communicator, chan_merge, is_host_array
 
 # dtypes MPI has no reduction type for: reduced in a wider one, then cast back
 _WIDEN = {np.dtype("float16"): np.dtype("float32"), np.dtype("bool"): np.dtype("int32")}
@@ -40,21 +40,31 @@ class MPIComm(Communicator):
                          place, check_order)
 
     def _allreduce(self, x):
-        host = _to_host(x)
+        host = self._to_host(x)
         wide = _WIDEN.get(host.dtype, host.dtype)
         send = np.ascontiguousarray(host, dtype=wide)
         recv = np.empty_like(send)
         self.mpi_comm.Allreduce(send, recv, op=self.MPI.SUM)
         return self._like(x, recv.astype(host.dtype, copy=False))
 
+    def _allreduce_stats(self, x):
+        """One MPI_Allreduce with a user-defined, commutative op (comm.chan_merge)
+        on the whole 2C+1 vector as one element of a contiguous datatype, so MPI
+        never splits a vector."""
+        host = np.ascontiguousarray(self._to_host(x), dtype=np.float64)
+        recv = np.empty_like(host)
+        dtype, op = _stats_type(self.MPI, host.shape[0])
+        self.mpi_comm.Allreduce([host, 1, dtype], [recv, 1, dtype], op=op)
+        return self._like(x, recv)
+
     def _allgather(self, x):
-        host = np.ascontiguousarray(_to_host(x))
+        host = np.ascontiguousarray(self._to_host(x))
         recv = np.empty((self.size,) + host.shape, dtype=host.dtype)
         self.mpi_comm.Allgather(_bytes_view(host), _bytes_view(recv))
         return self._like(x, recv)
 
     def _broadcast(self, x, root):
-        buf = np.array(_to_host(x), copy=True, order="C")
+        buf = np.array(self._to_host(x), copy=True, order="C")
         self.mpi_comm.Bcast(_bytes_view(buf), root=root)
         return self._like(x, buf)
 
@@ -76,6 +86,15 @@ class MPIComm(Communicator):
         time.sleep(ABORT_GRACE_S)      # let the launcher forward what this rank printed
         self.mpi_comm.Abort(code)
 
+    def _to_host(self, x):
+        """x as a numpy array: a device array is copied out on its place (under its
+        context, so any thread may call this)."""
+        if is_host_array(x):
+            return x
+        if self.place is not None and self.place.kind == "gpu":
+            return self.place.to_host(x)
+        return _to_host(x)
+
     def _like(self, x, host):
         """`host` as an array of x's kind: itself for numpy input, else a device copy."""
         if is_host_array(x):
@@ -85,6 +104,29 @@ class MPIComm(Communicator):
         import pycuda.gpuarray as gpuarray
 
         return gpuarray.to_gpu(np.ascontiguousarray(host))
+
+
+_stats_types = {}
+_stats_op = []
+
+
+def _stats_type(MPI, width):
+    """(contiguous datatype of `width` doubles, the Chan-merge op), made once."""
+    if not _stats_op:
+        _stats_op.append(MPI.Op.Create(_chan_op, commute=True))
+    dtype = _stats_types.get(width)
+    if dtype is None:
+        dtype = _stats_types[width] = MPI.DOUBLE.Create_contiguous(width).Commit()
+    return dtype, _stats_op[0]
+
+
+def _chan_op(inbuf, inoutbuf, datatype):
+    """MPI reduction: inoutbuf[k] = chan_merge(inbuf[k], inoutbuf[k]) per vector."""
+    width = datatype.Get_size() // 8
+    a = np.frombuffer(inbuf, dtype=np.float64).reshape(-1, width)
+    b = np.frombuffer(inoutbuf, dtype=np.float64).reshape(-1, width)
+    for k in range(a.shape[0]):
+        b[k] = chan_merge(a[k], b[k])
 
 
 def _to_host(x):

@@ -1,38 +1,52 @@
-"""The NCCL backend (nccl4py) for GPU arrays, bootstrapped over MPI.
+"""The NCCL backend (nccl4py, `nccl.core`) for GPU arrays, bootstrapped over MPI.
 
-Rank 0 makes an NCCL unique id and broadcasts it over MPI; every rank then
-joins the NCCL communicator on its own GPU (the place's device, which is
-current because GPUPlace pushes its primary context). Buffers go to NCCL as
-objects with `__cuda_array_interface__` (PyCUDA's GPUArray has it); host
-(numpy) arrays are staged through the device.
+Rank 0 makes an NCCL unique id (`get_unique_id().as_bytes`) and broadcasts
+it over MPI; every rank then joins with `Communicator.init(nranks, rank,
+unique_id)` with its place's context current - NCCL takes the current device
+as the communicator's. Every call into NCCL runs under `place.activate()`
+(the context rule, minigraph/place.py). Buffers go to NCCL as PyCUDA
+GPUArrays: nccl4py reads them through `__cuda_array_interface__` (pointer,
+shape, dtype) and finds their device from the pointer (the driver's
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL), which must be the communicator's.
+Outputs come from the device's memory pool. Host (numpy) arrays - a batch
+size, a checkpoint's scalars - go through the bootstrap MPI communicator
+instead: no device staging and no host wait on the GPU.
 
-Every collective is enqueued on the default stream and then waited for
-with a deadline (MINIGRAPH_NCCL_TIMEOUT seconds, default 300): past it the
-NCCL communicator is aborted and the whole job ends through MPI_Abort, so
-a rank that died or took another path never leaves the others hanging.
+Collectives are enqueued on the legacy default stream (`stream=None`), so
+every later kernel is ordered after them and the host does not wait. A
+watchdog (two daemon threads per communicator) waits for each collective's
+completion event (Event.synchronize: no polling) and checks NCCL's async
+error; past the deadline (MINIGRAPH_NCCL_TIMEOUT seconds, default 300) it
+aborts the NCCL communicator and ends the whole job through MPI_Abort, so a
+rank that died or took another path never leaves the others hanging. At exit
+the watchdog drains and the communicator is destroyed before the GPU
+contexts are released.
 
 Nothing here imports pycuda or nccl4py until an NCCLComm is made.
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import sys
+import threading
 import time
-
-import numpy as np
 
 from minigraph.distributed.comm import Communicator, is_host_array
 
 DEFAULT_TIMEOUT_S = 300.0
+NCCL_NAMES = ("SUM", "Communicator", "UniqueId", "get_unique_id")
 
 
 def nccl_available():
-    """True when nccl4py can be imported (`nccl.core`)."""
+    """True when nccl4py imports with every name this backend uses
+    (NCCL_NAMES from `nccl.core`)."""
     try:
-        import nccl.core  # noqa: F401
+        import nccl.core as core
     except Exception:      # ImportError, or a library that fails to load
         return False
-    return True
+    return all(hasattr(core, name) for name in NCCL_NAMES)
 
 
 class NCCLComm(Communicator):
@@ -42,7 +56,8 @@ class NCCLComm(Communicator):
     backend = "nccl"
 
     def __init__(self, place, host, check_order=False, timeout_s=None):
-        from nccl.core import SUM, Communicator, UniqueId, get_unique_id
+        from nccl.core import SUM, UniqueId, get_unique_id
+        from nccl.core import Communicator as NcclCommunicator
 
         super().__init__(host.rank, host.size, host.local_rank, place, check_order)
         self.host = host
@@ -51,38 +66,64 @@ class NCCLComm(Communicator):
                                os.environ.get("MINIGRAPH_NCCL_TIMEOUT", DEFAULT_TIMEOUT_S))
         uid = get_unique_id().as_bytes if host.rank == 0 else None
         uid = host.mpi_comm.bcast(uid, root=0)
-        self.nccl = Communicator.init(nranks=host.size, rank=host.rank,
-                                      unique_id=UniqueId.from_bytes(uid))
+        with place.activate():
+            self.nccl = NcclCommunicator.init(nranks=host.size, rank=host.rank,
+                                              unique_id=UniqueId.from_bytes(uid))
+        self.watchdog = Watchdog(self)
+        self._closed = False
+        atexit.register(self.close)
 
-    # ---- collectives on device arrays -----------------------------------------
+    # ---- collectives: device arrays through NCCL, host arrays through MPI ------
 
     def _allreduce(self, x):
-        dev, host_in = self._device(x)
-        out = _empty_like(dev)
-        self.nccl.allreduce(dev, out, self.SUM, stream=None)
-        self._wait("allreduce")
-        return out.get() if host_in else out
+        if is_host_array(x):
+            return self.host._allreduce(x)
+        with self.place.activate():
+            out = _empty(x.shape, x.dtype)
+            if x.size:
+                self.nccl.allreduce(x, out, self.SUM, stream=None)
+                self.watchdog.add("allreduce")
+            return out
 
     def _allgather(self, x):
-        dev, host_in = self._device(x)
-        import pycuda.gpuarray as gpuarray
+        if is_host_array(x):
+            return self.host._allgather(x)
+        with self.place.activate():
+            return self._gather_device(x)
 
-        out = gpuarray.empty((self.size,) + tuple(dev.shape), dtype=dev.dtype)
-        self.nccl.allgather(dev, out, stream=None)
-        self._wait("allgather")
-        return out.get() if host_in else out
+    def _gather_device(self, dev):
+        out = _empty((self.size,) + tuple(dev.shape), dev.dtype)
+        if dev.size:
+            self.nccl.allgather(dev, out, stream=None)
+            self.watchdog.add("allgather")
+        return out
 
     def _broadcast(self, x, root):
-        dev, host_in = self._device(x)
-        out = dev.copy()
-        self.nccl.broadcast(out, out, root, stream=None)
-        self._wait("broadcast")
-        return out.get() if host_in else out
+        if is_host_array(x):
+            return self.host._broadcast(x, root)
+        with self.place.activate():
+            out = _empty(x.shape, x.dtype)
+            if x.size:
+                self.nccl.broadcast(x, out, root, stream=None)
+                self.watchdog.add("broadcast")
+            return out
+
+    def _allreduce_stats(self, x):
+        """Allgather the ranks' (n, mean, M2) vectors and merge them in rank order
+        on the device (kernels/batch_norm.cu merge_stats): NCCL has no custom ops."""
+        if is_host_array(x):
+            return self.host._allreduce_stats(x)
+        from minigraph.kernels import batch_norm_sync
+
+        with self.place.activate():
+            return batch_norm_sync.merge_stats(self._gather_device(x))
 
     def _barrier(self):
         import pycuda.driver as drv
 
-        drv.Context.synchronize()
+        self.watchdog.drain()
+        with self.place.activate():
+            drv.Context.synchronize()
         self.host.mpi_comm.Barrier()
 
     def _gather_ints(self, arr):
@@ -97,39 +138,123 @@ class NCCLComm(Communicator):
         finally:
             self.host.abort(code)
 
-    # ---- helpers ----------------------------------------------------------------
+    def close(self):
+        """Wait for every enqueued collective (under the watchdog's deadline), stop
+        the watchdog and destroy the NCCL communicator (atexit does this before
+        the GPU contexts are released). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watchdog.stop()
+        try:
+            with self.place.activate():
+                self.nccl.destroy()
+        except Exception as e:   # at exit: report, never hide the real outcome
+            sys.stderr.write(f"minigraph.distributed: rank {self.rank}: NCCL destroy: {e}\n")
 
-    def _device(self, x):
-        """(device array, whether x was a host array that must go back to the host)."""
-        if is_host_array(x):
-            return self.place.to_device(np.ascontiguousarray(x)), True
-        return x, False
+    def failed(self, kind, why):
+        """Report a collective that failed or timed out, then end the job."""
+        sys.stderr.write(f"minigraph.distributed: rank {self.rank}: NCCL {kind} {why}. "
+                         "Aborting the job.\n")
+        sys.stderr.flush()
+        self.abort(1)
 
-    def _wait(self, kind):
-        """Block until the enqueued collective is done; abort the job past the deadline."""
+
+def _empty(shape, dtype):
+    from minigraph.kernels import loader
+
+    return loader.empty(tuple(shape), dtype)
+
+
+class Watchdog:
+    """Waits for a communicator's collectives off the main thread.
+
+    `add(kind)` records a completion event on the place's default stream (the
+    caller holds the place's context) and queues it. The waiter thread blocks
+    on the events in order (Event.synchronize) and checks NCCL's async error
+    after each; the timer thread sleeps until the oldest pending event's
+    deadline and, if that event is still pending then, reports and aborts.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.pending = collections.deque()       # (event, deadline, kind), oldest first
+        self.lock = threading.Condition()
+        self.wake_timer = threading.Event()
+        self.stopped = False
+        self.threads = []
+
+    def add(self, kind):
         import pycuda.driver as drv
 
-        done = drv.Event()
-        done.record()
-        deadline = time.monotonic() + self.timeout_s
-        pause = 1e-5
-        while not done.query():
-            if time.monotonic() > deadline:
-                sys.stderr.write(
-                    f"minigraph.distributed: rank {self.rank}: NCCL {kind} did not finish within "
-                    f"{self.timeout_s:g} s (MINIGRAPH_NCCL_TIMEOUT); another rank probably "
-                    "failed or runs different ops. Aborting the job.\n")
-                self.abort(1)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-        status = self.nccl.get_async_error()
-        if int(status) != 0:
-            sys.stderr.write(f"minigraph.distributed: rank {self.rank}: NCCL {kind} failed: "
-                             f"{self.nccl.get_last_error()}. Aborting the job.\n")
-            self.abort(1)
+        event = drv.Event()
+        event.record()
+        with self.lock:
+            was_idle = not self.pending
+            self.pending.append((event, time.monotonic() + self.comm.timeout_s, kind))
+            self.lock.notify_all()
+        if not self.threads:
+            self._start()
+        if was_idle:
+            self.wake_timer.set()
 
+    def _start(self):
+        for target in (self._wait_loop, self._timer_loop):
+            t = threading.Thread(target=target, name=f"nccl-{target.__name__[1:]}", daemon=True)
+            t.start()
+            self.threads.append(t)
 
-def _empty_like(dev):
-    import pycuda.gpuarray as gpuarray
+    def _wait_loop(self):
+        while True:
+            with self.lock:
+                while not self.pending and not self.stopped:
+                    self.lock.wait()
+                if not self.pending:
+                    return
+                event, _, kind = self.pending[0]
+            with self.comm.place.activate():
+                event.synchronize()
+            status = self.comm.nccl.get_async_error()
+            if int(status) != 0:
+                self.comm.failed(kind, f"failed: {self.comm.nccl.get_last_error()}")
+            with self.lock:
+                self.pending.popleft()
+                self.lock.notify_all()
 
-    return gpuarray.empty(tuple(dev.shape), dtype=dev.dtype)
+    def _timer_loop(self):
+        while not self.stopped:
+            with self.lock:
+                head = self.pending[0] if self.pending else None
+            if head is None:
+                self.wake_timer.wait()
+                self.wake_timer.clear()
+                continue
+            remaining = head[1] - time.monotonic()
+            if remaining <= 0:
+                with self.lock:
+                    still = bool(self.pending) and self.pending[0] is head
+                if still:
+                    self.comm.failed(head[2], f"did not finish within {self.comm.timeout_s:g} s "
+                                     "(MINIGRAPH_NCCL_TIMEOUT); another rank probably failed "
+                                     "or runs different ops")
+                    return
+                continue
+            self.wake_timer.wait(remaining)
+            self.wake_timer.clear()
+
+    def drain(self):
+        """Block until every queued collective has completed."""
+        with self.lock:
+            while self.pending:
+                self.lock.wait()
+
+    def stop(self):
+        """drain, then end both threads."""
+        self.drain()
+        with self.lock:
+            self.stopped = True
+            self.lock.notify_all()
+        self.wake_timer.set()
+        for t in self.threads:
+            t.join()
+        self.threads = []

@@ -90,8 +90,11 @@ class EmuArray:
         return self
 
     def copy(self):
-        """A new EmuArray with the same contents (GPUArray.copy, a device-to-device copy)."""
-        return EmuArray(self.shape, self.dtype).set(self._view())
+        """A new EmuArray with the same contents (GPUArray.copy, a device-to-device
+        copy: not counted as a host transfer, unlike set/get)."""
+        out = EmuArray(self.shape, self.dtype)
+        out._view()[...] = self._view()
+        return out
 
     def __mul__(self, factor):
         """A new EmuArray of self * scalar in this dtype (GPUArray's own arithmetic,
@@ -178,12 +181,26 @@ class EmuBackend:
     def __init__(self, sm_count=2, seed=1):
         self.info = DeviceInfo(name="emulated", compute_capability=(9, 0), sm_count=sm_count,
                                total_memory=2**30)
+        self.state = loader.DeviceState("emulated", self.info, None)
         self._libs = {}
         self._kernels = {}
         self._seed = [seed]
 
     def device(self):
         return self.info
+
+    def state_of(self, place):
+        """Every emulated place shares the one emulated device."""
+        return self.state
+
+    def default_state(self):
+        return self.state
+
+    def push(self, state):
+        """No contexts to push on the emulator."""
+
+    def pop(self, state):
+        """No contexts to pop on the emulator."""
 
     def _lib(self, module):
         if module not in self._libs:
@@ -209,6 +226,12 @@ class EmuBackend:
 
     def empty(self, shape, dtype):
         return EmuArray(shape, dtype)
+
+    def to_device(self, array):
+        return to_device(array)
+
+    def copy(self, array):
+        return array.copy()
 
     def build_all(self):
         """Compile every kernel module (a test that they all build with g++ too)."""

@@ -11,8 +11,9 @@ EmuPlace, or GPUPlace(local_rank % devices)) and a one-process CPU
 batch_norm on all rows, and compares: y, dx slices; batch statistics,
 estimates, counter, dscale, dbias over several steps (first batch, momentum,
 cumulative average); uneven rows, a rank with no rows; NCHW, NHWC and rank
-2; float32 and float64; offset data (mean 1e4); exactly one allreduce of
-8·(2C+1) bytes per forward and per backward, none in the infer copy;
+2; float32 and float64; offset data (mean 1e4); exactly one collective of
+8·(2C+1) bytes per forward (allreduce_stats: a Chan merge) and per backward
+(allreduce), none in the infer copy;
 estimates bitwise identical on every rank; n == 1 over all ranks is the
 CPU's error. With --backend mpi the device vectors are staged through the
 host; with nccl they are reduced on the device. In a world of one, the
@@ -130,13 +131,14 @@ def run_case(comm, place, tag, shape_of, layout, dtype, with_empty, momentum, st
     for step in range(steps):
         full = (rng.standard_normal(shape_of(sum(counts))) * 2.0 + offset).astype(dtype)
         dy = rng.standard_normal(full.shape).astype(dtype)
-        before = list(comm.stats.get("allreduce", [0, 0]))
+        kinds = ("allreduce_stats", "allreduce")       # forward (Chan merge), backward (sum)
+        before = [list(comm.stats.get(k, [0, 0])) for k in kinds]
         got = sync.step(full[lo:hi], dy[lo:hi])
-        after = comm.stats.get("allreduce", [0, 0])
-        calls, sent = after[0] - before[0], after[1] - before[1]
-        want_calls = 2 if comm.size > 1 else 0
-        assert calls == want_calls, f"{tag}: {calls} allreduces for a forward + backward"
-        assert sent == want_calls * 8 * (2 * channels + 1), f"{tag}: {sent} bytes sent"
+        want_calls = 1 if comm.size > 1 else 0
+        for k, (calls0, sent0) in zip(kinds, before, strict=True):
+            calls, sent = (a - b for a, b in zip(comm.stats.get(k, [0, 0]), (calls0, sent0)))
+            assert calls == want_calls, f"{tag}: {calls} {k} calls for a forward + backward"
+            assert sent == want_calls * 8 * (2 * channels + 1), f"{tag}: {k} sent {sent} bytes"
         want = single.step(full, dy)
         for k in ("y", "dx"):
             close(f"{tag} step {step} {k}", got[k], want[k][lo:hi], rtol, atol)

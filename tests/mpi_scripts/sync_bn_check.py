@@ -3,10 +3,11 @@
 Every rank builds the same full batches from fixed seeds, runs sync_batch_norm
 on its own rows and a one-process batch_norm on all rows, and compares:
 forward y slice, batch statistics, estimates and counter over several steps;
-backward dx slice, dscale and dbias; offset data (mean 1e4); NHWC and rank-2
-inputs; a rank with zero rows; n == 1 judged on the global count; one
-allreduce of O(C) float64 per forward and per backward; no communication in
-the infer copy; estimates bitwise identical on every rank.
+backward dx slice, dscale and dbias; offset data (mean 1e4 in float32; mean
+1e6 in float64: the variance to 1e-6 relative); NHWC and rank-2 inputs; a
+rank with zero rows; n == 1 judged on the global count; one collective of O(C)
+float64 per forward (allreduce_stats) and per backward (allreduce); no
+communication in the infer copy; estimates bitwise identical on every rank.
 Prints "OK rank r" when every check passed; any failure raises (and aborts the job).
 """
 from __future__ import annotations
@@ -114,10 +115,11 @@ def run_case(comm, tag, shape_of, layout, dtype, with_empty, steps, rtol, atol,
         dy = rng.standard_normal(full.shape).astype(dtype)
         before = {k: list(v) for k, v in comm.stats.items()}
         got = sync.step(full[lo:hi], dy[lo:hi])
-        calls = comm.stats["allreduce"][0] - before.get("allreduce", [0, 0])[0]
-        sent = comm.stats["allreduce"][1] - before.get("allreduce", [0, 0])[1]
-        assert calls == 2, f"{tag}: {calls} allreduces for one forward + backward, expected 2"
-        assert sent == 2 * 8 * (2 * channels + 1), f"{tag}: {sent} bytes sent, expected O(C)"
+        for kind in ("allreduce_stats", "allreduce"):     # forward (Chan merge), backward
+            calls = comm.stats[kind][0] - before.get(kind, [0, 0])[0]
+            sent = comm.stats[kind][1] - before.get(kind, [0, 0])[1]
+            assert calls == 1, f"{tag}: {calls} {kind} calls for one forward + backward"
+            assert sent == 8 * (2 * channels + 1), f"{tag}: {kind} sent {sent} bytes, not O(C)"
         want = single.step(full, dy)
         compare(f"{tag} step {step}", got, want, lo, hi, rtol, atol, stats_rtol)
         same_on_every_rank(comm, f"{tag} estimates", sync.mean.get(), sync.var.get(),
@@ -143,6 +145,24 @@ def check_offset(comm):
     assert np.allclose(got["bm"], truth.mean(axis=(0, 2, 3)), rtol=1e-6), "offset data: mean"
     single = BN("batch_norm", 3, np.float32).step(full)
     close("offset y", got["y"], single["y"][lo:hi], 1e-3, 2e-3)
+
+
+def check_offset_1e6(comm):
+    """float64 data with |mean|/std = 1e6: the global variance to 1e-6 relative and
+    the same bits on every rank. Merging (n, mean, M2) with Chan's formula keeps
+    it; the old S2 - mean * S1 of summed moments loses ~1e-16 * 1e12 = 1e-4."""
+    counts = row_counts(comm.size, with_empty=True)
+    lo, hi = sum(counts[:comm.rank]), sum(counts[:comm.rank + 1])
+    rng = np.random.default_rng(11)
+    full = 1e6 + rng.standard_normal((sum(counts), 3, 4, 4)) * np.array([1.0, 0.5, 2.0])[
+        None, :, None, None]
+    centred = full - full.mean(axis=(0, 2, 3), keepdims=True)
+    want_var = (centred * centred).mean(axis=(0, 2, 3))
+    sync = BN("sync_batch_norm", 3, np.float64)
+    got = sync.step(full[lo:hi])
+    rel = np.max(np.abs(got["bv"] - want_var) / want_var)
+    assert rel < 1e-6, f"offset 1e6: variance relative error {rel}"
+    same_on_every_rank(comm, "offset 1e6 statistics", got["bm"], got["bv"], sync.var.get())
 
 
 def check_global_n_is_one(comm):
@@ -177,6 +197,7 @@ def main():
     run_case(comm, "float64 rank 2", lambda n: (n, 6), "NCHW", np.float64, True, steps=2,
              rtol=1e-9, atol=1e-10)
     check_offset(comm)
+    check_offset_1e6(comm)
     check_global_n_is_one(comm)
     print(f"OK rank {comm.rank}", flush=True)
 

@@ -1,0 +1,210 @@
+"""The PyCUDA backend of the loader: one DeviceState per CUDA context, kernels
+compiled with nvcc after checking the toolkit against the driver.
+
+Imported by loader.backend() when the first kernel or array is asked for;
+pycuda itself is imported only when a PyCudaBackend is made.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+
+from minigraph.kernels import loader
+from minigraph.kernels.launch import DeviceInfo, KernelResources
+from minigraph.kernels.loader import GPUError, _Enter, current, is_entered
+
+
+class PyCudaBackend:
+    """Kernels and arrays through PyCUDA, one DeviceState per CUDA context."""
+
+    def __init__(self):
+        import pycuda.driver as drv
+        import pycuda.gpuarray as gpuarray
+
+        self.drv = drv
+        self.gpuarray = gpuarray
+        self._states = {}          # Context (hashes and compares by handle) -> DeviceState
+        self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()
+        self._nvcc = None
+
+    def state_of(self, place):
+        """The DeviceState of a GPUPlace (made on first use)."""
+        return self._state_for(place.context)
+
+    def _state_for(self, ctx):
+        state = self._states.get(ctx)
+        if state is None:
+            with self._lock:
+                state = self._states.get(ctx)
+                if state is None:
+                    from pycuda.tools import DeviceMemoryPool
+
+                    pool = DeviceMemoryPool()
+                    state = loader.DeviceState(ctx, _device_info(self.drv, ctx.get_device()),
+                                        pool.allocate, ctx)
+                    state.pool = pool
+                    self._states[ctx] = state
+        return state
+
+    def default_state(self):
+        """The only GPU place's device; with no place, the context current on this
+        thread; otherwise an error (see the module doc)."""
+        if len(loader._places) == 1:
+            return self._state_for(next(iter(loader._places)))
+        places = loader._places
+        if places:
+            raise GPUError(f"{len(places)} GPU places in this process "
+                           f"({', '.join(map(repr, places.values()))}) and none is "
+                           "active on this thread: run the work under `with place.activate():` "
+                           "(the Executor does this for its place)")
+        ctx = self.drv.Context.get_current()
+        if ctx is None:
+            raise GPUError("no CUDA context is current: create minigraph.GPUPlace(i) before "
+                           "launching kernels")
+        return self._state_for(ctx)
+
+    def push(self, state):
+        state.context.push()
+
+    def pop(self, state):
+        self.drv.Context.pop()
+
+    def kernel(self, module, name, fmt):
+        state = current()
+        found = state.kernels.get((module, name))
+        if found is not None:
+            return found
+        with _Enter(state), self._compile_lock:
+            mod = state.modules.get(module)
+            if mod is None:
+                from pycuda.compiler import SourceModule
+
+                nvcc = self._checked_nvcc()
+                mod = state.modules[module] = SourceModule(
+                    loader.read_source(module), nvcc=nvcc, options=list(loader.NVCC_OPTIONS),
+                    arch=state.info.arch, include_dirs=[str(loader.kernel_dir())], no_extern_c=True)
+            fn = mod.get_function(name)
+            fn.prepare(fmt)
+        res = KernelResources(regs_per_thread=fn.num_regs, shared_bytes=fn.shared_size_bytes)
+
+        def launch(grid, block, args):
+            fn.prepared_async_call(grid, block, None, *args)
+
+        found = state.kernels[(module, name)] = loader.Kernel(name, fmt, launch, res, state)
+        return found
+
+    def _checked_nvcc(self):
+        if self._nvcc is None:
+            self._nvcc = check_toolkit(self.drv.get_driver_version())
+        return self._nvcc
+
+    def empty(self, shape, dtype):
+        """An uninitialised GPUArray from the current device's memory pool (no
+        cudaMalloc and no synchronisation once the pool holds a block of that size)."""
+        state = current()
+        if is_entered(state):
+            return self.gpuarray.empty(tuple(shape), np.dtype(dtype), allocator=state.allocate)
+        with _Enter(state):
+            return self.gpuarray.empty(tuple(shape), np.dtype(dtype), allocator=state.allocate)
+
+    def copy(self, array):
+        """A pooled copy of device `array` (any dtype; a device-to-device memcpy
+        enqueued on the current device's default stream)."""
+        state = current()
+        with _Enter(state):
+            out = self.gpuarray.empty(tuple(array.shape), array.dtype, allocator=state.allocate)
+            if array.size:
+                self.drv.memcpy_dtod_async(out.gpudata, loader.ptr(array, "copy: source"),
+                                           array.nbytes)
+            return out
+
+    def to_device(self, array):
+        """A pooled GPUArray copy of numpy `array` (C-contiguous) on the current device."""
+        state = current()
+        with _Enter(state):
+            return self.gpuarray.to_gpu(array, allocator=state.allocate)
+
+    def release(self, ctx):
+        """Forget the DeviceState of `ctx` (call with ctx current): drop its
+        kernels, modules, flags and caches, then give the pool's memory back."""
+        state = self._states.pop(ctx, None)
+        if state is None:
+            return
+        state.kernels.clear()
+        state.modules.clear()
+        state.flags.clear()
+        state.cache.clear()
+        state.tickets = None
+        state.scratch.clear()
+        if state.pool is not None:
+            state.pool.stop_holding()
+
+
+def _device_info(drv, dev):
+    attrs = dev.get_attributes()
+    a = drv.device_attribute
+
+    def get(name, default):
+        key = getattr(a, name, None)
+        return attrs.get(key, default) if key is not None else default
+
+    return DeviceInfo(
+        name=dev.name(), compute_capability=tuple(dev.compute_capability()),
+        sm_count=get("MULTIPROCESSOR_COUNT", 1),
+        max_threads_per_block=get("MAX_THREADS_PER_BLOCK", 1024),
+        max_threads_per_sm=get("MAX_THREADS_PER_MULTIPROCESSOR", 2048),
+        max_blocks_per_sm=get("MAX_BLOCKS_PER_MULTIPROCESSOR", 16),
+        regs_per_sm=get("MAX_REGISTERS_PER_MULTIPROCESSOR", 65536),
+        shared_per_sm=get("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", 48 * 1024),
+        max_grid=(get("MAX_GRID_DIM_X", 2**31 - 1), get("MAX_GRID_DIM_Y", 65535),
+                  get("MAX_GRID_DIM_Z", 65535)),
+        total_memory=dev.total_memory())
+
+
+# ---- the toolkit against the driver -----------------------------------------------
+
+def nvcc_version(nvcc):
+    """(major, minor) of the CUDA toolkit of `nvcc` (from `nvcc --version`)."""
+    done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120)
+    found = re.search(r"release (\d+)\.(\d+)", done.stdout)
+    if done.returncode or found is None:
+        raise GPUError(f"could not read the CUDA toolkit version from `{nvcc} --version` "
+                       f"(exit {done.returncode}): {(done.stdout + done.stderr)[-500:]}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def check_toolkit(driver_version, nvcc="nvcc"):
+    """The path of the nvcc the kernels are compiled with (the first on PATH), after
+    checking that the driver can load what it builds. `driver_version` is
+    pycuda.driver.get_driver_version() (1000 * major + 10 * minor, e.g. 12040).
+
+    A toolkit of a newer major version than the driver's (CUDA 13 on a driver
+    for CUDA 12) builds kernels the driver rejects at load: GPUError naming
+    both versions and the fix. A newer minor version of the same major is
+    fine: cubins built for the device's own architecture load under CUDA's
+    minor version compatibility."""
+    path = shutil.which(nvcc)
+    if path is None:
+        raise GPUError(f"the CUDA toolkit's `{nvcc}` is not on PATH: the GPU kernels are "
+                       "compiled with it at first use; install a toolkit the driver supports "
+                       f"(CUDA {_version_text(driver_version)} or older) and put its bin "
+                       "directory first on PATH")
+    major, minor = nvcc_version(path)
+    driver_major = int(driver_version) // 1000
+    if major > driver_major:
+        raise GPUError(
+            f"the CUDA toolkit ({path}: CUDA {major}.{minor}) is newer than the driver "
+            f"supports (CUDA {_version_text(driver_version)}): kernels it builds would not "
+            f"load. Put a CUDA {driver_major}.x toolkit first on PATH (and CUDA_ROOT / "
+            f"CUDA_HOME at it), or update the NVIDIA driver to one for CUDA {major}.{minor}")
+    return path
+
+
+def _version_text(driver_version):
+    v = int(driver_version)
+    return f"{v // 1000}.{v % 1000 // 10}"

@@ -1,0 +1,209 @@
+"""Device memory and code of the fake PyCUDA (fake_pycuda.py): allocations that
+know their context, DeviceMemoryPool, GPUArray, SourceModule and its functions."""
+from __future__ import annotations
+
+import math
+import threading
+import types
+
+import numpy as np
+
+ALIGN = 256
+
+
+class FakeDriverError(RuntimeError):
+    """What the real driver would have returned as an error."""
+
+
+class _Allocation:
+    """Device memory: a host buffer (or, without kernels, just an address)."""
+
+    def __init__(self, cuda, nbytes, ctx, pooled=None):
+        self.cuda, self.nbytes, self.ctx, self.pool = cuda, int(nbytes), ctx, pooled
+        if cuda.run_kernels:
+            self.buf = np.zeros(self.nbytes + ALIGN, np.uint8)
+            self.addr = self.buf.ctypes.data + (-self.buf.ctypes.data) % ALIGN
+        else:
+            self.buf = None
+            self.addr = next(cuda._addresses) * ALIGN * 64
+        cuda._track(self)
+
+    def __int__(self):
+        return self.addr
+
+    def view(self, dtype, count):
+        start = self.addr - self.buf.ctypes.data
+        return self.buf[start:start + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def __del__(self):
+        try:
+            if self.pool is not None and self.pool.holding:
+                self.pool.held.setdefault(self.nbytes, []).append(self.reborn())
+            else:
+                self.cuda.count("mem_free")
+                self.cuda._untrack(self)
+        except Exception:    # interpreter shutdown
+            pass
+
+    def reborn(self):
+        """The same memory as a new held block (this object is being collected)."""
+        block = object.__new__(_Allocation)
+        block.__dict__.update(self.__dict__)
+        return block
+
+
+class FakePool:
+    """DeviceMemoryPool: blocks of a size come back to the pool when freed."""
+
+    def __init__(self, cuda):
+        self.cuda, self.held, self.holding = cuda, {}, True
+
+    def allocate(self, nbytes):
+        nbytes = max(int(nbytes), 1)
+        ctx = self.cuda.current("pool.allocate")
+        blocks = self.held.get(nbytes)
+        if blocks:
+            block = blocks.pop()
+            block.pool = self
+            return block
+        self.cuda.count("mem_alloc")
+        return _Allocation(self.cuda, nbytes, ctx, pooled=self)
+
+    def free_held(self):
+        self.cuda.current("pool.free_held")
+        self.held.clear()
+
+    def stop_holding(self):
+        ctx = self.cuda.current("pool.stop_holding")
+        self.cuda.log.append((threading.current_thread().name, "free_pool", ctx.device.index))
+        self.holding = False
+        for blocks in self.held.values():
+            for b in blocks:
+                b.pool = None
+        self.held.clear()
+
+
+class FakeArray:
+    """A GPUArray: shape, dtype, gpudata, flags, get/set/copy, the CUDA array interface."""
+
+    def __init__(self, cuda, shape, dtype, allocator=None):
+        self.cuda = cuda
+        self.shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list) else
+                                            (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        self.strides = _c_strides(self.shape, self.dtype.itemsize)
+        self.flags = types.SimpleNamespace(c_contiguous=True, f_contiguous=self.ndim <= 1)
+        if self.size == 0:
+            self.gpudata = None
+            return
+        if allocator is None:
+            cuda.count("mem_alloc")
+            self.gpudata = _Allocation(cuda, self.nbytes, cuda.current("mem_alloc"))
+        else:
+            self.gpudata = allocator(self.nbytes)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @classmethod
+    def from_host(cls, cuda, a, allocator=None):
+        a = np.asarray(a)
+        out = cls(cuda, a.shape, a.dtype, allocator)
+        return out.set(a)
+
+    def _check_owner(self, what):
+        ctx = self.cuda.current(what)
+        if self.cuda.strict and self.gpudata is not None and self.gpudata.ctx is not ctx:
+            raise FakeDriverError(f"{what}: array of {self.gpudata.ctx} used with {ctx} current")
+
+    def _host(self):
+        return self.gpudata.view(self.dtype, self.size).reshape(self.shape)
+
+    def set(self, a):
+        self._check_owner("memcpy_htod")
+        self.cuda.count("htod")
+        if self.size and self.cuda.run_kernels:
+            self._host()[...] = np.asarray(a, self.dtype).reshape(self.shape)
+        return self
+
+    def get(self):
+        self._check_owner("memcpy_dtoh")
+        self.cuda.count("dtoh")
+        if self.size == 0 or not self.cuda.run_kernels:
+            return np.zeros(self.shape, self.dtype)
+        return self._host().copy()
+
+    def copy(self):
+        self._check_owner("memcpy_dtod")
+        out = FakeArray(self.cuda, self.shape, self.dtype)
+        if self.size and self.cuda.run_kernels:
+            out._host()[...] = self._host()
+        return out
+
+    def __mul__(self, factor):
+        out = self.copy()
+        if self.size and self.cuda.run_kernels:
+            out._host()[...] *= self.dtype.type(factor)
+        return out
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "strides": None,
+                "data": (int(self.gpudata) if self.gpudata is not None else 0, False),
+                "version": 3}
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+class FakeModule:
+    """SourceModule: compiled in the current context; functions launch only there."""
+
+    def __init__(self, cuda, source, options):
+        from minigraph.kernels import loader
+
+        self.cuda, self.options = cuda, options
+        self.ctx = cuda.current("SourceModule")
+        cuda.count("compile")
+        names = [m for m in loader.module_names() if loader.read_source(m) == source]
+        assert len(names) == 1, "SourceModule of an unknown source"
+        self.module = names[0]
+
+    def get_function(self, name):
+        return FakeFunction(self, name)
+
+
+class FakeFunction:
+    num_regs = 32
+    shared_size_bytes = 0
+
+    def __init__(self, module, name):
+        self.module, self.name, self.fmt = module, name, None
+
+    def prepare(self, fmt):
+        self.fmt = fmt
+
+    def prepared_async_call(self, grid, block, stream, *args):
+        cuda = self.module.cuda
+        ctx = cuda.current(f"launch {self.name}")
+        cuda.count("launch")
+        if cuda.strict:
+            if ctx is not self.module.ctx:
+                raise FakeDriverError(f"launch {self.name}: module of {self.module.ctx} with "
+                                      f"{ctx} current (invalid handle)")
+            for kind, a in zip(self.fmt, args, strict=True):
+                if kind == "P" and a and cuda.owner(int(a)) is not ctx:
+                    raise FakeDriverError(f"launch {self.name}: pointer {int(a):#x} belongs to "
+                                          f"{cuda.owner(int(a))}, not {ctx}")
+        if cuda.run_kernels:
+            k = cuda.emulator().kernel(self.module.module, self.name, self.fmt)
+            with cuda.emu_lock:
+                k._launch(grid, block, args)

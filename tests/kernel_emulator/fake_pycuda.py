@@ -1,0 +1,303 @@
+"""A fake PyCUDA for host-side tests and benchmarks on machines without a GPU.
+
+`FakeCuda(devices=2).install()` puts stand-ins for pycuda, pycuda.driver,
+pycuda.gpuarray, pycuda.tools and pycuda.compiler into sys.modules, so
+minigraph.GPUPlace and the loader's real PyCUDA backend run on it. It keeps
+what the driver keeps - a context stack per thread, primary-context retain
+counts, which context owns each allocation - and checks what the driver would
+reject: every allocation, copy, event and kernel launch needs a current
+context, a kernel runs only in the context its module was loaded in, every
+pointer it gets belongs to that context, and `check_clean()` fails like
+PyCUDA's exit check when a thread's context stack is not empty.
+
+Kernels either run on the CPU emulator (run_kernels=True: the real .cu files,
+so results can be checked) or do nothing (a fake launcher, for timing the
+host side). `counts` tallies driver calls (push, pop, mem_alloc, mem_free,
+htod, dtoh, launch, compile, ...); `log` records (thread, event, device).
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import sys
+import threading
+import types
+from collections import Counter
+
+from .fake_memory import FakeArray, FakeDriverError, FakeModule, FakePool
+
+
+class FakeCuda:
+    """One fake driver with `devices` GPUs (see the module doc)."""
+
+    def __init__(self, devices=1, driver_version=13000, run_kernels=True, strict=True,
+                 sm_count=2):
+        self.driver_version = driver_version
+        self.run_kernels, self.strict, self.sm_count = run_kernels, strict, sm_count
+        self.counts = Counter()
+        self.log = []
+        self.devices = [FakeDevice(self, i) for i in range(devices)]
+        self._tls = threading.local()
+        self._stacks = {}
+        self._owners = []           # sorted (start, end, ctx)
+        self._addresses = itertools.count(1)
+        self._emu = None
+        self.emu_lock = threading.Lock()
+        self.hang = threading.Event()   # set: events never complete until released
+        self.released = threading.Event()
+
+    # ---- bookkeeping ---------------------------------------------------------------
+    def count(self, what):
+        self.counts[what] += 1
+
+    def stack(self):
+        s = getattr(self._tls, "stack", None)
+        if s is None:
+            s = self._tls.stack = []
+            self._stacks[threading.get_ident()] = (threading.current_thread().name, s)
+        return s
+
+    def current(self, what="this call"):
+        s = self.stack()
+        if not s:
+            raise FakeDriverError(f"{what}: no CUDA context is current on thread "
+                                  f"{threading.current_thread().name}")
+        return s[-1]
+
+    def _track(self, alloc):
+        if self.strict:
+            bisect.insort(self._owners, (alloc.addr, alloc.addr + alloc.nbytes, alloc.ctx),
+                          key=lambda t: t[0])
+
+    def _untrack(self, alloc):
+        if self.strict:
+            i = bisect.bisect_left(self._owners, alloc.addr, key=lambda t: t[0])
+            if i < len(self._owners) and self._owners[i][0] == alloc.addr:
+                del self._owners[i]
+
+    def owner(self, address):
+        """The context owning device `address`, or None."""
+        i = bisect.bisect_right(self._owners, address, key=lambda t: t[0]) - 1
+        if i >= 0 and self._owners[i][0] <= address < max(self._owners[i][1],
+                                                           self._owners[i][0] + 1):
+            return self._owners[i][2]
+        return None
+
+    def check_clean(self):
+        """AssertionError, like PyCUDA's abort at exit, if any thread still has a
+        context pushed or a primary context is still retained."""
+        for name, s in self._stacks.values():
+            assert not s, f"thread {name}: the context stack was not empty: {s}"
+        for d in self.devices:
+            assert d.ctx.retains == 0, f"{d.ctx} is still retained ({d.ctx.retains})"
+
+    def memcpy_dtod(self, dest, src, nbytes):
+        """A device-to-device copy on the current context (both ends its memory)."""
+        ctx = self.current("memcpy_dtod")
+        self.count("dtod")
+        if self.strict and not (self.owner(dest) is ctx and self.owner(src) is ctx):
+            raise FakeDriverError(f"memcpy_dtod {src:#x} -> {dest:#x} outside {ctx}")
+        if self.run_kernels:
+            import ctypes
+
+            ctypes.memmove(dest, src, nbytes)
+
+    def emulator(self):
+        if self._emu is None:
+            import kernel_emulator
+
+            self._emu = kernel_emulator.EmuBackend(sm_count=self.sm_count)
+        return self._emu
+
+    # ---- installing ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def install(self):
+        """Use this fake as pycuda (and a fresh loader backend) inside the block;
+        everything comes back afterwards. The toolkit check is skipped (it would
+        run nvcc): tests of it call cuda_backend.check_toolkit directly. Contexts the
+        block left retained are released at its end, as at exit."""
+        import atexit
+
+        from minigraph import place
+        from minigraph.kernels import loader
+
+        saved = {k: v for k, v in sys.modules.items() if k == "pycuda" or
+                 k.startswith("pycuda.")}
+        for k in saved:
+            del sys.modules[k]
+        sys.modules.update(self.modules())
+        old_backend = loader.use_backend(None)
+        old_places = dict(loader._places)
+        loader._places.clear()
+        old_ctx, old_main = dict(place._contexts), place._main_context
+        place._contexts.clear()
+        place._main_context = None
+        from minigraph.kernels import cuda_backend
+
+        real_check, cuda_backend.check_toolkit = cuda_backend.check_toolkit, self._check_toolkit
+        self.real_check_toolkit = real_check
+        try:
+            yield self
+        finally:
+            if place._contexts:
+                place.release_gpus()
+            atexit.unregister(place.release_gpus)
+            if old_ctx:
+                atexit.register(place.release_gpus)
+            cuda_backend.check_toolkit = real_check
+            loader.use_backend(old_backend)
+            loader._places.clear()
+            loader._places.update(old_places)
+            place._contexts.clear()
+            place._contexts.update(old_ctx)
+            place._main_context = old_main
+            for k in [k for k in sys.modules if k == "pycuda" or k.startswith("pycuda.")]:
+                del sys.modules[k]
+            sys.modules.update(saved)
+
+    def _check_toolkit(self, driver_version, nvcc="nvcc"):
+        self.count("check_toolkit")
+        return nvcc
+
+    def modules(self):
+        """{name: module} of the fake pycuda package."""
+        cuda = self
+        pkg = types.ModuleType("pycuda")
+        pkg.__path__ = []
+        drv = types.ModuleType("pycuda.driver")
+        drv.init = lambda flags=0: cuda.count("init")
+        drv.get_driver_version = lambda: cuda.driver_version
+        drv.Device = _device_class(cuda)
+        drv.Context = FakeContext
+        drv.Event = lambda flags=0: FakeEvent(cuda)
+        drv.memcpy_dtod_async = lambda dest, src, nbytes, stream=None: cuda.memcpy_dtod(
+            int(dest), int(src), nbytes)
+        drv.device_attribute = types.SimpleNamespace(
+            MULTIPROCESSOR_COUNT="sm", MAX_THREADS_PER_BLOCK="tpb")
+        FakeContext.cuda = cuda
+        ga = types.ModuleType("pycuda.gpuarray")
+        ga.GPUArray = FakeArray
+        ga.empty = lambda shape, dtype, allocator=None: FakeArray(cuda, shape, dtype, allocator)
+        ga.to_gpu = lambda a, allocator=None: FakeArray.from_host(cuda, a, allocator)
+        tools = types.ModuleType("pycuda.tools")
+        tools.DeviceMemoryPool = lambda: FakePool(cuda)
+        tools.clear_context_caches = lambda: cuda.count("clear_context_caches")
+        comp = types.ModuleType("pycuda.compiler")
+        comp.SourceModule = lambda source, **kw: FakeModule(cuda, source, kw)
+        pkg.driver, pkg.gpuarray, pkg.tools, pkg.compiler = drv, ga, tools, comp
+        return {"pycuda": pkg, "pycuda.driver": drv, "pycuda.gpuarray": ga,
+                "pycuda.tools": tools, "pycuda.compiler": comp}
+
+
+class FakeContext:
+    """A primary context: retained, pushed and popped per thread like CUDA's."""
+
+    cuda = None
+
+    def __init__(self, device):
+        self.device, self.retains, self.valid = device, 0, True
+
+    def push(self):
+        c = self.device.cuda
+        if not self.valid or self.retains <= 0:
+            raise FakeDriverError(f"push of {self}, which is not retained")
+        c.stack().append(self)
+        c.count("push")
+        c.log.append((threading.current_thread().name, "push", self.device.index))
+
+    @staticmethod
+    def pop():
+        c = FakeContext.cuda
+        s = c.stack()
+        if not s:
+            raise FakeDriverError("Context.pop: the context stack is empty")
+        ctx = s.pop()
+        c.count("pop")
+        c.log.append((threading.current_thread().name, "pop", ctx.device.index))
+        return ctx
+
+    @staticmethod
+    def get_current():
+        s = FakeContext.cuda.stack()
+        return s[-1] if s else None
+
+    @staticmethod
+    def synchronize():
+        c = FakeContext.cuda
+        ctx = c.current("Context.synchronize")
+        c.count("synchronize")
+        c.log.append((threading.current_thread().name, "synchronize", ctx.device.index))
+
+    def get_device(self):
+        return self.device
+
+    def detach(self):
+        c = self.device.cuda
+        if self in c.stack():
+            raise FakeDriverError(f"detach of {self} while it is on this thread's stack")
+        self.retains -= 1
+        c.count("detach")
+        c.log.append((threading.current_thread().name, "detach", self.device.index))
+
+    def __repr__(self):
+        return f"<fake primary context of GPU {self.device.index}>"
+
+
+class FakeDevice:
+    def __init__(self, cuda, index):
+        self.cuda, self.index = cuda, index
+        self.ctx = FakeContext(self)
+
+    def pci_bus_id(self):
+        return f"0000:{self.index:02x}:00.0"
+
+    def retain_primary_context(self):
+        self.ctx.retains += 1
+        self.cuda.count("retain")
+        return self.ctx
+
+    def name(self):
+        return f"fake GPU {self.index}"
+
+    def compute_capability(self):
+        return (9, 0)
+
+    def get_attributes(self):
+        return {"sm": self.cuda.sm_count, "tpb": 1024}
+
+    def total_memory(self):
+        return 2**30
+
+
+def _device_class(cuda):
+    class Device:
+        def __new__(cls, index):
+            return cuda.devices[index]
+
+        @staticmethod
+        def count():
+            return len(cuda.devices)
+    return Device
+
+
+class FakeEvent:
+    def __init__(self, cuda):
+        self.cuda, self.ctx = cuda, None
+
+    def record(self, stream=None):
+        self.ctx = self.cuda.current("Event.record")
+        self.cuda.count("event_record")
+        return self
+
+    def query(self):
+        self.cuda.count("event_query")
+        return not self.cuda.hang.is_set()
+
+    def synchronize(self):
+        self.cuda.count("event_synchronize")
+        self.cuda.log.append((threading.current_thread().name, "event_synchronize",
+                              self.ctx.device.index))
+        if self.cuda.hang.is_set():
+            self.cuda.released.wait(60)
+        return self
