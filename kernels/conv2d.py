@@ -59,6 +59,7 @@ def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, out=None):
     """out (N, O, Ho, Wo) = the grouped, strided, padded, dilated cross-correlation
     of x (N, C, H, W) with w (O, C / groups, kh, kw). Returns out."""
     g = geometry(x.shape, w.shape, strides, paddings, dilations, groups)
+    launch.check_contiguous("conv2d: x", x)
     out_shape = (g["N"], g["O"], g["Ho"], g["Wo"])
     out = loader.empty(out_shape, x.dtype) if out is None else out
     launch.check_array("conv2d: filter", w, w.shape, x.dtype)
@@ -84,6 +85,7 @@ def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_d
     """(dx, dfilter) of conv2d; None for the ones not needed."""
     g = geometry(x.shape, w.shape, strides, paddings, dilations, groups)
     itemsize = np.dtype(x.dtype).itemsize
+    launch.check_contiguous("conv2d_grad: x", x)
     launch.check_array("conv2d_grad: filter", w, w.shape, x.dtype)
     launch.check_array("conv2d_grad: dout", dout, (g["N"], g["O"], g["Ho"], g["Wo"]), x.dtype)
     dx = loader.empty(x.shape, x.dtype) if need_dx else None

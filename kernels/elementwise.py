@@ -42,6 +42,8 @@ def add(x, y, axis=-1, out=None):
     if x.dtype != y.dtype:
         raise ValueError(f"elementwise_add: dtypes differ ({x.dtype} and {y.dtype})")
     _, n, post = broadcast_view(x.shape, y.shape, axis)
+    launch.check_contiguous("elementwise_add: x", x)
+    launch.check_contiguous("elementwise_add: y", y)
     out = loader.empty(x.shape, x.dtype) if out is None else out
     launch.check_array("elementwise_add: out", out, x.shape, x.dtype)
     if x.size:
@@ -52,6 +54,7 @@ def add(x, y, axis=-1, out=None):
 
 def copy(src, out=None):
     """A device-to-device copy of `src` (into `out` when given). Returns out."""
+    launch.check_contiguous("copy: src", src)
     out = loader.empty(src.shape, src.dtype) if out is None else out
     launch.check_array("copy: out", out, src.shape, src.dtype)
     if src.size:
@@ -66,6 +69,7 @@ def sum_n(xs, out=None):
     if not xs:
         raise ValueError("sum: needs at least one input")
     first = xs[0]
+    launch.check_contiguous("sum: inputs", *xs)
     for i, a in enumerate(xs):
         if tuple(a.shape) != tuple(first.shape) or a.dtype != first.dtype:
             raise ValueError(f"sum: input {i} is {a.dtype}{tuple(a.shape)}, input 0 is "
@@ -94,6 +98,7 @@ def channel_sum(d, pre, channels, post, out=None):
     """out[c] = the sum of d viewed as (pre, channels, post) over pre and post,
     accumulated in double on the device. Returns out (shape (channels,) unless
     an `out` of another shape with `channels` elements is given)."""
+    launch.check_contiguous("channel_sum: d", d)
     out = loader.empty((channels,), d.dtype) if out is None else out
     if d.size != pre * channels * post:
         raise ValueError(f"channel_sum: {d.size} values do not form ({pre}, {channels}, {post})")

@@ -62,10 +62,25 @@ def blocks_per_sm(dev, threads, res=KernelResources()):
 
 def check_array(what, array, shape, dtype):
     """ValueError unless `array` has exactly `shape` and `dtype` (kernels index
-    by the expected shape: a mismatch would read or write out of bounds)."""
+    by the expected shape: a mismatch would read or write out of bounds) and is
+    C-contiguous."""
     if tuple(array.shape) != tuple(shape) or np.dtype(array.dtype) != np.dtype(dtype):
         raise ValueError(f"{what} must be {np.dtype(dtype)} of shape {tuple(shape)}, got "
                          f"{np.dtype(array.dtype)}{tuple(array.shape)}")
+    check_contiguous(what, array)
+
+
+def check_contiguous(what, *arrays):
+    """ValueError naming `what` (and the array's place among `arrays` when there
+    are several) unless every array (None skipped) is C-contiguous: the kernels
+    read arrays as contiguous."""
+    for i, a in enumerate(arrays):
+        flags = getattr(a, "flags", None)
+        if flags is not None and not flags.c_contiguous:
+            which = f"{what} (array {i})" if len(arrays) > 1 else what
+            raise ValueError(f"{which}: a {np.dtype(a.dtype)}{tuple(a.shape)} device array with "
+                             f"strides {tuple(getattr(a, 'strides', ()))} is not C-contiguous; "
+                             "the GPU kernels read arrays as contiguous (copy it)")
 
 
 def vector_width(itemsize):

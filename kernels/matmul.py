@@ -44,6 +44,8 @@ def matmul(a, b, trans_a=False, trans_b=False, out=None, accumulate=False):
     Returns out (a new array unless given)."""
     if a.dtype != b.dtype:
         raise ValueError(f"matmul: dtypes differ ({a.dtype} and {b.dtype})")
+    launch.check_contiguous("matmul: a", a)
+    launch.check_contiguous("matmul: b", b)
     m, k = (a.shape[1], a.shape[0]) if trans_a else tuple(a.shape)
     k2, n = (b.shape[1], b.shape[0]) if trans_b else tuple(b.shape)
     if k != k2:
@@ -68,6 +70,8 @@ def mul(x, y, x_num_col_dims=1, out=None):
     """out = flatten(x) @ y with x viewed as (prod(x.shape[:n]), prod(x.shape[n:])),
     shaped x.shape[:n] + (y.shape[1],). Returns out."""
     rows, cols = _flat(tuple(x.shape), x_num_col_dims)
+    launch.check_contiguous("mul: x", x)
+    launch.check_contiguous("mul: y", y)
     if len(y.shape) != 2 or tuple(y.shape)[0] != cols or y.dtype != x.dtype:
         raise ValueError(f"mul: y must be ({cols}, M) for x of shape {tuple(x.shape)} and "
                          f"x_num_col_dims={x_num_col_dims}, got {tuple(y.shape)}")
@@ -88,6 +92,7 @@ def mul_grad(x, y, dout, x_num_col_dims=1, need_dx=True, need_dy=True):
     None for the ones not needed."""
     rows, cols = _flat(tuple(x.shape), x_num_col_dims)
     m = y.shape[1]
+    launch.check_contiguous("mul_grad: x", x)
     launch.check_array("mul_grad: y", y, (cols, m), x.dtype)
     launch.check_array("mul_grad: dout", dout, tuple(x.shape[:x_num_col_dims]) + (m,), x.dtype)
     dx = dy = None

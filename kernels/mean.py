@@ -14,6 +14,7 @@ def mean(x, out=None):
     device; x must not be empty. Returns out."""
     if x.size == 0:
         raise ValueError(f"mean: input is empty (shape {tuple(x.shape)}); its mean is undefined")
+    launch.check_contiguous("mean: x", x)
     out = loader.empty((), x.dtype) if out is None else out
     name = f"mean_{loader.suffix(x.dtype)}"
     k = loader.kernel(MODULE, name, SIGNATURES[name])

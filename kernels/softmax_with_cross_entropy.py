@@ -52,6 +52,7 @@ def forward(logits, label, status=None):
     """(softmax (N, K), loss (N,)) of logits (N, K) and int64 labels (N,),
     computed in double from the max-shifted logits. Bad labels: see LabelStatus."""
     rows, classes = (int(d) for d in logits.shape)
+    launch.check_contiguous("softmax_with_cross_entropy: logits", logits)
     launch.check_array("softmax_with_cross_entropy: label", label, (rows,), np.int64)
     status = default_status() if status is None else status
     softmax = loader.empty((rows, classes), logits.dtype)
@@ -68,6 +69,7 @@ def grad(label, softmax, dloss=None, dsoftmax=None, status=None):
     + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1)); either term is
     left out when its input is None."""
     rows, classes = (int(d) for d in softmax.shape)
+    launch.check_contiguous("softmax_with_cross_entropy_grad: softmax", softmax)
     launch.check_array("softmax_with_cross_entropy_grad: label", label, (rows,), np.int64)
     if dloss is not None:
         launch.check_array("softmax_with_cross_entropy_grad: dloss", dloss, (rows,),

@@ -278,8 +278,11 @@ def test_launchers_reject_arrays_that_are_not_contiguous():
         x = kernel_emulator.to_device(np.ones((4, 3), np.float32))
         strided = kernel_emulator.to_device(np.ones((4, 3), np.float32))
         strided.flags.c_contiguous = False
-        with pytest.raises(ValueError, match=r"add_\{t\}_w\{w\}: array 1: .* not C-contiguous"):
+        with pytest.raises(ValueError, match=r"elementwise_add: y: a float32\(4, 3\) .* not C-"):
             elementwise.add(x, strided)
+        with pytest.raises(ValueError, match=r"copy_\{t\}_w\{w\}: array 1: .* not C-contiguous"):
+            loader.launch_flat("elementwise", elementwise.SIGNATURES, "copy_{t}_w{w}",
+                               np.float32, 12, (x, strided), 12)
         c = kernel_emulator.to_device(np.ones(3, np.float32))
         with pytest.raises(ValueError, match=r"batch_norm: x: a float32\(4, 3\) .* strides"):
             batch_norm.forward_infer(strided, c, c, c, c, 1e-5)
@@ -365,3 +368,23 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
     want = pool_grad_reference(x.astype(np.float64), d.astype(np.float64), "max", (3, 3),
                                (1, 1), (0, 0))
     np.testing.assert_allclose(runs[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda k, a, b: k["elementwise"].add(a, b), "elementwise_add: y"),
+    (lambda k, a, b: k["elementwise"].copy(b), "copy: src"),
+    (lambda k, a, b: k["matmul"].matmul(a, b), "matmul: b"),
+    (lambda k, a, b: k["mean"].mean(b), "mean: x"),
+    (lambda k, a, b: k["elementwise"].copy(a, out=b), "copy: out"),
+    (lambda k, a, b: k["collective"].pack([a, b]), "pack: array 1")])
+def test_each_launcher_names_the_array_that_is_not_contiguous(call, words):
+    import importlib
+
+    mods = {m: importlib.import_module(f"minigraph.kernels.{m}")
+            for m in ("elementwise", "matmul", "mean", "collective")}
+    with kernel_emulator.emulated_gpu():
+        a = kernel_emulator.to_device(np.ones((3, 3), np.float32))
+        b = kernel_emulator.to_device(np.ones((3, 3), np.float32))
+        b.flags.c_contiguous = False
+        with pytest.raises(ValueError, match=rf"{words}\b.* not C-contiguous"):
+            call(mods, a, b)
