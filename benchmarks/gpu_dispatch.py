@@ -66,17 +66,32 @@ def averaging_op(net):
     return mg.Operator("c_allreduce_avg", x=grads, out=grads)
 
 
-def time_ops(executor, ops, repeat, activate):
-    """{op type: [microseconds per run_op, ...]} over `repeat` runs of each op."""
-    per_type = defaultdict(list)
+def time_ops(executor, ops, repeat, activate, counts):
+    """({op type: [us per run_op, ...]}, {op type: [(arrays, launches) per run, ...]})
+    over `repeat` runs of each op; `counts` is the fake driver's call counter."""
+    per_type, made = defaultdict(list), defaultdict(list)
     for op in ops:
         with activate():
             executor.run_op(op)                    # warm: plans, kernels, pool blocks
+            before = (counts["array"], counts["launch"])
             start = time.perf_counter()
             for _ in range(repeat):
                 executor.run_op(op)
             per_type[op.type].append((time.perf_counter() - start) / repeat * 1e6)
-    return per_type
+            made[op.type].append(((counts["array"] - before[0]) / repeat,
+                                  (counts["launch"] - before[1]) / repeat))
+    return per_type, made
+
+
+def time_arrays(repeat):
+    """Microseconds per pooled device array made and dropped (loader.empty)."""
+    from minigraph.kernels import loader
+
+    loader.empty((32, 16, 16, 16), np.float32)
+    start = time.perf_counter()
+    for _ in range(repeat * 10):
+        loader.empty((32, 16, 16, 16), np.float32)
+    return (time.perf_counter() - start) / (repeat * 10) * 1e6
 
 
 def main():
@@ -103,20 +118,26 @@ def main():
         executor = mg.Executor(place)
         for op in ops:                                  # compiles (fake), fills every var
             executor.run_op(op)
-        plain = time_ops(executor, ops, args.repeat, contextlib.nullcontext)
-        active = time_ops(executor, ops, args.repeat, place.activate)
-    rows = [(t, len(plain[t]), float(np.mean(plain[t])), float(np.mean(active[t])))
+        plain, _ = time_ops(executor, ops, args.repeat, contextlib.nullcontext, fake.counts)
+        active, made = time_ops(executor, ops, args.repeat, place.activate, fake.counts)
+        array_us = time_arrays(args.repeat)
+    rows = [(t, len(plain[t]), float(np.mean(plain[t])), float(np.mean(active[t])),
+             float(np.mean([m[0] for m in made[t]])), float(np.mean([m[1] for m in made[t]])))
             for t in plain]
-    rows.sort(key=lambda r: -r[2])
+    rows.sort(key=lambda r: -r[3])
     print(f"host time per op, fake launcher (kernels do nothing), batch {args.batch}, "
           f"{args.repeat} runs each, Python {sys.version.split()[0]}")
-    print(f"{'op':<32} {'n':>3} {'us/op as today':>15} {'us/op activated':>16}")
-    for name, n, us_plain, us_active in rows:
-        print(f"{name:<32} {n:>3} {us_plain:>15.1f} {us_active:>16.1f}")
+    print(f"{'op':<32} {'n':>3} {'us/op as today':>15} {'us/op activated':>16} "
+          f"{'arrays/op':>10} {'launches/op':>12}")
+    for name, n, us_plain, us_active, arrays, launches in rows:
+        print(f"{name:<32} {n:>3} {us_plain:>15.1f} {us_active:>16.1f} {arrays:>10.1f} "
+              f"{launches:>12.1f}")
     every_plain = [u for v in plain.values() for u in v]
     every_active = [u for v in active.values() for u in v]
     print(f"{'mean over the ' + str(len(every_plain)) + ' ops':<36} "
           f"{np.mean(every_plain):>15.1f} {np.mean(every_active):>16.1f}")
+    print(f"one device array (pooled, the fake's GPUArray stand-in) costs {array_us:.1f} us "
+          "of the above per array made")
     over = [r[0] for r in rows if r[3] > TARGET_US]
     print(f"target <= {TARGET_US:g} us/op (activated): "
           + ("met by every op" if not over else "missed by " + ", ".join(over)))

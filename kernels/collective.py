@@ -27,25 +27,31 @@ def _check_same_dtype(what, arrays, dtype):
 
 def _launches(what, flat, arrays, name, *head):
     """Launch `name` over `arrays` (and the matching runs of `flat`), PACK_ARITY at a time."""
-    dtype = np.dtype(flat.dtype)
-    base = loader.ptr(flat, f"{what}: flat")
-    parts = [(i, a) for i, a in enumerate(arrays) if a.size]
-    start = sum(a.size for a in arrays[:parts[0][0]]) if parts else 0
-    k = loader.kernel(MODULE, name, SIGNATURES[name])
-    dev = loader.device()
-    threads = launch.block_threads(dev)
+    launch.check_contiguous(f"{what}: flat", flat)
+    launch.check_contiguous(what, *arrays)
+    itemsize = np.dtype(flat.dtype).itemsize
+    parts = [a for a in arrays if a.size]
+    start = loader.ptr(flat)
+    configs = loader.cached("collective.grids", dict)
     for lo in range(0, len(parts), PACK_ARITY):
         chunk = parts[lo:lo + PACK_ARITY]
         pointers, ends, total = [], [], 0
-        for i, a in chunk:
-            pointers.append(loader.ptr(a, f"{what}: array {i}"))
+        for a in chunk:
+            pointers.append(loader.ptr(a))
             total += a.size
             ends.append(total)
+        found = configs.get((name, total))
+        if found is None:
+            k = loader.kernel(MODULE, name, SIGNATURES[name])
+            dev = loader.device()
+            threads = launch.block_threads(dev)
+            found = configs[(name, total)] = (
+                k, (launch.flat_grid(total, dev, threads, k.resources), 1, 1), (threads, 1, 1))
+        k, grid, block = found
         pad = PACK_ARITY - len(chunk)
-        grid = launch.flat_grid(total, dev, threads, k.resources)
-        k.launch((grid, 1, 1), (threads, 1, 1), base + start * dtype.itemsize, total,
-                 len(chunk), *head, *pointers, *[0] * pad, *ends, *[total] * pad)
-        start += total
+        k.launch(grid, block, start, total, len(chunk), *head, *pointers, *[0] * pad, *ends,
+                 *[total] * pad)
+        start += total * itemsize
 
 
 def pack(arrays):
@@ -69,7 +75,8 @@ def unpack_scaled(flat, shapes, factor=1.0, outs=None):
         outs = [loader.empty(tuple(s), dtype) for s in shapes]
     else:
         for i, (o, s) in enumerate(zip(outs, shapes, strict=True)):
-            launch.check_array(f"unpack_scaled: outs[{i}]", o, tuple(s), dtype)
+            if tuple(o.shape) != tuple(s) or o.dtype != dtype:
+                launch.check_array(f"unpack_scaled: outs[{i}]", o, tuple(s), dtype)
     need = sum(o.size for o in outs)
     if flat.size != need:
         raise ValueError(f"unpack_scaled: flat holds {flat.size} values, the shapes need {need}")

@@ -88,6 +88,7 @@ class FakeArray:
 
     def __init__(self, cuda, shape, dtype, allocator=None):
         self.cuda = cuda
+        cuda.counts["array"] += 1
         self.shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list) else
                                             (shape,)))
         self.dtype = np.dtype(dtype)
