@@ -49,8 +49,10 @@ class Variable:
             raise ValueError(f"variable {self.name!r} has no value yet")
         if isinstance(v, np.ndarray):
             return v
-        if hasattr(v, "get"):            # pycuda GPUArray and friends
-            return v.get()
+        if hasattr(v, "get"):            # a device array: copied out in its device's context
+            from minigraph.kernels import loader
+
+            return loader.to_host(v)
         return np.asarray(v)
 
     @property
