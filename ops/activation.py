@@ -1,11 +1,38 @@
-"""relu: out = max(x, 0); its grad passes dout where out > 0."""
+"""Elementwise activations: relu, sigmoid, tanh, gelu, leaky_relu (and their grads).
+
+relu:       out = max(x, 0); relu_grad(out, dout): dx = dout where out > 0, else 0.
+sigmoid:    out = 1 / (1 + exp(-x)), from exp(-|x|) so nothing overflows;
+            sigmoid_grad(out, dout): dx = dout * out * (1 - out).
+tanh:       out = tanh(x); tanh_grad(out, dout): dx = dout * (1 - out^2).
+gelu:       out = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), the exact form (not the
+            tanh approximation), Phi the standard normal CDF;
+            gelu_grad(x, dout): dx = dout * (Phi(x) + x * phi(x)), phi its density.
+leaky_relu: out = x where x > 0, else alpha * x (alpha: finite, default 0.01);
+            leaky_relu_grad(x, dout): dx = dout where x > 0, else alpha * dout.
+x must be a float tensor; outputs keep its dtype. The CPU kernels of sigmoid,
+tanh, gelu and leaky_relu compute in float64 and cast back.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from minigraph.kernels import activation as gpu
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import Meta, OpSchema, Slot, check_float, grad_maker, kernel, register
+from minigraph.ops.erf import normal_cdf
+from minigraph.schema import (
+    Meta,
+    OpSchema,
+    Slot,
+    check_float,
+    check_shape,
+    float_attr,
+    grad_maker,
+    grad_schema,
+    kernel,
+    register,
+)
+
+INV_SQRT_2PI = 0.3989422804014327        # 1 / sqrt(2 pi)
 
 
 def infer_relu(ins, attrs):
@@ -46,3 +73,113 @@ def relu_grad_gpu(op, ins):
     if not op.wants("dx"):
         return {}
     return {"dx": gpu.relu_grad(ins["out"], ins["dout"])}
+
+
+# ---- sigmoid, tanh, gelu, leaky_relu -------------------------------------------------
+
+def same_as_x(op_type):
+    """infer for a float elementwise op: out has x's shape and dtype."""
+    def infer(ins, attrs):
+        check_float(op_type, "x", ins["x"])
+        return {"out": Meta(ins["x"].shape, ins["x"].dtype)}
+    return infer
+
+
+def grad_like(op_type, ref_slot):
+    """infer for an elementwise grad op: dx has the shape and dtype of `ref_slot`, and dout
+    matches that shape."""
+    def infer(ins, attrs):
+        ref = ins[ref_slot]
+        check_shape(op_type, "dout", ins["dout"], ref.shape, f" (the shape of {ref_slot!r})")
+        return {"dx": Meta(ref.shape, ref.dtype)}
+    return infer
+
+
+def finite(v):
+    return None if np.isfinite(v) else "must be a finite number"
+
+
+def register_activation(op_type, keep, attrs=()):
+    """Register `op_type` (x -> out) and `<op_type>_grad` (keep, dout -> dx)."""
+    schema = register(OpSchema(type=op_type, inputs=(Slot("x"),), outputs=(Slot("out"),),
+                               attrs=attrs, infer=same_as_x(op_type),
+                               grad=grad_maker(op_type + "_grad", keep=(keep,)), doc=__doc__))
+    register(grad_schema(schema, inputs=(Slot(keep), Slot("dout")),
+                         outputs=(Slot("dx", optional=True),),
+                         infer=grad_like(op_type + "_grad", keep)))
+
+
+register_activation("sigmoid", "out")
+register_activation("tanh", "out")
+register_activation("gelu", "x")
+register_activation("leaky_relu", "x", attrs=(float_attr("alpha", 0.01, finite),))
+
+
+def work(a):
+    """`a` as float64 (no copy when it already is)."""
+    return a.astype(np.float64, copy=False)
+
+
+@kernel("sigmoid", "cpu")
+def sigmoid_cpu(op, ins):
+    """out = 1 / (1 + exp(-x)) = exp(x) / (1 + exp(x)) for x < 0, from e = exp(-|x|)."""
+    x = ins["x"]
+    xw = work(x)
+    e = np.exp(-np.abs(xw))
+    out = np.where(xw >= 0, 1.0, e) / (1.0 + e)
+    return {"out": out.astype(x.dtype)}
+
+
+@kernel("sigmoid_grad", "cpu")
+def sigmoid_grad_cpu(op, ins):
+    """dx = dout * out * (1 - out)."""
+    out, d = work(ins["out"]), ins["dout"]
+    return {"dx": (work(d) * out * (1.0 - out)).astype(d.dtype)}
+
+
+@kernel("tanh", "cpu")
+def tanh_cpu(op, ins):
+    """out = tanh(x)."""
+    x = ins["x"]
+    return {"out": np.tanh(work(x)).astype(x.dtype)}
+
+
+@kernel("tanh_grad", "cpu")
+def tanh_grad_cpu(op, ins):
+    """dx = dout * (1 - out^2)."""
+    out, d = work(ins["out"]), ins["dout"]
+    return {"dx": (work(d) * (1.0 - out * out)).astype(d.dtype)}
+
+
+@kernel("gelu", "cpu")
+def gelu_cpu(op, ins):
+    """out = x * Phi(x), Phi from erfc so the left tail keeps its relative accuracy."""
+    x = ins["x"]
+    xw = work(x)
+    return {"out": (xw * normal_cdf(xw)).astype(x.dtype)}
+
+
+@kernel("gelu_grad", "cpu")
+def gelu_grad_cpu(op, ins):
+    """dx = dout * (Phi(x) + x * phi(x)); the x * phi(x) term is 0 for |x| >= 40."""
+    x, d = work(ins["x"]), ins["dout"]
+    inside = np.abs(x) < 40.0
+    xi = np.where(inside, x, 0.0)
+    density = np.where(inside, xi * np.exp(-0.5 * xi * xi) * INV_SQRT_2PI, 0.0)
+    return {"dx": (work(d) * (normal_cdf(x) + density)).astype(d.dtype)}
+
+
+@kernel("leaky_relu", "cpu")
+def leaky_relu_cpu(op, ins):
+    """out = x where x > 0, else alpha * x."""
+    x = ins["x"]
+    xw = work(x)
+    return {"out": np.where(xw > 0, xw, op.attrs["alpha"] * xw).astype(x.dtype)}
+
+
+@kernel("leaky_relu_grad", "cpu")
+def leaky_relu_grad_cpu(op, ins):
+    """dx = dout where x > 0, else alpha * dout."""
+    x, d = ins["x"], ins["dout"]
+    dw = work(d)
+    return {"dx": np.where(x > 0, dw, op.attrs["alpha"] * dw).astype(d.dtype)}

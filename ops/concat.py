@@ -1,0 +1,116 @@
+"""concat: join tensors along an axis (np.concatenate), and its grad.
+
+x: a list of at least one tensor, all of one dtype and one rank (>= 1), equal
+in every dim except `axis`; axis (int, default 0) counts from the end when
+negative. out's size along axis is the sum of theirs (-1 when one is
+unknown at build time).
+concat_grad(x, dout; axis, index): dx = the slice of dout along axis that
+came from x[index] (the full list x gives the offsets). The grad maker builds
+one per input that needs a gradient.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.ops.axis import normalized_axis
+from minigraph.schema import (
+    Meta,
+    OpDesc,
+    OpError,
+    OpSchema,
+    Slot,
+    check_same_dtype,
+    dims_equal,
+    fail,
+    int_attr,
+    kernel,
+    non_negative,
+    register,
+)
+
+
+def check_parts(op_type, xs, axis):
+    """Check the list of input metas; returns (normalized axis, joined shape)."""
+    if not xs:
+        fail(op_type, "x", "must hold at least one tensor, got an empty list")
+    first = xs[0]
+    if len(first.shape) == 0:
+        fail(op_type, "x[0]", "must have rank >= 1 (a scalar cannot be concatenated)")
+    rank = len(first.shape)
+    ax = normalized_axis(op_type, axis, rank, "x[0]")
+    shape = list(first.shape)
+    for i, m in enumerate(xs[1:], start=1):
+        check_same_dtype(op_type, f"x[{i}]", m, "x[0]", first)
+        if len(m.shape) != rank:
+            fail(op_type, f"x[{i}]", f"must have the rank of input 'x[0]' ({rank}, shape "
+                                     f"{first.shape}), got shape {m.shape}")
+        for d in range(rank):
+            if d != ax and not dims_equal(m.shape[d], shape[d]):
+                fail(op_type, f"x[{i}]", f"must match input 'x[0]' in every dim but axis {ax}: "
+                                         f"shape {m.shape} vs {first.shape}")
+            if d != ax and shape[d] < 0:
+                shape[d] = m.shape[d]
+        shape[ax] = -1 if shape[ax] < 0 or m.shape[ax] < 0 else shape[ax] + m.shape[ax]
+    return ax, tuple(shape)
+
+
+def infer_concat(ins, attrs):
+    _, shape = check_parts("concat", ins["x"], attrs["axis"])
+    return {"out": Meta(shape, ins["x"][0].dtype)}
+
+
+def grad_concat(op, dout, make_grad):
+    """One concat_grad per input of x that needs a gradient."""
+    d = dout.get("out")
+    if d is None:
+        return []
+    xs = op.inputs["x"]
+    descs = []
+    for i, v in enumerate(xs):
+        g = make_grad(v)
+        if g is not None:
+            descs.append(OpDesc("concat_grad", dict(x=xs, dout=d, dx=g, axis=op.attrs["axis"],
+                                                    index=i)))
+    return descs
+
+
+def infer_concat_grad(ins, attrs):
+    xs = ins["x"]
+    _, shape = check_parts("concat_grad", xs, attrs["axis"])
+    index = attrs["index"]
+    if index >= len(xs):
+        raise OpError(f"concat_grad: attribute 'index' must be < {len(xs)} (the number of "
+                      f"inputs 'x'), got {index}")
+    d = ins["dout"]
+    if len(d.shape) != len(shape) or not all(dims_equal(a, b) for a, b in zip(d.shape, shape)):
+        fail("concat_grad", "dout", f"must have shape {shape} (concat's output), got {d.shape}")
+    return {"dx": Meta(xs[index].shape, xs[index].dtype)}
+
+
+CONCAT = register(OpSchema(
+    type="concat", inputs=(Slot("x", duplicable=True),), outputs=(Slot("out"),),
+    attrs=(int_attr("axis", 0),), infer=infer_concat, grad=grad_concat, doc=__doc__))
+register(OpSchema(
+    type="concat_grad", inputs=(Slot("x", duplicable=True), Slot("dout")),
+    outputs=(Slot("dx", optional=True),),
+    attrs=CONCAT.attrs + (int_attr("index", 0, non_negative),), infer=infer_concat_grad))
+
+
+@kernel("concat", "cpu")
+def concat_cpu(op, ins):
+    """out = np.concatenate(x, axis)."""
+    return {"out": np.concatenate(ins["x"], axis=op.attrs["axis"])}
+
+
+@kernel("concat_grad", "cpu")
+def concat_grad_cpu(op, ins):
+    """dx = dout[..., start:start + x[index].shape[axis], ...] along axis (a copy)."""
+    if not op.wants("dx"):
+        return {}
+    xs, d = ins["x"], ins["dout"]
+    index = op.attrs["index"]
+    ax = op.attrs["axis"] % d.ndim
+    start = sum(x.shape[ax] for x in xs[:index])
+    where = [slice(None)] * d.ndim
+    where[ax] = slice(start, start + xs[index].shape[ax])
+    return {"dx": d[tuple(where)].copy()}

@@ -1,0 +1,200 @@
+"""reshape, flatten, transpose: the same values in a new shape or order (and their grads).
+
+reshape(x; shape):   out = x reshaped to `shape` (ints, each > 0 or -1; at most
+                     one -1, inferred from x's size). At build time a -1 in
+                     x's shape (the batch axis) leaves the -1 output dim unknown.
+flatten(x; start_axis=1, stop_axis=-1): dims start..stop (inclusive, negative
+                     from the end) merged into one, as torch.flatten; x of rank >= 1.
+transpose(x; perm):  out = x.transpose(perm), perm a permutation of range(rank).
+Grads: reshape_grad(x, dout) -> dx = dout reshaped to x's shape (reshape and
+flatten share it); transpose_grad(dout; perm) -> dx = dout.transpose(argsort(perm)).
+Any dtype. Outputs are new C-contiguous arrays, never views of x.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from minigraph.ops.axis import normalized_axis
+from minigraph.schema import (
+    Attr,
+    Meta,
+    OpError,
+    OpSchema,
+    Slot,
+    fail,
+    grad_maker,
+    grad_schema,
+    int_attr,
+    kernel,
+    register,
+)
+
+
+def is_int(v):
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_target_shape(v):
+    """reshape's shape: ints, each > 0 or -1, at most one -1."""
+    if not all(is_int(d) and (d > 0 or d == -1) for d in v) or list(v).count(-1) > 1:
+        return "must be a tuple of ints, each > 0 or -1, with at most one -1"
+    return None
+
+
+def check_perm(v):
+    if not all(is_int(p) for p in v) or sorted(v) != list(range(len(v))):
+        return f"must be a permutation of range({len(v)})"
+    return None
+
+
+def as_ints(name):
+    """resolve_attrs: attribute `name` as a tuple of Python ints."""
+    def resolve(attrs):
+        return {**attrs, name: tuple(int(d) for d in attrs[name])}
+    return resolve
+
+
+def known(shape):
+    return all(d >= 0 for d in shape)
+
+
+def reshaped(op_type, x_shape, shape):
+    """The output shape of reshaping `x_shape` to `shape` (-1 resolved when x's size is
+    known); OpError naming both shapes when the sizes cannot agree."""
+    def mismatch(why):
+        fail(op_type, "x", f"with shape {tuple(x_shape)} cannot be reshaped to attribute "
+                           f"'shape' {tuple(shape)}: {why}")
+    rest = math.prod(d for d in shape if d != -1)
+    if known(x_shape):
+        size = math.prod(x_shape)
+        if -1 not in shape:
+            if rest != size:
+                mismatch(f"{size} values vs {rest}")
+            return tuple(shape)
+        if size % rest:
+            mismatch(f"{size} values are not a multiple of {rest}")
+        return tuple(size // rest if d == -1 else d for d in shape)
+    part = math.prod(d for d in x_shape if d >= 0)
+    if -1 not in shape and part and rest % part:
+        mismatch(f"{rest} values are not a multiple of the known dims' {part}")
+    return tuple(shape)
+
+
+def infer_reshape(ins, attrs):
+    x = ins["x"]
+    return {"out": Meta(reshaped("reshape", x.shape, attrs["shape"]), x.dtype)}
+
+
+def flat_range(op_type, rank, attrs):
+    """(start, stop) of flatten, normalized; OpError naming the attribute when out of
+    range or when start comes after stop."""
+    start = normalized_axis(op_type, attrs["start_axis"], rank, attr="start_axis")
+    stop = normalized_axis(op_type, attrs["stop_axis"], rank, attr="stop_axis")
+    if start > stop:
+        raise OpError(f"{op_type}: attribute 'start_axis' ({attrs['start_axis']}) must not "
+                      f"come after attribute 'stop_axis' ({attrs['stop_axis']}) for input "
+                      f"'x' of rank {rank}")
+    return start, stop
+
+
+def flattened(shape, start, stop):
+    merged = shape[start:stop + 1]
+    size = math.prod(merged) if known(merged) else -1
+    return tuple(shape[:start]) + (size,) + tuple(shape[stop + 1:])
+
+
+def infer_flatten(ins, attrs):
+    x = ins["x"]
+    if len(x.shape) == 0:
+        fail("flatten", "x", "must have rank >= 1, got a scalar (shape ())")
+    start, stop = flat_range("flatten", len(x.shape), attrs)
+    return {"out": Meta(flattened(x.shape, start, stop), x.dtype)}
+
+
+def infer_reshape_grad(ins, attrs):
+    x, d = ins["x"], ins["dout"]
+    if known(x.shape) and known(d.shape) and math.prod(x.shape) != math.prod(d.shape):
+        fail("reshape_grad", "dout", f"with shape {d.shape} must have as many values as "
+                                     f"input 'x' with shape {x.shape}")
+    return {"dx": Meta(x.shape, x.dtype)}
+
+
+def check_perm_rank(op_type, slot, meta, perm):
+    if len(perm) != len(meta.shape):
+        raise OpError(f"{op_type}: attribute 'perm' {tuple(perm)} must be a permutation of "
+                      f"range({len(meta.shape)}) for input {slot!r} of rank "
+                      f"{len(meta.shape)} (shape {meta.shape})")
+
+
+def infer_transpose(ins, attrs):
+    x, perm = ins["x"], attrs["perm"]
+    check_perm_rank("transpose", "x", x, perm)
+    return {"out": Meta(tuple(x.shape[p] for p in perm), x.dtype)}
+
+
+def infer_transpose_grad(ins, attrs):
+    d, perm = ins["dout"], attrs["perm"]
+    check_perm_rank("transpose_grad", "dout", d, perm)
+    return {"dx": Meta(tuple(d.shape[p] for p in np.argsort(perm)), d.dtype)}
+
+
+RESHAPE_GRAD = grad_maker("reshape_grad", keep=("x",), attrs=False)
+
+register(OpSchema(
+    type="reshape", inputs=(Slot("x"),), outputs=(Slot("out"),),
+    attrs=(Attr("shape", (tuple, list), (), check_target_shape, required=True),),
+    resolve_attrs=as_ints("shape"), infer=infer_reshape, grad=RESHAPE_GRAD, doc=__doc__))
+register(OpSchema(
+    type="flatten", inputs=(Slot("x"),), outputs=(Slot("out"),),
+    attrs=(int_attr("start_axis", 1), int_attr("stop_axis", -1)), infer=infer_flatten,
+    grad=RESHAPE_GRAD, doc=__doc__))
+register(OpSchema(
+    type="reshape_grad", inputs=(Slot("x"), Slot("dout")), outputs=(Slot("dx", optional=True),),
+    infer=infer_reshape_grad))
+TRANSPOSE = register(OpSchema(
+    type="transpose", inputs=(Slot("x"),), outputs=(Slot("out"),),
+    attrs=(Attr("perm", (tuple, list), (), check_perm, required=True),),
+    resolve_attrs=as_ints("perm"), infer=infer_transpose,
+    grad=grad_maker("transpose_grad", keep=()), doc=__doc__))
+register(grad_schema(TRANSPOSE, inputs=(Slot("dout"),), outputs=(Slot("dx", optional=True),),
+                     infer=infer_transpose_grad))
+
+
+@kernel("reshape", "cpu")
+def reshape_cpu(op, ins):
+    """out = a copy of x in `shape` (the -1 resolved)."""
+    x = ins["x"]
+    return {"out": x.reshape(reshaped(op.type, x.shape, op.attrs["shape"])).copy()}
+
+
+@kernel("flatten", "cpu")
+def flatten_cpu(op, ins):
+    """out = a copy of x with dims start_axis..stop_axis merged."""
+    x = ins["x"]
+    start, stop = flat_range(op.type, x.ndim, op.attrs)
+    return {"out": x.reshape(flattened(x.shape, start, stop)).copy()}
+
+
+@kernel("reshape_grad", "cpu")
+def reshape_grad_cpu(op, ins):
+    """dx = a copy of dout in x's shape."""
+    if not op.wants("dx"):
+        return {}
+    return {"dx": ins["dout"].reshape(ins["x"].shape).copy()}
+
+
+@kernel("transpose", "cpu")
+def transpose_cpu(op, ins):
+    """out = x.transpose(perm), C-contiguous (a copy even for the identity perm)."""
+    return {"out": ins["x"].transpose(op.attrs["perm"]).copy(order="C")}
+
+
+@kernel("transpose_grad", "cpu")
+def transpose_grad_cpu(op, ins):
+    """dx = dout.transpose(argsort(perm)), C-contiguous."""
+    if not op.wants("dx"):
+        return {}
+    return {"dx": ins["dout"].transpose(np.argsort(op.attrs["perm"])).copy(order="C")}
