@@ -366,10 +366,24 @@ def check_flags():
         raise first
 
 
+def has_launcher(module):
+    """True when kernels/<module>.cu has a launcher module beside it; without one
+    it is map-only (every entry point declared with kernels/map.cuh's macros)."""
+    return importlib.resources.files(__package__).joinpath(f"{module}.py").is_file()
+
+
 @functools.cache
 def signature_table():
-    """{module: {kernel name: format}} over every launcher module (for the tests)."""
+    """{module: {kernel name: format}} of every kernel module: its map declarations
+    (kernels/map.py reads them from the source) and its launcher's SIGNATURES."""
     import importlib
 
-    return {m: dict(importlib.import_module(f"{__package__}.{m}").SIGNATURES)
-            for m in module_names()}
+    from minigraph.kernels import map as maps
+
+    table = {}
+    for m in module_names():
+        table[m] = dict(maps.signatures(m))
+        if has_launcher(m):
+            table[m].update(getattr(importlib.import_module(f"{__package__}.{m}"),
+                                    "SIGNATURES", {}))
+    return table

@@ -59,17 +59,45 @@ def test_kernel_compiles_for_sm90_and_matches_its_launcher(cu, tmp_path):
         assert entries[name] == [PTX_KIND[c] for c in fmt], f"{name}: parameters vs {fmt!r}"
 
 
-def test_every_module_has_a_launcher_beside_it():
-    for cu in CU_FILES:
-        assert (KERNEL_DIR / (cu[:-3] + ".py")).exists(), cu
-    assert (KERNEL_DIR / "common.cuh").exists()
+def test_every_module_has_a_launcher_beside_it_or_is_map_only():
+    """A .cu is either beside its launcher .py, or map-only: every entry point
+    declared with map.cuh's macros (kernels/map.py launches those)."""
+    from minigraph.kernels import map as maps
+
+    map_only = [cu for cu in CU_FILES if not (KERNEL_DIR / (cu[:-3] + ".py")).exists()]
+    for cu in map_only:
+        source = (KERNEL_DIR / cu).read_text()
+        assert maps.declarations(source), f"{cu}: no launcher beside it and no map declarations"
+        assert "__global__" not in source and 'extern "C"' not in source, \
+            f"{cu}: no launcher beside it, but entry points of its own"
+        assert not loader.has_launcher(cu[:-3])
+    assert map_only, "no map-only module left to test the mechanism with"
+    assert (KERNEL_DIR / "common.cuh").exists() and (KERNEL_DIR / "map.cuh").exists()
+
+
+def test_map_signatures_come_from_the_declarations():
+    from minigraph.kernels import map as maps
+
+    source = ("#include \"map.cuh\"\n// MG_UNARY_MAP(commented, x, x)\n"
+              "/* MG_UNARY_MAP(blocked, x,\n x) */\n"
+              "MG_UNARY_MAP(neg, x, -x)\n"
+              "MG_BINARY_MAP_S(axpy, a, b, s, s * a + b)\n")
+    assert maps.declarations(source) == [("MG_UNARY_MAP", "neg"), ("MG_BINARY_MAP_S", "axpy")]
+    sigs = maps.source_signatures(source)
+    assert sigs == {**{f"neg_{v}": "PPq" for v in ("f32_w1", "f32_w4", "f64_w1", "f64_w2")},
+                    **{f"axpy_{v}": "PPPqd" for v in ("f32_w1", "f32_w4", "f64_w1", "f64_w2")}}
+    with pytest.raises(ValueError, match="'neg' is declared twice"):
+        maps.source_signatures(source + "MG_UNARY_MAP(neg, x, x)\n")
+    for module in loader.module_names():
+        assert set(maps.signatures(module)) <= set(loader.signature_table()[module])
 
 
 def test_launchers_import_nothing_from_pycuda():
     code = ("import sys, minigraph, minigraph.kernels\n"
             "from minigraph.kernels import loader\n"
             "import importlib\n"
-            "for m in loader.module_names() + ['loader', 'launch']:\n"
+            "for m in [m for m in loader.module_names() if loader.has_launcher(m)]"
+            " + ['loader', 'launch', 'map']:\n"
             "    importlib.import_module('minigraph.kernels.' + m)\n"
             "loader.signature_table()\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'pycuda']\n"
