@@ -7,6 +7,7 @@
 // elements [i * P, i * P + P) (P = 4 for float, 2 for double), so the values
 // depend on the seed and the index only, never on the launch configuration.
 #include "common.cuh"
+#include "philox.cuh"
 
 namespace mg {
 
@@ -14,31 +15,6 @@ template <typename U>
 __device__ void fill_words(U* out, long long n, U value) {
   const long long nt = global_threads();
   for (long long i = global_tid(); i < n; i += nt) out[i] = value;
-}
-
-struct Philox4x32 {
-  unsigned v[4];
-};
-
-__device__ __forceinline__ Philox4x32 philox(unsigned long long counter, unsigned stream,
-                                             unsigned long long seed) {
-  const unsigned M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
-  unsigned c0 = unsigned(counter), c1 = unsigned(counter >> 32), c2 = stream, c3 = 0u;
-  unsigned k0 = unsigned(seed), k1 = unsigned(seed >> 32);
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    const unsigned long long p0 = (unsigned long long)M0 * c0;
-    const unsigned long long p1 = (unsigned long long)M1 * c2;
-    const unsigned hi0 = unsigned(p0 >> 32), lo0 = unsigned(p0);
-    const unsigned hi1 = unsigned(p1 >> 32), lo1 = unsigned(p1);
-    c0 = hi1 ^ c1 ^ k0;
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ k1;
-    c3 = lo0;
-    k0 += W0;
-    k1 += W1;
-  }
-  return Philox4x32{{c0, c1, c2, c3}};
 }
 
 // Uniforms in [0, 1): 24 random bits per float, 53 per double.
