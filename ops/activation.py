@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import activation as gpu
+from minigraph.kernels import map as maps
 from minigraph.ops.device import GPU_FLOATS
 from minigraph.ops.erf import normal_cdf
 from minigraph.schema import (
@@ -183,3 +184,30 @@ def leaky_relu_grad_cpu(op, ins):
     x, d = ins["x"], ins["dout"]
     dw = work(d)
     return {"dx": np.where(x > 0, dw, op.attrs["alpha"] * dw).astype(d.dtype)}
+
+
+# ---- GPU bindings: map-only kernels/<op>.cu ----
+
+def register_map_gpu(op_type, keep, scalar=None):
+    """GPU kernels of `op_type` and `<op_type>_grad` from kernels/<op_type>.cu, a
+    map-only module: out = map(x[, attr]), dx = map_grad(keep, dout[, attr])."""
+    def forward(op, ins):
+        args = (op.attrs[scalar],) if scalar else ()
+        return {"out": maps.unary(op_type, op_type, ins["x"], *args)}
+
+    def backward(op, ins):
+        if not op.wants("dx"):
+            return {}
+        args = (op.attrs[scalar],) if scalar else ()
+        return {"dx": maps.binary(op_type, op_type + "_grad", ins[keep], ins["dout"], *args)}
+
+    forward.__doc__ = f"{op_type} on the device (kernels/{op_type}.cu)."
+    backward.__doc__ = f"{op_type}_grad on the device (kernels/{op_type}.cu), when bound."
+    kernel(op_type, "gpu", dtypes=GPU_FLOATS)(forward)
+    kernel(op_type + "_grad", "gpu", dtypes=GPU_FLOATS)(backward)
+
+
+register_map_gpu("sigmoid", "out")
+register_map_gpu("tanh", "out")
+register_map_gpu("gelu", "x")
+register_map_gpu("leaky_relu", "x", scalar="alpha")

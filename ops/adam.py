@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import optimizer_ops as gpu
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.ops.optimizer_ops import check_update_inputs, decay_attr, learning_rate
 from minigraph.schema import (
     Meta,
@@ -85,3 +87,16 @@ def adam_cpu(op, ins):
     b2p[...] = new_b2p
     return {"param_out": param, "moment1_out": m, "moment2_out": v,
             "beta1_pow_out": b1p, "beta2_pow_out": b2p}
+
+
+# ---- GPU bindings: kernels/optimizer_ops.cu ----
+
+@kernel("adam", "gpu", dtypes=GPU_FLOATS)
+def adam_gpu(op, ins):
+    """One Adam/AdamW step on the device, every state array (the beta powers too)
+    updated in place there; returns them."""
+    a = op.attrs
+    gpu.adam(ins["param"], ins["grad"], ins["moment1"], ins["moment2"], ins["beta1_pow"],
+             ins["beta2_pow"], ins["learning_rate"], a["beta1"], a["beta2"], a["epsilon"],
+             a["weight_decay"], a["decoupled"])
+    return {f"{s}_out": ins[s] for s in SLOTS}

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import broadcast as gpu
+from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.schema import (
     Meta,
     OpSchema,
@@ -131,3 +133,34 @@ def multiply_grad_cpu(op, ins):
     if op.wants("dy"):
         out["dy"] = reduce_to(np.multiply(d, x, dtype=np.float64), y.shape, y.dtype)
     return out
+
+
+# ---- GPU bindings: kernels/broadcast.cu ----
+
+@kernel("add", "gpu", dtypes=GPU_FLOATS)
+def add_gpu(op, ins):
+    """out = x + y, broadcast, on the device."""
+    return {"out": gpu.add(ins["x"], ins["y"])}
+
+
+@kernel("add_grad", "gpu", dtypes=GPU_FLOATS)
+def add_grad_gpu(op, ins):
+    """dx, dy = dout summed (in double) back to x's and y's shapes, each when bound."""
+    dx, dy = gpu.add_grad(ins["x"].shape, ins["y"].shape, ins["dout"], need_dx=op.wants("dx"),
+                          need_dy=op.wants("dy"))
+    return present(dx=dx, dy=dy)
+
+
+@kernel("multiply", "gpu", dtypes=GPU_FLOATS)
+def multiply_gpu(op, ins):
+    """out = x * y, broadcast, on the device."""
+    return {"out": gpu.multiply(ins["x"], ins["y"])}
+
+
+@kernel("multiply_grad", "gpu", dtypes=GPU_FLOATS)
+def multiply_grad_gpu(op, ins):
+    """dx = (dout * y) and dy = (dout * x) summed back to x's and y's shapes, each when
+    bound; the products in the dtype, the sums in double."""
+    dx, dy = gpu.multiply_grad(ins["x"], ins["y"], ins["dout"], need_dx=op.wants("dx"),
+                               need_dy=op.wants("dy"))
+    return present(dx=dx, dy=dy)

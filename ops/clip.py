@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import clip as gpu
+from minigraph.kernels import shape_ops
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
     OpError,
@@ -52,3 +55,14 @@ def clip_by_global_norm_cpu(op, ins):
     total = np.sqrt(sum(float(np.dot(x.ravel().astype(np.float64), x.ravel())) for x in xs))
     coef = clip_coefficient(total, op.attrs["max_norm"])
     return {"out": [x * x.dtype.type(coef) for x in xs]}
+
+
+# ---- GPU bindings: kernels/clip.cu ----
+
+@kernel("clip_by_global_norm", "gpu", dtypes=GPU_FLOATS)
+def clip_by_global_norm_gpu(op, ins):
+    """out_i = x_i * coef on the device, no host sync: in place where out_i is x_i's
+    own Variable (as the optimizers bind it), else into a copy."""
+    xs = [x if o is v else shape_ops.copy(x)
+          for x, v, o in zip(ins["x"], op.inputs["x"], op.outputs["out"], strict=True)]
+    return {"out": gpu.clip_by_global_norm(xs, op.attrs["max_norm"])}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import shape_ops as gpu
 from minigraph.ops.axis import normalized_axis
 from minigraph.schema import (
     Meta,
@@ -114,3 +115,20 @@ def concat_grad_cpu(op, ins):
     where = [slice(None)] * d.ndim
     where[ax] = slice(start, start + xs[index].shape[ax])
     return {"dx": d[tuple(where)].copy()}
+
+
+# ---- GPU bindings: kernels/shape_ops.cu (any dtype) ----
+
+@kernel("concat", "gpu")
+def concat_gpu(op, ins):
+    """out = np.concatenate(x, axis) on the device."""
+    return {"out": gpu.concat(ins["x"], op.attrs["axis"])}
+
+
+@kernel("concat_grad", "gpu")
+def concat_grad_gpu(op, ins):
+    """dx = x[index]'s slice of dout along axis (a new array), when bound."""
+    if not op.wants("dx"):
+        return {}
+    return {"dx": gpu.concat_slice(ins["dout"], [x.shape for x in ins["x"]], op.attrs["axis"],
+                                   op.attrs["index"])}

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import dropout as gpu
+from minigraph.kernels import shape_ops as gpu_shape
+from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.ops.philox import philox_words, uniforms24
 from minigraph.schema import (
     Meta,
@@ -128,3 +131,30 @@ def dropout_grad_cpu(op, ins):
     if mask is None:
         raise OpError("dropout_grad: input 'mask' is required in training (is_infer=False)")
     return {"dx": d * (mask.astype(d.dtype) * scale_factor(op.attrs["p"], d.dtype))}
+
+
+# ---- GPU bindings: kernels/dropout.cu ----
+
+@kernel("dropout", "gpu", dtypes=GPU_FLOATS)
+def dropout_gpu(op, ins):
+    """train: the CPU's masks drawn on the device (same bits), step += 1 there;
+    infer: out = a device copy of x."""
+    x, step = ins["x"], ins["step"]
+    a = op.attrs
+    if a["is_infer"]:
+        return {"out": gpu_shape.copy(x), "step_out": step}
+    out, mask = gpu.dropout(x, step, a["p"], a["seed"], want_mask=op.wants("mask"))
+    return present(out=out, mask=mask, step_out=step)
+
+
+@kernel("dropout_grad", "gpu", dtypes=GPU_FLOATS)
+def dropout_grad_gpu(op, ins):
+    """dx = dout * (mask * factor) on the device; a copy of dout for is_infer."""
+    if not op.wants("dx"):
+        return {}
+    d, mask = ins["dout"], ins["mask"]
+    if op.attrs["is_infer"]:
+        return {"dx": gpu_shape.copy(d)}
+    if mask is None:
+        raise OpError("dropout_grad: input 'mask' is required in training (is_infer=False)")
+    return {"dx": gpu.dropout_grad(mask, d, op.attrs["p"])}

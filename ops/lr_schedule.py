@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from minigraph.kernels import loader
+from minigraph.kernels import lr_schedule as gpu
 from minigraph.schema import (
     Meta,
     OpError,
@@ -78,4 +80,18 @@ def lr_schedule_cpu(op, ins):
     step = ins["step"]
     lr = np.asarray(schedule_value(op.attrs, int(step)), dtype=np.float64)
     step[...] = step + 1
+    return {"learning_rate": lr, "step_out": step}
+
+
+# ---- GPU bindings: kernels/lr_schedule.cu ----
+
+@kernel("lr_schedule", "gpu")
+def lr_schedule_gpu(op, ins):
+    """learning_rate = schedule(step) into a new float64 device scalar, then step += 1,
+    both by one device thread (no host sync)."""
+    step = ins["step"]
+    a = op.attrs
+    lr = gpu.lr_schedule(step, loader.empty((), np.float64), a["kind"], a["base_lr"],
+                         a["step_size"], a["gamma"], a["total_steps"], a["end_lr"],
+                         a["warmup_steps"])
     return {"learning_rate": lr, "step_out": step}

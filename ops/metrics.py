@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import argmax as gpu
+from minigraph.kernels import loader
 from minigraph.ops.axis import normalized_axis
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
     OpError,
@@ -76,3 +79,19 @@ def accuracy_cpu(op, ins):
         return {"out": np.array(np.nan, dtype=np.float32)}
     hits = np.count_nonzero(np.argmax(logits, axis=1) == label)
     return {"out": np.array(hits / label.size, dtype=np.float32)}
+
+
+# ---- GPU bindings: kernels/argmax.cu ----
+
+@kernel("argmax", "gpu", dtypes=GPU_FLOATS)
+def argmax_gpu(op, ins):
+    """out = the first maximum's index along axis (int64), on the device."""
+    return {"out": gpu.argmax(ins["x"], op.attrs["axis"])}
+
+
+@kernel("accuracy", "gpu", dtypes=GPU_FLOATS)
+def accuracy_gpu(op, ins):
+    """out = the fraction of rows whose argmax is the label (float32), on the device.
+    A label outside [0, K) is flagged there and raises at the next fetch."""
+    status = loader.error_flag("accuracy", gpu.LabelStatus)
+    return {"out": gpu.accuracy(ins["logits"], ins["label"], status)}

@@ -105,18 +105,18 @@ def momentum_cpu(op, ins):
 
 @kernel("sgd", "gpu", dtypes=GPU_FLOATS)
 def sgd_gpu(op, ins):
-    """param -= learning_rate * grad in place on the device (the rate is read there);
-    returns param, the same device buffer."""
+    """param -= learning_rate * (grad + weight_decay * param) in place on the device
+    (the rate is read there); returns param, the same device buffer."""
     param, grad, lr = ins["param"], ins["grad"], ins["learning_rate"]
-    return {"param_out": gpu.sgd(param, grad, lr)}
+    return {"param_out": gpu.sgd(param, grad, lr, op.attrs["weight_decay"])}
 
 
 @kernel("momentum", "gpu", dtypes=GPU_FLOATS)
 def momentum_gpu(op, ins):
-    """velocity = mu * velocity + grad; param -= lr * (velocity, or grad + mu *
-    velocity with use_nesterov); both in place on the device; returns them."""
+    """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
+    (velocity, or d + mu * velocity with use_nesterov); both in place on the device."""
     param, grad, velocity = ins["param"], ins["grad"], ins["velocity"]
     lr = ins["learning_rate"]
     param, velocity = gpu.momentum(param, grad, velocity, lr, op.attrs["mu"],
-                                   op.attrs["use_nesterov"])
+                                   op.attrs["use_nesterov"], op.attrs["weight_decay"])
     return {"param_out": param, "velocity_out": velocity}

@@ -17,6 +17,7 @@ import numbers
 
 import numpy as np
 
+from minigraph.kernels import shape_ops as gpu
 from minigraph.ops.axis import normalized_axis
 from minigraph.schema import (
     Attr,
@@ -198,3 +199,42 @@ def transpose_grad_cpu(op, ins):
     if not op.wants("dx"):
         return {}
     return {"dx": ins["dout"].transpose(np.argsort(op.attrs["perm"])).copy(order="C")}
+
+
+# ---- GPU bindings: kernels/shape_ops.cu (any dtype) ----
+
+@kernel("reshape", "gpu")
+def reshape_gpu(op, ins):
+    """out = a device copy of x in `shape` (the -1 resolved)."""
+    x = ins["x"]
+    return {"out": gpu.reshape(x, reshaped(op.type, x.shape, op.attrs["shape"]))}
+
+
+@kernel("flatten", "gpu")
+def flatten_gpu(op, ins):
+    """out = a device copy of x with dims start_axis..stop_axis merged."""
+    x = ins["x"]
+    start, stop = flat_range(op.type, len(x.shape), op.attrs)
+    return {"out": gpu.reshape(x, flattened(tuple(x.shape), start, stop))}
+
+
+@kernel("reshape_grad", "gpu")
+def reshape_grad_gpu(op, ins):
+    """dx = a device copy of dout in x's shape, when bound."""
+    if not op.wants("dx"):
+        return {}
+    return {"dx": gpu.reshape(ins["dout"], ins["x"].shape)}
+
+
+@kernel("transpose", "gpu")
+def transpose_gpu(op, ins):
+    """out = x.transpose(perm), a new C-contiguous device array."""
+    return {"out": gpu.transpose(ins["x"], op.attrs["perm"])}
+
+
+@kernel("transpose_grad", "gpu")
+def transpose_grad_gpu(op, ins):
+    """dx = dout.transpose(argsort(perm)) on the device, when bound."""
+    if not op.wants("dx"):
+        return {}
+    return {"dx": gpu.transpose(ins["dout"], tuple(int(p) for p in np.argsort(op.attrs["perm"])))}

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels import softmax as gpu
 from minigraph.ops.axis import normalized_axis
+from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import (
     Meta,
     OpSchema,
@@ -71,3 +73,19 @@ def softmax_grad_cpu(op, ins):
     out, d = ins["out"].astype(np.float64), ins["dout"]
     inner = (d * out).sum(axis=op.attrs["axis"], keepdims=True)
     return {"dx": (out * (d - inner)).astype(d.dtype)}
+
+
+# ---- GPU bindings: kernels/softmax.cu ----
+
+@kernel("softmax", "gpu", dtypes=GPU_FLOATS)
+def softmax_gpu(op, ins):
+    """out = softmax of x along axis, in double on the device."""
+    return {"out": gpu.softmax(ins["x"], op.attrs["axis"])}
+
+
+@kernel("softmax_grad", "gpu", dtypes=GPU_FLOATS)
+def softmax_grad_gpu(op, ins):
+    """dx = out * (dout - sum(dout * out, axis)) on the device, when bound."""
+    if not op.wants("dx"):
+        return {}
+    return {"dx": gpu.softmax_grad(ins["out"], ins["dout"], op.attrs["axis"])}
