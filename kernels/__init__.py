@@ -1,8 +1,11 @@
-"""CUDA kernels (*.cu, shared helpers in common.cuh) and their thin PyCUDA launchers.
+"""CUDA kernels (*.cu, shared helpers in *.cuh) and their thin PyCUDA launchers.
 
-One launcher module per kernel module (batch_norm.py beside batch_norm.cu, ...):
-plain functions on PyCUDA GPUArrays, usable without the graph. `loader`
-compiles each module once per context and process; `launch` derives every
-launch configuration from shapes and device properties. Importing any of this
-imports nothing from pycuda: that happens at the first launch.
+A kernel module is either beside its launcher (batch_norm.py beside
+batch_norm.cu, ...: plain functions on PyCUDA GPUArrays, usable without the
+graph) or map-only: elementwise kernels declared one per line with map.cuh's
+macros, launched by map.unary / map.binary, whose signatures map.py reads
+from the source. `loader` compiles each module once per context and process;
+`launch` derives every launch configuration from shapes and device
+properties. Importing any of this imports nothing from pycuda: that happens
+at the first launch.
 """
