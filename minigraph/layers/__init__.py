@@ -6,7 +6,7 @@ unique names such as `fc_0`, skipping names already used. A layer checks its
 arguments when it is called (errors name the layer and the argument) and
 builds all or nothing. See minigraph.layers.base for writing a new one.
 """
-from minigraph.layers.activation import gelu, leaky_relu, relu, sigmoid, softmax, tanh
+from minigraph.layers.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
 from minigraph.layers.base import LayerRecord, layer
 from minigraph.layers.loss import accuracy, argmax, mean, softmax_with_cross_entropy
 from minigraph.layers.nn import batch_norm, conv2d, data, dropout, fc, pool2d
@@ -14,5 +14,5 @@ from minigraph.layers.tensor import add, concat, flatten, multiply, reshape, tra
 
 __all__ = ["LayerRecord", "accuracy", "add", "argmax", "batch_norm", "concat", "conv2d", "data",
            "dropout", "fc", "flatten", "gelu", "layer", "leaky_relu", "mean", "multiply",
-           "pool2d", "relu", "reshape", "sigmoid", "softmax", "softmax_with_cross_entropy",
+           "pool2d", "relu", "reshape", "sigmoid", "silu", "softmax", "softmax_with_cross_entropy",
            "tanh", "transpose"]

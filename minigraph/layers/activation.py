@@ -1,4 +1,4 @@
-"""Activations: relu, sigmoid, tanh, gelu, leaky_relu, softmax (no parameters)."""
+"""Activations: relu, sigmoid, tanh, gelu, silu, leaky_relu, softmax (no parameters)."""
 from __future__ import annotations
 
 from minigraph.layers.base import axis_arg, float_arg, known_rank, layer, tensor
@@ -31,6 +31,12 @@ def tanh(net, x, name=None):
 def gelu(net, x, name=None):
     """0.5 x (1 + erf(x / sqrt(2))): the exact form, PyTorch's default."""
     return _unary(net, "gelu", x, name)
+
+
+@layer("silu")
+def silu(net, x, name=None):
+    """x * sigmoid(x) (torch.nn.SiLU)."""
+    return _unary(net, "silu", x, name)
 
 
 @layer("leaky_relu")
