@@ -20,3 +20,10 @@ __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Op
            "Scope", "Variable", "append_backward", "distributed", "get_num_threads",
            "initializer", "io", "layers", "optimizer", "passes", "set_num_threads"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):              # mg.onnx: imported on first use; onnx itself only by export
+    if name == "onnx":
+        import importlib
+        return importlib.import_module("minigraph.onnx_export")
+    raise AttributeError(f"module 'minigraph' has no attribute {name!r}")
