@@ -7,7 +7,11 @@ held-out accuracy. Writes a picture of the
 net (net.svg, drawn by Graphviz's dot or the pip-installed graphviz-pure) and
 a loss/accuracy plot.
 
-Run it with `minigraph demo` or `python -m minigraph.examples.train_digits`.
+Run it with `minigraph demo` or `python -m minigraph.examples.train_digits`;
+`--model resnet` trains the residual net of train_resnet_digits instead.
+Besides the picture and the plot, the demo writes the trained net with its
+batch norms folded as an inference model directory (model/) and as
+model.onnx.
 """
 from __future__ import annotations
 
@@ -76,24 +80,40 @@ def accuracy(net, logits, x, y, batch_size=512):
 
 
 def train(epochs=DEFAULT_EPOCHS, device="cpu", out_dir=DEFAULT_OUT,
-          batch_size=DEFAULT_BATCH_SIZE, seed=0, progress=True, place=None):
-    """Train, evaluate after each epoch, write the picture and the plot.
+          batch_size=DEFAULT_BATCH_SIZE, seed=0, progress=True, place=None, model="digits"):
+    """Train, evaluate after each epoch, write the picture, the plot and the
+    deployable models (write_outputs).
 
-    device: "cpu" or "gpu" (mg.GPUPlace(0)); `place` overrides it. Returns a
-    history dict: loss (mean training loss per epoch), accuracy (held-out,
-    per epoch), seconds (training wall time) and files (what was written).
+    model: "digits" (this module's net) or "resnet" (the residual net of
+    minigraph.examples.train_resnet_digits). device: "cpu" or "gpu"
+    (mg.GPUPlace(0)); `place` overrides it. Returns a history dict: loss (mean
+    training loss per epoch), accuracy (held-out, per epoch), seconds (training
+    wall time) and files (what was written).
     """
-    from tqdm import tqdm
-
     if place is None:
         place = mg.GPUPlace(0) if device == "gpu" else mg.CPUPlace()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if model == "resnet":
+        from minigraph.examples import train_resnet_digits
+
+        net, h, history = train_resnet_digits.train(epochs, place=place, batch_size=batch_size,
+                                                    seed=seed, progress=progress)
+    else:
+        net, h, history = train_loop(epochs, place, batch_size, seed, progress)
+    history["files"] = write_outputs(net, h, history, out)
+    return history
+
+
+def train_loop(epochs, place, batch_size, seed, progress):
+    """The digits net's training loop: (net, handles, history)."""
+    from tqdm import tqdm
+
     train_x, train_y, test_x, test_y = load_digits_split()
     net, h = build_net(place, seed)
     rng = np.random.default_rng(seed)
     steps = math.ceil(len(train_x) / batch_size)
-    history = {"loss": [], "accuracy": [], "seconds": 0.0, "files": []}
+    history = {"loss": [], "accuracy": [], "seconds": 0.0}
     start = time.perf_counter()
     bar = tqdm(total=epochs * steps, disable=not progress, unit="batch", leave=False,
                file=sys.stderr)
@@ -119,8 +139,27 @@ def train(epochs=DEFAULT_EPOCHS, device="cpu", out_dir=DEFAULT_OUT,
                   f"held-out accuracy {100 * acc:.1f}% ({len(test_y)} digits)")
     bar.close()
     history["seconds"] = time.perf_counter() - start
-    history["files"] = [write_picture(net, out), write_plot(history, out / "training.png")]
-    return history
+    return net, h, history
+
+
+def write_outputs(net, h, history, out):
+    """net.svg, training.png, and the deployable models of the trained net with its
+    batch norms folded: the inference model directory `model/` (mg.io) and
+    `model.onnx` (when the onnx package is installed). Returns the paths."""
+    files = [write_picture(net, out), write_plot(history, out / "training.png")]
+    folded = mg.passes.fold_batch_norm(net)
+    logits = h["logits"].name
+    files.append(mg.io.save_inference(folded, out / "model", feeds=["image"], fetches=[logits]))
+    try:
+        files.append(mg.onnx.export(folded, out / "model.onnx", feeds=["image"],
+                                    fetches=[logits]))
+    except ImportError as e:
+        print(f"note: no model.onnx ({e})")
+    print(f"deployable: batch norms folded, {len(net.ops('infer'))} -> "
+          f"{len(folded.ops('infer'))} inference ops. Open model.onnx in Netron "
+          f"(https://netron.app) or run it with onnxruntime; load {out / 'model'} with "
+          f"mg.io.load_inference(...).infer(feed={{'image': x}})")
+    return files
 
 
 def write_picture(net, out):
@@ -171,6 +210,10 @@ def add_arguments(parser):
     parser.add_argument("--batch-size", type=int_at_least(2, " (batch norm needs two rows)"),
                         default=DEFAULT_BATCH_SIZE,
                         help=f"training batch size, >= 2 (default {DEFAULT_BATCH_SIZE})")
+    parser.add_argument("--model", choices=("digits", "resnet"), default="digits",
+                        help="digits: conv-bn-relu-pool-fc-bn-relu-fc with Momentum (default); "
+                             "resnet: a residual CNN with add, concat, global pooling, dropout, "
+                             "AdamW, a cosine schedule and clipping")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -208,7 +251,8 @@ def run(args):
         print(f"error: {e}", file=sys.stderr)
         return 1
     history = train(epochs=args.epochs, out_dir=args.out, batch_size=args.batch_size,
-                    seed=args.seed, progress=not args.no_progress, place=place)
+                    seed=args.seed, progress=not args.no_progress, place=place,
+                    model=getattr(args, "model", "digits"))
     print(f"held-out accuracy {100 * history['accuracy'][-1]:.1f}% after {args.epochs} "
           f"epochs ({history['seconds']:.1f} s on {place!r})")
     print("wrote " + ", ".join(str(p) for p in history["files"]))

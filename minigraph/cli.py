@@ -1,10 +1,12 @@
 """The `minigraph` command.
 
-    minigraph demo [--epochs N] [--device cpu|gpu] [--out DIR] [--seed S]
-                   [--batch-size B] [--no-progress]
+    minigraph demo [--model digits|resnet] [--epochs N] [--device cpu|gpu] [--out DIR]
+                   [--seed S] [--batch-size B] [--no-progress]
 
-trains the digits example (see minigraph.examples.train_digits), prints the
-loss and held-out accuracy per epoch, and writes net.svg and training.png.
+trains the digits example (see minigraph.examples.train_digits; --model resnet
+trains the residual net of train_resnet_digits), prints the loss and held-out
+accuracy per epoch, and writes net.svg, training.png, model/ (an inference
+model) and model.onnx.
 A bad option value is one line on stderr naming the option, and exit code 2.
 """
 from __future__ import annotations

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import minigraph as mg
@@ -41,6 +42,33 @@ def test_demo_reaches_95_percent_and_writes_the_picture_and_plot(tmp_path, capsy
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_demo_writes_deployable_models_that_infer_like_the_net(tmp_path, capsys):
+    """model/ (the inference model directory) and model.onnx, of the trained net with its
+    batch norms folded; both give the net's predictions."""
+    ort = pytest.importorskip("onnxruntime")
+    history = train_digits.train(epochs=1, out_dir=tmp_path, progress=False)
+    out = capsys.readouterr().out
+    assert tmp_path / "model" in history["files"] and tmp_path / "model.onnx" in history["files"]
+    assert "Netron" in out and "onnxruntime" in out and "mg.io.load_inference" in out
+    assert "batch norms folded, 13 -> 11 inference ops" in out
+    _, _, test_x, test_y = train_digits.load_digits_split()
+    (logits,) = mg.io.load_inference(tmp_path / "model").infer(feed={"image": test_x})
+    assert (logits.argmax(axis=1) == test_y).mean() == pytest.approx(history["accuracy"][-1])
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"))
+    (onnx_logits,) = session.run(None, {"image": test_x})
+    np.testing.assert_allclose(onnx_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_demo_model_resnet_reaches_97_percent(tmp_path, capsys):
+    rc = cli.main(["demo", "--model", "resnet", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    accuracy = float(re.search(r"held-out accuracy ([\d.]+)% after 6 epochs", out).group(1))
+    assert accuracy >= 97.0, out
+    for name in ("net.svg", "training.png", "model.onnx", "model/model.json"):
+        assert (tmp_path / name).exists(), name
+
+
 def test_without_dot_the_demo_command_still_writes_a_real_svg(tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
@@ -63,7 +91,7 @@ def test_with_nothing_to_draw_with_the_demo_writes_dot_source_and_a_note(tmp_pat
     assert "note: could not draw net.svg" in out and "pip install graphviz-pure" in out
     assert len(history["loss"]) == len(history["accuracy"]) == 1
     assert 0.5 < history["accuracy"][0] <= 1.0
-    assert history["files"] == [tmp_path / "net.dot", tmp_path / "training.png"]
+    assert history["files"][:2] == [tmp_path / "net.dot", tmp_path / "training.png"]
     assert (tmp_path / "net.dot").read_text().startswith("digraph")
     assert not (tmp_path / "net.svg").exists()
 
