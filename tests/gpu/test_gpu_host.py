@@ -37,7 +37,7 @@ import minigraph as mg
 from minigraph import place as mg_place
 from minigraph.kernels import cuda_backend, launch, loader
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 
@@ -349,7 +349,7 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
     element of dx itself (no zero-fill first: the emulator's fresh arrays are NaN),
     sums in a fixed window order (no atomicAdd), so grids of any size give the same
     bits, and the first maximum of each window gets its gradient."""
-    from test_kernels import pool_grad_reference
+    from test_bn_launchers import pool_grad_reference
 
     from minigraph.kernels import fill, pool2d
 

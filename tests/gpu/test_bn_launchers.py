@@ -125,7 +125,7 @@ def test_launching_without_pycuda_is_a_clear_error():
 
 
 def test_benchmark_is_import_safe():
-    bench = pathlib.Path(__file__).parents[1] / "benchmarks" / "bn_gpu.py"
+    bench = pathlib.Path(__file__).parents[2] / "benchmarks" / "bn_gpu.py"
     code = (f"import runpy, sys\n"
             f"ns = runpy.run_path({str(bench)!r}, run_name='bench')\n"
             f"assert callable(ns['main'])\n"

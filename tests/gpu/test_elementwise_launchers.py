@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_kernels
-from test_kernels import TOL, rel_err, rng
+import test_bn_launchers as test_kernels
+from test_bn_launchers import TOL, rel_err, rng
 
 from minigraph.kernels import broadcast, shape_ops, strided
 from minigraph.ops.philox import philox_words, uniforms24

@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 import pytest
-import test_kernels
-from test_kernels import TOL, rel_err, rng
+import test_bn_launchers as test_kernels
+from test_bn_launchers import TOL, rel_err, rng
 
 from minigraph.kernels import loader
 from minigraph.kernels import map as maps

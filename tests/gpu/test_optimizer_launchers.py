@@ -8,8 +8,8 @@ import math
 
 import numpy as np
 import pytest
-import test_kernels
-from test_kernels import TOL, rng
+import test_bn_launchers as test_kernels
+from test_bn_launchers import TOL, rng
 
 from minigraph.kernels import clip, lr_schedule, optimizer_ops
 
