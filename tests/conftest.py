@@ -1,14 +1,19 @@
-"""Shared fixtures."""
+"""Shared fixtures: the GPU places every GPU test runs on, arrays on them, and the one
+sys.path entry that lets every test (tests/ and tests/gpu/) import helpers,
+references, kernel_emulator and mpi_scripts by name."""
 from __future__ import annotations
 
 import pathlib
 import shutil
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import kernel_emulator  # noqa: E402
+
+DEVICES = ["emulated", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +27,10 @@ def gpu_place():
         pytest.skip(str(e))
 
 
-@pytest.fixture(params=["emulated", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.fixture(params=DEVICES)
 def device_place(request):
-    """A GPU place: the CPU emulator's (runs here), or GPUPlace(0) (skipped without one)."""
+    """A GPU place: the CPU emulator's EmuPlace (the real .cu kernels compiled with
+    g++; skipped without g++), or GPUPlace(0) (marked gpu; skipped without one)."""
     from minigraph.kernels import loader
 
     if request.param == "gpu":
@@ -37,3 +43,45 @@ def device_place(request):
         pytest.skip("no g++ for the kernel emulator")
     with kernel_emulator.emulated_gpu() as emu:
         yield emu
+
+
+class DeviceArrays:
+    """numpy arrays onto and off a GPU place's device, for tests that call the
+    launchers in minigraph.kernels directly (no Executor)."""
+
+    def __init__(self, place):
+        self.place = place
+        self.emulated = isinstance(place, kernel_emulator.EmuPlace)
+
+    def put(self, a, offset=0):
+        """A C-contiguous device copy of numpy `a`; `offset` elements past an aligned
+        start (to test unaligned data)."""
+        a = np.require(a, requirements="C")
+        if self.emulated:
+            return kernel_emulator.to_device(a, offset=offset)
+        import pycuda.gpuarray as gpuarray
+
+        if not offset:
+            return gpuarray.to_gpu(a)
+        flat = gpuarray.to_gpu(np.concatenate([np.zeros(offset, a.dtype), a.ravel()]))
+        return flat[offset:].reshape(a.shape)
+
+    def get(self, a):
+        """A numpy copy of device array `a`."""
+        return a.get()
+
+
+@pytest.fixture
+def device(device_place):
+    """Arrays on `device_place` (the emulator, or a real GPU marked gpu) for the
+    launcher tests: device.put(numpy, offset=0), device.get(array), device.emulated."""
+    return DeviceArrays(device_place)
+
+
+@pytest.fixture
+def force_splits(monkeypatch):
+    """Let small tensors split one channel over many blocks (exercises the last-block
+    merges)."""
+    from minigraph.kernels import launch
+
+    monkeypatch.setattr(launch, "MIN_UNITS_PER_THREAD", 1)

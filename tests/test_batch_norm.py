@@ -1,9 +1,11 @@
-"""batch_norm forward through the public API against a float64 numpy reference:
+"""batch_norm forward through the public API against the float64 reference
+(tests/references.py):
 modes, layouts, ranks, running estimates over batches, in-place aliasing and
 the errors a user can run into. (Finite-difference gradient checks live in
 test_batch_norm_grad.py; the grad kernel is checked here against its closed form.)"""
 import numpy as np
 import pytest
+from references import batch_norm, batch_norm_grad, batch_stats
 
 import minigraph as mg
 from minigraph import OpError, cpu_blocks
@@ -18,55 +20,6 @@ SHAPES = {  # rank -> (NCHW shape, NHWC shape), 3 channels
     5: ((2, 3, 2, 3, 2), (2, 2, 3, 2, 3)),
 }
 MODES = {"train": {}, "global": {"use_global_est": True}, "infer": {"is_infer": True}}
-
-
-# ---- the reference ----------------------------------------------------------------
-
-def channel_axis(x, layout):
-    return 1 if layout == "NCHW" else x.ndim - 1
-
-
-def per_channel(v, x, layout):
-    shape = [1] * x.ndim
-    shape[channel_axis(x, layout)] = -1
-    return np.asarray(v, np.float64).reshape(shape)
-
-
-def batch_stats(x, layout):
-    """Per-channel (mean, biased var, n) of x in float64, two-pass."""
-    x = np.asarray(x, np.float64)
-    axes = tuple(a for a in range(x.ndim) if a != channel_axis(x, layout))
-    mean = x.mean(axis=axes)
-    var = ((x - per_channel(mean, x, layout)) ** 2).mean(axis=axes)
-    return mean, var, x.size // x.shape[channel_axis(x, layout)]
-
-
-def reference(x, est_mean, est_var, scale, bias, counter=None, layout="NCHW", is_infer=False,
-              use_global_est=False, epsilon=1e-5, momentum=0.9):
-    """Everything batch_norm should produce, in float64: y, the statistics y used,
-    and the estimates and counter after the op."""
-    est_mean, est_var = np.float64(est_mean), np.float64(est_var)
-    if is_infer or use_global_est:
-        mean, var = est_mean, est_var
-        new_mean, new_var, new_counter = est_mean, est_var, counter
-    else:
-        mean, var, n = batch_stats(x, layout)
-        unbiased = var * n / (n - 1)
-        if counter is not None and counter == 0:
-            new_mean, new_var = mean, unbiased
-        elif momentum is None:
-            k = counter + 1
-            new_mean = est_mean + (mean - est_mean) / k
-            new_var = est_var + (unbiased - est_var) / k
-        else:
-            new_mean = momentum * est_mean + (1 - momentum) * mean
-            new_var = momentum * est_var + (1 - momentum) * unbiased
-        new_counter = None if counter is None else counter + 1
-    y = ((np.float64(x) - per_channel(mean, x, layout)) / np.sqrt(per_channel(var, x, layout)
-                                                                    + epsilon)
-         * per_channel(scale, x, layout) + per_channel(bias, x, layout))
-    return {"y": y, "batch_mean": mean, "batch_var": var, "estimated_mean": new_mean,
-            "estimated_var": new_var, "num_batches": new_counter}
 
 
 # ---- building and running the op ----------------------------------------------------
@@ -108,8 +61,8 @@ class BN:
         """The reference for the op's next run, from the current state."""
         counter = None if self.counter is None else int(self.counter.get())
         a = dict(self.attrs)
-        return reference(self.x.get(), self.mean.get(), self.var.get(), self.scale.get(),
-                         self.bias.get(), counter, a.pop("data_layout"), **a)
+        return batch_norm(self.x.get(), self.mean.get(), self.var.get(), self.scale.get(),
+                          self.bias.get(), counter, a.pop("data_layout"), **a)
 
     def run(self):
         mg.Executor(mg.CPUPlace()).run([self.op], self.scope)
@@ -400,20 +353,6 @@ def test_local_stats_of_an_empty_batch():
 
 # ---- the grad kernel against its closed form --------------------------------------------
 
-def grad_reference(x, dy, scale, mean, var, eps, layout, use_global_est):
-    x, dy = np.float64(x), np.float64(dy)
-    axes = tuple(a for a in range(x.ndim) if a != channel_axis(x, layout))
-    invstd = 1 / np.sqrt(np.float64(var) + eps)
-    xhat = (x - per_channel(mean, x, layout)) * per_channel(invstd, x, layout)
-    dbias, dscale = dy.sum(axis=axes), (dy * xhat).sum(axis=axes)
-    k = per_channel(np.float64(scale) * invstd, x, layout)
-    if use_global_est:
-        return k * dy, dscale, dbias
-    n = x.size // x.shape[channel_axis(x, layout)]
-    dx = k * (dy - per_channel(dbias / n, x, layout) - xhat * per_channel(dscale / n, x, layout))
-    return dx, dscale, dbias
-
-
 @pytest.mark.parametrize("small, max_dot", [(1 << 14, 8192),   # plain float64
                                             (0, 8192), (0, 4)])  # blocks: einsum, multiply
 @pytest.mark.parametrize("use_global_est", [False, True])
@@ -437,8 +376,8 @@ def test_grad_kernel_closed_form(layout, shape, offset, dtype, use_global_est, s
     (desc,) = bn.op.schema.grad(bn.op, {"y": dy}, lambda v: grads.get(id(v)))
     mg.Executor(mg.CPUPlace()).run([mg.Operator(desc.type, **desc.kwargs)], bn.scope)
     stats = (bn.mean, bn.var) if use_global_est else (bn.bm, bn.bv)
-    want = grad_reference(bn.x.get(), dy.get(), bn.scale.get(), stats[0].get(), stats[1].get(),
-                          1e-5, layout, use_global_est)
+    want = batch_norm_grad(bn.x.get(), dy.get(), bn.scale.get(), stats[0].get(),
+                           stats[1].get(), 1e-5, layout, use_global_est)
     t = tol(dtype) * 10
     for v, w, name in zip((bn.x, bn.scale, bn.bias), want, ("dx", "dscale", "dbias"),
                           strict=True):

@@ -20,23 +20,6 @@ SHAPES = [
 ]
 
 
-def unbroadcast(g, shape):
-    """Sum g over the axes numpy broadcast `shape` along (written independently of the op:
-    sum every leading axis, then every axis where shape has 1)."""
-    while g.ndim > len(shape):
-        g = np.add.reduce(g, axis=0)
-    for i, n in enumerate(shape):
-        if n == 1:
-            g = np.add.reduce(g, axis=i, keepdims=True)
-    return g
-
-
-def test_unbroadcast_reference():
-    g = np.arange(24.0).reshape(2, 3, 4)
-    assert np.array_equal(unbroadcast(g, (3, 1)), g.sum(axis=(0, 2))[:, None])
-    assert np.array_equal(unbroadcast(g, (2, 3, 4)), g)
-
-
 def add_reference(x, y):
     shape = np.broadcast_shapes(x.shape, y.shape)
     return {"out": np.broadcast_to(x, shape) + np.broadcast_to(y, shape)}

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 from helpers import helper_test_op
+from references import dropout_keep
 
 import minigraph as mg
 from minigraph.schema import get_schema
@@ -9,35 +10,12 @@ from minigraph.schema import get_schema
 rng = np.random.default_rng(8)
 
 
-def scalar_philox(counter, key):
-    """Philox4x32-10 on Python ints (the round of kernels/fill.cu)."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c3 ^ k1,
-                          p0 & 0xFFFFFFFF)
-        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    return [c0, c1, c2, c3]
-
-
-def test_scalar_philox_known_answer():
-    assert scalar_philox([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C,
-                                                   0x9B00DBD8]
-
-
-def reference_keep(n, p, seed, step):
-    """keep_i = u_i >= p, u_i = (word i % 4 of philox(i // 4, stream 2; seed, step)) >> 8 / 2^24."""
-    words = []
-    for call in range((n + 3) // 4):
-        words += scalar_philox([call & 0xFFFFFFFF, call >> 32, 2, 0], [seed, step & 0xFFFFFFFF])
-    return np.array([(w >> 8) / 2.0**24 >= p for w in words[:n]])
-
-
 def dropout_reference(x, step, p=0.5, seed=0, is_infer=False):
+    """dropout's outputs in float64 from references.dropout_keep (an independent
+    Philox): x / (1 - p) where kept, the mask, the step after the call."""
     if is_infer:
         return {"out": x.copy(), "step_out": step}
-    keep = reference_keep(x.size, p, seed, int(step)).reshape(x.shape)
+    keep = dropout_keep(x.size, p, seed, int(step)).reshape(x.shape)
     return {"out": np.where(keep, x / (1.0 - p), 0.0), "mask": keep.astype(np.uint8),
             "step_out": step + 1}
 

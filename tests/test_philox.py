@@ -1,5 +1,6 @@
 """The numpy Philox4x32-10 against Random123's known answers and fill.cu's word layout."""
 import numpy as np
+from references import philox4x32 as scalar_philox
 
 from minigraph.ops.philox import philox4x32, philox_words, uniforms24
 
@@ -14,18 +15,6 @@ def test_random123_known_answers():
                                                            0x6D5451FD]
     assert words((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
                  (0xA4093822, 0x299F31D0)) == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
-
-
-def scalar_philox(counter, key):
-    """A plain-integer Philox4x32-10 (the round of kernels/fill.cu, line by line)."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c3 ^ k1,
-                          p0 & 0xFFFFFFFF)
-        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
-    return [c0, c1, c2, c3]
 
 
 def test_vectorised_matches_scalar_on_many_counters():

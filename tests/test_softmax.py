@@ -4,6 +4,7 @@ import warnings
 import numpy as np
 import pytest
 from helpers import helper_test_op
+from references import softmax
 
 import minigraph as mg
 
@@ -11,14 +12,8 @@ rng = np.random.default_rng(6)
 
 
 def softmax_reference(x, axis=-1):
-    moved = np.moveaxis(x, axis, -1)
-    out = np.empty_like(moved)
-    for idx in np.ndindex(moved.shape[:-1]):
-        row = moved[idx]
-        with np.errstate(over="ignore"):
-            e = np.exp(row - row.max())
-        out[idx] = e / e.sum()
-    return {"out": np.moveaxis(out, -1, axis)}
+    """references.softmax, called as helper_test_op calls a reference."""
+    return {"out": softmax(x, axis)}
 
 
 @pytest.mark.parametrize("shape, axis", [((3, 5), -1), ((3, 5), 0), ((3, 5), 1),

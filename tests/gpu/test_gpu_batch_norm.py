@@ -18,30 +18,20 @@ GPUPlace(0) (skipped without one; these have never run):
 """
 from __future__ import annotations
 
-import pathlib
 import shutil
-import sys
 
+import kernel_emulator
 import numpy as np
 import pytest
 from mpi_scripts.gpu_sync_bn_check import BN
 from mpi_scripts.launch import check_ok
+from op_harness import TOL, assert_close, run_op
 
 import minigraph as mg
 from minigraph.distributed import world
 from minigraph.distributed.comm import LocalComm
-from minigraph.kernels import launch
 from minigraph.ops import batch_norm_cpu as bn_cpu
 from minigraph.ops import sync_batch_norm as sync_ops
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import kernel_emulator  # noqa: E402
-from test_gpu_ops import TOL, assert_close, run_op  # noqa: E402
-
-
-@pytest.fixture
-def place(device_place):
-    return device_place
 
 
 def assert_near(got, want, where, loosen=1.0):
@@ -54,12 +44,6 @@ def assert_near(got, want, where, loosen=1.0):
     scale = np.linalg.norm(want.astype(np.float64).ravel()) or 1.0
     err = np.linalg.norm((got.astype(np.float64) - want).ravel()) / scale
     assert err < TOL[want.dtype] * loosen, f"{where}: relative error {err:.3g}"
-
-
-@pytest.fixture
-def force_splits(monkeypatch):
-    """Let small tensors split one channel over several blocks (the last-block merges)."""
-    monkeypatch.setattr(launch, "MIN_UNITS_PER_THREAD", 1)
 
 
 def bn_inputs(shape, layout, dtype, seed=0, offset=0.0, counter=0):
@@ -118,13 +102,13 @@ OP_WORLDS = {"batch_norm": ("batch_norm", LocalComm),
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("case", sorted(SHAPES))
-def test_batch_norm_matches_the_cpu(place, force_splits, case, mode):
+def test_batch_norm_matches_the_cpu(device_place, force_splits, case, mode):
     layout, shape, dtype, attrs, kw = SHAPES[case]
     ins = bn_inputs(shape, layout, dtype, **kw)
     attrs = dict(attrs, data_layout=layout, **MODES[mode])
     grad_sets = GRADS if mode == "train" else GRADS[:1]
     want, want_grads = run_op(mg.CPUPlace(), "batch_norm", ins, attrs, grad_sets, ("y",))
-    got, got_grads = run_op(place, "batch_norm", ins, attrs, grad_sets, ("y",))
+    got, got_grads = run_op(device_place, "batch_norm", ins, attrs, grad_sets, ("y",))
     assert set(got) == set(want)
     loosen = 10.0 if kw.get("offset") else 1.0
     for slot in want:
@@ -141,8 +125,9 @@ def test_batch_norm_matches_the_cpu(place, force_splits, case, mode):
 
 
 @pytest.mark.parametrize("momentum", [0.9, None], ids=["momentum", "cumulative"])
-def test_a_sequence_of_batches_updates_like_the_cpu(place, momentum):
-    runs = [BN(p, "batch_norm", 3, np.float32, "NCHW", momentum) for p in (mg.CPUPlace(), place)]
+def test_a_sequence_of_batches_updates_like_the_cpu(device_place, momentum):
+    runs = [BN(p, "batch_norm", 3, np.float32, "NCHW", momentum)
+            for p in (mg.CPUPlace(), device_place)]
     rng = np.random.default_rng(3)
     for step in range(4):
         x = rng.normal(step, 1 + step, (5, 3, 4, 3)).astype(np.float32)
@@ -157,9 +142,9 @@ def test_a_sequence_of_batches_updates_like_the_cpu(place, momentum):
     assert_close(runs[1].infer(x), runs[0].infer(x), "infer after training")
 
 
-def test_no_counter_always_uses_momentum(place):
+def test_no_counter_always_uses_momentum(device_place):
     runs = [BN(p, "batch_norm", 4, np.float64, "NHWC", 0.7, counter=False)
-            for p in (mg.CPUPlace(), place)]
+            for p in (mg.CPUPlace(), device_place)]
     for step in range(2):
         x = np.random.default_rng(step).standard_normal((6, 3, 4))
         want, got = (r.step(x) for r in runs)
@@ -169,10 +154,10 @@ def test_no_counter_always_uses_momentum(place):
 
 @pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
 @pytest.mark.parametrize("poison", ["nan", "inf", "overflow"])
-def test_non_finite_batch_raises_at_the_next_fetch(place, monkeypatch, world_case, poison):
+def test_non_finite_batch_raises_at_the_next_fetch(device_place, monkeypatch, world_case, poison):
     op_type, make_comm = OP_WORLDS[world_case]
-    monkeypatch.setattr(world, "_comm", make_comm(place))
-    gpu, cpu = (BN(p, op_type, 3, np.float32) for p in (place, mg.CPUPlace()))
+    monkeypatch.setattr(world, "_comm", make_comm(device_place))
+    gpu, cpu = (BN(p, op_type, 3, np.float32) for p in (device_place, mg.CPUPlace()))
     rng = np.random.default_rng(0)
     good = rng.standard_normal((4, 3, 5, 5)).astype(np.float32)
     bad = good.copy()
@@ -200,10 +185,10 @@ def test_non_finite_batch_raises_at_the_next_fetch(place, monkeypatch, world_cas
 
 @pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
 @pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1, 1), (0, 3)])
-def test_one_value_per_channel_is_the_cpu_error(place, monkeypatch, world_case, shape):
+def test_one_value_per_channel_is_the_cpu_error(device_place, monkeypatch, world_case, shape):
     op_type, make_comm = OP_WORLDS[world_case]
     errors = []
-    for p in (mg.CPUPlace(), place):
+    for p in (mg.CPUPlace(), device_place):
         monkeypatch.setattr(world, "_comm", make_comm(p))
         with pytest.raises(mg.OpError, match="training needs more than one value") as e:
             BN(p, op_type, 3, np.float32).step(np.ones(shape, np.float32))
@@ -211,19 +196,19 @@ def test_one_value_per_channel_is_the_cpu_error(place, monkeypatch, world_case, 
     assert errors[0] == errors[1]
 
 
-def test_float16_is_a_clear_error_on_the_gpu(place):
+def test_float16_is_a_clear_error_on_the_gpu(device_place):
     ins = bn_inputs((4, 3), "NCHW", np.float16)
     with pytest.raises(mg.OpError, match="batch_norm: input 'x' has dtype float16"):
-        run_op(place, "batch_norm", ins)
+        run_op(device_place, "batch_norm", ins)
 
 
-def test_digits_net_trains_like_on_the_cpu(place):
+def test_digits_net_trains_like_on_the_cpu(device_place):
     pytest.importorskip("sklearn")
     from minigraph.examples.train_digits import build_net, load_digits_split
 
     x, y, _, _ = load_digits_split()
     runs = []
-    for p in (mg.CPUPlace(), place):
+    for p in (mg.CPUPlace(), device_place):
         net, h = build_net(p, seed=0)
         losses = [float(net.train(feed={"image": x[8 * k:8 * k + 8], "label": y[8 * k:8 * k + 8]},
                                   fetch=[h["loss"]])[0]) for k in range(3)]
@@ -240,13 +225,13 @@ def test_digits_net_trains_like_on_the_cpu(place):
 # ---- sync_batch_norm -----------------------------------------------------------------
 
 
-def test_sync_batch_norm_in_a_world_of_one_is_batch_norm(place, monkeypatch):
-    comm = LocalComm(place)
+def test_sync_batch_norm_in_a_world_of_one_is_batch_norm(device_place, monkeypatch):
+    comm = LocalComm(device_place)
     monkeypatch.setattr(world, "_comm", comm)
     ins = bn_inputs((5, 3, 4, 4), "NCHW", np.float32, counter=2)
     grads = (("x", "scale", "bias"),)
-    want, want_grads = run_op(place, "batch_norm", ins, {}, grads, ("y",))
-    got, got_grads = run_op(place, "sync_batch_norm", ins, {}, grads, ("y",))
+    want, want_grads = run_op(device_place, "batch_norm", ins, {}, grads, ("y",))
+    got, got_grads = run_op(device_place, "sync_batch_norm", ins, {}, grads, ("y",))
     for slot in want:
         np.testing.assert_array_equal(got[slot], want[slot], err_msg=slot)
     for name, value in want_grads[grads[0]].items():
@@ -257,15 +242,15 @@ def test_sync_batch_norm_in_a_world_of_one_is_batch_norm(place, monkeypatch):
 @pytest.mark.parametrize("layout,shape,dtype", [("NCHW", (5, 3, 4, 4), F32),
                                                 ("NHWC", (7, 2, 5), F64),
                                                 ("NCHW", (9, 4), F32)])
-def test_sync_path_makes_one_allreduce_each_way(place, monkeypatch, layout, shape, dtype):
-    comm = LoneRankComm(place)
+def test_sync_path_makes_one_allreduce_each_way(device_place, monkeypatch, layout, shape, dtype):
+    comm = LoneRankComm(device_place)
     comm.trace = []
     monkeypatch.setattr(world, "_comm", comm)
     ins = bn_inputs(shape, layout, dtype, counter=1)
     attrs = dict(data_layout=layout)
     grads = (("x", "scale", "bias"),)
     want, want_grads = run_op(mg.CPUPlace(), "batch_norm", ins, attrs, grads, ("y",))
-    got, got_grads = run_op(place, "sync_batch_norm", ins, attrs, grads, ("y",))
+    got, got_grads = run_op(device_place, "sync_batch_norm", ins, attrs, grads, ("y",))
     for slot in want:
         assert_close(got[slot], want[slot], f"sync {slot}")
     for name, value in want_grads[grads[0]].items():
@@ -275,12 +260,12 @@ def test_sync_path_makes_one_allreduce_each_way(place, monkeypatch, layout, shap
     assert comm.trace == [("allreduce_stats", "sync_batch_norm forward x=x", size),
                           ("allreduce", "sync_batch_norm_grad x=x", size)]
     comm.trace = []
-    run_op(place, "sync_batch_norm", ins, dict(attrs, is_infer=True), grads, ("y",))
-    run_op(place, "sync_batch_norm", ins, dict(attrs, use_global_est=True), grads, ("y",))
+    run_op(device_place, "sync_batch_norm", ins, dict(attrs, is_infer=True), grads, ("y",))
+    run_op(device_place, "sync_batch_norm", ins, dict(attrs, use_global_est=True), grads, ("y",))
     assert comm.trace == []                  # the estimates need no communication
 
 
-def test_local_vectors_are_the_cpu_packing(place, force_splits):
+def test_local_vectors_are_the_cpu_packing(device_place, force_splits):
     from minigraph.kernels import batch_norm_sync as gpu
 
     rng = np.random.default_rng(2)
@@ -288,13 +273,13 @@ def test_local_vectors_are_the_cpu_packing(place, force_splits):
         x = (rng.standard_normal(shape) + 5).astype(np.float32)
         x3 = bn_cpu.as_3d(x, layout)
         want = sync_ops.pack_stats(*bn_cpu.local_stats(x3))
-        got = gpu.local_stats(place.to_device(x), layout).get()
+        got = gpu.local_stats(device_place.to_device(x), layout).get()
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=layout)
         mean = np.linspace(4, 6, x3.shape[1]).astype(np.float32)
         dy = rng.standard_normal(shape).astype(np.float32)
         n, s_dy, s_dyx = bn_cpu.grad_sums(x3, bn_cpu.as_3d(dy, layout), mean.astype(np.float64))
-        got = gpu.backward_sums(place.to_device(x), place.to_device(dy), place.to_device(mean),
-                                layout).get()
+        put = device_place.to_device
+        got = gpu.backward_sums(put(x), put(dy), put(mean), layout).get()
         np.testing.assert_allclose(got, np.concatenate(([n], s_dy, s_dyx)), rtol=1e-5,
                                    atol=1e-4, err_msg=layout)
 
@@ -302,8 +287,8 @@ def test_local_vectors_are_the_cpu_packing(place, force_splits):
 @pytest.mark.parametrize("layout,shape_of,dtype", [
     ("NCHW", lambda n: (n, 3, 4, 5), F64), ("NHWC", lambda n: (n, 3, 4), F32),
     ("NCHW", lambda n: (n, 2), F64)], ids=["nchw-f64", "nhwc-f32", "rank2-f64"])
-def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_splits, layout,
-                                                                  shape_of, dtype):
+def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(device_place, force_splits,
+                                                                  layout, shape_of, dtype):
     """Three ranks (5, 0 and 2 rows) run through the launchers one after another,
     their statistics merged on the device (merge_stats), their gradient sums added
     on the host: the whole batch's results on every rank."""
@@ -314,7 +299,7 @@ def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_s
     rng = np.random.default_rng(4)
     cpu = BN(mg.CPUPlace(), "batch_norm", channels, dtype, layout)
     params = {k: cpu.scope.find_var(k).get().copy() for k in ("scale", "bias", "mean", "var")}
-    dev = place.to_device
+    dev = device_place.to_device
     ranks = [{k: dev(v) for k, v in params.items()} | {"counter": dev(np.array(0, np.int64))}
              for _ in counts]
     for step in range(3):
@@ -343,7 +328,7 @@ def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(place, force_s
                 assert_close(got[k], want[k], f"step {step} {k}")
 
 
-def test_device_merge_keeps_offset_variance_and_equals_the_host_merge(place):
+def test_device_merge_keeps_offset_variance_and_equals_the_host_merge(device_place):
     """kernels.batch_norm_sync.merge_stats on K ranks' local vectors of data with
     |mean|/std = 1e6 (one rank empty): the variance to 1e-6 relative, and the
     host's rank-order merge to 1e-12 (the NCCL path vs the MPI path)."""
@@ -354,8 +339,8 @@ def test_device_merge_keeps_offset_variance_and_equals_the_host_merge(place):
     counts = (6, 0, 3, 9)
     full = 1e6 + rng.standard_normal((sum(counts), 5, 3, 3))
     parts = np.split(full, np.cumsum(counts)[:-1])
-    rows = np.stack([gpu.local_stats(place.to_device(p), "NCHW").get() for p in parts])
-    got = gpu.merge_stats(place.to_device(rows)).get()
+    rows = np.stack([gpu.local_stats(device_place.to_device(p), "NCHW").get() for p in parts])
+    got = gpu.merge_stats(device_place.to_device(rows)).get()
     centred = full - full.mean(axis=(0, 2, 3), keepdims=True)
     want_var = (centred * centred).mean(axis=(0, 2, 3))
     assert got[0] == full.size // 5

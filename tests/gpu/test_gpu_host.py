@@ -31,13 +31,14 @@ import kernel_emulator
 import numpy as np
 import pytest
 from kernel_emulator import fake_pycuda
-from test_gpu_ops import batches, small_net
+from op_harness import batches, small_net
+from references import pool2d_grad
 
 import minigraph as mg
 from minigraph import place as mg_place
 from minigraph.kernels import cuda_backend, launch, loader
 
-HERE = pathlib.Path(__file__).parents[1]
+TESTS = pathlib.Path(__file__).parents[1]
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 
@@ -91,7 +92,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 def test_exit_pops_and_releases_every_context_in_order():
-    script = EXIT_SCRIPT.format(tests=str(HERE))
+    script = EXIT_SCRIPT.format(tests=str(TESTS))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -349,8 +350,6 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
     element of dx itself (no zero-fill first: the emulator's fresh arrays are NaN),
     sums in a fixed window order (no atomicAdd), so grids of any size give the same
     bits, and the first maximum of each window gets its gradient."""
-    from test_bn_launchers import pool_grad_reference
-
     from minigraph.kernels import fill, pool2d
 
     assert "atomicAdd" not in (loader.kernel_dir() / "pool2d.cu").read_text()
@@ -365,8 +364,7 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
                                 "max", (3, 3), (1, 1), (0, 0))
         runs.append(dx.get())
     assert all(r.tobytes() == runs[0].tobytes() for r in runs)
-    want = pool_grad_reference(x.astype(np.float64), d.astype(np.float64), "max", (3, 3),
-                               (1, 1), (0, 0))
+    want = pool2d_grad(x, d, "max", (3, 3), (1, 1), (0, 0))
     np.testing.assert_allclose(runs[0], want, rtol=1e-5, atol=1e-5)
 
 

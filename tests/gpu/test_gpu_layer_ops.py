@@ -1,6 +1,6 @@
 """The GPU bindings of the layer and optimizer ops of issue 9, through the real
 Executor, against the same ops on the CPU: on the kernel emulator (runs here)
-and, marked gpu, a real GPU (see tests/test_gpu_ops.py for the harness).
+and, marked gpu, a real GPU (the harness: tests/gpu/op_harness.py).
 Forward and every grad, float32 and float64, odd sizes, broadcasting both
 ways; dropout's masks and step counter bit for bit; device error flags raised
 at fetch; the in-place optimizer updates step for step."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_gpu_ops import assert_close, labels, r, run_op
+from op_harness import assert_close, labels, r, run_op
 
 import minigraph as mg
 from minigraph.schema import get_schema

@@ -12,126 +12,16 @@ errors flagged on the device raise at fetch time.
 """
 from __future__ import annotations
 
-import pathlib
 import shutil
-import subprocess
-import sys
 
+import kernel_emulator
 import numpy as np
 import pytest
+from op_harness import assert_close, batches, is_device_array, labels, r, run_op, small_net
 
 import minigraph as mg
-from minigraph import layers
 from minigraph.kernels import loader
 from minigraph.schema import get_schema
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import kernel_emulator  # noqa: E402
-
-TOL = {np.dtype("float16"): 1e-3, np.dtype("float32"): 2e-5, np.dtype("float64"): 1e-12}
-
-
-@pytest.fixture
-def place(device_place):
-    return device_place
-
-
-def is_device_array(value):
-    return not isinstance(value, np.ndarray) and hasattr(value, "gpudata")
-
-
-def _leaves(v):
-    return v if isinstance(v, list) else [v]
-
-
-def run_op(place, op_type, inputs, attrs=None, grad_sets=(), dout_slots=None, seed=0):
-    """Run `op_type` once on `place` through an Executor, then its grad ops.
-
-    inputs: {slot: array or list of arrays}. grad_sets: tuples of input slots
-    whose gradients are asked for together (one backward run per tuple), with
-    d(loss)/d(out) fixed random values (from `seed`) for each float output in
-    `dout_slots` (default: every one that is not an in-place alias).
-    Returns (outputs {slot: array}, grads {slots: {input var name: array}}).
-    """
-    schema = get_schema(op_type)
-    scope = mg.Scope()
-    ex = mg.Executor(place)
-    in_vars, originals = {}, {}
-    for slot in schema.inputs:
-        value = inputs.get(slot.name)
-        if value is None:
-            continue
-        if isinstance(value, list):
-            in_vars[slot.name] = [scope.new_var(f"{slot.name}{i}") for i in range(len(value))]
-        else:
-            in_vars[slot.name] = scope.new_var(slot.name)
-        for var, a in zip(_leaves(in_vars[slot.name]), _leaves(value), strict=True):
-            var.set(place.to_device(np.array(a, copy=True)))
-            originals[var.name] = var.value
-    out_vars = {}
-    for slot in schema.outputs:
-        src = schema.inplace.get(slot.name)
-        out_vars[slot.name] = in_vars[src] if src else scope.new_var(f"out.{slot.name}")
-    op = mg.Operator(op_type, **in_vars, **out_vars, **(attrs or {}))
-    fetched = ex.run([op], scope, fetch=list(out_vars.values()))
-    outs = dict(zip(out_vars, fetched, strict=True))
-    for slot, var in out_vars.items():
-        if place.kind == "gpu":
-            assert is_device_array(var.value), f"{op_type}: output {slot!r} is not on the device"
-        if slot in schema.inplace:
-            assert var.value is originals[var.name], \
-                f"{op_type}: in-place output {slot!r} is not the input's own buffer"
-    grads = {}
-    for wanted in grad_sets:
-        gscope = scope.new_scope()
-        rng = np.random.default_rng(seed)
-        dout = {}
-        for slot, var in out_vars.items():
-            if slot in schema.inplace or outs[slot].dtype.kind != "f" or \
-                    (dout_slots is not None and slot not in dout_slots):
-                dout[slot] = None
-                continue
-            d = gscope.new_var(f"{var.name}@GRAD")
-            d.set(place.to_device(rng.standard_normal(outs[slot].shape).astype(outs[slot].dtype)))
-            dout[slot] = d
-        targets = {id(v) for s in wanted for v in _leaves(in_vars[s])}
-        made = {}
-
-        def make_grad(var, targets=targets, made=made, gscope=gscope):
-            if id(var) not in targets:
-                return None
-            made[var.name] = gscope.new_var(f"{var.name}@GRAD")
-            return made[var.name]
-
-        grad_ops = [mg.Operator(d.type, **d.kwargs) for d in schema.grad(op, dout, make_grad)]
-        values = ex.run(grad_ops, gscope, fetch=list(made.values()))
-        for var in made.values():
-            if place.kind == "gpu":
-                assert is_device_array(var.value), f"{op_type}: {var.name} is not on the device"
-        grads[wanted] = dict(zip(made, values, strict=True))
-    return outs, grads
-
-
-def assert_close(got, want, where):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{where}: {got.dtype}{got.shape}, expected {want.dtype}{want.shape}"
-    if want.dtype.kind != "f":
-        np.testing.assert_array_equal(got, want, err_msg=where)
-        return
-    assert np.isfinite(got).all() == np.isfinite(want).all(), f"{where}: non-finite values"
-    scale = np.linalg.norm(want.astype(np.float64).ravel()) or 1.0
-    err = np.linalg.norm((got.astype(np.float64) - want).ravel()) / scale
-    assert err < TOL[want.dtype], f"{where}: relative error {err:.3g}"
-
-
-def r(*shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype(dtype)
-
-
-def labels(n, k, seed=0):
-    return np.random.default_rng(seed).integers(0, k, n).astype(np.int64)
-
 
 F64 = np.float64
 LR32 = np.array(0.1, np.float32)
@@ -196,10 +86,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_op_and_its_grad_match_the_cpu(place, case):
+def test_op_and_its_grad_match_the_cpu(device_place, case):
     op_type, inputs, attrs, grad_sets = CASES[case]
     want, want_grads = run_op(mg.CPUPlace(), op_type, inputs, attrs, grad_sets)
-    got, got_grads = run_op(place, op_type, inputs, attrs, grad_sets)
+    got, got_grads = run_op(device_place, op_type, inputs, attrs, grad_sets)
     assert set(got) == set(want)
     for slot in want:
         assert_close(got[slot], want[slot], f"{case}: output {slot!r}")
@@ -210,11 +100,11 @@ def test_op_and_its_grad_match_the_cpu(place, case):
                          f"{case}: d/d {name} (grads asked for {wanted})")
 
 
-def test_softmax_grad_from_the_loss_alone(place):
+def test_softmax_grad_from_the_loss_alone(device_place):
     inputs = {"logits": r(6, 4), "label": labels(6, 4)}
     args = ("softmax_with_cross_entropy", inputs, {}, (("logits",),), ("loss",))
     want, want_grads = run_op(mg.CPUPlace(), *args)
-    got, got_grads = run_op(place, *args)
+    got, got_grads = run_op(device_place, *args)
     assert_close(got_grads[("logits",)]["logits"], want_grads[("logits",)]["logits"], "dlogits")
 
 
@@ -228,24 +118,24 @@ def test_softmax_grad_from_the_loss_alone(place):
     ("conv2d_grad", {"x": r(1, 2, 4, 4), "filter": r(3, 2, 3, 3), "dout": r(1, 3, 2, 2)}, {},
      "dfilter"),
 ])
-def test_unbound_grad_outputs_are_not_computed(place, op_type, inputs, attrs, skipped):
+def test_unbound_grad_outputs_are_not_computed(device_place, op_type, inputs, attrs, skipped):
     schema = get_schema(op_type)
     scope = mg.Scope()
     kwargs = {}
     for slot, value in inputs.items():
         kwargs[slot] = scope.new_var(slot)
-        kwargs[slot].set(place.to_device(value))
+        kwargs[slot].set(device_place.to_device(value))
     outs = {s.name: scope.new_var(s.name) for s in schema.outputs if s.name != skipped}
     op = mg.Operator(op_type, **kwargs, **outs, **attrs)
     ins = {slot: var.value for slot, var in kwargs.items()}
     assert set(schema.kernels["gpu"](op, ins)) == set(outs)
 
 
-def test_outputs_stay_on_the_device_and_get_copies_them_out(place):
+def test_outputs_stay_on_the_device_and_get_copies_them_out(device_place):
     scope = mg.Scope()
     x, out = scope.new_var("x"), scope.new_var("out")
-    x.set(place.to_device(np.array([-1.0, 2.0], np.float32)))
-    mg.Executor(place).run([mg.Operator("relu", x=x, out=out)], scope)
+    x.set(device_place.to_device(np.array([-1.0, 2.0], np.float32)))
+    mg.Executor(device_place).run([mg.Operator("relu", x=x, out=out)], scope)
     assert is_device_array(out.value)
     host = out.get()
     assert isinstance(host, np.ndarray) and host.tolist() == [0.0, 2.0]
@@ -253,49 +143,30 @@ def test_outputs_stay_on_the_device_and_get_copies_them_out(place):
     assert out.get().tolist() == [0.0, 2.0]          # a copy, not a view of the device
 
 
-def test_scalars_stay_scalars_on_the_device(place):
-    assert tuple(place.to_device(np.array(2.5, np.float32)).shape) == ()
-    assert tuple(place.to_device(np.float64(1.0)).shape) == ()
-    assert place.to_device(np.array(2.5, np.float32)).get() == np.float32(2.5)
+def test_scalars_stay_scalars_on_the_device(device_place):
+    assert tuple(device_place.to_device(np.array(2.5, np.float32)).shape) == ()
+    assert tuple(device_place.to_device(np.float64(1.0)).shape) == ()
+    assert device_place.to_device(np.array(2.5, np.float32)).get() == np.float32(2.5)
 
 
-def test_float16_on_the_gpu_is_a_clear_error(place):
+def test_float16_on_the_gpu_is_a_clear_error(device_place):
     scope = mg.Scope()
     x, out = scope.new_var("x"), scope.new_var("out")
-    x.set(place.to_device(np.ones(3, np.float16)))
+    x.set(device_place.to_device(np.ones(3, np.float16)))
     with pytest.raises(mg.OpError, match=r"relu: input 'x' has dtype float16; the GPU kernels "
                                          r"take float32 or float64"):
-        mg.Executor(place).run([mg.Operator("relu", x=x, out=out)], scope)
+        mg.Executor(device_place).run([mg.Operator("relu", x=x, out=out)], scope)
 
 
-def test_the_mean_of_an_empty_batch_is_zero_as_on_the_cpu(place):
+def test_the_mean_of_an_empty_batch_is_zero_as_on_the_cpu(device_place):
     scope = mg.Scope()
     x, out = scope.new_var("x"), scope.new_var("out")
-    x.set(place.to_device(np.ones((0, 3), np.float32)))
-    mg.Executor(place).run([mg.Operator("mean", x=x, out=out)], scope)
+    x.set(device_place.to_device(np.ones((0, 3), np.float32)))
+    mg.Executor(device_place).run([mg.Operator("mean", x=x, out=out)], scope)
     assert out.get().shape == () and float(out.get()) == 0.0
 
 
 # ---- a small net -------------------------------------------------------------------
-
-
-def small_net(place, optimizer, seed=7):
-    """data -> conv2d -> relu -> pool2d -> fc -> softmax_with_cross_entropy -> mean."""
-    net = mg.Net(place=place, seed=seed)
-    image = layers.data(net, "image", shape=(-1, 2, 6, 6))
-    label = layers.data(net, "label", shape=(-1,), dtype="int64")
-    h = layers.relu(net, layers.conv2d(net, image, num_filters=4, filter_size=3, padding=1))
-    h = layers.pool2d(net, h, 2)
-    logits = layers.fc(net, h, size=5)
-    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
-    optimizer.minimize(net, loss)
-    return net, logits, loss
-
-
-def batches(steps, n=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{"image": rng.standard_normal((n, 2, 6, 6)).astype(np.float32),
-             "label": rng.integers(0, 5, n).astype(np.int64)} for _ in range(steps)]
 
 
 def train_losses(place, make_optimizer, steps=3):
@@ -312,9 +183,9 @@ def train_losses(place, make_optimizer, steps=3):
     lambda: mg.optimizer.Momentum(learning_rate=0.05, momentum=0.9),
     lambda: mg.optimizer.Momentum(learning_rate=0.05, momentum=0.9, nesterov=True),
 ], ids=["sgd", "momentum", "nesterov"])
-def test_small_net_trains_like_on_the_cpu(place, make_optimizer):
+def test_small_net_trains_like_on_the_cpu(device_place, make_optimizer):
     want_losses, want_out, want_params = train_losses(mg.CPUPlace(), make_optimizer)
-    got_losses, got_out, got_params = train_losses(place, make_optimizer)
+    got_losses, got_out, got_params = train_losses(device_place, make_optimizer)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     assert want_losses[-1] < want_losses[0]
     assert_close(got_out, want_out, "infer logits")
@@ -353,8 +224,8 @@ def test_a_step_moves_only_feeds_flags_and_fetches(monkeypatch):
         assert moved == {"in": 4, "out": 5}
 
 
-def test_bad_labels_fail_the_step_and_change_nothing(place):
-    net, logits, loss = small_net(place, mg.optimizer.SGD(learning_rate=0.1))
+def test_bad_labels_fail_the_step_and_change_nothing(device_place):
+    net, logits, loss = small_net(device_place, mg.optimizer.SGD(learning_rate=0.1))
     good, bad = batches(2)
     bad["label"][2] = 9
     net.train(feed=good, fetch=[loss])
@@ -396,11 +267,3 @@ def test_digits_net_trains_on_the_gpu_like_on_the_cpu(gpu_place):
         np.testing.assert_allclose(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-4)
     finally:
         loader.use_backend(old)
-
-
-def test_importing_minigraph_imports_nothing_from_pycuda():
-    code = ("import sys, minigraph\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] == 'pycuda']\n"
-            "assert not bad, bad\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr

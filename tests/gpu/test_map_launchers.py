@@ -2,20 +2,18 @@
 against float64 numpy references: relu, sigmoid, tanh, gelu, leaky_relu and
 their gradients, on the emulator and (marked gpu) a real GPU; packed and
 unpacked paths (aligned and offset data, sizes that are not a multiple of the
-pack width), extreme values, and the launcher's checks."""
+pack width), extreme values, and the launcher's checks; kernels/activation.py's
+relu and relu_grad (map kernels with their own launcher). Their signature table:
+test_kernel_build.py."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import pytest
-import test_bn_launchers as test_kernels
-from test_bn_launchers import TOL, rel_err, rng
+from launcher_harness import TOL, rel_err, rng
 
-from minigraph.kernels import loader
 from minigraph.kernels import map as maps
-
-dev = test_kernels.dev            # the fixture: the emulator, or a GPU (marked gpu)
 
 SHAPES = [(1,), (7,), (4, 9), (3, 5, 17)]
 erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -56,10 +54,10 @@ def data(shape, dtype, seed=0):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
-def test_unary_maps(dev, case, shape, dtype, offset):
+def test_unary_maps(device, case, shape, dtype, offset):
     module, name, scalars, ref = UNARY[case]
     x = data(shape, dtype)
-    got = dev.get(maps.unary(module, name, dev.put(x, offset), *scalars))
+    got = device.get(maps.unary(module, name, device.put(x, offset), *scalars))
     assert got.dtype == dtype and got.shape == shape
     assert rel_err(got, ref(x.astype(np.float64))) < TOL[dtype]
 
@@ -68,75 +66,82 @@ def test_unary_maps(dev, case, shape, dtype, offset):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
-def test_binary_maps(dev, case, shape, dtype, offset):
+def test_binary_maps(device, case, shape, dtype, offset):
     module, name, scalars, first, ref = BINARY[case]
     a = data(shape, dtype, 1)
     if first == "out":                               # a value the forward can produce
         a = {"sigmoid_grad": sigmoid, "tanh_grad": np.tanh,
              "relu_grad": lambda v: np.maximum(v, 0)}[case](a.astype(np.float64)).astype(dtype)
     d = data(shape, dtype, 2)
-    got = dev.get(maps.binary(module, name, dev.put(a, offset), dev.put(d, offset), *scalars))
+    got = device.get(maps.binary(module, name, device.put(a, offset), device.put(d, offset),
+                                 *scalars))
     assert got.dtype == dtype and got.shape == shape
     assert rel_err(got, ref(a.astype(np.float64), d.astype(np.float64))) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_extreme_values_stay_finite_and_accurate(dev, dtype):
+def test_extreme_values_stay_finite_and_accurate(device, dtype):
     x = np.array([-1000.0, -80.0, -30.0, -1e-30, 0.0, 1e-30, 30.0, 80.0, 1000.0], dtype)
-    s = dev.get(maps.unary("sigmoid", "sigmoid", dev.put(x)))
+    s = device.get(maps.unary("sigmoid", "sigmoid", device.put(x)))
     assert np.isfinite(s).all() and s[0] == 0 and s[-1] == 1 and s[4] == 0.5
     want = sigmoid(x.astype(np.float64))
     tiny = np.finfo(dtype).tiny
     np.testing.assert_allclose(s[want > tiny], want[want > tiny], rtol=10 * TOL[dtype])
-    g = dev.get(maps.unary("gelu", "gelu", dev.put(x)))
+    g = device.get(maps.unary("gelu", "gelu", device.put(x)))
     assert np.isfinite(g).all() and g[0] == 0 and g[-1] == 1000 and g[4] == 0
     assert g[2] < 0 or dtype == np.float32       # x Phi(x) at -30: -1.5e-197 in double
-    dg = dev.get(maps.binary("gelu", "gelu_grad", dev.put(x), dev.put(np.ones_like(x))))
+    dg = device.get(maps.binary("gelu", "gelu_grad", device.put(x), device.put(np.ones_like(x))))
     assert np.isfinite(dg).all() and dg[0] == 0 and dg[-1] == 1 and dg[4] == 0.5
-    t = dev.get(maps.unary("tanh", "tanh", dev.put(x)))
+    t = device.get(maps.unary("tanh", "tanh", device.put(x)))
     assert t[0] == -1 and t[-1] == 1
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nan_propagates_like_numpy(dev, dtype):
+def test_nan_propagates_like_numpy(device, dtype):
     x = np.array([np.nan, -1.0, 2.0], dtype)
     d = np.array([3.0, 4.0, 5.0], dtype)
     for case, (module, name, scalars, ref) in UNARY.items():
-        got = dev.get(maps.unary(module, name, dev.put(x), *scalars))
+        got = device.get(maps.unary(module, name, device.put(x), *scalars))
         np.testing.assert_allclose(got, ref(x.astype(np.float64)), rtol=TOL[dtype], err_msg=case)
-    got = dev.get(maps.binary("leaky_relu", "leaky_relu_grad", dev.put(x), dev.put(d), 0.2))
+    got = device.get(maps.binary("leaky_relu", "leaky_relu_grad", device.put(x), device.put(d),
+                                 0.2))
     np.testing.assert_array_equal(got, np.where(x > 0, d, dtype(0.2) * d))
 
 
-def test_out_and_empty_arrays(dev):
+def test_out_and_empty_arrays(device):
     x = data((5, 3), np.float32)
-    out = dev.put(np.zeros((5, 3), np.float32))
-    assert maps.unary("tanh", "tanh", dev.put(x), out=out) is out
-    np.testing.assert_allclose(dev.get(out), np.tanh(x), rtol=1e-6)
-    empty = dev.put(np.zeros((0, 4), np.float64))
-    assert dev.get(maps.unary("sigmoid", "sigmoid", empty)).shape == (0, 4)
-    assert dev.get(maps.binary("tanh", "tanh_grad", empty, empty)).shape == (0, 4)
+    out = device.put(np.zeros((5, 3), np.float32))
+    assert maps.unary("tanh", "tanh", device.put(x), out=out) is out
+    np.testing.assert_allclose(device.get(out), np.tanh(x), rtol=1e-6)
+    empty = device.put(np.zeros((0, 4), np.float64))
+    assert device.get(maps.unary("sigmoid", "sigmoid", empty)).shape == (0, 4)
+    assert device.get(maps.binary("tanh", "tanh_grad", empty, empty)).shape == (0, 4)
 
 
-def test_launcher_checks(dev):
-    x = dev.put(np.ones((2, 3), np.float32))
+def test_launcher_checks(device):
+    x = device.put(np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"declares no map 'softsign'"):
         maps.unary("sigmoid", "softsign", x)
     with pytest.raises(TypeError, match=r"leaky_relu.leaky_relu takes 1 scalar\(s\), got 0"):
         maps.unary("leaky_relu", "leaky_relu", x)
     with pytest.raises(ValueError, match=r"tanh.tanh_grad: second operand must be float32 of "
                                          r"shape \(2, 3\)"):
-        maps.binary("tanh", "tanh_grad", x, dev.put(np.ones((3, 2), np.float32)))
+        maps.binary("tanh", "tanh_grad", x, device.put(np.ones((3, 2), np.float32)))
     with pytest.raises(ValueError, match=r"gelu.gelu: out must be float32 of shape \(2, 3\)"):
-        maps.unary("gelu", "gelu", x, out=dev.put(np.ones((2, 3), np.float64)))
+        maps.unary("gelu", "gelu", x, out=device.put(np.ones((2, 3), np.float64)))
     with pytest.raises(TypeError, match="float32 or float64"):
-        maps.unary("tanh", "tanh", dev.put(np.ones(3, np.float16)))
+        maps.unary("tanh", "tanh", device.put(np.ones(3, np.float16)))
 
 
-def test_map_only_modules_are_in_the_signature_table():
-    table = loader.signature_table()
-    for module in ("sigmoid", "tanh", "gelu", "leaky_relu"):
-        assert not loader.has_launcher(module)
-        assert table[module] == maps.signatures(module)
-    assert table["leaky_relu"]["leaky_relu_grad_f64_w2"] == "PPPqd"
-    assert table["activation"]["relu_f32_w4"] == "PPq"
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_relu_and_grad(device, dtype, offset):
+    from minigraph.kernels import activation
+
+    x = rng(4).normal(size=(7, 19)).astype(dtype)
+    x[0, 0] = np.nan
+    out = activation.relu(device.put(x, offset))
+    np.testing.assert_array_equal(device.get(out), np.maximum(x, 0))
+    d = rng(5).normal(size=x.shape).astype(dtype)
+    dx = activation.relu_grad(out, device.put(d, offset))
+    np.testing.assert_array_equal(device.get(dx), np.where(np.maximum(x, 0) > 0, d, 0))

@@ -1,19 +1,17 @@
 """Launchers of the optimizer kernels against numpy, on the emulator and (marked gpu)
-a real GPU: sgd / momentum with weight decay, adam / AdamW (beta powers advanced
-on the device), clip_by_global_norm (no host sync) and lr_schedule (the step
-counter and the rate on the device)."""
+a real GPU: sgd / momentum in place (with weight decay; a learning rate of either
+float dtype), adam / AdamW (beta powers advanced on the device),
+clip_by_global_norm (no host sync) and lr_schedule (the step counter and the rate
+on the device)."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import pytest
-import test_bn_launchers as test_kernels
-from test_bn_launchers import TOL, rng
+from launcher_harness import TOL, rng
 
 from minigraph.kernels import clip, lr_schedule, optimizer_ops
-
-dev = test_kernels.dev            # the fixture: the emulator, or a GPU (marked gpu)
 
 SHAPES = [(3, 41), (5,), (2, 8)]
 
@@ -23,27 +21,47 @@ SHAPES = [(3, 41), (5,), (2, 8)]
                                             (np.float32, np.float64)])
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
-def test_sgd_and_momentum_with_weight_decay(dev, shape, dtype, lr_dtype, nesterov, offset):
+def test_sgd_and_momentum_with_weight_decay(device, shape, dtype, lr_dtype, nesterov, offset):
     r = rng(1)
     p, g, v = (r.normal(size=shape).astype(dtype) for _ in range(3))
     lr, wd, mu = np.array([0.1], lr_dtype), 0.01, dtype(0.9)
-    dp = dev.put(p, offset)
-    optimizer_ops.sgd(dp, dev.put(g, offset), dev.put(lr), weight_decay=wd)
+    dp = device.put(p, offset)
+    optimizer_ops.sgd(dp, device.put(g, offset), device.put(lr), weight_decay=wd)
     d = g + dtype(wd) * p
-    np.testing.assert_allclose(dev.get(dp), p - d * dtype(lr[0]), rtol=TOL[dtype])
-    dp, dv = dev.put(p, offset), dev.put(v, offset)
-    optimizer_ops.momentum(dp, dev.put(g, offset), dv, dev.put(lr), 0.9, nesterov, wd)
+    np.testing.assert_allclose(device.get(dp), p - d * dtype(lr[0]), rtol=TOL[dtype])
+    dp, dv = device.put(p, offset), device.put(v, offset)
+    optimizer_ops.momentum(dp, device.put(g, offset), dv, device.put(lr), 0.9, nesterov, wd)
     nv = mu * v + d
     step = d + mu * nv if nesterov else nv
-    np.testing.assert_allclose(dev.get(dv), nv, rtol=TOL[dtype])
-    np.testing.assert_allclose(dev.get(dp), p - dtype(lr[0]) * step, rtol=TOL[dtype])
+    np.testing.assert_allclose(device.get(dv), nv, rtol=TOL[dtype])
+    np.testing.assert_allclose(device.get(dp), p - dtype(lr[0]) * step, rtol=TOL[dtype])
 
 
-def test_zero_weight_decay_leaves_infinite_params_alone(dev):
+@pytest.mark.parametrize("dtype,lr_dtype", [(np.float32, np.float32), (np.float64, np.float32),
+                                            (np.float32, np.float64)])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_and_momentum_in_place(device, dtype, lr_dtype, nesterov):
+    r = rng(16)
+    p, g, v = (r.normal(size=(3, 41)).astype(dtype) for _ in range(3))
+    lr = np.array([0.1], lr_dtype)
+    dp = device.put(p)
+    optimizer_ops.sgd(dp, device.put(g), device.put(lr))
+    want = p - g * dtype(lr[0])
+    np.testing.assert_allclose(device.get(dp), want, rtol=TOL[dtype])
+    dp, dv = device.put(p), device.put(v)
+    optimizer_ops.momentum(dp, device.put(g), dv, device.put(lr), 0.9, nesterov)
+    nv = dtype(0.9) * v + g
+    step = g + dtype(0.9) * nv if nesterov else nv
+    np.testing.assert_allclose(device.get(dv), nv, rtol=TOL[dtype])
+    np.testing.assert_allclose(device.get(dp), p - dtype(lr[0]) * step, rtol=TOL[dtype])
+
+
+def test_zero_weight_decay_leaves_infinite_params_alone(device):
     p = np.array([np.inf, 1.0], np.float32)
-    dp = dev.put(p)
-    optimizer_ops.sgd(dp, dev.put(np.zeros(2, np.float32)), dev.put(np.array([0.1], np.float32)))
-    np.testing.assert_array_equal(dev.get(dp), p)
+    dp = device.put(p)
+    optimizer_ops.sgd(dp, device.put(np.zeros(2, np.float32)),
+                      device.put(np.array([0.1], np.float32)))
+    np.testing.assert_array_equal(device.get(dp), p)
 
 
 def adam_ref(p, g, m, v, b1p, b2p, lr, beta1, beta2, eps, wd, decoupled):
@@ -65,61 +83,62 @@ def adam_ref(p, g, m, v, b1p, b2p, lr, beta1, beta2, eps, wd, decoupled):
                                             (np.float64, np.float32)])
 @pytest.mark.parametrize("decoupled,wd", [(False, 0.0), (False, 0.05), (True, 0.01)])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
-def test_adam_steps_and_beta_powers(dev, shape, dtype, lr_dtype, decoupled, wd, offset):
+def test_adam_steps_and_beta_powers(device, shape, dtype, lr_dtype, decoupled, wd, offset):
     r = rng(2)
     p = r.normal(size=shape).astype(dtype)
     m, v = np.zeros(shape, dtype), np.zeros(shape, dtype)
     b1p = b2p = 1.0
-    dp, dm, dv = dev.put(p, offset), dev.put(m, offset), dev.put(v, offset)
-    d1, d2 = dev.put(np.array(1.0)), dev.put(np.array(1.0))
+    dp, dm, dv = device.put(p, offset), device.put(m, offset), device.put(v, offset)
+    d1, d2 = device.put(np.array(1.0)), device.put(np.array(1.0))
     lr = np.array(1e-2, lr_dtype)
     for _ in range(3):
         g = r.normal(size=shape).astype(dtype)
-        optimizer_ops.adam(dp, dev.put(g, offset), dm, dv, d1, d2, dev.put(lr), 0.9, 0.99, 1e-8,
-                           wd, decoupled)
+        optimizer_ops.adam(dp, device.put(g, offset), dm, dv, d1, d2, device.put(lr), 0.9, 0.99,
+                           1e-8, wd, decoupled)
         p, m, v, b1p, b2p = adam_ref(p, g, m, v, b1p, b2p, float(lr), 0.9, 0.99, 1e-8, wd,
                                      decoupled)
-        assert float(dev.get(d1)) == b1p and float(dev.get(d2)) == b2p
+        assert float(device.get(d1)) == b1p and float(device.get(d2)) == b2p
         for got, want in ((dp, p), (dm, m), (dv, v)):
-            np.testing.assert_allclose(dev.get(got), want, rtol=20 * TOL[dtype], atol=1e-7)
+            np.testing.assert_allclose(device.get(got), want, rtol=20 * TOL[dtype], atol=1e-7)
 
 
-def test_adam_checks_its_inputs(dev):
-    p = dev.put(np.ones(3, np.float32))
-    one = dev.put(np.array(1.0))
+def test_adam_checks_its_inputs(device):
+    p = device.put(np.ones(3, np.float32))
+    one = device.put(np.array(1.0))
     with pytest.raises(ValueError, match="adam: 'moment2' must match param"):
-        optimizer_ops.adam(p, p, p, dev.put(np.ones(4, np.float32)), one, one,
-                           dev.put(np.array([0.1], np.float32)))
+        optimizer_ops.adam(p, p, p, device.put(np.ones(4, np.float32)), one, one,
+                           device.put(np.array([0.1], np.float32)))
     with pytest.raises(ValueError, match=r"adam: beta1_pow must be float64 of shape \(\)"):
-        optimizer_ops.adam(p, p, dev.put(np.ones(3, np.float32)), dev.put(np.ones(3, np.float32)),
-                           dev.put(np.array(1.0, np.float32)), one,
-                           dev.put(np.array([0.1], np.float32)))
+        optimizer_ops.adam(p, p, device.put(np.ones(3, np.float32)),
+                           device.put(np.ones(3, np.float32)),
+                           device.put(np.array(1.0, np.float32)), one,
+                           device.put(np.array([0.1], np.float32)))
 
 
 @pytest.mark.parametrize("count", [1, 3, 11])
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
-def test_clip_by_global_norm_in_place(dev, count, max_norm):
+def test_clip_by_global_norm_in_place(device, count, max_norm):
     r = rng(3)
     xs = [(r.normal(size=(k % 4 + 1, 37 * k + 5)) * 3).astype(np.float32 if k % 2 else np.float64)
           for k in range(count)]
-    arrays = [dev.put(x) for x in xs]
+    arrays = [device.put(x) for x in xs]
     assert clip.clip_by_global_norm(arrays, max_norm) is arrays
     total = math.sqrt(sum(float(np.dot(x.ravel().astype(np.float64), x.ravel())) for x in xs))
     coef = min(max_norm / (total + 1e-6), 1.0)
     for got, x in zip(arrays, xs, strict=True):
-        np.testing.assert_allclose(dev.get(got), x * x.dtype.type(coef), rtol=TOL[x.dtype.type])
+        np.testing.assert_allclose(device.get(got), x * x.dtype.type(coef), rtol=TOL[x.dtype.type])
     if max_norm > total:
         for got, x in zip(arrays, xs, strict=True):
-            np.testing.assert_array_equal(dev.get(got), x)
+            np.testing.assert_array_equal(device.get(got), x)
 
 
-def test_clip_edge_cases(dev):
-    zeros = [dev.put(np.zeros(5, np.float32)), dev.put(np.zeros((0, 3), np.float64))]
+def test_clip_edge_cases(device):
+    zeros = [device.put(np.zeros(5, np.float32)), device.put(np.zeros((0, 3), np.float64))]
     clip.clip_by_global_norm(zeros, 1.0)
-    np.testing.assert_array_equal(dev.get(zeros[0]), np.zeros(5))
-    bad = dev.put(np.array([np.nan, 1.0], np.float32))
+    np.testing.assert_array_equal(device.get(zeros[0]), np.zeros(5))
+    bad = device.put(np.array([np.nan, 1.0], np.float32))
     clip.clip_by_global_norm([bad], 1.0)
-    assert np.isnan(dev.get(bad)).all()              # coef = min(nan, 1) = nan, as Python's min
+    assert np.isnan(device.get(bad)).all()              # coef = min(nan, 1) = nan, as Python's min
     assert clip.clip_by_global_norm([], 1.0) == []
     with pytest.raises(ValueError, match="max_norm must be > 0"):
         clip.clip_by_global_norm(zeros, 0.0)
@@ -132,23 +151,23 @@ SCHEDULES = [dict(kind="step", base_lr=0.1, step_size=3, gamma=0.5),
 
 @pytest.mark.parametrize("attrs", SCHEDULES, ids=lambda a: f"{a['kind']}-{a.get('warmup_steps')}")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_lr_schedule_on_the_device(dev, attrs, dtype):
+def test_lr_schedule_on_the_device(device, attrs, dtype):
     from minigraph.ops.lr_schedule import schedule_value
 
     full = {**dict(step_size=1, gamma=0.1, total_steps=1, end_lr=0.0, warmup_steps=0), **attrs}
-    step, lr = dev.put(np.array(0, np.int64)), dev.put(np.zeros((), dtype))
+    step, lr = device.put(np.array(0, np.int64)), device.put(np.zeros((), dtype))
     for t in range(15):                              # past total_steps: periodic
         lr_schedule.lr_schedule(step, lr, **attrs)
-        np.testing.assert_allclose(dev.get(lr), schedule_value(full, t), rtol=TOL[dtype],
+        np.testing.assert_allclose(device.get(lr), schedule_value(full, t), rtol=TOL[dtype],
                                    atol=1e-15)
-        assert int(dev.get(step)) == t + 1
+        assert int(device.get(step)) == t + 1
 
 
-def test_lr_schedule_checks(dev):
-    step, lr = dev.put(np.array(0, np.int64)), dev.put(np.zeros((), np.float64))
+def test_lr_schedule_checks(device):
+    step, lr = device.put(np.array(0, np.int64)), device.put(np.zeros((), np.float64))
     with pytest.raises(ValueError, match="kind must be one of"):
         lr_schedule.lr_schedule(step, lr, "linear", 0.1)
     with pytest.raises(ValueError, match=r"warmup_steps \(5\) must be in \[0, total_steps=5\)"):
         lr_schedule.lr_schedule(step, lr, "cosine", 0.1, total_steps=5, warmup_steps=5)
     with pytest.raises(ValueError, match=r"step must be int64 of shape \(\)"):
-        lr_schedule.lr_schedule(dev.put(np.array(0, np.int32)), lr, "step", 0.1)
+        lr_schedule.lr_schedule(device.put(np.array(0, np.int32)), lr, "step", 0.1)

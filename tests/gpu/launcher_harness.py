@@ -1,0 +1,23 @@
+"""What the launcher tests share (tests/gpu/test_*_launchers.py): the relative error
+they compare with, its tolerance per dtype, and seeded generators. Where the
+launchers run (the emulator, or a real GPU marked gpu) is conftest's `device`
+fixture; the float64 references are in tests/references.py."""
+from __future__ import annotations
+
+import numpy as np
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+
+
+def rel_err(got, want):
+    """||got - want|| / ||want|| in float64 (||want|| 0: the absolute error); fails on a
+    non-finite output where the reference is finite."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.isfinite(got).all() or not np.isfinite(want).all(), "non-finite output"
+    scale = np.linalg.norm(want.ravel())
+    return np.linalg.norm((got - want).ravel()) / (scale if scale else 1.0)
+
+
+def rng(seed=0):
+    """A numpy Generator seeded with `seed`."""
+    return np.random.default_rng(seed)

@@ -1,0 +1,50 @@
+"""kernels/conv2d.py against the float64 references, on the emulator and (marked gpu)
+a real GPU: strides, paddings, dilations, groups, non-square filters, the forward
+and both gradients; a batch processed in several column chunks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from launcher_harness import rel_err, rng
+from references import conv2d as conv2d_ref
+from references import conv2d_grad as conv2d_grad_ref
+
+from minigraph.kernels import launch
+
+
+@pytest.mark.parametrize("x_shape,w_shape,stride,pad,dil,groups", [
+    ((2, 3, 7, 6), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ((3, 4, 9, 8), (6, 2, 3, 2), (2, 1), (0, 1), (1, 2), 2),
+    ((1, 2, 5, 5), (2, 1, 1, 1), (2, 2), (0, 0), (1, 1), 2),
+    ((2, 1, 6, 7), (3, 1, 5, 5), (1, 2), (2, 2), (1, 1), 1)])
+def test_conv2d_and_grad(device, x_shape, w_shape, stride, pad, dil, groups):
+    from minigraph.kernels import conv2d
+
+    r = rng(10)
+    x, w = r.normal(size=x_shape), r.normal(size=w_shape)
+    want = conv2d_ref(x, w, stride, pad, dil, groups)
+    out = conv2d.conv2d(device.put(x), device.put(w), stride, pad, dil, groups)
+    assert rel_err(device.get(out), want) < 1e-12
+    d = r.normal(size=want.shape)
+    dx, dw = conv2d.conv2d_grad(device.put(x), device.put(w), device.put(d), stride, pad, dil,
+                                groups)
+    want_dx, want_dw = conv2d_grad_ref(x, w, d, stride, pad, dil, groups)
+    assert rel_err(device.get(dx), want_dx) < 1e-12
+    assert rel_err(device.get(dw), want_dw) < 1e-12
+
+
+def test_conv2d_in_several_chunks(device, monkeypatch):
+    from minigraph.kernels import conv2d
+
+    monkeypatch.setattr(launch, "COLS_BUDGET", 3 * 4 * 9 * 36 * 4)     # 3 images per chunk
+    r = rng(11)
+    x, w = r.normal(size=(7, 4, 6, 6)).astype(np.float32), r.normal(size=(5, 4, 3, 3)).astype(
+        np.float32)
+    out = conv2d.conv2d(device.put(x), device.put(w), 1, 1)
+    want = conv2d_ref(x.astype(np.float64), w, (1, 1), (1, 1), (1, 1), 1)
+    assert rel_err(device.get(out), want) < 1e-5
+    d = r.normal(size=want.shape).astype(np.float32)
+    dx, dw = conv2d.conv2d_grad(device.put(x), device.put(w), device.put(d), 1, 1)
+    want_dx, want_dw = conv2d_grad_ref(x.astype(np.float64), w.astype(np.float64), d,
+                                       (1, 1), (1, 1), (1, 1), 1)
+    assert rel_err(device.get(dx), want_dx) < 1e-5 and rel_err(device.get(dw), want_dw) < 1e-5

@@ -1,0 +1,161 @@
+"""Building the CUDA kernels, and what must hold before any of them runs.
+
+- Every kernels/*.cu compiles with `nvcc -arch=sm_90 -ptx` (skipped only where no
+  nvcc exists), and every entry point's parameters match the format its launcher
+  passes (or, for a map-only module, the format kernels/map.py derives from its
+  declarations).
+- Every .cu has a launcher beside it or is map-only; the loader's signature table
+  holds the map-only modules.
+- Importing minigraph, or any launcher, imports nothing from pycuda; launching
+  without pycuda is a clear error; the GPU benchmark imports safely.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from minigraph.kernels import launch, loader
+
+KERNEL_DIR = loader.kernel_dir()
+CU_FILES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
+
+
+def find_nvcc():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    for candidate in (shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return None
+
+
+NVCC = find_nvcc()
+PTX_KIND = {"P": "u64", "q": "u64", "Q": "u64", "i": "u32", "I": "u32", "d": "f64", "f": "f32"}
+
+
+# ---- compiling and signatures ------------------------------------------------------
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("cu", CU_FILES)
+def test_kernel_compiles_for_sm90_and_matches_its_launcher(cu, tmp_path):
+    ptx = tmp_path / (cu[:-3] + ".ptx")
+    done = subprocess.run([NVCC, "-arch=sm_90", "-ptx", "-I", str(KERNEL_DIR),
+                           str(KERNEL_DIR / cu), "-o", str(ptx)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    entries = {name: re.findall(r"\.param\s+\.(\w+)", params) for name, params in
+               re.findall(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx.read_text())}
+    signatures = loader.signature_table()[cu[:-3]]
+    assert sorted(entries) == sorted(signatures), "kernels without a launcher entry, or back"
+    for name, fmt in signatures.items():
+        assert entries[name] == [PTX_KIND[c] for c in fmt], f"{name}: parameters vs {fmt!r}"
+
+
+def test_every_module_has_a_launcher_beside_it_or_is_map_only():
+    """A .cu is either beside its launcher .py, or map-only: every entry point
+    declared with map.cuh's macros (kernels/map.py launches those)."""
+    from minigraph.kernels import map as maps
+
+    map_only = [cu for cu in CU_FILES if not (KERNEL_DIR / (cu[:-3] + ".py")).exists()]
+    for cu in map_only:
+        source = (KERNEL_DIR / cu).read_text()
+        assert maps.declarations(source), f"{cu}: no launcher beside it and no map declarations"
+        assert "__global__" not in source and 'extern "C"' not in source, \
+            f"{cu}: no launcher beside it, but entry points of its own"
+        assert not loader.has_launcher(cu[:-3])
+    assert map_only, "no map-only module left to test the mechanism with"
+    assert (KERNEL_DIR / "common.cuh").exists() and (KERNEL_DIR / "map.cuh").exists()
+
+
+def test_map_signatures_come_from_the_declarations():
+    from minigraph.kernels import map as maps
+
+    source = ("#include \"map.cuh\"\n// MG_UNARY_MAP(commented, x, x)\n"
+              "/* MG_UNARY_MAP(blocked, x,\n x) */\n"
+              "MG_UNARY_MAP(neg, x, -x)\n"
+              "MG_BINARY_MAP_S(axpy, a, b, s, s * a + b)\n")
+    assert maps.declarations(source) == [("MG_UNARY_MAP", "neg"), ("MG_BINARY_MAP_S", "axpy")]
+    sigs = maps.source_signatures(source)
+    assert sigs == {**{f"neg_{v}": "PPq" for v in ("f32_w1", "f32_w4", "f64_w1", "f64_w2")},
+                    **{f"axpy_{v}": "PPPqd" for v in ("f32_w1", "f32_w4", "f64_w1", "f64_w2")}}
+    with pytest.raises(ValueError, match="'neg' is declared twice"):
+        maps.source_signatures(source + "MG_UNARY_MAP(neg, x, x)\n")
+    for module in loader.module_names():
+        assert set(maps.signatures(module)) <= set(loader.signature_table()[module])
+
+
+def test_map_only_modules_are_in_the_signature_table():
+    from minigraph.kernels import map as maps
+
+    table = loader.signature_table()
+    for module in ("sigmoid", "tanh", "gelu", "leaky_relu"):
+        assert not loader.has_launcher(module)
+        assert table[module] == maps.signatures(module)
+    assert table["leaky_relu"]["leaky_relu_grad_f64_w2"] == "PPPqd"
+    assert table["activation"]["relu_f32_w4"] == "PPq"
+
+
+def test_row_block_size_agrees_with_the_header():
+    header = (KERNEL_DIR / "common.cuh").read_text()
+    assert f"ROW_THREADS = {launch.ROW_THREADS};" in header
+
+
+# ---- import hygiene ------------------------------------------------------------------
+
+
+def test_importing_minigraph_imports_nothing_from_pycuda():
+    code = ("import sys, minigraph\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'pycuda']\n"
+            "assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_launchers_import_nothing_from_pycuda():
+    code = ("import sys, minigraph, minigraph.kernels\n"
+            "from minigraph.kernels import loader\n"
+            "import importlib\n"
+            "for m in [m for m in loader.module_names() if loader.has_launcher(m)]"
+            " + ['loader', 'launch', 'map']:\n"
+            "    importlib.import_module('minigraph.kernels.' + m)\n"
+            "loader.signature_table()\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'pycuda']\n"
+            "assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_launching_without_pycuda_is_a_clear_error():
+    code = ("import numpy as np\n"
+            "from minigraph.kernels import fill\n"
+            "try:\n"
+            "    fill.full((3,), 1.0, np.float32)\n"
+            "except RuntimeError as e:\n"
+            "    assert 'need pycuda' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('no error')\n")
+    try:
+        import pycuda.driver  # noqa: F401
+    except ImportError:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    else:
+        pytest.skip("pycuda is importable here")
+
+
+def test_benchmark_is_import_safe():
+    bench = pathlib.Path(__file__).parents[2] / "benchmarks" / "bn_gpu.py"
+    code = (f"import runpy, sys\n"
+            f"ns = runpy.run_path({str(bench)!r}, run_name='bench')\n"
+            f"assert callable(ns['main'])\n"
+            f"bad = [m for m in sys.modules if m.split('.')[0] in ('pycuda', 'torch')]\n"
+            f"assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--runs" in done.stdout
