@@ -4,16 +4,15 @@ x (N, C, H, W), filter (O, C / groups, kh, kw) -> out (N, O, Ho, Wo) with
 Ho = floor((H + 2 ph - dh (kh - 1) - 1) / sh) + 1 (likewise Wo). Output
 channel o of group g = o // (O / groups) sees input channels
 [g C / groups, (g + 1) C / groups). No bias: add one with elementwise_add(axis=1).
-CPU: im2col through a strided view, one batched matmul over the groups;
-the grad scatters columns back with one strided add per filter tap.
+CPU: minigraph.ops.conv_cpu (im2col in chunks of images, one BLAS product per
+chunk straight into the NCHW output; the grad adds columns back per tap).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from minigraph.kernels import conv2d as gpu
+from minigraph.ops import conv_cpu
 from minigraph.ops.device import GPU_FLOATS, present
-from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
+from minigraph.ops.window import as_pair, out_size, pair_attr
 from minigraph.schema import (
     Meta,
     OpError,
@@ -78,31 +77,6 @@ def infer_conv(ins, attrs):
     return {"out": Meta((x.shape[0], o, ho, wo), x.dtype)}
 
 
-def im2col(x, k_hw, attrs, hw):
-    """Columns (C, kh, kw, N, Ho, Wo): cols[c, i, j, n, h, w] is the input under
-    tap (i, j) of the window at output (h, w). A contiguous copy."""
-    xp = pad_hw(x, attrs["paddings"])
-    (kh, kw), (sh, sw), (dh, dw) = k_hw, attrs["strides"], attrs["dilations"]
-    s_n, s_c, s_h, s_w = xp.strides
-    view = np.lib.stride_tricks.as_strided(
-        xp, shape=(x.shape[1], kh, kw, x.shape[0]) + hw,
-        strides=(s_c, s_h * dh, s_w * dw, s_n, s_h * sh, s_w * sw), writeable=False)
-    return np.ascontiguousarray(view)
-
-
-def col2im(dcols, x_shape, attrs, hw):
-    """The adjoint of im2col: dcols (C, kh, kw, N, Ho, Wo) summed back into an
-    array of x_shape, one strided add per tap."""
-    n, c, h, w = x_shape
-    ph, pw = attrs["paddings"]
-    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=dcols.dtype)
-    for i in range(dcols.shape[1]):
-        for j in range(dcols.shape[2]):
-            dxp[offset_slices(i, j, hw, attrs["strides"], attrs["dilations"])] += \
-                dcols[:, i, j].transpose(1, 0, 2, 3)
-    return np.ascontiguousarray(dxp[:, :, ph:ph + h, pw:pw + w])
-
-
 def infer_conv_grad(ins, attrs):
     x, w = ins["x"], ins["filter"]
     return {"dx": Meta(x.shape, x.dtype), "dfilter": Meta(w.shape, w.dtype)}
@@ -117,45 +91,27 @@ register(grad_schema(CONV, inputs=(Slot("x"), Slot("filter"), Slot("dout")),
                      infer=infer_conv_grad))
 
 
-def grouped_cols(x, k_hw, attrs, hw):
-    """im2col as (G, C/G kh kw, N Ho Wo)."""
-    g = attrs["groups"]
-    rows = x.shape[1] // g * k_hw[0] * k_hw[1]
-    return im2col(x, k_hw, attrs, hw).reshape(g, rows, x.shape[0] * hw[0] * hw[1])
-
-
-def grouped_filter(w, groups):
-    """filter as (G, O/G, C/G kh kw)."""
-    return w.reshape(groups, w.shape[0] // groups, w[0].size)
+def cpu_geometry(op, x, w):
+    """The CPU engine's Geometry of this op on x and filter."""
+    a = op.attrs
+    return conv_cpu.geometry(x.shape, w.shape, a["strides"], a["paddings"], a["dilations"],
+                             a["groups"])
 
 
 @kernel("conv2d", "cpu")
 def conv2d_cpu(op, ins):
     """out[n, o] = sum over the group's channels and taps of filter * window."""
     x, w = ins["x"], ins["filter"]
-    hw = out_hw(op.type, x.shape, w.shape[2:], op.attrs)
-    cols = grouped_cols(x, w.shape[2:], op.attrs, hw)
-    out = np.matmul(grouped_filter(w, op.attrs["groups"]), cols)
-    out = out.reshape((w.shape[0], x.shape[0]) + hw).transpose(1, 0, 2, 3)
-    return {"out": np.ascontiguousarray(out)}
+    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w))}
 
 
 @kernel("conv2d_grad", "cpu")
 def conv2d_grad_cpu(op, ins):
-    """dfilter = dout @ cols^T per group; dx = col2im(filter^T @ dout)."""
-    x, w, d = ins["x"], ins["filter"], ins["dout"]
-    g = op.attrs["groups"]
-    hw = out_hw("conv2d", x.shape, w.shape[2:], op.attrs)
-    d = np.ascontiguousarray(d.transpose(1, 0, 2, 3)).reshape(g, w.shape[0] // g, d[:, 0].size)
-    out = {}
-    if op.wants("dfilter"):
-        cols = grouped_cols(x, w.shape[2:], op.attrs, hw)
-        out["dfilter"] = np.matmul(d, cols.transpose(0, 2, 1)).reshape(w.shape)
-    if op.wants("dx"):
-        dcols = np.matmul(grouped_filter(w, g).transpose(0, 2, 1), d)
-        dcols = dcols.reshape((x.shape[1],) + w.shape[2:] + (x.shape[0],) + hw)
-        out["dx"] = col2im(dcols, x.shape, op.attrs, hw)
-    return out
+    """dfilter = dout @ cols^T per group; dx = col2im(filter^T @ dout); each only when bound."""
+    x, w = ins["x"], ins["filter"]
+    dx, dw = conv_cpu.backward(x, w, ins["dout"], cpu_geometry(op, x, w),
+                               need_dx=op.wants("dx"), need_dw=op.wants("dfilter"))
+    return present(dx=dx, dfilter=dw)
 
 
 def conv_geometry(op):

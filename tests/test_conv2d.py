@@ -5,6 +5,7 @@ from helpers import helper_test_op
 from references import conv2d
 
 import minigraph as mg
+from minigraph.ops import conv_cpu
 
 rng = np.random.default_rng(0)
 
@@ -21,6 +22,14 @@ CASES = [
     ((2, 4, 5, 6), (6, 2, 3, 3), {"groups": 2, "paddings": 1}),
     ((1, 4, 5, 5), (4, 1, 2, 2), {"groups": 4, "strides": (2, 1)}),
     ((2, 2, 5, 7), (3, 2, 2, 3), {"strides": (1, 2), "paddings": (1, 0), "dilations": (2, 1)}),
+    # the CPU engine's paths: 1x1 (x itself as columns), strided 1x1, flat columns with
+    # padding and dilation on odd sizes, a 3x1 filter (no dropped columns), padding > 1
+    ((3, 4, 5, 6), (6, 2, 1, 1), {"groups": 2}),
+    ((2, 4, 7, 7), (3, 4, 1, 1), {"strides": 2}),
+    ((3, 3, 9, 11), (5, 3, 3, 2), {"paddings": (2, 1), "dilations": (2, 3)}),
+    ((2, 3, 6, 5), (4, 3, 3, 1), {"paddings": (1, 0)}),
+    ((3, 2, 5, 5), (2, 2, 3, 3), {"paddings": 2, "strides": (2, 3)}),
+    ((2, 3, 5, 5), (3, 3, 1, 1), {"paddings": 1}),
 ]
 
 
@@ -36,6 +45,32 @@ def test_conv2d_float32(x_shape, w_shape, attrs):
     x = rng.standard_normal(x_shape).astype("float32")
     w = rng.standard_normal(w_shape).astype("float32")
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_one_image_per_chunk(x_shape, w_shape, attrs, monkeypatch):
+    """The CPU engine works on chunks of images; with one image per chunk every
+    chunk boundary is crossed."""
+    monkeypatch.setattr(conv_cpu, "CHUNK_BYTES", 1)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
+                   grad_wrt=("x", "filter"))
+
+
+def test_conv2d_scratch_reused_across_shapes():
+    """The column and gradient buffers are reused from call to call: a small conv
+    after a large one (buffers full of other values) is still exact."""
+    ex = mg.Executor(mg.CPUPlace())
+    for x_shape, w_shape, attrs in CASES[:3] + CASES[::-1]:
+        scope = mg.Scope()
+        xv, wv, out = scope.new_var("x"), scope.new_var("w"), scope.new_var("out")
+        x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+        xv.set(x)
+        wv.set(w)
+        op = mg.Operator("conv2d", x=xv, filter=wv, out=out, **attrs)
+        ex.run([op], scope)
+        np.testing.assert_allclose(out.get(), conv_reference(x, w, **attrs)["out"],
+                                   rtol=1e-10, atol=1e-10)
 
 
 def test_conv2d_attrs_stored_as_pairs():

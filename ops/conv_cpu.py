@@ -1,0 +1,292 @@
+"""The CPU engine of the 2-D convolutions (conv2d, fused_conv2d): im2col in
+chunks of images and one BLAS matrix product per chunk. Not an op module: it
+registers nothing.
+
+Layout: x (N, C, H, W), filter (O, C/G, kh, kw), out (N, O, Ho, Wo), all NCHW.
+Per image n and group g, out[n, g] (O/G, Ho Wo) = filter[g] (O/G, C/G kh kw) @
+cols[n, g] (C/G kh kw, Ho Wo): numpy's matmul over a chunk of images writes
+straight into the NCHW output, no transpose.
+
+Stride 1 (any padding or dilation) uses "flat" columns: each padded input
+plane is one row of Hp Wp values and tap (i, j) of every window is the same
+row shifted by i dh Wp + j dw, so a column row is one contiguous run of
+L = Ho Wp - (kw - 1) dw values; the products then also cover Wp - Wo
+columns per output row that are not outputs (dropped, and zero in the
+gradient). Other strides copy an (N, C, kh, kw, Ho, Wo) strided view.
+A 1x1 stride-1 unpadded conv multiplies x itself.
+
+Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
+copy and the product; the column, padding and gradient buffers are this
+thread's scratch arrays, reused from call to call (minigraph.cpu_blocks.scratch).
+Gradients: dfilter sums dout @ cols^T over the chunks; dx multiplies
+filter^T @ dout per chunk and adds each tap's columns back (col2im).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from minigraph.cpu_blocks import scratch
+
+CHUNK_BYTES = 1 << 21
+
+
+class Geometry(NamedTuple):
+    """Sizes of one convolution (see the module doc for the names)."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    o: int
+    kh: int
+    kw: int
+    groups: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+    ho: int
+    wo: int
+
+    @property
+    def hp(self):
+        return self.h + 2 * self.ph
+
+    @property
+    def wp(self):
+        return self.w + 2 * self.pw
+
+    @property
+    def flat(self):
+        """True when the columns are shifted runs of the padded planes (stride 1)."""
+        return self.sh == 1 and self.sw == 1
+
+    @property
+    def length(self):
+        """Columns per image: L for flat columns, Ho Wo otherwise."""
+        if self.flat:
+            return self.ho * self.wp - (self.kw - 1) * self.dw
+        return self.ho * self.wo
+
+    @property
+    def taps(self):
+        return self.kh * self.kw
+
+    @property
+    def pointwise(self):
+        """A 1x1 stride-1 conv without padding: the columns are x itself."""
+        return self.taps == 1 and self.flat and self.ph == 0 and self.pw == 0
+
+
+def geometry(x_shape, w_shape, strides, paddings, dilations, groups):
+    """The Geometry of x (N, C, H, W) and filter (O, C/G, kh, kw); the caller has
+    checked the shapes (conv2d's schema)."""
+    n, c, h, w = x_shape
+    o, _, kh, kw = w_shape
+    (sh, sw), (ph, pw), (dh, dw) = strides, paddings, dilations
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    return Geometry(n, c, h, w, o, kh, kw, groups, sh, sw, ph, pw, dh, dw, ho, wo)
+
+
+def forward(x, w, g, bias=None, relu=False):
+    """out (N, O, Ho, Wo) = conv(x, w) (+ bias[o]) (then max(., 0)), in x's dtype."""
+    out = np.empty((g.n, g.o, g.ho, g.wo), dtype=x.dtype)
+    wg = w.reshape(g.groups, g.o // g.groups, -1)
+    if g.pointwise:
+        a = x.reshape(g.n, g.groups, g.c // g.groups, g.h * g.w)
+        np.matmul(wg, a, out=out.reshape(g.n, g.groups, g.o // g.groups, g.h * g.w))
+        _epilogue(out, bias, relu)
+        return out
+    view = _columns_view(_padded(x, g, "conv.xpad"), g)
+    direct = not g.flat or g.wp == g.wo
+
+    def chunk(index, n0, n1):
+        cols = _fill_cols(view, n0, n1, g)
+        dst = out[n0:n1]
+        if direct:
+            np.matmul(wg, cols, out=dst.reshape(n1 - n0, g.groups, -1, g.length))
+        else:
+            size = (n1 - n0) * g.o * g.ho * g.wp
+            res = scratch("conv.res", x.dtype, size)[:size].reshape(n1 - n0, g.o, g.ho, g.wp)
+            flat = res.reshape(n1 - n0, g.groups, g.o // g.groups, g.ho * g.wp)
+            np.matmul(wg, cols, out=flat[..., :g.length])
+            np.copyto(dst, res[..., :g.wo])
+        _epilogue(dst, bias, relu)
+
+    _run_chunks(chunk, g, x.dtype)
+    return out
+
+
+def backward(x, w, d, g, need_dx=True, need_dw=True):
+    """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`."""
+    og, rows = g.o // g.groups, w[0].size
+    wg = w.reshape(g.groups, og, rows)
+    dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
+    if g.pointwise:
+        dx = _pointwise_backward(x, wg, d, g, dwg, need_dx)
+        return dx, (dwg.reshape(w.shape) if need_dw else None)
+    dx = None
+    if need_dx and g.flat and _full_padding(g) >= (0, 0):
+        dx, need_dx = _dx_as_conv(w, d, g), False
+    view = _columns_view(_padded(x, g, "conv.xpad"), g) if need_dw else None
+    dxp = _dx_target(x, g) if need_dx else None
+    parts = {}
+
+    def chunk(index, n0, n1):
+        dflat = _dout_columns(d, n0, n1, g)
+        if need_dw:
+            cols = _fill_cols(view, n0, n1, g)
+            part = np.matmul(dflat, cols.swapaxes(-1, -2))
+            parts[index] = part.sum(axis=0) if n1 - n0 > 1 else part[0]
+        if need_dx:
+            size = (n1 - n0) * g.c * g.taps * g.length
+            dcols = scratch("conv.dcols", x.dtype, size)[:size]
+            dcols = dcols.reshape(n1 - n0, g.groups, rows, g.length)
+            np.matmul(wg.swapaxes(-1, -2), dflat, out=dcols)
+            _col2im(dcols, dxp, n0, n1, g)
+
+    _run_chunks(chunk, g, x.dtype)
+    for index in sorted(parts):
+        dwg += parts[index]
+    if need_dx:
+        dx = dxp if g.ph == 0 and g.pw == 0 else np.ascontiguousarray(
+            dxp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w])
+    return dx, (dwg.reshape(w.shape) if need_dw else None)
+
+
+def _full_padding(g):
+    """The padding of dout that turns dx of a stride-1 conv into a conv of dout."""
+    return g.dh * (g.kh - 1) - g.ph, g.dw * (g.kw - 1) - g.pw
+
+
+def _dx_as_conv(w, d, g):
+    """dx of a stride-1 conv as the conv of dout (padded by _full_padding) with the
+    filter flipped in both taps and with in/out channels swapped per group."""
+    og, cg = g.o // g.groups, g.c // g.groups
+    flipped = w.reshape(g.groups, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
+    flipped = np.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4)).reshape(
+        g.c, og, g.kh, g.kw)
+    qh, qw = _full_padding(g)
+    gd = Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
+                  g.h, g.w)
+    return forward(np.ascontiguousarray(d), flipped, gd)
+
+
+def _pointwise_backward(x, wg, d, g, dwg, need_dx):
+    hw = g.h * g.w
+    a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
+    dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
+    if dwg is not None:
+        step = _chunk(g, x.dtype)
+        for n0 in range(0, g.n, step):
+            n1 = min(g.n, n0 + step)
+            dwg += np.matmul(dd[n0:n1], a[n0:n1].swapaxes(-1, -2)).sum(axis=0)
+    if not need_dx:
+        return None
+    dx = np.empty(x.shape, dtype=x.dtype)
+    np.matmul(wg.swapaxes(-1, -2), dd, out=dx.reshape(a.shape))
+    return dx
+
+
+def _run_chunks(body, g, dtype):
+    """body(index, n0, n1) for every chunk of images, in order. (Chunks shared by the
+    engine's threads, BLAS on one thread each, measured a third slower than one
+    thread calling BLAS on its own threads.)"""
+    step = _chunk(g, dtype)
+    for index, n0 in enumerate(range(0, g.n, step)):
+        body(index, n0, min(g.n, n0 + step))
+
+
+def _epilogue(dst, bias, relu):
+    if bias is not None:
+        dst += bias.reshape(-1, 1, 1)
+    if relu:
+        np.maximum(dst, 0, out=dst)
+
+
+def _chunk(g, dtype):
+    """Images per chunk: columns of about CHUNK_BYTES."""
+    per_image = g.c * g.taps * g.length * np.dtype(dtype).itemsize
+    return max(1, min(g.n, CHUNK_BYTES // max(1, per_image)))
+
+
+def _padded(x, g, slot):
+    """x with its padding, (N, C, Hp Wp) C-contiguous: x itself when unpadded, else
+    a scratch array with zero borders."""
+    if g.ph == 0 and g.pw == 0:
+        return x.reshape(g.n, g.c, g.h * g.w)
+    buf = scratch(slot, x.dtype, g.n * g.c * g.hp * g.wp)[:g.n * g.c * g.hp * g.wp]
+    xp = buf.reshape(g.n, g.c, g.hp, g.wp)
+    ph, pw = g.ph, g.pw
+    xp[:, :, :ph] = 0
+    xp[:, :, ph + g.h:] = 0
+    xp[:, :, ph:ph + g.h, :pw] = 0
+    xp[:, :, ph:ph + g.h, pw + g.w:] = 0
+    xp[:, :, ph:ph + g.h, pw:pw + g.w] = x
+    return buf.reshape(g.n, g.c, g.hp * g.wp)
+
+
+def _columns_view(xp, g):
+    """The strided view (only ever read) of the padded planes `xp` (N, C, Hp Wp) whose copy
+    is the columns: (N, C, kh, kw, L) for flat columns, else (N, C, kh, kw, Ho, Wo)."""
+    s_n, s_c, s_1 = xp.strides
+    row = s_1 * g.wp
+    if g.flat:
+        shape = (g.n, g.c, g.kh, g.kw, g.length)
+        strides = (s_n, s_c, row * g.dh, s_1 * g.dw, s_1)
+    else:
+        shape = (g.n, g.c, g.kh, g.kw, g.ho, g.wo)
+        strides = (s_n, s_c, row * g.dh, s_1 * g.dw, row * g.sh, s_1 * g.sw)
+    return np.lib.stride_tricks.as_strided(xp, shape=shape, strides=strides)
+
+
+def _fill_cols(view, n0, n1, g):
+    """The columns of images [n0, n1) as (n1 - n0, G, C/G kh kw, length), in scratch."""
+    size = (n1 - n0) * g.c * g.taps * g.length
+    buf = scratch("conv.cols", view.dtype, size)[:size]
+    np.copyto(buf.reshape((n1 - n0,) + view.shape[1:]), view[n0:n1])
+    return buf.reshape(n1 - n0, g.groups, -1, g.length)
+
+
+def _dout_columns(d, n0, n1, g):
+    """dout of images [n0, n1) laid out like the product's columns: (m, G, O/G,
+    length); for flat columns with Wp > Wo, a scratch copy with zeros in the
+    columns that are not outputs."""
+    m = n1 - n0
+    if not g.flat or g.wp == g.wo:
+        return d[n0:n1].reshape(m, g.groups, -1, g.length)
+    size = m * g.o * g.ho * g.wp
+    buf = scratch("conv.dout", d.dtype, size)[:size].reshape(m, g.o, g.ho, g.wp)
+    np.copyto(buf[..., :g.wo], d[n0:n1])
+    buf[..., g.wo:] = 0
+    return buf.reshape(m, g.groups, -1, g.ho * g.wp)[..., :g.length]
+
+
+def _dx_target(x, g):
+    """A zeroed (N, C, Hp, Wp) array for the padded input's gradient (dx itself when
+    there is no padding)."""
+    return np.zeros((g.n, g.c, g.hp, g.wp), dtype=x.dtype)
+
+
+def _col2im(dcols, dxp, n0, n1, g):
+    """Add the column gradients of images [n0, n1) back onto the padded input's."""
+    m = n1 - n0
+    if g.flat:
+        taps = dcols.reshape(m, g.c, g.kh, g.kw, g.length)
+        flat = dxp.reshape(g.n, g.c, g.hp * g.wp)[n0:n1]
+        for i in range(g.kh):
+            for j in range(g.kw):
+                start = i * g.dh * g.wp + j * g.dw
+                flat[:, :, start:start + g.length] += taps[:, :, i, j]
+        return
+    taps = dcols.reshape(m, g.c, g.kh, g.kw, g.ho, g.wo)
+    target = dxp[n0:n1]
+    for i in range(g.kh):
+        for j in range(g.kw):
+            target[:, :, i * g.dh:i * g.dh + g.sh * (g.ho - 1) + 1:g.sh,
+                   j * g.dw:j * g.dw + g.sw * (g.wo - 1) + 1:g.sw] += taps[:, :, i, j]
