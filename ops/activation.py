@@ -55,11 +55,22 @@ def relu_cpu(op, ins):
     return {"out": np.maximum(x, np.zeros((), dtype=x.dtype))}
 
 
+_SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
 @kernel("relu_grad", "cpu")
 def relu_grad_cpu(op, ins):
-    """dx = dout where out > 0, else 0."""
+    """dx = dout where out > 0, else 0 (+0.0): the bits of dout ANDed with a mask of
+    all ones or zeros, the same values as np.where and many times faster."""
     out, d = ins["out"], ins["dout"]
-    return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
+    if d.dtype != out.dtype or d.shape != out.shape or d.dtype.itemsize not in _SAME_SIZE_INT:
+        return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
+    dx = np.empty(d.shape, dtype=d.dtype)
+    bits = dx.view(_SAME_SIZE_INT[d.dtype.itemsize])
+    np.greater(out, 0, out=bits, casting="unsafe")       # 1 or 0
+    np.negative(bits, out=bits)                          # all ones or 0
+    np.bitwise_and(bits, d.view(bits.dtype), out=bits)
+    return {"dx": dx}
 
 
 @kernel("relu", "gpu", dtypes=GPU_FLOATS)
