@@ -6,7 +6,8 @@ strides and paddings are then ignored). Padding never wins a max (it is
 -inf) and is not counted by an average: the divisor is the number of real
 elements under the window. Padding must be smaller than the window, so
 every window holds at least one real element.
-Grad: max sends dout to the first maximum of each window (row-major); avg
+Grad: max sends dout to the first maximum of each window (row-major: the first
+tap, replaced by a later one only where strictly greater, as on the GPU); avg
 spreads dout / count over the real elements of the window.
 """
 from __future__ import annotations
@@ -101,19 +102,41 @@ def window_max(x, attrs, hw):
     return best
 
 
+_SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
 def window_argmax(x, attrs, hw):
-    """The tap index (row-major) of the first max of every window, padding as -inf."""
+    """The tap index (row-major) of the first max of every window, padding as -inf:
+    the first tap, replaced by a later one only where it is strictly greater.
+    Updates go through bit masks (np.where and masked copies are many times slower)."""
     xp = pad_hw(x, attrs["paddings"], -np.inf)
-    best, where = None, None
-    for t, (i, j) in enumerate(taps(attrs)):
+    ints = _SAME_SIZE_INT[x.dtype.itemsize]
+    tap_list = taps(attrs)
+    index_type = np.int8 if len(tap_list) <= 127 else np.int32
+    best = where = None
+    for t, (i, j) in enumerate(tap_list):
         v = xp[offset_slices(i, j, hw, attrs["strides"])]
         if best is None:
-            best, where = v.copy(), np.zeros(v.shape, dtype=np.intp)
+            best, where = v.copy(), np.zeros(v.shape, dtype=index_type)
+            bits, mask, diff = best.view(ints), np.empty(v.shape, ints), np.empty(v.shape, ints)
+            wmask, wdiff = np.empty(v.shape, index_type), np.empty(v.shape, index_type)
             continue
-        better = v > best
-        np.copyto(best, v, where=better)
-        np.copyto(where, t, where=better)
+        better = np.greater(v, best).view(np.int8)
+        np.negative(better, out=mask, casting="unsafe")          # all ones where better
+        np.negative(better, out=wmask, casting="unsafe")
+        np.bitwise_xor(bits, v.view(ints), out=diff)              # best = v where better
+        np.bitwise_and(diff, mask, out=diff)
+        np.bitwise_xor(bits, diff, out=bits)
+        np.bitwise_xor(where, t, out=wdiff, casting="unsafe")     # where = t where better
+        np.bitwise_and(wdiff, wmask, out=wdiff)
+        np.bitwise_xor(where, wdiff, out=where)
     return where
+
+
+def route(dst, d, hit, ints):
+    """dst = d where `hit`, else +0.0 (the bits of d ANDed with a mask)."""
+    mask = np.negative(hit.view(np.int8), dtype=ints)
+    np.bitwise_and(d.view(ints), mask, out=dst.view(ints))
 
 
 def window_counts(size, k, s, p, out):
@@ -163,8 +186,16 @@ def pool2d_grad_cpu(op, ins):
     dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)
     if a["pool_type"] == "max":
         where = window_argmax(x, a, hw)
+        ints = _SAME_SIZE_INT[x.dtype.itemsize]
+        disjoint = all(s >= k for s, k in zip(a["strides"], a["ksize"]))
+        part = None if disjoint else np.empty(d.shape, dtype=x.dtype)
         for t, (i, j) in enumerate(taps(a)):
-            dxp[offset_slices(i, j, hw, a["strides"])] += np.where(where == t, d, 0)
+            dst = dxp[offset_slices(i, j, hw, a["strides"])]
+            if disjoint:                         # each element is in at most one window
+                route(dst, d, np.equal(where, t), ints)
+            else:
+                route(part, d, np.equal(where, t), ints)
+                dst += part
     else:
         share = d / avg_divisor(x.shape, a, hw, x.dtype)
         for i, j in taps(a):

@@ -53,6 +53,59 @@ def test_max_grad_goes_to_first_max_of_each_window():
     np.testing.assert_array_equal(dx.get(), [[[[1, 0, 2, 0], [0, 0, 0, 0]]]])
 
 
+def max_grad_loops(x, d, ksize, strides, paddings):
+    """dx of max pooling by loops: each window's dout goes to its first tap, replaced by
+    a later tap only where strictly greater (padding is -inf), summed over windows."""
+    (kh, kw), (sh, sw), (ph, pw) = ksize, strides, paddings
+    n, c, h, w = x.shape
+    ho, wo = d.shape[2:]
+    dx = np.zeros(x.shape)
+    for b in range(n):
+        for ch in range(c):
+            for i in range(ho):
+                for j in range(wo):
+                    best, at = None, None
+                    for a in range(kh):
+                        for e in range(kw):
+                            r, q = i * sh + a - ph, j * sw + e - pw
+                            v = x[b, ch, r, q] if 0 <= r < h and 0 <= q < w else -np.inf
+                            if best is None or v > best:
+                                best, at = v, (r, q)
+                    if 0 <= at[0] < h and 0 <= at[1] < w:
+                        dx[b, ch, at[0], at[1]] += d[b, ch, i, j]
+    return dx
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("attrs", [
+    {"ksize": (2, 2), "strides": (2, 2), "paddings": (0, 0)},       # windows apart
+    {"ksize": (3, 3), "strides": (1, 1), "paddings": (0, 0)},       # overlapping
+    {"ksize": (3, 2), "strides": (2, 1), "paddings": (1, 1)},       # overlapping, padded
+])
+def test_max_grad_ties_nans_and_infinite_douts(dtype, attrs):
+    """Ties go to the first tap, a NaN never displaces an earlier value (nor is
+    displaced when first), and a window's dout reaches only its chosen element: an
+    infinite dout leaves every other element exactly +0.0."""
+    x = rng.integers(0, 3, (2, 2, 5, 6)).astype(dtype)    # many ties
+    x[0, 0, 1, 1] = x[1, 1, 0, 0] = np.nan
+    scope = mg.Scope()
+    xv, out, dout, dx = (scope.new_var(n) for n in ("x", "out", "dout", "dx"))
+    xv.set(x)
+    op = mg.Operator("pool2d", x=xv, out=out, **attrs)
+    (desc,) = op.schema.grad(op, {"out": dout}, lambda v: dx if v is xv else None)
+    mg.Executor().run([op], scope)
+    d = rng.standard_normal(out.get().shape).astype(dtype)
+    d[0, 1, 0, 0] = np.inf
+    dout.set(d)
+    mg.Executor().run([mg.Operator(desc.type, **desc.kwargs)], scope)
+    want = max_grad_loops(x.astype(np.float64), d.astype(np.float64), **attrs)
+    got = dx.get()
+    assert got.dtype == np.dtype(dtype)
+    rtol = {"float16": 2e-3, "float32": 1e-6, "float64": 1e-12}[dtype]   # overlaps add up
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol)
+    assert not np.signbit(got[want == 0]).any()              # +0.0 where nothing goes
+
+
 def test_strides_default_to_ksize_and_are_stored():
     scope = mg.Scope()
     x = scope.new_var("x")
