@@ -132,14 +132,18 @@ def work(a):
     return a.astype(np.float64, copy=False)
 
 
+def sigmoid64(x):
+    """1 / (1 + exp(-x)) of a float64 array, as exp(x) / (1 + exp(x)) for x < 0, from
+    e = exp(-|x|) so that nothing overflows."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
 @kernel("sigmoid", "cpu")
 def sigmoid_cpu(op, ins):
-    """out = 1 / (1 + exp(-x)) = exp(x) / (1 + exp(x)) for x < 0, from e = exp(-|x|)."""
+    """out = 1 / (1 + exp(-x)) (sigmoid64)."""
     x = ins["x"]
-    xw = work(x)
-    e = np.exp(-np.abs(xw))
-    out = np.where(xw >= 0, 1.0, e) / (1.0 + e)
-    return {"out": out.astype(x.dtype)}
+    return {"out": sigmoid64(work(x)).astype(x.dtype)}
 
 
 @kernel("sigmoid_grad", "cpu")

@@ -8,18 +8,10 @@ of kernels/silu.cu.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from minigraph.ops.activation import register_activation, register_map_gpu, work
+from minigraph.ops.activation import register_activation, register_map_gpu, sigmoid64, work
 from minigraph.schema import kernel
 
 register_activation("silu", keep="x")
-
-
-def sigmoid(x):
-    """1 / (1 + exp(-x)) in float64, from exp(-|x|) so nothing overflows."""
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0, e) / (1.0 + e)
 
 
 @kernel("silu", "cpu")
@@ -27,14 +19,14 @@ def silu_cpu(op, ins):
     """out = x * sigmoid(x)."""
     x = ins["x"]
     xw = work(x)
-    return {"out": (xw * sigmoid(xw)).astype(x.dtype)}
+    return {"out": (xw * sigmoid64(xw)).astype(x.dtype)}
 
 
 @kernel("silu_grad", "cpu")
 def silu_grad_cpu(op, ins):
     """dx = dout * s * (1 + x * (1 - s)), s = sigmoid(x)."""
     x, d = work(ins["x"]), ins["dout"]
-    s = sigmoid(x)
+    s = sigmoid64(x)
     return {"dx": (work(d) * s * (1.0 + x * (1.0 - s))).astype(d.dtype)}
 
 
