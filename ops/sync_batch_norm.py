@@ -52,12 +52,13 @@ def communicator():
 
 
 def forward_label(op):
-    """The `what=` of the forward's allreduce (the same on every rank)."""
+    """The `what=` of the forward's allreduce_stats (the same on every rank): it
+    names the op and its input in the order check and in deadline errors."""
     return f"{op.type} forward x={op.inputs['x'].name}"
 
 
 def backward_label(op):
-    """The `what=` of the backward's allreduce."""
+    """The `what=` of the backward's allreduce ("sync_batch_norm_grad x=...")."""
     return f"{op.type} x={op.inputs['x'].name}"
 
 

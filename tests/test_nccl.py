@@ -26,8 +26,9 @@ import pytest
 from kernel_emulator import fake_pycuda
 
 import minigraph as mg
+from minigraph.distributed import deadline
 from minigraph.distributed import nccl as mg_nccl
-from minigraph.distributed.comm import merge_rows
+from minigraph.distributed.comm import Progress, merge_rows
 from minigraph.ops import collective
 
 REAL = pytest.importorskip("nccl.core", reason="nccl4py is not installed")
@@ -144,12 +145,14 @@ def fake_nccl_core(world):
 
 
 class HostComm:
-    """The MPI side NCCLComm bootstraps with (bcast, barrier, host collectives, abort)."""
+    """The MPI side NCCLComm bootstraps with (bcast, barrier, host collectives, abort;
+    the call index and the deadline it shares)."""
 
-    def __init__(self, world, rank):
+    def __init__(self, world, rank, timeout_s=60.0):
         self.world, self.rank, self.size, self.local_rank = world, rank, world.size, rank
         self.mpi_comm = self
         self.aborted = threading.Event()
+        self.progress, self.timeout_s = Progress(), timeout_s
 
     def bcast(self, obj, root=0):
         return self.world.exchange(self.rank, obj)[root]
@@ -157,10 +160,18 @@ class HostComm:
     def Barrier(self):
         self.world.exchange(self.rank, None)
 
+    def _barrier(self):
+        self.world.record("host barrier", self.rank)
+        self.world.exchange(self.rank, None)
+
     def _allreduce(self, x):
         self.world.record("host allreduce", self.rank)
         values = self.world.exchange(self.rank, np.array(x))
         return sum(values[1:], values[0])
+
+    def _allgather(self, x):
+        self.world.record("host allgather", self.rank)
+        return np.stack(self.world.exchange(self.rank, np.array(x)))
 
     def abort(self, code=1):
         self.world.record("host abort", self.rank, code)
@@ -267,6 +278,8 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
             same = collective.allreduce_avg_gpu(in_place, {"x": grads})["out"]
             got["in_place"] = all(a is b for a, b in zip(same, grads, strict=True))
             got["avg_of_avg"] = place.to_host(grads[0])
+        comm.barrier(what="save ckpt.npz")               # drain, synchronize, MPI barrier
+        got["calls"] = comm.calls
         comm.close()
         got["stack"] = list(cuda.stack())
         return got
@@ -294,6 +307,9 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
     assert sorted(c[2:] for c in world.calls if c[1] == "init") == [(2, 0, 0), (2, 1, 1)]
     assert sorted(c[2:] for c in world.calls if c[1] == "destroy") == [(0, 0), (1, 1)]
     assert "host allreduce" in kinds                 # host arrays go through MPI, not NCCL
+    assert kinds.count("host barrier") == 2
+    assert a["calls"] == b["calls"] > 10              # one call index, NCCL and MPI calls alike
+    assert "host allgather" in kinds                 # the order check (on by default), over MPI
     waits = [t for t, what, _ in cuda.log if what == "event_synchronize"]
     assert waits and all(t.startswith("nccl-") for t in waits)   # the watchdog waits...
     assert cuda.counts["event_query"] == 0                         # ...without polling
@@ -303,20 +319,34 @@ def world_calls(world, kind, rank):
     return sum(1 for c in world.calls if c[1] == kind and c[2] == rank)
 
 
-def test_a_collective_that_never_finishes_aborts_the_job(setup, capfd):
+@pytest.mark.parametrize("how", ["init", "environment"])
+def test_a_collective_that_never_finishes_aborts_the_job(setup, capfd, monkeypatch, how):
+    """The watchdog's deadline is the communicator's (init(timeout=...) or
+    MINIGRAPH_COLLECTIVE_TIMEOUT, as for MPI) and its message names the rank
+    and the collective (index and label)."""
     cuda, world_of = setup
     world = world_of(1)
     place = mg.GPUPlace(0)
-    host = HostComm(world, 0)
-    comm = mg_nccl.NCCLComm(place, host, timeout_s=0.3)
+    if how == "init":
+        host = HostComm(world, 0, timeout_s=deadline.resolve_timeout(0.3))
+    else:
+        monkeypatch.setenv(deadline.TIMEOUT_ENV, "0.3")
+        host = HostComm(world, 0, timeout_s=deadline.resolve_timeout())
+    comm = mg_nccl.NCCLComm(place, host)
+    assert comm.timeout_s == 0.3 and comm.progress is host.progress
     cuda.hang.set()
     start = time.monotonic()
-    comm.allreduce(place.to_device(np.ones(3)), what="stuck")
+    x = place.to_device(np.ones(3))
+    comm.allreduce(x, what="warm-up")
+    comm.allreduce(x, what="c_allreduce_avg [fc.w@GRAD]")
     assert time.monotonic() - start < 0.25          # enqueued: the host does not wait
     assert host.aborted.wait(10), "no abort past the deadline"
     assert time.monotonic() - start >= 0.3
     assert ("MainThread", "abort", 0) not in world.calls
     assert any(c[1] == "abort" for c in world.calls)             # NCCL's abort, then MPI's
-    assert "NCCL allreduce did not finish within 0.3 s" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert ("rank 0 of 1: NCCL allreduce of collective #0 'warm-up' did not finish within "
+            "0.3 s") in err, err
+    assert "MINIGRAPH_COLLECTIVE_TIMEOUT" in err
     cuda.hang.clear()
     comm.close()

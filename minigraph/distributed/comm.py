@@ -3,59 +3,100 @@
 A communicator works on the arrays of its place: numpy arrays on a CPU
 place, GPUArrays (anything with `__cuda_array_interface__`) on a GPU place.
 
-    comm.rank, comm.size, comm.local_rank, comm.place
+    comm.rank, comm.size, comm.local_rank, comm.place, comm.timeout_s
     comm.allreduce(x)          -> sum over ranks (a new array; x is unchanged)
     comm.allreduce_stats(v)    -> per-rank (n, mean_c, M2_c) merged over ranks (Chan)
     comm.allgather(x)          -> array of shape (size, *x.shape), rank order
+    comm.allgather_text(s)     -> every rank's string, rank order
     comm.broadcast(x, root=0)  -> root's x on every rank (same shape everywhere)
     comm.barrier()
 
 Every collective takes `what=`, a short description of the caller (e.g.
-"sync_batch_norm forward bn1.y"). It labels the call in statistics and in
-the optional order check: with `check_order` on, each rank first gathers a
-hash of (call index, kind, what, shape, dtype) from every rank and raises
-CollectiveMismatchError on every rank when they differ, instead of letting
-mismatched collectives hang or mix unrelated buffers.
+"sync_batch_norm forward bn1.y"), and gets the next call index (#0, #1, ...
+on every rank alike). Both label the call in statistics, in the order check
+and in the errors of a collective that does not complete (`Progress`).
+
+The order check (on by default, `check_order`): before each collective the
+ranks exchange a hash of (call index, kind, what, shape, dtype) and raise
+CollectiveMismatchError on every rank when they differ, naming each rank's
+call, instead of letting mismatched collectives hang or mix unrelated buffers.
+Backends with more than one rank put a deadline on every collective
+(`timeout_s`): see minigraph/distributed/deadline.py.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import os
 import sys
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveError(RuntimeError):
+    """A collective could not complete alike on every rank; the communicator is unusable."""
+
+
+class CollectiveMismatchError(CollectiveError):
     """Ranks reached different collectives: they do not run the same ops in the same order."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within the deadline, or another rank gave up on one."""
+
+
+@dataclass
+class Progress:
+    """Where this rank is in the job's sequence of collectives (one object shared
+    by a NCCL communicator and the MPI communicator it bootstraps from).
+
+    calls: the number of collectives entered (the next one's index).
+    current: (index, label, monotonic time entered) of the collective in progress.
+    last: (index, label, monotonic time completed) of the last one completed.
+    broken: the error that broke the communicator; every later collective raises it.
+    """
+
+    calls: int = 0
+    current: tuple | None = None
+    last: tuple | None = None
+    broken: CollectiveError | None = None
 
 
 class Communicator:
     """Base class: rank bookkeeping, call statistics and the order check.
 
     Backends implement _allreduce, _allgather, _broadcast, _barrier (on the
-    place's arrays), _gather_ints / _gather_objects (small host-side gathers
-    used by the order check) and abort.
+    place's arrays; _allgather also on small numpy arrays, which the order
+    check and allgather_text use) and abort.
     """
 
     backend = "base"
 
-    def __init__(self, rank, size, local_rank, place, check_order=False):
+    def __init__(self, rank, size, local_rank, place, check_order=True, timeout_s=math.inf):
         self.rank = int(rank)
         self.size = int(size)
         self.local_rank = int(local_rank)
         self.place = place
         self.check_order = bool(check_order)
-        self.calls = 0
+        self.timeout_s = float(timeout_s)
+        self.progress = Progress()
         self.stats = {}          # kind -> [number of calls, bytes sent by this rank]
         self.trace = None        # a list to append (kind, what, nbytes) to, when set
+
+    @property
+    def calls(self):
+        """The number of collectives entered so far."""
+        return self.progress.calls
 
     # ---- the interface ---------------------------------------------------------
 
     def allreduce(self, x, what=""):
         """The elementwise sum of `x` over all ranks, a new array on x's place."""
-        self._enter("allreduce", what, x)
-        return self._allreduce(x)
+        with self._collective("allreduce", what, x):
+            return self._allreduce(x)
 
     def allreduce_stats(self, x, what=""):
         """Batch statistics of the union of every rank's values, a new array on
@@ -65,8 +106,8 @@ class Communicator:
         ranks' vectors are merged with Chan's pairwise formula, never through
         sums of squares, so offset data (|mean| >> std) keeps its variance; one
         collective, O(C) bytes on MPI, the same bits on every rank."""
-        self._enter("allreduce_stats", what, x)
-        return self._allreduce_stats(x)
+        with self._collective("allreduce_stats", what, x):
+            return self._allreduce_stats(x)
 
     def _allreduce_stats(self, x):
         """Default: allgather, then merge in rank order on the host."""
@@ -78,19 +119,32 @@ class Communicator:
     def allgather(self, x, what=""):
         """Every rank's `x` stacked in rank order: shape (size, *x.shape).
         Every rank must pass the same shape and dtype."""
-        self._enter("allgather", what, x)
-        return self._allgather(x)
+        with self._collective("allgather", what, x):
+            return self._allgather(x)
+
+    def allgather_text(self, text, what=""):
+        """Every rank's string, in rank order (strings of any lengths: one
+        allgather of the lengths, one of the UTF-8 bytes padded to the longest)."""
+        with self._collective("allgather_text", what, None):
+            return self._gather_text(text)
 
     def broadcast(self, x, root=0, what=""):
         """Rank `root`'s `x`, on every rank (a new array). Every rank passes an
         array of the same shape and dtype; only root's values are used."""
-        self._enter(f"broadcast(root={root})", what, x)
-        return self._broadcast(x, root)
+        with self._collective(f"broadcast(root={root})", what, x):
+            return self._broadcast(x, root)
 
     def barrier(self, what=""):
         """Return once every rank has reached the barrier."""
-        self._enter("barrier", what, None)
-        self._barrier()
+        with self._collective("barrier", what, None):
+            self._barrier()
+
+    def exit_check(self):
+        """The collective every rank makes when its script ends (world.init registers
+        it at exit while the order check is on): a rank that ends while others
+        still wait in a collective gets CollectiveMismatchError on every rank."""
+        with self._collective("exit", "the script ended", None):
+            pass
 
     def abort(self, code=1):
         """End every rank of the job with exit status `code` (never returns)."""
@@ -102,44 +156,84 @@ class Communicator:
 
     # ---- bookkeeping -----------------------------------------------------------
 
-    def _enter(self, kind, what, x):
+    @contextlib.contextmanager
+    def _collective(self, kind, what, x):
+        """Count the call, label it (Progress) and run the order check; the body
+        makes the backend's collective."""
+        progress = self.progress
+        if progress.broken is not None:
+            raise type(progress.broken)(str(progress.broken))
         nbytes = 0 if x is None else int(x.nbytes)
         entry = self.stats.setdefault(kind.split("(")[0], [0, 0])
         entry[0] += 1
         entry[1] += nbytes
         if self.trace is not None:
             self.trace.append((kind, what, nbytes))
-        index = self.calls
-        self.calls += 1
+        index = progress.calls
+        progress.calls += 1
+        label = what or kind
+        progress.current = (index, label, time.monotonic())
         if self.check_order and self.size > 1:
-            shape = None if x is None else tuple(x.shape)
-            dtype = None if x is None else str(np.dtype(x.dtype))
-            self.verify_same_call(f"#{index} {kind} [{what}] shape={shape} dtype={dtype}")
+            shape = "" if x is None else f" shape={tuple(x.shape)} dtype={_dtype_name(x.dtype)}"
+            self.verify_same_call(f"#{index} {kind} '{what}'{shape}")
+        yield
+        progress.last = (index, label, time.monotonic())
+        progress.current = None
 
     def verify_same_call(self, description):
         """Raise CollectiveMismatchError on every rank unless all ranks pass the
         same `description` (compared by hash; the texts go into the message)."""
         digest = hashlib.blake2b(description.encode(), digest_size=8).digest()
-        mine = np.frombuffer(digest, dtype=np.int64).copy()
-        every = self._gather_ints(mine)
-        if np.all(every == every[0]):
+        if self._exchange_digest(digest) == digest * self.size:
             return
-        texts = self._gather_objects(description)
-        lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
-        raise CollectiveMismatchError(
-            "minigraph.distributed: ranks reached different collectives (checked because "
-            "MINIGRAPH_CHECK_ORDER=1):\n" + lines + "\nEvery rank must run the same ops in the "
-            "same order: build the same net on every rank and make the same train/infer calls.")
+        error = CollectiveMismatchError(mismatch_message(self._gather_text(description)))
+        self.progress.broken = error
+        raise error
 
-    def _gather_ints(self, arr):
-        raise NotImplementedError
+    def _exchange_digest(self, digest):
+        """Every rank's 8 bytes, concatenated in rank order (the order check's exchange)."""
+        return self._allgather(np.frombuffer(digest, dtype=np.uint8).copy()).tobytes()
 
-    def _gather_objects(self, obj):
-        raise NotImplementedError
+    def _gather_text(self, text):
+        data = np.frombuffer(text.encode(), dtype=np.uint8)
+        lengths = self._allgather(np.array([data.size], dtype=np.int64))[:, 0]
+        padded = np.zeros(int(lengths.max()), dtype=np.uint8)
+        padded[:data.size] = data
+        rows = self._allgather(padded)
+        return [bytes(row[:n]).decode("utf-8", "replace")
+                for row, n in zip(rows, lengths, strict=True)]
 
     def __repr__(self):
         return (f"<{type(self).__name__} rank {self.rank} of {self.size} "
                 f"(local rank {self.local_rank}) on {self.place!r}>")
+
+
+_dtype_names = {}
+
+
+def _dtype_name(dtype):
+    """str(np.dtype(dtype)), memoised (it is made before every collective)."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(np.dtype(dtype))
+    return name
+
+
+def mismatch_message(texts):
+    """The order check's error: each rank's call (texts in rank order), and why
+    ranks make different calls."""
+    lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
+    calls = {t.split(" shape=")[0] for t in texts}
+    if len(calls) == 1:
+        hint = ("The ranks make the same call with different sizes or dtypes: their nets "
+                "differ (a channel count, an image size, a dtype). Every rank must build "
+                "the same net.")
+    else:
+        hint = ("Every rank must run the same ops in the same order: build the same net on "
+                "every rank and make the same train/infer calls (a rank that skipped a step "
+                "or ended early is out of step).")
+    return ("minigraph.distributed: ranks reached different collectives (the order check; "
+            "MINIGRAPH_CHECK_ORDER=0 turns it off):\n" + lines + "\n" + hint)
 
 
 class LocalComm(Communicator):
@@ -148,8 +242,8 @@ class LocalComm(Communicator):
 
     backend = "local"
 
-    def __init__(self, place, check_order=False):
-        super().__init__(0, 1, 0, place, check_order)
+    def __init__(self, place, check_order=False, timeout_s=math.inf):
+        super().__init__(0, 1, 0, place, check_order, timeout_s)
 
     def _allreduce(self, x):
         return x.copy()
@@ -167,12 +261,6 @@ class LocalComm(Communicator):
 
     def _barrier(self):
         pass
-
-    def _gather_ints(self, arr):
-        return arr.reshape(1, -1).copy()
-
-    def _gather_objects(self, obj):
-        return [obj]
 
     def abort(self, code=1):
         sys.stdout.flush()

@@ -1,5 +1,10 @@
 """The MPI backend (mpi4py): numpy arrays directly; GPU arrays staged through host memory.
 
+Every collective is posted nonblocking (Iallreduce, Iallgather, Ibcast,
+Ibarrier) and waited for under the communicator's deadline without spinning
+(minigraph/distributed/deadline.py): a rank that dies, stalls or goes out of
+step ends every other rank with an error naming it and the collective.
+
 mpi4py is imported when an MPIComm is made, never when this module is
 imported. Without `mpiexec` MPI starts as a world of one process.
 """
@@ -11,6 +16,7 @@ import time
 import numpy as np
 
 from minigraph.distributed.comm import Communicator, chan_merge, is_host_array
+from minigraph.distributed.deadline import Waiter, resolve_timeout
 
 # dtypes MPI has no reduction type for: reduced in a wider one, then cast back
 _WIDEN = {np.dtype("float16"): np.dtype("float32"), np.dtype("bool"): np.dtype("int32")}
@@ -23,12 +29,13 @@ class MPIComm(Communicator):
     """Collectives over an mpi4py communicator (MPI.COMM_WORLD by default).
 
     On a GPU place, device arrays are copied to the host, reduced there and
-    copied back to the place (no CUDA-aware MPI needed).
+    copied back to the place (no CUDA-aware MPI needed). timeout_s: the
+    deadline of each collective (None: MINIGRAPH_COLLECTIVE_TIMEOUT, else 60).
     """
 
     backend = "mpi"
 
-    def __init__(self, place=None, check_order=False, mpi_comm=None):
+    def __init__(self, place=None, check_order=True, mpi_comm=None, timeout_s=None):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -37,14 +44,17 @@ class MPIComm(Communicator):
         local_rank = node.Get_rank()
         node.Free()
         super().__init__(self.mpi_comm.Get_rank(), self.mpi_comm.Get_size(), local_rank,
-                         place, check_order)
+                         place, check_order, resolve_timeout(timeout_s))
+        self.waiter = Waiter(self)
+        self._digest_out = np.empty(8, dtype=np.uint8)
+        self._digest_in = np.empty(8 * self.size, dtype=np.uint8)
 
     def _allreduce(self, x):
         host = self._to_host(x)
         wide = _WIDEN.get(host.dtype, host.dtype)
         send = np.ascontiguousarray(host, dtype=wide)
         recv = np.empty_like(send)
-        self.mpi_comm.Allreduce(send, recv, op=self.MPI.SUM)
+        self.waiter.wait(self.mpi_comm.Iallreduce(send, recv, op=self.MPI.SUM))
         return self._like(x, recv.astype(host.dtype, copy=False))
 
     def _allreduce_stats(self, x):
@@ -54,31 +64,28 @@ class MPIComm(Communicator):
         host = np.ascontiguousarray(self._to_host(x), dtype=np.float64)
         recv = np.empty_like(host)
         dtype, op = _stats_type(self.MPI, host.shape[0])
-        self.mpi_comm.Allreduce([host, 1, dtype], [recv, 1, dtype], op=op)
+        self.waiter.wait(self.mpi_comm.Iallreduce([host, 1, dtype], [recv, 1, dtype], op=op))
         return self._like(x, recv)
 
     def _allgather(self, x):
         host = np.ascontiguousarray(self._to_host(x))
         recv = np.empty((self.size,) + host.shape, dtype=host.dtype)
-        self.mpi_comm.Allgather(_bytes_view(host), _bytes_view(recv))
+        self.waiter.wait(self.mpi_comm.Iallgather(_bytes_view(host), _bytes_view(recv)))
         return self._like(x, recv)
 
     def _broadcast(self, x, root):
         buf = np.array(self._to_host(x), copy=True, order="C")
-        self.mpi_comm.Bcast(_bytes_view(buf), root=root)
+        self.waiter.wait(self.mpi_comm.Ibcast(_bytes_view(buf), root=root))
         return self._like(x, buf)
 
     def _barrier(self):
-        self.mpi_comm.Barrier()
+        self.waiter.wait(self.mpi_comm.Ibarrier())
 
-    def _gather_ints(self, arr):
-        arr = np.ascontiguousarray(arr, dtype=np.int64)
-        recv = np.empty((self.size,) + arr.shape, dtype=np.int64)
-        self.mpi_comm.Allgather(arr, recv)
-        return recv
-
-    def _gather_objects(self, obj):
-        return self.mpi_comm.allgather(obj)
+    def _exchange_digest(self, digest):
+        """The order check's exchange, into buffers made once (it precedes every collective)."""
+        self._digest_out[:] = np.frombuffer(digest, dtype=np.uint8)
+        self.waiter.wait(self.mpi_comm.Iallgather(self._digest_out, self._digest_in))
+        return self._digest_in.tobytes()
 
     def abort(self, code=1):
         sys.stdout.flush()

@@ -16,11 +16,15 @@ Collectives are enqueued on the legacy default stream (`stream=None`), so
 every later kernel is ordered after them and the host does not wait. A
 watchdog (two daemon threads per communicator) waits for each collective's
 completion event (Event.synchronize: no polling) and checks NCCL's async
-error; past the deadline (MINIGRAPH_NCCL_TIMEOUT seconds, default 300) it
+error; past the deadline - the communicator's `timeout_s`, the same setting
+as MPI's: init(timeout=...) or MINIGRAPH_COLLECTIVE_TIMEOUT, 60 s by default
+- it reports the rank and the collective (#index and its `what=` label),
 aborts the NCCL communicator and ends the whole job through MPI_Abort, so a
-rank that died or took another path never leaves the others hanging. At exit
-the watchdog drains and the communicator is destroyed before the GPU
-contexts are released.
+rank that died or took another path never leaves the others hanging. The
+order check and host arrays go through the MPI communicator, whose own
+deadline names the rank that did not arrive (minigraph/distributed/deadline.py);
+the two share one call index (`progress`). At exit the watchdog drains and
+the communicator is destroyed before the GPU contexts are released.
 
 Nothing here imports pycuda or nccl4py until an NCCLComm is made.
 """
@@ -28,14 +32,12 @@ from __future__ import annotations
 
 import atexit
 import collections
-import os
 import sys
 import threading
 import time
 
 from minigraph.distributed.comm import Communicator, is_host_array
 
-DEFAULT_TIMEOUT_S = 300.0
 NCCL_NAMES = ("SUM", "Communicator", "UniqueId", "get_unique_id")
 
 
@@ -51,19 +53,20 @@ def nccl_available():
 
 class NCCLComm(Communicator):
     """Collectives on GPUArrays through NCCL; `host` is the MPIComm used to
-    bootstrap, for the order check and for aborting the job."""
+    bootstrap, for the order check, host arrays and aborting the job.
+    timeout_s: the deadline of each collective (None: the host's)."""
 
     backend = "nccl"
 
-    def __init__(self, place, host, check_order=False, timeout_s=None):
+    def __init__(self, place, host, check_order=True, timeout_s=None):
         from nccl.core import SUM, UniqueId, get_unique_id
         from nccl.core import Communicator as NcclCommunicator
 
-        super().__init__(host.rank, host.size, host.local_rank, place, check_order)
+        timeout_s = host.timeout_s if timeout_s is None else timeout_s
+        super().__init__(host.rank, host.size, host.local_rank, place, check_order, timeout_s)
         self.host = host
+        self.progress = host.progress       # one call index for NCCL and MPI calls
         self.SUM = SUM
-        self.timeout_s = float(timeout_s if timeout_s is not None else
-                               os.environ.get("MINIGRAPH_NCCL_TIMEOUT", DEFAULT_TIMEOUT_S))
         uid = get_unique_id().as_bytes if host.rank == 0 else None
         uid = host.mpi_comm.bcast(uid, root=0)
         with place.activate():
@@ -82,7 +85,7 @@ class NCCLComm(Communicator):
             out = _empty(x.shape, x.dtype)
             if x.size:
                 self.nccl.allreduce(x, out, self.SUM, stream=None)
-                self.watchdog.add("allreduce")
+                self.watchdog.add("allreduce", self.progress.current)
             return out
 
     def _allgather(self, x):
@@ -95,7 +98,7 @@ class NCCLComm(Communicator):
         out = _empty((self.size,) + tuple(dev.shape), dev.dtype)
         if dev.size:
             self.nccl.allgather(dev, out, stream=None)
-            self.watchdog.add("allgather")
+            self.watchdog.add("allgather", self.progress.current)
         return out
 
     def _broadcast(self, x, root):
@@ -105,7 +108,7 @@ class NCCLComm(Communicator):
             out = _empty(x.shape, x.dtype)
             if x.size:
                 self.nccl.broadcast(x, out, root, stream=None)
-                self.watchdog.add("broadcast")
+                self.watchdog.add("broadcast", self.progress.current)
             return out
 
     def _allreduce_stats(self, x):
@@ -121,16 +124,10 @@ class NCCLComm(Communicator):
     def _barrier(self):
         import pycuda.driver as drv
 
-        self.watchdog.drain()
+        self.watchdog.drain()                 # under the watchdog's deadline
         with self.place.activate():
             drv.Context.synchronize()
-        self.host.mpi_comm.Barrier()
-
-    def _gather_ints(self, arr):
-        return self.host._gather_ints(arr)
-
-    def _gather_objects(self, obj):
-        return self.host._gather_objects(obj)
+        self.host._barrier()                  # under the MPI deadline
 
     def abort(self, code=1):
         try:
@@ -152,10 +149,12 @@ class NCCLComm(Communicator):
         except Exception as e:   # at exit: report, never hide the real outcome
             sys.stderr.write(f"minigraph.distributed: rank {self.rank}: NCCL destroy: {e}\n")
 
-    def failed(self, kind, why):
-        """Report a collective that failed or timed out, then end the job."""
-        sys.stderr.write(f"minigraph.distributed: rank {self.rank}: NCCL {kind} {why}. "
-                         "Aborting the job.\n")
+    def failed(self, kind, where, why):
+        """Report a collective that failed or timed out - this rank, the NCCL call
+        and the collective `where` = (index, label, ...) - then end the job."""
+        call = f"collective #{where[0]} '{where[1]}'" if where else "a collective"
+        sys.stderr.write(f"minigraph.distributed: rank {self.rank} of {self.size}: NCCL {kind} "
+                         f"of {call} {why}. Aborting the job.\n")
         sys.stderr.flush()
         self.abort(1)
 
@@ -169,8 +168,9 @@ def _empty(shape, dtype):
 class Watchdog:
     """Waits for a communicator's collectives off the main thread.
 
-    `add(kind)` records a completion event on the place's default stream (the
-    caller holds the place's context) and queues it. The waiter thread blocks
+    `add(kind, where)` records a completion event on the place's default stream
+    (the caller holds the place's context) and queues it with the collective's
+    (index, label, ...) for the messages. The waiter thread blocks
     on the events in order (Event.synchronize) and checks NCCL's async error
     after each; the timer thread sleeps until the oldest pending event's
     deadline and, if that event is still pending then, reports and aborts.
@@ -178,20 +178,20 @@ class Watchdog:
 
     def __init__(self, comm):
         self.comm = comm
-        self.pending = collections.deque()       # (event, deadline, kind), oldest first
+        self.pending = collections.deque()       # (event, deadline, kind, where), oldest first
         self.lock = threading.Condition()
         self.wake_timer = threading.Event()
         self.stopped = False
         self.threads = []
 
-    def add(self, kind):
+    def add(self, kind, where=None):
         import pycuda.driver as drv
 
         event = drv.Event()
         event.record()
         with self.lock:
             was_idle = not self.pending
-            self.pending.append((event, time.monotonic() + self.comm.timeout_s, kind))
+            self.pending.append((event, time.monotonic() + self.comm.timeout_s, kind, where))
             self.lock.notify_all()
         if not self.threads:
             self._start()
@@ -211,12 +211,12 @@ class Watchdog:
                     self.lock.wait()
                 if not self.pending:
                     return
-                event, _, kind = self.pending[0]
+                event, _, kind, where = self.pending[0]
             with self.comm.place.activate():
                 event.synchronize()
             status = self.comm.nccl.get_async_error()
             if int(status) != 0:
-                self.comm.failed(kind, f"failed: {self.comm.nccl.get_last_error()}")
+                self.comm.failed(kind, where, f"failed: {self.comm.nccl.get_last_error()}")
             with self.lock:
                 self.pending.popleft()
                 self.lock.notify_all()
@@ -234,9 +234,11 @@ class Watchdog:
                 with self.lock:
                     still = bool(self.pending) and self.pending[0] is head
                 if still:
-                    self.comm.failed(head[2], f"did not finish within {self.comm.timeout_s:g} s "
-                                     "(MINIGRAPH_NCCL_TIMEOUT); another rank probably failed "
-                                     "or runs different ops")
+                    self.comm.failed(head[2], head[3],
+                                     f"did not finish within {self.comm.timeout_s:g} s (the "
+                                     "deadline: init(timeout=...) or "
+                                     "MINIGRAPH_COLLECTIVE_TIMEOUT); another rank probably "
+                                     "died, stalls, or runs different ops")
                     return
                 continue
             self.wake_timer.wait(remaining)

@@ -21,7 +21,7 @@ _comm = None
 _previous_excepthook = None
 
 
-def init(backend="auto", place=None, check_order=None):
+def init(backend="auto", place=None, check_order=None, timeout=None):
     """Start (once) and return the communicator of this process.
 
     backend: "auto" picks NCCL on a GPU place when nccl4py is installed and
@@ -32,28 +32,52 @@ def init(backend="auto", place=None, check_order=None):
       device_count); or a place object, used as given. The communicator's
       `place` is the place to build the net on.
     check_order: verify before every collective that all ranks make the same
-      call (defaults to the MINIGRAPH_CHECK_ORDER environment variable).
+      call (default: on, unless the environment variable MINIGRAPH_CHECK_ORDER
+      is 0). The same on every rank.
+    timeout: the deadline of every collective, in seconds from the moment a
+      rank enters it (default: the environment variable
+      MINIGRAPH_COLLECTIVE_TIMEOUT, else 60; math.inf for none). Past it,
+      every rank still alive raises CollectiveTimeoutError naming the ranks
+      that did not arrive and the collective (minigraph/distributed/deadline.py).
 
     With more than one rank, an uncaught exception on any rank prints its
     traceback and ends the whole job (MPI_Abort) with a non-zero status.
-    Calling init again returns the same communicator; asking for a different
-    backend or place then is an error.
+    Calling init again returns the same communicator (check_order and timeout,
+    when given, replace the old settings); asking for a different backend or
+    place then is an error.
     """
     global _comm
     if backend not in BACKENDS:
         raise ValueError(f"init: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if check_order is None:
-        check_order = os.environ.get(CHECK_ORDER_ENV, "0") not in ("", "0", "false", "no")
+    from minigraph.distributed.deadline import resolve_timeout
+
     if _comm is not None:
         _check_compatible(_comm, backend, place)
-        _comm.check_order = bool(check_order) or _comm.check_order
+        for comm in (_comm, getattr(_comm, "host", None)):
+            if comm is not None and check_order is not None:
+                comm.check_order = bool(check_order)
+            if comm is not None and timeout is not None:
+                comm.timeout_s = resolve_timeout(timeout)
         return _comm
-    _comm = _make(backend, place, bool(check_order))
+    if check_order is None:
+        check_order = _order_check_default()
+    _comm = _make(backend, place, bool(check_order), resolve_timeout(timeout))
     if _comm.size > 1:
+        from minigraph.distributed.deadline import watch_launcher
+
         _install_excepthook()
-        if _comm.check_order:
-            atexit.register(_check_exit_order)
+        watch_launcher()
+        atexit.register(_at_exit)
     return _comm
+
+
+def _order_check_default():
+    text = os.environ.get(CHECK_ORDER_ENV, "1").strip().lower()
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text in ("", "1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{CHECK_ORDER_ENV} must be 1 or 0, got {text!r}")
 
 
 def get_comm():
@@ -78,7 +102,7 @@ def world_size():
 
 # ---- making a communicator ---------------------------------------------------------
 
-def _make(backend, place, check_order):
+def _make(backend, place, check_order, timeout_s):
     want_gpu = _wants_gpu(place)
     if backend == "local" or (backend == "auto" and not _has_mpi4py()):
         launched = _launcher_size()
@@ -87,12 +111,12 @@ def _make(backend, place, check_order):
                                "but mpi4py is not installed (pip install mpi4py mpich)")
         from minigraph.distributed.comm import LocalComm
 
-        return LocalComm(_resolve_place(place, 0), check_order)
+        return LocalComm(_resolve_place(place, 0), check_order, timeout_s)
     if not _has_mpi4py():
         raise RuntimeError(f"init: backend={backend!r} needs mpi4py (pip install mpi4py mpich)")
     from minigraph.distributed.mpi import MPIComm
 
-    host = MPIComm(None, check_order)
+    host = MPIComm(None, check_order, timeout_s=timeout_s)
     host.place = _resolve_place(place, host.local_rank)
     if backend == "mpi" or (backend == "auto" and not want_gpu):
         return host
@@ -104,7 +128,7 @@ def _make(backend, place, check_order):
         if backend == "auto":
             return host                    # GPU place, no nccl4py: MPI staged through the host
         raise RuntimeError("init: backend='nccl' needs nccl4py (pip install 'minigraph[gpu]')")
-    return NCCLComm(host.place, host, check_order)
+    return NCCLComm(host.place, host, check_order, timeout_s)
 
 
 def _wants_gpu(place):
@@ -175,21 +199,35 @@ def _install_excepthook():
 
 
 def _abort_on_exception(kind, value, tb):
-    """Print the traceback, then end every rank: the others may be waiting in a
-    collective this rank will never reach."""
+    """Print the error and its traceback, then end every rank: the others may be
+    waiting in a collective this rank will never reach. A CollectiveError's
+    message comes first (the launcher may end the job at any moment)."""
+    from minigraph.distributed.comm import CollectiveError
+
     try:
         sys.stderr.write(f"minigraph.distributed: rank {_comm.rank} of {_comm.size} raised an "
                          "uncaught exception; aborting all ranks.\n")
-        (_previous_excepthook or sys.__excepthook__)(kind, value, tb)
+        if issubclass(kind, CollectiveError):
+            sys.stderr.write(f"{kind.__name__}: {value}\n")
+            sys.stderr.flush()
+            sys.stderr.write("Traceback (most recent call last):\n" +
+                             "".join(traceback.format_tb(tb)))
+        else:
+            (_previous_excepthook or sys.__excepthook__)(kind, value, tb)
     finally:
         _comm.abort(1)
 
 
-def _check_exit_order():
-    """At exit (with the order check on): make sure no rank still waits in a
-    collective this one skipped."""
+def _at_exit():
+    """At exit: end the job if a collective failed (another rank may stall
+    forever); with the order check on, make sure no rank still waits in a
+    collective this one skipped (Communicator.exit_check)."""
+    if _comm.progress.broken is not None:
+        _comm.abort(1)
+    if not _comm.check_order:
+        return
     try:
-        _comm.verify_same_call("exit (the script ended)")
+        _comm.exit_check()
     except Exception:
         traceback.print_exc()
         _comm.abort(1)

@@ -23,13 +23,14 @@ def require_mpi():
         pytest.skip(f"no mpiexec next to {sys.executable} (pip install mpich)")
 
 
-def run_ranks(script, ranks, *args, timeout=90, env=None):
+def run_ranks(script, ranks, *args, timeout=90, env=None, launcher_args=()):
     """Run tests/mpi_scripts/<script> (or the script at an absolute path) on
     `ranks` processes; return (returncode, combined output, seconds). The
     whole process group is killed at `timeout` and the test fails: a hang is
-    a failure, never a wait."""
+    a failure, never a wait. launcher_args go to mpiexec before "-n"."""
     require_mpi()
-    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, str(SCRIPTS / script), *map(str, args)]
+    cmd = [MPIEXEC, *launcher_args, "-n", str(ranks), sys.executable, str(SCRIPTS / script),
+           *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

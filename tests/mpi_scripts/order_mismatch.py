@@ -2,8 +2,8 @@
 
 argv[1]: "swap" - rank 0 runs sync_batch_norm then c_allreduce_avg, the
 others the other way round; "skip" - the last rank skips the
-sync_batch_norm step and ends. Run with MINIGRAPH_CHECK_ORDER=1: the order
-check must end the job with a message naming the mismatch, not hang.
+sync_batch_norm step and ends. The order check (on by default) must end the
+job with a message naming the mismatch, not hang.
 """
 from __future__ import annotations
 
