@@ -145,7 +145,7 @@ def fake_nccl_core(world):
 
 
 class HostComm:
-    """The MPI side NCCLComm bootstraps with (bcast, barrier, host collectives, abort;
+    """The MPI side NCCLComm bootstraps with (broadcast, barrier, host collectives, abort;
     the call index and the deadline it shares)."""
 
     def __init__(self, world, rank, timeout_s=60.0):
@@ -154,8 +154,9 @@ class HostComm:
         self.aborted = threading.Event()
         self.progress, self.timeout_s = Progress(), timeout_s
 
-    def bcast(self, obj, root=0):
-        return self.world.exchange(self.rank, obj)[root]
+    def broadcast(self, x, root=0, what=""):
+        self.world.record("host broadcast", self.rank, what)
+        return np.array(self.world.exchange(self.rank, np.array(x))[root])
 
     def Barrier(self):
         self.world.exchange(self.rank, None)

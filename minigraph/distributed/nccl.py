@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from minigraph.distributed.comm import Communicator, is_host_array
 
 NCCL_NAMES = ("SUM", "Communicator", "UniqueId", "get_unique_id")
@@ -49,6 +51,9 @@ def nccl_available():
     except Exception:      # ImportError, or a library that fails to load
         return False
     return all(hasattr(core, name) for name in NCCL_NAMES)
+
+
+UNIQUE_ID_BYTES = 128         # NCCL_UNIQUE_ID_BYTES
 
 
 class NCCLComm(Communicator):
@@ -67,11 +72,17 @@ class NCCLComm(Communicator):
         self.host = host
         self.progress = host.progress       # one call index for NCCL and MPI calls
         self.SUM = SUM
-        uid = get_unique_id().as_bytes if host.rank == 0 else None
-        uid = host.mpi_comm.bcast(uid, root=0)
+        uid = np.zeros(UNIQUE_ID_BYTES, np.uint8)
+        if host.rank == 0:
+            made = get_unique_id().as_bytes
+            if len(made) != UNIQUE_ID_BYTES:
+                raise RuntimeError(f"NCCL's unique id has {len(made)} bytes, expected "
+                                   f"{UNIQUE_ID_BYTES}")
+            uid[...] = np.frombuffer(made, np.uint8)
+        uid = host.broadcast(uid, root=0, what="NCCL unique id")   # raw bytes, never pickled
         with place.activate():
             self.nccl = NcclCommunicator.init(nranks=host.size, rank=host.rank,
-                                              unique_id=UniqueId.from_bytes(uid))
+                                              unique_id=UniqueId.from_bytes(uid.tobytes()))
         self.watchdog = Watchdog(self)
         self._closed = False
         atexit.register(self.close)
