@@ -3,30 +3,83 @@ that makes a training step all or nothing.
 
 A plan is made once per (mode, fetch targets) and kept by the net until its
 ops change: the ops to run (infer is pruned to what the fetches need), the
-data Variables they read, and for each op the persistables it writes. A
-training step saves a copy of each such persistable just before the first
-op that writes it; if any op raises, every saved value is put back (into
-the same array object), so parameters, estimates, counters and optimizer
-state are exactly as before the step. The copies cost one read and write of
-the state the step updates (measured in benchmarks/nets_cpu.py).
+data Variables they read, and for each op the persistables it writes. The
+first run on a place compiles it further (`Plan.compiled`): per op its
+kernel, its bound input and output slots, and - in a training step - the
+temporaries no later op reads, released as soon as the op has run, so a
+step's peak memory is what backward still needs rather than every value
+computed. A training step keeps the values it fetches, the persistables, the
+feeds and the gradients of the persistables (as PyTorch keeps `.grad`); to
+read any other value of a training step, fetch it. Inference keeps every
+value. Ops check their inputs' shapes and dtypes (schema
+inference) while the signature of what the plan reads from outside (feeds,
+persistables) is new; once a run with a signature has succeeded, later runs
+with it skip those checks, since every value inside follows from it.
+
+A training step saves a copy of each persistable an op writes just before
+the first op that writes it; if any op raises, every saved value is put back
+(into the same array object), so parameters, estimates, counters and
+optimizer state are exactly as before the step. The copies cost one read and
+write of the state the step updates; on the CPU they go into arrays kept with
+the plan, reused from step to step.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import numpy as np
 
 from minigraph.executor import check_feed
+from minigraph.schema import OpError
 from minigraph.scope import Variable
 
+ONE, LIST, UNBOUND = 0, 1, 2
 
-class Plan(NamedTuple):
+
+class Plan:
     """ops: to run in order; needed: the data Variables they read; writes[i]:
     the persistables ops[i] writes (saved before it runs in a training step)."""
 
-    ops: tuple
-    needed: tuple
-    writes: tuple
+    def __init__(self, ops, needed, writes, mode, targets):
+        self.ops, self.needed, self.writes = ops, needed, writes
+        self.mode, self.targets = mode, targets
+        self._compiled = {}
+        self.checked = None             # the external signature last run with checks
+        self.saved = {}                 # id(persistable) -> the journal's reusable copy
+
+    def compiled(self, kind, keep=()):
+        """(steps, external) for place kind `kind`: steps[i] = (kernel or None, op,
+        inputs, outputs, writes, releases); external: the Variables the plan reads
+        that no op of it writes. `keep`: Variables a training step never releases
+        (besides fetches, persistables and data)."""
+        found = self._compiled.get(kind)
+        if found is None:
+            found = self._compiled[kind] = _compile(self, kind, keep)
+        return found
+
+
+def _compile(plan, kind, kept):
+    made, external = set(), []
+    last_use = {}
+    for i, op in enumerate(plan.ops):
+        for v in op.input_vars():
+            if id(v) not in made and all(v is not e for e in external):
+                external.append(v)
+        for v in op.input_vars() + op.output_vars():
+            last_use[id(v)] = (i, v)
+        made.update(id(v) for v in op.output_vars())
+    keep = {id(t) for t in plan.targets} | {id(v) for v in kept}
+    releases = [[] for _ in plan.ops]
+    if plan.mode == "train":
+        for i, v in last_use.values():
+            if not (v.persistable or v.is_data or id(v) in keep or v in external):
+                releases[i].append(v)
+    steps = []
+    for op, writes, free in zip(plan.ops, plan.writes, releases):
+        ins = tuple((slot, v, UNBOUND if v is None else LIST if isinstance(v, list) else ONE)
+                    for slot, v in op.inputs.items())
+        outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
+                     for slot, v in op.outputs.items() if v is not None)
+        steps.append((op.schema.kernels.get(kind), op, ins, outs, writes, tuple(free)))
+    return tuple(steps), tuple(external)
 
 
 def make_plan(ops, mode, targets):
@@ -39,7 +92,7 @@ def make_plan(ops, mode, targets):
             if v.is_data and v not in needed:
                 needed.append(v)
     writes = tuple(tuple(v for v in op.output_vars() if v.persistable) for op in ops)
-    return Plan(tuple(ops), tuple(needed), writes)
+    return Plan(tuple(ops), tuple(needed), writes, mode, tuple(targets))
 
 
 def prune(ops, targets):
@@ -71,38 +124,107 @@ def run_step(net, mode, feed, fetch):
         if stored is value:
             stored = stored.copy()      # the net never keeps (nor writes) the caller's array
         var.value = stored
-    ex = net.executor
+    steps, external = plan.compiled(place.kind, _parameter_grads(net))
+    signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
+                      for v in external)
+    check = signature != plan.checked
     if mode != "train":
-        for op in plan.ops:
-            ex.run_op(op)
-        return ex.fetch_all(net.scopes[mode], targets)
-    journal = Journal(place)
+        run_ops(steps, place, check, None)
+        plan.checked = signature
+        return net.executor.fetch_all(net.scopes[mode], targets)
+    journal = Journal(place, plan.saved)
     try:
-        for op, writes in zip(plan.ops, plan.writes):
-            if writes:
-                journal.save(writes)
-            ex.run_op(op)
+        run_ops(steps, place, check, journal)
         place.check_errors()            # what device kernels flagged fails the step too
     except BaseException:
         journal.roll_back()
         raise
-    return ex.fetch_all(net.scopes[mode], targets, check_errors=False)
+    plan.checked = signature
+    return net.executor.fetch_all(net.scopes[mode], targets, check_errors=False)
+
+
+def _parameter_grads(net):
+    """The gradients of the net's persistables (kept after a step, like PyTorch's .grad)."""
+    found = []
+    for name, grad in net.grads.items():
+        var = net.scope.find_var(name)
+        if var is not None and var.persistable:
+            found.append(grad)
+    return found
+
+
+def run_ops(steps, place, check, journal):
+    """Run compiled steps: gather inputs, check them when `check`, call the kernel,
+    store outputs; with a journal, save persistables first and release temporaries."""
+    kind = place.kind
+    for fn, op, inputs, outputs, writes, releases in steps:
+        if fn is None:
+            raise OpError(f"{op.type}: no kernel for {place!r}")
+        if writes and journal is not None:
+            journal.save(writes)
+        ins = {}
+        for slot, var, how in inputs:
+            if how == ONE:
+                value = var.value
+                if value is None:
+                    _no_value(op, slot, var)
+                ins[slot] = value
+            elif how == LIST:
+                ins[slot] = [_value_of(op, slot, v) for v in var]
+            else:
+                ins[slot] = None
+        if check:
+            op.check_inputs(ins, kind)
+        outs = fn(op, ins)
+        for slot, var, how in outputs:
+            if slot in outs:
+                if how == ONE:
+                    var.value = outs[slot]
+                else:
+                    for v, x in zip(var, outs[slot]):
+                        v.value = x
+        if journal is not None:
+            for var in releases:
+                var.value = None
+
+
+def _value_of(op, slot, var):
+    if var.value is None:
+        _no_value(op, slot, var)
+    return var.value
+
+
+def _no_value(op, slot, var):
+    raise OpError(f"{op.type}: input {slot!r} (variable {var.name!r}) has no value; "
+                  "feed it or initialise it first")
 
 
 class Journal:
-    """Copies of the persistables a step is about to write, to put back on failure."""
+    """Copies of the persistables a step is about to write, to put back on failure.
+    `buffers` ({id(var): array}) keeps host copies from step to step."""
 
-    def __init__(self, place):
+    def __init__(self, place, buffers=None):
         self.place = place
+        self.buffers = {} if buffers is None else buffers
         self.saved = []
         self._seen = set()
 
     def save(self, variables):
         """Keep a copy of each Variable's value (once per step)."""
         for var in variables:
-            if id(var) not in self._seen and var.value is not None:
+            value = var.value
+            if id(var) not in self._seen and value is not None:
                 self._seen.add(id(var))
-                self.saved.append((var, var.value, self.place.copy(var.value)))
+                self.saved.append((var, value, self._copy(var, value)))
+
+    def _copy(self, var, value):
+        if not isinstance(value, np.ndarray):
+            return self.place.copy(value)
+        buf = self.buffers.get(id(var))
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            buf = self.buffers[id(var)] = np.empty_like(value)
+        np.copyto(buf, value)
+        return buf
 
     def roll_back(self):
         """Give every saved Variable its saved value back, in the same array object
