@@ -93,14 +93,16 @@ def geometry(x_shape, w_shape, strides, paddings, dilations, groups):
     return Geometry(n, c, h, w, o, kh, kw, groups, sh, sw, ph, pw, dh, dw, ho, wo)
 
 
-def forward(x, w, g, bias=None, relu=False):
-    """out (N, O, Ho, Wo) = conv(x, w) (+ bias[o]) (then max(., 0)), in x's dtype."""
+def forward(x, w, g, bias=None, residual=None, relu=False):
+    """out (N, O, Ho, Wo) = conv(x, w) (+ bias[o]) (+ residual, of out's shape) (then
+    max(., 0)), in x's dtype; the additions and the max run on each chunk of images
+    while it is in cache."""
     out = np.empty((g.n, g.o, g.ho, g.wo), dtype=x.dtype)
     wg = w.reshape(g.groups, g.o // g.groups, -1)
     if g.pointwise:
         a = x.reshape(g.n, g.groups, g.c // g.groups, g.h * g.w)
         np.matmul(wg, a, out=out.reshape(g.n, g.groups, g.o // g.groups, g.h * g.w))
-        _epilogue(out, bias, relu)
+        _epilogue(out, bias, residual, relu)
         return out
     view = _columns_view(_padded(x, g, "conv.xpad"), g)
     direct = not g.flat or g.wp == g.wo
@@ -116,7 +118,7 @@ def forward(x, w, g, bias=None, relu=False):
             flat = res.reshape(n1 - n0, g.groups, g.o // g.groups, g.ho * g.wp)
             np.matmul(wg, cols, out=flat[..., :g.length])
             np.copyto(dst, res[..., :g.wo])
-        _epilogue(dst, bias, relu)
+        _epilogue(dst, bias, None if residual is None else residual[n0:n1], relu)
 
     _run_chunks(chunk, g, x.dtype)
     return out
@@ -202,9 +204,11 @@ def _run_chunks(body, g, dtype):
         body(index, n0, min(g.n, n0 + step))
 
 
-def _epilogue(dst, bias, relu):
+def _epilogue(dst, bias, residual, relu):
     if bias is not None:
         dst += bias.reshape(-1, 1, 1)
+    if residual is not None:
+        dst += residual
     if relu:
         np.maximum(dst, 0, out=dst)
 

@@ -1,0 +1,161 @@
+"""fused_conv2d (conv2d + bias + residual + relu, inference-only) and the inference
+passes that build it: fuse_conv2d and optimize_for_inference."""
+import numpy as np
+import pytest
+from helpers import helper_test_op
+from references import conv2d
+
+import minigraph as mg
+from minigraph import layers as L
+from minigraph.ops import conv_cpu
+
+rng = np.random.default_rng(0)
+
+GEOMETRIES = [
+    ((2, 3, 5, 5), (4, 3, 3, 3), {"paddings": 1}),
+    ((2, 3, 6, 7), (4, 3, 3, 3), {"strides": 2, "paddings": 1}),
+    ((1, 2, 7, 7), (3, 2, 3, 3), {"dilations": 2, "paddings": (2, 1)}),
+    ((2, 4, 5, 6), (6, 2, 3, 3), {"groups": 2, "paddings": 1}),
+    ((3, 4, 5, 6), (6, 4, 1, 1), {}),
+    ((2, 4, 7, 7), (3, 4, 1, 1), {"strides": 2}),
+]
+
+
+def fused_reference(x, filter, bias=None, residual=None, activation="none", **conv):
+    out = conv2d(x, filter, **conv)
+    if bias is not None:
+        out = out + bias.reshape(-1, 1, 1)
+    if residual is not None:
+        out = out + residual
+    return {"out": np.maximum(out, 0.0) if activation == "relu" else out}
+
+
+def inputs_for(x_shape, w_shape, attrs, bias, residual, dtype):
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    ins = {"x": x, "filter": w}
+    if bias:
+        ins["bias"] = rng.standard_normal(w_shape[0]).astype(dtype)
+    if residual:
+        shape = fused_reference(x.astype(np.float64), w.astype(np.float64), **attrs)["out"].shape
+        ins["residual"] = rng.standard_normal(shape).astype(dtype)
+    return ins
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", GEOMETRIES)
+@pytest.mark.parametrize("bias, residual, activation", [
+    (True, False, "relu"), (True, True, "relu"), (False, True, "none"), (False, False, "relu")])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_conv2d_against_the_float64_reference(x_shape, w_shape, attrs, bias, residual,
+                                                    activation, dtype):
+    ins = inputs_for(x_shape, w_shape, attrs, bias, residual, dtype)
+    tol = {} if dtype == "float64" else {"atol": 1e-5, "rtol": 1e-4}
+    helper_test_op("fused_conv2d", ins, {**attrs, "activation": activation}, fused_reference,
+                   **tol)
+
+
+def test_fused_conv2d_one_image_per_chunk(monkeypatch):
+    monkeypatch.setattr(conv_cpu, "CHUNK_BYTES", 1)
+    for x_shape, w_shape, attrs in GEOMETRIES:
+        ins = inputs_for(x_shape, w_shape, attrs, True, True, "float64")
+        helper_test_op("fused_conv2d", ins, {**attrs, "activation": "relu"}, fused_reference)
+
+
+def build(x_shape, w_shape, bias_shape=None, residual_shape=None, **attrs):
+    scope = mg.Scope()
+    slots = {}
+    for name, shape in (("x", x_shape), ("filter", w_shape), ("bias", bias_shape),
+                        ("residual", residual_shape)):
+        if shape is not None:
+            slots[name] = scope.new_var(name)
+            slots[name].declare(shape, "float32")
+    return mg.Operator("fused_conv2d", out=scope.new_var("out"), **slots, **attrs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias_shape=(5,)), r"fused_conv2d: input 'bias' must have shape \(4,\) \(one value"),
+    (dict(residual_shape=(2, 4, 6, 6)), r"fused_conv2d: input 'residual' must have shape "
+                                        r"\(2, 4, 8, 8\)"),
+    (dict(activation="gelu"), r"fused_conv2d: attribute 'activation' must be one of"),
+    (dict(groups=2), r"fused_conv2d: input 'x' has 3 channels"),
+])
+def test_fused_conv2d_bad_inputs_name_the_op_and_slot(kwargs, match):
+    with pytest.raises(mg.OpError, match=match):
+        build((2, 3, 8, 8), (4, 3, 3, 3), paddings=1, **kwargs)
+
+
+def test_fused_conv2d_has_no_gradient():
+    op = build((2, 3, 8, 8), (4, 3, 3, 3), bias_shape=(4,), paddings=1)
+    with pytest.raises(mg.OpError, match="fused_conv2d: an inference-only op, it has no "
+                                         "gradient"):
+        op.schema.grad(op, {"out": op.outputs["out"]}, lambda v: v)
+
+
+def resnet_like(seed=0):
+    """stem conv-BN-ReLU, one residual block with a 1x1 projection, global pool, fc."""
+    net = mg.Net(seed=seed)
+    img = L.data(net, "image", shape=(-1, 3, 8, 8))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+
+    def conv_bn(x, filters, size, stride, relu, name):
+        h = L.conv2d(net, x, filters, size, stride=stride, padding=size // 2, bias=False,
+                     name=name)
+        h = L.batch_norm(net, h, name=name + "_bn")
+        return L.relu(net, h) if relu else h
+
+    h = conv_bn(img, 4, 3, 1, True, "stem")
+    out = conv_bn(conv_bn(h, 6, 3, 2, True, "a"), 6, 3, 1, False, "b")
+    h = L.relu(net, L.add(net, out, conv_bn(h, 6, 1, 2, False, "proj")))
+    h = L.pool2d(net, h, global_pooling=True, pool_type="avg")
+    logits = L.fc(net, L.flatten(net, h), 5, name="head")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, lbl))
+    mg.optimizer.Momentum(0.1, 0.9).minimize(net, loss)
+    r = np.random.default_rng(seed)
+    for _ in range(3):
+        net.train(feed={"image": r.standard_normal((8, 3, 8, 8)).astype(np.float32),
+                        "label": r.integers(0, 5, 8)})
+    return net, logits
+
+
+def test_optimize_for_inference_equals_net_infer():
+    net, logits = resnet_like()
+    x = np.random.default_rng(1).standard_normal((5, 3, 8, 8)).astype(np.float32)
+    (want,) = net.infer(feed={"image": x}, fetch=[logits])
+    fast = mg.passes.optimize_for_inference(net)
+    (got,) = fast.infer(feed={"image": x}, fetch=[logits.name])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    types = [op.type for op in fast.section("trunk")]
+    assert types.count("fused_conv2d") == 4 and "batch_norm" not in types
+    assert "relu" not in types and "add" not in types         # all inside the fused ops
+    assert "conv2d + add + relu" in [" + ".join(n.ops[:1] + n.ops[-2:]) for n in
+                                     fast.fuse_report]       # the block's second conv
+    assert fast.applied == ("fold_batch_norm", "fuse_conv2d")
+    assert "fused_conv2d" not in [op.type for op in net.ops("infer")]   # source untouched
+
+
+def test_a_value_read_twice_or_fetched_by_default_ends_the_chain():
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", shape=(-1, 2, 5, 5))
+    h = L.conv2d(net, img, 3, 3, padding=1, name="c")      # c.out: read by relu and add
+    s = L.add(net, L.relu(net, h), h)
+    g = L.relu(net, L.conv2d(net, s, 3, 3, padding=1, name="d"))
+    net.default_fetches = (s, net.var("d.out"), g)         # d.out: fetched
+    fast = mg.passes.fold_batch_norm(net)
+    mg.passes.fuse_conv2d(fast)
+    assert [op.type for op in fast.section("trunk")] == \
+        ["fused_conv2d", "relu", "add", "fused_conv2d", "relu"]
+    assert [str(n) for n in fast.fuse_report] == [
+        "conv2d + elementwise_add -> fused_conv2d computing 'c.out'",
+        "conv2d + elementwise_add -> fused_conv2d computing 'd.out'"]
+    x = np.random.default_rng(2).standard_normal((2, 2, 5, 5)).astype(np.float32)
+    for got, want in zip(fast.infer(feed={"image": x}), net.infer(feed={"image": x})):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_fuse_conv2d_refuses_a_training_net_and_runs_once():
+    net, _ = resnet_like()
+    with pytest.raises(ValueError, match="fuse_conv2d: needs an infer-only net"):
+        mg.passes.fuse_conv2d(net)
+    fast = mg.passes.optimize_for_inference(net)
+    with pytest.raises(ValueError, match="fuse_conv2d: already applied"):
+        mg.passes.fuse_conv2d(fast)
