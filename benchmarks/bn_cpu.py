@@ -7,17 +7,23 @@ the training forward of `batch_norm` and forward + `batch_norm_grad` (the op
 the grad maker builds); PyTorch's `torch.nn.functional.batch_norm`
 (training=True) forward and forward + backward at the same thread count; and
 `np.copyto` of x into a preallocated array (the cost of touching the bytes
-once). Times are medians after warm-up; the cases of one shape take turns, so
-a change in the machine's load hits them alike. Then it measures the
-executor's overhead per op on tiny tensors (relu when registered, and
-batch_norm with is_infer=True, on (2, 3)): Executor.run over 100 ops, divided
-by 100, minus the time of calling the kernel directly.
+once). Each framework runs in a fresh process of its own (this script with
+--worker, results back as JSON): numpy's OpenBLAS threads and PyTorch's OpenMP
+threads slow each other down many times over when they share a process on a
+few cores. Times are medians after warm-up; inside a process the cases of one
+shape take turns, so a change in the machine's load hits them alike. Then it
+measures the executor's overhead per op on tiny tensors (relu when
+registered, and batch_norm with is_infer=True, on (2, 3)): Executor.run over
+100 ops, divided by 100, minus the time of calling the kernel directly.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -94,19 +100,45 @@ def torch_cases(x, dy, threads):
     return {"torch fwd": forward, "torch fwd+bwd": forward_backward}
 
 
-def shape_times(shape, threads, repeat):
-    """Median ms of every case on an fp32 NCHW input of `shape`."""
+def shape_inputs(shape):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal(shape, dtype=np.float32)
-    dy = rng.standard_normal(shape, dtype=np.float32)
+    return (rng.standard_normal(shape, dtype=np.float32),
+            rng.standard_normal(shape, dtype=np.float32))
+
+
+def minigraph_times(shape, repeat):
+    """Median ms of minigraph's cases and the copy on an fp32 NCHW input of `shape`."""
+    x, dy = shape_inputs(shape)
     scope, fwd, bwd = bn_ops_for(x, dy)
     ex = mg.Executor(mg.CPUPlace())
     dst = np.empty_like(x)
-    cases = {"mg fwd": lambda: ex.run([fwd], scope),
-             "mg fwd+bwd": lambda: ex.run([fwd, bwd], scope),
-             "copy": lambda: np.copyto(dst, x)}
-    cases.update(torch_cases(x, dy, threads))
-    return median_ms(cases, repeat)
+    return median_ms({"mg fwd": lambda: ex.run([fwd], scope),
+                      "mg fwd+bwd": lambda: ex.run([fwd, bwd], scope),
+                      "copy": lambda: np.copyto(dst, x)}, repeat)
+
+
+def torch_times(shape, threads, repeat):
+    """Median ms of PyTorch's cases ({} without torch)."""
+    x, dy = shape_inputs(shape)
+    return median_ms(torch_cases(x, dy, threads), repeat)
+
+
+def worker(framework, shape, threads, repeat):
+    """The times of one framework in a fresh process: {case: ms}."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework,
+           "--shape", ",".join(map(str, shape)), "--threads", str(threads),
+           "--repeat", str(repeat)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{framework} worker for {shape} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def shape_times(shape, threads, repeat):
+    """Median ms of every case on an fp32 NCHW input of `shape`, each framework in
+    its own process."""
+    return {**worker("minigraph", shape, threads, repeat),
+            **worker("pytorch", shape, threads, repeat)}
 
 
 def ratio(a, b):
@@ -181,10 +213,20 @@ def main(argv=None):
                         help="threads for minigraph's batch_norm and for PyTorch "
                              "(default: every core)")
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per case")
+    parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker is not None:
+        shape = tuple(int(d) for d in args.shape.split(","))
+        if args.worker == "minigraph":
+            mg.set_num_threads(args.threads)
+            print(json.dumps(minigraph_times(shape, args.repeat)))
+        else:
+            print(json.dumps(torch_times(shape, args.threads, args.repeat)))
+        return
     mg.set_num_threads(args.threads)
-    print(f"threads: {args.threads} (minigraph batch_norm and PyTorch), cores: {os.cpu_count()}, "
-          f"median of {args.repeat} runs, fp32 NCHW")
+    print(f"threads: {args.threads} (minigraph batch_norm and PyTorch, each in its own "
+          f"process), cores: {os.cpu_count()}, median of {args.repeat} runs, fp32 NCHW")
     bench_shapes(args.threads, args.repeat)
     bench_overhead(args.repeat)
 

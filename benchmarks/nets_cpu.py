@@ -1,0 +1,402 @@
+"""CPU speed and memory of whole nets: minigraph against PyTorch, each in its own process.
+
+    python benchmarks/nets_cpu.py [--threads 2] [--repeat 30] [--nets digits resnet]
+
+Nets (the same architecture, batch and optimizer, Momentum(0.1, 0.9), in both):
+- digits (64x1x8x8): minigraph.examples.train_digits.build_net, conv16-BN-ReLU-
+  maxpool-fc64-BN-ReLU-fc10;
+- resnet (32x3x32x32): stem conv16-BN-ReLU, three stages of two residual blocks
+  (16; 32 stride 2; 64 stride 2; 3x3 convs without bias, BN, a 1x1 projection
+  with BN where the shape changes), global average pool, fc10.
+
+Every measurement runs in a fresh process of its own (this script with
+--worker): numpy's OpenBLAS threads and PyTorch's OpenMP threads slow each
+other down many times over when they share a process on a few cores. Each
+framework gets `--threads` threads (mg.set_num_threads, which also limits BLAS
+through threadpoolctl; torch.set_num_threads). Results come back as JSON.
+
+- train: median wall time of one training step (forward, backward, update; the
+  loss fetched / `.item()`), after warm-up steps.
+- infer: median time of one inference batch: minigraph's net after
+  `mg.passes.optimize_for_inference` (batch norms folded, ops fused), PyTorch's
+  model in eval mode under torch.inference_mode(). "infer (net)" is minigraph's
+  unoptimised `net.infer`, for reference.
+- overhead: in another process every kernel is wrapped with a timer; the
+  executor's overhead per op is (step time - time inside kernels) / ops run,
+  the wrapper's own cost included. "tiny ops" times a net of 100 relus on a
+  (2, 3) tensor against calling the kernel 100 times.
+- memory: peak resident memory a training step needs above the model, its
+  optimizer state and the batch. In a fresh process with glibc's mmap
+  threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_=65536, so freed arrays go
+  back to the system and RSS follows what is alive), after warm-up steps the
+  values the framework keeps between steps are dropped (minigraph: every
+  non-persistable Variable; PyTorch: the gradients, zero_grad(set_to_none)),
+  the RSS is read (VmRSS), the peak is reset (writing 5 to
+  /proc/self/clear_refs) and after `--mem-steps` steps the peak is read
+  (VmHWM): the step's peak is VmHWM - VmRSS. For minigraph, tracemalloc's
+  peak over one step (numpy reports its allocations to it) is shown too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32))}
+LEARNING_RATE, MOMENTUM = 0.1, 0.9
+STAGES = ((16, 1), (32, 2), (64, 2))
+
+
+def batch(net_name, seed=0):
+    import numpy as np
+
+    n, chw = NETS[net_name]
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n,) + chw, dtype=np.float32),
+            rng.integers(0, 10, size=n).astype(np.int64))
+
+
+def median_ms(fn, repeat, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+# ---- minigraph ------------------------------------------------------------------
+
+def mg_resnet(seed=0):
+    """(net, image, logits, loss): the CIFAR-sized ResNet built with the layer API."""
+    import minigraph as mg
+    from minigraph import layers
+
+    net = mg.Net(seed=seed)
+    image = layers.data(net, "image", shape=(-1, 3, 32, 32))
+    label = layers.data(net, "label", shape=(-1,), dtype="int64")
+
+    def conv_bn(x, filters, size, stride, relu):
+        h = layers.conv2d(net, x, num_filters=filters, filter_size=size, stride=stride,
+                          padding=size // 2, bias=False)
+        h = layers.batch_norm(net, h)
+        return layers.relu(net, h) if relu else h
+
+    h, channels = conv_bn(image, 16, 3, 1, True), 16
+    for filters, stride in STAGES:
+        for block in range(2):
+            s = stride if block == 0 else 1
+            out = conv_bn(conv_bn(h, filters, 3, s, True), filters, 3, 1, False)
+            short = h if (s == 1 and channels == filters) else conv_bn(h, filters, 1, s, False)
+            h, channels = layers.relu(net, layers.add(net, out, short)), filters
+    h = layers.pool2d(net, h, global_pooling=True, pool_type="avg")
+    logits = layers.fc(net, layers.flatten(net, h), size=10)
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
+    return net, image, logits, loss
+
+
+def mg_net(net_name):
+    if net_name == "resnet":
+        return mg_resnet()
+    from minigraph.examples.train_digits import build_net
+
+    net, h = build_net(seed=0, learning_rate=LEARNING_RATE, momentum=MOMENTUM)
+    return net, h["image"], h["logits"], h["loss"]
+
+
+def mg_optimized(net):
+    import minigraph as mg
+
+    if hasattr(mg.passes, "optimize_for_inference"):
+        return mg.passes.optimize_for_inference(net)
+    return mg.passes.fold_batch_norm(net)
+
+
+def mg_worker(args):
+    import minigraph as mg
+
+    mg.set_num_threads(args.threads)
+    if args.what == "overhead":
+        timers = wrap_kernels()
+    if args.what == "tiny":
+        return tiny_overhead(args.repeat)
+    net, image, logits, loss = mg_net(args.net)
+    x, y = batch(args.net)
+    feed = {"image": x, "label": y}
+
+    def step():
+        net.train(feed=feed, fetch=[loss])
+
+    if args.what == "memory":
+        return mg_memory(net, step, args.warmup, args.mem_steps)
+    if args.what == "overhead":
+        ops = len(net.plan("train", (loss,)).ops)
+        return kernel_share(step, timers, ops, args.repeat, args.warmup)
+    result = {"train": median_ms(step, args.repeat, args.warmup)}
+    fast = mg_optimized(net)
+    name = logits.name
+    result["infer"] = median_ms(lambda: fast.infer(feed={"image": x}, fetch=[name]),
+                                args.repeat, args.warmup)
+    result["infer (net)"] = median_ms(lambda: net.infer(feed={"image": x}, fetch=[logits]),
+                                      args.repeat, args.warmup)
+    result["ops"] = {"train": len(net.plan("train", (loss,)).ops),
+                     "infer": len(fast.plan("infer", (fast.var(name),)).ops)}
+    return result
+
+
+def wrap_kernels():
+    """Wrap every registered CPU kernel with a timer; returns [seconds inside kernels]."""
+    from minigraph.schema import get_schema, registered_ops
+
+    spent = [0.0]
+    for op_type in registered_ops():
+        kernels = get_schema(op_type).kernels
+        if "cpu" in kernels:
+            kernels["cpu"] = _timed(kernels["cpu"], spent)
+    return spent
+
+
+def _timed(fn, spent):
+    clock = time.perf_counter
+
+    def timed(op, ins):
+        t = clock()
+        try:
+            return fn(op, ins)
+        finally:
+            spent[0] += clock() - t
+    return timed
+
+
+def kernel_share(step, spent, ops, repeat, warmup):
+    for _ in range(warmup):
+        step()
+    per_op = []
+    for _ in range(repeat):
+        spent[0] = 0.0
+        t = time.perf_counter()
+        step()
+        total = time.perf_counter() - t
+        per_op.append((total - spent[0]) / ops * 1e6)
+    return {"overhead_us": statistics.median(per_op), "ops": ops}
+
+
+def tiny_overhead(repeat, count=100):
+    """Per-op executor overhead on `count` relus over a (2, 3) tensor, through net.infer."""
+    import numpy as np
+
+    import minigraph as mg
+    from minigraph import layers
+
+    net = mg.Net(seed=0)
+    h = x = layers.data(net, "x", shape=(2, 3))
+    for _ in range(count):
+        h = layers.relu(net, h)
+    value = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    op = net.ops("infer")[0]
+    kernel = op.schema.kernels["cpu"]
+    ins = {"x": value}
+
+    def kernels():
+        for _ in range(count):
+            kernel(op, ins)
+
+    run = median_ms(lambda: net.infer(feed={x.name: value}, fetch=[h]), repeat * 5, 5)
+    bare = median_ms(kernels, repeat * 5, 5)
+    return {"tiny_run_us": run * 1e3 / count, "tiny_kernel_us": bare * 1e3 / count}
+
+
+def mg_memory(net, step, warmup, steps):
+    import tracemalloc
+
+    for _ in range(warmup):
+        step()
+    drop_temporaries(net)
+    tracemalloc.start()
+    step()
+    traced = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    drop_temporaries(net)
+    return {"peak_mb": rss_peak(step, steps), "tracemalloc_mb": traced / 2**20}
+
+
+def drop_temporaries(net):
+    for s in (net.scope, *net.scopes.values()):
+        for v in s.vars.values():
+            if not v.persistable and not v.is_data:
+                v.value = None
+
+
+def rss_peak(step, steps):
+    """MiB: the peak resident memory over `steps` calls of step() above the RSS before."""
+    import gc
+
+    gc.collect()
+    before = proc_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    for _ in range(steps):
+        step()
+    return (proc_status("VmHWM") - before) / 1024
+
+
+def proc_status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])         # kB
+    raise KeyError(key)
+
+
+# ---- PyTorch ----------------------------------------------------------------------
+
+def torch_model(net_name):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if net_name == "digits":
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64),
+                             nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+
+    def conv_bn(cin, cout, size, stride):
+        return [nn.Conv2d(cin, cout, size, stride, size // 2, bias=False), nn.BatchNorm2d(cout)]
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(*conv_bn(cin, cout, 3, stride), nn.ReLU(),
+                                      *conv_bn(cout, cout, 3, 1))
+            same = stride == 1 and cin == cout
+            self.short = nn.Identity() if same else nn.Sequential(*conv_bn(cin, cout, 1, stride))
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.short(x))
+
+    layers, cin = [*conv_bn(3, 16, 3, 1), nn.ReLU()], 16
+    for filters, stride in STAGES:
+        for block in range(2):
+            layers.append(Block(cin, filters, stride if block == 0 else 1))
+            cin = filters
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
+    return nn.Sequential(*layers)
+
+
+def torch_worker(args):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    model = torch_model(args.net)
+    x, y = (torch.from_numpy(a) for a in batch(args.net))
+    opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    if args.what == "memory":
+        model.train()
+        for _ in range(args.warmup):
+            step()
+        opt.zero_grad(set_to_none=True)
+        return {"peak_mb": rss_peak(step, args.mem_steps)}
+    result = {"train": median_ms(step, args.repeat, args.warmup)}
+    model.eval()
+
+    def infer():
+        with torch.inference_mode():
+            model(x)
+
+    result["infer"] = median_ms(infer, args.repeat, args.warmup)
+    return result
+
+
+# ---- the driver -------------------------------------------------------------------
+
+def worker_result(framework, net, what, args):
+    """Run one measurement in a fresh process; its JSON result."""
+    env = dict(os.environ)
+    if what == "memory":
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--net", net,
+           "--what", what, "--threads", str(args.threads), "--repeat", str(args.repeat),
+           "--warmup", str(args.warmup), "--mem-steps", str(args.mem_steps)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{framework} {net} {what} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report(args):
+    print(f"threads: {args.threads} per framework, each measurement in its own process; "
+          f"medians of {args.repeat} steps after {args.warmup} warm-up steps; "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    print(f"{'net (batch)':<22} {'':<6} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
+          f"{'target':>7}")
+    rows = {}
+    for net in args.nets:
+        mine = worker_result("minigraph", net, "time", args)
+        theirs = worker_result("pytorch", net, "time", args)
+        n, chw = NETS[net]
+        label = f"{net} ({n}x{'x'.join(map(str, chw))})"
+        for what, target in (("train", 1.5), ("infer", 1.0)):
+            r = mine[what] / theirs[what]
+            print(f"{label:<22} {what:<6} {mine[what]:>12.2f} {theirs[what]:>11.2f} {r:>6.2f} "
+                  f"{'<= ' + str(target):>7} {'ok' if r <= target else 'MISSED'}")
+            label = ""
+        print(f"{'':<22} {'(infer, unoptimised net: ' + format(mine['infer (net)'], '.2f')}"
+              f" ms; ops run: train {mine['ops']['train']}, infer {mine['ops']['infer']})")
+        rows[net] = (mine, theirs)
+    print()
+    for net in args.nets:
+        o = worker_result("minigraph", net, "overhead", args)
+        print(f"executor overhead, {net} train step: {o['overhead_us']:.1f} us per op "
+              f"over {o['ops']} ops (target <= 15)")
+    t = worker_result("minigraph", "digits", "tiny", args)
+    print(f"executor overhead, 100 relus on (2, 3) via net.infer: {t['tiny_run_us']:.1f} us per "
+          f"op, {t['tiny_kernel_us']:.1f} us in the kernel, overhead "
+          f"{t['tiny_run_us'] - t['tiny_kernel_us']:.1f} us per op (target <= 15)")
+    print()
+    for net in args.nets:
+        m = worker_result("minigraph", net, "memory", args)
+        p = worker_result("pytorch", net, "memory", args)
+        ok = "ok" if m["peak_mb"] <= p["peak_mb"] else "MISSED"
+        print(f"peak memory of a {net} training step (RSS above model, optimizer state and "
+              f"batch): minigraph {m['peak_mb']:.1f} MiB (tracemalloc {m['tracemalloc_mb']:.1f}"
+              f" MiB), pytorch {p['peak_mb']:.1f} MiB {ok}")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=30, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--mem-steps", type=int, default=3)
+    parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
+    parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
+    parser.add_argument("--net", choices=sorted(NETS), help=argparse.SUPPRESS)
+    parser.add_argument("--what", choices=("time", "overhead", "tiny", "memory"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is None:
+        report(args)
+        return
+    run = mg_worker if args.worker == "minigraph" else torch_worker
+    print(json.dumps(run(args)))
+
+
+if __name__ == "__main__":
+    main()
