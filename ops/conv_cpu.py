@@ -3,23 +3,27 @@ chunks of images and one BLAS matrix product per chunk. Not an op module: it
 registers nothing.
 
 Layout: x (N, C, H, W), filter (O, C/G, kh, kw), out (N, O, Ho, Wo), all NCHW.
-Per image n and group g, out[n, g] (O/G, Ho Wo) = filter[g] (O/G, C/G kh kw) @
-cols[n, g] (C/G kh kw, Ho Wo): numpy's matmul over a chunk of images writes
-straight into the NCHW output, no transpose.
+A chunk of m images is one product per group: filter[g] (O/G, C/G kh kw) @
+cols[g] (C/G kh kw, m L), the columns of the chunk's images side by side, so
+BLAS sees one wide matrix rather than m narrow ones; the result (O, m, L)
+goes to the NCHW output by one transposing copy (with the bias, residual and
+relu of fused_conv2d applied on the way, while the chunk is in cache).
 
 Stride 1 (any padding or dilation) uses "flat" columns: each padded input
 plane is one row of Hp Wp values and tap (i, j) of every window is the same
 row shifted by i dh Wp + j dw, so a column row is one contiguous run of
-L = Ho Wp - (kw - 1) dw values; the products then also cover Wp - Wo
-columns per output row that are not outputs (dropped, and zero in the
-gradient). Other strides copy an (N, C, kh, kw, Ho, Wo) strided view.
-A 1x1 stride-1 unpadded conv multiplies x itself.
+L = Ho Wp values; the products then also cover Wp - Wo columns per output row
+that are not outputs (dropped, and zero in the gradient). Other strides copy
+a (C, kh, kw, m, Ho, Wo) strided view. A 1x1 stride-1 unpadded conv
+multiplies x itself, image by image, straight into the output.
 
 Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
 copy and the product; the column, padding and gradient buffers are this
 thread's scratch arrays, reused from call to call (minigraph.cpu_blocks.scratch).
-Gradients: dfilter sums dout @ cols^T over the chunks; dx multiplies
-filter^T @ dout per chunk and adds each tap's columns back (col2im).
+Gradients: dfilter sums dout (O, m L) @ cols^T over the chunks; dx of a
+stride-1 conv is the conv of the padded dout with the flipped filter; of
+other strides, filter^T @ dout per chunk with each tap's columns added back
+(col2im).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import numpy as np
 
 from minigraph.cpu_blocks import scratch
 
-CHUNK_BYTES = 1 << 21
+CHUNK_BYTES = 1 << 22
 
 
 class Geometry(NamedTuple):
@@ -67,10 +71,14 @@ class Geometry(NamedTuple):
 
     @property
     def length(self):
-        """Columns per image: L for flat columns, Ho Wo otherwise."""
-        if self.flat:
-            return self.ho * self.wp - (self.kw - 1) * self.dw
-        return self.ho * self.wo
+        """Columns per image: Ho Wp for flat columns (whole padded rows), else Ho Wo."""
+        return self.ho * (self.wp if self.flat else self.wo)
+
+    @property
+    def slack(self):
+        """Zeros after the last padded plane, so the last image's flat columns of the
+        last taps stay inside the buffer."""
+        return (self.kw - 1) * self.dw if self.flat else 0
 
     @property
     def taps(self):
@@ -104,21 +112,21 @@ def forward(x, w, g, bias=None, residual=None, relu=False):
         np.matmul(wg, a, out=out.reshape(g.n, g.groups, g.o // g.groups, g.h * g.w))
         _epilogue(out, bias, residual, relu)
         return out
-    view = _columns_view(_padded(x, g, "conv.xpad"), g)
-    direct = not g.flat or g.wp == g.wo
+    view = _columns_view(_padded(x, g), g)
+    width = g.wp if g.flat else g.wo
 
-    def chunk(index, n0, n1):
+    def chunk(n0, n1):
+        m = n1 - n0
         cols = _fill_cols(view, n0, n1, g)
+        res = _scratch("conv.res", x.dtype, (g.groups, g.o // g.groups, m * g.length))
+        np.matmul(wg, cols, out=res)
+        res = res.reshape(g.o, m, g.ho, width)[..., :g.wo].transpose(1, 0, 2, 3)
         dst = out[n0:n1]
-        if direct:
-            np.matmul(wg, cols, out=dst.reshape(n1 - n0, g.groups, -1, g.length))
+        if bias is not None:
+            np.add(res, bias.reshape(-1, 1, 1), out=dst)
         else:
-            size = (n1 - n0) * g.o * g.ho * g.wp
-            res = scratch("conv.res", x.dtype, size)[:size].reshape(n1 - n0, g.o, g.ho, g.wp)
-            flat = res.reshape(n1 - n0, g.groups, g.o // g.groups, g.ho * g.wp)
-            np.matmul(wg, cols, out=flat[..., :g.length])
-            np.copyto(dst, res[..., :g.wo])
-        _epilogue(dst, bias, None if residual is None else residual[n0:n1], relu)
+            np.copyto(dst, res)
+        _epilogue(dst, None, None if residual is None else residual[n0:n1], relu)
 
     _run_chunks(chunk, g, x.dtype)
     return out
@@ -135,26 +143,23 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     dx = None
     if need_dx and g.flat and _full_padding(g) >= (0, 0):
         dx, need_dx = _dx_as_conv(w, d, g), False
-    view = _columns_view(_padded(x, g, "conv.xpad"), g) if need_dw else None
-    dxp = _dx_target(x, g) if need_dx else None
-    parts = {}
+    if not (need_dw or need_dx):
+        return dx, None
+    view = _columns_view(_padded(x, g), g) if need_dw else None
+    dxp = np.zeros((g.n, g.c, g.hp, g.wp), dtype=x.dtype) if need_dx else None
 
-    def chunk(index, n0, n1):
-        dflat = _dout_columns(d, n0, n1, g)
+    def chunk(n0, n1):
+        m = n1 - n0
+        dcol = _dout_columns(d, n0, n1, g)
         if need_dw:
             cols = _fill_cols(view, n0, n1, g)
-            part = np.matmul(dflat, cols.swapaxes(-1, -2))
-            parts[index] = part.sum(axis=0) if n1 - n0 > 1 else part[0]
+            dwg[...] += np.matmul(dcol, cols.swapaxes(-1, -2))
         if need_dx:
-            size = (n1 - n0) * g.c * g.taps * g.length
-            dcols = scratch("conv.dcols", x.dtype, size)[:size]
-            dcols = dcols.reshape(n1 - n0, g.groups, rows, g.length)
-            np.matmul(wg.swapaxes(-1, -2), dflat, out=dcols)
+            dcols = _scratch("conv.dcols", x.dtype, (g.groups, rows, m * g.length))
+            np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
             _col2im(dcols, dxp, n0, n1, g)
 
     _run_chunks(chunk, g, x.dtype)
-    for index in sorted(parts):
-        dwg += parts[index]
     if need_dx:
         dx = dxp if g.ph == 0 and g.pw == 0 else np.ascontiguousarray(
             dxp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w])
@@ -196,12 +201,12 @@ def _pointwise_backward(x, wg, d, g, dwg, need_dx):
 
 
 def _run_chunks(body, g, dtype):
-    """body(index, n0, n1) for every chunk of images, in order. (Chunks shared by the
+    """body(n0, n1) for every chunk of images, in order. (Chunks shared by the
     engine's threads, BLAS on one thread each, measured a third slower than one
     thread calling BLAS on its own threads.)"""
     step = _chunk(g, dtype)
-    for index, n0 in enumerate(range(0, g.n, step)):
-        body(index, n0, min(g.n, n0 + step))
+    for n0 in range(0, g.n, step):
+        body(n0, min(g.n, n0 + step))
 
 
 def _epilogue(dst, bias, residual, relu):
@@ -219,78 +224,81 @@ def _chunk(g, dtype):
     return max(1, min(g.n, CHUNK_BYTES // max(1, per_image)))
 
 
-def _padded(x, g, slot):
-    """x with its padding, (N, C, Hp Wp) C-contiguous: x itself when unpadded, else
-    a scratch array with zero borders."""
-    if g.ph == 0 and g.pw == 0:
+def _scratch(slot, dtype, shape):
+    """This thread's scratch array `slot` viewed as `shape`."""
+    size = int(np.prod(shape))
+    return scratch(slot, dtype, size)[:size].reshape(shape)
+
+
+def _padded(x, g):
+    """x with its padding as (N, C, Hp Wp) planes, C-contiguous, followed by g.slack
+    zeros: x itself when neither is needed, else a scratch array."""
+    if g.ph == 0 and g.pw == 0 and g.slack == 0:
         return x.reshape(g.n, g.c, g.h * g.w)
-    buf = scratch(slot, x.dtype, g.n * g.c * g.hp * g.wp)[:g.n * g.c * g.hp * g.wp]
-    xp = buf.reshape(g.n, g.c, g.hp, g.wp)
+    planes = g.n * g.c * g.hp * g.wp
+    buf = scratch("conv.xpad", x.dtype, planes + g.slack)[:planes + g.slack]
+    buf[planes:] = 0
+    xp = buf[:planes].reshape(g.n, g.c, g.hp, g.wp)
     ph, pw = g.ph, g.pw
     xp[:, :, :ph] = 0
     xp[:, :, ph + g.h:] = 0
     xp[:, :, ph:ph + g.h, :pw] = 0
     xp[:, :, ph:ph + g.h, pw + g.w:] = 0
     xp[:, :, ph:ph + g.h, pw:pw + g.w] = x
-    return buf.reshape(g.n, g.c, g.hp * g.wp)
+    return buf[:planes].reshape(g.n, g.c, g.hp * g.wp)
 
 
 def _columns_view(xp, g):
-    """The strided view (only ever read) of the padded planes `xp` (N, C, Hp Wp) whose copy
-    is the columns: (N, C, kh, kw, L) for flat columns, else (N, C, kh, kw, Ho, Wo)."""
+    """The strided view (only ever read) of the padded planes `xp` (N, C, Hp Wp) whose
+    copy is the columns, with the image axis fourth: (C, kh, kw, N, L) for flat
+    columns (reading up to g.slack values past the last plane), else
+    (C, kh, kw, N, Ho, Wo)."""
     s_n, s_c, s_1 = xp.strides
     row = s_1 * g.wp
     if g.flat:
-        shape = (g.n, g.c, g.kh, g.kw, g.length)
-        strides = (s_n, s_c, row * g.dh, s_1 * g.dw, s_1)
+        shape = (g.c, g.kh, g.kw, g.n, g.length)
+        strides = (s_c, row * g.dh, s_1 * g.dw, s_n, s_1)
     else:
-        shape = (g.n, g.c, g.kh, g.kw, g.ho, g.wo)
-        strides = (s_n, s_c, row * g.dh, s_1 * g.dw, row * g.sh, s_1 * g.sw)
+        shape = (g.c, g.kh, g.kw, g.n, g.ho, g.wo)
+        strides = (s_c, row * g.dh, s_1 * g.dw, s_n, row * g.sh, s_1 * g.sw)
     return np.lib.stride_tricks.as_strided(xp, shape=shape, strides=strides)
 
 
 def _fill_cols(view, n0, n1, g):
-    """The columns of images [n0, n1) as (n1 - n0, G, C/G kh kw, length), in scratch."""
-    size = (n1 - n0) * g.c * g.taps * g.length
-    buf = scratch("conv.cols", view.dtype, size)[:size]
-    np.copyto(buf.reshape((n1 - n0,) + view.shape[1:]), view[n0:n1])
-    return buf.reshape(n1 - n0, g.groups, -1, g.length)
+    """The columns of images [n0, n1) as (G, C/G kh kw, m L), in scratch."""
+    m = n1 - n0
+    cols = _scratch("conv.cols", view.dtype, (g.c * g.taps, m * g.length))
+    np.copyto(cols.reshape(view.shape[:3] + (m,) + view.shape[4:]), view[:, :, :, n0:n1])
+    return cols.reshape(g.groups, -1, m * g.length)
 
 
 def _dout_columns(d, n0, n1, g):
-    """dout of images [n0, n1) laid out like the product's columns: (m, G, O/G,
-    length); for flat columns with Wp > Wo, a scratch copy with zeros in the
-    columns that are not outputs."""
+    """dout of images [n0, n1) laid out like the product's columns: (G, O/G, m L),
+    a scratch copy with zeros in the flat columns that are not outputs."""
     m = n1 - n0
-    if not g.flat or g.wp == g.wo:
-        return d[n0:n1].reshape(m, g.groups, -1, g.length)
-    size = m * g.o * g.ho * g.wp
-    buf = scratch("conv.dout", d.dtype, size)[:size].reshape(m, g.o, g.ho, g.wp)
-    np.copyto(buf[..., :g.wo], d[n0:n1])
+    width = g.wp if g.flat else g.wo
+    buf = _scratch("conv.dout", d.dtype, (g.o, m, g.ho, width))
+    np.copyto(buf[..., :g.wo], d[n0:n1].transpose(1, 0, 2, 3))
     buf[..., g.wo:] = 0
-    return buf.reshape(m, g.groups, -1, g.ho * g.wp)[..., :g.length]
-
-
-def _dx_target(x, g):
-    """A zeroed (N, C, Hp, Wp) array for the padded input's gradient (dx itself when
-    there is no padding)."""
-    return np.zeros((g.n, g.c, g.hp, g.wp), dtype=x.dtype)
+    return buf.reshape(g.groups, g.o // g.groups, m * g.length)
 
 
 def _col2im(dcols, dxp, n0, n1, g):
-    """Add the column gradients of images [n0, n1) back onto the padded input's."""
+    """Add the column gradients (G, C/G kh kw, m L) of images [n0, n1) back onto the
+    padded input's gradient dxp (N, C, Hp, Wp)."""
     m = n1 - n0
     if g.flat:
-        taps = dcols.reshape(m, g.c, g.kh, g.kw, g.length)
-        flat = dxp.reshape(g.n, g.c, g.hp * g.wp)[n0:n1]
+        taps = dcols.reshape(g.c, g.kh, g.kw, m, g.length)
+        flat = dxp.reshape(g.n, g.c, g.hp * g.wp)[n0:n1].transpose(1, 0, 2)
         for i in range(g.kh):
             for j in range(g.kw):
                 start = i * g.dh * g.wp + j * g.dw
-                flat[:, :, start:start + g.length] += taps[:, :, i, j]
+                stop = min(start + g.length, g.hp * g.wp)
+                flat[:, :, start:stop] += taps[:, i, j, :, :stop - start]
         return
-    taps = dcols.reshape(m, g.c, g.kh, g.kw, g.ho, g.wo)
-    target = dxp[n0:n1]
+    taps = dcols.reshape(g.c, g.kh, g.kw, m, g.ho, g.wo)
+    target = dxp[n0:n1].transpose(1, 0, 2, 3)
     for i in range(g.kh):
         for j in range(g.kw):
             target[:, :, i * g.dh:i * g.dh + g.sh * (g.ho - 1) + 1:g.sh,
-                   j * g.dw:j * g.dw + g.sw * (g.wo - 1) + 1:g.sw] += taps[:, :, i, j]
+                   j * g.dw:j * g.dw + g.sw * (g.wo - 1) + 1:g.sw] += taps[:, i, j]
