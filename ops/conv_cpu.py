@@ -33,7 +33,7 @@ import numpy as np
 
 from minigraph.cpu_blocks import scratch
 
-CHUNK_BYTES = 1 << 22
+CHUNK_BYTES = 1 << 21
 
 
 class Geometry(NamedTuple):
@@ -154,8 +154,8 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
         if need_dw:
             cols = _fill_cols(view, n0, n1, g)
             dwg[...] += np.matmul(dcol, cols.swapaxes(-1, -2))
-        if need_dx:
-            dcols = _scratch("conv.dcols", x.dtype, (g.groups, rows, m * g.length))
+        if need_dx:              # the column buffer again: dfilter is done with it
+            dcols = _scratch("conv.cols", x.dtype, (g.groups, rows, m * g.length))
             np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
             _col2im(dcols, dxp, n0, n1, g)
 
