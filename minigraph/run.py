@@ -8,13 +8,16 @@ first run on a place compiles it further (`Plan.compiled`): per op its
 kernel, its bound input and output slots, and - in a training step - the
 temporaries no later op reads, released as soon as the op has run, so a
 step's peak memory is what backward still needs rather than every value
-computed. A training step keeps the values it fetches, the persistables, the
-feeds and the gradients of the persistables (as PyTorch keeps `.grad`); to
-read any other value of a training step, fetch it. Inference keeps every
-value. Ops check their inputs' shapes and dtypes (schema
-inference) while the signature of what the plan reads from outside (feeds,
-persistables) is new; once a run with a signature has succeeded, later runs
-with it skip those checks, since every value inside follows from it.
+computed; a value that later ops read only for its shape (add_grad's x and
+y, `Slot.shape_only`) is replaced by a stand-in of that shape and dtype that
+holds no memory. A training step keeps the values it fetches, the
+persistables, the feeds and the gradients of the persistables (as PyTorch
+keeps `.grad`); to read any other value of a training step, fetch it.
+Inference keeps every value. Ops check their inputs' shapes and dtypes
+(schema inference) while the signature of what the plan reads from outside
+(feeds, persistables) is new; once a run with a signature has succeeded,
+later runs with it skip those checks, since every value inside follows from
+it.
 
 A training step saves a copy of each persistable an op writes just before
 the first op that writes it; if any op raises, every saved value is put back
@@ -47,7 +50,9 @@ class Plan:
 
     def compiled(self, kind, keep=()):
         """(steps, external) for place kind `kind`: steps[i] = (kernel or None, op,
-        inputs, outputs, writes, releases); external: the Variables the plan reads
+        inputs, outputs, writes, releases, n): after ops[i] a training step drops the
+        values of releases[:n] and replaces those of releases[n:] (read later only for
+        their shapes: Slot.shape_only) by stand-ins; external: the Variables the plan reads
         that no op of it writes. `keep`: Variables a training step never releases
         (besides fetches, persistables and data)."""
         found = self._compiled.get(kind)
@@ -58,28 +63,50 @@ class Plan:
 
 def _compile(plan, kind, kept):
     made, external = set(), []
-    last_use = {}
+    last_use, value_use = {}, {}
     for i, op in enumerate(plan.ops):
         for v in op.input_vars():
             if id(v) not in made and all(v is not e for e in external):
                 external.append(v)
         for v in op.input_vars() + op.output_vars():
             last_use[id(v)] = (i, v)
+        for v in _value_vars(op):
+            value_use[id(v)] = i
         made.update(id(v) for v in op.output_vars())
     keep = {id(t) for t in plan.targets} | {id(v) for v in kept}
     releases = [[] for _ in plan.ops]
+    thins = [[] for _ in plan.ops]
     if plan.mode == "train":
         for i, v in last_use.values():
             if not (v.persistable or v.is_data or id(v) in keep or v in external):
                 releases[i].append(v)
+                if value_use.get(id(v), i) < i:      # later ops read only its shape
+                    thins[value_use[id(v)]].append(v)
     steps = []
-    for op, writes, free in zip(plan.ops, plan.writes, releases):
+    for op, writes, free, thin in zip(plan.ops, plan.writes, releases, thins):
         ins = tuple((slot, v, UNBOUND if v is None else LIST if isinstance(v, list) else ONE)
                     for slot, v in op.inputs.items())
         outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
                      for slot, v in op.outputs.items() if v is not None)
-        steps.append((op.schema.kernels.get(kind), op, ins, outs, writes, tuple(free)))
+        steps.append((op.schema.kernels.get(kind), op, ins, outs, writes,
+                      tuple(free) + tuple(thin), len(free)))
     return tuple(steps), tuple(external)
+
+
+def _value_vars(op):
+    """The Variables whose values `op` reads or writes (not its shape-only inputs)."""
+    found = list(op.output_vars())
+    for slot in op.schema.inputs:
+        v = op.inputs.get(slot.name)
+        if v is not None and not slot.shape_only:
+            found.extend(v if isinstance(v, list) else [v])
+    return found
+
+
+def _stand_in(value):
+    """A read-only array of `value`'s shape and dtype that holds no memory (for ops that
+    read only the shape)."""
+    return np.broadcast_to(np.zeros((), dtype=value.dtype), value.shape)
 
 
 def make_plan(ops, mode, targets):
@@ -157,7 +184,7 @@ def run_ops(steps, place, check, journal):
     """Run compiled steps: gather inputs, check them when `check`, call the kernel,
     store outputs; with a journal, save persistables first and release temporaries."""
     kind = place.kind
-    for fn, op, inputs, outputs, writes, releases in steps:
+    for fn, op, inputs, outputs, writes, releases, n_free in steps:
         if fn is None:
             raise OpError(f"{op.type}: no kernel for {place!r}")
         if writes and journal is not None:
@@ -184,8 +211,11 @@ def run_ops(steps, place, check, journal):
                     for v, x in zip(var, outs[slot]):
                         v.value = x
         if journal is not None:
-            for var in releases:
-                var.value = None
+            for k, var in enumerate(releases):
+                if k < n_free:
+                    var.value = None
+                elif var.value is not None:
+                    var.value = _stand_in(var.value)
 
 
 def _value_of(op, slot, var):

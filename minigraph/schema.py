@@ -27,11 +27,14 @@ class Meta(NamedTuple):
 
 @dataclass(frozen=True)
 class Slot:
-    """One input or output of an op. A duplicable slot takes a list of Variables."""
+    """One input or output of an op. A duplicable slot takes a list of Variables.
+    shape_only: the kernels read only the input's shape and dtype, never its values
+    (a training step may then drop the values early; see minigraph.run)."""
 
     name: str
     optional: bool = False
     duplicable: bool = False
+    shape_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -72,18 +72,20 @@ def infer_binary_grad(op_type):
     return infer
 
 
-def register_binary(op_type):
-    """Register `op_type` (x, y -> out) and `<op_type>_grad` (x, y, dout -> dx, dy)."""
+def register_binary(op_type, shapes_only=False):
+    """Register `op_type` (x, y -> out) and `<op_type>_grad` (x, y, dout -> dx, dy);
+    shapes_only: the grad reads only x's and y's shapes (add)."""
     schema = register(OpSchema(
         type=op_type, inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
         infer=infer_binary(op_type),
         grad=grad_maker(op_type + "_grad", keep=("x", "y"), wrt=("x", "y")), doc=__doc__))
-    register(grad_schema(schema, inputs=(Slot("x"), Slot("y"), Slot("dout")),
+    register(grad_schema(schema, inputs=(Slot("x", shape_only=shapes_only),
+                                         Slot("y", shape_only=shapes_only), Slot("dout")),
                          outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                          infer=infer_binary_grad(op_type + "_grad")))
 
 
-register_binary("add")
+register_binary("add", shapes_only=True)
 register_binary("multiply")
 
 

@@ -63,6 +63,30 @@ def test_released_values_do_not_change_the_results():
         np.testing.assert_array_equal(a.get(), b.get(), err_msg=a.name)
 
 
+def test_add_grad_gets_shape_stand_ins_not_the_forward_values():
+    """add_grad reads only the shapes of add's inputs (Slot.shape_only): a training
+    step replaces a value that nothing else needs by a zero-stride stand-in once the
+    forward is done."""
+    from minigraph.schema import get_schema
+
+    net, _, _, loss = small_net()
+    kernels = get_schema("add_grad").kernels
+    plain, seen = kernels["cpu"], []
+
+    def spy(op, ins):
+        seen.append((ins["x"].strides, ins["y"].strides, ins["x"].shape))
+        return plain(op, ins)
+
+    kernels["cpu"] = spy
+    try:
+        net.train(feed=feed(), fetch=[loss])
+    finally:
+        kernels["cpu"] = plain
+    (x_strides, y_strides, shape), = seen
+    assert x_strides == (0, 0, 0, 0) and shape == (16, 8, 8, 8)    # batch norm's output
+    assert y_strides != (0, 0, 0, 0)             # the shortcut: relu_grad needs its values
+
+
 def test_two_hundred_steps_keep_a_flat_memory_peak():
     """tracemalloc (numpy reports its arrays to it) over 200 steps: the peak and what
     stays between steps do not grow. Slack: Python's free lists of small objects fill
