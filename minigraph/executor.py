@@ -22,11 +22,12 @@ class Executor:
         fetch: Variables or names looked up in `scope`; returned as numpy
         arrays in the same order (see `fetch_all` for device errors).
         """
-        for name, value in (feed or {}).items():
-            self.feed(scope, name, value)
-        for op in ops:
-            self.run_op(op)
-        return self.fetch_all(scope, fetch or [])
+        with self.place.activate():         # a GPU's context, once for the whole run
+            for name, value in (feed or {}).items():
+                self.feed(scope, name, value)
+            for op in ops:
+                self.run_op(op)
+            return self.fetch_all(scope, fetch or [])
 
     def feed(self, scope, name, value):
         """Check `value` against the declaration of `name` and store it on the place."""

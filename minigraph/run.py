@@ -155,19 +155,20 @@ def run_step(net, mode, feed, fetch):
     signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
                       for v in external)
     check = signature != plan.checked
-    if mode != "train":
-        run_ops(steps, place, check, None)
+    with place.activate():              # a GPU's context, once for the whole step
+        if mode != "train":
+            run_ops(steps, place, check, None)
+            plan.checked = signature
+            return net.executor.fetch_all(net.scopes[mode], targets)
+        journal = Journal(place, plan.saved)
+        try:
+            run_ops(steps, place, check, journal)
+            place.check_errors()        # what device kernels flagged fails the step too
+        except BaseException:
+            journal.roll_back()
+            raise
         plan.checked = signature
-        return net.executor.fetch_all(net.scopes[mode], targets)
-    journal = Journal(place, plan.saved)
-    try:
-        run_ops(steps, place, check, journal)
-        place.check_errors()            # what device kernels flagged fails the step too
-    except BaseException:
-        journal.roll_back()
-        raise
-    plan.checked = signature
-    return net.executor.fetch_all(net.scopes[mode], targets, check_errors=False)
+        return net.executor.fetch_all(net.scopes[mode], targets, check_errors=False)
 
 
 def _parameter_grads(net):

@@ -171,6 +171,18 @@ def test_two_gpus_in_one_process_each_run_their_own_kernels(fake):
     assert 0 in compiled and 1 in compiled
 
 
+def test_nets_on_two_gpus_train_in_turn_without_activating_by_hand(fake):
+    """Net.train/infer and Executor.run activate their place for the whole step."""
+    nets = [small_net(mg.GPUPlace(i), mg.optimizer.SGD(learning_rate=0.1)) for i in (0, 1)]
+    losses = [[], []]
+    for feed in batches(3):
+        for i, (net, _, loss) in enumerate(nets):
+            (value,) = net.train(feed=feed, fetch=[loss])
+            losses[i].append(float(value))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    assert fake.stack() == [nets[0][0].place.context]   # only the main thread's first place
+
+
 def test_two_gpus_and_no_active_place_is_an_error_not_a_guess(fake):
     from minigraph.kernels import elementwise
 
