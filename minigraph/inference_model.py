@@ -38,9 +38,8 @@ from minigraph.model_format import (
 from minigraph.net import Net
 from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, write_npz
 from minigraph.operator import Operator
-from minigraph.run import fetch_target, prune
+from minigraph.run import io_variables, prune
 from minigraph.schema import OpError, get_schema, registered_ops
-from minigraph.scope import Variable
 
 
 class InferenceNet(Net):
@@ -72,8 +71,7 @@ def save_inference(net, dirname, feeds, fetches):
     """
     dirname = Path(dirname)
     what = f"save_inference {str(dirname)!r}"
-    feed_vars = _feed_vars(net, feeds, what)
-    fetch_vars = _fetch_vars(net, fetches, what)
+    feed_vars, fetch_vars = io_variables(net, feeds, fetches, what, InferenceModelError)
     ops = prune(net.ops("infer"), fetch_vars)
     needed = {id(v) for op in ops for v in op.input_vars() if v.is_data}
     absent = [v.name for v in _unique(v for op in ops for v in op.input_vars())
@@ -110,36 +108,6 @@ def save_inference(net, dirname, feeds, fetches):
     atomic_write(dirname / PARAMS_FILE, lambda f: f.write(data))
     atomic_write(dirname / MODEL_FILE, lambda f: f.write(text.encode("utf-8")))
     return dirname
-
-
-def _feed_vars(net, feeds, what):
-    out = []
-    for f in feeds:
-        name = f.name if isinstance(f, Variable) else f
-        var = net.data_vars.get(name) if isinstance(name, str) else None
-        if var is None or (isinstance(f, Variable) and f is not var):
-            raise InferenceModelError(f"{what}: feed {name!r} is not a data variable of this "
-                                      f"net; data: {', '.join(net.data_vars) or '(none)'}")
-        if var in out:
-            raise InferenceModelError(f"{what}: feed {name!r} is given twice")
-        out.append(var)
-    return out
-
-
-def _fetch_vars(net, fetches, what):
-    if isinstance(fetches, (str, Variable)) or not fetches:
-        raise InferenceModelError(f"{what}: fetches must be a non-empty list of Variables or "
-                                  f"names, got {fetches!r}")
-    out = []
-    for f in fetches:
-        try:
-            var = fetch_target(net, "infer", f)
-        except KeyError as e:
-            raise InferenceModelError(f"{what}: {e.args[0]}") from None
-        if var in out:
-            raise InferenceModelError(f"{what}: fetch {var.name!r} is given twice")
-        out.append(var)
-    return out
 
 
 def _unique(variables):

@@ -18,8 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.files import atomic_write
-from minigraph.run import fetch_target, prune
-from minigraph.scope import Variable
+from minigraph.run import io_variables, prune
 
 OPSETS = range(13, 21)
 DEFAULT_OPSET = 17
@@ -47,8 +46,7 @@ def export(net, path, feeds, fetches, opset=DEFAULT_OPSET):
     if isinstance(opset, bool) or not isinstance(opset, int) or opset not in OPSETS:
         raise ExportError(f"{what}: opset must be an int from {OPSETS[0]} to {OPSETS[-1]} "
                           f"(the mappings hold there), got {opset!r}")
-    feed_vars = _feed_vars(net, feeds, what)
-    fetch_vars = _fetch_vars(net, fetches, what)
+    feed_vars, fetch_vars = io_variables(net, feeds, fetches, what, ExportError)
     ops = prune(net.ops("infer"), fetch_vars)
     if any(v.persistable and v.value is None for op in ops for v in op.input_vars()):
         net.initialize()
@@ -85,40 +83,6 @@ def _require_onnx():
         raise ImportError("minigraph.onnx.export needs the onnx package: "
                           "pip install 'minigraph[onnx]'") from e
     return onnx
-
-
-def _feed_vars(net, feeds, what):
-    if isinstance(feeds, (str, Variable)):
-        feeds = [feeds]
-    out = []
-    for f in feeds:
-        name = f.name if isinstance(f, Variable) else f
-        var = net.data_vars.get(name) if isinstance(name, str) else None
-        if var is None or (isinstance(f, Variable) and f is not var):
-            raise ExportError(f"{what}: feed {name!r} is not a data variable of this net "
-                              f"(declared with layers.data); data: "
-                              f"{', '.join(net.data_vars) or '(none)'}")
-        if var in out:
-            raise ExportError(f"{what}: feed {name!r} is given twice")
-        out.append(var)
-    return out
-
-
-def _fetch_vars(net, fetches, what):
-    if isinstance(fetches, (str, Variable)):
-        fetches = [fetches]
-    if not fetches:
-        raise ExportError(f"{what}: fetches must name at least one Variable")
-    out = []
-    for f in fetches:
-        try:
-            var = fetch_target(net, "infer", f)
-        except KeyError as e:
-            raise ExportError(f"{what}: {e.args[0]}") from None
-        if var in out:
-            raise ExportError(f"{what}: fetch {var.name!r} is given twice")
-        out.append(var)
-    return out
 
 
 class Context:

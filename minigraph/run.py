@@ -305,3 +305,37 @@ def fetch_target(net, mode, target):
                            f"has no copy in the {mode} branch)")
         return twin
     return target
+
+
+def io_variables(net, feeds, fetches, what, error=ValueError):
+    """(feed Variables, fetch Variables) of the inference graph an exporter writes.
+
+    feeds: a list of data Variables of `net` or their names; fetches: a
+    non-empty list of Variables of `net` or names (a train-branch Variable
+    stands for its infer copy). Anything else, or a repeated one, is an
+    `error` whose message starts with `what`."""
+    found = {}
+    for kind, given in (("feeds", feeds), ("fetches", fetches)):
+        if isinstance(given, (str, Variable)) or not hasattr(given, "__iter__") or \
+                (kind == "fetches" and not given):
+            raise error(f"{what}: {kind} must be a{' non-empty' if kind == 'fetches' else ''} "
+                        f"list of Variables or names, got {given!r}")
+        out = found[kind] = []
+        for item in given:
+            if kind == "feeds":
+                name = item.name if isinstance(item, Variable) else item
+                var = net.data_vars.get(name) if isinstance(name, str) else None
+                if var is None or (isinstance(item, Variable) and item is not var):
+                    raise error(f"{what}: feed {name!r} is not a data variable of this net "
+                                f"(declared with layers.data); data: "
+                                f"{', '.join(net.data_vars) or '(none)'}")
+            else:
+                try:
+                    var = fetch_target(net, "infer", item)
+                except KeyError as e:
+                    raise error(f"{what}: {e.args[0]}") from None
+            if any(var is v for v in out):
+                raise error(f"{what}: {kind[:-1]} {var.name!r} is given twice")
+            out.append(var)
+    return found["feeds"], found["fetches"]
+
