@@ -236,12 +236,7 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     run = _Training(x, channels, post, scale, bias, est_mean, est_var, counter, momentum, eps,
                     out, guard, 3 * channels * plan.splits)
     tail = (run.partial, loader.ptr(loader.tickets(plan.tickets))) + run.stats_args
-    if plan.kind == "planar":
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
-                     plan.chunk, plan.splits, *tail)
-    else:
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
-                     plan.splits, *tail)
+    stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, *plan.split_args, *tail)
     return run.normalize()
 
 
@@ -285,9 +280,7 @@ def _grad_reduce(name_stem, x, dy, pre, channels, post, tail, coef_words=0):
     plan, reduce = _reduce_plan(name_stem, x, (dy,), pre, channels, post)
     coef = loader.scratch(coef_words + 2 * channels * plan.splits, x.dtype)
     partial = coef + coef_words * np.dtype(x.dtype).itemsize
-    head = (loader.ptr(x), loader.ptr(dy), pre, channels)
-    head += (plan.post_v, plan.chunk, plan.splits) if plan.kind == "planar" else \
-        (plan.chunk, plan.splits)
+    head = (loader.ptr(x), loader.ptr(dy), pre, channels) + plan.split_args
     reduce.launch(plan.grid, plan.block, *head, partial,
                   loader.ptr(loader.tickets(plan.tickets)), *tail, *((coef,) if coef_words else ()))
     return coef

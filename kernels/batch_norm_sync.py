@@ -41,12 +41,7 @@ def local_stats(x, layout="NCHW"):
     plan, stats = bn._reduce_plan("bn_local_stats", x, (), pre, channels, post)
     partial = loader.scratch(3 * channels * plan.splits, x.dtype)
     tail = (partial, loader.ptr(loader.tickets(plan.tickets)), loader.ptr(sums))
-    if plan.kind == "planar":
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.post_v,
-                     plan.chunk, plan.splits, *tail)
-    else:
-        stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, plan.chunk,
-                     plan.splits, *tail)
+    stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, *plan.split_args, *tail)
     return sums
 
 def merge_stats(rows):

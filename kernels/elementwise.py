@@ -115,12 +115,8 @@ def channel_sum(d, pre, channels, post, out=None):
     k = loader.kernel(MODULE, name, SIGNATURES[name])
     partial = loader.empty((channels * plan.splits,), np.float64)
     tickets = loader.tickets(plan.tickets)
-    if plan.kind == "planar":
-        args = (loader.ptr(d), pre, channels, plan.post_v, plan.chunk, plan.splits)
-    else:
-        args = (loader.ptr(d), pre, channels, plan.chunk, plan.splits)
-    k.launch(plan.grid, plan.block, *args, loader.ptr(partial), loader.ptr(tickets),
-             loader.ptr(out))
+    k.launch(plan.grid, plan.block, loader.ptr(d), pre, channels, *plan.split_args,
+             loader.ptr(partial), loader.ptr(tickets), loader.ptr(out))
     return out
 
 

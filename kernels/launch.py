@@ -142,6 +142,14 @@ class ReducePlan:
         """Last-block tickets the kernel uses (one per channel or channel group)."""
         return self.groups
 
+    @property
+    def split_args(self):
+        """The kernel arguments that describe the split, after (x..., pre, channels):
+        (post_v, chunk, splits) for planar kernels, (chunk, splits) for rows kernels."""
+        if self.kind == "planar":
+            return (self.post_v, self.chunk, self.splits)
+        return (self.chunk, self.splits)
+
 
 def _splits(units, parallel, dev, threads, lanes, res, values_per_unit):
     """(chunk, splits) of one channel's `units`: `parallel` x splits blocks of
