@@ -40,15 +40,9 @@ from minigraph.ops.batch_norm import (
     bn_schema,
 )
 from minigraph.ops.batch_norm_gpu import batch_norm_gpu, batch_norm_grad_gpu
+from minigraph.ops.collective import communicator
 from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import kernel, register
-
-
-def communicator():
-    """The process's communicator (made on first use when none was initialised)."""
-    from minigraph.distributed.world import get_comm
-
-    return get_comm()
 
 
 def forward_label(op):
