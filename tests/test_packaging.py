@@ -87,6 +87,8 @@ def test_the_wheel_maps_ops_kernels_and_examples_into_minigraph(wheel):
     assert tops <= {"minigraph", next(n for n in tops if n.endswith(".dist-info"))}
     for module in sorted((REPO / "ops").glob("*.py")):
         assert f"minigraph/ops/{module.name}" in names
+    for module in sorted((REPO / "minigraph").rglob("*.py")):   # every subpackage listed
+        assert module.relative_to(REPO).as_posix() in names, module
     for source in sorted((REPO / "kernels").glob("*.cu*")):
         assert f"minigraph/kernels/{source.name}" in names
     assert "minigraph/kernels/__init__.py" in names
