@@ -89,16 +89,23 @@ def elementwise_add_cpu(op, ins):
 
 @kernel("elementwise_add_grad", "cpu")
 def elementwise_add_grad_cpu(op, ins):
-    """dx = dout (a copy); dy = dout summed over every dim of x outside y's run."""
+    """dx = dout (the same array: kernels never write their inputs); dy = dout summed
+    over every dim of x outside y's run - along the trailing dims by one BLAS product
+    with a ones vector, over the leading ones in float64."""
     y, d = ins["y"], ins["dout"]
     out = {}
     if op.wants("dx"):
-        out["dx"] = d.copy()
+        out["dx"] = d
     if op.wants("dy"):
         start = broadcast_axis(op.type, d.shape, y.shape, op.attrs["axis"])
-        axes = tuple(range(start)) + tuple(range(start + y.ndim, d.ndim))
-        dy = np.add.reduce(d.astype(np.float64, copy=False), axis=axes) if axes else d
-        out["dy"] = np.asarray(dy, dtype=d.dtype).reshape(y.shape).copy()
+        post = int(np.prod(d.shape[start + y.ndim:], dtype=np.int64))
+        rows = np.ascontiguousarray(d).reshape(-1, y.size, post)
+        if post > 1:
+            rows = rows @ np.ones(post, dtype=d.dtype)
+        else:
+            rows = rows[..., 0]
+        dy = np.add.reduce(rows, axis=0, dtype=np.float64)
+        out["dy"] = dy.astype(d.dtype).reshape(y.shape)
     return out
 
 
