@@ -2,14 +2,23 @@
 
 Runs the ops of a small training net (conv2d, batch_norm, relu, pool2d, fc,
 softmax_with_cross_entropy, mean, their grads, Momentum updates, and the
-data-parallel gradient average c_allreduce_avg) through Executor.run_op on a
-GPUPlace whose PyCUDA is the tests' fake driver (tests/kernel_emulator/
-fake_pycuda.py) with kernels that do nothing: what is timed is minigraph's
-own host work per op - checks, launch plans, pool allocations, argument
-packing, context pushes - plus the fake driver's few Python calls standing
-in for PyCUDA's C++ ones. Two columns: ops run as the Executor runs them
-today, and ops run inside `with place.activate():` (one context push per
-run instead of one per launch or allocation).
+data-parallel gradient average c_allreduce_avg) on a GPUPlace whose PyCUDA is
+the tests' fake driver (tests/kernel_emulator/fake_pycuda.py) with kernels that
+do nothing: what is timed is minigraph's own host work per op - checks, launch
+plans, pool allocations, argument packing, context pushes - plus the fake
+driver's few Python calls standing in for PyCUDA's C++ ones. Three columns:
+
+  Net step       as Net.train runs a step whose input signature it has checked
+                 before: the plan's compiled ops through run.run_ops, checks
+                 skipped, inside one `with place.activate():`
+  Executor.run   as Executor.run runs them: run_op (inputs checked every time)
+                 inside one `with place.activate():`
+  not activated  run_op outside any activate block: one context push and pop
+                 per launch, allocation and copy (code that runs ops by hand)
+
+The target (<= 20 us/op) is for the two activated columns. A training step
+also saves the persistables it writes (run.Journal: one device copy each),
+reported per step below the table.
 
     python benchmarks/gpu_dispatch.py [--repeat 2000] [--batch 32]
 """
@@ -66,21 +75,57 @@ def averaging_op(net):
     return mg.Operator("c_allreduce_avg", x=grads, out=grads)
 
 
-def time_ops(executor, ops, repeat, activate, counts):
-    """({op type: [us per run_op, ...]}, {op type: [(arrays, launches) per run, ...]})
-    over `repeat` runs of each op; `counts` is the fake driver's call counter."""
+def net_steps(net, loss, extra):
+    """{id(op): compiled step} of the training plan of `net` plus the ops `extra`,
+    each step a one-op run for run.run_ops that releases nothing (so that it can
+    run again on the same values)."""
+    from minigraph import run
+
+    plan = run.make_plan(list(net.ops("train")) + list(extra), "train", (loss,))
+    steps, _ = plan.compiled("gpu", run._parameter_grads(net))
+    return {id(step[1]): step[:5] + ((), 0) for step in steps}
+
+
+ROUNDS = 5
+
+
+def time_ops(ops, run_one, repeat, activate, counts):
+    """({op type: [us per run, ...]}, {op type: [(arrays, launches) per run, ...]})
+    over `repeat` runs of `run_one(op)` for each op, inside `activate()`: the
+    median of ROUNDS rounds' means (a round disturbed by another process on the
+    machine does not count); `counts` is the fake driver's call counter."""
+    from kernel_emulator.fake_memory import FakeArray
+
     per_type, made = defaultdict(list), defaultdict(list)
+    runs = max(1, repeat // ROUNDS)
     for op in ops:
         with activate():
-            executor.run_op(op)                    # warm: plans, kernels, pool blocks
-            before = (counts["array"], counts["launch"])
-            start = time.perf_counter()
-            for _ in range(repeat):
-                executor.run_op(op)
-            per_type[op.type].append((time.perf_counter() - start) / repeat * 1e6)
-            made[op.type].append(((counts["array"] - before[0]) / repeat,
-                                  (counts["launch"] - before[1]) / repeat))
+            run_one(op)                            # warm: plans, kernels, pool blocks
+            before = (FakeArray.made, counts["launch"])
+            rounds = []
+            for _ in range(ROUNDS):
+                start = time.perf_counter()
+                for _ in range(runs):
+                    run_one(op)
+                rounds.append((time.perf_counter() - start) / runs * 1e6)
+            per_type[op.type].append(float(np.median(rounds)))
+            made[op.type].append(((FakeArray.made - before[0]) / (runs * ROUNDS),
+                                  (counts["launch"] - before[1]) / (runs * ROUNDS)))
     return per_type, made
+
+
+def time_journal(net, place, repeat):
+    """(microseconds per training step spent saving persistables, how many are saved):
+    run.Journal.save of every persistable the train plan's ops write."""
+    from minigraph import run
+
+    writes = [v for op in net.ops("train") for v in op.output_vars() if v.persistable]
+    with place.activate():
+        run.Journal(place).save(writes)
+        start = time.perf_counter()
+        for _ in range(repeat):
+            run.Journal(place).save(writes)
+    return (time.perf_counter() - start) / repeat * 1e6, len({id(v) for v in writes})
 
 
 def time_arrays(repeat):
@@ -94,6 +139,9 @@ def time_arrays(repeat):
     return (time.perf_counter() - start) / (repeat * 10) * 1e6
 
 
+COLUMNS = ("Net step", "Executor.run", "not activated")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=2000)
@@ -105,41 +153,58 @@ def main():
     from kernel_emulator.fake_pycuda import FakeCuda
 
     import minigraph as mg
+    from minigraph import run
     from minigraph.ops import collective
 
     fake = FakeCuda(devices=1, run_kernels=False, strict=False, sm_count=132)
     with fake.install():
         place = mg.GPUPlace(0)
         net, loss, feed = build(place, args.batch)
-        for name, value in feed.items():
-            net.var(name).set(place.to_device(value))
+        net.train(feed, fetch=[loss])                   # compiles (fake), checks the plan
         collective.communicator = LoopbackComm
-        ops = list(net.ops("train")) + [averaging_op(net)]
+        average = averaging_op(net)
+        ops = list(net.ops("train")) + [average]
+        steps = net_steps(net, loss, [average])
         executor = mg.Executor(place)
-        for op in ops:                                  # compiles (fake), fills every var
+        for op in ops:                                  # fills every var
             executor.run_op(op)
-        plain, _ = time_ops(executor, ops, args.repeat, contextlib.nullcontext, fake.counts)
-        active, made = time_ops(executor, ops, args.repeat, place.activate, fake.counts)
-        array_us = time_arrays(args.repeat)
-    rows = [(t, len(plain[t]), float(np.mean(plain[t])), float(np.mean(active[t])),
+
+        def step(op):
+            run.run_ops((steps[id(op)],), place, False, None)
+
+        timed = {}
+        for name, run_one, activate in zip(
+                COLUMNS, (step, executor.run_op, executor.run_op),
+                (place.activate, place.activate, contextlib.nullcontext), strict=True):
+            timed[name] = time_ops(ops, run_one, args.repeat, activate, fake.counts)
+        with place.activate():
+            array_us = time_arrays(args.repeat)
+        journal_us, saved = time_journal(net, place, args.repeat)
+    times = {name: t for name, (t, _) in timed.items()}
+    made = timed["Net step"][1]
+    rows = [(t, len(made[t]), *(float(np.mean(times[c][t])) for c in COLUMNS),
              float(np.mean([m[0] for m in made[t]])), float(np.mean([m[1] for m in made[t]])))
-            for t in plain]
-    rows.sort(key=lambda r: -r[3])
-    print(f"host time per op, fake launcher (kernels do nothing), batch {args.batch}, "
-          f"{args.repeat} runs each, Python {sys.version.split()[0]}")
-    print(f"{'op':<32} {'n':>3} {'us/op as today':>15} {'us/op activated':>16} "
-          f"{'arrays/op':>10} {'launches/op':>12}")
-    for name, n, us_plain, us_active, arrays, launches in rows:
-        print(f"{name:<32} {n:>3} {us_plain:>15.1f} {us_active:>16.1f} {arrays:>10.1f} "
-              f"{launches:>12.1f}")
-    every_plain = [u for v in plain.values() for u in v]
-    every_active = [u for v in active.values() for u in v]
-    print(f"{'mean over the ' + str(len(every_plain)) + ' ops':<36} "
-          f"{np.mean(every_plain):>15.1f} {np.mean(every_active):>16.1f}")
+            for t in made]
+    rows.sort(key=lambda r: -max(r[2], r[3]))
+    print(f"host time per op (us), fake launcher (kernels do nothing), batch {args.batch}, "
+          f"{args.repeat} runs each (median of {ROUNDS} rounds' means), "
+          f"Python {sys.version.split()[0]}")
+    print(f"{'op':<32} {'n':>3} " + " ".join(f"{c:>13}" for c in COLUMNS) +
+          f" {'arrays/op':>10} {'launches/op':>12}")
+    for name, n, *us, arrays, launches in rows:
+        print(f"{name:<32} {n:>3} " + " ".join(f"{u:>13.1f}" for u in us) +
+              f" {arrays:>10.1f} {launches:>12.1f}")
+    count = len(timed["Net step"][0])
+    means = [np.mean([u for v in times[c].values() for u in v]) for c in COLUMNS]
+    print(f"{'mean over the ' + str(len(ops)) + ' ops':<36} " +
+          " ".join(f"{m:>13.1f}" for m in means))
+    assert count == len(rows) and sum(r[1] for r in rows) == len(ops)
     print(f"one device array (pooled, the fake's GPUArray stand-in) costs {array_us:.1f} us "
           "of the above per array made")
-    over = [r[0] for r in rows if r[3] > TARGET_US]
-    print(f"target <= {TARGET_US:g} us/op (activated): "
+    print(f"a training step's journal saves {saved} persistables: {journal_us:.1f} us per step "
+          "(not in the table)")
+    over = [r[0] for r in rows if max(r[2], r[3]) > TARGET_US]
+    print(f"target <= {TARGET_US:g} us/op (Net step and Executor.run): "
           + ("met by every op" if not over else "missed by " + ", ".join(over)))
 
 
