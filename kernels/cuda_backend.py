@@ -17,6 +17,8 @@ from minigraph.kernels import loader
 from minigraph.kernels.launch import DeviceInfo, KernelResources
 from minigraph.kernels.loader import GPUError, _Enter, current, is_entered
 
+ARRAY_MAKERS = 1024     # (shape, dtype) array makers kept per device
+
 
 class PyCudaBackend:
     """Kernels and arrays through PyCUDA, one DeviceState per CUDA context."""
@@ -92,10 +94,13 @@ class PyCudaBackend:
             fn.prepare(fmt)
         res = KernelResources(regs_per_thread=fn.num_regs, shared_bytes=fn.shared_size_bytes)
 
-        def launch(grid, block, args):
-            fn.prepared_async_call(grid, block, None, *args)
+        enqueue = fn.prepared_async_call
 
-        found = state.kernels[(module, name)] = loader.Kernel(name, fmt, launch, res, state)
+        def launch(grid, block, args):
+            enqueue(grid, block, None, *args)
+
+        found = state.kernels[(module, name)] = loader.Kernel(name, fmt, launch, res, state,
+                                                              enqueue)
         return found
 
     def _checked_nvcc(self):
@@ -105,12 +110,54 @@ class PyCudaBackend:
 
     def empty(self, shape, dtype):
         """An uninitialised GPUArray from the current device's memory pool (no
-        cudaMalloc and no synchronisation once the pool holds a block of that size)."""
+        cudaMalloc and no synchronisation once the pool holds a block of that size).
+
+        Made by `array_maker`: after the first array of a (shape, dtype) on a
+        device, each one is a new GPUArray given that first one's attributes
+        and its own pooled allocation - PyCUDA's constructor (shape and dtype
+        normalisation, strides, launch geometry) and its contiguity flags run
+        once per (shape, dtype), not once per array."""
         state = current()
+        try:
+            make = state.arrays[shape, dtype]
+        except KeyError:                        # new (or spelled anew: np.float32 for its dtype)
+            make = state.arrays[shape, dtype] = self.array_maker(state, tuple(shape),
+                                                                 np.dtype(dtype))
+        except TypeError:                       # an unhashable shape (a list)
+            make = self.array_maker(state, tuple(shape), np.dtype(dtype))
         if is_entered(state):
-            return self.gpuarray.empty(tuple(shape), np.dtype(dtype), allocator=state.allocate)
+            return make()
         with _Enter(state):
-            return self.gpuarray.empty(tuple(shape), np.dtype(dtype), allocator=state.allocate)
+            return make()
+
+    def array_maker(self, state, shape, dtype):
+        """make() -> a new pooled GPUArray of `shape` and `dtype` on `state`'s device
+        (call it with that device's context current), memoised per device in
+        state.arrays (at most ARRAY_MAKERS entries).
+
+        The attributes come from one GPUArray built by PyCUDA's constructor (its
+        flags read once, so that their memo is among them): every attribute but
+        the allocation depends only on shape, dtype, allocator and device. Empty
+        shapes (no allocation) go through the constructor every time."""
+        with _Enter(state):
+            model = self.gpuarray.empty(shape, dtype, allocator=state.allocate)
+        if model.gpudata is None:
+            def make():
+                return self.gpuarray.empty(shape, dtype, allocator=state.allocate)
+        else:
+            model.flags.c_contiguous              # noqa: B018 - fills the flags memo
+            attributes = dict(vars(model))
+            del attributes["gpudata"]
+            cls, allocate, nbytes = type(model), state.allocate, model.nbytes
+
+            def make():
+                array = cls.__new__(cls)
+                vars(array).update(attributes, gpudata=allocate(nbytes))
+                return array
+        if len(state.arrays) >= ARRAY_MAKERS:
+            state.arrays.clear()
+        state.arrays[shape, dtype] = make
+        return make
 
     def copy(self, array):
         """A pooled copy of device `array` (any dtype; a device-to-device memcpy
@@ -141,6 +188,7 @@ class PyCudaBackend:
         state.cache.clear()
         state.tickets = None
         state.scratch.clear()
+        state.arrays.clear()
         if state.pool is not None:
             state.pool.stop_holding()
 

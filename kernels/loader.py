@@ -38,6 +38,7 @@ import numpy as np
 from minigraph.kernels import launch
 
 NVCC_OPTIONS = ("-O3", "-std=c++17")
+SCRATCH_SLACK = 16 << 20        # bytes a growing scratch buffer may take beyond the request
 
 
 class GPUError(RuntimeError):
@@ -90,8 +91,11 @@ def ptr(array, name="array"):
 class DeviceState:
     """What the loader keeps for one device context: its DeviceInfo, the
     allocator of its memory pool, compiled modules and kernels, last-block
-    tickets, device error flags and launcher caches (`cached`). `context` is
-    the backend's handle (a PyCUDA Context; None for emulated devices)."""
+    tickets, device error flags, launcher caches (`cached`), per-thread
+    scratch and the backend's array makers ({(shape, dtype): make()}, see
+    cuda_backend.PyCudaBackend.empty; `empty` calls them directly inside
+    `activate`). `context` is the backend's handle (a PyCUDA Context; None for
+    emulated devices)."""
 
     def __init__(self, key, info, allocate, context=None):
         self.key = key
@@ -104,6 +108,7 @@ class DeviceState:
         self.cache = {}
         self.tickets = None
         self.scratch = {}
+        self.arrays = {}
         self.pool = None
 
 
@@ -187,14 +192,17 @@ def is_entered(state):
 class Kernel:
     """One compiled entry point of one device: `launch(grid, block, *args)`
     enqueues it on that device's default stream (asynchronous: nothing waits
-    for it), with the device's context current."""
+    for it), with the device's context current. `launch` (the backend's) takes
+    (grid, block, args); `enqueue`, when the backend has one, takes (grid, block,
+    stream, *args) and is what `launch` calls (PyCUDA's prepared_async_call)."""
 
-    def __init__(self, name, fmt, launch, resources, state=None):
+    def __init__(self, name, fmt, launch, resources, state=None, enqueue=None):
         self.name = name
         self.fmt = fmt
         self._launch = launch
         self.resources = resources
         self.state = state
+        self._enqueue = enqueue
 
     def launch(self, grid, block, *args):
         if len(args) != len(self.fmt):
@@ -209,6 +217,34 @@ class Kernel:
         else:
             with _Enter(self.state):
                 self._launch(grid, block, args)
+
+    def prepared(self, grid, block):
+        """go(*args): `launch(grid, block, *args)` with the grid and block normalised
+        and checked once, for launch plans that launch one configuration every
+        step (nothing launched for a grid with a zero extent)."""
+        grid = tuple(int(g) for g in grid)
+        block = tuple(int(b) for b in block)
+        if min(grid) <= 0:
+            return _no_launch
+        run, state, enqueue = self._launch, self.state, self._enqueue
+        if state is None:
+            return lambda *args: run(grid, block, args)
+        if enqueue is None:
+            def enqueue(grid, block, stream, *args):
+                run(grid, block, args)
+
+        def go(*args):
+            stack = getattr(_tls, "stack", None)
+            if stack and stack[-1] is state:
+                enqueue(grid, block, None, *args)
+            else:
+                with _Enter(state):
+                    run(grid, block, args)
+        return go
+
+
+def _no_launch(*args):
+    """The prepared launch of an empty grid."""
 
 
 # ---- the backend in use, and what launchers call ----------------------------------
@@ -251,6 +287,11 @@ def kernel(module, name, fmt):
 
 def empty(shape, dtype):
     """An uninitialised device array on the current device (from its pool)."""
+    stack = getattr(_tls, "stack", None)
+    if stack:                       # entered: the backend's array maker, if it made one
+        make = stack[-1].arrays.get((shape, dtype)) if type(shape) is tuple else None
+        if make is not None:
+            return make()
     return backend().empty(shape, dtype)
 
 
@@ -287,21 +328,34 @@ def launch_flat(module, signatures, template, dtype, total, arrays, *scalars):
     """Launch the kernel named by `template` ('{t}' -> f32/f64 of `dtype`, '{w}'
     -> the pack width) over `total` elements: the device pointers of `arrays`,
     then `scalars`. Packs of 16 bytes when every array is aligned, else 1."""
-    pointers = [ptr(a, f"{module}.{template}: array {i}") for i, a in enumerate(arrays)]
+    pointers = pointers_of(arrays, module, template)
     aligned = launch.is_aligned(*pointers)
     configs = cached("loader.flat", dict)
     key = (module, template, dtype, total, aligned)
-    found = configs.get(key)
-    if found is None:
+    go = configs.get(key)
+    if go is None:
         width = launch.vector_width(np.dtype(dtype).itemsize) if aligned else 1
         name = template.format(t=suffix(dtype), w=width)
         k = kernel(module, name, signatures[name])
         dev = device()
         threads = launch.block_threads(dev)
         grid = launch.flat_grid(-(-total // width), dev, threads, k.resources)
-        found = configs[key] = (k, (grid, 1, 1), (threads, 1, 1))
-    k, grid, block = found
-    k.launch(grid, block, *pointers, *scalars)
+        go = configs[key] = k.prepared((grid, 1, 1), (threads, 1, 1))
+    go(*pointers, *scalars)
+
+
+def pointers_of(arrays, module, name):
+    """[ptr(a) for a in arrays], the error naming `module`.`name` and the array's
+    place in `arrays` (the name is made only for an error)."""
+    found = []
+    for i, a in enumerate(arrays):
+        if a is None or a.gpudata is None:
+            found.append(0)
+        elif a.flags.c_contiguous:
+            found.append(int(a.gpudata))
+        else:
+            ptr(a, f"{module}.{name}: array {i}")
+    return found
 
 
 def scratch(count, dtype):
@@ -309,15 +363,20 @@ def scratch(count, dtype):
     that live between the launches of one launcher call (coefficients, split
     partials): one buffer per device and calling thread, grown as needed and
     handed out again at the thread's next call - safe, because one thread's
-    launches run in order on the device's stream. No allocation once warm."""
+    launches run in order on the device's stream. No allocation once warm.
+    A launcher holding scratch must not call another launcher that takes it.
+    The buffer doubles when it grows, by at most SCRATCH_SLACK bytes more than
+    asked for (conv2d's columns may take hundreds of MiB)."""
     state = current()
     nbytes = max(int(count), 1) * np.dtype(dtype).itemsize
     key = threading.get_ident()
     have = state.scratch.get(key)
     if have is None or have.nbytes < nbytes:
-        grown = max(nbytes, 2 * have.nbytes if have is not None else 0, 4096)
+        doubled = 2 * have.nbytes if have is not None else 0
+        grown = max(nbytes, min(doubled, nbytes + SCRATCH_SLACK), 4096)
         have = state.scratch[key] = empty((grown,), np.uint8)
-    return ptr(have)
+    return int(have.gpudata)
+
 
 
 def tickets(count):
