@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import launch, loader
-from minigraph.kernels.matmul import gemm
+from minigraph.kernels.matmul import gemm_plan
 
 MODULE = "conv2d"
 SIGNATURES = {f"{k}_{t}": "PP" + "i" * 14 for k in ("im2col", "col2im") for t in ("f32", "f64")}
@@ -39,15 +39,17 @@ def geometry(x_shape, w_shape, strides=1, paddings=0, dilations=1, groups=1):
                 HW=ho * wo)
 
 
-def _cols_kernel(kind, dtype, src, dst, nb, g):
+def _cols_launch(kind, dtype, nb, g):
+    """go(src, dst): the im2col or col2im launch for `nb` images of geometry `g`."""
     name = f"{kind}_{loader.suffix(dtype)}"
     k = loader.kernel(MODULE, name, SIGNATURES[name])
     dev = loader.device()
     threads = launch.block_threads(dev)
     items = nb * (g["CKK"] * g["HW"] if kind == "im2col" else g["C"] * g["H"] * g["W"])
-    k.launch((launch.flat_grid(items, dev, threads, k.resources), 1, 1), (threads, 1, 1), src,
-             dst, nb, g["C"], g["H"], g["W"], g["kh"], g["kw"], g["sh"], g["sw"], g["ph"],
-             g["pw"], g["dh"], g["dw"], g["Ho"], g["Wo"])
+    go = k.prepared((launch.flat_grid(items, dev, threads, k.resources), 1, 1), (threads, 1, 1))
+    sizes = (nb, g["C"], g["H"], g["W"], g["kh"], g["kw"], g["sh"], g["sw"], g["ph"], g["pw"],
+             g["dh"], g["dw"], g["Ho"], g["Wo"])
+    return lambda src, dst: go(src, dst, *sizes)
 
 
 def _chunks(g, itemsize):
@@ -55,67 +57,114 @@ def _chunks(g, itemsize):
     return nb, [(n0, min(nb, g["N"] - n0)) for n0 in range(0, g["N"], nb)]
 
 
+def _plan(kind, x, w, strides, paddings, dilations, groups, make):
+    """The plan `make(x, w, geometry)` of a conv launcher, once per device, kind, shapes,
+    dtypes and attributes (an unhashable attribute is normalised first)."""
+    plans = loader.cached("conv2d.plans", dict)
+    key = (kind, x.shape, w.shape, x.dtype, w.dtype, strides, paddings, dilations, groups)
+    try:
+        found = plans.get(key)
+    except TypeError:
+        strides, paddings, dilations = _pair(strides), _pair(paddings), _pair(dilations)
+        key = (kind, x.shape, w.shape, x.dtype, w.dtype, strides, paddings, dilations, groups)
+        found = plans.get(key)
+    if found is None:
+        g = geometry(x.shape, w.shape, strides, paddings, dilations, groups)
+        launch.check_array(f"{kind}: filter", w, w.shape, x.dtype)
+        found = plans[key] = make(x, g)
+    return found
+
+
+class _Forward:
+    """conv2d's launches for one geometry: out's shape, the columns' size (values),
+    and per chunk (x offset, out offset in bytes, im2col, the product)."""
+
+    def __init__(self, x, g):
+        itemsize = np.dtype(x.dtype).itemsize
+        self.out_shape = (g["N"], g["O"], g["Ho"], g["Wo"])
+        nb, chunks = _chunks(g, itemsize)
+        self.cols = nb * g["CKK"] * g["HW"]
+        self.chunks = [
+            (n0 * g["C"] * g["H"] * g["W"] * itemsize, n0 * g["O"] * g["HW"] * itemsize,
+             _cols_launch("im2col", x.dtype, count, g),
+             gemm_plan(x.dtype, False, False, g["Og"], g["HW"], g["Kg"], g["Kg"], g["HW"],
+                       g["HW"], inner_count=g["G"], batches=count * g["G"],
+                       strides=(0, g["Og"] * g["Kg"], g["CKK"] * g["HW"], g["Kg"] * g["HW"],
+                                g["O"] * g["HW"], g["Og"] * g["HW"])))
+            for n0, count in chunks]
+
+
 def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, out=None):
     """out (N, O, Ho, Wo) = the grouped, strided, padded, dilated cross-correlation
-    of x (N, C, H, W) with w (O, C / groups, kh, kw). Returns out."""
-    g = geometry(x.shape, w.shape, strides, paddings, dilations, groups)
-    launch.check_contiguous("conv2d: x", x)
-    out_shape = (g["N"], g["O"], g["Ho"], g["Wo"])
-    out = loader.empty(out_shape, x.dtype) if out is None else out
-    launch.check_array("conv2d: filter", w, w.shape, x.dtype)
-    launch.check_array("conv2d: out", out, out_shape, x.dtype)
-    itemsize = np.dtype(x.dtype).itemsize
-    nb, chunks = _chunks(g, itemsize)
-    if not chunks:
+    of x (N, C, H, W) with w (O, C / groups, kh, kw). Returns out. The columns
+    live in the device's scratch (loader.scratch): no array of their own."""
+    plan = _plan("conv2d", x, w, strides, paddings, dilations, groups, _Forward)
+    xp, wp = loader.ptr(x, "conv2d: x"), loader.ptr(w, "conv2d: filter")
+    if out is None:
+        out = loader.empty(plan.out_shape, x.dtype)
+    else:
+        launch.check_array("conv2d: out", out, plan.out_shape, x.dtype)
+    if not plan.chunks:
         return out
-    cols = loader.empty((nb * g["CKK"] * g["HW"],), x.dtype)
-    for n0, count in chunks:
-        _cols_kernel("im2col", x.dtype, loader.ptr(x) + n0 * g["C"] * g["H"] * g["W"] * itemsize,
-                     loader.ptr(cols), count, g)
-        gemm(x.dtype, False, False, g["Og"], g["HW"], g["Kg"], loader.ptr(w), g["Kg"],
-             loader.ptr(cols), g["HW"], loader.ptr(out) + n0 * g["O"] * g["HW"] * itemsize,
-             g["HW"], inner_count=g["G"], batches=count * g["G"],
-             strides=(0, g["Og"] * g["Kg"], g["CKK"] * g["HW"], g["Kg"] * g["HW"],
-                      g["O"] * g["HW"], g["Og"] * g["HW"]))
+    op = loader.ptr(out, "conv2d: out")
+    cols = loader.scratch(plan.cols, x.dtype)
+    for x_off, out_off, im2col, product in plan.chunks:
+        im2col(xp + x_off, cols)
+        product(wp, cols, op + out_off)
     return out
+
+
+class _Backward:
+    """conv2d_grad's launches for one geometry: per chunk (x offset, dout offset in
+    bytes, im2col, the dfilter product, the dcols product, col2im)."""
+
+    def __init__(self, x, g):
+        itemsize = np.dtype(x.dtype).itemsize
+        nb, chunks = _chunks(g, itemsize)
+        self.cols = nb * g["CKK"] * g["HW"]
+        self.dout_shape = (g["N"], g["O"], g["Ho"], g["Wo"])
+        image_out = g["O"] * g["HW"]
+        self.chunks = []
+        for i, (n0, count) in enumerate(chunks):
+            dfilter = gemm_plan(x.dtype, False, True, g["Og"], g["Kg"], g["HW"], g["HW"],
+                                g["HW"], g["Kg"], beta=i > 0, inner_count=g["G"],
+                                batches=g["G"], strides=(0, g["Og"] * g["HW"], 0,
+                                                         g["Kg"] * g["HW"], 0, g["Og"] * g["Kg"]),
+                                red=count, a_red=image_out, b_red=g["CKK"] * g["HW"])
+            dcols = gemm_plan(x.dtype, True, False, g["Kg"], g["HW"], g["Og"], g["Kg"], g["HW"],
+                              g["HW"], inner_count=g["G"], batches=count * g["G"],
+                              strides=(0, g["Og"] * g["Kg"], image_out, g["Og"] * g["HW"],
+                                       g["CKK"] * g["HW"], g["Kg"] * g["HW"]))
+            self.chunks.append((n0 * g["C"] * g["H"] * g["W"] * itemsize,
+                                n0 * image_out * itemsize,
+                                _cols_launch("im2col", x.dtype, count, g), dfilter, dcols,
+                                _cols_launch("col2im", x.dtype, count, g)))
 
 
 def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_dx=True,
                 need_dfilter=True):
-    """(dx, dfilter) of conv2d; None for the ones not needed."""
-    g = geometry(x.shape, w.shape, strides, paddings, dilations, groups)
-    itemsize = np.dtype(x.dtype).itemsize
-    launch.check_contiguous("conv2d_grad: x", x)
-    launch.check_array("conv2d_grad: filter", w, w.shape, x.dtype)
-    launch.check_array("conv2d_grad: dout", dout, (g["N"], g["O"], g["Ho"], g["Wo"]), x.dtype)
+    """(dx, dfilter) of conv2d; None for the ones not needed. The columns live in
+    the device's scratch (loader.scratch)."""
+    plan = _plan("conv2d_grad", x, w, strides, paddings, dilations, groups, _Backward)
+    if dout.shape != plan.dout_shape or dout.dtype != x.dtype:
+        launch.check_array("conv2d_grad: dout", dout, plan.dout_shape, x.dtype)
+    xp, wp = loader.ptr(x, "conv2d_grad: x"), loader.ptr(w, "conv2d_grad: filter")
+    dp = loader.ptr(dout, "conv2d_grad: dout")
     dx = loader.empty(x.shape, x.dtype) if need_dx else None
     dw = loader.empty(w.shape, w.dtype) if need_dfilter else None
-    nb, chunks = _chunks(g, itemsize)
-    if not chunks:
+    if not plan.chunks:
         if dw is not None:
             from minigraph.kernels import fill
 
             fill.fill_constant(dw, 0)
         return dx, dw
-    cols = loader.empty((nb * g["CKK"] * g["HW"],), x.dtype)
-    image_out = g["O"] * g["HW"]
-    for i, (n0, count) in enumerate(chunks):
-        d0 = loader.ptr(dout) + n0 * image_out * itemsize
+    cols = loader.scratch(plan.cols, x.dtype)
+    dxp, dwp = loader.ptr(dx), loader.ptr(dw)
+    for x_off, d_off, im2col, dfilter, dcols, col2im in plan.chunks:
         if dw is not None:
-            _cols_kernel("im2col", x.dtype,
-                         loader.ptr(x) + n0 * g["C"] * g["H"] * g["W"] * itemsize,
-                         loader.ptr(cols), count, g)
-            gemm(x.dtype, False, True, g["Og"], g["Kg"], g["HW"], d0, g["HW"], loader.ptr(cols),
-                 g["HW"], loader.ptr(dw), g["Kg"], beta=i > 0, inner_count=g["G"],
-                 batches=g["G"],
-                 strides=(0, g["Og"] * g["HW"], 0, g["Kg"] * g["HW"], 0, g["Og"] * g["Kg"]),
-                 red=count, a_red=image_out, b_red=g["CKK"] * g["HW"])
+            im2col(xp + x_off, cols)
+            dfilter(dp + d_off, cols, dwp)
         if dx is not None:
-            gemm(x.dtype, True, False, g["Kg"], g["HW"], g["Og"], loader.ptr(w), g["Kg"], d0,
-                 g["HW"], loader.ptr(cols), g["HW"], inner_count=g["G"],
-                 batches=count * g["G"],
-                 strides=(0, g["Og"] * g["Kg"], image_out, g["Og"] * g["HW"],
-                          g["CKK"] * g["HW"], g["Kg"] * g["HW"]))
-            _cols_kernel("col2im", x.dtype, loader.ptr(cols),
-                         loader.ptr(dx) + n0 * g["C"] * g["H"] * g["W"] * itemsize, count, g)
+            dcols(wp, dp + d_off, cols)
+            col2im(cols, dxp + x_off)
     return dx, dw

@@ -18,11 +18,26 @@ def gemm(dtype, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, beta=False, i
     op = transpose when trans_*. `batches` products: product z uses offsets
     outer * s_outer + inner * s_inner (z = outer * inner_count + inner) from
     strides = (a_outer, a_inner, b_outer, b_inner, c_outer, c_inner), and
-    each sums `red` products at offsets r * a_red, r * b_red. Offsets in elements."""
+    each sums `red` products at offsets r * a_red, r * b_red. Offsets in elements.
+    The launches are planned once per device and geometry (gemm_plan)."""
+    key = (dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, bool(beta), inner_count, batches,
+           tuple(strides), red, a_red, b_red)
+    plans = loader.cached("matmul.gemm", dict)
+    run = plans.get(key)
+    if run is None:
+        run = plans[key] = gemm_plan(*key)
+    run(a, b, c)
+
+
+def gemm_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta=False, inner_count=1,
+              batches=1, strides=(0, 0, 0, 0, 0, 0), red=1, a_red=0, b_red=0):
+    """run(a, b, c): the launches of `gemm` with these arguments (see there) on the
+    current device, for device pointers a, b, c. Checks the geometry now (ValueError),
+    so a launcher that keeps the plan checks nothing per call."""
     if trans_a and trans_b:
         raise ValueError("gemm: A^T @ B^T is not provided")
     if m <= 0 or n <= 0:
-        return
+        return _nothing
     variant = "tn" if trans_a else "nt" if trans_b else "nn"
     name = f"gemm_{variant}_{loader.suffix(dtype)}"
     kern = loader.kernel(MODULE, name, SIGNATURES[name])
@@ -32,11 +47,21 @@ def gemm(dtype, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, beta=False, i
     if max(m, n, k) >= 2**31:
         raise ValueError("gemm: dimensions must be below 2**31")
     itemsize = 8 if loader.suffix(dtype) == "f64" else 4
+    launches = []
     for r0, rows, _, _, grid in launch.gemm_launches(m, n, batches, dev):
-        a_off = r0 if trans_a else r0 * lda
-        kern.launch(grid, (launch.GEMM_THREADS, 1, 1), rows, n, k, a + a_off * itemsize, lda,
-                    b, ldb, c + r0 * ldc * itemsize, ldc, inner_count, *strides, red, a_red,
-                    b_red, int(bool(beta)))
+        a_off = (r0 if trans_a else r0 * lda) * itemsize
+        launches.append((kern.prepared(grid, (launch.GEMM_THREADS, 1, 1)), (rows, n, k), a_off,
+                         r0 * ldc * itemsize))
+    tail = (ldc, inner_count, *strides, red, a_red, b_red, int(bool(beta)))
+
+    def run(a, b, c):
+        for go, head, a_off, c_off in launches:
+            go(*head, a + a_off, lda, b, ldb, c + c_off, *tail)
+    return run
+
+
+def _nothing(*pointers):
+    """The plan of an empty product."""
 
 
 def matmul(a, b, trans_a=False, trans_b=False, out=None, accumulate=False):
@@ -69,39 +94,64 @@ def _flat(shape, n):
 def mul(x, y, x_num_col_dims=1, out=None):
     """out = flatten(x) @ y with x viewed as (prod(x.shape[:n]), prod(x.shape[n:])),
     shaped x.shape[:n] + (y.shape[1],). Returns out."""
-    rows, cols = _flat(tuple(x.shape), x_num_col_dims)
-    launch.check_contiguous("mul: x", x)
-    launch.check_contiguous("mul: y", y)
-    if len(y.shape) != 2 or tuple(y.shape)[0] != cols or y.dtype != x.dtype:
-        raise ValueError(f"mul: y must be ({cols}, M) for x of shape {tuple(x.shape)} and "
-                         f"x_num_col_dims={x_num_col_dims}, got {tuple(y.shape)}")
-    out_shape = tuple(x.shape[:x_num_col_dims]) + (y.shape[1],)
-    out = loader.empty(out_shape, x.dtype) if out is None else out
-    launch.check_array("mul: out", out, out_shape, x.dtype)
-    if cols == 0:
+    plans = loader.cached("matmul.mul", dict)
+    key = (x.shape, y.shape, x.dtype, y.dtype, x_num_col_dims)
+    found = plans.get(key)
+    if found is None:
+        found = plans[key] = _mul_plan(x, y, x_num_col_dims)
+    out_shape, run = found
+    xp, yp = loader.ptr(x, "mul: x"), loader.ptr(y, "mul: y")
+    if out is None:
+        out = loader.empty(out_shape, x.dtype)
+    else:
+        launch.check_array("mul: out", out, out_shape, x.dtype)
+    if run is None:
         from minigraph.kernels import fill
 
         return fill.fill_constant(out, 0)
-    gemm(x.dtype, False, False, rows, y.shape[1], cols, loader.ptr(x), cols, loader.ptr(y),
-         y.shape[1], loader.ptr(out), y.shape[1])
+    run(xp, yp, loader.ptr(out, "mul: out"))
     return out
+
+
+def _mul_plan(x, y, n):
+    """(out shape, run(x, y, out) or None when x has no columns) of mul."""
+    rows, cols = _flat(tuple(x.shape), n)
+    if len(y.shape) != 2 or tuple(y.shape)[0] != cols or y.dtype != x.dtype:
+        raise ValueError(f"mul: y must be ({cols}, M) for x of shape {tuple(x.shape)} and "
+                         f"x_num_col_dims={n}, got {tuple(y.shape)}")
+    out_shape = tuple(x.shape[:n]) + (y.shape[1],)
+    if cols == 0:
+        return out_shape, None
+    m = y.shape[1]
+    return out_shape, gemm_plan(x.dtype, False, False, rows, m, cols, cols, m, m)
 
 
 def mul_grad(x, y, dout, x_num_col_dims=1, need_dx=True, need_dy=True):
     """(dx, dy) of out = mul(x, y): dx = dout @ y^T (x's shape), dy = x2^T @ dout;
     None for the ones not needed."""
-    rows, cols = _flat(tuple(x.shape), x_num_col_dims)
-    m = y.shape[1]
-    launch.check_contiguous("mul_grad: x", x)
-    launch.check_array("mul_grad: y", y, (cols, m), x.dtype)
-    launch.check_array("mul_grad: dout", dout, tuple(x.shape[:x_num_col_dims]) + (m,), x.dtype)
+    plans = loader.cached("matmul.mul_grad", dict)
+    key = (x.shape, y.shape, dout.shape, x.dtype, y.dtype, dout.dtype, x_num_col_dims)
+    found = plans.get(key)
+    if found is None:
+        found = plans[key] = _mul_grad_plan(x, y, dout, x_num_col_dims)
+    dx_run, dy_run = found
+    xp, yp = loader.ptr(x, "mul_grad: x"), loader.ptr(y, "mul_grad: y")
+    dp = loader.ptr(dout, "mul_grad: dout")
     dx = dy = None
     if need_dx:
         dx = loader.empty(x.shape, x.dtype)
-        gemm(x.dtype, False, True, rows, cols, m, loader.ptr(dout), m, loader.ptr(y), m,
-             loader.ptr(dx), cols)
+        dx_run(dp, yp, loader.ptr(dx))
     if need_dy:
         dy = loader.empty(y.shape, y.dtype)
-        gemm(x.dtype, True, False, cols, m, rows, loader.ptr(x), cols, loader.ptr(dout), m,
-             loader.ptr(dy), m)
+        dy_run(xp, dp, loader.ptr(dy))
     return dx, dy
+
+
+def _mul_grad_plan(x, y, dout, n):
+    """(run for dx, run for dy) of mul_grad: run(a, b, out) on device pointers."""
+    rows, cols = _flat(tuple(x.shape), n)
+    m = y.shape[1] if len(y.shape) == 2 else -1
+    launch.check_array("mul_grad: y", y, (cols, m), x.dtype)
+    launch.check_array("mul_grad: dout", dout, tuple(x.shape[:n]) + (m,), x.dtype)
+    return (gemm_plan(x.dtype, False, True, rows, cols, m, m, m, cols),
+            gemm_plan(x.dtype, True, False, cols, m, rows, cols, m, m))
