@@ -100,21 +100,48 @@ def default_guard():
     return loader.cached("batch_norm.default_guard", Guard)
 
 
-def _check(x, layout, params):
-    if layout not in ("NCHW", "NHWC"):
-        raise ValueError(f"batch_norm: layout must be 'NCHW' or 'NHWC', got {layout!r}")
-    if not 2 <= len(x.shape) <= 5:
-        raise ValueError(f"batch_norm: x must have rank 2 to 5, got shape {tuple(x.shape)}")
-    loader.ptr(x, "batch_norm: x")
-    pre, channels, post = launch.channel_view(x.shape, layout)
+def _geometry(x, layout):
+    """(pre, channels, post) of x; its layout and rank checked once per device, shape
+    and layout."""
+    shapes = loader.cached("batch_norm.geometry", dict)
+    key = (x.shape, layout)
+    found = shapes.get(key)
+    if found is None:
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"batch_norm: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if not 2 <= len(x.shape) <= 5:
+            raise ValueError(f"batch_norm: x must have rank 2 to 5, got shape {tuple(x.shape)}")
+        found = shapes[key] = launch.channel_view(x.shape, layout)
+    return found
+
+
+_LABELS = {}
+
+
+def _param_ptrs(x, layout, channels, params):
+    """The device pointers of `params` ((name, array or None) pairs; 0 for None),
+    each checked to be C-contiguous, of x's dtype and of shape (channels,)."""
+    found = []
     for name, a in params:
         if a is None:
+            found.append(0)
             continue
         if tuple(a.shape) != (channels,) or a.dtype != x.dtype:
             raise ValueError(f"batch_norm: '{name}' must be {np.dtype(x.dtype)} of shape "
                              f"({channels},) for x {tuple(x.shape)} ({layout}), got "
                              f"{a.dtype}{tuple(a.shape)}")
-        loader.ptr(a, f"batch_norm: '{name}'")
+        label = _LABELS.get(name)
+        if label is None:
+            label = _LABELS[name] = f"batch_norm: '{name}'"
+        found.append(loader.ptr(a, label))
+    return found
+
+
+def _check(x, layout, params):
+    """(pre, channels, post) of x, after checking x and `params` (see _param_ptrs)."""
+    pre, channels, post = _geometry(x, layout)
+    loader.ptr(x, "batch_norm: x")
+    _param_ptrs(x, layout, channels, params)
     return pre, channels, post
 
 
@@ -123,25 +150,41 @@ def _flat_launch(name, total, width, at_least, *args):
     (its grid memoised per device)."""
     configs = loader.cached("batch_norm.flat", dict)
     key = (name, total, width, at_least)
-    found = configs.get(key)
-    if found is None:
-        k = _kernel(name)
-        dev = loader.device()
-        threads = launch.block_threads(dev)
-        grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
-        found = configs[key] = (k, (grid, 1, 1), (threads, 1, 1))
-    k, grid, block = found
-    k.launch(grid, block, *args)
+    go = configs.get(key)
+    if go is None:
+        go = configs[key] = _flat_go(name, total, width, at_least)
+    go(*args)
 
 
-def _flat_width(x, *others):
-    width = launch.vector_width(np.dtype(x.dtype).itemsize)
-    return width if launch.is_aligned(loader.ptr(x), *(loader.ptr(a) for a in others)) else 1
+def _flat_go(name, total, width, at_least):
+    k = _kernel(name)
+    dev = loader.device()
+    threads = launch.block_threads(dev)
+    grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
+    return k.prepared((grid, 1, 1), (threads, 1, 1))
 
 
-def _reduce_plan(name_stem, x, others, pre, channels, post):
-    """(ReducePlan, Kernel) of a reduction of x, memoised per device."""
-    aligned = launch.is_aligned(loader.ptr(x), *(loader.ptr(a) for a in others))
+def _packed_launch(stem, dtype, total, aligned, at_least, *args):
+    """_flat_launch of the kernel `stem`_<f32|f64>_w<width>: packs of 16 bytes when
+    `aligned` (every pointer it reads or writes is), else single values."""
+    configs = loader.cached("batch_norm.packed", dict)
+    key = (stem, dtype, total, aligned, at_least)
+    go = configs.get(key)
+    if go is None:
+        width = launch.vector_width(np.dtype(dtype).itemsize) if aligned else 1
+        go = configs[key] = _flat_go(f"{stem}_{loader.suffix(dtype)}_w{width}", total, width,
+                                     at_least)
+    go(*args)
+
+
+def _aligned(*pointers):
+    """True when every pointer allows 16-byte packs."""
+    return not any(p % launch.VECTOR_BYTES for p in pointers)
+
+
+def _reduce_plan(name_stem, x, aligned, pre, channels, post):
+    """(ReducePlan, its prepared launch) of a reduction of x, memoised per device;
+    `aligned`: the data pointers allow 16-byte packs."""
     key = (name_stem, pre, channels, post, x.dtype, aligned, launch.tunables())
     plans = loader.cached("batch_norm.plans", dict)
     found = plans.get(key)
@@ -153,20 +196,27 @@ def _reduce_plan(name_stem, x, others, pre, channels, post):
         # size the grid with the resources of the kernel the plan picked
         k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
         plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
-        found = plans[key] = (plan, _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}"))
+        k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+        found = plans[key] = (plan, k.prepared(plan.grid, plan.block))
     return found
 
 
+_TRAIN_PARAMS = ("scale", "bias", "estimated_mean", "estimated_var")
+
+
 def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
-    pre, channels, post = _check(x, layout, [("scale", scale), ("bias", bias),
-                                             ("estimated_mean", est_mean),
-                                             ("estimated_var", est_var)])
+    """(pre, channels, post, x's pointer, the pointers of scale, bias, est_mean,
+    est_var and counter) after checking them all."""
+    pre, channels, post = _geometry(x, layout)
+    xp = loader.ptr(x, "batch_norm: x")
+    params = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
+                                                  (scale, bias, est_mean, est_var)))
     if momentum is None and counter is None:
         raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
     if counter is not None and (np.dtype(counter.dtype) != np.int64 or counter.size != 1):
         raise ValueError(f"batch_norm: counter must be an int64 scalar, got "
                          f"{counter.dtype}{tuple(counter.shape)}")
-    return pre, channels, post
+    return pre, channels, post, xp, (*params, loader.ptr(counter, "batch_norm: counter"))
 
 
 class _Training:
@@ -174,37 +224,38 @@ class _Training:
     launches: outputs, the scratch (loader.scratch) holding the per-channel
     coefficients [3C], the candidate estimates [2C], then `partials` values for
     the statistics kernel's split partials (at `self.partial`), and the
-    Guard's epoch."""
+    Guard's epoch. `params`: the pointers of scale, bias, est_mean, est_var and
+    the counter (_check_train)."""
 
-    def __init__(self, x, channels, post, scale, bias, est_mean, est_var, counter, momentum,
-                 eps, out, guard, partials=0):
+    def __init__(self, x, xp, channels, post, params, momentum, eps, out, guard, partials=0):
         dtype = np.dtype(x.dtype)
-        self.x, self.channels, self.post = x, channels, post
-        self.est_mean, self.est_var, self.counter = est_mean, est_var, counter
+        self.x, self.xp, self.channels, self.post = x, xp, channels, post
         self.guard = default_guard() if guard is None else guard
         self.epoch = self.guard.next_epoch()
-        self.y = loader.empty(x.shape, dtype) if out is None else out
+        if out is None:
+            self.y = loader.empty(x.shape, dtype)
+        else:
+            launch.check_array("batch_norm: out", out, x.shape, dtype)
+            self.y = out
         self.batch_mean = loader.empty((channels,), dtype)
         self.batch_var = loader.empty((channels,), dtype)
         self.coef = loader.scratch(5 * channels + partials, dtype)
         self.newest = self.coef + 3 * channels * dtype.itemsize
         self.partial = self.coef + 5 * channels * dtype.itemsize
+        self.params = params
+        self.status = loader.ptr(self.guard.status)
         # the StatsOut arguments every statistics kernel ends with (MG_BN_STATS_ARGS)
         self.stats_args = (
-            loader.ptr(scale), loader.ptr(bias), loader.ptr(est_mean), loader.ptr(est_var),
-            loader.ptr(counter), float(eps), 0.0 if momentum is None else float(momentum),
+            *params, float(eps), 0.0 if momentum is None else float(momentum),
             int(momentum is None), self.epoch, loader.ptr(self.batch_mean),
-            loader.ptr(self.batch_var), self.coef, self.newest, loader.ptr(self.guard.status))
+            loader.ptr(self.batch_var), self.coef, self.newest, self.status)
 
     def normalize(self):
         """y from the coefficients; commit the estimates and the counter unless flagged."""
-        x, y = self.x, self.y
-        width = _flat_width(x, y)
-        _flat_launch(f"bn_normalize_{loader.suffix(x.dtype)}_w{width}", x.size, width,
-                     self.channels, loader.ptr(x), loader.ptr(y), x.size, self.channels,
-                     self.post, self.coef, 1, loader.ptr(self.est_mean),
-                     loader.ptr(self.est_var), self.newest, loader.ptr(self.counter),
-                     loader.ptr(self.guard.status), self.epoch)
+        x, xp, yp = self.x, self.xp, loader.ptr(self.y, "batch_norm: out")
+        _packed_launch("bn_normalize", x.dtype, x.size, _aligned(xp, yp), self.channels, xp,
+                       yp, x.size, self.channels, self.post, self.coef, 1, self.params[2],
+                       self.params[3], self.newest, self.params[4], self.status, self.epoch)
         return self.y, self.batch_mean, self.batch_var
 
 
@@ -226,17 +277,17 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
     when given. Raises ValueError when a channel has fewer than 2 values.
     """
-    pre, channels, post = _check_train(x, scale, bias, est_mean, est_var, counter, momentum,
-                                       layout)
+    pre, channels, post, xp, params = _check_train(x, scale, bias, est_mean, est_var, counter,
+                                                   momentum, layout)
     n = pre * post
     if n <= 1:
         raise ValueError(f"batch_norm: training needs more than one value per channel, got "
                          f"n={n} for x of shape {tuple(x.shape)} ({layout})")
-    plan, stats = _reduce_plan("bn_stats", x, (), pre, channels, post)
-    run = _Training(x, channels, post, scale, bias, est_mean, est_var, counter, momentum, eps,
-                    out, guard, 3 * channels * plan.splits)
-    tail = (run.partial, loader.ptr(loader.tickets(plan.tickets))) + run.stats_args
-    stats.launch(plan.grid, plan.block, loader.ptr(x), pre, channels, *plan.split_args, *tail)
+    plan, stats = _reduce_plan("bn_stats", x, _aligned(xp), pre, channels, post)
+    run = _Training(x, xp, channels, post, params, momentum, eps, out, guard,
+                    3 * channels * plan.splits)
+    stats(xp, pre, channels, *plan.split_args, run.partial,
+          loader.ptr(loader.tickets(plan.tickets)), *run.stats_args)
     return run.normalize()
 
 
@@ -244,60 +295,68 @@ def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=Non
     """Inference (and use_global_est) forward, one elementwise kernel:
     y = (x - est_mean) / sqrt(est_var + eps) * scale + bias per channel.
     Nothing else is written. Returns y (in `out` when given)."""
-    pre, channels, post = _check(x, layout, [("scale", scale), ("bias", bias),
-                                             ("estimated_mean", est_mean),
-                                             ("estimated_var", est_var)])
-    y = loader.empty(x.shape, x.dtype) if out is None else out
+    pre, channels, post = _geometry(x, layout)
+    xp = loader.ptr(x, "batch_norm: x")
+    sp, bp, mp, vp = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
+                                                          (scale, bias, est_mean, est_var)))
+    if out is None:
+        y = loader.empty(x.shape, x.dtype)
+    else:
+        launch.check_array("batch_norm: out", out, x.shape, x.dtype)
+        y = out
     if x.size:
-        width = _flat_width(x, y)
-        _flat_launch(f"bn_infer_{loader.suffix(x.dtype)}_w{width}", x.size, width, 1,
-                     loader.ptr(x), loader.ptr(y), x.size, channels, post, loader.ptr(est_mean),
-                     loader.ptr(est_var), loader.ptr(scale), loader.ptr(bias), float(eps))
+        yp = loader.ptr(y)
+        _packed_launch("bn_infer", x.dtype, x.size, _aligned(xp, yp), 1, xp, yp, x.size,
+                       channels, post, mp, vp, sp, bp, float(eps))
     return y
 
 
 def _check_grad(x, dy, layout, params):
-    pre, channels, post = _check(x, layout, params)
-    loader.ptr(dy, "batch_norm_grad: dy")
-    if tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
+    """(pre, channels, post, x's pointer, dy's pointer, the pointers of `params`)
+    after checking them (dy: x's shape and dtype)."""
+    pre, channels, post = _geometry(x, layout)
+    xp = loader.ptr(x, "batch_norm: x")
+    found = _param_ptrs(x, layout, channels, params)
+    dyp = loader.ptr(dy, "batch_norm_grad: dy")
+    if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
                          f"{dy.dtype}{tuple(dy.shape)}")
-    return pre, channels, post
+    return pre, channels, post, xp, dyp, found
 
 
 def _grad_outputs(x, channels, need_dx, need_dscale, need_dbias):
-    dtype = np.dtype(x.dtype)
+    dtype = x.dtype
     return (loader.empty(x.shape, dtype) if need_dx else None,
             loader.empty((channels,), dtype) if need_dscale else None,
             loader.empty((channels,), dtype) if need_dbias else None)
 
 
-def _grad_reduce(name_stem, x, dy, pre, channels, post, tail, coef_words=0):
-    """Launch the per-channel sums of dy and dy (x - mean); `tail` ends the
-    arguments. The scratch (loader.scratch) holds `coef_words` values (the dx
-    coefficients, whose pointer then ends the arguments) and the split
-    partials. Returns the coefficients' device address."""
-    plan, reduce = _reduce_plan(name_stem, x, (dy,), pre, channels, post)
+def _grad_reduce(name_stem, x, xp, dyp, pre, channels, post, tail, coef_words=0):
+    """Launch the per-channel sums of dy and dy (x - mean) (x and dy at xp and dyp);
+    `tail` ends the arguments. The scratch (loader.scratch) holds `coef_words`
+    values (the dx coefficients, whose pointer then ends the arguments) and the
+    split partials. Returns the coefficients' device address."""
+    plan, reduce = _reduce_plan(name_stem, x, _aligned(xp, dyp), pre, channels, post)
     coef = loader.scratch(coef_words + 2 * channels * plan.splits, x.dtype)
     partial = coef + coef_words * np.dtype(x.dtype).itemsize
-    head = (loader.ptr(x), loader.ptr(dy), pre, channels) + plan.split_args
-    reduce.launch(plan.grid, plan.block, *head, partial,
-                  loader.ptr(loader.tickets(plan.tickets)), *tail, *((coef,) if coef_words else ()))
+    reduce(xp, dyp, pre, channels, *plan.split_args, partial,
+           loader.ptr(loader.tickets(plan.tickets)), *tail, *((coef,) if coef_words else ()))
     return coef
 
 
-def _grad_dx(x, dy, dx, channels, post, coef, use_global_est):
+def _grad_dx(x, xp, dyp, dx, channels, post, coef, use_global_est):
     if not x.size:
         return
-    sfx = loader.suffix(x.dtype)
+    dxp = loader.ptr(dx)
     if use_global_est:
-        width = _flat_width(dy, dx)
-        _flat_launch(f"bn_grad_dx_global_{sfx}_w{width}", x.size, width, 1, loader.ptr(dy),
-                     loader.ptr(dx), x.size, channels, post, coef)
+        _packed_launch("bn_grad_dx_global", x.dtype, x.size, _aligned(dyp, dxp), 1, dyp, dxp,
+                       x.size, channels, post, coef)
     else:
-        width = _flat_width(x, dy, dx)
-        _flat_launch(f"bn_grad_dx_{sfx}_w{width}", x.size, width, 1, loader.ptr(x),
-                     loader.ptr(dy), loader.ptr(dx), x.size, channels, post, coef)
+        _packed_launch("bn_grad_dx", x.dtype, x.size, _aligned(xp, dyp, dxp), 1, xp, dyp, dxp,
+                       x.size, channels, post, coef)
+
+
+_GRAD_PARAMS = ("scale", "mean", "var")
 
 
 def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, need_dx=True,
@@ -311,8 +370,8 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
     dx = scale * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
     Returns (dx, dscale, dbias), None for those not needed.
     """
-    pre, channels, post = _check_grad(x, dy, layout, [("scale", scale), ("mean", mean),
-                                                      ("var", var)])
+    pre, channels, post, xp, dyp, (sp, mp, vp) = _check_grad(
+        x, dy, layout, zip(_GRAD_PARAMS, (scale, mean, var)))
     dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
     n = pre * post
     if n == 0:
@@ -323,9 +382,9 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
                 fill.fill_constant(a, 0)
         return dx, dscale, dbias
     coef = _grad_reduce(
-        "bn_grad", x, dy, pre, channels, post,
-        (loader.ptr(scale), loader.ptr(mean), loader.ptr(var), float(eps), float(n),
-         int(bool(use_global_est)), loader.ptr(dscale), loader.ptr(dbias)), 4 * channels)
+        "bn_grad", x, xp, dyp, pre, channels, post,
+        (sp, mp, vp, float(eps), float(n), int(bool(use_global_est)), loader.ptr(dscale),
+         loader.ptr(dbias)), 4 * channels)
     if dx is not None:
-        _grad_dx(x, dy, dx, channels, post, coef, use_global_est)
+        _grad_dx(x, xp, dyp, dx, channels, post, coef, use_global_est)
     return dx, dscale, dbias
