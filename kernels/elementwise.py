@@ -41,11 +41,18 @@ def add(x, y, axis=-1, out=None):
     broadcast_view). A new array of x's shape unless `out` is given. Returns out."""
     if x.dtype != y.dtype:
         raise ValueError(f"elementwise_add: dtypes differ ({x.dtype} and {y.dtype})")
-    _, n, post = broadcast_view(x.shape, y.shape, axis)
+    views = loader.cached("elementwise.views", dict)
+    key = (x.shape, y.shape, axis)
+    view = views.get(key)
+    if view is None:
+        view = views[key] = broadcast_view(x.shape, y.shape, axis)
+    _, n, post = view
     launch.check_contiguous("elementwise_add: x", x)
     launch.check_contiguous("elementwise_add: y", y)
-    out = loader.empty(x.shape, x.dtype) if out is None else out
-    launch.check_array("elementwise_add: out", out, x.shape, x.dtype)
+    if out is None:
+        out = loader.empty(x.shape, x.dtype)
+    else:
+        launch.check_array("elementwise_add: out", out, x.shape, x.dtype)
     if x.size:
         loader.launch_flat(MODULE, SIGNATURES, "add_{t}_w{w}", x.dtype, x.size, (x, y, out),
                            x.size, n, post)
@@ -55,8 +62,10 @@ def add(x, y, axis=-1, out=None):
 def copy(src, out=None):
     """A device-to-device copy of `src` (into `out` when given). Returns out."""
     launch.check_contiguous("copy: src", src)
-    out = loader.empty(src.shape, src.dtype) if out is None else out
-    launch.check_array("copy: out", out, src.shape, src.dtype)
+    if out is None:
+        out = loader.empty(src.shape, src.dtype)
+    else:
+        launch.check_array("copy: out", out, src.shape, src.dtype)
     if src.size:
         loader.launch_flat(MODULE, SIGNATURES, "copy_{t}_w{w}", src.dtype, src.size, (src, out),
                            src.size)
@@ -97,8 +106,9 @@ def sum_n(xs, out=None):
 def channel_sum(d, pre, channels, post, out=None):
     """out[c] = the sum of d viewed as (pre, channels, post) over pre and post,
     accumulated in double on the device. Returns out (shape (channels,) unless
-    an `out` of another shape with `channels` elements is given)."""
-    launch.check_contiguous("channel_sum: d", d)
+    an `out` of another shape with `channels` elements is given). The split
+    partials live in the device's scratch (loader.scratch)."""
+    dp = loader.ptr(d, "channel_sum: d")
     out = loader.empty((channels,), d.dtype) if out is None else out
     if d.size != pre * channels * post:
         raise ValueError(f"channel_sum: {d.size} values do not form ({pre}, {channels}, {post})")
@@ -107,26 +117,38 @@ def channel_sum(d, pre, channels, post, out=None):
                          f"{out.dtype}{tuple(out.shape)}")
     if channels == 0:
         return out
-    dev = loader.device()
-    itemsize = np.dtype(d.dtype).itemsize
-    plan = launch.reduce_plan(pre, channels, post, itemsize, launch.is_aligned(loader.ptr(d)),
-                              dev)
-    name = f"channel_sum_{plan.kind}_{loader.suffix(d.dtype)}_w{plan.width}"
-    k = loader.kernel(MODULE, name, SIGNATURES[name])
-    partial = loader.empty((channels * plan.splits,), np.float64)
-    tickets = loader.tickets(plan.tickets)
-    k.launch(plan.grid, plan.block, loader.ptr(d), pre, channels, *plan.split_args,
-             loader.ptr(partial), loader.ptr(tickets), loader.ptr(out))
+    aligned = dp % launch.VECTOR_BYTES == 0
+    plans = loader.cached("elementwise.channel_sum", dict)
+    key = (pre, channels, post, d.dtype, aligned, launch.tunables())
+    found = plans.get(key)
+    if found is None:
+        found = plans[key] = _channel_sum_plan(pre, channels, post, d.dtype, aligned)
+    plan, go = found
+    partial = loader.scratch(channels * plan.splits, np.float64)
+    go(dp, pre, channels, *plan.split_args, partial, loader.ptr(loader.tickets(plan.tickets)),
+       loader.ptr(out, "channel_sum: out"))
     return out
+
+
+def _channel_sum_plan(pre, channels, post, dtype, aligned):
+    """(ReducePlan, its prepared launch) of channel_sum."""
+    plan = launch.reduce_plan(pre, channels, post, np.dtype(dtype).itemsize, aligned,
+                              loader.device())
+    name = f"channel_sum_{plan.kind}_{loader.suffix(dtype)}_w{plan.width}"
+    return plan, loader.kernel(MODULE, name, SIGNATURES[name]).prepared(plan.grid, plan.block)
 
 
 def add_grad(dout, y_shape, axis=-1, need_dx=True, need_dy=True):
     """(dx, dy) of out = x + y: dx = a copy of dout, dy = dout summed over every
     dim outside y's run (shape y_shape); None for the ones not needed."""
-    pre, n, post = broadcast_view(dout.shape, y_shape, axis)
+    views = loader.cached("elementwise.views", dict)
+    key = (dout.shape, y_shape, axis)
+    view = views.get(key)
+    if view is None:
+        view = views[key] = broadcast_view(dout.shape, y_shape, axis)
     dx = copy(dout) if need_dx else None
     dy = None
     if need_dy:
         dy = loader.empty(tuple(y_shape), dout.dtype)
-        channel_sum(dout, pre, n, post, out=dy)
+        channel_sum(dout, *view, out=dy)
     return dx, dy
