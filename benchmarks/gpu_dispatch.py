@@ -86,32 +86,42 @@ def net_steps(net, loss, extra):
     return {id(step[1]): step[:5] + ((), 0) for step in steps}
 
 
-ROUNDS = 5
+ROUNDS = 7
 
 
-def time_ops(ops, run_one, repeat, activate, counts):
-    """({op type: [us per run, ...]}, {op type: [(arrays, launches) per run, ...]})
-    over `repeat` runs of `run_one(op)` for each op, inside `activate()`: the
-    median of ROUNDS rounds' means (a round disturbed by another process on the
-    machine does not count); `counts` is the fake driver's call counter."""
+def time_ops(ops, ways, repeat, counts):
+    """{way: ({op type: [us per run, ...]}, {op type: [(arrays, launches) per run, ...]})}
+    for `ways` = {way: (run_one, activate)}: `repeat` runs of `run_one(op)` for each
+    op inside `activate()`, in ROUNDS rounds, each of which visits every op and
+    every way in turn, so that the rounds of one op are spread over the whole
+    run and a slow spell of the machine hits one of them, not all; the median
+    of the rounds' means is kept. `counts` is the fake driver's call counter."""
     from kernel_emulator.fake_memory import FakeArray
 
-    per_type, made = defaultdict(list), defaultdict(list)
     runs = max(1, repeat // ROUNDS)
-    for op in ops:
+    for run_one, activate in ways.values():    # warm: plans, kernels, pool blocks, caches
         with activate():
-            run_one(op)                            # warm: plans, kernels, pool blocks
-            before = (FakeArray.made, counts["launch"])
-            rounds = []
-            for _ in range(ROUNDS):
-                start = time.perf_counter()
-                for _ in range(runs):
+            for _ in range(max(1, runs // 4)):
+                for op in ops:
                     run_one(op)
-                rounds.append((time.perf_counter() - start) / runs * 1e6)
-            per_type[op.type].append(float(np.median(rounds)))
-            made[op.type].append(((FakeArray.made - before[0]) / (runs * ROUNDS),
-                                  (counts["launch"] - before[1]) / (runs * ROUNDS)))
-    return per_type, made
+    rounds, made = defaultdict(list), {}
+    for _ in range(ROUNDS):
+        for i, op in enumerate(ops):
+            for way, (run_one, activate) in ways.items():
+                with activate():
+                    before = (FakeArray.made, counts["launch"])
+                    start = time.perf_counter()
+                    for _ in range(runs):
+                        run_one(op)
+                    rounds[way, i].append((time.perf_counter() - start) / runs * 1e6)
+                made.setdefault((way, i), ((FakeArray.made - before[0]) / runs,
+                                           (counts["launch"] - before[1]) / runs))
+    found = {way: (defaultdict(list), defaultdict(list)) for way in ways}
+    for i, op in enumerate(ops):
+        for way in ways:
+            found[way][0][op.type].append(float(np.median(rounds[way, i])))
+            found[way][1][op.type].append(made[way, i])
+    return found
 
 
 def time_journal(net, place, repeat):
@@ -172,11 +182,9 @@ def main():
         def step(op):
             run.run_ops((steps[id(op)],), place, False, None)
 
-        timed = {}
-        for name, run_one, activate in zip(
-                COLUMNS, (step, executor.run_op, executor.run_op),
-                (place.activate, place.activate, contextlib.nullcontext), strict=True):
-            timed[name] = time_ops(ops, run_one, args.repeat, activate, fake.counts)
+        ways = dict(zip(COLUMNS, ((step, place.activate), (executor.run_op, place.activate),
+                                  (executor.run_op, contextlib.nullcontext)), strict=True))
+        timed = time_ops(ops, ways, args.repeat, fake.counts)
         with place.activate():
             array_us = time_arrays(args.repeat)
         journal_us, saved = time_journal(net, place, args.repeat)
