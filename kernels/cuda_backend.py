@@ -149,10 +149,13 @@ class PyCudaBackend:
             attributes = dict(vars(model))
             del attributes["gpudata"]
             cls, allocate, nbytes = type(model), state.allocate, model.nbytes
+            new = cls.__new__
 
             def make():
-                array = cls.__new__(cls)
-                vars(array).update(attributes, gpudata=allocate(nbytes))
+                array = new(cls)
+                found = attributes.copy()
+                found["gpudata"] = allocate(nbytes)
+                array.__dict__ = found
                 return array
         if len(state.arrays) >= ARRAY_MAKERS:
             state.arrays.clear()
