@@ -122,18 +122,23 @@ def _param_ptrs(x, layout, channels, params):
     """The device pointers of `params` ((name, array or None) pairs; 0 for None),
     each checked to be C-contiguous, of x's dtype and of shape (channels,)."""
     found = []
+    want, dtype = (channels,), x.dtype
     for name, a in params:
         if a is None:
             found.append(0)
             continue
-        if tuple(a.shape) != (channels,) or a.dtype != x.dtype:
+        if a.shape != want and tuple(a.shape) != want or \
+                a.dtype is not dtype and a.dtype != dtype:
             raise ValueError(f"batch_norm: '{name}' must be {np.dtype(x.dtype)} of shape "
                              f"({channels},) for x {tuple(x.shape)} ({layout}), got "
                              f"{a.dtype}{tuple(a.shape)}")
-        label = _LABELS.get(name)
-        if label is None:
-            label = _LABELS[name] = f"batch_norm: '{name}'"
-        found.append(loader.ptr(a, label))
+        if a.gpudata is not None and a.flags.c_contiguous:
+            found.append(int(a.gpudata))
+        else:
+            label = _LABELS.get(name)
+            if label is None:
+                label = _LABELS[name] = f"batch_norm: '{name}'"
+            found.append(loader.ptr(a, label))
     return found
 
 
@@ -202,6 +207,7 @@ def _reduce_plan(name_stem, x, aligned, pre, channels, post):
 
 
 _TRAIN_PARAMS = ("scale", "bias", "estimated_mean", "estimated_var")
+_INT64 = np.dtype(np.int64)
 
 
 def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
@@ -211,12 +217,19 @@ def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
     xp = loader.ptr(x, "batch_norm: x")
     params = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
                                                   (scale, bias, est_mean, est_var)))
-    if momentum is None and counter is None:
-        raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
-    if counter is not None and (np.dtype(counter.dtype) != np.int64 or counter.size != 1):
+    return pre, channels, post, xp, (*params, _counter_ptr(counter, momentum))
+
+
+def _counter_ptr(counter, momentum):
+    """The counter's device pointer (0 for None) after checking it."""
+    if counter is None:
+        if momentum is None:
+            raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
+        return 0
+    if counter.dtype is not _INT64 and counter.dtype != _INT64 or counter.size != 1:
         raise ValueError(f"batch_norm: counter must be an int64 scalar, got "
                          f"{counter.dtype}{tuple(counter.shape)}")
-    return pre, channels, post, xp, (*params, loader.ptr(counter, "batch_norm: counter"))
+    return loader.ptr(counter, "batch_norm: counter")
 
 
 class _Training:
@@ -277,18 +290,37 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
     when given. Raises ValueError when a channel has fewer than 2 values.
     """
-    pre, channels, post, xp, params = _check_train(x, scale, bias, est_mean, est_var, counter,
-                                                   momentum, layout)
-    n = pre * post
-    if n <= 1:
-        raise ValueError(f"batch_norm: training needs more than one value per channel, got "
-                         f"n={n} for x of shape {tuple(x.shape)} ({layout})")
-    plan, stats = _reduce_plan("bn_stats", x, _aligned(xp), pre, channels, post)
-    run = _Training(x, xp, channels, post, params, momentum, eps, out, guard,
-                    3 * channels * plan.splits)
-    stats(xp, pre, channels, *plan.split_args, run.partial,
-          loader.ptr(loader.tickets(plan.tickets)), *run.stats_args)
+    xp = loader.ptr(x, "batch_norm: x")
+    plans = loader.cached("batch_norm.train", dict)
+    key = (x.shape, x.dtype, layout, _aligned(xp), launch.tunables())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _TrainPlan(x, layout, key[3])
+    params = _param_ptrs(x, layout, plan.channels, zip(_TRAIN_PARAMS,
+                                                       (scale, bias, est_mean, est_var)))
+    params.append(_counter_ptr(counter, momentum))
+    run = _Training(x, xp, plan.channels, plan.post, params, momentum, eps, out, guard,
+                    plan.partials)
+    plan.stats(xp, plan.pre, plan.channels, *plan.split_args, run.partial,
+               loader.ptr(loader.tickets(plan.tickets)), *run.stats_args)
     return run.normalize()
+
+
+class _TrainPlan:
+    """forward_train's geometry and statistics launch for one device, x shape,
+    dtype, layout and alignment of x (checked when made: ValueError for a channel
+    with fewer than 2 values)."""
+
+    def __init__(self, x, layout, aligned):
+        self.pre, self.channels, self.post = _geometry(x, layout)
+        n = self.pre * self.post
+        if n <= 1:
+            raise ValueError(f"batch_norm: training needs more than one value per channel, got "
+                             f"n={n} for x of shape {tuple(x.shape)} ({layout})")
+        reduce, self.stats = _reduce_plan("bn_stats", x, aligned, self.pre, self.channels,
+                                          self.post)
+        self.split_args, self.tickets = reduce.split_args, reduce.tickets
+        self.partials = 3 * self.channels * reduce.splits
 
 
 def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=None):
@@ -370,21 +402,44 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
     dx = scale * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
     Returns (dx, dscale, dbias), None for those not needed.
     """
-    pre, channels, post, xp, dyp, (sp, mp, vp) = _check_grad(
-        x, dy, layout, zip(_GRAD_PARAMS, (scale, mean, var)))
+    xp = loader.ptr(x, "batch_norm: x")
+    dyp = loader.ptr(dy, "batch_norm_grad: dy")
+    if dy.shape != x.shape or dy.dtype is not x.dtype and dy.dtype != x.dtype:
+        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
+                         f"{dy.dtype}{tuple(dy.shape)}")
+    plans = loader.cached("batch_norm.grad", dict)
+    key = (x.shape, x.dtype, layout, _aligned(xp, dyp), launch.tunables())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _GradPlan(x, layout, key[3])
+    channels = plan.channels
+    sp, mp, vp = _param_ptrs(x, layout, channels, zip(_GRAD_PARAMS, (scale, mean, var)))
     dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
-    n = pre * post
-    if n == 0:
+    if plan.n == 0:
         from minigraph.kernels import fill
 
         for a in (dscale, dbias):
             if a is not None:
                 fill.fill_constant(a, 0)
         return dx, dscale, dbias
-    coef = _grad_reduce(
-        "bn_grad", x, xp, dyp, pre, channels, post,
-        (sp, mp, vp, float(eps), float(n), int(bool(use_global_est)), loader.ptr(dscale),
-         loader.ptr(dbias)), 4 * channels)
+    itemsize = x.dtype.itemsize
+    coef = loader.scratch(4 * channels + plan.partials, x.dtype)
+    plan.reduce(xp, dyp, plan.pre, channels, *plan.split_args, coef + 4 * channels * itemsize,
+                loader.ptr(loader.tickets(plan.tickets)), sp, mp, vp, float(eps), float(plan.n),
+                int(bool(use_global_est)), loader.ptr(dscale), loader.ptr(dbias), coef)
     if dx is not None:
-        _grad_dx(x, xp, dyp, dx, channels, post, coef, use_global_est)
+        _grad_dx(x, xp, dyp, dx, channels, plan.post, coef, use_global_est)
     return dx, dscale, dbias
+
+
+class _GradPlan:
+    """backward's geometry and reduction launch for one device, x shape, dtype,
+    layout and alignment of x and dy."""
+
+    def __init__(self, x, layout, aligned):
+        self.pre, self.channels, self.post = _geometry(x, layout)
+        self.n = self.pre * self.post
+        reduce, self.reduce = _reduce_plan("bn_grad", x, aligned, self.pre, self.channels,
+                                           self.post)
+        self.split_args, self.tickets = reduce.split_args, reduce.tickets
+        self.partials = 2 * self.channels * reduce.splits

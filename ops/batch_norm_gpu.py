@@ -39,6 +39,23 @@ def gpu_guard(op_type):
     return loader.error_flag(op_type, NonFiniteGuard)
 
 
+def _values(x, layout):
+    """Values per channel of x (None for a layout that has no channel axis)."""
+    try:
+        pre, _, post = gpu_launch.channel_view(x.shape, layout)
+    except ValueError:
+        return None
+    return pre * post
+
+
+def _too_few_values(op, n, x, layout):
+    # the n <= 1 error is batch_norm's own; imported here, since ops/batch_norm.py
+    # imports this module to register these bindings
+    from minigraph.ops.batch_norm import too_few_values
+
+    return too_few_values(op, n, x, layout)
+
+
 def batch_norm_gpu(op, ins, allreduce=None):
     """The GPU forward of batch_norm: the CPU kernel's outputs and in-place
     updates, on the device. With is_infer or use_global_est, y is normalised
@@ -56,23 +73,22 @@ def batch_norm_gpu(op, ins, allreduce=None):
         y = gpu.forward_infer(x, scale, bias, est_mean, est_var, eps, layout)
         mean, var = gpu_elementwise.copy(est_mean), gpu_elementwise.copy(est_var)
     else:
-        # the n <= 1 error is batch_norm's own; imported here, since ops/batch_norm.py
-        # imports this module to register these bindings
-        from minigraph.ops.batch_norm import too_few_values
-
-        pre, _, post = gpu_launch.channel_view(x.shape, layout)
-        n = pre * post
         common = (scale, bias, est_mean, est_var, counter, a["momentum"], eps, layout)
         if allreduce is None:
-            if n <= 1:
-                raise too_few_values(op, n, x, layout)
-            y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type))
+            try:
+                y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type))
+            except ValueError:      # raised before anything is written: n <= 1 is ours
+                n = _values(x, layout)
+                if n is not None and n <= 1:
+                    raise _too_few_values(op, n, x, layout) from None
+                raise
         else:
+            n = _values(x, layout)
             sums = allreduce(gpu_sync.local_stats(x, layout))
             if n <= 1:          # only then can the global count be <= 1: read it back
                 n = int(round(float(loader.to_host(sums)[0])))
                 if n <= 1:
-                    raise too_few_values(op, n, x, layout)
+                    raise _too_few_values(op, n, x, layout)
             y, mean, var = gpu_sync.forward_train_from_sums(x, sums, *common,
                                                        guard=gpu_guard(op.type))
     return {"y": y, "batch_mean": mean, "batch_var": var, "saved_mean": est_mean,
