@@ -146,12 +146,12 @@ def allreduce_avg_gpu(op, ins):
         return {"out": [copied(x) for x in xs]}
     in_place = all(o is i for o, i in zip(op.outputs["out"], op.inputs["x"], strict=True))
     outs = [None] * len(xs)
+    label = _label(op)
     for idx in by_dtype(xs).values():
-        total = comm.allreduce(gpu_collective.pack([xs[i] for i in idx]), what=_label(op))
-        shapes = [tuple(xs[i].shape) for i in idx]
-        into = [xs[i] for i in idx] if in_place else None
-        for i, out in zip(idx, gpu_collective.unpack_scaled(total, shapes, 1.0 / comm.size,
-                                                            into), strict=True):
+        group = [xs[i] for i in idx]
+        done = gpu_collective.allreduce_scaled(
+            group, lambda flat: comm.allreduce(flat, what=label), 1.0 / comm.size, in_place)
+        for i, out in zip(idx, done, strict=True):
             outs[i] = out
     return {"out": outs}
 

@@ -212,3 +212,54 @@ def test_channel_sum_partials_come_from_scratch(fake, gpu):
     out = elementwise.channel_sum(dev, 64, 5, 33)
     assert FakeArray.made - made == 1                              # the output only
     np.testing.assert_allclose(out.get(), d.sum(axis=(0, 2)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1, 1)])
+def test_the_gpu_binding_still_names_a_batch_of_one_value_per_channel(shape):
+    """The binding no longer computes n before launching: the launcher's ValueError
+    (raised before anything is written) becomes batch_norm's own OpError."""
+    from minigraph.ops.batch_norm_gpu import batch_norm_gpu
+    from minigraph.schema import OpError
+
+    with kernel_emulator.emulated_gpu() as place:
+        scope = mg.Scope()
+        slots = {n: scope.new_var(n) for n in ("x", "scale", "bias", "estimated_mean",
+                                                 "estimated_var", "y", "batch_mean",
+                                                 "batch_var")}
+        op = mg.Operator("batch_norm", **slots, saved_mean=slots["estimated_mean"],
+                         saved_var=slots["estimated_var"])
+        ones = place.to_device(np.ones(3, np.float32))
+        ins = {"x": place.to_device(np.ones(shape, np.float32)), "scale": ones, "bias": ones,
+               "estimated_mean": ones, "estimated_var": ones}
+        with pytest.raises(OpError, match=r"batch_norm: training needs more than one value "
+                                          r"per channel, got n=1"):
+            batch_norm_gpu(op, ins)
+        ins["scale"] = place.to_device(np.ones(4, np.float32))      # other errors pass through
+        ins["x"] = place.to_device(np.ones((2, 3), np.float32))
+        with pytest.raises(ValueError, match=r"batch_norm: 'scale' must be float32 of shape"):
+            batch_norm_gpu(op, ins)
+
+
+def test_allreduce_scaled_packs_reduces_and_unpacks_once():
+    rng = np.random.default_rng(4)
+    shapes = [(3, 2), (0,), (5,)] * 4                                # 12 arrays, 2 launches
+    values = [rng.standard_normal(s) for s in shapes]
+    with kernel_emulator.emulated_gpu():
+        arrays = [kernel_emulator.to_device(v) for v in values]
+        seen = []
+
+        def twice(flat):                                             # a two-rank sum
+            seen.append(flat.get())
+            return collective.scaled(flat, 2.0)
+
+        outs = collective.allreduce_scaled(arrays, twice, 0.25)
+        np.testing.assert_array_equal(seen[0], np.concatenate([v.ravel() for v in values]))
+        assert all(o is not a for o, a in zip(outs, arrays, strict=True))
+        for o, v in zip(outs, values, strict=True):
+            np.testing.assert_allclose(o.get(), v * 0.5, rtol=1e-15)
+        same = collective.allreduce_scaled(arrays, twice, 0.25, in_place=True)
+        assert all(o is a for o, a in zip(same, arrays, strict=True))
+        for a, v in zip(arrays, values, strict=True):
+            np.testing.assert_allclose(a.get(), v * 0.5, rtol=1e-15)
+        with pytest.raises(ValueError, match=r"allreduce_scaled: the allreduce returned float64"):
+            collective.allreduce_scaled(arrays, lambda flat: collective.pack(arrays[:1]), 1.0)
