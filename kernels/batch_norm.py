@@ -250,8 +250,7 @@ class _Training:
         else:
             launch.check_array("batch_norm: out", out, x.shape, dtype)
             self.y = out
-        self.batch_mean = loader.empty((channels,), dtype)
-        self.batch_var = loader.empty((channels,), dtype)
+        self.batch_mean, self.batch_var = loader.empty_group(((channels,), (channels,)), dtype)
         self.coef = loader.scratch(5 * channels + partials, dtype)
         self.newest = self.coef + 3 * channels * dtype.itemsize
         self.partial = self.coef + 5 * channels * dtype.itemsize
@@ -357,9 +356,13 @@ def _check_grad(x, dy, layout, params):
 
 
 def _grad_outputs(x, channels, need_dx, need_dscale, need_dbias):
+    """(dx, dscale, dbias), None where not needed; dscale and dbias share one
+    allocation (loader.empty_group) when both are."""
     dtype = x.dtype
-    return (loader.empty(x.shape, dtype) if need_dx else None,
-            loader.empty((channels,), dtype) if need_dscale else None,
+    dx = loader.empty(x.shape, dtype) if need_dx else None
+    if need_dscale and need_dbias:
+        return (dx, *loader.empty_group(((channels,), (channels,)), dtype))
+    return (dx, loader.empty((channels,), dtype) if need_dscale else None,
             loader.empty((channels,), dtype) if need_dbias else None)
 
 

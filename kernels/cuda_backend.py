@@ -18,6 +18,7 @@ from minigraph.kernels.launch import DeviceInfo, KernelResources
 from minigraph.kernels.loader import GPUError, _Enter, current, is_entered
 
 ARRAY_MAKERS = 1024     # (shape, dtype) array makers kept per device
+GROUP_ALIGN = 256       # bytes: where each array of an empty_group starts (cudaMalloc's alignment)
 
 
 class PyCudaBackend:
@@ -139,17 +140,13 @@ class PyCudaBackend:
         flags read once, so that their memo is among them): every attribute but
         the allocation depends only on shape, dtype, allocator and device. Empty
         shapes (no allocation) go through the constructor every time."""
-        with _Enter(state):
-            model = self.gpuarray.empty(shape, dtype, allocator=state.allocate)
-        if model.gpudata is None:
+        model = self._model(state, shape, dtype)
+        if model is None:
             def make():
                 return self.gpuarray.empty(shape, dtype, allocator=state.allocate)
         else:
-            model.flags.c_contiguous              # noqa: B018 - fills the flags memo
-            attributes = dict(vars(model))
-            del attributes["gpudata"]
-            cls, allocate, nbytes = type(model), state.allocate, model.nbytes
-            new = cls.__new__
+            cls, attributes, nbytes = model
+            new, allocate = cls.__new__, state.allocate
 
             def make():
                 array = new(cls)
@@ -157,9 +154,72 @@ class PyCudaBackend:
                 found["gpudata"] = allocate(nbytes)
                 array.__dict__ = found
                 return array
+        return self._keep(state, (shape, dtype), make)
+
+    def empty_group(self, shapes, dtype):
+        """GPUArrays of `shapes` (a tuple of shapes) and `dtype` carved from one pooled
+        allocation (see loader.empty_group): the first owns it, the others are
+        views into it (an address as gpudata and the first as base, as PyCUDA's
+        own slices are), each starting on a GROUP_ALIGN boundary."""
+        state = current()
+        key = ("group", shapes, dtype)
+        make = state.arrays.get(key)
+        if make is None:
+            make = self.group_maker(state, tuple(tuple(s) for s in shapes), np.dtype(dtype))
+            state.arrays[key] = make
+        if is_entered(state):
+            return make()
+        with _Enter(state):
+            return make()
+
+    def group_maker(self, state, shapes, dtype):
+        """make() -> the arrays of empty_group(shapes, dtype), memoised like array_maker;
+        a group with an empty shape is made array by array."""
+        models = [self._model(state, s, dtype) for s in shapes]
+        if any(m is None for m in models):
+            makers = [self.array_maker(state, s, dtype) for s in shapes]
+            return self._keep(state, ("group", shapes, dtype),
+                              lambda: [make() for make in makers])
+        cls, first, _ = models[0]
+        new, allocate, views, total = cls.__new__, state.allocate, [], 0
+        for _, attributes, nbytes in models:
+            views.append((attributes, total))
+            total += -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
+        views = views[1:]
+
+        def make():
+            owner = new(cls)
+            found = first.copy()
+            found["gpudata"] = allocation = allocate(total)
+            owner.__dict__ = found
+            start, arrays = int(allocation), [owner]
+            for attributes, offset in views:
+                array = new(cls)
+                found = attributes.copy()
+                found["gpudata"], found["base"] = start + offset, owner
+                array.__dict__ = found
+                arrays.append(array)
+            return arrays
+        return self._keep(state, ("group", shapes, dtype), make)
+
+    def _model(self, state, shape, dtype):
+        """(class, attributes but the allocation, nbytes) of a GPUArray of `shape` and
+        `dtype` on `state`'s device, from one made by PyCUDA's constructor; None for
+        an empty shape."""
+        with _Enter(state):
+            model = self.gpuarray.empty(shape, dtype, allocator=state.allocate)
+        if model.gpudata is None:
+            return None
+        model.flags.c_contiguous              # noqa: B018 - fills the flags memo
+        attributes = dict(vars(model))
+        del attributes["gpudata"]
+        return type(model), attributes, model.nbytes
+
+    @staticmethod
+    def _keep(state, key, make):
         if len(state.arrays) >= ARRAY_MAKERS:
             state.arrays.clear()
-        state.arrays[shape, dtype] = make
+        state.arrays[key] = make
         return make
 
     def copy(self, array):
@@ -167,17 +227,20 @@ class PyCudaBackend:
         enqueued on the current device's default stream)."""
         state = current()
         with _Enter(state):
-            out = self.gpuarray.empty(tuple(array.shape), array.dtype, allocator=state.allocate)
+            out = self.empty(array.shape, array.dtype)
             if array.size:
                 self.drv.memcpy_dtod_async(out.gpudata, loader.ptr(array, "copy: source"),
                                            array.nbytes)
             return out
 
     def to_device(self, array):
-        """A pooled GPUArray copy of numpy `array` (C-contiguous) on the current device."""
+        """A pooled GPUArray copy of numpy `array` (C-contiguous) on the current device
+        (what gpuarray.to_gpu does, with the array from `empty`)."""
         state = current()
         with _Enter(state):
-            return self.gpuarray.to_gpu(array, allocator=state.allocate)
+            out = self.empty(array.shape, array.dtype)
+            out.set(array)
+            return out
 
     def release(self, ctx):
         """Forget the DeviceState of `ctx` (call with ctx current): drop its

@@ -295,6 +295,24 @@ def empty(shape, dtype):
     return backend().empty(shape, dtype)
 
 
+def empty_group(shapes, dtype):
+    """Uninitialised device arrays of `shapes` (a tuple of shape tuples) and
+    `dtype`, carved from ONE pooled allocation of the current device: for
+    outputs made and dropped together (batch norm's per-channel statistics).
+    They never overlap, each starts on a 256-byte boundary, and the allocation
+    goes back to the pool when the last of them is dropped. A backend without
+    groups makes them one by one."""
+    stack = getattr(_tls, "stack", None)
+    if stack:
+        make = stack[-1].arrays.get(("group", shapes, dtype))
+        if make is not None:
+            return make()
+    group = getattr(backend(), "empty_group", None)
+    if group is None:
+        return [empty(s, dtype) for s in shapes]
+    return group(shapes, dtype)
+
+
 def copy(array):
     """A new device array (from the current device's pool) holding a copy of
     device `array`, of any dtype; nothing crosses to the host."""

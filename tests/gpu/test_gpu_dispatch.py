@@ -74,6 +74,69 @@ def test_made_arrays_match_constructed_ones_and_never_share_memory(fake, gpu):
     assert len({int(a.gpudata) for a in again}) == 4
 
 
+def test_a_group_is_one_allocation_freed_when_its_last_array_goes(fake, gpu):
+    shapes = ((5,), (5,), (2, 3))
+    state = loader.current()
+    calls = []
+    real = state.allocate
+    state.allocate = lambda n: calls.append(n) or real(n)         # a spy the makers call
+    loader.empty_group(shapes, np.float32)                        # the maker exists now
+    calls.clear()
+    a, b, c = loader.empty_group(shapes, np.float32)
+    held = sum(map(len, state.pool.held.values()))
+    assert len(calls) == 1 and calls[0] == 3 * 256               # one block: 256-byte starts
+    assert [x.shape for x in (a, b, c)] == [(5,), (5,), (2, 3)]
+    assert all(x.dtype == np.float32 for x in (a, b, c))
+    starts = [loader.ptr(x) for x in (a, b, c)]
+    assert starts == [starts[0], starts[0] + 256, starts[0] + 512]
+    for i, x in enumerate((a, b, c)):                             # views read and write
+        x.set(np.full(x.shape, i, np.float32))
+    for i, x in enumerate((a, b, c)):
+        np.testing.assert_array_equal(x.get(), np.full(x.shape, i))
+    np.testing.assert_array_equal(gpu.to_host(elementwise.copy(b)), np.full(5, 1.0))
+    del a, c, x                                                   # b keeps the block
+    assert sum(map(len, state.pool.held.values())) == held
+    del b
+    assert sum(map(len, state.pool.held.values())) == held + 1
+
+
+def test_a_group_without_backend_support_is_made_array_by_array():
+    with kernel_emulator.emulated_gpu():
+        a, b = loader.empty_group(((3,), (3,)), np.float64)
+        assert a.gpudata != b.gpudata and a.shape == b.shape == (3,)
+
+
+def bn_net(place):
+    from minigraph import layers
+
+    net = mg.Net(place=place, seed=3)
+    image = layers.data(net, "image", shape=(-1, 2, 6, 6))
+    label = layers.data(net, "label", shape=(-1,), dtype="int64")
+    h = layers.conv2d(net, image, num_filters=4, filter_size=3, padding=1)
+    h = layers.pool2d(net, layers.relu(net, layers.batch_norm(net, h)), 2)
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(
+        net, layers.fc(net, h, size=5), label))
+    mg.optimizer.Momentum(learning_rate=0.1).minimize(net, loss)
+    return net, loss
+
+
+def test_a_batch_norm_net_trains_on_the_fake_driver_as_on_the_cpu(fake):
+    """Every planned launcher, scratch buffer and grouped allocation of a conv + batch
+    norm net, with the kernels run (emulated) and every pointer checked by the fake
+    driver, against the CPU."""
+    runs = []
+    for place in (mg.GPUPlace(0), mg.CPUPlace()):
+        net, loss = bn_net(place)
+        losses = [float(net.train(feed=f, fetch=[loss])[0]) for f in batches(4)]
+        state = {v.name: net.var(v.name).get() for v in net.persistables()}
+        runs.append((losses, state))
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-4)
+    assert runs[0][1].keys() == runs[1][1].keys() >= {"batch_norm_0.estimated_var",
+                                                      "batch_norm_0.num_batches"}
+    for name, value in runs[0][1].items():
+        np.testing.assert_allclose(value, runs[1][1][name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 def test_arrays_outside_activate_push_the_context(fake):
     place = mg.GPUPlace(0)
     with place.activate():

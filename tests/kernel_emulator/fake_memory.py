@@ -31,8 +31,8 @@ class _Allocation:
     def __int__(self):
         return self.addr
 
-    def view(self, dtype, count):
-        start = self.addr - self.buf.ctypes.data
+    def view(self, dtype, count, offset=0):
+        start = self.addr - self.buf.ctypes.data + offset
         return self.buf[start:start + count * np.dtype(dtype).itemsize].view(dtype)
 
     def __del__(self):
@@ -95,7 +95,7 @@ class FakeArray:
         return super().__new__(cls)
 
     def __init__(self, cuda, shape, dtype, allocator=None):
-        self.cuda = cuda
+        self.cuda, self.base = cuda, None
         self.shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list) else
                                             (shape,)))
         self.dtype = np.dtype(dtype)
@@ -122,13 +122,26 @@ class FakeArray:
         out = cls(cuda, a.shape, a.dtype, allocator)
         return out.set(a)
 
+    def _memory(self):
+        """(allocation, byte offset) of the data. A view's gpudata is an address in
+        its base's allocation (as in PyCUDA, whose slices are such views)."""
+        data = self.gpudata
+        if isinstance(data, int):
+            owner = self.base
+            while isinstance(owner.gpudata, int):
+                owner = owner.base
+            return owner.gpudata, data - owner.gpudata.addr
+        return data, 0
+
     def _check_owner(self, what):
         ctx = self.cuda.current(what)
-        if self.cuda.strict and self.gpudata is not None and self.gpudata.ctx is not ctx:
-            raise FakeDriverError(f"{what}: array of {self.gpudata.ctx} used with {ctx} current")
+        if self.cuda.strict and self.gpudata is not None and self._memory()[0].ctx is not ctx:
+            raise FakeDriverError(f"{what}: array of {self._memory()[0].ctx} used with {ctx} "
+                                  "current")
 
     def _host(self):
-        return self.gpudata.view(self.dtype, self.size).reshape(self.shape)
+        memory, offset = self._memory()
+        return memory.view(self.dtype, self.size, offset).reshape(self.shape)
 
     def set(self, a):
         self._check_owner("memcpy_htod")
