@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels import launch, loader
+from minigraph.kernels import loader
 
 MODULE = "fill"
 SIGNATURES = {"fill_u8": "PqI", "fill_u16": "PqI", "fill_u32": "PqI", "fill_u64": "PqQ",
@@ -20,21 +20,29 @@ def _kernel(name):
 
 
 def _launch_flat(name, items, *args):
-    k = _kernel(name)
-    dev = loader.device()
-    threads = launch.block_threads(dev)
-    k.launch((launch.flat_grid(items, dev, threads, k.resources), 1, 1), (threads, 1, 1), *args)
+    loader.flat_go(MODULE, name, SIGNATURES[name], items)(*args)
+
+
+_BITS = {}
 
 
 def fill_constant(out, value):
     """Set every element of `out` (a contiguous device array of any 1, 2, 4 or
     8-byte dtype) to `value`, converted as numpy converts it (np.full). Returns out."""
-    dtype = np.dtype(out.dtype)
-    if dtype.itemsize not in (1, 2, 4, 8):
-        raise TypeError(f"fill_constant: unsupported dtype {dtype}")
-    bits = int(np.array(value).astype(dtype).reshape(1).view(f"u{dtype.itemsize}")[0])
+    kind = type(value)
+    key = (kind, value.hex() if kind is float else value, out.dtype)   # -0.0 is not 0.0
+    try:
+        name, bits = _BITS[key]
+    except (KeyError, TypeError):
+        dtype = np.dtype(out.dtype)
+        if dtype.itemsize not in (1, 2, 4, 8):
+            raise TypeError(f"fill_constant: unsupported dtype {dtype}") from None
+        name = f"fill_u{8 * dtype.itemsize}"
+        bits = int(np.array(value).astype(dtype).reshape(1).view(f"u{dtype.itemsize}")[0])
+        if kind in (int, float, bool):              # a plain value: the same bits next time
+            loader.cache_put(_BITS, key, (name, bits), 1024)
     if out.size:
-        _launch_flat(f"fill_u{8 * dtype.itemsize}", out.size, loader.ptr(out), out.size, bits)
+        _launch_flat(name, out.size, loader.ptr(out, "fill_constant: out"), out.size, bits)
     return out
 
 

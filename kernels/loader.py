@@ -362,6 +362,47 @@ def launch_flat(module, signatures, template, dtype, total, arrays, *scalars):
     go(*pointers, *scalars)
 
 
+def flat_go(module, name, fmt, items, at_least=1):
+    """The prepared launch (Kernel.prepared) of kernel `name` of `module` as a
+    grid-stride loop over `items` work items (launch.flat_grid, at least
+    `at_least` threads), made once per device, kernel and size."""
+    gos = cached("loader.flat_go", dict)
+    key = (module, name, items, at_least)
+    go = gos.get(key)
+    if go is None:
+        k = kernel(module, name, fmt)
+        dev = device()
+        threads = launch.block_threads(dev)
+        grid = launch.flat_grid(items, dev, threads, k.resources, at_least=at_least)
+        go = cache_put(gos, key, k.prepared((grid, 1, 1), (threads, 1, 1)))
+    return go
+
+
+def rows_go(module, name, fmt, rows, row_length):
+    """The prepared launch of a one-block-per-row kernel over `rows` rows of
+    `row_length` values (launch.row_block_threads, launch.rows_grid), made once
+    per device, kernel and size."""
+    gos = cached("loader.rows_go", dict)
+    key = (module, name, rows, row_length)
+    go = gos.get(key)
+    if go is None:
+        k = kernel(module, name, fmt)
+        dev = device()
+        threads = launch.row_block_threads(row_length, dev)
+        grid = launch.rows_grid(rows, threads, dev, k.resources)
+        go = cache_put(gos, key, k.prepared((grid, 1, 1), (threads, 1, 1)))
+    return go
+
+
+def cache_put(cache, key, value, limit=4096):
+    """cache[key] = value (returned), the cache emptied first when it holds `limit`
+    entries: launcher caches keyed by shapes stay bounded."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def pointers_of(arrays, module, name):
     """[ptr(a) for a in arrays], the error naming `module`.`name` and the array's
     place in `arrays` (the name is made only for an error)."""

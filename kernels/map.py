@@ -55,14 +55,15 @@ def signatures(module):
     return source_signatures(loader.read_source(module))
 
 
-def _kernel_family(module, name, scalars):
+@functools.lru_cache(maxsize=1024)
+def _family(module, name, scalars):
     found = signatures(module).get(f"{name}_f32_w1")
     if found is None:
         raise ValueError(f"kernels/{module}.cu declares no map {name!r} (it declares "
                          f"{sorted({n.rsplit('_', 2)[0] for n in signatures(module)})})")
-    if found.count("d") != len(scalars):
+    if found.count("d") != scalars:
         raise TypeError(f"map {module}.{name} takes {found.count('d')} scalar(s), got "
-                        f"{len(scalars)}")
+                        f"{scalars}")
     return f"{name}_{{t}}_w{{w}}"
 
 
@@ -77,9 +78,13 @@ def unary(module, name, x, *scalars, out=None):
     """out = f(x) elementwise, f the map `name` declared in kernels/<module>.cu
     (`scalars`: its scalar, as a float). A new array of x's shape and dtype
     (float32 or float64, C-contiguous) unless `out` is given. Returns out."""
-    template = _kernel_family(module, name, scalars)
-    launch.check_contiguous(f"{module}.{name}: x", x)
-    out = _out(f"{module}.{name}", x, out)
+    template = _family(module, name, len(scalars))
+    if not x.flags.c_contiguous:
+        launch.check_contiguous(f"{module}.{name}: x", x)
+    if out is None:
+        out = loader.empty(x.shape, x.dtype)
+    else:
+        out = _out(f"{module}.{name}", x, out)
     if x.size:
         loader.launch_flat(module, signatures(module), template, x.dtype, x.size, (x, out),
                            x.size, *(float(s) for s in scalars))
@@ -89,10 +94,15 @@ def unary(module, name, x, *scalars, out=None):
 def binary(module, name, a, b, *scalars, out=None):
     """out = f(a, b) elementwise (a and b of one shape and dtype, no broadcasting),
     f the map `name` of kernels/<module>.cu. Returns out (new unless given)."""
-    template = _kernel_family(module, name, scalars)
-    launch.check_contiguous(f"{module}.{name}: first operand", a)
-    launch.check_array(f"{module}.{name}: second operand", b, a.shape, a.dtype)
-    out = _out(f"{module}.{name}", a, out)
+    template = _family(module, name, len(scalars))
+    if not a.flags.c_contiguous:
+        launch.check_contiguous(f"{module}.{name}: first operand", a)
+    if b.shape != a.shape or b.dtype != a.dtype or not b.flags.c_contiguous:
+        launch.check_array(f"{module}.{name}: second operand", b, a.shape, a.dtype)
+    if out is None:
+        out = loader.empty(a.shape, a.dtype)
+    else:
+        out = _out(f"{module}.{name}", a, out)
     if a.size:
         loader.launch_flat(module, signatures(module), template, a.dtype, a.size, (a, b, out),
                            a.size, *(float(s) for s in scalars))

@@ -14,16 +14,24 @@ def mean(x, out=None):
     device; x must not be empty. Returns out."""
     if x.size == 0:
         raise ValueError(f"mean: input is empty (shape {tuple(x.shape)}); its mean is undefined")
-    launch.check_contiguous("mean: x", x)
-    out = loader.empty((), x.dtype) if out is None else out
-    name = f"mean_{loader.suffix(x.dtype)}"
-    k = loader.kernel(MODULE, name, SIGNATURES[name])
-    dev = loader.device()
-    threads = launch.block_threads(dev)
-    blocks = launch.flat_grid(x.size, dev, threads, k.resources)
-    partial = loader.empty((blocks,), "float64")
-    k.launch((blocks, 1, 1), (threads, 1, 1), loader.ptr(x), x.size, loader.ptr(partial),
-             loader.ptr(loader.tickets(1)), loader.ptr(out))
+    xp = loader.ptr(x, "mean: x")
+    if out is None:
+        out = loader.empty((), x.dtype)
+    plans = loader.cached("mean.plans", dict)
+    key = (x.size, x.dtype)
+    found = plans.get(key)
+    if found is None:
+        name = f"mean_{loader.suffix(x.dtype)}"
+        k = loader.kernel(MODULE, name, SIGNATURES[name])
+        dev = loader.device()
+        threads = launch.block_threads(dev)
+        blocks = launch.flat_grid(x.size, dev, threads, k.resources)
+        found = loader.cache_put(plans, key, (blocks, k.prepared((blocks, 1, 1),
+                                                                 (threads, 1, 1))))
+    blocks, go = found
+    # the blocks' partial sums live in the scratch (loader.scratch), not an array
+    go(xp, x.size, loader.scratch(blocks, "float64"), loader.ptr(loader.tickets(1)),
+       loader.ptr(out, "mean: out"))
     return out
 
 
@@ -32,8 +40,10 @@ def mean_grad(shape, dout, dx=None):
     array read on the device. Returns dx."""
     if dout.size != 1:
         raise ValueError(f"mean_grad: dout must hold one value, got shape {tuple(dout.shape)}")
-    dx = loader.empty(shape, dout.dtype) if dx is None else dx
-    launch.check_array("mean_grad: dx", dx, tuple(shape), dout.dtype)
+    if dx is None:
+        dx = loader.empty(shape, dout.dtype)
+    else:
+        launch.check_array("mean_grad: dx", dx, tuple(shape), dout.dtype)
     if dx.size:
         loader.launch_flat(MODULE, SIGNATURES, "mean_grad_{t}_w{w}", dx.dtype, dx.size,
                            (dout, dx), dx.size)

@@ -38,25 +38,40 @@ def geometry(x_shape, ksize=2, strides=None, paddings=0, global_pooling=False):
     return (h, w, kh, kw, sh, sw, ph, pw, ho, wo)
 
 
+def _plan(x, ksize, strides, paddings, global_pooling):
+    """(geometry, planes, out shape, kernel-name suffix) of pooling x, once per
+    device, shape, dtype and attributes (unhashable attributes: computed anew)."""
+    plans = loader.cached("pool2d.plans", dict)
+    key = (x.shape, x.dtype, ksize, strides, paddings, global_pooling)
+    try:
+        found = plans.get(key)
+    except TypeError:
+        key, found = None, None
+    if found is None:
+        geom = geometry(x.shape, ksize, strides, paddings, global_pooling)
+        found = (geom, int(x.shape[0]) * int(x.shape[1]),
+                 (x.shape[0], x.shape[1], geom[8], geom[9]), loader.suffix(x.dtype))
+        if key is not None:
+            loader.cache_put(plans, key, found)
+    return found
+
+
 def _launch(name, items, *args):
-    k = loader.kernel(MODULE, name, SIGNATURES[name])
-    dev = loader.device()
-    threads = launch.block_threads(dev)
-    k.launch((launch.flat_grid(items, dev, threads, k.resources), 1, 1), (threads, 1, 1), *args)
+    loader.flat_go(MODULE, name, SIGNATURES[name], items)(*args)
 
 
 def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False,
            out=None):
     """out (N, C, Ho, Wo): the max or average (over real elements) of each
     window of x (N, C, H, W). Returns out."""
-    geom = geometry(x.shape, ksize, strides, paddings, global_pooling)
-    planes = int(x.shape[0]) * int(x.shape[1])
-    out_shape = (x.shape[0], x.shape[1], geom[8], geom[9])
-    out = loader.empty(out_shape, x.dtype) if out is None else out
-    launch.check_array("pool2d: out", out, out_shape, x.dtype)
+    geom, planes, out_shape, sfx = _plan(x, ksize, strides, paddings, global_pooling)
+    if out is None:
+        out = loader.empty(out_shape, x.dtype)
+    else:
+        launch.check_array("pool2d: out", out, out_shape, x.dtype)
     if out.size:
-        _launch(f"pool_{pool_type}_{loader.suffix(x.dtype)}", out.size,
-                loader.ptr(x, "pool2d: x"), loader.ptr(out, "pool2d: out"), planes, *geom)
+        _launch(f"pool_{pool_type}_{sfx}", out.size, loader.ptr(x, "pool2d: x"),
+                loader.ptr(out, "pool2d: out"), planes, *geom)
     return out
 
 
@@ -64,15 +79,15 @@ def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
                 global_pooling=False, dx=None):
     """dx of pool2d: dout routed to each window's first maximum, or spread evenly
     over its real elements. Returns dx."""
-    geom = geometry(x.shape, ksize, strides, paddings, global_pooling)
-    planes = int(x.shape[0]) * int(x.shape[1])
-    launch.check_array("pool2d_grad: dout", dout, (x.shape[0], x.shape[1], geom[8], geom[9]),
-                       x.dtype)
-    dx = loader.empty(x.shape, x.dtype) if dx is None else dx
-    launch.check_array("pool2d_grad: dx", dx, x.shape, x.dtype)
+    geom, planes, out_shape, sfx = _plan(x, ksize, strides, paddings, global_pooling)
+    if dout.shape != out_shape or dout.dtype != x.dtype:
+        launch.check_array("pool2d_grad: dout", dout, out_shape, x.dtype)
+    if dx is None:
+        dx = loader.empty(x.shape, x.dtype)
+    else:
+        launch.check_array("pool2d_grad: dx", dx, x.shape, x.dtype)
     if dx.size == 0:
         return dx
-    sfx = loader.suffix(x.dtype)
     name = f"pool_max_grad_{sfx}" if pool_type == "max" else f"pool_avg_grad_{sfx}"
     inputs = (loader.ptr(x, "pool2d_grad: x"),) if pool_type == "max" else ()
     _launch(name, dx.size, *inputs, loader.ptr(dout, "pool2d_grad: dout"),

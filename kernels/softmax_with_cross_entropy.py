@@ -41,11 +41,7 @@ def default_status():
 
 
 def _rows_launch(name, rows, k_classes, *args):
-    kern = loader.kernel(MODULE, name, SIGNATURES[name])
-    dev = loader.device()
-    threads = launch.row_block_threads(k_classes, dev)
-    kern.launch((launch.rows_grid(rows, threads, dev, kern.resources), 1, 1), (threads, 1, 1),
-                *args)
+    loader.rows_go(MODULE, name, SIGNATURES[name], rows, k_classes)(*args)
 
 
 def forward(logits, label, status=None):

@@ -326,3 +326,41 @@ def test_allreduce_scaled_packs_reduces_and_unpacks_once():
             np.testing.assert_allclose(a.get(), v * 0.5, rtol=1e-15)
         with pytest.raises(ValueError, match=r"allreduce_scaled: the allreduce returned float64"):
             collective.allreduce_scaled(arrays, lambda flat: collective.pack(arrays[:1]), 1.0)
+
+
+def test_fill_remembers_bits_without_mixing_up_values():
+    from minigraph.kernels import fill
+
+    with kernel_emulator.emulated_gpu():
+        a = kernel_emulator.to_device(np.ones(5, np.float32))
+        for value in (0.0, -0.0, 0, False, 1.5, 2, True, 1.5, -0.0):
+            got = fill.fill_constant(a, value).get()
+            want = np.full(5, value, np.float32)
+            assert got.tobytes() == want.tobytes(), value              # -0.0 keeps its sign
+        ints = kernel_emulator.to_device(np.zeros(3, np.int32))
+        np.testing.assert_array_equal(fill.fill_constant(ints, 2.7).get(), np.full(3, 2))
+        np.testing.assert_array_equal(fill.fill_constant(ints, np.float64(-3.2)).get(),
+                                      np.full(3, -3))
+
+
+def test_mean_and_pooling_plan_once_and_make_only_their_outputs(fake, gpu, monkeypatch):
+    from minigraph.kernels import mean, pool2d
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    dx = put(gpu, x)
+    mean.mean(dx)
+    pool2d.pool2d(dx, "max", 2)
+    calls = []
+    real = pool2d.geometry
+    monkeypatch.setattr(pool2d, "geometry", lambda *a, **k: calls.append(a) or real(*a, **k))
+    made = FakeArray.made
+    m = mean.mean(dx)
+    p = pool2d.pool2d(dx, "max", 2)
+    g = pool2d.pool2d_grad(dx, p, "max", 2)
+    assert FakeArray.made - made == 3 and not calls         # outputs only; no new geometry
+    np.testing.assert_allclose(m.get(), x.mean(), rtol=1e-5)
+    np.testing.assert_array_equal(p.get(), x.reshape(2, 3, 4, 2, 4, 2).max(axis=(3, 5)))
+    assert g.shape == x.shape
+    pool2d.pool2d(dx, "max", [2, 2])                        # an unhashable ksize still works
+    assert len(calls) == 1
