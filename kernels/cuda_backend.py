@@ -205,14 +205,16 @@ class PyCudaBackend:
     def _model(self, state, shape, dtype):
         """(class, attributes but the allocation, nbytes) of a GPUArray of `shape` and
         `dtype` on `state`'s device, from one made by PyCUDA's constructor; None for
-        an empty shape."""
+        an empty shape. The model gives its allocation back to the pool at once: its
+        flags memo (among the attributes) holds the model itself."""
         with _Enter(state):
             model = self.gpuarray.empty(shape, dtype, allocator=state.allocate)
-        if model.gpudata is None:
-            return None
-        model.flags.c_contiguous              # noqa: B018 - fills the flags memo
-        attributes = dict(vars(model))
-        del attributes["gpudata"]
+            if model.gpudata is None:
+                return None
+            model.flags.c_contiguous              # noqa: B018 - fills the flags memo
+            attributes = dict(vars(model))
+            del attributes["gpudata"]
+            model.gpudata = None
         return type(model), attributes, model.nbytes
 
     @staticmethod

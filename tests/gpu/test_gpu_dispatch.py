@@ -55,10 +55,12 @@ def test_made_arrays_match_constructed_ones_and_never_share_memory(fake, gpu):
     model = gpuarray.empty((4, 3), np.dtype(np.float32), allocator=state.allocate)
     made = [loader.empty((4, 3), np.float32) for _ in range(3)]
     made.append(loader.empty((4, 3), np.dtype("float32")))       # the same maker, spelled anew
+    model.flags                                                  # noqa: B018 - memoised
     for a in made:
-        assert type(a) is type(model)
-        assert {k: v for k, v in vars(a).items() if k != "gpudata"} == \
-            {k: v for k, v in vars(model).items() if k != "gpudata"}
+        assert type(a) is type(model) and a.flags.c_contiguous
+        assert {k: v for k, v in vars(a).items() if k not in ("gpudata", "_flags")} == \
+            {k: v for k, v in vars(model).items() if k not in ("gpudata", "_flags")}
+        assert vars(a).keys() == vars(model).keys()
     addresses = [int(a.gpudata) for a in [model, *made]]
     assert len(set(addresses)) == len(addresses)                 # all alive: all distinct
     assert len({id(a.gpudata) for a in made}) == len(made)
@@ -135,6 +137,18 @@ def test_a_batch_norm_net_trains_on_the_fake_driver_as_on_the_cpu(fake):
                                                       "batch_norm_0.num_batches"}
     for name, value in runs[0][1].items():
         np.testing.assert_allclose(value, runs[1][1][name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_the_model_of_an_array_maker_holds_no_device_memory(fake, gpu):
+    """The maker keeps the model's attributes, flags memo included, and the fake's
+    flags hold their array as PyCUDA's do: the model must have let its memory go."""
+    state = loader.current()
+    allocs = fake.counts["mem_alloc"]
+    a = loader.empty((7, 3), np.float64)
+    assert a.flags.array is not a                       # the model's flags, shared
+    assert fake.counts["mem_alloc"] == allocs + 1       # the model's block went on to `a`
+    del a
+    assert len(state.pool.held[7 * 3 * 8]) == 1
 
 
 def test_arrays_outside_activate_push_the_context(fake):

@@ -102,7 +102,6 @@ class FakeArray:
         self.size = math.prod(self.shape)
         self.nbytes = self.size * self.dtype.itemsize
         self.strides = _c_strides(self.shape, self.dtype.itemsize)
-        self.flags = types.SimpleNamespace(c_contiguous=True, f_contiguous=self.ndim <= 1)
         if self.size == 0:
             self.gpudata = None
             return
@@ -115,6 +114,16 @@ class FakeArray:
     @property
     def ndim(self):
         return len(self.shape)
+
+    @property
+    def flags(self):
+        """As PyCUDA's (a memoised property): made on first use, kept in the
+        instance, and holding the array it describes (compyte's ArrayFlags)."""
+        found = self.__dict__.get("_flags")
+        if found is None:
+            found = self.__dict__["_flags"] = types.SimpleNamespace(
+                array=self, c_contiguous=True, f_contiguous=self.ndim <= 1)
+        return found
 
     @classmethod
     def from_host(cls, cuda, a, allocator=None):
