@@ -64,13 +64,15 @@ class Guard:
     """Device-side record of training batches whose statistics were not finite.
 
     status[0] = the epoch of the last flagged launch, status[1] = batches
-    rejected so far. Each forward_train launch takes a fresh epoch.
+    rejected so far (`address`: its device address). Each forward_train launch
+    takes a fresh epoch.
     """
 
     def __init__(self):
         from minigraph.kernels import fill
 
         self.status = fill.full((2,), 0, np.uint32)
+        self.address = loader.address(self.status)
         self.epoch = 0
         self._reported = 0
 
@@ -247,24 +249,25 @@ class _Training:
         self.epoch = self.guard.next_epoch()
         if out is None:
             self.y = loader.empty(x.shape, dtype)
+            self.yp = loader.address(self.y)
         else:
             launch.check_array("batch_norm: out", out, x.shape, dtype)
-            self.y = out
+            self.y, self.yp = out, loader.ptr(out, "batch_norm: out")
         self.batch_mean, self.batch_var = loader.empty_group(((channels,), (channels,)), dtype)
         self.coef = loader.scratch(5 * channels + partials, dtype)
         self.newest = self.coef + 3 * channels * dtype.itemsize
         self.partial = self.coef + 5 * channels * dtype.itemsize
         self.params = params
-        self.status = loader.ptr(self.guard.status)
+        self.status = self.guard.address
         # the StatsOut arguments every statistics kernel ends with (MG_BN_STATS_ARGS)
         self.stats_args = (
             *params, float(eps), 0.0 if momentum is None else float(momentum),
-            int(momentum is None), self.epoch, loader.ptr(self.batch_mean),
-            loader.ptr(self.batch_var), self.coef, self.newest, self.status)
+            int(momentum is None), self.epoch, loader.address(self.batch_mean),
+            loader.address(self.batch_var), self.coef, self.newest, self.status)
 
     def normalize(self):
         """y from the coefficients; commit the estimates and the counter unless flagged."""
-        x, xp, yp = self.x, self.xp, loader.ptr(self.y, "batch_norm: out")
+        x, xp, yp = self.x, self.xp, self.yp
         _packed_launch("bn_normalize", x.dtype, x.size, _aligned(xp, yp), self.channels, xp,
                        yp, x.size, self.channels, self.post, self.coef, 1, self.params[2],
                        self.params[3], self.newest, self.params[4], self.status, self.epoch)
@@ -301,7 +304,7 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     run = _Training(x, xp, plan.channels, plan.post, params, momentum, eps, out, guard,
                     plan.partials)
     plan.stats(xp, plan.pre, plan.channels, *plan.split_args, run.partial,
-               loader.ptr(loader.tickets(plan.tickets)), *run.stats_args)
+               loader.address(loader.tickets(plan.tickets)), *run.stats_args)
     return run.normalize()
 
 
@@ -382,7 +385,7 @@ def _grad_reduce(name_stem, x, xp, dyp, pre, channels, post, tail, coef_words=0)
 def _grad_dx(x, xp, dyp, dx, channels, post, coef, use_global_est):
     if not x.size:
         return
-    dxp = loader.ptr(dx)
+    dxp = loader.address(dx)
     if use_global_est:
         _packed_launch("bn_grad_dx_global", x.dtype, x.size, _aligned(dyp, dxp), 1, dyp, dxp,
                        x.size, channels, post, coef)
@@ -428,8 +431,9 @@ def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, 
     itemsize = x.dtype.itemsize
     coef = loader.scratch(4 * channels + plan.partials, x.dtype)
     plan.reduce(xp, dyp, plan.pre, channels, *plan.split_args, coef + 4 * channels * itemsize,
-                loader.ptr(loader.tickets(plan.tickets)), sp, mp, vp, float(eps), float(plan.n),
-                int(bool(use_global_est)), loader.ptr(dscale), loader.ptr(dbias), coef)
+                loader.address(loader.tickets(plan.tickets)), sp, mp, vp, float(eps),
+                float(plan.n), int(bool(use_global_est)), loader.address(dscale),
+                loader.address(dbias), coef)
     if dx is not None:
         _grad_dx(x, xp, dyp, dx, channels, plan.post, coef, use_global_est)
     return dx, dscale, dbias

@@ -149,7 +149,7 @@ def allreduce_scaled(arrays, allreduce, factor, in_place=False):
     plan = bucket(arrays)
     pointers = _pointers("pack", arrays, plan.dtype)
     flat = loader.empty((plan.size,), plan.dtype)
-    plan._launch("pack", loader.ptr(flat), pointers)
+    plan._launch("pack", loader.address(flat), pointers)
     total = allreduce(flat)
     if total.size != plan.size or total.dtype != plan.dtype:
         raise ValueError(f"allreduce_scaled: the allreduce returned {total.dtype}"
@@ -158,7 +158,7 @@ def allreduce_scaled(arrays, allreduce, factor, in_place=False):
         outs = arrays
     else:
         outs = [loader.empty(s, plan.dtype) for s in plan.shapes]
-        pointers = [loader.ptr(o) for o in outs]
+        pointers = [loader.address(o) for o in outs]
     if plan.size:
         plan._launch("unpack_scaled", loader.ptr(total, "unpack_scaled: flat"), pointers,
                      float(factor))

@@ -106,7 +106,7 @@ def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, out=None):
         launch.check_array("conv2d: out", out, plan.out_shape, x.dtype)
     if not plan.chunks:
         return out
-    op = loader.ptr(out, "conv2d: out")
+    op = loader.address(out)                # made here, or checked by check_array
     cols = loader.scratch(plan.cols, x.dtype)
     for x_off, out_off, im2col, product in plan.chunks:
         im2col(xp + x_off, cols)
@@ -159,7 +159,7 @@ def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_d
             fill.fill_constant(dw, 0)
         return dx, dw
     cols = loader.scratch(plan.cols, x.dtype)
-    dxp, dwp = loader.ptr(dx), loader.ptr(dw)
+    dxp, dwp = loader.address(dx), loader.address(dw)
     for x_off, d_off, im2col, dfilter, dcols, col2im in plan.chunks:
         if dw is not None:
             im2col(xp + x_off, cols)

@@ -125,8 +125,8 @@ def channel_sum(d, pre, channels, post, out=None):
         found = plans[key] = _channel_sum_plan(pre, channels, post, d.dtype, aligned)
     plan, go = found
     partial = loader.scratch(channels * plan.splits, np.float64)
-    go(dp, pre, channels, *plan.split_args, partial, loader.ptr(loader.tickets(plan.tickets)),
-       loader.ptr(out, "channel_sum: out"))
+    go(dp, pre, channels, *plan.split_args, partial,
+       loader.address(loader.tickets(plan.tickets)), loader.ptr(out, "channel_sum: out"))
     return out
 
 

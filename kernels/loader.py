@@ -403,6 +403,15 @@ def cache_put(cache, key, value, limit=4096):
     return value
 
 
+def address(array):
+    """The device address of an array the loader made (empty, empty_group,
+    copy, to_device, tickets: C-contiguous by construction), without ptr's
+    contiguity check; 0 for None and for an empty array."""
+    if array is None or array.gpudata is None:
+        return 0
+    return int(array.gpudata)
+
+
 def pointers_of(arrays, module, name):
     """[ptr(a) for a in arrays], the error naming `module`.`name` and the array's
     place in `arrays` (the name is made only for an error)."""

@@ -109,7 +109,7 @@ def mul(x, y, x_num_col_dims=1, out=None):
         from minigraph.kernels import fill
 
         return fill.fill_constant(out, 0)
-    run(xp, yp, loader.ptr(out, "mul: out"))
+    run(xp, yp, loader.address(out))        # made here, or checked by check_array
     return out
 
 
@@ -140,10 +140,10 @@ def mul_grad(x, y, dout, x_num_col_dims=1, need_dx=True, need_dy=True):
     dx = dy = None
     if need_dx:
         dx = loader.empty(x.shape, x.dtype)
-        dx_run(dp, yp, loader.ptr(dx))
+        dx_run(dp, yp, loader.address(dx))
     if need_dy:
         dy = loader.empty(y.shape, y.dtype)
-        dy_run(xp, dp, loader.ptr(dy))
+        dy_run(xp, dp, loader.address(dy))
     return dx, dy
 
 

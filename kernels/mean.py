@@ -30,7 +30,7 @@ def mean(x, out=None):
                                                                  (threads, 1, 1))))
     blocks, go = found
     # the blocks' partial sums live in the scratch (loader.scratch), not an array
-    go(xp, x.size, loader.scratch(blocks, "float64"), loader.ptr(loader.tickets(1)),
+    go(xp, x.size, loader.scratch(blocks, "float64"), loader.address(loader.tickets(1)),
        loader.ptr(out, "mean: out"))
     return out
 

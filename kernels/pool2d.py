@@ -71,7 +71,7 @@ def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling
         launch.check_array("pool2d: out", out, out_shape, x.dtype)
     if out.size:
         _launch(f"pool_{pool_type}_{sfx}", out.size, loader.ptr(x, "pool2d: x"),
-                loader.ptr(out, "pool2d: out"), planes, *geom)
+                loader.address(out), planes, *geom)
     return out
 
 
@@ -91,5 +91,5 @@ def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
     name = f"pool_max_grad_{sfx}" if pool_type == "max" else f"pool_avg_grad_{sfx}"
     inputs = (loader.ptr(x, "pool2d_grad: x"),) if pool_type == "max" else ()
     _launch(name, dx.size, *inputs, loader.ptr(dout, "pool2d_grad: dout"),
-            loader.ptr(dx, "pool2d_grad: dx"), planes, *geom)
+            loader.address(dx), planes, *geom)
     return dx

@@ -55,8 +55,8 @@ def forward(logits, label, status=None):
     loss = loader.empty((rows,), logits.dtype)
     if rows and classes:
         _rows_launch(f"swce_forward_{loader.suffix(logits.dtype)}", rows, classes,
-                     loader.ptr(logits), loader.ptr(label), loader.ptr(softmax), loader.ptr(loss),
-                     rows, classes, loader.ptr(status.array))
+                     loader.ptr(logits), loader.ptr(label), loader.address(softmax),
+                     loader.address(loss), rows, classes, loader.address(status.array))
     return softmax, loss
 
 
@@ -78,6 +78,6 @@ def grad(label, softmax, dloss=None, dsoftmax=None, status=None):
     if rows and classes:
         _rows_launch(f"swce_grad_{loader.suffix(softmax.dtype)}", rows, classes,
                      loader.ptr(label), loader.ptr(softmax), loader.ptr(dloss),
-                     loader.ptr(dsoftmax), loader.ptr(dlogits), rows, classes,
-                     loader.ptr(status.array))
+                     loader.ptr(dsoftmax), loader.address(dlogits), rows, classes,
+                     loader.address(status.array))
     return dlogits
