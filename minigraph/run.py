@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph import host_memory
 from minigraph.executor import check_feed
 from minigraph.schema import OpError
 from minigraph.scope import Variable
@@ -57,6 +58,8 @@ class Plan:
         (besides fetches, persistables and data)."""
         found = self._compiled.get(kind)
         if found is None:
+            if kind == "cpu":
+                host_memory.keep_freed_memory()
             found = self._compiled[kind] = _compile(self, kind, keep)
         return found
 

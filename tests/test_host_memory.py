@@ -1,0 +1,78 @@
+"""host_memory: glibc told to keep freed memory, once, unless the user tunes malloc."""
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from minigraph import host_memory
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# Trains the demo net and prints keep_freed_memory()'s answer and the minor page
+# faults per step after warm-up.
+SCRIPT = textwrap.dedent("""
+    import resource
+    from minigraph import host_memory
+    from minigraph.examples.train_digits import build_net
+    import numpy as np
+    net, h = build_net(seed=0)
+    rng = np.random.default_rng(0)
+    feed = {"image": rng.standard_normal((64, 1, 8, 8), dtype=np.float32),
+            "label": rng.integers(0, 10, 64)}
+    for _ in range(10):
+        net.train(feed=feed, fetch=[h["loss"]])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(50):
+        net.train(feed=feed, fetch=[h["loss"]])
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    print(host_memory.keep_freed_memory(), (after - before) / 50)
+""")
+
+
+def run_script(**env):
+    clean = {k: v for k, v in os.environ.items()
+             if not (k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES",
+                                                      "MINIGRAPH_KEEP_FREED_MEMORY"))}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env={**clean, **env},
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    tuned, faults = out.split()
+    return tuned == "True", float(faults)
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+def test_steps_reuse_freed_memory():
+    """After warm-up a training step touches no fresh pages; without the tuning
+    each step faults in the pages of the arrays glibc gave back."""
+    tuned, faults = run_script()
+    assert tuned and faults < 2
+    tuned, faults = run_script(MINIGRAPH_KEEP_FREED_MEMORY="0")
+    assert not tuned and faults > 20
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+@pytest.mark.parametrize("env", [{"MALLOC_MMAP_THRESHOLD_": "65536"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])
+def test_the_users_malloc_settings_win(env):
+    tuned, _ = run_script(**env)
+    assert not tuned
+
+
+def test_runs_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(host_memory, "_state", None)
+    monkeypatch.setattr(host_memory, "_tune", lambda: calls.append(1) or True)
+    assert host_memory.keep_freed_memory() and host_memory.keep_freed_memory()
+    assert calls == [1]
+
+
+def test_opt_out_and_non_glibc(monkeypatch):
+    monkeypatch.setenv("MINIGRAPH_KEEP_FREED_MEMORY", "0")
+    assert host_memory._tune() is False
+    monkeypatch.delenv("MINIGRAPH_KEEP_FREED_MEMORY")
+    for k in [k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]:
+        monkeypatch.delenv(k)
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    assert host_memory._tune() is False
