@@ -30,7 +30,25 @@ CASES = [
     ((2, 3, 6, 5), (4, 3, 3, 1), {"paddings": (1, 0)}),
     ((3, 2, 5, 5), (2, 2, 3, 3), {"paddings": 2, "strides": (2, 3)}),
     ((2, 3, 5, 5), (3, 3, 1, 1), {"paddings": 1}),
+    # stride 1 with fewer column rows than output channels: strided, not flat, columns
+    ((2, 1, 5, 6), (6, 1, 2, 2), {"paddings": 1}),
+    ((2, 2, 5, 5), (8, 1, 1, 3), {"groups": 2, "paddings": (0, 1)}),
 ]
+
+
+def test_both_column_layouts_are_covered():
+    """Stride-1 cases take flat columns when C/G kh kw >= O/G, else strided ones."""
+    layouts = set()
+    for x_shape, w_shape, attrs in CASES:
+        a = {k: (v, v) if isinstance(v, int) and k != "groups" else v
+             for k, v in attrs.items()}
+        g = conv_cpu.geometry(x_shape, w_shape, a.get("strides", (1, 1)),
+                              a.get("paddings", (0, 0)), a.get("dilations", (1, 1)),
+                              a.get("groups", 1))
+        if g.unit_stride and not g.pointwise:
+            layouts.add(g.flat)
+            assert g.flat == (w_shape[1] * g.taps >= w_shape[0] // g.groups)
+    assert layouts == {True, False}
 
 
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
