@@ -17,8 +17,9 @@ L = Ho Wp values; the products then also cover Wp - Wo columns per output row
 that are not outputs (dropped, and zero in the gradient). Other convs copy
 a (C, kh, kw, m, Ho, Wo) strided view: for a first layer on 1-3 channels
 cropping the flat product's rows costs more than the strided copy (the demo
-net's conv: forward 0.073 -> 0.059 ms, filter gradient 0.112 -> 0.078 ms). A 1x1 stride-1 unpadded conv
-multiplies x itself, image by image, straight into the output.
+net's conv: forward 0.073 -> 0.059 ms, filter gradient 0.112 -> 0.078 ms).
+A 1x1 stride-1 unpadded conv multiplies x itself, image by image, straight
+into the output.
 
 Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
 copy and the product; the column, padding and gradient buffers are this

