@@ -15,6 +15,11 @@ other down many times over when they share a process on a few cores. Each
 framework gets `--threads` threads (mg.set_num_threads, which also limits BLAS
 through threadpoolctl; torch.set_num_threads). Results come back as JSON.
 
+Timings alternate: --rounds rounds (default 3), each a fresh minigraph process
+then a fresh PyTorch process; the table shows the median over rounds of each
+side's time, and the range of the rounds' ratios (this machine's speed drifts
+by 2x over minutes, so a lone pair of processes can be far off).
+
 - train: median wall time of one training step (forward, backward, update; the
   loss fetched / `.item()`), after warm-up steps.
 - infer: median time of one inference batch: minigraph's net after
@@ -346,22 +351,37 @@ def worker_result(framework, net, what, args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def timed_rounds(net, args):
+    """(minigraph, pytorch, ratios): each framework's times, the median over
+    `args.rounds` rounds that each run minigraph then PyTorch in fresh processes
+    (so a slow spell of the machine lands on both sides of a round's ratio), and
+    every round's ratio per measurement."""
+    rounds = [(worker_result("minigraph", net, "time", args),
+               worker_result("pytorch", net, "time", args)) for _ in range(args.rounds)]
+    mine = {**rounds[0][0], **{w: statistics.median(r[0][w] for r in rounds)
+                               for w in ("train", "infer", "infer (net)")}}
+    theirs = {w: statistics.median(r[1][w] for r in rounds) for w in ("train", "infer")}
+    ratios = {w: [m[w] / t[w] for m, t in rounds] for w in ("train", "infer")}
+    return mine, theirs, ratios
+
+
 def report(args):
     print(f"threads: {args.threads} per framework, each measurement in its own process; "
-          f"medians of {args.repeat} steps after {args.warmup} warm-up steps; "
+          f"medians of {args.repeat} steps after {args.warmup} warm-up steps, then the "
+          f"median over {args.rounds} rounds (minigraph, then PyTorch); "
           f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'net (batch)':<22} {'':<6} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
-          f"{'target':>7}")
+          f"{'per round':>11} {'target':>7}")
     rows = {}
     for net in args.nets:
-        mine = worker_result("minigraph", net, "time", args)
-        theirs = worker_result("pytorch", net, "time", args)
+        mine, theirs, ratios = timed_rounds(net, args)
         n, chw = NETS[net]
         label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what, target in (("train", 1.5), ("infer", 1.0)):
             r = mine[what] / theirs[what]
+            spread = f"{min(ratios[what]):.2f}-{max(ratios[what]):.2f}"
             print(f"{label:<22} {what:<6} {mine[what]:>12.2f} {theirs[what]:>11.2f} {r:>6.2f} "
-                  f"{'<= ' + str(target):>7} {'ok' if r <= target else 'MISSED'}")
+                  f"{spread:>11} {'<= ' + str(target):>7} {'ok' if r <= target else 'MISSED'}")
             label = ""
         print(f"{'':<22} {'(infer, unoptimised net: ' + format(mine['infer (net)'], '.2f')}"
               f" ms; ops run: train {mine['ops']['train']}, infer {mine['ops']['infer']})")
@@ -392,6 +412,8 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=30, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mem-steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="fresh minigraph and PyTorch processes per timing, alternated")
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
     parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
     parser.add_argument("--net", choices=sorted(NETS), help=argparse.SUPPRESS)
