@@ -31,6 +31,7 @@ other strides, filter^T @ dout per chunk with each tap's columns added back
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -239,7 +240,7 @@ def _chunk(g, dtype):
 
 def _scratch(slot, dtype, shape):
     """This thread's scratch array `slot` viewed as `shape`."""
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     return scratch(slot, dtype, size)[:size].reshape(shape)
 
 

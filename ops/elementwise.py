@@ -8,6 +8,8 @@ sum: out = x[0] + x[1] + ...; autodiff uses it to add gradient contributions.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from minigraph.kernels import elementwise as gpu
@@ -98,7 +100,7 @@ def elementwise_add_grad_cpu(op, ins):
         out["dx"] = d
     if op.wants("dy"):
         start = broadcast_axis(op.type, d.shape, y.shape, op.attrs["axis"])
-        post = int(np.prod(d.shape[start + y.ndim:], dtype=np.int64))
+        post = math.prod(d.shape[start + y.ndim:])
         rows = np.ascontiguousarray(d).reshape(-1, y.size, post)
         if post > 1:
             rows = rows @ np.ones(post, dtype=d.dtype)

@@ -5,7 +5,7 @@ y is (K, M) with K the second of those, and out has shape x.shape[:n] + (M,).
 """
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from minigraph.kernels import matmul as gpu
 from minigraph.ops.device import GPU_FLOATS, present
@@ -30,7 +30,7 @@ from minigraph.schema import (
 def flat_cols(shape, n):
     """prod(shape[n:]), or -1 when a dim there is unknown."""
     tail = shape[n:]
-    return -1 if any(d < 0 for d in tail) else int(np.prod(tail, dtype=np.int64))
+    return -1 if any(d < 0 for d in tail) else math.prod(tail)
 
 
 def infer_mul(ins, attrs):
@@ -50,7 +50,7 @@ def infer_mul(ins, attrs):
 
 def as_matrix(x, n):
     """x viewed as (prod(x.shape[:n]), prod(x.shape[n:]))."""
-    return x.reshape(int(np.prod(x.shape[:n], dtype=np.int64)), flat_cols(x.shape, n))
+    return x.reshape(math.prod(x.shape[:n]), flat_cols(x.shape, n))
 
 
 def infer_mul_grad(ins, attrs):
@@ -80,7 +80,7 @@ def mul_grad_cpu(op, ins):
     """dx = dout2 @ y.T reshaped to x's shape; dy = x2.T @ dout2."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
     n = op.attrs["x_num_col_dims"]
-    d2 = d.reshape(int(np.prod(x.shape[:n], dtype=np.int64)), y.shape[1])
+    d2 = d.reshape(math.prod(x.shape[:n]), y.shape[1])
     out = {}
     if op.wants("dx"):
         out["dx"] = (d2 @ y.T).reshape(x.shape)
