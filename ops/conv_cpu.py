@@ -134,13 +134,15 @@ def forward(x, w, g, bias=None, residual=None, relu=False):
         cols = _fill_cols(view, n0, n1, g)
         res = _scratch("conv.res", x.dtype, (g.groups, g.o // g.groups, m * g.length))
         np.matmul(wg, cols, out=res)
-        res = res.reshape(g.o, m, g.ho, width)[..., :g.wo].transpose(1, 0, 2, 3)
+        rows = res.reshape(g.o, m * g.length)
+        if bias is not None:            # on the product's long rows, before the transpose
+            rows += bias.reshape(-1, 1)
+        if relu and residual is None:
+            cpu_blocks.relu(rows, out=rows)
         dst = out[n0:n1]
-        if bias is not None:
-            np.add(res, bias.reshape(-1, 1, 1), out=dst)
-        else:
-            np.copyto(dst, res)
-        _epilogue(dst, None, None if residual is None else residual[n0:n1], relu)
+        np.copyto(dst, res.reshape(g.o, m, g.ho, width)[..., :g.wo].transpose(1, 0, 2, 3))
+        if residual is not None:
+            _epilogue(dst, None, residual[n0:n1], relu)
 
     _run_chunks(chunk, g, x.dtype)
     return out
