@@ -36,6 +36,8 @@ PARALLEL_MIN_BYTES = 1 << 21   # smaller arrays stay on the calling thread
 MIN_UNIT = 2048                # short rows are grouped into units of at least this many values
 MIN_INNER = 16                 # shorter inner axes (NHWC: 1) sum over rows, not along them
 MAX_DOT = 8192                 # longest row whose dot products go through einsum
+ZEROS_SIZE = 1 << 16           # relu compares with this many zeros at a time
+SMALL_RELU = 8192               # smaller arrays: numpy's scalar loop costs less than the calls
 
 if hasattr(os, "sched_getaffinity"):
     _threads = len(os.sched_getaffinity(0))
@@ -131,24 +133,31 @@ def ones(n, dtype):
     return v
 
 
-def zeros_as(x):
-    """A read-only array of zeros with x's shape and dtype: a view of one cached
-    buffer per dtype (calloc'd, so its pages are the system's zero page until
-    written, which they never are). numpy's maximum and minimum against a 0-d
-    operand skip their SIMD loops (about 5x slower on float32 than against a
-    same-shape array), so relu compares with this instead."""
-    dtype = np.dtype(x.dtype)
-    buf = _zeros_cache.get(dtype)
-    if buf is None or buf.size < x.size:
-        buf = np.zeros(max(x.size, 1 << 16), dtype)
-        buf.flags.writeable = False
-        _zeros_cache[dtype] = buf
-    return buf[:x.size].reshape(x.shape)
+def zeros(dtype):
+    """A cached read-only vector of ZEROS_SIZE zeros of `dtype` (relu's right side)."""
+    dtype = np.dtype(dtype)
+    v = _zeros_cache.get(dtype)
+    if v is None:
+        v = np.zeros(ZEROS_SIZE, dtype)
+        v.flags.writeable = False
+        _zeros_cache[dtype] = v
+    return v
 
 
 def relu(x, out=None):
-    """max(x, 0) elementwise (NaN stays NaN), into `out` when given."""
-    return np.maximum(x, zeros_as(x), out=out)
+    """max(x, 0) elementwise (NaN stays NaN), into `out` (x's shape and dtype) when
+    given, else into a new array. numpy's maximum against a 0-d zero skips its
+    SIMD loop (about 5x slower on float32 than against an array), so contiguous
+    x is compared, ZEROS_SIZE values at a time, with a cached vector of zeros."""
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    if x.size < SMALL_RELU or not (x.flags.c_contiguous and out.flags.c_contiguous):
+        return np.maximum(x, np.zeros((), x.dtype), out=out)
+    flat_x, flat_out, z = x.reshape(-1), out.reshape(-1), zeros(x.dtype)
+    for i in range(0, x.size, ZEROS_SIZE):
+        part = flat_x[i:i + ZEROS_SIZE]
+        np.maximum(part, z[:part.size], out=flat_out[i:i + ZEROS_SIZE])
+    return out
 
 
 def scratch(slot, dtype, size):

@@ -6,8 +6,9 @@ Layout: x (N, C, H, W), filter (O, C/G, kh, kw), out (N, O, Ho, Wo), all NCHW.
 A chunk of m images is one product per group: filter[g] (O/G, C/G kh kw) @
 cols[g] (C/G kh kw, m L), the columns of the chunk's images side by side, so
 BLAS sees one wide matrix rather than m narrow ones; the result (O, m, L)
-goes to the NCHW output by one transposing copy (with the bias, residual and
-relu of fused_conv2d applied on the way, while the chunk is in cache).
+goes to the NCHW output by one transposing copy, while the chunk is in cache:
+fused_conv2d's bias (and relu, without a residual) on the result's long rows
+before the copy, its residual (then relu) on the output after it.
 
 Stride 1 (any padding or dilation) with at least as many column rows
 (C/G kh kw) as output channels per group uses "flat" columns: each padded input

@@ -212,3 +212,22 @@ def test_a_forked_child_gets_a_fresh_pool():
         child.kill()
         pytest.fail("the forked child hung in run_blocks")
     assert queue.get(timeout=5) is True
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(5, 7), (3, cpu_blocks.ZEROS_SIZE + 5), (2, 16, 33, 33)])
+def test_relu_matches_numpy_maximum(dtype, shape):
+    """relu against chunks of cached zeros is np.maximum(x, 0), bit for bit: NaN
+    stays NaN, -inf and -0.0 give 0; in place, into `out`, and on a strided x."""
+    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    x.reshape(-1)[:4] = [np.nan, -np.inf, -0.0, np.inf]
+    expected = np.maximum(x, 0)
+    np.testing.assert_array_equal(cpu_blocks.relu(x), expected)
+    out = np.full_like(x, 7.0)
+    assert cpu_blocks.relu(x, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    y = x.copy()
+    cpu_blocks.relu(y, out=y)
+    np.testing.assert_array_equal(y, expected)
+    np.testing.assert_array_equal(cpu_blocks.relu(x.T), expected.T)
+    assert not cpu_blocks.zeros(dtype).any() and not cpu_blocks.zeros(dtype).flags.writeable
