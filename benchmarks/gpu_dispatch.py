@@ -88,7 +88,7 @@ def net_steps(net, loss, extra):
     from minigraph import run
 
     plan = run.make_plan(list(net.ops("train")) + list(extra), "train", (loss,))
-    steps, _ = plan.compiled("gpu", run._parameter_grads(net))
+    steps = plan.compiled("gpu", run._parameter_grads(net))[0]
     return {id(step[1]): step[:5] + ((), 0) for step in steps}
 
 

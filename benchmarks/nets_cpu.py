@@ -35,9 +35,9 @@ by 2x over minutes, so a lone pair of processes can be far off).
   threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_=65536, so freed arrays go
   back to the system and RSS follows what is alive), after warm-up steps the
   values the framework keeps between steps are dropped (minigraph: every
-  non-persistable Variable and the main thread's scratch arrays; PyTorch: the
-  gradients, zero_grad(set_to_none)),
-  the RSS is read (VmRSS), the peak is reset (writing 5 to
+  non-persistable Variable; PyTorch: the gradients, zero_grad(set_to_none);
+  each drops the last step's gradients as its step starts anyway), the RSS
+  is read (VmRSS), the peak is reset (writing 5 to
   /proc/self/clear_refs) and after `--mem-steps` steps the peak is read
   (VmHWM): the step's peak is VmHWM - VmRSS. For minigraph, tracemalloc's
   peak over one step (numpy reports its allocations to it) is shown too.
@@ -235,15 +235,12 @@ def mg_memory(net, step, warmup, steps):
 
 def drop_temporaries(net):
     """Drop what minigraph keeps between steps besides the model, optimizer state and
-    feeds: the values of temporaries, and this thread's scratch arrays (the conv
-    engine's column buffers), so the step's peak counts them."""
-    from minigraph import cpu_blocks
-
+    feeds: the values of temporaries (the fetched loss, the parameters' gradients),
+    so the step's peak counts them. The kernels keep no work arrays between calls."""
     for s in (net.scope, *net.scopes.values()):
         for v in s.vars.values():
             if not v.persistable and not v.is_data:
                 v.value = None
-    vars(cpu_blocks._local).clear()        # scratch(): thread-local, refilled on demand
 
 
 def rss_peak(step, steps):

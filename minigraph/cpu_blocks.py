@@ -45,7 +45,6 @@ else:
     _threads = os.cpu_count() or 1
 _pool = None
 _pool_lock = threading.Lock()
-_local = threading.local()
 _ones_cache = {}
 _zeros_cache = {}
 _plans = {}
@@ -158,17 +157,6 @@ def relu(x, out=None):
         part = flat_x[i:i + ZEROS_SIZE]
         np.maximum(part, z[:part.size], out=flat_out[i:i + ZEROS_SIZE])
     return out
-
-
-def scratch(slot, dtype, size):
-    """This thread's scratch array number `slot` (>= size elements), kept between calls."""
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    buf = bufs.get((slot, dtype))
-    if buf is None or buf.size < size:
-        buf = bufs[(slot, dtype)] = np.empty(size, dtype)
-    return buf
 
 
 class Block(NamedTuple):

@@ -12,8 +12,10 @@ computed; a value that later ops read only for its shape (add_grad's x and
 y, `Slot.shape_only`) is replaced by a stand-in of that shape and dtype that
 holds no memory. A training step keeps the values it fetches, the
 persistables, the feeds and the gradients of the persistables (as PyTorch
-keeps `.grad`); to read any other value of a training step, fetch it.
-Inference keeps every value. Ops check their inputs' shapes and dtypes
+keeps `.grad`); to read any other value of a training step, fetch it. The
+gradients a step computes anew are dropped as it starts (as PyTorch's
+zero_grad(set_to_none=True)), so the last step's hold no memory during this
+one. Inference keeps every value. Ops check their inputs' shapes and dtypes
 (schema inference) while the signature of what the plan reads from outside
 (feeds, persistables) is new; once a run with a signature has succeeded,
 later runs with it skip those checks, since every value inside follows from
@@ -50,12 +52,15 @@ class Plan:
         self.saved = {}                 # id(persistable) -> the journal's reusable copy
 
     def compiled(self, kind, keep=()):
-        """(steps, external) for place kind `kind`: steps[i] = (kernel or None, op,
-        inputs, outputs, writes, releases, n): after ops[i] a training step drops the
+        """(steps, external, stale) for place kind `kind`: steps[i] = (kernel or None,
+        op, inputs, outputs, writes, releases, n): after ops[i] a training step drops the
         values of releases[:n] and replaces those of releases[n:] (read later only for
         their shapes: Slot.shape_only) by stand-ins; external: the Variables the plan reads
-        that no op of it writes. `keep`: Variables a training step never releases
-        (besides fetches, persistables and data)."""
+        that no op of it writes. `keep`: Variables a training step keeps after it ends
+        (besides fetches, persistables and data: the persistables' gradients); stale:
+        those of them the step computes anew without reading them first, whose values
+        from the last step a training step drops before its first op (as PyTorch's
+        zero_grad(set_to_none=True)), so they take no memory while the step runs."""
         found = self._compiled.get(kind)
         if found is None:
             if kind == "cpu":
@@ -85,6 +90,9 @@ def _compile(plan, kind, kept):
                 releases[i].append(v)
                 if value_use.get(id(v), i) < i:      # later ops read only its shape
                     thins[value_use[id(v)]].append(v)
+    stale = ()
+    if plan.mode == "train":
+        stale = tuple(v for v in kept if id(v) in made and all(v is not e for e in external))
     steps = []
     for op, writes, free, thin in zip(plan.ops, plan.writes, releases, thins):
         ins = tuple((slot, v, UNBOUND if v is None else LIST if isinstance(v, list) else ONE)
@@ -93,7 +101,7 @@ def _compile(plan, kind, kept):
                      for slot, v in op.outputs.items() if v is not None)
         steps.append((op.schema.kernels.get(kind), op, ins, outs, writes,
                       tuple(free) + tuple(thin), len(free)))
-    return tuple(steps), tuple(external)
+    return tuple(steps), tuple(external), stale
 
 
 def _value_vars(op):
@@ -154,7 +162,7 @@ def run_step(net, mode, feed, fetch):
         if stored is value:
             stored = stored.copy()      # the net never keeps (nor writes) the caller's array
         var.value = stored
-    steps, external = plan.compiled(place.kind, _parameter_grads(net))
+    steps, external, stale = plan.compiled(place.kind, _parameter_grads(net))
     signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
                       for v in external)
     check = signature != plan.checked
@@ -164,6 +172,8 @@ def run_step(net, mode, feed, fetch):
             plan.checked = signature
             return net.executor.fetch_all(net.scopes[mode], targets)
         journal = Journal(place, plan.saved)
+        for var in stale:
+            var.value = None
         try:
             run_ops(steps, place, check, journal)
             place.check_errors()        # what device kernels flagged fails the step too

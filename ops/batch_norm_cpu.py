@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from minigraph.cpu_blocks import plan_for, run_blocks, scratch
+from minigraph.cpu_blocks import plan_for, run_blocks
 
 SHIFT_VALUES = 256             # values per channel that pick the shift of the statistics
 SMALL_VALUES = 1 << 14         # arrays this small take plain float64 numpy (less overhead)
@@ -70,7 +70,7 @@ def local_stats(x3):
     s1, s2 = plan.new_sums(x3.dtype), plan.new_sums(x3.dtype)
 
     def part(blocks):
-        buf = scratch(0, x3.dtype, plan.block_elems)
+        buf = np.empty(plan.block_elems, x3.dtype)   # one block's work, per thread
         with np.errstate(invalid="ignore", over="ignore"):     # the caller checks the result
             for blk in blocks:
                 xb = plan.view(xs, blk)
@@ -155,7 +155,7 @@ def grad_sums(x3, dy3, mean, invstd=None):
     s_dy, s_dyx = plan.new_sums(x3.dtype), plan.new_sums(x3.dtype)
 
     def part(blocks):
-        buf = scratch(0, x3.dtype, plan.block_elems)
+        buf = np.empty(plan.block_elems, x3.dtype)   # one block's work, per thread
         for blk in blocks:
             xb, gb = plan.view(xs, blk), plan.view(dys, blk)
             d = buf[:xb.size].reshape(xb.shape)
@@ -195,7 +195,7 @@ def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
     xs, dys, outs = plan.bases(x3), plan.bases(dy3), plan.bases(out3)
 
     def part(blocks):
-        buf = scratch(1, dt, plan.block_elems)
+        buf = np.empty(plan.block_elems, dt)   # one block's work, per thread
         for blk in blocks:
             gb, o = plan.view(dys, blk), plan.view(outs, blk)
             if k_x_row is None:

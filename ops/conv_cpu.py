@@ -24,10 +24,13 @@ into the output.
 
 Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
 copy and the product, and each chunk is padded on its own (a chunk-sized
-padded copy, not the batch's); the column, padding and gradient buffers are
-this thread's scratch arrays, reused from call to call
-(minigraph.cpu_blocks.scratch). CHUNK_BYTES at 1 MiB made the ResNet
-benchmark's training step ~10 % slower, so it stays at 2 MiB.
+padded copy, not the batch's). The column, padding and gradient buffers are
+work arrays of one call (`Work`), made for its first chunk and reused by the
+others, and freed when the call returns: nothing is kept between calls, so a
+training step's peak memory holds only the running conv's buffers (with
+minigraph.host_memory's settings the allocator hands the same blocks back,
+without page faults). CHUNK_BYTES at 1 MiB made the ResNet benchmark's
+training step ~10 % slower, so it stays at 2 MiB.
 Gradients: dfilter sums dout (O, m L) @ cols^T over the chunks; dx of a
 stride-1 conv is the conv of the padded dout with the flipped filter; of
 other strides, filter^T @ dout per chunk with each tap's columns added back
@@ -41,7 +44,6 @@ from typing import NamedTuple
 import numpy as np
 
 from minigraph import cpu_blocks
-from minigraph.cpu_blocks import scratch
 
 CHUNK_BYTES = 1 << 21
 
@@ -131,11 +133,12 @@ def forward(x, w, g, bias=None, residual=None, relu=False):
         _epilogue(out, bias, residual, relu)
         return out
     width = g.wp if g.flat else g.wo
+    work = Work()
 
     def chunk(n0, n1):
         m = n1 - n0
-        cols = _fill_cols(x[n0:n1], g)
-        res = _scratch("conv.res", x.dtype, (g.groups, g.o // g.groups, m * g.length))
+        cols = _fill_cols(x[n0:n1], g, work)
+        res = work.array("res", x.dtype, (g.groups, g.o // g.groups, m * g.length))
         np.matmul(wg, cols, out=res)
         rows = res.reshape(g.o, m * g.length)
         if bias is not None:            # on the product's long rows, before the transpose
@@ -165,15 +168,16 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     if not (need_dw or need_dx):
         return dx, None
     dxp = np.zeros((g.n, g.c, g.hp, g.wp), dtype=x.dtype) if need_dx else None
+    work = Work()
 
     def chunk(n0, n1):
         m = n1 - n0
-        dcol = _dout_columns(d, n0, n1, g)
+        dcol = _dout_columns(d, n0, n1, g, work)
         if need_dw:
-            cols = _fill_cols(x[n0:n1], g)
+            cols = _fill_cols(x[n0:n1], g, work)
             dwg[...] += np.matmul(dcol, cols.swapaxes(-1, -2))
         if need_dx:              # the column buffer again: dfilter is done with it
-            dcols = _scratch("conv.cols", x.dtype, (g.groups, rows, m * g.length))
+            dcols = work.array("cols", x.dtype, (g.groups, rows, m * g.length))
             np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
             _col2im(dcols, dxp, n0, n1, g)
 
@@ -242,20 +246,30 @@ def _chunk(g, dtype):
     return max(1, min(g.n, CHUNK_BYTES // max(1, per_image)))
 
 
-def _scratch(slot, dtype, shape):
-    """This thread's scratch array `slot` viewed as `shape`."""
-    size = math.prod(shape)
-    return scratch(slot, dtype, size)[:size].reshape(shape)
+class Work:
+    """The work arrays of one engine call, by name: `array` makes one for the first
+    chunk and hands the same memory (as a view of the asked shape) to later, no
+    larger chunks. Freed with the object, at the end of the call."""
+
+    def __init__(self):
+        self._arrays = {}
+
+    def array(self, name, dtype, shape):
+        size = math.prod(shape)
+        buf = self._arrays.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._arrays[name] = np.empty(size, dtype)
+        return buf[:size].reshape(shape)
 
 
-def _padded(x, g):
+def _padded(x, g, work):
     """x (a chunk of images) with its padding as (m, C, Hp Wp) planes, C-contiguous,
-    followed by g.slack zeros: x itself when neither is needed, else a scratch array."""
+    followed by g.slack zeros: x itself when neither is needed, else a work array."""
     m = x.shape[0]
     if g.ph == 0 and g.pw == 0 and g.slack == 0:
         return x.reshape(m, g.c, g.h * g.w)
     planes = m * g.c * g.hp * g.wp
-    buf = scratch("conv.xpad", x.dtype, planes + g.slack)[:planes + g.slack]
+    buf = work.array("xpad", x.dtype, (planes + g.slack,))
     buf[planes:] = 0
     xp = buf[:planes].reshape(m, g.c, g.hp, g.wp)
     ph, pw = g.ph, g.pw
@@ -283,23 +297,23 @@ def _columns_view(xp, g):
     return np.lib.stride_tricks.as_strided(xp, shape=shape, strides=strides)
 
 
-def _fill_cols(x, g):
+def _fill_cols(x, g, work):
     """The columns of the images x (m, C, H, W), a chunk of the batch, as
-    (G, C/G kh kw, m L), in scratch (padding only this chunk: the padded copy is
-    a chunk's size, not the batch's)."""
-    view = _columns_view(_padded(x, g), g)
+    (G, C/G kh kw, m L), in a work array (padding only this chunk: the padded copy
+    is a chunk's size, not the batch's)."""
+    view = _columns_view(_padded(x, g, work), g)
     m = x.shape[0]
-    cols = _scratch("conv.cols", x.dtype, (g.c * g.taps, m * g.length))
+    cols = work.array("cols", x.dtype, (g.c * g.taps, m * g.length))
     np.copyto(cols.reshape(view.shape), view)
     return cols.reshape(g.groups, -1, m * g.length)
 
 
-def _dout_columns(d, n0, n1, g):
+def _dout_columns(d, n0, n1, g, work):
     """dout of images [n0, n1) laid out like the product's columns: (G, O/G, m L),
-    a scratch copy with zeros in the flat columns that are not outputs."""
+    a work copy with zeros in the flat columns that are not outputs."""
     m = n1 - n0
     width = g.wp if g.flat else g.wo
-    buf = _scratch("conv.dout", d.dtype, (g.o, m, g.ho, width))
+    buf = work.array("dout", d.dtype, (g.o, m, g.ho, width))
     np.copyto(buf[..., :g.wo], d[n0:n1].transpose(1, 0, 2, 3))
     buf[..., g.wo:] = 0
     return buf.reshape(g.groups, g.o // g.groups, m * g.length)

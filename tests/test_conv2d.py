@@ -36,15 +36,19 @@ CASES = [
 ]
 
 
+def engine_geometry(x_shape, w_shape, attrs):
+    """The CPU engine's Geometry of a case."""
+    a = {k: (v, v) if isinstance(v, int) and k != "groups" else v for k, v in attrs.items()}
+    return conv_cpu.geometry(x_shape, w_shape, a.get("strides", (1, 1)),
+                             a.get("paddings", (0, 0)), a.get("dilations", (1, 1)),
+                             a.get("groups", 1))
+
+
 def test_both_column_layouts_are_covered():
     """Stride-1 cases take flat columns when C/G kh kw >= O/G, else strided ones."""
     layouts = set()
     for x_shape, w_shape, attrs in CASES:
-        a = {k: (v, v) if isinstance(v, int) and k != "groups" else v
-             for k, v in attrs.items()}
-        g = conv_cpu.geometry(x_shape, w_shape, a.get("strides", (1, 1)),
-                              a.get("paddings", (0, 0)), a.get("dilations", (1, 1)),
-                              a.get("groups", 1))
+        g = engine_geometry(x_shape, w_shape, attrs)
         if g.unit_stride and not g.pointwise:
             layouts.add(g.flat)
             assert g.flat == (w_shape[1] * g.taps >= w_shape[0] // g.groups)
@@ -75,9 +79,10 @@ def test_conv2d_one_image_per_chunk(x_shape, w_shape, attrs, monkeypatch):
                    grad_wrt=("x", "filter"))
 
 
-def test_conv2d_scratch_reused_across_shapes():
-    """The column and gradient buffers are reused from call to call: a small conv
-    after a large one (buffers full of other values) is still exact."""
+def test_conv2d_work_arrays_full_of_other_values():
+    """The column and gradient buffers are made with np.empty, which hands back the
+    blocks earlier calls freed (full of their values): a small conv after a large
+    one is still exact."""
     ex = mg.Executor(mg.CPUPlace())
     for x_shape, w_shape, attrs in CASES[:3] + CASES[::-1]:
         scope = mg.Scope()
@@ -89,6 +94,33 @@ def test_conv2d_scratch_reused_across_shapes():
         ex.run([op], scope)
         np.testing.assert_allclose(out.get(), conv_reference(x, w, **attrs)["out"],
                                    rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_engine_keeps_no_memory_between_calls(x_shape, w_shape, attrs, monkeypatch):
+    """The engine's work arrays (columns, padded chunk, products) are made once per
+    call, shared by its chunks, and freed when it returns: none outlives the call."""
+    import weakref
+
+    made = []
+    plain = conv_cpu.Work.array
+
+    def spy(self, name, dtype, shape):
+        view = plain(self, name, dtype, shape)
+        made.append(weakref.ref(view.base if view.base is not None else view))
+        return view
+
+    monkeypatch.setattr(conv_cpu.Work, "array", spy)
+    monkeypatch.setattr(conv_cpu, "CHUNK_BYTES", 256)       # several chunks
+    x = rng.standard_normal(x_shape).astype("float32")
+    w = rng.standard_normal(w_shape).astype("float32")
+    g = engine_geometry(x_shape, w_shape, attrs)
+    out = conv_cpu.forward(x, w, g)
+    conv_cpu.backward(x, w, out, g)
+    if g.n > 1 and not g.pointwise:
+        assert made                                  # the engine used work arrays
+    alive = {id(r()) for r in made if r() is not None}
+    assert not alive
 
 
 def test_conv2d_attrs_stored_as_pairs():

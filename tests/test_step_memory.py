@@ -46,6 +46,33 @@ def test_a_training_step_keeps_fetches_persistables_feeds_and_parameter_grads():
     assert net.twin(logits).get().shape == (16, 5)     # inference keeps every value
 
 
+def test_the_last_steps_parameter_grads_are_dropped_before_the_first_op():
+    """A step computes every parameter's gradient anew, so the last step's values are
+    dropped when it starts (PyTorch's zero_grad(set_to_none=True)) and hold no memory
+    while it runs; after the step they are there again."""
+    from minigraph.schema import get_schema
+
+    net, _, _, loss = small_net()
+    grads = [net.grad(p) for p in net.parameters()]
+    first = net.plan("train", (loss,)).ops[0]
+    kernels = get_schema(first.type).kernels
+    plain, seen = kernels["cpu"], []
+
+    def spy(op, ins):
+        if op is first:
+            seen.append([g.name for g in grads if g.value is not None])
+        return plain(op, ins)
+
+    kernels["cpu"] = spy
+    try:
+        for step in range(3):
+            net.train(feed=feed(seed=step), fetch=[loss])
+            assert all(g.value is not None for g in grads)
+    finally:
+        kernels["cpu"] = plain
+    assert seen == [[], [], []]
+
+
 def test_released_values_do_not_change_the_results():
     """A net trained through the plan equals the same ops run by a plain Executor,
     which releases nothing."""
