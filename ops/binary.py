@@ -108,13 +108,15 @@ def add_cpu(op, ins):
 
 @kernel("add_grad", "cpu")
 def add_grad_cpu(op, ins):
-    """dx = dout reduced to x's shape, dy = dout reduced to y's shape (each when bound)."""
+    """dx = dout reduced to x's shape, dy = dout reduced to y's shape (each when bound);
+    an input of dout's shape and dtype gets dout itself, not a copy (kernels never
+    write their inputs)."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
     out = {}
-    if op.wants("dx"):
-        out["dx"] = reduce_to(d, x.shape, x.dtype)
-    if op.wants("dy"):
-        out["dy"] = reduce_to(d, y.shape, y.dtype)
+    for slot, v in (("dx", x), ("dy", y)):
+        if op.wants(slot):
+            same = v.shape == d.shape and v.dtype == d.dtype
+            out[slot] = d if same else reduce_to(d, v.shape, v.dtype)
     return out
 
 

@@ -22,19 +22,25 @@ net's conv: forward 0.073 -> 0.059 ms, filter gradient 0.112 -> 0.078 ms).
 A 1x1 stride-1 unpadded conv multiplies x itself, image by image, straight
 into the output.
 
-Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
-copy and the product, and each chunk is padded on its own (a chunk-sized
-padded copy, not the batch's). The column, padding and gradient buffers are
-work arrays of one call (`Work`), made for its first chunk and reused by the
-others, and freed when the call returns: nothing is kept between calls, so a
-training step's peak memory holds only the running conv's buffers (with
+Chunks of images keep the columns in cache between the copy and the product,
+and each chunk is padded on its own (a chunk-sized padded copy, not the
+batch's). The column, padding and product (or dout) buffers are work arrays
+of one call (`Work`), made for its first chunk and reused by the others, and
+freed when the call returns: nothing is kept between calls, so a training
+step's peak memory holds only the running conv's buffers (with
 minigraph.host_memory's settings the allocator hands the same blocks back,
-without page faults). CHUNK_BYTES at 1 MiB made the ResNet benchmark's
-training step ~10 % slower, so it stays at 2 MiB.
+without page faults). Together they take about CHUNK_BYTES, and no more than
+INPUT_MULTIPLE times x's size: a training step's peak comes as the backward
+pass starts, in the last layers, while every saved activation is alive, and
+there the planes are small. On the ResNet benchmark (2026-11-24) a 1 MiB
+budget for every conv made the training step ~13 % slower than 2 MiB; 2 MiB
+capped at 1.5 times the input costs ~5 %; with the strided col2im below it
+brought the step's peak RSS from 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB).
 Gradients: dfilter sums dout (O, m L) @ cols^T over the chunks; dx of a
 stride-1 conv is the conv of the padded dout with the flipped filter; of
 other strides, filter^T @ dout per chunk with each tap's columns added back
-(col2im).
+(col2im) straight onto dx, each tap only where its windows read x, not
+padding (no padded gradient and no cropping copy).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ import numpy as np
 from minigraph import cpu_blocks
 
 CHUNK_BYTES = 1 << 21
+INPUT_MULTIPLE = 1.5
 
 
 class Geometry(NamedTuple):
@@ -167,7 +174,10 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
         dx, need_dx = _dx_as_conv(w, d, g), False
     if not (need_dw or need_dx):
         return dx, None
-    dxp = np.zeros((g.n, g.c, g.hp, g.wp), dtype=x.dtype) if need_dx else None
+    # flat columns add back onto the padded planes; strided ones straight onto dx
+    padded_dx = g.flat and (g.ph or g.pw)
+    shape = (g.n, g.c, g.hp, g.wp) if padded_dx else x.shape
+    dxp = np.zeros(shape, dtype=x.dtype) if need_dx else None
     work = Work()
 
     def chunk(n0, n1):
@@ -182,8 +192,9 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
             _col2im(dcols, dxp, n0, n1, g)
 
     _run_chunks(chunk, g, x.dtype)
+    work.free()                          # the crop below needs no work arrays beside it
     if need_dx:
-        dx = dxp if g.ph == 0 and g.pw == 0 else np.ascontiguousarray(
+        dx = dxp if not padded_dx else np.ascontiguousarray(
             dxp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w])
     return dx, (dwg.reshape(w.shape) if need_dw else None)
 
@@ -241,9 +252,14 @@ def _epilogue(dst, bias, residual, relu):
 
 
 def _chunk(g, dtype):
-    """Images per chunk: columns of about CHUNK_BYTES."""
-    per_image = g.c * g.taps * g.length * np.dtype(dtype).itemsize
-    return max(1, min(g.n, CHUNK_BYTES // max(1, per_image)))
+    """Images per chunk: work arrays (the columns, the padded planes, the product or
+    dout in the columns' layout) of about CHUNK_BYTES in all, and of no more than
+    INPUT_MULTIPLE times x's size."""
+    size = np.dtype(dtype).itemsize
+    padded = g.c * g.hp * g.wp if (g.ph or g.pw or g.slack) else 0
+    per_image = (g.c * g.taps * g.length + padded + g.o * g.length) * size
+    budget = int(min(CHUNK_BYTES, INPUT_MULTIPLE * g.n * g.c * g.h * g.w * size))
+    return max(1, min(g.n, budget // max(1, per_image)))
 
 
 class Work:
@@ -260,6 +276,10 @@ class Work:
         if buf is None or buf.size < size or buf.dtype != dtype:
             buf = self._arrays[name] = np.empty(size, dtype)
         return buf[:size].reshape(shape)
+
+    def free(self):
+        """Drop every work array now (views handed out keep theirs alive)."""
+        self._arrays.clear()
 
 
 def _padded(x, g, work):
@@ -321,7 +341,8 @@ def _dout_columns(d, n0, n1, g, work):
 
 def _col2im(dcols, dxp, n0, n1, g):
     """Add the column gradients (G, C/G kh kw, m L) of images [n0, n1) back onto the
-    padded input's gradient dxp (N, C, Hp, Wp)."""
+    input's gradient: dxp is (N, C, Hp, Wp), padded, for flat columns, else dx (N, C,
+    H, W) itself, each tap adding only its windows' values that fall inside x."""
     m = n1 - n0
     if g.flat:
         taps = dcols.reshape(g.c, g.kh, g.kw, m, g.length)
@@ -335,6 +356,18 @@ def _col2im(dcols, dxp, n0, n1, g):
     taps = dcols.reshape(g.c, g.kh, g.kw, m, g.ho, g.wo)
     target = dxp[n0:n1].transpose(1, 0, 2, 3)
     for i in range(g.kh):
+        rows, dst_rows = _inside(i * g.dh - g.ph, g.sh, g.ho, g.h)
         for j in range(g.kw):
-            target[:, :, i * g.dh:i * g.dh + g.sh * (g.ho - 1) + 1:g.sh,
-                   j * g.dw:j * g.dw + g.sw * (g.wo - 1) + 1:g.sw] += taps[:, i, j]
+            cols, dst_cols = _inside(j * g.dw - g.pw, g.sw, g.wo, g.w)
+            target[:, :, dst_rows, dst_cols] += taps[:, i, j, :, rows, cols]
+
+
+def _inside(offset, stride, outputs, size):
+    """(outputs' slice, x's slice): the outputs o whose tap reads x at offset + o
+    stride inside [0, size), and those positions of x."""
+    first = max(0, -(offset // stride))
+    last = min(outputs - 1, (size - 1 - offset) // stride)
+    if last < first:
+        return slice(0, 0), slice(0, 0)
+    start = offset + first * stride
+    return slice(first, last + 1), slice(start, start + (last - first) * stride + 1, stride)

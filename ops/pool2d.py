@@ -214,9 +214,9 @@ def pool2d_grad_cpu(op, ins):
         return {"dx": dx.reshape(x.shape)}
     hw = out_hw("pool2d", x.shape, a)
     ph, pw = a["paddings"]
-    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)
-    if a["pool_type"] == "max":
-        where = window_argmax(x, a, hw)
+    where = window_argmax(x, a, hw) if a["pool_type"] == "max" else None
+    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)   # after argmax's work
+    if where is not None:
         ints = _SAME_SIZE_INT[x.dtype.itemsize]
         disjoint = all(s >= k for s, k in zip(a["strides"], a["ksize"]))
         part = None if disjoint else np.empty(d.shape, dtype=x.dtype)

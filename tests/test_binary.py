@@ -80,13 +80,27 @@ def test_grad_kernels_by_hand_and_one_output_alone(op_type):
     np.testing.assert_array_equal(only["dy"], both["dy"])
 
 
-def test_grads_do_not_alias_dout():
+def test_add_grad_passes_dout_through_where_nothing_is_summed():
+    """An input of dout's shape and dtype gets dout itself (kernels never write their
+    inputs, so no copy is needed: a residual block's backward holds one gradient, not
+    three); a broadcast or other-dtype input gets a new, reduced array."""
+    def kernel_outputs(x, y, d):
+        scope = mg.Scope()
+        vs = {name: scope.new_var(name) for name in ("x", "y", "dout", "dx", "dy")}
+        for name, value in (("x", x), ("y", y), ("dout", d)):
+            vs[name].set(value)
+        op = mg.Operator("add_grad", **vs)
+        return op.schema.kernels["cpu"](op, {"x": x, "y": y, "dout": d})
+
     x, y = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
     d = rng.standard_normal((2, 3))
-    got = run_grad("add", x, y, d, dx=True, dy=True)
-    got["dx"][...] = 0
-    assert not np.shares_memory(got["dx"], got["dy"])
-    assert np.array_equal(got["dy"], d)
+    got = kernel_outputs(x, y, d)
+    assert got["dx"] is d and got["dy"] is d
+    got = kernel_outputs(x, rng.standard_normal((1, 3)), d)
+    assert got["dx"] is d and not np.shares_memory(got["dy"], d)
+    np.testing.assert_allclose(got["dy"], d.sum(axis=0, keepdims=True))
+    got = kernel_outputs(x.astype(np.float32), y.astype(np.float32), d)
+    assert got["dx"].dtype == np.float32 and not np.shares_memory(got["dx"], d)
 
 
 def build(op_type, x_shape, y_shape, x_dtype="float64", y_dtype="float64"):

@@ -29,6 +29,8 @@ CASES = [
     ((3, 3, 9, 11), (5, 3, 3, 2), {"paddings": (2, 1), "dilations": (2, 3)}),
     ((2, 3, 6, 5), (4, 3, 3, 1), {"paddings": (1, 0)}),
     ((3, 2, 5, 5), (2, 2, 3, 3), {"paddings": 2, "strides": (2, 3)}),
+    # taps whose every window reads padding only (their gradient adds nothing to dx)
+    ((2, 2, 1, 2), (3, 2, 3, 3), {"paddings": 2, "strides": 3}),
     ((2, 3, 5, 5), (3, 3, 1, 1), {"paddings": 1}),
     # stride 1 with fewer column rows than output channels: strided, not flat, columns
     ((2, 1, 5, 6), (6, 1, 2, 2), {"paddings": 1}),
@@ -120,6 +122,37 @@ def test_conv2d_engine_keeps_no_memory_between_calls(x_shape, w_shape, attrs, mo
     if not g.pointwise:
         assert made                                  # the engine used work arrays
     assert all(r() is None for r in made)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs, chunk_bytes", [
+    ((16, 64, 8, 8), (64, 64, 3, 3), {"paddings": 1}, 1 << 21),     # capped by x's size
+    ((16, 32, 16, 16), (64, 32, 3, 3), {"paddings": 1, "strides": 2}, 1 << 21),
+    ((16, 16, 32, 32), (16, 16, 3, 3), {"paddings": 1}, 1 << 20),    # capped by CHUNK_BYTES
+])
+def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_bytes,
+                                               monkeypatch):
+    """Each call's work arrays together take no more than CHUNK_BYTES and no more
+    than INPUT_MULTIPLE times x's size (the step's peak memory comes from them)."""
+    calls = {}
+    plain = conv_cpu.Work.array
+
+    def spy(self, name, dtype, shape):
+        view = plain(self, name, dtype, shape)
+        calls.setdefault(self, {})[name] = view.base.nbytes     # keeps each Work apart
+        return view
+
+    monkeypatch.setattr(conv_cpu.Work, "array", spy)
+    monkeypatch.setattr(conv_cpu, "CHUNK_BYTES", chunk_bytes)
+    x = rng.standard_normal(x_shape).astype("float32")
+    w = rng.standard_normal(w_shape).astype("float32")
+    g = engine_geometry(x_shape, w_shape, attrs)
+    out = conv_cpu.forward(x, w, g)
+    dx, dw = conv_cpu.backward(x, w, out, g)
+    budget = min(chunk_bytes, conv_cpu.INPUT_MULTIPLE * x.nbytes)
+    assert len(calls) >= 2 and all(sum(c.values()) <= budget for c in calls.values())
+    assert max(sum(c.values()) for c in calls.values()) > budget / 2       # not needlessly small
+    want = conv_reference(x.astype(np.float64), w.astype(np.float64), **attrs)["out"]
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
 def test_conv2d_attrs_stored_as_pairs():
