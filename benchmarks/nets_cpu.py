@@ -26,6 +26,8 @@ by 2x over minutes, so a lone pair of processes can be far off).
   `mg.passes.optimize_for_inference` (batch norms folded, ops fused), PyTorch's
   model in eval mode under torch.inference_mode(). "infer (net)" is minigraph's
   unoptimised `net.infer`, for reference.
+- floor: benchmarks/conv_gemm_floor.py's least time of the ResNet's conv
+  products and column copies in numpy, nothing else, against PyTorch's times.
 - overhead: in another process every kernel is wrapped with a timer; the
   executor's overhead per op is (step time - time inside kernels) / ops run,
   the wrapper's own cost included. "tiny ops" times a net of 100 relus on a
@@ -383,6 +385,8 @@ def report(args):
         print(f"{'':<22} {'(infer, unoptimised net: ' + format(mine['infer (net)'], '.2f')}"
               f" ms; ops run: train {mine['ops']['train']}, infer {mine['ops']['infer']})")
         rows[net] = (mine, theirs)
+    if "resnet" in rows:
+        gemm_floor(args, rows["resnet"][1])
     print()
     for net in args.nets:
         o = worker_result("minigraph", net, "overhead", args)
@@ -401,6 +405,18 @@ def report(args):
               f"batch): minigraph {m['peak_mb']:.1f} MiB (tracemalloc {m['tracemalloc_mb']:.1f}"
               f" MiB), pytorch {p['peak_mb']:.1f} MiB {ok}")
     return rows
+
+
+def gemm_floor(args, theirs):
+    """Print benchmarks/conv_gemm_floor.py's floor (run in a process of its own) of
+    the ResNet's convs against PyTorch's times."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv_gemm_floor.py")
+    done = subprocess.run([sys.executable, script, "--json", "--threads", str(args.threads)],
+                          capture_output=True, text=True, check=True)
+    f = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{'':<22} (floor of any numpy im2col engine, conv products and column copies "
+          f"alone: infer {f['forward_ms']:.2f} ms = {f['forward_ms'] / theirs['infer']:.2f}x "
+          f"PyTorch, train {f['train_ms']:.2f} ms = {f['train_ms'] / theirs['train']:.2f}x)")
 
 
 def main(argv=None):

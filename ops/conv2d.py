@@ -100,9 +100,12 @@ def cpu_geometry(op, x, w):
 
 @kernel("conv2d", "cpu")
 def conv2d_cpu(op, ins):
-    """out[n, o] = sum over the group's channels and taps of filter * window."""
+    """out[n, o] = sum over the group's channels and taps of filter * window; lean
+    work arrays, like its gradient's (conv2d is the op training steps run, and
+    their peak memory comes from these; fused_conv2d, for inference, takes full
+    chunks)."""
     x, w = ins["x"], ins["filter"]
-    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w))}
+    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w), lean=True)}
 
 
 @kernel("conv2d_grad", "cpu")

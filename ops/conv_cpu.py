@@ -22,20 +22,24 @@ net's conv: forward 0.073 -> 0.059 ms, filter gradient 0.112 -> 0.078 ms).
 A 1x1 stride-1 unpadded conv multiplies x itself, image by image, straight
 into the output.
 
-Chunks of images keep the columns in cache between the copy and the product,
-and each chunk is padded on its own (a chunk-sized padded copy, not the
-batch's). The column, padding and product (or dout) buffers are work arrays
-of one call (`Work`), made for its first chunk and reused by the others, and
-freed when the call returns: nothing is kept between calls, so a training
-step's peak memory holds only the running conv's buffers (with
-minigraph.host_memory's settings the allocator hands the same blocks back,
-without page faults). Together they take about CHUNK_BYTES, and no more than
-INPUT_MULTIPLE times x's size: a training step's peak comes as the backward
-pass starts, in the last layers, while every saved activation is alive, and
-there the planes are small. On the ResNet benchmark (2026-11-24) a 1 MiB
-budget for every conv made the training step ~13 % slower than 2 MiB; 2 MiB
-capped at 1.5 times the input costs ~5 %; with the strided col2im below it
-brought the step's peak RSS from 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB).
+Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
+copy and the product, and each chunk is padded on its own (a chunk-sized
+padded copy, not the batch's). The column, padding and product (or dout)
+buffers are work arrays of one call (`Work`), made for its first chunk and
+reused by the others, and freed when the call returns: nothing is kept
+between calls, so a training step's peak memory holds only the running
+conv's buffers (with minigraph.host_memory's settings the allocator hands
+the same blocks back, without page faults). CHUNK_BYTES at 1 MiB made the
+ResNet benchmark's training step ~10 % slower, so it stays at 2 MiB. The
+gradients' chunks, and those of conv2d's forward pass (the op a training
+step runs; fused_conv2d, for inference, takes full chunks), are also "lean":
+all their work arrays together take no more than INPUT_MULTIPLE times x's
+size (or LEAN_FLOOR_BYTES, for tiny inputs), since a training step's peak
+comes late in the forward pass and as the backward pass starts, in the last
+layers, while every saved activation is alive, and there the planes are
+small. With the strided col2im below, that brought the ResNet
+benchmark's step peak RSS from 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB;
+2026-11-24).
 Gradients: dfilter sums dout (O, m L) @ cols^T over the chunks; dx of a
 stride-1 conv is the conv of the padded dout with the flipped filter; of
 other strides, filter^T @ dout per chunk with each tap's columns added back
@@ -52,7 +56,7 @@ import numpy as np
 from minigraph import cpu_blocks
 
 CHUNK_BYTES = 1 << 21
-INPUT_MULTIPLE = 1.5
+INPUT_MULTIPLE, LEAN_FLOOR_BYTES = 1.5, 1 << 19
 
 
 class Geometry(NamedTuple):
@@ -128,10 +132,10 @@ def geometry(x_shape, w_shape, strides, paddings, dilations, groups):
     return Geometry(n, c, h, w, o, kh, kw, groups, sh, sw, ph, pw, dh, dw, ho, wo)
 
 
-def forward(x, w, g, bias=None, residual=None, relu=False):
+def forward(x, w, g, bias=None, residual=None, relu=False, lean=False):
     """out (N, O, Ho, Wo) = conv(x, w) (+ bias[o]) (+ residual, of out's shape) (then
     max(., 0)), in x's dtype; the additions and the max run on each chunk of images
-    while it is in cache."""
+    while it is in cache. lean: work arrays capped as the backward pass's are."""
     out = np.empty((g.n, g.o, g.ho, g.wo), dtype=x.dtype)
     wg = w.reshape(g.groups, g.o // g.groups, -1)
     if g.pointwise:
@@ -157,7 +161,7 @@ def forward(x, w, g, bias=None, residual=None, relu=False):
         if residual is not None:
             _epilogue(dst, None, residual[n0:n1], relu)
 
-    _run_chunks(chunk, g, x.dtype)
+    _run_chunks(chunk, g, x.dtype, lean)
     return out
 
 
@@ -191,7 +195,7 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
             np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
             _col2im(dcols, dxp, n0, n1, g)
 
-    _run_chunks(chunk, g, x.dtype)
+    _run_chunks(chunk, g, x.dtype, lean=True)
     work.free()                          # the crop below needs no work arrays beside it
     if need_dx:
         dx = dxp if not padded_dx else np.ascontiguousarray(
@@ -214,7 +218,7 @@ def _dx_as_conv(w, d, g):
     qh, qw = _full_padding(g)
     gd = Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
                   g.h, g.w)
-    return forward(np.ascontiguousarray(d), flipped, gd)
+    return forward(np.ascontiguousarray(d), flipped, gd, lean=True)
 
 
 def _pointwise_backward(x, wg, d, g, dwg, need_dx):
@@ -222,7 +226,7 @@ def _pointwise_backward(x, wg, d, g, dwg, need_dx):
     a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
     dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
     if dwg is not None:
-        step = _chunk(g, x.dtype)
+        step = _chunk(g, x.dtype, lean=True)
         for n0 in range(0, g.n, step):
             n1 = min(g.n, n0 + step)
             dwg += np.matmul(dd[n0:n1], a[n0:n1].swapaxes(-1, -2)).sum(axis=0)
@@ -233,11 +237,11 @@ def _pointwise_backward(x, wg, d, g, dwg, need_dx):
     return dx
 
 
-def _run_chunks(body, g, dtype):
+def _run_chunks(body, g, dtype, lean):
     """body(n0, n1) for every chunk of images, in order. (Chunks shared by the
     engine's threads, BLAS on one thread each, measured a third slower than one
     thread calling BLAS on its own threads.)"""
-    step = _chunk(g, dtype)
+    step = _chunk(g, dtype, lean)
     for n0 in range(0, g.n, step):
         body(n0, min(g.n, n0 + step))
 
@@ -251,15 +255,20 @@ def _epilogue(dst, bias, residual, relu):
         cpu_blocks.relu(dst, out=dst)
 
 
-def _chunk(g, dtype):
-    """Images per chunk: work arrays (the columns, the padded planes, the product or
-    dout in the columns' layout) of about CHUNK_BYTES in all, and of no more than
-    INPUT_MULTIPLE times x's size."""
+def _chunk(g, dtype, lean):
+    """Images per chunk: columns of about CHUNK_BYTES and, when `lean`, all the work
+    arrays (the columns, the padded planes, the product or dout in the columns'
+    layout) in no more than INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES,
+    whichever is more."""
     size = np.dtype(dtype).itemsize
-    padded = g.c * g.hp * g.wp if (g.ph or g.pw or g.slack) else 0
-    per_image = (g.c * g.taps * g.length + padded + g.o * g.length) * size
-    budget = int(min(CHUNK_BYTES, INPUT_MULTIPLE * g.n * g.c * g.h * g.w * size))
-    return max(1, min(g.n, budget // max(1, per_image)))
+    cols = g.c * g.taps * g.length * size
+    step = CHUNK_BYTES // max(1, cols)
+    if lean:
+        padded = g.c * g.hp * g.wp if (g.ph or g.pw or g.slack) else 0
+        work = cols + (padded + g.o * g.length) * size
+        cap = max(LEAN_FLOOR_BYTES, INPUT_MULTIPLE * g.n * g.c * g.h * g.w * size)
+        step = min(step, int(cap) // work)
+    return max(1, min(g.n, step))
 
 
 class Work:

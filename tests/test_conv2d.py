@@ -125,14 +125,17 @@ def test_conv2d_engine_keeps_no_memory_between_calls(x_shape, w_shape, attrs, mo
 
 
 @pytest.mark.parametrize("x_shape, w_shape, attrs, chunk_bytes", [
-    ((16, 64, 8, 8), (64, 64, 3, 3), {"paddings": 1}, 1 << 21),     # capped by x's size
+    ((16, 64, 8, 8), (64, 64, 3, 3), {"paddings": 1}, 1 << 21),     # lean: capped by x's size
     ((16, 32, 16, 16), (64, 32, 3, 3), {"paddings": 1, "strides": 2}, 1 << 21),
-    ((16, 16, 32, 32), (16, 16, 3, 3), {"paddings": 1}, 1 << 20),    # capped by CHUNK_BYTES
+    ((16, 16, 32, 32), (16, 16, 3, 3), {"paddings": 1}, 1 << 20),    # by CHUNK_BYTES
+    ((16, 1, 8, 8), (16, 1, 3, 3), {"paddings": 1}, 1 << 21),        # tiny: LEAN_FLOOR_BYTES
 ])
 def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_bytes,
                                                monkeypatch):
-    """Each call's work arrays together take no more than CHUNK_BYTES and no more
-    than INPUT_MULTIPLE times x's size (the step's peak memory comes from them)."""
+    """Every call's columns take about CHUNK_BYTES (at most, and more than half unless
+    the batch is smaller); a gradient call's work arrays together also no more than
+    INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES (the step's peak memory comes
+    from them)."""
     calls = {}
     plain = conv_cpu.Work.array
 
@@ -147,10 +150,16 @@ def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_by
     w = rng.standard_normal(w_shape).astype("float32")
     g = engine_geometry(x_shape, w_shape, attrs)
     out = conv_cpu.forward(x, w, g)
-    dx, dw = conv_cpu.backward(x, w, out, g)
-    budget = min(chunk_bytes, conv_cpu.INPUT_MULTIPLE * x.nbytes)
-    assert len(calls) >= 2 and all(sum(c.values()) <= budget for c in calls.values())
-    assert max(sum(c.values()) for c in calls.values()) > budget / 2       # not needlessly small
+    (forward_work,) = calls.values()
+    all_cols = x.itemsize * g.c * g.taps * g.length * g.n
+    assert min(all_cols, chunk_bytes) / 2 < forward_work["cols"] <= chunk_bytes
+    calls.clear()
+    conv_cpu.backward(x, w, out, g)
+    cap = max(conv_cpu.LEAN_FLOOR_BYTES, conv_cpu.INPUT_MULTIPLE * x.nbytes)
+    budget = min(chunk_bytes, cap)
+    totals = [sum(c.values()) for c in calls.values()]
+    assert totals and max(totals) <= cap and all(c["cols"] <= chunk_bytes for c in calls.values())
+    assert max(totals) > min(budget, all_cols) / 2                  # not needlessly small
     want = conv_reference(x.astype(np.float64), w.astype(np.float64), **attrs)["out"]
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
