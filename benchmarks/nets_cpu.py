@@ -41,7 +41,9 @@ by 2x over minutes, so a lone pair of processes can be far off).
   each drops the last step's gradients as its step starts anyway), the RSS
   is read (VmRSS), the peak is reset (writing 5 to
   /proc/self/clear_refs) and after `--mem-steps` steps the peak is read
-  (VmHWM): the step's peak is VmHWM - VmRSS. For minigraph, tracemalloc's
+  (VmHWM): the step's peak is VmHWM - VmRSS; the table shows the median over
+  --rounds pairs of such processes (minigraph, then PyTorch) and the range
+  (a lone reading varies by about 0.1 MiB). For minigraph, tracemalloc's
   peak over one step (numpy reports its allocations to it) is shown too.
 """
 from __future__ import annotations
@@ -398,12 +400,15 @@ def report(args):
           f"{t['tiny_run_us'] - t['tiny_kernel_us']:.1f} us per op (target <= 15)")
     print()
     for net in args.nets:
-        m = worker_result("minigraph", net, "memory", args)
-        p = worker_result("pytorch", net, "memory", args)
-        ok = "ok" if m["peak_mb"] <= p["peak_mb"] else "MISSED"
+        runs = [(worker_result("minigraph", net, "memory", args),
+                 worker_result("pytorch", net, "memory", args)) for _ in range(args.rounds)]
+        mine, theirs = ([r[i]["peak_mb"] for r in runs] for i in (0, 1))
+        m, p = statistics.median(mine), statistics.median(theirs)
         print(f"peak memory of a {net} training step (RSS above model, optimizer state and "
-              f"batch): minigraph {m['peak_mb']:.1f} MiB (tracemalloc {m['tracemalloc_mb']:.1f}"
-              f" MiB), pytorch {p['peak_mb']:.1f} MiB {ok}")
+              f"batch; median over {args.rounds} rounds): minigraph {m:.2f} MiB "
+              f"({min(mine):.2f}-{max(mine):.2f}; tracemalloc "
+              f"{runs[0][0]['tracemalloc_mb']:.2f} MiB), pytorch {p:.2f} MiB "
+              f"({min(theirs):.2f}-{max(theirs):.2f}) {'ok' if m <= p else 'MISSED'}")
     return rows
 
 
