@@ -10,7 +10,7 @@ chunk straight into the NCHW output; the grad adds columns back per tap).
 from __future__ import annotations
 
 from minigraph.kernels import conv2d as gpu
-from minigraph.ops import conv_cpu
+from minigraph.ops import conv_cpu, conv_cpu_grad
 from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.ops.window import as_pair, out_size, pair_attr
 from minigraph.schema import (
@@ -112,7 +112,7 @@ def conv2d_cpu(op, ins):
 def conv2d_grad_cpu(op, ins):
     """dfilter = dout @ cols^T per group; dx = col2im(filter^T @ dout); each only when bound."""
     x, w = ins["x"], ins["filter"]
-    dx, dw = conv_cpu.backward(x, w, ins["dout"], cpu_geometry(op, x, w),
+    dx, dw = conv_cpu_grad.backward(x, w, ins["dout"], cpu_geometry(op, x, w),
                                need_dx=op.wants("dx"), need_dw=op.wants("dfilter"))
     return present(dx=dx, dfilter=dw)
 

@@ -1,6 +1,6 @@
 """The CPU engine of the 2-D convolutions (conv2d, fused_conv2d): im2col in
-chunks of images and one BLAS matrix product per chunk. Not an op module: it
-registers nothing.
+chunks of images and one BLAS matrix product per chunk; its gradients are in
+conv_cpu_grad. Not an op module: it registers nothing.
 
 Layout: x (N, C, H, W), filter (O, C/G, kh, kw), out (N, O, Ho, Wo), all NCHW.
 A chunk of m images is one product per group: filter[g] (O/G, C/G kh kw) @
@@ -30,21 +30,17 @@ reused by the others, and freed when the call returns: nothing is kept
 between calls, so a training step's peak memory holds only the running
 conv's buffers (with minigraph.host_memory's settings the allocator hands
 the same blocks back, without page faults). CHUNK_BYTES at 1 MiB made the
-ResNet benchmark's training step ~10 % slower, so it stays at 2 MiB. The
-gradients' chunks, and those of conv2d's forward pass (the op a training
-step runs; fused_conv2d, for inference, takes full chunks), are also "lean":
-all their work arrays together take no more than INPUT_MULTIPLE times x's
-size (or LEAN_FLOOR_BYTES, for tiny inputs), since a training step's peak
-comes late in the forward pass and as the backward pass starts, in the last
-layers, while every saved activation is alive, and there the planes are
-small. With the strided col2im below, that brought the ResNet
-benchmark's step peak RSS from 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB;
-2026-11-24).
-Gradients: dfilter sums dout (O, m L) @ cols^T over the chunks; dx of a
-stride-1 conv is the conv of the padded dout with the flipped filter; of
-other strides, filter^T @ dout per chunk with each tap's columns added back
-(col2im) straight onto dx, each tap only where its windows read x, not
-padding (no padded gradient and no cropping copy).
+ResNet benchmark's training step ~10 % slower (2026-11-23), so it stays at
+2 MiB. The gradients' chunks, and those of conv2d's forward pass (the op a
+training step runs; fused_conv2d, for inference, takes full chunks), are
+also "lean": all their work arrays together take no more than
+INPUT_MULTIPLE times x's size (or LEAN_FLOOR_BYTES, for tiny inputs), since
+a training step's peak comes late in the forward pass and as the backward
+pass starts, in the last layers, while every saved activation is alive, and
+there the planes are small. With conv_cpu_grad's strided col2im (and
+add_grad passing its gradient through), that brought the ResNet benchmark's
+step peak RSS from 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB) for ~5 % of
+its time (2026-11-24).
 """
 from __future__ import annotations
 
@@ -148,7 +144,7 @@ def forward(x, w, g, bias=None, residual=None, relu=False, lean=False):
 
     def chunk(n0, n1):
         m = n1 - n0
-        cols = _fill_cols(x[n0:n1], g, work)
+        cols = fill_cols(x[n0:n1], g, work)
         res = work.array("res", x.dtype, (g.groups, g.o // g.groups, m * g.length))
         np.matmul(wg, cols, out=res)
         rows = res.reshape(g.o, m * g.length)
@@ -161,89 +157,23 @@ def forward(x, w, g, bias=None, residual=None, relu=False, lean=False):
         if residual is not None:
             _epilogue(dst, None, residual[n0:n1], relu)
 
-    _run_chunks(chunk, g, x.dtype, lean)
+    run_chunks(chunk, g, x.dtype, lean)
     return out
 
 
-def backward(x, w, d, g, need_dx=True, need_dw=True):
-    """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`."""
-    og, rows = g.o // g.groups, w[0].size
-    wg = w.reshape(g.groups, og, rows)
-    dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
-    if g.pointwise:
-        dx = _pointwise_backward(x, wg, d, g, dwg, need_dx)
-        return dx, (dwg.reshape(w.shape) if need_dw else None)
-    dx = None
-    if need_dx and g.unit_stride and _full_padding(g) >= (0, 0):
-        dx, need_dx = _dx_as_conv(w, d, g), False
-    if not (need_dw or need_dx):
-        return dx, None
-    # flat columns add back onto the padded planes; strided ones straight onto dx
-    padded_dx = g.flat and (g.ph or g.pw)
-    shape = (g.n, g.c, g.hp, g.wp) if padded_dx else x.shape
-    dxp = np.zeros(shape, dtype=x.dtype) if need_dx else None
-    work = Work()
-
-    def chunk(n0, n1):
-        m = n1 - n0
-        dcol = _dout_columns(d, n0, n1, g, work)
-        if need_dw:
-            cols = _fill_cols(x[n0:n1], g, work)
-            # as cols @ dout^T, transposed: BLAS runs this orientation up to twice
-            # as fast (few output channels, long rows)
-            dwg[...] += np.matmul(cols, dcol.swapaxes(-1, -2)).swapaxes(-1, -2)
-        if need_dx:              # the column buffer again: dfilter is done with it
-            dcols = work.array("cols", x.dtype, (g.groups, rows, m * g.length))
-            np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
-            _col2im(dcols, dxp, n0, n1, g)
-
-    _run_chunks(chunk, g, x.dtype, lean=True)
-    work.free()                          # the crop below needs no work arrays beside it
-    if need_dx:
-        dx = dxp if not padded_dx else np.ascontiguousarray(
-            dxp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w])
-    return dx, (dwg.reshape(w.shape) if need_dw else None)
+def zero_border(xp, ph, pw, h, w):
+    """Zero the padding of planes xp (..., ph + h + ph, pw + w + pw)."""
+    xp[..., :ph, :] = 0
+    xp[..., ph + h:, :] = 0
+    xp[..., ph:ph + h, :pw] = 0
+    xp[..., ph:ph + h, pw + w:] = 0
 
 
-def _full_padding(g):
-    """The padding of dout that turns dx of a stride-1 conv into a conv of dout."""
-    return g.dh * (g.kh - 1) - g.ph, g.dw * (g.kw - 1) - g.pw
-
-
-def _dx_as_conv(w, d, g):
-    """dx of a stride-1 conv as the conv of dout (padded by _full_padding) with the
-    filter flipped in both taps and with in/out channels swapped per group."""
-    og, cg = g.o // g.groups, g.c // g.groups
-    flipped = w.reshape(g.groups, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
-    flipped = np.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4)).reshape(
-        g.c, og, g.kh, g.kw)
-    qh, qw = _full_padding(g)
-    gd = Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
-                  g.h, g.w)
-    return forward(np.ascontiguousarray(d), flipped, gd, lean=True)
-
-
-def _pointwise_backward(x, wg, d, g, dwg, need_dx):
-    hw = g.h * g.w
-    a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
-    dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
-    if dwg is not None:
-        step = _chunk(g, x.dtype, lean=True)
-        for n0 in range(0, g.n, step):
-            n1 = min(g.n, n0 + step)
-            dwg += np.matmul(dd[n0:n1], a[n0:n1].swapaxes(-1, -2)).sum(axis=0)
-    if not need_dx:
-        return None
-    dx = np.empty(x.shape, dtype=x.dtype)
-    np.matmul(wg.swapaxes(-1, -2), dd, out=dx.reshape(a.shape))
-    return dx
-
-
-def _run_chunks(body, g, dtype, lean):
+def run_chunks(body, g, dtype, lean):
     """body(n0, n1) for every chunk of images, in order. (Chunks shared by the
     engine's threads, BLAS on one thread each, measured a third slower than one
     thread calling BLAS on its own threads.)"""
-    step = _chunk(g, dtype, lean)
+    step = chunk_size(g, dtype, lean)
     for n0 in range(0, g.n, step):
         body(n0, min(g.n, n0 + step))
 
@@ -257,7 +187,7 @@ def _epilogue(dst, bias, residual, relu):
         cpu_blocks.relu(dst, out=dst)
 
 
-def _chunk(g, dtype, lean):
+def chunk_size(g, dtype, lean):
     """Images per chunk: columns of about CHUNK_BYTES and, when `lean`, all the work
     arrays (the columns, the padded planes, the product or dout in the columns'
     layout) in no more than INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES,
@@ -293,7 +223,7 @@ class Work:
         self._arrays.clear()
 
 
-def _padded(x, g, work):
+def padded(x, g, work):
     """x (a chunk of images) with its padding as (m, C, Hp Wp) planes, C-contiguous,
     followed by g.slack zeros: x itself when neither is needed, else a work array."""
     m = x.shape[0]
@@ -303,16 +233,12 @@ def _padded(x, g, work):
     buf = work.array("xpad", x.dtype, (planes + g.slack,))
     buf[planes:] = 0
     xp = buf[:planes].reshape(m, g.c, g.hp, g.wp)
-    ph, pw = g.ph, g.pw
-    xp[:, :, :ph] = 0
-    xp[:, :, ph + g.h:] = 0
-    xp[:, :, ph:ph + g.h, :pw] = 0
-    xp[:, :, ph:ph + g.h, pw + g.w:] = 0
-    xp[:, :, ph:ph + g.h, pw:pw + g.w] = x
+    zero_border(xp, g.ph, g.pw, g.h, g.w)
+    xp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w] = x
     return buf[:planes].reshape(m, g.c, g.hp * g.wp)
 
 
-def _columns_view(xp, g):
+def columns_view(xp, g):
     """The strided view (only ever read) of the padded planes `xp` (m, C, Hp Wp) whose
     copy is the columns, with the image axis fourth: (C, kh, kw, m, L) for flat
     columns (reading up to g.slack values past the last plane), else
@@ -328,57 +254,12 @@ def _columns_view(xp, g):
     return np.lib.stride_tricks.as_strided(xp, shape=shape, strides=strides)
 
 
-def _fill_cols(x, g, work):
+def fill_cols(x, g, work):
     """The columns of the images x (m, C, H, W), a chunk of the batch, as
     (G, C/G kh kw, m L), in a work array (padding only this chunk: the padded copy
     is a chunk's size, not the batch's)."""
-    view = _columns_view(_padded(x, g, work), g)
+    view = columns_view(padded(x, g, work), g)
     m = x.shape[0]
     cols = work.array("cols", x.dtype, (g.c * g.taps, m * g.length))
     np.copyto(cols.reshape(view.shape), view)
     return cols.reshape(g.groups, -1, m * g.length)
-
-
-def _dout_columns(d, n0, n1, g, work):
-    """dout of images [n0, n1) laid out like the product's columns: (G, O/G, m L),
-    a work copy with zeros in the flat columns that are not outputs."""
-    m = n1 - n0
-    width = g.wp if g.flat else g.wo
-    buf = work.array("dout", d.dtype, (g.o, m, g.ho, width))
-    np.copyto(buf[..., :g.wo], d[n0:n1].transpose(1, 0, 2, 3))
-    buf[..., g.wo:] = 0
-    return buf.reshape(g.groups, g.o // g.groups, m * g.length)
-
-
-def _col2im(dcols, dxp, n0, n1, g):
-    """Add the column gradients (G, C/G kh kw, m L) of images [n0, n1) back onto the
-    input's gradient: dxp is (N, C, Hp, Wp), padded, for flat columns, else dx (N, C,
-    H, W) itself, each tap adding only its windows' values that fall inside x."""
-    m = n1 - n0
-    if g.flat:
-        taps = dcols.reshape(g.c, g.kh, g.kw, m, g.length)
-        flat = dxp.reshape(g.n, g.c, g.hp * g.wp)[n0:n1].transpose(1, 0, 2)
-        for i in range(g.kh):
-            for j in range(g.kw):
-                start = i * g.dh * g.wp + j * g.dw
-                stop = min(start + g.length, g.hp * g.wp)
-                flat[:, :, start:stop] += taps[:, i, j, :, :stop - start]
-        return
-    taps = dcols.reshape(g.c, g.kh, g.kw, m, g.ho, g.wo)
-    target = dxp[n0:n1].transpose(1, 0, 2, 3)
-    for i in range(g.kh):
-        rows, dst_rows = _inside(i * g.dh - g.ph, g.sh, g.ho, g.h)
-        for j in range(g.kw):
-            cols, dst_cols = _inside(j * g.dw - g.pw, g.sw, g.wo, g.w)
-            target[:, :, dst_rows, dst_cols] += taps[:, i, j, :, rows, cols]
-
-
-def _inside(offset, stride, outputs, size):
-    """(outputs' slice, x's slice): the outputs o whose tap reads x at offset + o
-    stride inside [0, size), and those positions of x."""
-    first = max(0, -(offset // stride))
-    last = min(outputs - 1, (size - 1 - offset) // stride)
-    if last < first:
-        return slice(0, 0), slice(0, 0)
-    start = offset + first * stride
-    return slice(first, last + 1), slice(start, start + (last - first) * stride + 1, stride)

@@ -5,7 +5,7 @@ from helpers import helper_test_op
 from references import conv2d
 
 import minigraph as mg
-from minigraph.ops import conv_cpu
+from minigraph.ops import conv_cpu, conv_cpu_grad
 
 rng = np.random.default_rng(0)
 
@@ -74,11 +74,43 @@ def test_conv2d_float32(x_shape, w_shape, attrs):
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
 def test_conv2d_one_image_per_chunk(x_shape, w_shape, attrs, monkeypatch):
     """The CPU engine works on chunks of images; with one image per chunk every
-    chunk boundary is crossed."""
+    chunk boundary is crossed (the per-tap filter gradient's too)."""
     monkeypatch.setattr(conv_cpu, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(conv_cpu_grad, "TAP_PRODUCT", 1)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
                    grad_wrt=("x", "filter"))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_filter_gradient_through_columns(x_shape, w_shape, attrs, monkeypatch):
+    """Flat convs with few channels take the filter gradient tap by tap (every case
+    above); with TAP_CHANNELS at 0 they take it through the columns, as convs with
+    more channels do."""
+    g = engine_geometry(x_shape, w_shape, attrs)
+    monkeypatch.setattr(conv_cpu_grad, "TAP_CHANNELS", 0)
+    assert not conv_cpu_grad._taps_fit(g)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
+                   grad_wrt=("x", "filter"))
+
+
+def test_conv2d_per_tap_filter_gradient_with_a_shorter_last_chunk(monkeypatch):
+    """Chunks of 2, 2 and 1 images: the last chunk's shorter runs reuse the first
+    chunk's work arrays."""
+    x_shape, w_shape, attrs = (5, 4, 6, 6), (6, 4, 3, 3), {"paddings": 1}
+    g = engine_geometry(x_shape, w_shape, attrs)
+    monkeypatch.setattr(conv_cpu_grad, "TAP_PRODUCT", 2 * g.c * g.o * g.hp * g.wp)
+    assert conv_cpu_grad._taps_fit(g)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
+                   grad_wrt=("x", "filter"))
+
+
+def test_both_filter_gradient_paths_are_covered():
+    """Some cases take the per-tap filter gradient, others the columns'."""
+    taken = {conv_cpu_grad._taps_fit(engine_geometry(*case)) for case in CASES}
+    assert taken == {True, False}
 
 
 def test_conv2d_work_arrays_full_of_other_values():
@@ -118,7 +150,7 @@ def test_conv2d_engine_keeps_no_memory_between_calls(x_shape, w_shape, attrs, mo
     w = rng.standard_normal(w_shape).astype("float32")
     g = engine_geometry(x_shape, w_shape, attrs)
     out = conv_cpu.forward(x, w, g)
-    conv_cpu.backward(x, w, out, g)
+    conv_cpu_grad.backward(x, w, out, g)
     if not g.pointwise:
         assert made                                  # the engine used work arrays
     assert all(r() is None for r in made)
@@ -154,11 +186,12 @@ def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_by
     all_cols = x.itemsize * g.c * g.taps * g.length * g.n
     assert min(all_cols, chunk_bytes) / 2 < forward_work["cols"] <= chunk_bytes
     calls.clear()
-    conv_cpu.backward(x, w, out, g)
+    conv_cpu_grad.backward(x, w, out, g)
     cap = max(conv_cpu.LEAN_FLOOR_BYTES, conv_cpu.INPUT_MULTIPLE * x.nbytes)
     budget = min(chunk_bytes, cap)
     totals = [sum(c.values()) for c in calls.values()]
-    assert totals and max(totals) <= cap and all(c["cols"] <= chunk_bytes for c in calls.values())
+    assert totals and max(totals) <= cap
+    assert all(c.get("cols", 0) <= chunk_bytes for c in calls.values())
     assert max(totals) > min(budget, all_cols) / 2                  # not needlessly small
     want = conv_reference(x.astype(np.float64), w.astype(np.float64), **attrs)["out"]
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)

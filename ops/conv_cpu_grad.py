@@ -1,0 +1,186 @@
+"""The gradients of the CPU conv engine (conv_cpu: its layout, chunks and work
+arrays). Not an op module: it registers nothing.
+
+dfilter: flat convs with few channels (at most TAP_CHANNELS input times
+output channels per group) take one product per tap over shifted runs of the
+padded planes, with no columns (_dw_by_taps); others sum (cols @ dout^T)^T
+over the chunks (BLAS runs that orientation faster than dout @ cols^T: few
+output channels). dx of a stride-1 conv is the conv of the padded dout with
+the flipped filter; of other strides, filter^T @ dout per chunk with each
+tap's columns added back (col2im) straight onto dx, each tap only where its
+windows read x, not padding (no padded gradient and no cropping copy).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.ops import conv_cpu
+from minigraph.ops.conv_cpu import Geometry, Work
+
+TAP_CHANNELS, TAP_PRODUCT = 1024, 1 << 20
+
+
+def backward(x, w, d, g, need_dx=True, need_dw=True):
+    """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`."""
+    og, rows = g.o // g.groups, w[0].size
+    wg = w.reshape(g.groups, og, rows)
+    dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
+    if g.pointwise:
+        dx = _pointwise_backward(x, wg, d, g, dwg, need_dx)
+        return dx, (dwg.reshape(w.shape) if need_dw else None)
+    dx = None
+    if need_dx and g.unit_stride and _full_padding(g) >= (0, 0):
+        dx, need_dx = _dx_as_conv(w, d, g), False
+    dw = None if dwg is None else dwg.reshape(w.shape)
+    if need_dw and _taps_fit(g):
+        _dw_by_taps(x, d, g, dwg)
+        need_dw = False
+    if not (need_dw or need_dx):
+        return dx, dw
+    # flat columns add back onto the padded planes; strided ones straight onto dx
+    padded_dx = g.flat and (g.ph or g.pw)
+    shape = (g.n, g.c, g.hp, g.wp) if padded_dx else x.shape
+    dxp = np.zeros(shape, dtype=x.dtype) if need_dx else None
+    work = Work()
+
+    def chunk(n0, n1):
+        m = n1 - n0
+        dcol = _dout_columns(d, n0, n1, g, work)
+        if need_dw:
+            cols = conv_cpu.fill_cols(x[n0:n1], g, work)
+            dwg[...] += np.matmul(cols, dcol.swapaxes(-1, -2)).swapaxes(-1, -2)
+        if need_dx:              # the column buffer again: dfilter is done with it
+            dcols = work.array("cols", x.dtype, (g.groups, rows, m * g.length))
+            np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
+            _col2im(dcols, dxp, n0, n1, g)
+
+    conv_cpu.run_chunks(chunk, g, x.dtype, lean=True)
+    work.free()                          # the crop below needs no work arrays beside it
+    if need_dx:
+        dx = dxp if not padded_dx else np.ascontiguousarray(
+            dxp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w])
+    return dx, dw
+
+
+def _full_padding(g):
+    """The padding of dout that turns dx of a stride-1 conv into a conv of dout."""
+    return g.dh * (g.kh - 1) - g.ph, g.dw * (g.kw - 1) - g.pw
+
+
+def _dx_as_conv(w, d, g):
+    """dx of a stride-1 conv as the conv of dout (padded by _full_padding) with the
+    filter flipped in both taps and with in/out channels swapped per group."""
+    og, cg = g.o // g.groups, g.c // g.groups
+    flipped = w.reshape(g.groups, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
+    flipped = np.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4)).reshape(
+        g.c, og, g.kh, g.kw)
+    qh, qw = _full_padding(g)
+    gd = Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
+                  g.h, g.w)
+    return conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True)
+
+
+def _taps_fit(g):
+    """True when dfilter goes tap by tap (_dw_by_taps): flat columns (stride 1) and
+    at most TAP_CHANNELS input times output channels per group, where one product
+    per tap over a few images beats the columns' copy (measured: stage 1 and 2 of
+    the ResNet benchmark, 16x16 and 32x32 channels, 0.66x and 0.84x the time;
+    64x64: 1.0x)."""
+    return g.flat and (g.c // g.groups) * (g.o // g.groups) <= TAP_CHANNELS
+
+
+def _dw_by_taps(x, d, g, dwg):
+    """Add dfilter of a stride-1 conv to dwg (G, O/G, C/G kh kw) with one product
+    per tap and no columns: a chunk of m images is padded channel-major, (C, m Hp
+    Wp), and dout laid out alike (O, m Hp Wp), each output at its window's
+    top-left corner with zeros elsewhere; tap (i, j)'s product takes the padded
+    run shifted by i dh Wp + j dw (reading x values of the next image, or slack
+    zeros, only against those zeros). Chunks keep each product within
+    TAP_PRODUCT multiply-adds: just above it, at 4 images instead of 3 per
+    chunk, OpenBLAS took twice as long for these few-channel products, on one
+    thread as on two (2026-11-24)."""
+    plane, cg, og = g.hp * g.wp, g.c // g.groups, g.o // g.groups
+    reach = (g.kh - 1) * g.dh * g.wp + (g.kw - 1) * g.dw
+    step = max(1, min(g.n, TAP_PRODUCT // (cg * og * plane)))
+    taps = dwg.reshape(g.groups, og, cg, g.kh, g.kw)
+    work = Work()
+    for n0 in range(0, g.n, step):
+        m = min(g.n, n0 + step) - n0
+        run = m * plane
+        xb = work.array("xpad", x.dtype, (g.c, run + reach))
+        xb[:, run:] = 0
+        xp = xb[:, :run].reshape(g.c, m, g.hp, g.wp)
+        conv_cpu.zero_border(xp, g.ph, g.pw, g.h, g.w)
+        xp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w] = x[n0:n0 + m].transpose(1, 0, 2, 3)
+        db = work.array("dout", x.dtype, (g.o, run))
+        dp = db.reshape(g.o, m, g.hp, g.wp)
+        dp[:, :, :g.ho, :g.wo] = d[n0:n0 + m].transpose(1, 0, 2, 3)
+        dp[:, :, g.ho:] = 0
+        dp[:, :, :g.ho, g.wo:] = 0
+        for k in range(g.groups):
+            xs, ds = xb[k * cg:(k + 1) * cg], db[k * og:(k + 1) * og].T
+            for i in range(g.kh):
+                for j in range(g.kw):
+                    start = i * g.dh * g.wp + j * g.dw
+                    taps[k, :, :, i, j] += np.matmul(xs[:, start:start + run], ds).T
+
+
+def _pointwise_backward(x, wg, d, g, dwg, need_dx):
+    hw = g.h * g.w
+    a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
+    dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
+    if dwg is not None:
+        step = conv_cpu.chunk_size(g, x.dtype, lean=True)
+        for n0 in range(0, g.n, step):
+            n1 = min(g.n, n0 + step)
+            dwg += np.matmul(dd[n0:n1], a[n0:n1].swapaxes(-1, -2)).sum(axis=0)
+    if not need_dx:
+        return None
+    dx = np.empty(x.shape, dtype=x.dtype)
+    np.matmul(wg.swapaxes(-1, -2), dd, out=dx.reshape(a.shape))
+    return dx
+
+
+def _dout_columns(d, n0, n1, g, work):
+    """dout of images [n0, n1) laid out like the product's columns: (G, O/G, m L),
+    a work copy with zeros in the flat columns that are not outputs."""
+    m = n1 - n0
+    width = g.wp if g.flat else g.wo
+    buf = work.array("dout", d.dtype, (g.o, m, g.ho, width))
+    np.copyto(buf[..., :g.wo], d[n0:n1].transpose(1, 0, 2, 3))
+    buf[..., g.wo:] = 0
+    return buf.reshape(g.groups, g.o // g.groups, m * g.length)
+
+
+def _col2im(dcols, dxp, n0, n1, g):
+    """Add the column gradients (G, C/G kh kw, m L) of images [n0, n1) back onto the
+    input's gradient: dxp is (N, C, Hp, Wp), padded, for flat columns, else dx (N, C,
+    H, W) itself, each tap adding only its windows' values that fall inside x."""
+    m = n1 - n0
+    if g.flat:
+        taps = dcols.reshape(g.c, g.kh, g.kw, m, g.length)
+        flat = dxp.reshape(g.n, g.c, g.hp * g.wp)[n0:n1].transpose(1, 0, 2)
+        for i in range(g.kh):
+            for j in range(g.kw):
+                start = i * g.dh * g.wp + j * g.dw
+                stop = min(start + g.length, g.hp * g.wp)
+                flat[:, :, start:stop] += taps[:, i, j, :, :stop - start]
+        return
+    taps = dcols.reshape(g.c, g.kh, g.kw, m, g.ho, g.wo)
+    target = dxp[n0:n1].transpose(1, 0, 2, 3)
+    for i in range(g.kh):
+        rows, dst_rows = _inside(i * g.dh - g.ph, g.sh, g.ho, g.h)
+        for j in range(g.kw):
+            cols, dst_cols = _inside(j * g.dw - g.pw, g.sw, g.wo, g.w)
+            target[:, :, dst_rows, dst_cols] += taps[:, i, j, :, rows, cols]
+
+
+def _inside(offset, stride, outputs, size):
+    """(outputs' slice, x's slice): the outputs o whose tap reads x at offset + o
+    stride inside [0, size), and those positions of x."""
+    first = max(0, -(offset // stride))
+    last = min(outputs - 1, (size - 1 - offset) // stride)
+    if last < first:
+        return slice(0, 0), slice(0, 0)
+    start = offset + first * stride
+    return slice(first, last + 1), slice(start, start + (last - first) * stride + 1, stride)
