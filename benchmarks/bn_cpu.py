@@ -1,6 +1,6 @@
 """CPU batch_norm benchmark: minigraph against PyTorch and a plain memory copy.
 
-    python benchmarks/bn_cpu.py [--threads N] [--repeat R]
+    python benchmarks/bn_cpu.py [--threads N] [--repeat R] [--shapes 32x16x32x32 ...]
 
 For fp32 NCHW inputs it times, through `Executor.run` as a user calls it,
 the training forward of `batch_norm` and forward + `batch_norm_grad` (the op
@@ -149,10 +149,10 @@ def fmt(t):
     return "n/a" if t is None else f"{t:.2f}"
 
 
-def bench_shapes(threads, repeat):
+def bench_shapes(threads, repeat, shapes=SHAPES):
     print(f"{'shape':<18} {'pass':<8} {'minigraph ms':>12} {'pytorch ms':>11} {'copy ms':>8} "
           f"{'mg/pytorch':>10} {'mg/copy':>8}")
-    for shape in SHAPES:
+    for shape in shapes:
         t = shape_times(shape, threads, repeat)
         for name in ("fwd", "fwd+bwd"):
             mine, theirs, copy = t["mg " + name], t.get("torch " + name), t["copy"]
@@ -213,6 +213,9 @@ def main(argv=None):
                         help="threads for minigraph's batch_norm and for PyTorch "
                              "(default: every core)")
     parser.add_argument("--repeat", type=int, default=10, help="timed runs per case")
+    parser.add_argument("--shapes", nargs="+", metavar="NxCxHxW",
+                        help="NCHW shapes to time (default: "
+                             f"{' '.join('x'.join(map(str, s)) for s in SHAPES)})")
     parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -227,7 +230,9 @@ def main(argv=None):
     mg.set_num_threads(args.threads)
     print(f"threads: {args.threads} (minigraph batch_norm and PyTorch, each in its own "
           f"process), cores: {os.cpu_count()}, median of {args.repeat} runs, fp32 NCHW")
-    bench_shapes(args.threads, args.repeat)
+    shapes = (tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes)
+              if args.shapes else SHAPES)
+    bench_shapes(args.threads, args.repeat, shapes)
     bench_overhead(args.repeat)
 
 
