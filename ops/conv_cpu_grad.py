@@ -29,7 +29,7 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
         dx = _pointwise_backward(x, wg, d, g, dwg, need_dx)
         return dx, (dwg.reshape(w.shape) if need_dw else None)
     dx = None
-    if need_dx and g.unit_stride and _full_padding(g) >= (0, 0):
+    if need_dx and g.unit_stride and min(_full_padding(g)) >= 0:
         dx, need_dx = _dx_as_conv(w, d, g), False
     dw = None if dwg is None else dwg.reshape(w.shape)
     if need_dw and _taps_fit(g):

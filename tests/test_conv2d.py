@@ -29,6 +29,8 @@ CASES = [
     ((3, 3, 9, 11), (5, 3, 3, 2), {"paddings": (2, 1), "dilations": (2, 3)}),
     ((2, 3, 6, 5), (4, 3, 3, 1), {"paddings": (1, 0)}),
     ((3, 2, 5, 5), (2, 2, 3, 3), {"paddings": 2, "strides": (2, 3)}),
+    # padding beyond the filter's reach along one axis only (dx through col2im)
+    ((2, 2, 5, 6), (3, 2, 3, 1), {"paddings": (0, 1)}),
     # taps whose every window reads padding only (their gradient adds nothing to dx)
     ((2, 2, 1, 2), (3, 2, 3, 3), {"paddings": 2, "strides": 3}),
     ((2, 3, 5, 5), (3, 3, 1, 1), {"paddings": 1}),
