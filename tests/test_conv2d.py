@@ -167,9 +167,9 @@ def test_conv2d_engine_keeps_no_memory_between_calls(x_shape, w_shape, attrs, mo
 def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_bytes,
                                                monkeypatch):
     """Every call's columns take about CHUNK_BYTES (at most, and more than half unless
-    the batch is smaller); a gradient call's work arrays together also no more than
-    INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES (the step's peak memory comes
-    from them)."""
+    the batch is smaller); a lean call's (conv2d's forward pass and the gradients)
+    work arrays together also no more than INPUT_MULTIPLE times x's size or
+    LEAN_FLOOR_BYTES (the step's peak memory comes from them)."""
     calls = {}
     plain = conv_cpu.Work.array
 
@@ -188,6 +188,7 @@ def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_by
     all_cols = x.itemsize * g.c * g.taps * g.length * g.n
     assert min(all_cols, chunk_bytes) / 2 < forward_work["cols"] <= chunk_bytes
     calls.clear()
+    conv_cpu.forward(x, w, g, lean=True)                # conv2d's own forward pass
     conv_cpu_grad.backward(x, w, out, g)
     cap = max(conv_cpu.LEAN_FLOOR_BYTES, conv_cpu.INPUT_MULTIPLE * x.nbytes)
     budget = min(chunk_bytes, cap)

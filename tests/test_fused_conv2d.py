@@ -159,3 +159,32 @@ def test_fuse_conv2d_refuses_a_training_net_and_runs_once():
     fast = mg.passes.optimize_for_inference(net)
     with pytest.raises(ValueError, match="fuse_conv2d: already applied"):
         mg.passes.fuse_conv2d(fast)
+
+
+def test_conv2d_works_lean_fused_conv2d_in_full_chunks(monkeypatch):
+    """conv2d (the op training steps run) caps its work arrays at INPUT_MULTIPLE
+    times x's size (or LEAN_FLOOR_BYTES); fused_conv2d (inference only) takes full
+    CHUNK_BYTES chunks of columns."""
+    made = {}
+    plain = conv_cpu.Work.array
+
+    def record(self, name, dtype, shape):
+        view = plain(self, name, dtype, shape)
+        made[name] = view.base.nbytes
+        return view
+
+    monkeypatch.setattr(conv_cpu.Work, "array", record)
+    x = rng.standard_normal((32, 64, 8, 8)).astype("float32")
+    w = rng.standard_normal((64, 64, 3, 3)).astype("float32")
+    cap = max(conv_cpu.LEAN_FLOOR_BYTES, conv_cpu.INPUT_MULTIPLE * x.nbytes)
+    ex, work = mg.Executor(mg.CPUPlace()), {}
+    for op_type in ("conv2d", "fused_conv2d"):
+        scope = mg.Scope()
+        xv, wv, out = scope.new_var("x"), scope.new_var("w"), scope.new_var("out")
+        xv.set(x)
+        wv.set(w)
+        made.clear()
+        ex.run([mg.Operator(op_type, x=xv, filter=wv, out=out, paddings=1)], scope)
+        work[op_type] = made["cols"], sum(made.values())
+    assert work["conv2d"][1] <= cap < work["fused_conv2d"][1]
+    assert conv_cpu.CHUNK_BYTES / 2 < work["fused_conv2d"][0] <= conv_cpu.CHUNK_BYTES
