@@ -25,13 +25,12 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     og, rows = g.o // g.groups, w[0].size
     wg = w.reshape(g.groups, og, rows)
     dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
+    dw = None if dwg is None else dwg.reshape(w.shape)      # a view: filled below
     if g.pointwise:
-        dx = _pointwise_backward(x, wg, d, g, dwg, need_dx)
-        return dx, (dwg.reshape(w.shape) if need_dw else None)
+        return _pointwise_backward(x, wg, d, g, dwg, need_dx), dw
     dx = None
     if need_dx and g.unit_stride and min(_full_padding(g)) >= 0:
         dx, need_dx = _dx_as_conv(w, d, g), False
-    dw = None if dwg is None else dwg.reshape(w.shape)
     if need_dw and _taps_fit(g):
         _dw_by_taps(x, d, g, dwg)
         need_dw = False
@@ -126,6 +125,8 @@ def _dw_by_taps(x, d, g, dwg):
 
 
 def _pointwise_backward(x, wg, d, g, dwg, need_dx):
+    """dx (or None) of a 1x1 stride-1 unpadded conv, adding dfilter to dwg when
+    given: products with x and dout themselves, no columns."""
     hw = g.h * g.w
     a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
     dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
