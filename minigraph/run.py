@@ -10,16 +10,20 @@ temporaries no later op reads, released as soon as the op has run, so a
 step's peak memory is what backward still needs rather than every value
 computed; a value that later ops read only for its shape (add_grad's x and
 y, `Slot.shape_only`) is replaced by a stand-in of that shape and dtype that
-holds no memory. A training step keeps the values it fetches, the
-persistables, the feeds and the gradients of the persistables (as PyTorch
-keeps `.grad`); to read any other value of a training step, fetch it. The
-gradients a step computes anew are dropped as it starts (as PyTorch's
-zero_grad(set_to_none=True)), so the last step's hold no memory during this
-one. Inference keeps every value. Ops check their inputs' shapes and dtypes
-(schema inference) while the signature of what the plan reads from outside
-(feeds, persistables) is new; once a run with a signature has succeeded,
-later runs with it skip those checks, since every value inside follows from
-it.
+holds no memory. An input whose value dies at the op that reads it may be
+handed over to a CPU kernel that declares it may write its output there
+(`OpSchema.reuse`: relu, add, relu's and batch norm's gradients), when at
+run time nothing else refers to the array or its memory (no other Variable,
+no view: `minigraph.handover`), so the output takes no new memory. A
+training step keeps the values it fetches, the persistables, the feeds and
+the gradients of the persistables (as PyTorch keeps `.grad`); to read any
+other value of a training step, fetch it. The gradients a step computes anew
+are dropped as it starts (as PyTorch's zero_grad(set_to_none=True)), so the
+last step's hold no memory during this one. Inference keeps every value. Ops
+check their inputs' shapes and dtypes (schema inference) while the signature
+of what the plan reads from outside (feeds, persistables) is new; once a run
+with a signature has succeeded, later runs with it skip those checks, since
+every value inside follows from it.
 
 A training step saves a copy of each persistable an op writes just before
 the first op that writes it; if any op raises, every saved value is put back
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph import host_memory
+from minigraph import handover, host_memory
 from minigraph.executor import check_feed
 from minigraph.schema import OpError
 from minigraph.scope import Variable
@@ -99,8 +103,9 @@ def _compile(plan, kind, kept):
                     for slot, v in op.inputs.items())
         outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
                      for slot, v in op.outputs.items() if v is not None)
+        donors = handover.donors(op, free + thin) if kind == "cpu" else ()
         steps.append((op.schema.kernels.get(kind), op, ins, outs, writes,
-                      tuple(free) + tuple(thin), len(free)))
+                      tuple(free) + tuple(thin), len(free), donors))
     return tuple(steps), tuple(external), stale
 
 
@@ -196,40 +201,49 @@ def _parameter_grads(net):
 
 def run_ops(steps, place, check, journal):
     """Run compiled steps: gather inputs, check them when `check`, call the kernel,
-    store outputs; with a journal, save persistables first and release temporaries."""
+    store outputs; with a journal, save persistables first, hand over the inputs
+    kernels may write into (OpSchema.reuse) and release temporaries."""
     kind = place.kind
-    for fn, op, inputs, outputs, writes, releases, n_free in steps:
+    for fn, op, inputs, outputs, writes, releases, n_free, donors in steps:
         if fn is None:
             raise OpError(f"{op.type}: no kernel for {place!r}")
         if writes and journal is not None:
             journal.save(writes)
-        ins = {}
-        for slot, var, how in inputs:
-            if how == ONE:
-                value = var.value
-                if value is None:
-                    _no_value(op, slot, var)
-                ins[slot] = value
-            elif how == LIST:
-                ins[slot] = [_value_of(op, slot, v) for v in var]
-            else:
-                ins[slot] = None
-        if check:
-            op.check_inputs(ins, kind)
-        outs = fn(op, ins)
-        for slot, var, how in outputs:
-            if slot in outs:
-                if how == ONE:
-                    var.value = outs[slot]
-                else:
-                    for v, x in zip(var, outs[slot]):
-                        v.value = x
+        donated = handover.handed_over(donors) if donors and journal is not None else ()
+        _run_op(fn, op, inputs, outputs, check, kind, donated)
         if journal is not None:
             for k, var in enumerate(releases):
                 if k < n_free:
                     var.value = None
                 elif var.value is not None:
                     var.value = _stand_in(var.value)
+
+
+def _run_op(fn, op, inputs, outputs, check, kind, donated):
+    """One op: gather, check, call, store. (A function of its own so that nothing of
+    one op - its inputs, its outputs dict - is still referred to when the next one
+    asks whether an array is held elsewhere.)"""
+    ins = {}
+    for slot, var, how in inputs:
+        if how == ONE:
+            value = var.value
+            if value is None:
+                _no_value(op, slot, var)
+            ins[slot] = value
+        elif how == LIST:
+            ins[slot] = [_value_of(op, slot, v) for v in var]
+        else:
+            ins[slot] = None
+    if check:
+        op.check_inputs(ins, kind)
+    outs = fn(op, ins, donated=donated) if donated else fn(op, ins)
+    for slot, var, how in outputs:
+        if slot in outs:
+            if how == ONE:
+                var.value = outs[slot]
+            else:
+                for v, x in zip(var, outs[slot]):
+                    v.value = x
 
 
 def _value_of(op, slot, var):

@@ -86,6 +86,12 @@ class OpSchema:
     replication: "always" when the outputs are identical on every rank (an
       op that averages presummed values), "inputs" when they are whenever
       every input is (a sum), None otherwise.
+    reuse: output slot -> input slots whose array the CPU kernel may write
+      that output into (Paddle's inplace inferer): when a training step hands
+      one over (the input's value dies at this op and nothing else refers to
+      its memory; see minigraph.run), the kernel is called as
+      kernels["cpu"](op, ins, donated=(input slots,)) and may overwrite those
+      inputs; otherwise kernels never write their inputs.
     """
 
     type: str
@@ -93,6 +99,7 @@ class OpSchema:
     outputs: tuple
     attrs: tuple = ()
     inplace: dict = field(default_factory=dict)     # output slot -> input slot
+    reuse: dict = field(default_factory=dict)       # output slot -> input slots (tuple)
     infer: Callable | None = None
     grad: Callable | None = None
     validate: Callable | None = None                # validate(op): cross-slot rules at build

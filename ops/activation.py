@@ -43,35 +43,52 @@ def infer_relu(ins, attrs):
 
 
 register(OpSchema(type="relu", inputs=(Slot("x"),), outputs=(Slot("out"),), infer=infer_relu,
-                  grad=grad_maker("relu_grad", keep=("out",)), doc=__doc__))
+                  grad=grad_maker("relu_grad", keep=("out",)), reuse={"out": ("x",)},
+                  doc=__doc__))
 register(OpSchema(type="relu_grad", inputs=(Slot("out"), Slot("dout")),
-                  outputs=(Slot("dx", optional=True),),
+                  outputs=(Slot("dx", optional=True),), reuse={"dx": ("dout",)},
                   infer=lambda ins, attrs: {"dx": Meta(ins["out"].shape, ins["out"].dtype)}))
 
 
 @kernel("relu", "cpu")
-def relu_cpu(op, ins):
-    """out = max(x, 0), elementwise."""
+def relu_cpu(op, ins, donated=()):
+    """out = max(x, 0), elementwise; into x's array when it is handed over."""
     x = ins["x"]
-    return {"out": cpu_blocks.relu(x)}
+    return {"out": cpu_blocks.relu(x, out=x if "x" in donated and x.flags.c_contiguous
+                                   else None)}
 
 
 _SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+MASK_BLOCK = 1 << 14        # values per block when dx is written over dout
 
 
 @kernel("relu_grad", "cpu")
-def relu_grad_cpu(op, ins):
+def relu_grad_cpu(op, ins, donated=()):
     """dx = dout where out > 0, else 0 (+0.0): the bits of dout ANDed with a mask of
-    all ones or zeros, the same values as np.where and many times faster."""
+    all ones or zeros, the same values as np.where and many times faster. When dout
+    is handed over, dx is written into it, block by block through a small mask."""
     out, d = ins["out"], ins["dout"]
     if d.dtype != out.dtype or d.shape != out.shape or d.dtype.itemsize not in _SAME_SIZE_INT:
         return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
+    ints = _SAME_SIZE_INT[d.dtype.itemsize]
+    if "dout" in donated and d.flags.c_contiguous and out.flags.c_contiguous:
+        flat_out, flat_d = out.reshape(-1), d.reshape(-1).view(ints)
+        mask = np.empty(min(d.size, MASK_BLOCK), ints)
+        for i in range(0, d.size, MASK_BLOCK):
+            block = flat_d[i:i + MASK_BLOCK]
+            _and_mask(flat_out[i:i + MASK_BLOCK], block, mask[:block.size], block)
+        return {"dx": d}
     dx = np.empty(d.shape, dtype=d.dtype)
-    bits = dx.view(_SAME_SIZE_INT[d.dtype.itemsize])
-    np.greater(out, 0, out=bits, casting="unsafe")       # 1 or 0
-    np.negative(bits, out=bits)                          # all ones or 0
-    np.bitwise_and(bits, d.view(bits.dtype), out=bits)
+    bits = dx.view(ints)
+    _and_mask(out, d.view(ints), bits, bits)
     return {"dx": dx}
+
+
+def _and_mask(out, d_bits, mask, result):
+    """result = d_bits where out > 0, else 0, through `mask` (may be `result`)."""
+    np.greater(out, 0, out=mask, casting="unsafe")       # 1 or 0
+    np.negative(mask, out=mask)                          # all ones or 0
+    np.bitwise_and(mask, d_bits, out=result)
 
 
 @kernel("relu", "gpu", dtypes=GPU_FLOATS)

@@ -189,9 +189,10 @@ def batch_norm_cpu(op, ins, combine=None):
     return out
 
 
-def batch_norm_grad_cpu(op, ins, combine=None):
+def batch_norm_grad_cpu(op, ins, combine=None, donated=()):
     """The CPU grad kernel of batch_norm. `combine(n, s_dy, s_dyxmu) -> (n, s_dy, s_dyxmu)` sums
-    over ranks (sync_batch_norm); n is then the global count."""
+    over ranks (sync_batch_norm); n is then the global count. dx goes into dy's array
+    when dy is handed over (OpSchema.reuse) and already in its work dtype."""
     a = op.attrs
     x, dy = ins["x"], ins["dy"]
     layout = a["data_layout"]
@@ -208,14 +209,15 @@ def batch_norm_grad_cpu(op, ins, combine=None):
         out["dscale"] = (s_dyxmu * invstd).astype(x.dtype)
     if op.wants("dx"):
         k_dy = scale * invstd
-        dx = np.empty(x3.shape, x3.dtype)
+        into = "dy" in donated and dy.dtype == x3.dtype and dy.flags.c_contiguous
+        dx = dy3 if into else np.empty(x3.shape, x3.dtype)
         if a["use_global_est"]:
             input_grad(x3, dy3, mean, k_dy, None, None, dx)
         else:
             k_x = -scale * invstd ** 3 * s_dyxmu / n
             k_c = -scale * invstd * s_dy / n
             input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd))
-        out["dx"] = dx.reshape(x.shape).astype(x.dtype, copy=False)
+        out["dx"] = dy if into else dx.reshape(x.shape).astype(x.dtype, copy=False)
     return out
 
 
@@ -248,7 +250,7 @@ def bn_grad_schema(op_type, presummed=None):
         type=op_type + "_grad",
         inputs=(Slot("x"), Slot("scale"), Slot("mean"), Slot("var"), Slot("dy")),
         outputs=(Slot("dx", optional=True), Slot("dscale", optional=True),
-                 Slot("dbias", optional=True)),
+                 Slot("dbias", optional=True)), reuse={"dx": ("dy",)},
         attrs=(bool_attr("use_global_est", False), float_attr("epsilon", 1e-5, positive),
                str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC"))),
         infer=infer,

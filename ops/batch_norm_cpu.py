@@ -171,7 +171,7 @@ def grad_sums(x3, dy3, mean, invstd=None):
 
 def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
     """out3 = k_dy*dy + k_x*(x - mean) + k_c per channel (float64 arguments), or
-    k_dy*dy when k_x is None; out3 is C-contiguous in x's work dtype. With
+    k_dy*dy when k_x is None; out3 is C-contiguous in x's work dtype, and may be dy3. With
     centre=False (|mean| <= std) it is computed as k_dy*dy + k_x*x + c."""
     x3, dy3 = as_work(x3), as_work(dy3)
     if x3.size <= SMALL_VALUES:
@@ -203,13 +203,13 @@ def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
                 continue
             xb = plan.view(xs, blk)
             t = buf[:xb.size].reshape(xb.shape)
+            np.multiply(gb, plan.const(k_dy_row, blk), out=t)    # first: o may be dy's
             if mean_row is None:
                 np.multiply(xb, plan.const(k_x_row, blk), out=o)
             else:
                 np.subtract(xb, plan.const(mean_row, blk), out=o)
                 o *= plan.const(k_x_row, blk)
             o += plan.const(k_c_row, blk)
-            np.multiply(gb, plan.const(k_dy_row, blk), out=t)
             o += t
 
     run_blocks(part, plan)

@@ -74,10 +74,11 @@ def infer_binary_grad(op_type):
 
 def register_binary(op_type, shapes_only=False):
     """Register `op_type` (x, y -> out) and `<op_type>_grad` (x, y, dout -> dx, dy);
-    shapes_only: the grad reads only x's and y's shapes (add)."""
+    shapes_only: the grad reads only x's and y's shapes (add), and then the forward
+    may write out into x or y when a training step hands it over (OpSchema.reuse)."""
     schema = register(OpSchema(
         type=op_type, inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
-        infer=infer_binary(op_type),
+        infer=infer_binary(op_type), reuse={"out": ("x", "y")} if shapes_only else {},
         grad=grad_maker(op_type + "_grad", keep=("x", "y"), wrt=("x", "y")), doc=__doc__))
     register(grad_schema(schema, inputs=(Slot("x", shape_only=shapes_only),
                                          Slot("y", shape_only=shapes_only), Slot("dout")),
@@ -101,16 +102,20 @@ def reduce_to(g, shape, dtype):
 
 
 @kernel("add", "cpu")
-def add_cpu(op, ins):
-    """out = x + y, broadcast."""
-    return {"out": np.add(ins["x"], ins["y"])}
+def add_cpu(op, ins, donated=()):
+    """out = x + y, broadcast; into x's or y's array when one of out's shape is
+    handed over."""
+    x, y = ins["x"], ins["y"]
+    shape = np.broadcast_shapes(x.shape, y.shape)
+    into = next((ins[s] for s in donated if ins[s].shape == shape), None)
+    return {"out": np.add(x, y, out=into)}
 
 
 @kernel("add_grad", "cpu")
 def add_grad_cpu(op, ins):
     """dx = dout reduced to x's shape, dy = dout reduced to y's shape (each when bound);
     an input of dout's shape and dtype gets dout itself, not a copy (kernels never
-    write their inputs)."""
+    write their inputs unless handed them: see OpSchema.reuse)."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
     out = {}
     for slot, v in (("dx", x), ("dy", y)):

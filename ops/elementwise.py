@@ -75,25 +75,28 @@ def infer_add_grad(ins, attrs):
 ADD = register(OpSchema(
     type="elementwise_add", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
     attrs=(int_attr("axis", -1, check_axis),), infer=infer_add,
-    grad=grad_maker("elementwise_add_grad", keep=("y",), wrt=("x", "y")), doc=__doc__))
+    grad=grad_maker("elementwise_add_grad", keep=("y",), wrt=("x", "y")), reuse={"out": ("x",)},
+    doc=__doc__))
 register(grad_schema(ADD, inputs=(Slot("y"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                      infer=infer_add_grad))
 
 
 @kernel("elementwise_add", "cpu")
-def elementwise_add_cpu(op, ins):
-    """out = x + y, y broadcast along x's dims from `axis`."""
+def elementwise_add_cpu(op, ins, donated=()):
+    """out = x + y, y broadcast along x's dims from `axis`; into x's array when it is
+    handed over."""
     x, y = ins["x"], ins["y"]
     start = broadcast_axis(op.type, x.shape, y.shape, op.attrs["axis"])
-    return {"out": x + y_view(x.ndim, y, start)}
+    return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in donated else None)}
 
 
 @kernel("elementwise_add_grad", "cpu")
 def elementwise_add_grad_cpu(op, ins):
-    """dx = dout (the same array: kernels never write their inputs); dy = dout summed
-    over every dim of x outside y's run - along the trailing dims by one BLAS product
-    with a ones vector, over the leading ones in float64."""
+    """dx = dout (the same array: kernels write only inputs handed over to them,
+    OpSchema.reuse); dy = dout summed over every dim of x outside y's run - along
+    the trailing dims by one BLAS product with a ones vector, over the leading ones
+    in float64."""
     y, d = ins["y"], ins["dout"]
     out = {}
     if op.wants("dx"):

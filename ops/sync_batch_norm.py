@@ -101,11 +101,12 @@ def sync_batch_norm_cpu(op, ins):
     return batch_norm_cpu(op, ins, combine=combine)
 
 
-def sync_batch_norm_grad_cpu(op, ins):
-    """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks."""
+def sync_batch_norm_grad_cpu(op, ins, donated=()):
+    """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks (dx into dy's
+    array when it is handed over)."""
     comm = communicator()
     combine = grad_combiner(op, comm) if comm.size > 1 else None
-    return batch_norm_grad_cpu(op, ins, combine=combine)
+    return batch_norm_grad_cpu(op, ins, combine=combine, donated=donated)
 
 
 def device_allreduce(comm, what):

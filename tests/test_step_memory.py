@@ -1,6 +1,8 @@
-"""The lean training step (minigraph/run.py): temporaries released once dead, a
-flat memory peak over many steps, input checks skipped only for a signature that
+"""The lean training step (minigraph/run.py): temporaries released once dead, dying
+inputs handed over to kernels that may write into them (OpSchema.reuse), a flat
+memory peak over many steps, input checks skipped only for a signature that
 already ran, and the relu gradient's bit-mask kernel."""
+import inspect
 import tracemalloc
 
 import numpy as np
@@ -167,3 +169,147 @@ def test_relu_grad_is_dout_where_out_is_positive_else_plus_zero(dtype):
     got = dx.get()
     assert got.dtype == np.dtype(dtype)
     assert got.tobytes() == want.tobytes()           # the same bits, +0.0 included
+
+
+REUSERS = ("relu", "relu_grad", "add", "elementwise_add", "batch_norm_grad")
+
+
+def spy_on_handovers(net, op_types=REUSERS):
+    """Wrap the CPU kernels of `op_types`; each call appends (op type, donated slots,
+    {slot: True when an input array shares memory with another live Variable}) and
+    checks that a donated input's memory now holds the output."""
+    from minigraph.schema import get_schema
+
+    scopes = [net.scope, *net.scopes.values()]
+    calls, plain = [], {}
+
+    def held_elsewhere(op, slot, a):
+        own = op.inputs[slot]
+        return any(v is not own and isinstance(v.value, np.ndarray) and
+                   np.shares_memory(v.value, a)
+                   for scope in scopes for v in scope.vars.values())
+
+    def make(op_type, fn):
+        def spy(op, ins, donated=()):
+            shared = {s: held_elsewhere(op, s, a) for s, a in ins.items()
+                      if isinstance(a, np.ndarray) and a.strides and 0 not in a.strides}
+            calls.append((op_type, donated, shared))
+            outs = fn(op, ins, donated=donated) if donated else fn(op, ins)
+            for slot in donated:
+                assert any(np.shares_memory(o, ins[slot]) for o in outs.values()), (op_type, slot)
+            return outs
+        return spy
+
+    for op_type in op_types:
+        kernels = get_schema(op_type).kernels
+        plain[op_type] = kernels["cpu"]
+        kernels["cpu"] = make(op_type, kernels["cpu"])
+
+    def restore():
+        for op_type, fn in plain.items():
+            get_schema(op_type).kernels["cpu"] = fn
+    return calls, restore
+
+
+def test_dying_inputs_are_handed_over_and_never_one_another_variable_sees():
+    """relu, add, the fc's bias add and the relu and batch-norm gradients write into
+    an input that dies with them; an array that another Variable also holds (add_grad passes dout
+    through to both inputs' gradients) is never handed over; the results equal a plain
+    Executor's (test_released_values_do_not_change_the_results) step after step."""
+    net, _, _, loss = small_net()
+    calls, restore = spy_on_handovers(net)
+    try:
+        for step in range(2):
+            net.train(feed=feed(seed=step), fetch=[loss])
+    finally:
+        restore()
+    donated = {(t, s) for t, slots, _ in calls for s in slots}
+    assert donated == {("relu", "x"), ("relu_grad", "dout"), ("add", "x"),
+                       ("elementwise_add", "x"), ("batch_norm_grad", "dy")}
+    for op_type, slots, shared in calls:
+        assert not any(shared[s] for s in slots), (op_type, slots, shared)
+    assert any(t == "batch_norm_grad" and shared["dy"] and not slots
+               for t, slots, shared in calls)      # the aliased dout was kept whole
+
+
+def test_fetched_and_inference_values_are_never_written_over():
+    """A fetched value lives past the step, and inference keeps every value: neither is
+    handed over (relu would clip the batch norm's output in place)."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", shape=(-1, 3, 8, 8))
+    pre = L.batch_norm(net, L.conv2d(net, img, 4, 3, padding=1))
+    h = L.relu(net, pre)
+    loss = L.mean(net, L.flatten(net, h))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    calls, restore = spy_on_handovers(net, ("relu",))
+    try:
+        got_pre, got_h = net.train(feed={"image": feed()["image"]}, fetch=[pre, h])
+        net.infer(feed={"image": feed()["image"]}, fetch=[h])
+        assert (got_pre < 0).any() and not np.shares_memory(got_pre, got_h)
+        np.testing.assert_array_equal(got_h, np.maximum(got_pre, 0))
+        assert net.twin(pre).get().min() < 0
+        assert [slots for _, slots, _ in calls] == [(), ()]
+        net.train(feed={"image": feed()["image"]}, fetch=[loss])
+    finally:
+        restore()
+    assert calls[-1][1] == ("x",)                      # not fetched: handed over
+
+
+def test_every_reusing_op_says_what_it_may_overwrite():
+    """OpSchema.reuse names real slots, and the op's CPU kernel takes `donated`."""
+    from minigraph.schema import get_schema, registered_ops
+
+    reusing = [get_schema(t) for t in registered_ops() if get_schema(t).reuse]
+    assert {s.type for s in reusing} >= set(REUSERS)
+    for schema in reusing:
+        for out_slot, in_slots in schema.reuse.items():
+            assert out_slot in {s.name for s in schema.outputs}, schema.type
+            assert set(in_slots) <= {s.name for s in schema.inputs}, schema.type
+        assert "donated" in inspect.signature(schema.kernels["cpu"]).parameters, schema.type
+
+
+def run_kernel(op, ins, donated):
+    return op.schema.kernels["cpu"](op, ins, donated=donated) if donated else \
+        op.schema.kernels["cpu"](op, ins)
+
+
+def kernel_cases():
+    r = np.random.default_rng(3)
+    scope = mg.Scope()
+
+    def var(name):
+        return scope.new_var(f"{name}{len(scope.vars)}")
+
+    big = (5, 3, 47, 41)       # past relu_grad's MASK_BLOCK and batch norm's small path
+    x = r.standard_normal(big).astype(np.float32)
+    out = np.maximum(r.standard_normal(big), 0).astype(np.float32)
+    bn_grad = {k: var(k) for k in ("x", "scale", "mean", "var", "dy", "dx")}
+    yield (mg.Operator("relu", x=var("x"), out=var("out")), {"x": x}, "x")
+    for dtype in ("float32", "float64"):
+        yield (mg.Operator("relu_grad", out=var("o"), dout=var("d"), dx=var("dx")),
+               {"out": out.astype(dtype), "dout": x.astype(dtype)}, "dout")
+    yield (mg.Operator("add", x=var("a"), y=var("b"), out=var("s")),
+           {"x": x, "y": x[:1, :, :1]}, "x")
+    yield (mg.Operator("add", x=var("a2"), y=var("b2"), out=var("s2")),
+           {"x": x[0, :1], "y": x}, "y")
+    yield (mg.Operator("elementwise_add", x=var("p"), y=var("q"), out=var("r"), axis=1),
+           {"x": x, "y": x[0, :, 0, 0]}, "x")
+    for shift, use_est in ((0.0, False), (40.0, False), (0.0, True)):
+        op = mg.Operator("batch_norm_grad", use_global_est=use_est, **bn_grad)
+        xs = (x + shift).astype(np.float64)
+        yield (op, {"x": xs, "scale": r.standard_normal(3), "mean": xs.mean(axis=(0, 2, 3)),
+                    "var": xs.var(axis=(0, 2, 3)), "dy": r.standard_normal(big)}, "dy")
+
+
+@pytest.mark.parametrize("case", list(kernel_cases()),
+                         ids=lambda c: f"{c[0].type}-{c[2]}-{c[1][c[2]].dtype}")
+def test_a_kernel_writing_into_a_handed_over_input_gives_the_same_bits(case):
+    op, ins, slot = case
+    want = run_kernel(op, {k: v.copy() for k, v in ins.items()}, ())
+    given = {k: v.copy() for k, v in ins.items()}
+    target = given[slot]
+    got = run_kernel(op, given, (slot,))
+    for name, value in want.items():
+        assert got[name].tobytes() == value.tobytes(), name
+    out_slot = next(o for o, i in op.schema.reuse.items() if slot in i)
+    assert np.shares_memory(got[out_slot], target)
