@@ -6,9 +6,10 @@ and that the op reads through one slot only; at run time `handed_over` keeps
 those whose array nothing else refers to. Counting references decides it:
 every Variable holding the array refers to it, and every view of an array
 refers to the array that owns the memory, so an array no one else can see
-has exactly the references of its own Variable. `_UNHELD` measures the count
-of an array that nothing holds, through the same call, so the test does not
-depend on how the interpreter counts the references of a call.
+has exactly the references of its own Variable. The counts to expect
+(`_ALONE`, `_ALONE_VIEW`) are measured when the module loads, through the same
+code on an array held as a Variable holds it, so the test does not depend on
+how an interpreter counts the references a call makes.
 """
 from __future__ import annotations
 
@@ -37,29 +38,40 @@ def donors(op, dying):
     return tuple(found)
 
 
-def _refs(value):
-    return sys.getrefcount(value)
-
-
-_UNHELD = _refs(np.empty(0))     # the count of an array that nothing else refers to
-
-
 def handed_over(donors):
-    """The slots of `donors` whose arrays the kernel may overwrite: numpy arrays that
-    only their Variable refers to (no other Variable holds the same array, as
-    add_grad's dout passed through to dx and dy) and whose memory no one else can
-    see: they own it, or they view an array that owns it and that nothing but them
-    refers to (a reshaped product). Every view of an array refers to the array
-    that owns the memory, so any other view alive shows in that count."""
-    return tuple(slot for slot, var in donors if _sole(var.value))
+    """The slots of `donors` whose arrays the kernel may overwrite: writeable numpy
+    arrays that own their memory, or view all of an array that does (a reshaped
+    product), and that nothing but their Variable refers to, nor to that owner but
+    them: no other Variable holds the same array (as add_grad's dout passed through
+    to dx and dy) and no other view of the memory is alive, since a view refers to
+    the array that owns the memory."""
+    return tuple(slot for slot, var in donors
+                 if _plain(var.value) and _counts(var) in (_ALONE, _ALONE_VIEW))
 
 
-def _sole(a):
-    # + 2: the Variable's reference and `a`'s (for the base: the view's and `base`'s)
-    if type(a) is not np.ndarray or not a.flags.writeable or _refs(a) != _UNHELD + 2:
+def _plain(a):
+    if type(a) is not np.ndarray or not a.flags.writeable:
         return False
-    if a.flags.owndata:
-        return True
     base = a.base
-    return type(base) is np.ndarray and base.flags.owndata and base.nbytes == a.nbytes \
-        and _refs(base) == _UNHELD + 2
+    return base is None or (type(base) is np.ndarray and base.flags.owndata
+                            and base.nbytes == a.nbytes)
+
+
+class _Held:
+    """Holds an array as a Variable does (a slot), to measure the counts below."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _counts(var):
+    """(references to var.value, to the array it views or None), as counted here."""
+    a = var.value
+    base = a.base
+    return sys.getrefcount(a), None if base is None else sys.getrefcount(base)
+
+
+_ALONE = _counts(_Held(np.empty(2)))                      # nothing else refers to them
+_ALONE_VIEW = _counts(_Held(np.empty(2).reshape(2, 1)))
