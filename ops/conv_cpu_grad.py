@@ -1,14 +1,18 @@
 """The gradients of the CPU conv engine (conv_cpu: its layout, chunks and work
 arrays). Not an op module: it registers nothing.
 
-dfilter: flat convs with few channels (at most TAP_CHANNELS input times
+dx of a stride-1 conv is the conv of the padded dout with the flipped filter;
+when dfilter is wanted too and that conv has flat columns, dfilter comes from
+the same columns, one more product per chunk (_dx_and_dw: 0.71-0.79x the time
+of the two apart on the ResNet benchmark's 3x3 convs, 2026-11-24). Other
+dfilters: flat convs with few channels (at most TAP_CHANNELS input times
 output channels per group) take one product per tap over shifted runs of the
-padded planes, with no columns (_dw_by_taps); others sum (cols @ dout^T)^T
-over the chunks (BLAS runs that orientation faster than dout @ cols^T: few
-output channels). dx of a stride-1 conv is the conv of the padded dout with
-the flipped filter; of other strides, filter^T @ dout per chunk with each
-tap's columns added back (col2im) straight onto dx, each tap only where its
-windows read x, not padding (no padded gradient and no cropping copy).
+padded planes, with no columns (_dw_by_taps: a first layer, whose dx nobody
+wants); others sum (cols @ dout^T)^T over the chunks (BLAS runs that
+orientation faster than dout @ cols^T: few output channels). dx of other
+strides is filter^T @ dout per chunk with each tap's columns added back
+(col2im) straight onto dx, each tap only where its windows read x, not
+padding (no padded gradient and no cropping copy).
 """
 from __future__ import annotations
 
@@ -29,8 +33,11 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     if g.pointwise:
         return _pointwise_backward(x, wg, d, g, dwg, need_dx), dw
     dx = None
-    if need_dx and g.unit_stride and min(_full_padding(g)) >= 0:
-        dx, need_dx = _dx_as_conv(w, d, g), False
+    if need_dx and _dx_by_conv(g):
+        gd, flipped = _dx_conv(w, g)
+        if need_dw and _paired(gd):
+            return _dx_and_dw(x, d, g, gd, flipped, dwg), dw
+        dx, need_dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True), False
     if need_dw and _taps_fit(g):
         _dw_by_taps(x, d, g, dwg)
         need_dw = False
@@ -66,9 +73,21 @@ def _full_padding(g):
     return g.dh * (g.kh - 1) - g.ph, g.dw * (g.kw - 1) - g.pw
 
 
-def _dx_as_conv(w, d, g):
-    """dx of a stride-1 conv as the conv of dout (padded by _full_padding) with the
-    filter flipped in both taps and with in/out channels swapped per group."""
+def _dx_by_conv(g):
+    """True when dx is a conv of dout (stride 1, no padding beyond the filter's reach)."""
+    return g.unit_stride and min(_full_padding(g)) >= 0
+
+
+def _paired(gd):
+    """True when dfilter comes with dx from the columns of dx's conv `gd`: they are
+    flat (with strided columns the product's output is not laid out like x)."""
+    return gd.flat
+
+
+def _dx_conv(w, g):
+    """(Geometry, filter) of the conv that gives dx of a stride-1 conv: dout padded
+    by _full_padding, the filter flipped in both taps and with in/out channels
+    swapped per group."""
     og, cg = g.o // g.groups, g.c // g.groups
     flipped = w.reshape(g.groups, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
     flipped = np.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4)).reshape(
@@ -76,7 +95,40 @@ def _dx_as_conv(w, d, g):
     qh, qw = _full_padding(g)
     gd = Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
                   g.h, g.w)
-    return conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True)
+    return gd, flipped
+
+
+def _dx_and_dw(x, d, g, gd, flipped, dwg):
+    """dx of a stride-1 conv as the conv gd of dout with the flipped filter (flat
+    columns), adding dfilter to dwg from the same columns: column row (o, i, j) at
+    output q is padded dout at q shifted by tap (i, j), so x laid out like the
+    product's output (zeros in the columns that are not outputs) times the columns
+    gives dfilter's taps flipped, x (C/G, m L) @ cols^T (m L, O/G kh kw) per chunk.
+    x goes into the product's buffer once dx's chunk is out of it, so the pair takes
+    no more memory than dx alone, and the columns are built once, not for dx and
+    again for dfilter."""
+    cg, og = g.c // g.groups, g.o // g.groups
+    wg = flipped.reshape(g.groups, cg, -1)
+    dx = np.empty(x.shape, dtype=x.dtype)
+    acc = np.zeros((g.groups, cg, og * g.taps), dtype=x.dtype)
+    d = np.ascontiguousarray(d)
+    work = Work()
+
+    def chunk(n0, n1):
+        m = n1 - n0
+        cols = conv_cpu.fill_cols(d[n0:n1], gd, work)
+        res = work.array("res", x.dtype, (g.groups, cg, m * gd.length))
+        np.matmul(wg, cols, out=res)
+        planes = res.reshape(g.c, m, g.h, gd.wp)
+        np.copyto(dx[n0:n1], planes[..., :g.w].transpose(1, 0, 2, 3))
+        planes[..., :g.w] = x[n0:n1].transpose(1, 0, 2, 3)
+        planes[..., g.w:] = 0
+        acc[...] += np.matmul(res, cols.swapaxes(-1, -2))
+
+    conv_cpu.run_chunks(chunk, gd, x.dtype, lean=True)
+    taps = acc.reshape(g.groups, cg, og, g.kh, g.kw)[..., ::-1, ::-1]
+    dwg.reshape(g.groups, og, cg, g.kh, g.kw)[...] += taps.transpose(0, 2, 1, 3, 4)
+    return dx
 
 
 def _taps_fit(g):

@@ -84,13 +84,50 @@ def test_conv2d_one_image_per_chunk(x_shape, w_shape, attrs, monkeypatch):
                    grad_wrt=("x", "filter"))
 
 
+def paired(g):
+    """True when the engine takes dx and dfilter of `g` from the same columns."""
+    return conv_cpu_grad._dx_by_conv(g) and conv_cpu_grad._paired(
+        conv_cpu_grad._dx_conv(np.zeros((g.o, g.c // g.groups, g.kh, g.kw)), g)[0])
+
+
+def test_both_gradient_pairings_are_covered():
+    """Some cases take dx and dfilter from the same columns, others apart."""
+    assert {paired(engine_geometry(*case)) for case in CASES} == {True, False}
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_gradients_apart(x_shape, w_shape, attrs, monkeypatch):
+    """With the pairing off, dx and dfilter each take their own path (dx's conv,
+    dfilter tap by tap or through the columns), as when only one is wanted."""
+    monkeypatch.setattr(conv_cpu_grad, "_paired", lambda gd: False)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
+                   grad_wrt=("x", "filter"))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_one_gradient_alone(x_shape, w_shape, attrs):
+    """dx alone and dfilter alone equal the pair."""
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    g = engine_geometry(x_shape, w_shape, attrs)
+    out = conv_cpu.forward(x, w, g)
+    d = rng.standard_normal(out.shape)
+    dx, dw = conv_cpu_grad.backward(x, w, d, g)
+    only_dx, none = conv_cpu_grad.backward(x, w, d, g, need_dw=False)
+    none2, only_dw = conv_cpu_grad.backward(x, w, d, g, need_dx=False)
+    assert none is None and none2 is None
+    np.testing.assert_allclose(only_dx, dx, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(only_dw, dw, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
 def test_conv2d_filter_gradient_through_columns(x_shape, w_shape, attrs, monkeypatch):
     """Flat convs with few channels take the filter gradient tap by tap (every case
-    above); with TAP_CHANNELS at 0 they take it through the columns, as convs with
-    more channels do."""
+    above) when it does not come with dx; with TAP_CHANNELS at 0 they take it
+    through the columns, as convs with more channels do."""
     g = engine_geometry(x_shape, w_shape, attrs)
     monkeypatch.setattr(conv_cpu_grad, "TAP_CHANNELS", 0)
+    monkeypatch.setattr(conv_cpu_grad, "_paired", lambda gd: False)
     assert not conv_cpu_grad._taps_fit(g)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
@@ -103,6 +140,7 @@ def test_conv2d_per_tap_filter_gradient_with_a_shorter_last_chunk(monkeypatch):
     x_shape, w_shape, attrs = (5, 4, 6, 6), (6, 4, 3, 3), {"paddings": 1}
     g = engine_geometry(x_shape, w_shape, attrs)
     monkeypatch.setattr(conv_cpu_grad, "TAP_PRODUCT", 2 * g.c * g.o * g.hp * g.wp)
+    monkeypatch.setattr(conv_cpu_grad, "_paired", lambda gd: False)
     assert conv_cpu_grad._taps_fit(g)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
