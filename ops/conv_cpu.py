@@ -169,11 +169,11 @@ def zero_border(xp, ph, pw, h, w):
     xp[..., ph:ph + h, pw + w:] = 0
 
 
-def run_chunks(body, g, dtype, lean):
-    """body(n0, n1) for every chunk of images, in order. (Chunks shared by the
-    engine's threads, BLAS on one thread each, measured a third slower than one
-    thread calling BLAS on its own threads.)"""
-    step = chunk_size(g, dtype, lean)
+def run_chunks(body, g, dtype, lean, reserved=0):
+    """body(n0, n1) for every chunk of images, in order (chunk_size). (Chunks shared
+    by the engine's threads, BLAS on one thread each, measured a third slower than
+    one thread calling BLAS on its own threads.)"""
+    step = chunk_size(g, dtype, lean, reserved)
     for n0 in range(0, g.n, step):
         body(n0, min(g.n, n0 + step))
 
@@ -187,11 +187,11 @@ def _epilogue(dst, bias, residual, relu):
         cpu_blocks.relu(dst, out=dst)
 
 
-def chunk_size(g, dtype, lean):
+def chunk_size(g, dtype, lean, reserved=0):
     """Images per chunk: columns of about CHUNK_BYTES and, when `lean`, all the work
     arrays (the columns, the padded planes, the product or dout in the columns'
-    layout) in no more than INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES,
-    whichever is more."""
+    layout, and `reserved` bytes of the call's other arrays) in no more than
+    INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES, whichever is more."""
     size = np.dtype(dtype).itemsize
     cols = g.c * g.taps * g.length * size
     step = CHUNK_BYTES // max(1, cols)
@@ -199,7 +199,7 @@ def chunk_size(g, dtype, lean):
         padded = g.c * g.hp * g.wp if (g.ph or g.pw or g.slack) else 0
         work = cols + (padded + g.o * g.length) * size
         cap = max(LEAN_FLOOR_BYTES, INPUT_MULTIPLE * g.n * g.c * g.h * g.w * size)
-        step = min(step, int(cap) // work)
+        step = min(step, int(cap - reserved) // work)
     return max(1, min(g.n, step))
 
 

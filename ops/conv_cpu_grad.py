@@ -28,16 +28,16 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`."""
     og, rows = g.o // g.groups, w[0].size
     wg = w.reshape(g.groups, og, rows)
+    dx = None
+    if need_dx and not g.pointwise and _dx_by_conv(g):
+        gd, flipped = _dx_conv(w, g)
+        if need_dw and _paired(gd):
+            return _dx_and_dw(x, d, g, gd, flipped)
+        dx, need_dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True), False
     dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
     dw = None if dwg is None else dwg.reshape(w.shape)      # a view: filled below
     if g.pointwise:
         return _pointwise_backward(x, wg, d, g, dwg, need_dx), dw
-    dx = None
-    if need_dx and _dx_by_conv(g):
-        gd, flipped = _dx_conv(w, g)
-        if need_dw and _paired(gd):
-            return _dx_and_dw(x, d, g, gd, flipped, dwg), dw
-        dx, need_dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True), False
     if need_dw and _taps_fit(g):
         _dw_by_taps(x, d, g, dwg)
         need_dw = False
@@ -98,15 +98,16 @@ def _dx_conv(w, g):
     return gd, flipped
 
 
-def _dx_and_dw(x, d, g, gd, flipped, dwg):
-    """dx of a stride-1 conv as the conv gd of dout with the flipped filter (flat
-    columns), adding dfilter to dwg from the same columns: column row (o, i, j) at
+def _dx_and_dw(x, d, g, gd, flipped):
+    """(dx, dfilter) of a stride-1 conv: dx as the conv gd of dout with the flipped
+    filter (flat columns), dfilter from the same columns: column row (o, i, j) at
     output q is padded dout at q shifted by tap (i, j), so x laid out like the
     product's output (zeros in the columns that are not outputs) times the columns
     gives dfilter's taps flipped, x (C/G, m L) @ cols^T (m L, O/G kh kw) per chunk.
-    x goes into the product's buffer once dx's chunk is out of it, so the pair takes
-    no more memory than dx alone, and the columns are built once, not for dx and
-    again for dfilter."""
+    x goes into the product's buffer once dx's chunk is out of it, and the flipped
+    filter and dfilter's sums count against the chunks' lean budget, so the pair
+    takes no more memory than dx alone, and the columns are built once, not for dx
+    and again for dfilter."""
     cg, og = g.c // g.groups, g.o // g.groups
     wg = flipped.reshape(g.groups, cg, -1)
     dx = np.empty(x.shape, dtype=x.dtype)
@@ -125,10 +126,11 @@ def _dx_and_dw(x, d, g, gd, flipped, dwg):
         planes[..., g.w:] = 0
         acc[...] += np.matmul(res, cols.swapaxes(-1, -2))
 
-    conv_cpu.run_chunks(chunk, gd, x.dtype, lean=True)
+    conv_cpu.run_chunks(chunk, gd, x.dtype, lean=True, reserved=wg.nbytes + acc.nbytes)
+    work.free()
     taps = acc.reshape(g.groups, cg, og, g.kh, g.kw)[..., ::-1, ::-1]
-    dwg.reshape(g.groups, og, cg, g.kh, g.kw)[...] += taps.transpose(0, 2, 1, 3, 4)
-    return dx
+    return dx, np.ascontiguousarray(taps.transpose(0, 2, 1, 3, 4)).reshape(
+        g.o, cg, g.kh, g.kw)
 
 
 def _taps_fit(g):

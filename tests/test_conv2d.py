@@ -86,7 +86,7 @@ def test_conv2d_one_image_per_chunk(x_shape, w_shape, attrs, monkeypatch):
 
 def paired(g):
     """True when the engine takes dx and dfilter of `g` from the same columns."""
-    return conv_cpu_grad._dx_by_conv(g) and conv_cpu_grad._paired(
+    return not g.pointwise and conv_cpu_grad._dx_by_conv(g) and conv_cpu_grad._paired(
         conv_cpu_grad._dx_conv(np.zeros((g.o, g.c // g.groups, g.kh, g.kw)), g)[0])
 
 
@@ -236,6 +236,21 @@ def test_conv2d_work_arrays_stay_within_budget(x_shape, w_shape, attrs, chunk_by
     assert max(totals) > min(budget, all_cols) / 2                  # not needlessly small
     want = conv_reference(x.astype(np.float64), w.astype(np.float64), **attrs)["out"]
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_reserved_bytes_count_against_the_lean_budget():
+    """Arrays a call keeps beside its work arrays (the paired gradients' flipped filter
+    and dfilter sums) shrink its lean chunks so that all of them fit the budget."""
+    g = engine_geometry((32, 64, 8, 8), (64, 64, 3, 3), {"paddings": 1})
+    size = 4
+    per_image = (g.c * g.taps * g.length + g.c * g.hp * g.wp + g.o * g.length) * size
+    cap = max(conv_cpu.LEAN_FLOOR_BYTES, conv_cpu.INPUT_MULTIPLE * g.n * g.c * g.h * g.w * size)
+    full = conv_cpu.chunk_size(g, np.float32, lean=True)
+    reserved = 300_000
+    less = conv_cpu.chunk_size(g, np.float32, lean=True, reserved=reserved)
+    assert less < full and full * per_image <= cap
+    assert less * per_image + reserved <= cap < (less + 1) * per_image + reserved
+    assert conv_cpu.chunk_size(g, np.float32, lean=False, reserved=reserved) >= full
 
 
 def test_conv2d_attrs_stored_as_pairs():
