@@ -22,25 +22,27 @@ net's conv: forward 0.073 -> 0.059 ms, filter gradient 0.112 -> 0.078 ms).
 A 1x1 stride-1 unpadded conv multiplies x itself, image by image, straight
 into the output.
 
-Chunks of images keep the columns (about CHUNK_BYTES) in cache between the
-copy and the product, and each chunk is padded on its own (a chunk-sized
-padded copy, not the batch's). The column, padding and product (or dout)
-buffers are work arrays of one call (`Work`), made for its first chunk and
-reused by the others, and freed when the call returns: nothing is kept
-between calls, so a training step's peak memory holds only the running
-conv's buffers (with minigraph.host_memory's settings the allocator hands
-the same blocks back, without page faults). CHUNK_BYTES at 1 MiB made the
-ResNet benchmark's training step ~10 % slower (2026-11-23), so it stays at
-2 MiB. The gradients' chunks, and those of conv2d's forward pass (the op a
-training step runs; fused_conv2d, for inference, takes full chunks), are
-also "lean": all their work arrays together take no more than
-INPUT_MULTIPLE times x's size (or LEAN_FLOOR_BYTES, for tiny inputs), since
-a training step's peak comes late in the forward pass and as the backward
-pass starts, in the last layers, while every saved activation is alive, and
-there the planes are small. With conv_cpu_grad's strided col2im (and
-add_grad passing its gradient through), that brought the ResNet benchmark's
-step peak RSS from 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB) for ~5 % of
-its time (2026-11-24).
+Chunks of images keep the columns (about CHUNK_BYTES, LEAN_CHUNK_BYTES for
+lean calls) in cache between the copy and the product, and each chunk is
+padded on its own (a chunk-sized padded copy, not the batch's). The column,
+padding and product (or dout) buffers are work arrays of one call (`Work`),
+made for its first chunk and reused by the others, and freed when the call
+returns: nothing is kept between calls, so a training step's peak memory
+holds only the running conv's buffers (with minigraph.host_memory's settings
+the allocator hands the same blocks back, without page faults). Chunks of 1
+MiB made the ResNet benchmark's training step ~10 % slower (2026-11-23) and
+4 MiB 2-4 % slower (2026-11-24), so lean calls take 2 MiB; its inference
+(fused_conv2d, full chunks) ran 0.94-0.96x the time with 4 MiB than with 2
+MiB (2026-11-24, a 2-core AVX2 machine; within 3 % on an AVX-512 one). The
+gradients' chunks, and those of conv2d's forward pass (the op a training
+step runs; fused_conv2d, for inference, takes full chunks), are also "lean":
+all their work arrays together take no more than INPUT_MULTIPLE times x's
+size (or LEAN_FLOOR_BYTES, for tiny inputs), since a training step's peak
+comes late in the forward pass and as the backward pass starts, in the last
+layers, while every saved activation is alive, and there the planes are
+small. With conv_cpu_grad's strided col2im (and add_grad passing its
+gradient through), that brought the ResNet benchmark's step peak RSS from
+36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB) for ~5 % of its time (2026-11-24).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ import numpy as np
 
 from minigraph import cpu_blocks
 
-CHUNK_BYTES = 1 << 21
+CHUNK_BYTES, LEAN_CHUNK_BYTES = 1 << 22, 1 << 21
 INPUT_MULTIPLE, LEAN_FLOOR_BYTES = 1.5, 1 << 19
 
 
@@ -188,13 +190,14 @@ def _epilogue(dst, bias, residual, relu):
 
 
 def chunk_size(g, dtype, lean, reserved=0):
-    """Images per chunk: columns of about CHUNK_BYTES and, when `lean`, all the work
-    arrays (the columns, the padded planes, the product or dout in the columns'
-    layout, and `reserved` bytes of the call's other arrays) in no more than
-    INPUT_MULTIPLE times x's size or LEAN_FLOOR_BYTES, whichever is more."""
+    """Images per chunk: columns of about CHUNK_BYTES and, when `lean`, of about
+    LEAN_CHUNK_BYTES (if less) with all the work arrays (the columns, the padded
+    planes, the product or dout in the columns' layout, and `reserved` bytes of the
+    call's other arrays) in no more than INPUT_MULTIPLE times x's size or
+    LEAN_FLOOR_BYTES, whichever is more."""
     size = np.dtype(dtype).itemsize
     cols = g.c * g.taps * g.length * size
-    step = CHUNK_BYTES // max(1, cols)
+    step = (min(CHUNK_BYTES, LEAN_CHUNK_BYTES) if lean else CHUNK_BYTES) // max(1, cols)
     if lean:
         padded = g.c * g.hp * g.wp if (g.ph or g.pw or g.slack) else 0
         work = cols + (padded + g.o * g.length) * size
