@@ -10,9 +10,11 @@ on ready-made random columns: both orientations (W @ cols and cols^T @ W^T)
 and chunks of 1 to 32 images, keeping the fastest; and the columns' copy,
 timed as a contiguous copy of as many values (a real im2col copy reads
 strided windows, so it takes longer). A forward pass needs each once; a
-training step needs three products (forward, dfilter, dx) and three copies
-(the columns of x twice, of dout once or their col2im sums). Nothing else counts: no padding, no
-transposes, no bias, BN, ReLU or pooling. benchmarks/nets_cpu.py compares the
+training step needs three products (forward, dfilter, dx) and two copies (the
+columns of x for the forward, and one set that both gradients share, as
+minigraph's do for stride-1 convs: dout's columns for dx as a conv, which with
+x give dfilter too). Nothing else counts: no padding, no transposes, no bias,
+BN, ReLU or pooling. benchmarks/nets_cpu.py compares the
 sums with PyTorch's times: a floor near or above PyTorch's time means no numpy
 im2col engine, however lean, can match it.
 """
@@ -90,8 +92,8 @@ def copy_ms(values, repeat):
 def floor(threads, repeat):
     """{"convs": [(shape, product ms, GFLOP/s, copy ms)], "forward_ms", "train_ms"} on
     `threads` BLAS threads: forward = products + column copies once each; a
-    training step three times that (forward; dfilter: x's columns again; dx:
-    dout's columns or the col2im sums)."""
+    training step three products (forward, dfilter, dx) and two copies (x's
+    columns; one set for both gradients)."""
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)
@@ -104,7 +106,7 @@ def floor(threads, repeat):
         rows.append(((c, h, w, o, k, s), ms, flops / ms / 1e6, cp))
         products, copies = products + ms, copies + cp
     return {"convs": rows, "forward_ms": products + copies,
-            "train_ms": 3 * (products + copies)}
+            "train_ms": 3 * products + 2 * copies}
 
 
 def main(argv=None):
@@ -123,7 +125,8 @@ def main(argv=None):
         print(f"{f'{c}x{h}x{w} -> {o}, {k}x{k}, stride {s}':<34} {ms:>10.3f} {rate:>8.0f} "
               f"{cp:>15.3f}")
     print(f"floor of a forward pass (products and column copies once): "
-          f"{result['forward_ms']:.2f} ms; of a training step (three times that): "
+          f"{result['forward_ms']:.2f} ms; of a training step (three products, two "
+          f"copies): "
           f"{result['train_ms']:.2f} ms")
 
 

@@ -45,8 +45,11 @@ def handed_over(donors):
     them: no other Variable holds the same array (as add_grad's dout passed through
     to dx and dy) and no other view of the memory is alive, since a view refers to
     the array that owns the memory."""
-    return tuple(slot for slot, var in donors
-                 if _plain(var.value) and _counts(var) in (_ALONE, _ALONE_VIEW))
+    found = ()
+    for slot, var in donors:
+        if _plain(var.value) and _counts(var) in _SOLE:
+            found += (slot,)
+    return found
 
 
 def _plain(a):
@@ -75,3 +78,4 @@ def _counts(var):
 
 _ALONE = _counts(_Held(np.empty(2)))                      # nothing else refers to them
 _ALONE_VIEW = _counts(_Held(np.empty(2).reshape(2, 1)))
+_SOLE = (_ALONE, _ALONE_VIEW)
