@@ -3,7 +3,7 @@ arrays). Not an op module: it registers nothing.
 
 dx of a stride-1 conv is the conv of the padded dout with the flipped filter;
 when dfilter is wanted too and that conv has flat columns, dfilter comes from
-the same columns, one more product per chunk (_dx_and_dw: 0.71-0.79x the time
+the same columns, one more product per chunk (_dx_and_dw: 0.68-0.86x the time
 of the two apart on the ResNet benchmark's 3x3 convs, 2026-11-24). Other
 dfilters: flat convs with few channels (at most TAP_CHANNELS input times
 output channels per group) take one product per tap over shifted runs of the
