@@ -32,7 +32,12 @@ import numpy as np
 import threadpoolctl
 
 CHUNK_BYTES = 1 << 20          # work on x in cache-sized blocks
-PARALLEL_MIN_BYTES = 1 << 21   # smaller arrays stay on the calling thread
+# Smaller arrays stay on the calling thread. In a net, numpy's BLAS threads spin for a
+# while after each product (a conv's), and a pool thread then takes a core from them
+# or from this thread: at 2 MiB the ResNet benchmark's step preempted its main thread
+# ~60 times and ran 1.02-1.06x the time of one thread (2026-11-24, 2 cores), its
+# batch norms 1.2x.
+PARALLEL_MIN_BYTES = 1 << 22
 MIN_UNIT = 2048                # short rows are grouped into units of at least this many values
 MIN_INNER = 16                 # shorter inner axes (NHWC: 1) sum over rows, not along them
 MAX_DOT = 8192                 # longest row whose dot products go through einsum
