@@ -29,8 +29,9 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     og, rows = g.o // g.groups, w[0].size
     wg = w.reshape(g.groups, og, rows)
     dx = None
-    if need_dx and not g.pointwise and _dx_by_conv(g):
-        gd, flipped = _dx_conv(w, g)
+    gd = _dx_geometry(g) if need_dx else None
+    if gd is not None:
+        flipped = _flipped(w, g)
         if need_dw and _paired(gd):
             return _dx_and_dw(x, d, g, gd, flipped)
         dx, need_dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True), False
@@ -73,9 +74,16 @@ def _full_padding(g):
     return g.dh * (g.kh - 1) - g.ph, g.dw * (g.kw - 1) - g.pw
 
 
-def _dx_by_conv(g):
-    """True when dx is a conv of dout (stride 1, no padding beyond the filter's reach)."""
-    return g.unit_stride and min(_full_padding(g)) >= 0
+def _dx_geometry(g):
+    """The Geometry of the conv that gives dx of a stride-1 conv (dout padded by
+    _full_padding, filter _flipped), or None where dx is not such a conv: other
+    strides, padding beyond the filter's reach, and 1x1 unpadded convs
+    (_pointwise_backward)."""
+    qh, qw = _full_padding(g)
+    if g.pointwise or not g.unit_stride or min(qh, qw) < 0:
+        return None
+    return Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
+                    g.h, g.w)
 
 
 def _paired(gd):
@@ -84,18 +92,13 @@ def _paired(gd):
     return gd.flat
 
 
-def _dx_conv(w, g):
-    """(Geometry, filter) of the conv that gives dx of a stride-1 conv: dout padded
-    by _full_padding, the filter flipped in both taps and with in/out channels
-    swapped per group."""
+def _flipped(w, g):
+    """The filter of dx's conv: flipped in both taps, in/out channels swapped per
+    group."""
     og, cg = g.o // g.groups, g.c // g.groups
     flipped = w.reshape(g.groups, og, cg, g.kh, g.kw)[:, :, :, ::-1, ::-1]
-    flipped = np.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4)).reshape(
+    return np.ascontiguousarray(flipped.transpose(0, 2, 1, 3, 4)).reshape(
         g.c, og, g.kh, g.kw)
-    qh, qw = _full_padding(g)
-    gd = Geometry(g.n, g.o, g.ho, g.wo, g.c, g.kh, g.kw, g.groups, 1, 1, qh, qw, g.dh, g.dw,
-                  g.h, g.w)
-    return gd, flipped
 
 
 def _dx_and_dw(x, d, g, gd, flipped):
