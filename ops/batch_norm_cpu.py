@@ -75,14 +75,10 @@ def local_stats(x3):
             for blk in blocks:
                 xb = plan.view(xs, blk)
                 d = buf[:xb.size].reshape(xb.shape)
-                if shift_row is None:
-                    np.square(xb, out=d)
-                    plan.add_sums(s1, blk, xb)
-                else:
-                    np.subtract(xb, plan.const(shift_row, blk), out=d)
-                    plan.add_sums(s1, blk, d)
-                    np.square(d, out=d)
-                plan.add_sums(s2, blk, d)
+                if shift_row is not None:
+                    xb = np.subtract(xb, plan.const(shift_row, blk), out=d)
+                plan.add_sums(s1, blk, xb)
+                plan.add_dots(s2, blk, xb, xb, d)
 
     run_blocks(part, plan)
     with np.errstate(invalid="ignore", over="ignore"):
