@@ -34,9 +34,11 @@ the plan, reused from step to step.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-from minigraph import handover, host_memory
+from minigraph import handover, host_memory, work_room
 from minigraph.executor import check_feed
 from minigraph.schema import OpError
 from minigraph.scope import Variable
@@ -53,6 +55,7 @@ class Plan:
         self.mode, self.targets = mode, targets
         self._compiled = {}
         self.checked = None             # the external signature last run with checks
+        self.rooms = None               # per step, the kernel's work room (minigraph.work_room)
         self.saved = {}                 # id(persistable) -> the journal's reusable copy
 
     def compiled(self, kind, keep=()):
@@ -179,13 +182,15 @@ def run_step(net, mode, feed, fetch):
         journal = Journal(place, plan.saved)
         for var in stale:
             var.value = None
+        meter = work_room.Meter() if check and place.kind == "cpu" else None
         try:
-            run_ops(steps, place, check, journal)
+            run_ops(steps, place, check, journal, None if check else plan.rooms, meter)
             place.check_errors()        # what device kernels flagged fails the step too
         except BaseException:
             journal.roll_back()
             raise
         plan.checked = signature
+        plan.rooms = meter.rooms(steps) if meter is not None else plan.rooms
         return net.executor.fetch_all(net.scopes[mode], targets, check_errors=False)
 
 
@@ -199,18 +204,26 @@ def _parameter_grads(net):
     return found
 
 
-def run_ops(steps, place, check, journal):
+def run_ops(steps, place, check, journal, rooms=None, meter=None):
     """Run compiled steps: gather inputs, check them when `check`, call the kernel,
     store outputs; with a journal, save persistables first, hand over the inputs
-    kernels may write into (OpSchema.reuse) and release temporaries."""
+    kernels may write into (OpSchema.reuse) and release temporaries. `rooms`: per
+    step, keyword arguments for the kernel (its work room, minigraph.work_room);
+    `meter`: a work_room.Meter that measures the step's memory op by op."""
     kind = place.kind
-    for fn, op, inputs, outputs, writes, releases, n_free, donors in steps:
+    for (fn, op, inputs, outputs, writes, releases, n_free, donors), extra in zip(
+            steps, rooms or itertools.repeat({})):
         if fn is None:
             raise OpError(f"{op.type}: no kernel for {place!r}")
         if writes and journal is not None:
             journal.save(writes)
-        donated = handover.handed_over(donors) if donors and journal is not None else ()
-        _run_op(fn, op, inputs, outputs, check, kind, donated)
+        if donors and journal is not None:
+            donated = handover.handed_over(donors)
+            if donated:
+                extra = {**extra, "donated": donated}
+        _run_op(fn, op, inputs, outputs, check, kind, extra)
+        if meter is not None:
+            meter.ran(outputs, releases)
         if journal is not None:
             for k, var in enumerate(releases):
                 if k < n_free:
@@ -219,7 +232,7 @@ def run_ops(steps, place, check, journal):
                     var.value = _stand_in(var.value)
 
 
-def _run_op(fn, op, inputs, outputs, check, kind, donated):
+def _run_op(fn, op, inputs, outputs, check, kind, extra):
     """One op: gather, check, call, store. (A function of its own so that nothing of
     one op - its inputs, its outputs dict - is still referred to when the next one
     asks whether an array is held elsewhere.)"""
@@ -236,7 +249,7 @@ def _run_op(fn, op, inputs, outputs, check, kind, donated):
             ins[slot] = None
     if check:
         op.check_inputs(ins, kind)
-    outs = fn(op, ins, donated=donated) if donated else fn(op, ins)
+    outs = fn(op, ins, **extra) if extra else fn(op, ins)
     for slot, var, how in outputs:
         if slot in outs:
             if how == ONE:

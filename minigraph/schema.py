@@ -92,6 +92,11 @@ class OpSchema:
       its memory; see minigraph.run), the kernel is called as
       kernels["cpu"](op, ins, donated=(input slots,)) and may overwrite those
       inputs; otherwise kernels never write their inputs.
+    work_room: the CPU kernel's speed grows with its work arrays, and a training
+      step, once it has measured its memory op by op (minigraph.work_room),
+      calls it as kernels["cpu"](op, ins, room=bytes): the memory its work may
+      take at this op without raising the step's peak. Called without `room`,
+      it keeps its work lean.
     """
 
     type: str
@@ -100,6 +105,7 @@ class OpSchema:
     attrs: tuple = ()
     inplace: dict = field(default_factory=dict)     # output slot -> input slot
     reuse: dict = field(default_factory=dict)       # output slot -> input slots (tuple)
+    work_room: bool = False                         # the CPU kernel takes room=bytes
     infer: Callable | None = None
     grad: Callable | None = None
     validate: Callable | None = None                # validate(op): cross-slot rules at build

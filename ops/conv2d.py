@@ -84,11 +84,11 @@ def infer_conv_grad(ins, attrs):
 
 CONV = register(OpSchema(
     type="conv2d", inputs=(Slot("x"), Slot("filter")), outputs=(Slot("out"),),
-    attrs=conv_attrs(), infer=infer_conv, resolve_attrs=resolve, doc=__doc__,
+    attrs=conv_attrs(), infer=infer_conv, resolve_attrs=resolve, doc=__doc__, work_room=True,
     grad=grad_maker("conv2d_grad", keep=("x", "filter"), wrt=("x", "filter"))))
 register(grad_schema(CONV, inputs=(Slot("x"), Slot("filter"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dfilter", optional=True)),
-                     infer=infer_conv_grad))
+                     infer=infer_conv_grad, work_room=True))
 
 
 def cpu_geometry(op, x, w):
@@ -99,21 +99,23 @@ def cpu_geometry(op, x, w):
 
 
 @kernel("conv2d", "cpu")
-def conv2d_cpu(op, ins):
+def conv2d_cpu(op, ins, room=None):
     """out[n, o] = sum over the group's channels and taps of filter * window; lean
     work arrays, like its gradient's (conv2d is the op training steps run, and
     their peak memory comes from these; fused_conv2d, for inference, takes full
-    chunks)."""
+    chunks), or up to `room` bytes of them (OpSchema.work_room)."""
     x, w = ins["x"], ins["filter"]
-    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w), lean=True)}
+    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w), lean=True, room=room)}
 
 
 @kernel("conv2d_grad", "cpu")
-def conv2d_grad_cpu(op, ins):
-    """dfilter = dout @ cols^T per group; dx = col2im(filter^T @ dout); each only when bound."""
+def conv2d_grad_cpu(op, ins, room=None):
+    """dfilter = dout @ cols^T per group; dx = col2im(filter^T @ dout); each only when
+    bound; lean work arrays, or up to `room` bytes of them."""
     x, w = ins["x"], ins["filter"]
     dx, dw = conv_cpu_grad.backward(x, w, ins["dout"], cpu_geometry(op, x, w),
-                               need_dx=op.wants("dx"), need_dw=op.wants("dfilter"))
+                                    need_dx=op.wants("dx"), need_dw=op.wants("dfilter"),
+                                    room=room)
     return present(dx=dx, dfilter=dw)
 
 

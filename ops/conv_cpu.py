@@ -130,10 +130,11 @@ def geometry(x_shape, w_shape, strides, paddings, dilations, groups):
     return Geometry(n, c, h, w, o, kh, kw, groups, sh, sw, ph, pw, dh, dw, ho, wo)
 
 
-def forward(x, w, g, bias=None, residual=None, relu=False, lean=False):
+def forward(x, w, g, bias=None, residual=None, relu=False, lean=False, room=None):
     """out (N, O, Ho, Wo) = conv(x, w) (+ bias[o]) (+ residual, of out's shape) (then
     max(., 0)), in x's dtype; the additions and the max run on each chunk of images
-    while it is in cache. lean: work arrays capped as the backward pass's are."""
+    while it is in cache. lean: work arrays capped as the backward pass's are, or
+    by `room` bytes where that is more (chunk_size)."""
     out = np.empty((g.n, g.o, g.ho, g.wo), dtype=x.dtype)
     wg = w.reshape(g.groups, g.o // g.groups, -1)
     if g.pointwise:
@@ -159,7 +160,7 @@ def forward(x, w, g, bias=None, residual=None, relu=False, lean=False):
         if residual is not None:
             _epilogue(dst, None, residual[n0:n1], relu)
 
-    run_chunks(chunk, g, x.dtype, lean)
+    run_chunks(chunk, g, x.dtype, lean, room=room)
     return out
 
 
@@ -171,11 +172,11 @@ def zero_border(xp, ph, pw, h, w):
     xp[..., ph:ph + h, pw + w:] = 0
 
 
-def run_chunks(body, g, dtype, lean, reserved=0):
+def run_chunks(body, g, dtype, lean, reserved=0, room=None):
     """body(n0, n1) for every chunk of images, in order (chunk_size). (Chunks shared
     by the engine's threads, BLAS on one thread each, measured a third slower than
     one thread calling BLAS on its own threads.)"""
-    step = chunk_size(g, dtype, lean, reserved)
+    step = chunk_size(g, dtype, lean, reserved, room)
     for n0 in range(0, g.n, step):
         body(n0, min(g.n, n0 + step))
 
@@ -189,19 +190,27 @@ def _epilogue(dst, bias, residual, relu):
         cpu_blocks.relu(dst, out=dst)
 
 
-def chunk_size(g, dtype, lean, reserved=0):
+def chunk_size(g, dtype, lean, reserved=0, room=None):
     """Images per chunk: columns of about CHUNK_BYTES and, when `lean`, of about
     LEAN_CHUNK_BYTES (if less) with all the work arrays (the columns, the padded
     planes, the product or dout in the columns' layout, and `reserved` bytes of the
     call's other arrays) in no more than INPUT_MULTIPLE times x's size or
-    LEAN_FLOOR_BYTES, whichever is more."""
+    LEAN_FLOOR_BYTES, whichever is more. `room` (bytes, minigraph.work_room): where
+    it is more than that cap, a lean call's work takes up to `room`, in columns of
+    about CHUNK_BYTES."""
     size = np.dtype(dtype).itemsize
     cols = g.c * g.taps * g.length * size
-    step = (min(CHUNK_BYTES, LEAN_CHUNK_BYTES) if lean else CHUNK_BYTES) // max(1, cols)
+    target = CHUNK_BYTES
     if lean:
         padded = g.c * g.hp * g.wp if (g.ph or g.pw or g.slack) else 0
         work = cols + (padded + g.o * g.length) * size
         cap = max(LEAN_FLOOR_BYTES, INPUT_MULTIPLE * g.n * g.c * g.h * g.w * size)
+        if room is None or room <= cap:
+            target = min(CHUNK_BYTES, LEAN_CHUNK_BYTES)
+        else:
+            cap = room
+    step = target // max(1, cols)
+    if lean:
         step = min(step, int(cap - reserved) // work)
     return max(1, min(g.n, step))
 

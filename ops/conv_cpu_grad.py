@@ -24,8 +24,9 @@ from minigraph.ops.conv_cpu import Geometry, Work
 TAP_CHANNELS, TAP_PRODUCT = 1024, 1 << 20
 
 
-def backward(x, w, d, g, need_dx=True, need_dw=True):
-    """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`."""
+def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
+    """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`; lean work
+    arrays, or up to `room` bytes of them (conv_cpu.chunk_size)."""
     og, rows = g.o // g.groups, w[0].size
     wg = w.reshape(g.groups, og, rows)
     dx = None
@@ -33,12 +34,13 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
     if gd is not None:
         flipped = _flipped(w, g)
         if need_dw and _paired(gd):
-            return _dx_and_dw(x, d, g, gd, flipped)
-        dx, need_dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True), False
+            return _dx_and_dw(x, d, g, gd, flipped, room)
+        dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True, room=room)
+        need_dx = False
     dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
     dw = None if dwg is None else dwg.reshape(w.shape)      # a view: filled below
     if g.pointwise:
-        return _pointwise_backward(x, wg, d, g, dwg, need_dx), dw
+        return _pointwise_backward(x, wg, d, g, dwg, need_dx, room), dw
     if need_dw and _taps_fit(g):
         _dw_by_taps(x, d, g, dwg)
         need_dw = False
@@ -61,7 +63,8 @@ def backward(x, w, d, g, need_dx=True, need_dw=True):
             np.matmul(wg.swapaxes(-1, -2), dcol, out=dcols)
             _col2im(dcols, dxp, n0, n1, g)
 
-    conv_cpu.run_chunks(chunk, g, x.dtype, lean=True)
+    reserved = dxp.nbytes if padded_dx and need_dx else 0
+    conv_cpu.run_chunks(chunk, g, x.dtype, lean=True, reserved=reserved, room=room)
     work.free()                          # the crop below needs no work arrays beside it
     if need_dx:
         dx = dxp if not padded_dx else np.ascontiguousarray(
@@ -101,7 +104,7 @@ def _flipped(w, g):
         g.c, og, g.kh, g.kw)
 
 
-def _dx_and_dw(x, d, g, gd, flipped):
+def _dx_and_dw(x, d, g, gd, flipped, room=None):
     """(dx, dfilter) of a stride-1 conv: dx as the conv gd of dout with the flipped
     filter (flat columns), dfilter from the same columns: column row (o, i, j) at
     output q is padded dout at q shifted by tap (i, j), so x laid out like the
@@ -129,7 +132,8 @@ def _dx_and_dw(x, d, g, gd, flipped):
         planes[..., g.w:] = 0
         acc[...] += np.matmul(res, cols.swapaxes(-1, -2))
 
-    conv_cpu.run_chunks(chunk, gd, x.dtype, lean=True, reserved=wg.nbytes + acc.nbytes)
+    conv_cpu.run_chunks(chunk, gd, x.dtype, lean=True, reserved=wg.nbytes + acc.nbytes,
+                        room=room)
     work.free()
     taps = acc.reshape(g.groups, cg, og, g.kh, g.kw)[..., ::-1, ::-1]
     return dx, np.ascontiguousarray(taps.transpose(0, 2, 1, 3, 4)).reshape(
@@ -181,14 +185,14 @@ def _dw_by_taps(x, d, g, dwg):
                     taps[k, :, :, i, j] += np.matmul(xs[:, start:start + run], ds).T
 
 
-def _pointwise_backward(x, wg, d, g, dwg, need_dx):
+def _pointwise_backward(x, wg, d, g, dwg, need_dx, room=None):
     """dx (or None) of a 1x1 stride-1 unpadded conv, adding dfilter to dwg when
     given: products with x and dout themselves, no columns."""
     hw = g.h * g.w
     a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
     dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
     if dwg is not None:
-        step = conv_cpu.chunk_size(g, x.dtype, lean=True)
+        step = conv_cpu.chunk_size(g, x.dtype, lean=True, room=room)
         for n0 in range(0, g.n, step):
             n1 = min(g.n, n0 + step)
             dwg += np.matmul(dd[n0:n1], a[n0:n1].swapaxes(-1, -2)).sum(axis=0)
