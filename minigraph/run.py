@@ -14,7 +14,11 @@ holds no memory. An input whose value dies at the op that reads it may be
 handed over to a CPU kernel that declares it may write its output there
 (`OpSchema.reuse`: relu, add, relu's and batch norm's gradients), when at
 run time nothing else refers to the array or its memory (no other Variable,
-no view: `minigraph.handover`), so the output takes no new memory. A
+no view: `minigraph.handover`), so the output takes no new memory. The
+first training step with a signature (see below) measures the memory its
+values hold after each op (`minigraph.work_room`); later ones give kernels
+that declare `OpSchema.work_room` (conv2d and its gradient) the room the
+step's peak leaves at their op, for their work arrays. A
 training step keeps the values it fetches, the persistables, the feeds and
 the gradients of the persistables (as PyTorch keeps `.grad`); to read any
 other value of a training step, fetch it. The gradients a step computes anew

@@ -43,6 +43,9 @@ layers, while every saved activation is alive, and there the planes are
 small. With conv_cpu_grad's strided col2im (and add_grad passing its
 gradient through), that brought the ResNet benchmark's step peak RSS from
 36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB) for ~5 % of its time (2026-11-24).
+Away from the peak a training step gives conv2d and its gradient more
+(`room`, minigraph.work_room): their work arrays then take up to that many
+bytes, in full chunks.
 """
 from __future__ import annotations
 
