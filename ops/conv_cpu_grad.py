@@ -47,7 +47,7 @@ def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
     if not (need_dw or need_dx):
         return dx, dw
     # flat columns add back onto the padded planes; strided ones straight onto dx
-    padded_dx = g.flat and (g.ph or g.pw)
+    padded_dx = g.flat and not g.same and (g.ph or g.pw)
     shape = (g.n, g.c, g.hp, g.wp) if padded_dx else x.shape
     dxp = np.zeros(shape, dtype=x.dtype) if need_dx else None
     work = Work()
@@ -126,7 +126,7 @@ def _dx_and_dw(x, d, g, gd, flipped, room=None):
         cols = conv_cpu.fill_cols(d[n0:n1], gd, work)
         res = work.array("res", x.dtype, (g.groups, cg, m * gd.length))
         np.matmul(wg, cols, out=res)
-        planes = res.reshape(g.c, m, g.h, gd.wp)
+        planes = res.reshape(g.c, m, g.h, gd.width)
         np.copyto(dx[n0:n1], planes[..., :g.w].transpose(1, 0, 2, 3))
         planes[..., :g.w] = x[n0:n1].transpose(1, 0, 2, 3)
         planes[..., g.w:] = 0
@@ -207,8 +207,7 @@ def _dout_columns(d, n0, n1, g, work):
     """dout of images [n0, n1) laid out like the product's columns: (G, O/G, m L),
     a work copy with zeros in the flat columns that are not outputs."""
     m = n1 - n0
-    width = g.wp if g.flat else g.wo
-    buf = work.array("dout", d.dtype, (g.o, m, g.ho, width))
+    buf = work.array("dout", d.dtype, (g.o, m, g.ho, g.width))
     np.copyto(buf[..., :g.wo], d[n0:n1].transpose(1, 0, 2, 3))
     buf[..., g.wo:] = 0
     return buf.reshape(g.groups, g.o // g.groups, m * g.length)
@@ -219,7 +218,7 @@ def _col2im(dcols, dxp, n0, n1, g):
     input's gradient: dxp is (N, C, Hp, Wp), padded, for flat columns, else dx (N, C,
     H, W) itself, each tap adding only its windows' values that fall inside x."""
     m = n1 - n0
-    if g.flat:
+    if g.flat and not g.same:
         taps = dcols.reshape(g.c, g.kh, g.kw, m, g.length)
         flat = dxp.reshape(g.n, g.c, g.hp * g.wp)[n0:n1].transpose(1, 0, 2)
         for i in range(g.kh):

@@ -37,6 +37,11 @@ CASES = [
     # stride 1 with fewer column rows than output channels: strided, not flat, columns
     ((2, 1, 5, 6), (6, 1, 2, 2), {"paddings": 1}),
     ((2, 2, 5, 5), (8, 1, 1, 3), {"groups": 2, "paddings": (0, 1)}),
+    # "same" padding (flat columns from the unpadded planes): dilated, 5x5 in groups,
+    # a 3x5 filter dilated along one axis
+    ((2, 3, 6, 7), (4, 3, 3, 3), {"dilations": 2, "paddings": 2}),
+    ((2, 4, 6, 5), (4, 2, 5, 5), {"paddings": 2, "groups": 2}),
+    ((2, 3, 5, 9), (4, 3, 3, 5), {"paddings": (1, 4), "dilations": (1, 2)}),
 ]
 
 
@@ -57,6 +62,18 @@ def test_both_column_layouts_are_covered():
             layouts.add(g.flat)
             assert g.flat == (w_shape[1] * g.taps >= w_shape[0] // g.groups)
     assert layouts == {True, False}
+
+
+def test_flat_columns_from_padded_and_unpadded_planes_are_covered():
+    """Flat columns come from the unpadded planes exactly when the output is the
+    input's size ("same" padding)."""
+    kinds = set()
+    for x_shape, w_shape, attrs in CASES:
+        g = engine_geometry(x_shape, w_shape, attrs)
+        if g.flat:
+            kinds.add(g.same)
+            assert g.same == ((g.ho, g.wo) == x_shape[2:])
+    assert kinds == {True, False}
 
 
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
