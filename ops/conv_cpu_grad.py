@@ -5,11 +5,12 @@ dx of a stride-1 conv is the conv of the padded dout with the flipped filter;
 when dfilter is wanted too and that conv has flat columns, dfilter comes from
 the same columns, one more product per chunk (_dx_and_dw: 0.68-0.86x the time
 of the two apart on the ResNet benchmark's 3x3 convs, 2026-11-24). Other
-dfilters: flat convs with few channels (at most TAP_CHANNELS input times
-output channels per group) take one product per tap over shifted runs of the
-padded planes, with no columns (_dw_by_taps: a first layer, whose dx nobody
-wants); others sum (cols @ dout^T)^T over the chunks (BLAS runs that
-orientation faster than dout @ cols^T: few output channels). dx of other
+dfilters sum (cols @ dout^T)^T over the chunks (BLAS runs that orientation
+faster than dout @ cols^T: few output channels). (One product per tap over
+shifted runs of the padded planes, with no columns, had been faster for
+convs with few channels; with same-padded columns and room it took 1.3-2.5x
+the time of the columns on the ResNet benchmark's shapes, its 3-channel
+first layer included, 2026-11-24, and is gone.) dx of other
 strides is filter^T @ dout per chunk with each tap's columns added back
 (col2im) straight onto dx, each tap only where its windows read x, not
 padding (no padded gradient and no cropping copy).
@@ -20,8 +21,6 @@ import numpy as np
 
 from minigraph.ops import conv_cpu
 from minigraph.ops.conv_cpu import Geometry, Work
-
-TAP_CHANNELS, TAP_PRODUCT = 1024, 1 << 20
 
 
 def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
@@ -41,9 +40,6 @@ def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
     dw = None if dwg is None else dwg.reshape(w.shape)      # a view: filled below
     if g.pointwise:
         return _pointwise_backward(x, wg, d, g, dwg, need_dx, room), dw
-    if need_dw and _taps_fit(g):
-        _dw_by_taps(x, d, g, dwg)
-        need_dw = False
     if not (need_dw or need_dx):
         return dx, dw
     # flat columns add back onto the padded planes; strided ones straight onto dx
@@ -138,51 +134,6 @@ def _dx_and_dw(x, d, g, gd, flipped, room=None):
     taps = acc.reshape(g.groups, cg, og, g.kh, g.kw)[..., ::-1, ::-1]
     return dx, np.ascontiguousarray(taps.transpose(0, 2, 1, 3, 4)).reshape(
         g.o, cg, g.kh, g.kw)
-
-
-def _taps_fit(g):
-    """True when dfilter goes tap by tap (_dw_by_taps): flat columns (stride 1) and
-    at most TAP_CHANNELS input times output channels per group, where one product
-    per tap over a few images beats the columns' copy (measured: stage 1 and 2 of
-    the ResNet benchmark, 16x16 and 32x32 channels, 0.66x and 0.84x the time;
-    64x64: 1.0x)."""
-    return g.flat and (g.c // g.groups) * (g.o // g.groups) <= TAP_CHANNELS
-
-
-def _dw_by_taps(x, d, g, dwg):
-    """Add dfilter of a stride-1 conv to dwg (G, O/G, C/G kh kw) with one product
-    per tap and no columns: a chunk of m images is padded channel-major, (C, m Hp
-    Wp), and dout laid out alike (O, m Hp Wp), each output at its window's
-    top-left corner with zeros elsewhere; tap (i, j)'s product takes the padded
-    run shifted by i dh Wp + j dw (reading x values of the next image, or slack
-    zeros, only against those zeros). Chunks keep each product within
-    TAP_PRODUCT multiply-adds: just above it, at 4 images instead of 3 per
-    chunk, OpenBLAS took twice as long for these few-channel products, on one
-    thread as on two (2026-11-24)."""
-    plane, cg, og = g.hp * g.wp, g.c // g.groups, g.o // g.groups
-    reach = (g.kh - 1) * g.dh * g.wp + (g.kw - 1) * g.dw
-    step = max(1, min(g.n, TAP_PRODUCT // (cg * og * plane)))
-    taps = dwg.reshape(g.groups, og, cg, g.kh, g.kw)
-    work = Work()
-    for n0 in range(0, g.n, step):
-        m = min(g.n, n0 + step) - n0
-        run = m * plane
-        xb = work.array("xpad", x.dtype, (g.c, run + reach))
-        xb[:, run:] = 0
-        xp = xb[:, :run].reshape(g.c, m, g.hp, g.wp)
-        conv_cpu.zero_border(xp, g.ph, g.pw, g.h, g.w)
-        xp[:, :, g.ph:g.ph + g.h, g.pw:g.pw + g.w] = x[n0:n0 + m].transpose(1, 0, 2, 3)
-        db = work.array("dout", x.dtype, (g.o, run))
-        dp = db.reshape(g.o, m, g.hp, g.wp)
-        dp[:, :, :g.ho, :g.wo] = d[n0:n0 + m].transpose(1, 0, 2, 3)
-        dp[:, :, g.ho:] = 0
-        dp[:, :, :g.ho, g.wo:] = 0
-        for k in range(g.groups):
-            xs, ds = xb[k * cg:(k + 1) * cg], db[k * og:(k + 1) * og].T
-            for i in range(g.kh):
-                for j in range(g.kw):
-                    start = i * g.dh * g.wp + j * g.dw
-                    taps[k, :, :, i, j] += np.matmul(xs[:, start:start + run], ds).T
 
 
 def _pointwise_backward(x, wg, d, g, dwg, need_dx, room=None):

@@ -93,9 +93,8 @@ def test_conv2d_float32(x_shape, w_shape, attrs):
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
 def test_conv2d_one_image_per_chunk(x_shape, w_shape, attrs, monkeypatch):
     """The CPU engine works on chunks of images; with one image per chunk every
-    chunk boundary is crossed (the per-tap filter gradient's too)."""
+    chunk boundary is crossed."""
     monkeypatch.setattr(conv_cpu, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(conv_cpu_grad, "TAP_PRODUCT", 1)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
                    grad_wrt=("x", "filter"))
@@ -115,7 +114,7 @@ def test_both_gradient_pairings_are_covered():
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
 def test_conv2d_gradients_apart(x_shape, w_shape, attrs, monkeypatch):
     """With the pairing off, dx and dfilter each take their own path (dx's conv,
-    dfilter tap by tap or through the columns), as when only one is wanted."""
+    dfilter through the columns), as when only one is wanted."""
     monkeypatch.setattr(conv_cpu_grad, "_paired", lambda gd: False)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
@@ -135,39 +134,6 @@ def test_conv2d_one_gradient_alone(x_shape, w_shape, attrs):
     assert none is None and none2 is None
     np.testing.assert_allclose(only_dx, dx, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(only_dw, dw, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
-def test_conv2d_filter_gradient_through_columns(x_shape, w_shape, attrs, monkeypatch):
-    """Flat convs with few channels take the filter gradient tap by tap (every case
-    above) when it does not come with dx; with TAP_CHANNELS at 0 they take it
-    through the columns, as convs with more channels do."""
-    g = engine_geometry(x_shape, w_shape, attrs)
-    monkeypatch.setattr(conv_cpu_grad, "TAP_CHANNELS", 0)
-    monkeypatch.setattr(conv_cpu_grad, "_paired", lambda gd: False)
-    assert not conv_cpu_grad._taps_fit(g)
-    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
-    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
-                   grad_wrt=("x", "filter"))
-
-
-def test_conv2d_per_tap_filter_gradient_with_a_shorter_last_chunk(monkeypatch):
-    """Chunks of 2, 2 and 1 images: the last chunk's shorter runs reuse the first
-    chunk's work arrays."""
-    x_shape, w_shape, attrs = (5, 4, 6, 6), (6, 4, 3, 3), {"paddings": 1}
-    g = engine_geometry(x_shape, w_shape, attrs)
-    monkeypatch.setattr(conv_cpu_grad, "TAP_PRODUCT", 2 * g.c * g.o * g.hp * g.wp)
-    monkeypatch.setattr(conv_cpu_grad, "_paired", lambda gd: False)
-    assert conv_cpu_grad._taps_fit(g)
-    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
-    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
-                   grad_wrt=("x", "filter"))
-
-
-def test_both_filter_gradient_paths_are_covered():
-    """Some cases take the per-tap filter gradient, others the columns'."""
-    taken = {conv_cpu_grad._taps_fit(engine_geometry(*case)) for case in CASES}
-    assert taken == {True, False}
 
 
 def test_conv2d_work_arrays_full_of_other_values():
