@@ -110,8 +110,10 @@ def conv2d_cpu(op, ins, room=None):
 
 @kernel("conv2d_grad", "cpu")
 def conv2d_grad_cpu(op, ins, room=None):
-    """dfilter = dout @ cols^T per group; dx = col2im(filter^T @ dout); each only when
-    bound; lean work arrays, or up to `room` bytes of them."""
+    """dx and dfilter (each only when bound) by conv_cpu_grad: dx of a stride-1 conv as
+    the conv of dout with the flipped filter, dfilter from the same columns, else
+    products with the columns and col2im; lean work arrays, or up to `room` bytes
+    of them."""
     x, w = ins["x"], ins["filter"]
     dx, dw = conv_cpu_grad.backward(x, w, ins["dout"], cpu_geometry(op, x, w),
                                     need_dx=op.wants("dx"), need_dw=op.wants("dfilter"),
