@@ -10,14 +10,21 @@ of the convolution's output while it is in cache, with no array in between.
 
 It is an inference-only op: it has no gradient, and backward through it is an
 error (train the net with conv2d and fuse its inference copy).
-CPU: minigraph.ops.conv_cpu.forward with its epilogue. GPU: the conv2d launcher,
-then the bias, residual and relu launchers in place on its output.
+CPU: the native kernel (kernels/conv2d_cpu: float32, one group, where a C
+compiler built it) with the epilogue on each tile of outputs in registers,
+else minigraph.ops.conv_cpu.forward with its epilogue on each chunk. (A
+training step's conv2d stays on conv_cpu: numpy's BLAS threads, busy-waiting
+for a while after each of the step's matrix products, took a core from the
+native kernel's threads and halved its speed.) GPU: the conv2d launcher, then
+the bias, residual and relu launchers in place on its output.
 """
 from __future__ import annotations
 
+from minigraph import cpu_blocks
 from minigraph.kernels import activation as gpu_activation
 from minigraph.kernels import broadcast as gpu_broadcast
 from minigraph.kernels import conv2d as gpu_conv
+from minigraph.kernels import conv2d_cpu
 from minigraph.kernels import elementwise as gpu_elementwise
 from minigraph.ops import conv_cpu
 from minigraph.ops.conv2d import conv_attrs, conv_geometry, cpu_geometry, infer_conv, resolve
@@ -69,11 +76,15 @@ register(OpSchema(
 
 @kernel(TYPE, "cpu")
 def fused_conv2d_cpu(op, ins):
-    """out = act(conv2d(x, filter) + bias + residual), chunk by chunk."""
+    """out = act(conv2d(x, filter) + bias + residual): the native kernel where it
+    takes the conv, else conv_cpu's engine."""
     x, w = ins["x"], ins["filter"]
-    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w), bias=ins.get("bias"),
-                                    residual=ins.get("residual"),
-                                    relu=op.attrs["activation"] == "relu")}
+    g = cpu_geometry(op, x, w)
+    epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
+                "relu": op.attrs["activation"] == "relu"}
+    if conv2d_cpu.supports(g, x.dtype):
+        return {"out": conv2d_cpu.forward(x, w, g, cpu_blocks.get_num_threads(), **epilogue)}
+    return {"out": conv_cpu.forward(x, w, g, **epilogue)}
 
 
 @kernel(TYPE, "gpu", dtypes=GPU_FLOATS)

@@ -1,0 +1,142 @@
+"""The native CPU conv kernel (kernels/conv2d_cpu.c) against the float64 reference:
+every geometry the launcher takes, the epilogue, the thread counts, bad inputs."""
+import math
+
+import numpy as np
+import pytest
+from references import conv2d
+
+from minigraph.kernels import conv2d_cpu, native
+from minigraph.ops import conv_cpu
+
+rng = np.random.default_rng(7)
+
+pytestmark = pytest.mark.skipif(not conv2d_cpu.available(),
+                                reason=f"native kernels not built: {native.reason('conv2d_cpu')}")
+
+# (x shape, filter shape, strides, paddings, dilations): stride 1 (one padded copy)
+# and strided across (one copy per tap column), widths that are not multiples of 8,
+# output channels that are not multiples of the tile's MR, padding past the filter's
+# reach, one image (the output channels split between threads)
+GEOMETRIES = [
+    ((2, 3, 7, 9), (5, 3, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((4, 16, 32, 32), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((3, 4, 8, 8), (16, 4, 3, 3), (2, 2), (1, 1), (1, 1)),
+    ((1, 2, 11, 13), (3, 2, 5, 5), (2, 2), (2, 2), (2, 2)),
+    ((2, 8, 9, 17), (7, 8, 1, 1), (2, 2), (0, 0), (1, 1)),
+    ((5, 1, 8, 8), (16, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((2, 3, 6, 21), (9, 3, 2, 2), (3, 3), (0, 0), (1, 1)),
+    ((1, 5, 10, 10), (6, 5, 3, 3), (1, 1), (0, 0), (2, 2)),
+    ((2, 4, 5, 5), (4, 4, 3, 3), (1, 1), (3, 3), (1, 1)),
+    ((3, 6, 12, 12), (10, 6, 3, 3), (2, 1), (1, 0), (1, 1)),
+    ((2, 6, 12, 12), (4, 6, 3, 3), (1, 2), (0, 1), (1, 1)),
+    ((1, 8, 4, 4), (9, 8, 1, 1), (1, 1), (0, 0), (1, 1)),
+    ((2, 3, 3, 40), (2, 3, 3, 5), (1, 1), (1, 2), (1, 1)),
+]
+
+
+def geometry(x_shape, w_shape, strides, paddings, dilations):
+    return conv_cpu.geometry(x_shape, w_shape, strides, paddings, dilations, 1)
+
+
+def reference(x, w, strides, paddings, dilations, bias=None, residual=None, relu=False):
+    out = conv2d(x, w, strides=strides, paddings=paddings, dilations=dilations)
+    if bias is not None:
+        out = out + np.asarray(bias, np.float64).reshape(-1, 1, 1)
+    if residual is not None:
+        out = out + residual
+    return np.maximum(out, 0.0) if relu else out
+
+
+def close(got, want):
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, strides, paddings, dilations", GEOMETRIES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_forward_against_the_float64_reference(x_shape, w_shape, strides, paddings, dilations,
+                                               threads):
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    g = geometry(x_shape, w_shape, strides, paddings, dilations)
+    close(conv2d_cpu.forward(x, w, g, threads), reference(x, w, strides, paddings, dilations))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, strides, paddings, dilations", GEOMETRIES)
+@pytest.mark.parametrize("bias, residual, relu", [
+    (True, False, False), (True, True, True), (False, True, False), (False, False, True)])
+def test_forward_epilogue(x_shape, w_shape, strides, paddings, dilations, bias, residual, relu):
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    g = geometry(x_shape, w_shape, strides, paddings, dilations)
+    b = rng.standard_normal(g.o).astype(np.float32) if bias else None
+    r = rng.standard_normal((g.n, g.o, g.ho, g.wo)).astype(np.float32) if residual else None
+    got = conv2d_cpu.forward(x, w, g, 2, bias=b, residual=r, relu=relu)
+    close(got, reference(x, w, strides, paddings, dilations, b, r, relu))
+
+
+def test_results_do_not_depend_on_the_threads():
+    """Each output is summed by one thread, in one order."""
+    x = rng.standard_normal((3, 16, 16, 16)).astype(np.float32)
+    w = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
+    g = geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    one = conv2d_cpu.forward(x, w, g, 1)
+    for threads in (2, 3, 5, 64, 1000):
+        np.testing.assert_array_equal(conv2d_cpu.forward(x, w, g, threads), one)
+
+
+def test_relu_keeps_nan_and_zeroes_negatives():
+    """relu as np.maximum(., 0): NaN stays NaN (in full vectors and in a row's tail)."""
+    x = np.zeros((1, 1, 2, 11), np.float32)
+    x[0, 0, 0, 3] = x[0, 0, 1, 9] = np.nan
+    x[0, 0, 0, 5] = x[0, 0, 1, 10] = -2.0
+    w = np.ones((1, 1, 1, 1), np.float32)
+    g = geometry(x.shape, w.shape, (1, 1), (0, 0), (1, 1))
+    out = conv2d_cpu.forward(x, w, g, 2, relu=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(x))
+    assert out[0, 0, 0, 5] == 0.0 and out[0, 0, 1, 10] == 0.0
+
+
+def test_inputs_that_are_views_or_other_dtypes_are_copied_not_misread():
+    x = rng.standard_normal((2, 3, 10, 12))
+    w = rng.standard_normal((4, 3, 3, 3))
+    view = x.astype(np.float32)[:, :, ::2, 1:]          # not C-contiguous
+    g = geometry(view.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    close(conv2d_cpu.forward(view, w, g, 2), reference(view, w, (1, 1), (1, 1), (1, 1)))
+
+
+def test_wrong_shapes_are_an_error_naming_the_argument():
+    x = np.zeros((2, 3, 8, 8), np.float32)
+    w = np.zeros((4, 3, 3, 3), np.float32)
+    g = geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    with pytest.raises(ValueError, match=r"conv2d_cpu: x has shape \(2, 3, 8, 7\), expected"):
+        conv2d_cpu.forward(x[..., :7], w, g, 1)
+    with pytest.raises(ValueError, match=r"conv2d_cpu: bias has shape \(3,\), expected \(4,\)"):
+        conv2d_cpu.forward(x, w, g, 1, bias=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="conv2d_cpu: residual has shape"):
+        conv2d_cpu.forward(x, w, g, 1, residual=np.zeros((2, 4, 8, 7), np.float32))
+
+
+def test_empty_batch():
+    x = np.zeros((0, 3, 8, 8), np.float32)
+    w = np.zeros((4, 3, 3, 3), np.float32)
+    g = geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    assert conv2d_cpu.forward(x, w, g, 2).shape == (0, 4, 8, 8)
+
+
+def test_pack_filter_pads_output_channels_to_the_tile():
+    w = rng.standard_normal((5, 2, 3, 3)).astype(np.float32)
+    g = geometry((1, 2, 4, 4), w.shape, (1, 1), (1, 1), (1, 1))
+    packed = conv2d_cpu.pack_filter(w, g)
+    blocks = math.ceil(5 / conv2d_cpu.MR)
+    assert packed.shape == (blocks, 18, conv2d_cpu.MR)
+    np.testing.assert_array_equal(packed[1, :, 0], w[4].ravel())
+    assert not packed[1, :, 1:].any()
+
+
+def test_supports_float32_convs_of_one_group():
+    g = geometry((1, 4, 4, 4), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1))
+    assert conv2d_cpu.supports(g, np.float32)
+    assert not conv2d_cpu.supports(g, np.float64)
+    assert not conv2d_cpu.supports(g._replace(groups=2), np.float32)

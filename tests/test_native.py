@@ -1,0 +1,87 @@
+"""Building, caching and loading the native CPU kernels (kernels/native.py), and
+what runs where they cannot be built."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from minigraph.kernels import conv2d_cpu, native
+
+HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache directory and no library loaded in this process (both restored
+    afterwards, so other tests keep the loaded library)."""
+    monkeypatch.setenv("MINIGRAPH_CACHE", str(tmp_path / "cache"))
+    native._load.cache_clear()
+    yield tmp_path / "cache"
+    native._load.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_built_once_then_loaded_from_the_cache(fresh):
+    assert native.library("conv2d_cpu") is not None
+    built = sorted(fresh.iterdir())
+    assert [p.suffix for p in built] == [".so"] and built[0].name.startswith("conv2d_cpu-")
+    stamp = built[0].stat().st_mtime_ns
+    native._load.cache_clear()
+    assert native.library("conv2d_cpu") is not None
+    assert sorted(fresh.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_unwritable_cache_builds_in_a_temporary_directory(fresh, monkeypatch):
+    fresh.parent.joinpath("file").write_text("")
+    monkeypatch.setenv("MINIGRAPH_CACHE", str(fresh.parent / "file" / "cache"))
+    assert native.library("conv2d_cpu") is not None
+
+
+def test_no_compiler_means_no_library_and_says_why(fresh, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh.parent / "no-such-cc"))
+    assert native.library("conv2d_cpu") is None
+    assert "building conv2d_cpu.c failed" in native.reason("conv2d_cpu")
+    assert not conv2d_cpu.available()
+    assert not list(fresh.glob("*.so"))
+
+
+def test_a_failing_compiler_leaves_no_files(fresh, monkeypatch):
+    failing = fresh.parent / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: error: broken' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    assert native.library("conv2d_cpu") is None
+    assert "cc: error: broken" in native.reason("conv2d_cpu")
+    assert list(fresh.iterdir()) == []
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert native.library("conv2d_cpu") is None
+    assert native.reason("conv2d_cpu") == "MINIGRAPH_NATIVE is off"
+    assert not conv2d_cpu.supports(
+        conv2d_cpu_geometry(), np.float32)
+
+
+def test_the_key_names_this_cpu():
+    identity = native._cpu_identity()
+    assert identity and len(identity.splitlines()) >= 2
+
+
+def conv2d_cpu_geometry():
+    from minigraph.ops import conv_cpu
+    return conv_cpu.geometry((1, 2, 4, 4), (2, 2, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_a_temporary_build_is_removed_once_loaded(fresh, monkeypatch, tmp_path):
+    fresh.parent.joinpath("file").write_text("")
+    monkeypatch.setenv("MINIGRAPH_CACHE", str(fresh.parent / "file" / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert native.library("conv2d_cpu") is not None
+    assert list((tmp_path / "tmp").iterdir()) == []
