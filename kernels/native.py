@@ -29,7 +29,7 @@ import tempfile
 import threading
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails
-COMMON_FLAGS = ("-std=c11", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
+COMMON_FLAGS = ("-std=c11", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
 TIMEOUT_S = 120
 
 _lock = threading.Lock()
