@@ -1,15 +1,18 @@
-/* The native CPU kernel of 2-D convolutions (float32, NCHW, one group): the
- * forward pass with fused_conv2d's epilogue. Built and loaded by native.py,
- * launched by conv2d_cpu.py (the contract is there).
+/* The native CPU kernels of 2-D convolutions (float32, NCHW, one group): the
+ * forward pass with fused_conv2d's epilogue, and the filter gradient. Built
+ * and loaded by native.py, launched by conv2d_cpu.py (the contract is there).
  *
  * Each thread copies one image at a time into a zero-bordered buffer that
  * stays in cache and reads the convolution's windows straight from it, with
- * no columns in memory. Stride 1 across (sw == 1): the padded image, rows of
- * wb values, and tap (i, j) of input channel ci is the offset
- * koff = (ci hb + i dh) wb + j dw. Strided across: kw copies, copy j holding
- * column sw x + j dw - pw of every padded row at x, so that eight outputs of
- * a row read eight adjacent values here too (koff = ((j C + ci) hb + i dh) wb).
- * Output row y starts at y sh wb in both.
+ * no columns in memory. The buffer holds the padded input, its values uh
+ * rows and uw columns apart when the input is dilated (zeros between: a
+ * strided conv's input gradient is such a conv of dout), and only the rows
+ * and columns the windows read. Stride 1 across (sw == 1): rows of wb
+ * values, and tap (i, j) of input channel ci is koff = (ci hb + i dh) wb +
+ * j dw. Strided across: kw copies, copy j holding the padded column
+ * sw x + j dw at x, so that eight outputs of a row read eight adjacent values
+ * here too (koff = ((j C + ci) hb + i dh) wb). Output row y starts at
+ * y sh wb in both.
  *
  * The forward tile is MR output channels by NV vectors of eight outputs
  * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
@@ -17,13 +20,23 @@
  * (O padded to MR, then [block][k][MR]). Outputs past wo in a vector are
  * computed on the buffer's zeros and never stored. Threads take (image,
  * slice of output channels) units from a shared counter; every output is
- * summed by one thread in one order, so results do not depend on them. */
+ * summed by one thread in one order, so results do not depend on them.
+ *
+ * The filter gradient tile is GO output channels (two vectors) by GK taps:
+ * per output, dout's GO values (dout transposed per image to (outputs, O
+ * padded to GO)) times one broadcast input value per tap, summed over every
+ * output of a group of images (group_size). Each thread sums a fixed range
+ * of images into its own K x O array; the calling thread adds those in
+ * thread order (results depend on the number of threads only). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define MR 4
 #define NV 3
+#define GO 16
+#define GK 6
+#define GROUP_OUTPUTS 256
 #define MAX_THREADS 64
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -31,35 +44,53 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int v8i __attribute__((vector_size(32)));
 
 typedef struct {
-    const float *x, *wpack, *bias, *residual;
+    const float *x, *wpack, *bias, *residual, *dout;
     float *out;
-    long n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
+    long n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu, uh, uw;
     long hb, wb, k, nblk, vpr, nvec, slices, units, buf_size;
-    long *koff;
+    long *koff, *cmap;         /* cmap: the input column at each buffer column, or -1 */
 } conv_t;
 
 static v8 load(const float *p) { return *(const v8u *)p; }
+
+/* The input column at padded (and dilated) column p, or -1 for a zero. */
+static long source_column(const conv_t *a, long p)
+{
+    long q = p - a->pw;
+    if (q < 0 || q % a->uw) return -1;
+    return q / a->uw < a->w ? q / a->uw : -1;
+}
 
 static void setup(conv_t *a, const long *d)
 {
     a->n = d[0]; a->c = d[1]; a->h = d[2]; a->w = d[3]; a->o = d[4]; a->kh = d[5];
     a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
-    a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15];
+    a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->uh = d[16];
+    a->uw = d[17];
     a->vpr = (a->wo + 7) / 8;
     a->nvec = a->ho * a->vpr;
-    a->hb = a->h + 2 * a->ph;
+    a->hb = (a->ho - 1) * a->sh + (a->kh - 1) * a->dh + 1;     /* the rows read */
     a->k = a->c * a->kh * a->kw;
     a->nblk = (a->o + MR - 1) / MR;
     if (a->sw == 1) {
-        long need = 8 * a->vpr + (a->kw - 1) * a->dw, padded = a->w + 2 * a->pw;
-        a->wb = padded > need ? padded : need;
+        a->wb = 8 * a->vpr + (a->kw - 1) * a->dw;
         a->buf_size = a->c * a->hb * a->wb + 8;
     } else {
         a->wb = 8 * a->vpr;
         a->buf_size = a->kw * a->c * a->hb * a->wb + 8;
     }
+    long copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
     a->koff = malloc(a->k * sizeof(long));
-    if (!a->koff) return;
+    a->cmap = malloc(copies * width * sizeof(long));
+    if (!a->koff || !a->cmap) {
+        free(a->koff);
+        free(a->cmap);
+        a->koff = NULL;
+        return;
+    }
+    for (long j = 0; j < copies; j++)
+        for (long x = 0; x < width; x++)
+            a->cmap[j * width + x] = source_column(a, a->sw == 1 ? x : j * a->dw + a->sw * x);
     long k = 0;
     for (long ci = 0; ci < a->c; ci++)
         for (long i = 0; i < a->kh; i++)
@@ -68,27 +99,28 @@ static void setup(conv_t *a, const long *d)
                                           : ((j * a->c + ci) * a->hb + i * a->dh) * a->wb;
 }
 
-/* Image `img` of x into buf, whose zeros (the padding) were set once. */
+/* Image `img` of x into buf, whose zeros were set once (the same places are
+ * written for every image). */
 static void fill_buffer(const conv_t *a, long img, float *buf)
 {
     const float *src = a->x + img * a->c * a->h * a->w;
-    if (a->sw == 1) {
-        for (long ci = 0; ci < a->c; ci++)
-            for (long y = 0; y < a->h; y++)
-                memcpy(buf + (ci * a->hb + y + a->ph) * a->wb + a->pw,
-                       src + (ci * a->h + y) * a->w, a->w * sizeof(float));
-        return;
-    }
-    for (long j = 0; j < a->kw; j++) {
-        long first = j * a->dw - a->pw;     /* input column read at x = 0 */
-        long x0 = first < 0 ? (-first + a->sw - 1) / a->sw : 0, x1 = x0;
-        while (x1 < a->wb && first + a->sw * x1 < a->w) x1++;
-        for (long ci = 0; ci < a->c; ci++)
-            for (long y = 0; y < a->h; y++) {
-                float *dst = buf + ((j * a->c + ci) * a->hb + y + a->ph) * a->wb;
-                const float *row = src + (ci * a->h + y) * a->w + first;
-                for (long x = x0; x < x1; x++) dst[x] = row[a->sw * x];
+    long copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
+    for (long y = 0; y < a->h && a->ph + y * a->uh < a->hb; y++) {
+        long r = a->ph + y * a->uh;
+        if (r < 0) continue;
+        for (long j = 0; j < copies; j++) {
+            const long *map = a->cmap + j * width;
+            for (long ci = 0; ci < a->c; ci++) {
+                float *dst = buf + ((j * a->c + ci) * a->hb + r) * a->wb;
+                const float *row = src + (ci * a->h + y) * a->w;
+                if (a->sw == 1 && a->uw == 1 && a->pw + a->w <= width) {
+                    memcpy(dst + a->pw, row, a->w * sizeof(float));
+                    continue;
+                }
+                for (long x = 0; x < width; x++)
+                    if (map[x] >= 0) dst[x] = row[map[x]];
             }
+        }
     }
 }
 
@@ -134,7 +166,8 @@ static inline __attribute__((always_inline)) void forward_tile(
 
 typedef struct {
     const conv_t *a;
-    long *next;                /* the next unit to take */
+    long *next, first, last;   /* forward: a shared counter; filter gradient: images */
+    float *dw;                 /* filter gradient: this thread's O x K sums */
     int failed;
 } job_t;
 
@@ -157,6 +190,65 @@ static void *forward_job(void *p)
         }
     }
     free(buf);
+    return NULL;
+}
+
+/* Images per group of the filter gradient: enough outputs that the loads and
+ * stores around each tile's loop are a small part of it. */
+static long group_size(const conv_t *a)
+{
+    long per_image = a->ho * a->wo, g = (GROUP_OUTPUTS + per_image - 1) / per_image;
+    return g < 1 ? 1 : g;
+}
+
+static void *filter_grad_job(void *p)
+{
+    job_t *job = p;
+    const conv_t *a = job->a;
+    long plane = a->ho * a->wo, opad = (a->o + GO - 1) / GO * GO, dsize = plane * opad;
+    long group = group_size(a);
+    if (group > job->last - job->first) group = job->last - job->first;
+    float *buf = calloc(group * a->buf_size, sizeof(float));
+    float *dt = calloc(group * dsize, sizeof(float));      /* columns past O: zeros */
+    if (!buf || !dt) { job->failed = 1; free(buf); free(dt); return NULL; }
+    for (long img0 = job->first; img0 < job->last; img0 += group) {
+        long m = job->last - img0 < group ? job->last - img0 : group;
+        for (long g = 0; g < m; g++) {
+            fill_buffer(a, img0 + g, buf + g * a->buf_size);
+            const float *d = a->dout + (img0 + g) * a->o * plane;
+            for (long q = 0; q < plane; q++)
+                for (long oc = 0; oc < a->o; oc++) dt[g * dsize + q * opad + oc] = d[oc * plane + q];
+        }
+        for (long o0 = 0; o0 < opad; o0 += GO)
+            for (long k0 = 0; k0 < a->k; k0 += GK) {
+                v8 acc[GO / 8][GK];
+                long off[GK];
+                for (int t = 0; t < GK; t++) {
+                    off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
+                    for (int v = 0; v < GO / 8; v++) acc[v][t] = (v8){0};
+                }
+                for (long g = 0; g < m; g++)
+                    for (long y = 0; y < a->ho; y++) {
+                        const float *drow = dt + g * dsize + y * a->wo * opad + o0;
+                        const float *brow = buf + g * a->buf_size + y * a->sh * a->wb;
+                        for (long x = 0; x < a->wo; x++) {
+                            v8 dv[GO / 8];
+                            for (int v = 0; v < GO / 8; v++) dv[v] = load(drow + x * opad + 8 * v);
+                            for (int t = 0; t < GK; t++) {
+                                float b = brow[off[t] + x];
+                                for (int v = 0; v < GO / 8; v++) acc[v][t] += dv[v] * b;
+                            }
+                        }
+                    }
+                for (int t = 0; t < GK && k0 + t < a->k; t++)
+                    for (int v = 0; v < GO / 8; v++) {
+                        float *dst = job->dw + (k0 + t) * opad + o0 + 8 * v;
+                        *(v8u *)dst = load(dst) + acc[v][t];
+                    }
+            }
+    }
+    free(buf);
+    free(dt);
     return NULL;
 }
 
@@ -184,7 +276,7 @@ static long clamp_threads(long threads, long units)
     return threads < 1 ? 1 : threads;
 }
 
-/* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu. Returns 0, or 1 when
+/* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu uh uw. Returns 0, or 1 when
  * memory ran out (out is then incomplete). */
 int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
                        const float *residual, float *out, const long *dims, long threads)
@@ -202,5 +294,36 @@ int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
     for (long t = 0; t < threads; t++) jobs[t] = (job_t){.a = &a, .next = &next};
     int failed = run_jobs(forward_job, jobs, threads);
     free(a.koff);
+    free(a.cmap);
+    return failed;
+}
+
+/* dw (O x C kh kw, zeroed by the caller) += the filter gradient of the conv
+ * `dims` (relu unused) for dout (N, O, ho, wo). Returns 0, or 1 when memory
+ * ran out (dw is then unchanged). */
+int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const long *dims,
+                           long threads)
+{
+    conv_t a = {.x = x, .dout = dout};
+    setup(&a, dims);
+    if (!a.koff) return 1;
+    threads = clamp_threads(threads, a.n);
+    long opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
+    float *sums = calloc(threads * size, sizeof(float));
+    job_t jobs[MAX_THREADS];
+    int failed = !sums;
+    if (!failed) {
+        for (long t = 0; t < threads; t++)
+            jobs[t] = (job_t){.a = &a, .first = t * a.n / threads,
+                              .last = (t + 1) * a.n / threads, .dw = sums + t * size};
+        failed = run_jobs(filter_grad_job, jobs, threads);
+    }
+    if (!failed)
+        for (long t = 0; t < threads; t++)
+            for (long oc = 0; oc < a.o; oc++)
+                for (long k = 0; k < a.k; k++) dw[oc * a.k + k] += sums[t * size + k * opad + oc];
+    free(sums);
+    free(a.koff);
+    free(a.cmap);
     return failed;
 }

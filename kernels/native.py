@@ -29,7 +29,9 @@ import tempfile
 import threading
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails
-COMMON_FLAGS = ("-std=c11", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing")
+# -ffp-contract=fast: ISO C mode would not fuse a * b + c into one multiply-add
+COMMON_FLAGS = ("-std=c11", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread",
+                "-fno-strict-aliasing")
 TIMEOUT_S = 120
 
 _lock = threading.Lock()

@@ -9,7 +9,9 @@ chunk straight into the NCHW output; the grad adds columns back per tap).
 """
 from __future__ import annotations
 
+from minigraph import cpu_blocks
 from minigraph.kernels import conv2d as gpu
+from minigraph.kernels import conv2d_cpu as native_conv
 from minigraph.ops import conv_cpu, conv_cpu_grad
 from minigraph.ops.device import GPU_FLOATS, present
 from minigraph.ops.window import as_pair, out_size, pair_attr
@@ -100,24 +102,39 @@ def cpu_geometry(op, x, w):
 
 @kernel("conv2d", "cpu")
 def conv2d_cpu(op, ins, room=None):
-    """out[n, o] = sum over the group's channels and taps of filter * window; lean
-    work arrays, like its gradient's (conv2d is the op training steps run, and
-    their peak memory comes from these; fused_conv2d, for inference, takes full
-    chunks), or up to `room` bytes of them (OpSchema.work_room)."""
+    """out[n, o] = sum over the group's channels and taps of filter * window: the
+    native kernel where it takes the conv (kernels/conv2d_cpu: float32, one group),
+    else conv_cpu's engine with lean work arrays, like its gradient's (conv2d is
+    the op training steps run, and their peak memory comes from these;
+    fused_conv2d, for inference, takes full chunks), or up to `room` bytes of them
+    (OpSchema.work_room)."""
     x, w = ins["x"], ins["filter"]
-    return {"out": conv_cpu.forward(x, w, cpu_geometry(op, x, w), lean=True, room=room)}
+    g = cpu_geometry(op, x, w)
+    if native_conv.supports(g, x.dtype):
+        return {"out": native_conv.forward(x, w, g, cpu_blocks.get_num_threads())}
+    return {"out": conv_cpu.forward(x, w, g, lean=True, room=room)}
 
 
 @kernel("conv2d_grad", "cpu")
 def conv2d_grad_cpu(op, ins, room=None):
-    """dx and dfilter (each only when bound) by conv_cpu_grad: dx of a stride-1 conv as
-    the conv of dout with the flipped filter, dfilter from the same columns, else
-    products with the columns and col2im; lean work arrays, or up to `room` bytes
-    of them."""
-    x, w = ins["x"], ins["filter"]
-    dx, dw = conv_cpu_grad.backward(x, w, ins["dout"], cpu_geometry(op, x, w),
-                                    need_dx=op.wants("dx"), need_dw=op.wants("dfilter"),
-                                    room=room)
+    """dx and dfilter (each only when bound): the native kernels where they take the
+    conv (dfilter; dx as a forward pass over dout, where padding allows), else
+    conv_cpu_grad: dx of a stride-1 conv as the conv of dout with the flipped
+    filter, dfilter from the same columns, else products with the columns and
+    col2im; lean work arrays, or up to `room` bytes of them."""
+    x, w, d = ins["x"], ins["filter"], ins["dout"]
+    g = cpu_geometry(op, x, w)
+    need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
+    dx = dw = None
+    if native_conv.supports(g, x.dtype):
+        threads = cpu_blocks.get_num_threads()
+        dw = native_conv.filter_grad(x, d, g, threads) if need_dw else None
+        dx = native_conv.input_grad(w, d, g, threads) if need_dx else None
+        need_dx, need_dw = need_dx and dx is None, False
+    if need_dx or need_dw:
+        dx_numpy, dw_numpy = conv_cpu_grad.backward(x, w, d, g, need_dx=need_dx,
+                                                    need_dw=need_dw, room=room)
+        dx, dw = (dx_numpy if need_dx else dx), (dw_numpy if need_dw else dw)
     return present(dx=dx, dfilter=dw)
 
 

@@ -12,10 +12,8 @@ It is an inference-only op: it has no gradient, and backward through it is an
 error (train the net with conv2d and fuse its inference copy).
 CPU: the native kernel (kernels/conv2d_cpu: float32, one group, where a C
 compiler built it) with the epilogue on each tile of outputs in registers,
-else minigraph.ops.conv_cpu.forward with its epilogue on each chunk. (A
-training step's conv2d stays on conv_cpu: numpy's BLAS threads, busy-waiting
-for a while after each of the step's matrix products, took a core from the
-native kernel's threads and halved its speed.) GPU: the conv2d launcher, then
+else minigraph.ops.conv_cpu.forward with its epilogue on each chunk. GPU: the
+conv2d launcher, then
 the bias, residual and relu launchers in place on its output.
 """
 from __future__ import annotations
@@ -24,7 +22,7 @@ from minigraph import cpu_blocks
 from minigraph.kernels import activation as gpu_activation
 from minigraph.kernels import broadcast as gpu_broadcast
 from minigraph.kernels import conv2d as gpu_conv
-from minigraph.kernels import conv2d_cpu
+from minigraph.kernels import conv2d_cpu as native_conv
 from minigraph.kernels import elementwise as gpu_elementwise
 from minigraph.ops import conv_cpu
 from minigraph.ops.conv2d import conv_attrs, conv_geometry, cpu_geometry, infer_conv, resolve
@@ -82,8 +80,8 @@ def fused_conv2d_cpu(op, ins):
     g = cpu_geometry(op, x, w)
     epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
                 "relu": op.attrs["activation"] == "relu"}
-    if conv2d_cpu.supports(g, x.dtype):
-        return {"out": conv2d_cpu.forward(x, w, g, cpu_blocks.get_num_threads(), **epilogue)}
+    if native_conv.supports(g, x.dtype):
+        return {"out": native_conv.forward(x, w, g, cpu_blocks.get_num_threads(), **epilogue)}
     return {"out": conv_cpu.forward(x, w, g, **epilogue)}
 
 

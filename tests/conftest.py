@@ -85,3 +85,16 @@ def force_splits(monkeypatch):
     from minigraph.kernels import launch
 
     monkeypatch.setattr(launch, "MIN_UNITS_PER_THREAD", 1)
+
+
+@pytest.fixture(params=["native", "numpy"])
+def cpu_engine(request, monkeypatch):
+    """The CPU engine the conv ops run float32 on: the native kernels (skipped where
+    they cannot be built here) or conv_cpu's numpy engine (MINIGRAPH_NATIVE=0)."""
+    from minigraph.kernels import conv2d_cpu, native
+
+    if request.param == "numpy":
+        monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    elif not conv2d_cpu.available():
+        pytest.skip(f"native kernels not built: {native.reason('conv2d_cpu')}")
+    return request.param

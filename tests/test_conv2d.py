@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from helpers import helper_test_op
 from references import conv2d
+from references import conv2d_grad as conv2d_grad_reference
 
 import minigraph as mg
 from minigraph.ops import conv_cpu, conv_cpu_grad
@@ -84,10 +85,33 @@ def test_conv2d_forward_and_grads(x_shape, w_shape, attrs):
 
 
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
-def test_conv2d_float32(x_shape, w_shape, attrs):
+def test_conv2d_float32(x_shape, w_shape, attrs, cpu_engine):
     x = rng.standard_normal(x_shape).astype("float32")
     w = rng.standard_normal(w_shape).astype("float32")
     helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+@pytest.mark.parametrize("wanted", [("dx", "dfilter"), ("dx",), ("dfilter",)])
+def test_conv2d_grad_float32(x_shape, w_shape, attrs, wanted, cpu_engine):
+    """conv2d_grad on float32 against the float64 reference, both gradients or one:
+    the native kernels where they take the conv (grouped convs, and dx with padding
+    past the filter's reach, fall back to conv_cpu), else conv_cpu."""
+    x = rng.standard_normal(x_shape).astype("float32")
+    w = rng.standard_normal(w_shape).astype("float32")
+    want_out = conv_reference(x, w, **attrs)["out"]
+    d = rng.standard_normal(want_out.shape).astype("float32")
+    scope = mg.Scope()
+    slots = {name: scope.new_var(name) for name in ("x", "filter", "dout", *wanted)}
+    for name, value in (("x", x), ("filter", w), ("dout", d)):
+        slots[name].set(value)
+    mg.Executor(mg.CPUPlace()).run([mg.Operator("conv2d_grad", **slots, **attrs)], scope)
+    want = dict(zip(("dx", "dfilter"), conv2d_grad_reference(x, w, d, **attrs)))
+    for name in wanted:
+        got = slots[name].get()
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want[name], rtol=1e-4,
+                                   atol=1e-5 * max(1.0, np.abs(want[name]).max()))
 
 
 @pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)

@@ -1,10 +1,11 @@
-"""The native CPU conv kernel (kernels/conv2d_cpu.c) against the float64 reference:
-every geometry the launcher takes, the epilogue, the thread counts, bad inputs."""
+"""The native CPU conv kernels (kernels/conv2d_cpu.c) against the float64 reference:
+the forward pass, the filter gradient and the input gradient on every geometry
+the launchers take, the epilogue, the thread counts, bad inputs."""
 import math
 
 import numpy as np
 import pytest
-from references import conv2d
+from references import conv2d, conv2d_grad
 
 from minigraph.kernels import conv2d_cpu, native
 from minigraph.ops import conv_cpu
@@ -33,6 +34,13 @@ GEOMETRIES = [
     ((1, 8, 4, 4), (9, 8, 1, 1), (1, 1), (0, 0), (1, 1)),
     ((2, 3, 3, 40), (2, 3, 3, 5), (1, 1), (1, 2), (1, 1)),
 ]
+
+
+@pytest.fixture(autouse=True)
+def every_call_threaded(monkeypatch):
+    """Small test convs run on as many threads as asked (MIN_THREAD_WORK would keep
+    them on one)."""
+    monkeypatch.setattr(conv2d_cpu, "MIN_THREAD_WORK", 1)
 
 
 def geometry(x_shape, w_shape, strides, paddings, dilations):
@@ -76,14 +84,60 @@ def test_forward_epilogue(x_shape, w_shape, strides, paddings, dilations, bias, 
     close(got, reference(x, w, strides, paddings, dilations, b, r, relu))
 
 
+@pytest.mark.parametrize("x_shape, w_shape, strides, paddings, dilations", GEOMETRIES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gradients_against_the_float64_reference(x_shape, w_shape, strides, paddings,
+                                                 dilations, threads):
+    """dfilter, and dx where the launcher has a pass for it (else None)."""
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    g = geometry(x_shape, w_shape, strides, paddings, dilations)
+    d = rng.standard_normal((g.n, g.o, g.ho, g.wo)).astype(np.float32)
+    dx_ref, dw_ref = conv2d_grad(x, w, d, strides=strides, paddings=paddings,
+                                 dilations=dilations)
+    close(conv2d_cpu.filter_grad(x, d, g, threads), dw_ref)
+    dx = conv2d_cpu.input_grad(w, d, g, threads)
+    if max(paddings) > max(dilations) * (max(w_shape[2:]) - 1):
+        assert dx is None and conv2d_cpu.input_geometry(g) is None
+    else:
+        close(dx, dx_ref)
+
+
+def test_the_gradients_cover_every_input_pass():
+    """Strided and stride-1 dx, the strided 1x1 shortcut, and padding past the
+    filter's reach (no native dx) are all among the geometries."""
+    kinds = set()
+    for x_shape, w_shape, strides, paddings, dilations in GEOMETRIES:
+        g = geometry(x_shape, w_shape, strides, paddings, dilations)
+        pointwise = g.kh == g.kw == 1 and g.ph == g.pw == 0
+        kinds.add("none" if conv2d_cpu.input_geometry(g) is None else
+                  "1x1 strided" if pointwise and strides != (1, 1) else
+                  "strided" if strides != (1, 1) else "stride 1")
+    assert kinds == {"none", "1x1 strided", "strided", "stride 1"}
+
+
 def test_results_do_not_depend_on_the_threads():
-    """Each output is summed by one thread, in one order."""
+    """Each output is summed by one thread, in one order; each thread's filter
+    gradient over a fixed range of images, added in thread order (so one thread
+    count gives one result)."""
     x = rng.standard_normal((3, 16, 16, 16)).astype(np.float32)
     w = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
     g = geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    d = rng.standard_normal((3, 32, 16, 16)).astype(np.float32)
     one = conv2d_cpu.forward(x, w, g, 1)
     for threads in (2, 3, 5, 64, 1000):
         np.testing.assert_array_equal(conv2d_cpu.forward(x, w, g, threads), one)
+    for threads in (1, 2, 3):
+        np.testing.assert_array_equal(conv2d_cpu.filter_grad(x, d, g, threads),
+                                      conv2d_cpu.filter_grad(x, d, g, threads))
+
+
+def test_small_convs_stay_on_one_thread(monkeypatch):
+    monkeypatch.setattr(conv2d_cpu, "MIN_THREAD_WORK", 1000)
+    g = geometry((2, 4, 5, 5), (4, 4, 3, 3), (1, 1), (1, 1), (1, 1))   # 7200 multiply-adds
+    assert conv2d_cpu._threads(g, 16) == 7
+    assert conv2d_cpu._threads(g, 2) == 2
+    assert conv2d_cpu._threads(g._replace(n=0), 2) == 1
 
 
 def test_relu_keeps_nan_and_zeroes_negatives():
@@ -116,13 +170,18 @@ def test_wrong_shapes_are_an_error_naming_the_argument():
         conv2d_cpu.forward(x, w, g, 1, bias=np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="conv2d_cpu: residual has shape"):
         conv2d_cpu.forward(x, w, g, 1, residual=np.zeros((2, 4, 8, 7), np.float32))
+    with pytest.raises(ValueError, match=r"conv2d_cpu: dout has shape \(2, 4, 8, 7\)"):
+        conv2d_cpu.filter_grad(x, np.zeros((2, 4, 8, 7), np.float32), g, 1)
 
 
 def test_empty_batch():
     x = np.zeros((0, 3, 8, 8), np.float32)
-    w = np.zeros((4, 3, 3, 3), np.float32)
+    w = np.ones((4, 3, 3, 3), np.float32)
     g = geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    d = np.zeros((0, 4, 8, 8), np.float32)
     assert conv2d_cpu.forward(x, w, g, 2).shape == (0, 4, 8, 8)
+    np.testing.assert_array_equal(conv2d_cpu.filter_grad(x, d, g, 2), np.zeros(w.shape))
+    assert conv2d_cpu.input_grad(w, d, g, 2).shape == (0, 3, 8, 8)
 
 
 def test_pack_filter_pads_output_channels_to_the_tile():

@@ -7,7 +7,6 @@ from references import conv2d
 
 import minigraph as mg
 from minigraph import layers as L
-from minigraph.kernels import conv2d_cpu, native
 from minigraph.ops import conv_cpu
 
 rng = np.random.default_rng(0)
@@ -41,17 +40,6 @@ def inputs_for(x_shape, w_shape, attrs, bias, residual, dtype):
         shape = fused_reference(x.astype(np.float64), w.astype(np.float64), **attrs)["out"].shape
         ins["residual"] = rng.standard_normal(shape).astype(dtype)
     return ins
-
-
-@pytest.fixture(params=["native", "numpy"])
-def cpu_engine(request, monkeypatch):
-    """The CPU engine fused_conv2d runs on for float32: the native kernel (skipped
-    where it cannot be built) or conv_cpu's numpy engine (MINIGRAPH_NATIVE=0)."""
-    if request.param == "numpy":
-        monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
-    elif not conv2d_cpu.available():
-        pytest.skip(f"native kernels not built: {native.reason('conv2d_cpu')}")
-    return request.param
 
 
 @pytest.mark.parametrize("x_shape, w_shape, attrs", GEOMETRIES)
