@@ -29,6 +29,7 @@
  * of images into its own K x O array; the calling thread adds those in
  * thread order (results depend on the number of threads only). */
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,22 +47,22 @@ typedef int v8i __attribute__((vector_size(32)));
 typedef struct {
     const float *x, *wpack, *bias, *residual, *dout;
     float *out;
-    long n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu, uh, uw;
-    long hb, wb, k, nblk, vpr, nvec, slices, units, buf_size;
-    long *koff, *cmap;         /* cmap: the input column at each buffer column, or -1 */
+    int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu, uh, uw;
+    int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size;
+    int64_t *koff, *cmap;         /* cmap: the input column at each buffer column, or -1 */
 } conv_t;
 
 static v8 load(const float *p) { return *(const v8u *)p; }
 
 /* The input column at padded (and dilated) column p, or -1 for a zero. */
-static long source_column(const conv_t *a, long p)
+static int64_t source_column(const conv_t *a, int64_t p)
 {
-    long q = p - a->pw;
+    int64_t q = p - a->pw;
     if (q < 0 || q % a->uw) return -1;
     return q / a->uw < a->w ? q / a->uw : -1;
 }
 
-static void setup(conv_t *a, const long *d)
+static void setup(conv_t *a, const int64_t *d)
 {
     a->n = d[0]; a->c = d[1]; a->h = d[2]; a->w = d[3]; a->o = d[4]; a->kh = d[5];
     a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
@@ -79,45 +80,45 @@ static void setup(conv_t *a, const long *d)
         a->wb = 8 * a->vpr;
         a->buf_size = a->kw * a->c * a->hb * a->wb + 8;
     }
-    long copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
-    a->koff = malloc(a->k * sizeof(long));
-    a->cmap = malloc(copies * width * sizeof(long));
+    int64_t copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
+    a->koff = malloc(a->k * sizeof(int64_t));
+    a->cmap = malloc(copies * width * sizeof(int64_t));
     if (!a->koff || !a->cmap) {
         free(a->koff);
         free(a->cmap);
         a->koff = NULL;
         return;
     }
-    for (long j = 0; j < copies; j++)
-        for (long x = 0; x < width; x++)
+    for (int64_t j = 0; j < copies; j++)
+        for (int64_t x = 0; x < width; x++)
             a->cmap[j * width + x] = source_column(a, a->sw == 1 ? x : j * a->dw + a->sw * x);
-    long k = 0;
-    for (long ci = 0; ci < a->c; ci++)
-        for (long i = 0; i < a->kh; i++)
-            for (long j = 0; j < a->kw; j++)
+    int64_t k = 0;
+    for (int64_t ci = 0; ci < a->c; ci++)
+        for (int64_t i = 0; i < a->kh; i++)
+            for (int64_t j = 0; j < a->kw; j++)
                 a->koff[k++] = a->sw == 1 ? (ci * a->hb + i * a->dh) * a->wb + j * a->dw
                                           : ((j * a->c + ci) * a->hb + i * a->dh) * a->wb;
 }
 
 /* Image `img` of x into buf, whose zeros were set once (the same places are
  * written for every image). */
-static void fill_buffer(const conv_t *a, long img, float *buf)
+static void fill_buffer(const conv_t *a, int64_t img, float *buf)
 {
     const float *src = a->x + img * a->c * a->h * a->w;
-    long copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
-    for (long y = 0; y < a->h && a->ph + y * a->uh < a->hb; y++) {
-        long r = a->ph + y * a->uh;
+    int64_t copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
+    for (int64_t y = 0; y < a->h && a->ph + y * a->uh < a->hb; y++) {
+        int64_t r = a->ph + y * a->uh;
         if (r < 0) continue;
-        for (long j = 0; j < copies; j++) {
-            const long *map = a->cmap + j * width;
-            for (long ci = 0; ci < a->c; ci++) {
+        for (int64_t j = 0; j < copies; j++) {
+            const int64_t *map = a->cmap + j * width;
+            for (int64_t ci = 0; ci < a->c; ci++) {
                 float *dst = buf + ((j * a->c + ci) * a->hb + r) * a->wb;
                 const float *row = src + (ci * a->h + y) * a->w;
                 if (a->sw == 1 && a->uw == 1 && a->pw + a->w <= width) {
                     memcpy(dst + a->pw, row, a->w * sizeof(float));
                     continue;
                 }
-                for (long x = 0; x < width; x++)
+                for (int64_t x = 0; x < width; x++)
                     if (map[x] >= 0) dst[x] = row[map[x]];
             }
         }
@@ -125,30 +126,30 @@ static void fill_buffer(const conv_t *a, long img, float *buf)
 }
 
 static inline __attribute__((always_inline)) void forward_tile(
-    const conv_t *a, int nv, const float *buf, const float *wp, long blk, long v0, long img)
+    const conv_t *a, int nv, const float *buf, const float *wp, int64_t blk, int64_t v0, int64_t img)
 {
     v8 acc[MR][NV];
-    long base[NV];
+    int64_t base[NV];
     for (int v = 0; v < NV; v++) {
-        long vv = v0 + (v < nv ? v : 0);
+        int64_t vv = v0 + (v < nv ? v : 0);
         base[v] = (vv / a->vpr) * a->sh * a->wb + (vv % a->vpr) * 8;
         for (int r = 0; r < MR; r++) acc[r][v] = (v8){0};
     }
-    for (long k = 0; k < a->k; k++) {
+    for (int64_t k = 0; k < a->k; k++) {
         const float *b = buf + a->koff[k], *f = wp + k * MR;
         v8 bv[NV];
         for (int v = 0; v < nv; v++) bv[v] = load(b + base[v]);
         for (int r = 0; r < MR; r++)
             for (int v = 0; v < nv; v++) acc[r][v] += f[r] * bv[v];
     }
-    long plane = a->ho * a->wo;
+    int64_t plane = a->ho * a->wo;
     for (int r = 0; r < MR && blk * MR + r < a->o; r++) {
-        long oc = blk * MR + r;
+        int64_t oc = blk * MR + r;
         float bias = a->bias ? a->bias[oc] : 0.0f;
         for (int v = 0; v < nv; v++) {
-            long vv = v0 + v, x0 = (vv % a->vpr) * 8;
-            long at = (img * a->o + oc) * plane + (vv / a->vpr) * a->wo + x0;
-            long lanes = a->wo - x0 < 8 ? a->wo - x0 : 8;
+            int64_t vv = v0 + v, x0 = (vv % a->vpr) * 8;
+            int64_t at = (img * a->o + oc) * plane + (vv / a->vpr) * a->wo + x0;
+            int64_t lanes = a->wo - x0 < 8 ? a->wo - x0 : 8;
             v8 val = acc[r][v] + bias;
             if (lanes == 8) {
                 if (a->residual) val += load(a->residual + at);
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void forward_tile(
                 *(v8u *)(a->out + at) = val;
                 continue;
             }
-            for (long l = 0; l < lanes; l++) {
+            for (int64_t l = 0; l < lanes; l++) {
                 float s = val[l] + (a->residual ? a->residual[at + l] : 0.0f);
                 a->out[at + l] = a->relu && s < 0 ? 0.0f : s;
             }
@@ -166,7 +167,7 @@ static inline __attribute__((always_inline)) void forward_tile(
 
 typedef struct {
     const conv_t *a;
-    long *next, first, last;   /* forward: a shared counter; filter gradient: images */
+    int64_t *next, first, last;   /* forward: a shared counter; filter gradient: images */
     float *dw;                 /* filter gradient: this thread's O x K sums */
     int failed;
 } job_t;
@@ -177,13 +178,13 @@ static void *forward_job(void *p)
     const conv_t *a = job->a;
     float *buf = calloc(a->buf_size, sizeof(float));
     if (!buf) { job->failed = 1; return NULL; }
-    long shown = -1;
-    for (long u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
-        long img = u / a->slices, s = u % a->slices;
+    int64_t shown = -1;
+    for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
+        int64_t img = u / a->slices, s = u % a->slices;
         if (img != shown) fill_buffer(a, img, buf), shown = img;
-        for (long blk = s * a->nblk / a->slices; blk < (s + 1) * a->nblk / a->slices; blk++) {
+        for (int64_t blk = s * a->nblk / a->slices; blk < (s + 1) * a->nblk / a->slices; blk++) {
             const float *wp = a->wpack + blk * a->k * MR;
-            long v = 0;
+            int64_t v = 0;
             for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, wp, blk, v, img);
             if (a->nvec - v == 2) forward_tile(a, 2, buf, wp, blk, v, img);
             if (a->nvec - v == 1) forward_tile(a, 1, buf, wp, blk, v, img);
@@ -195,9 +196,9 @@ static void *forward_job(void *p)
 
 /* Images per group of the filter gradient: enough outputs that the loads and
  * stores around each tile's loop are a small part of it. */
-static long group_size(const conv_t *a)
+static int64_t group_size(const conv_t *a)
 {
-    long per_image = a->ho * a->wo, g = (GROUP_OUTPUTS + per_image - 1) / per_image;
+    int64_t per_image = a->ho * a->wo, g = (GROUP_OUTPUTS + per_image - 1) / per_image;
     return g < 1 ? 1 : g;
 }
 
@@ -205,33 +206,33 @@ static void *filter_grad_job(void *p)
 {
     job_t *job = p;
     const conv_t *a = job->a;
-    long plane = a->ho * a->wo, opad = (a->o + GO - 1) / GO * GO, dsize = plane * opad;
-    long group = group_size(a);
+    int64_t plane = a->ho * a->wo, opad = (a->o + GO - 1) / GO * GO, dsize = plane * opad;
+    int64_t group = group_size(a);
     if (group > job->last - job->first) group = job->last - job->first;
     float *buf = calloc(group * a->buf_size, sizeof(float));
     float *dt = calloc(group * dsize, sizeof(float));      /* columns past O: zeros */
     if (!buf || !dt) { job->failed = 1; free(buf); free(dt); return NULL; }
-    for (long img0 = job->first; img0 < job->last; img0 += group) {
-        long m = job->last - img0 < group ? job->last - img0 : group;
-        for (long g = 0; g < m; g++) {
+    for (int64_t img0 = job->first; img0 < job->last; img0 += group) {
+        int64_t m = job->last - img0 < group ? job->last - img0 : group;
+        for (int64_t g = 0; g < m; g++) {
             fill_buffer(a, img0 + g, buf + g * a->buf_size);
             const float *d = a->dout + (img0 + g) * a->o * plane;
-            for (long q = 0; q < plane; q++)
-                for (long oc = 0; oc < a->o; oc++) dt[g * dsize + q * opad + oc] = d[oc * plane + q];
+            for (int64_t q = 0; q < plane; q++)
+                for (int64_t oc = 0; oc < a->o; oc++) dt[g * dsize + q * opad + oc] = d[oc * plane + q];
         }
-        for (long o0 = 0; o0 < opad; o0 += GO)
-            for (long k0 = 0; k0 < a->k; k0 += GK) {
+        for (int64_t o0 = 0; o0 < opad; o0 += GO)
+            for (int64_t k0 = 0; k0 < a->k; k0 += GK) {
                 v8 acc[GO / 8][GK];
-                long off[GK];
+                int64_t off[GK];
                 for (int t = 0; t < GK; t++) {
                     off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
                     for (int v = 0; v < GO / 8; v++) acc[v][t] = (v8){0};
                 }
-                for (long g = 0; g < m; g++)
-                    for (long y = 0; y < a->ho; y++) {
+                for (int64_t g = 0; g < m; g++)
+                    for (int64_t y = 0; y < a->ho; y++) {
                         const float *drow = dt + g * dsize + y * a->wo * opad + o0;
                         const float *brow = buf + g * a->buf_size + y * a->sh * a->wb;
-                        for (long x = 0; x < a->wo; x++) {
+                        for (int64_t x = 0; x < a->wo; x++) {
                             v8 dv[GO / 8];
                             for (int v = 0; v < GO / 8; v++) dv[v] = load(drow + x * opad + 8 * v);
                             for (int t = 0; t < GK; t++) {
@@ -253,23 +254,23 @@ static void *filter_grad_job(void *p)
 }
 
 /* Runs fn on `threads` jobs (this thread runs the first); 0 on success. */
-static int run_jobs(void *(*fn)(void *), job_t *jobs, long threads)
+static int run_jobs(void *(*fn)(void *), job_t *jobs, int64_t threads)
 {
     pthread_t tid[MAX_THREADS];
-    long started = 1;
+    int64_t started = 1;
     for (; started < threads; started++)
         if (pthread_create(&tid[started], NULL, fn, &jobs[started])) break;
-    for (long t = started; t < threads; t++) fn(&jobs[t]);   /* no thread: run here */
+    for (int64_t t = started; t < threads; t++) fn(&jobs[t]);   /* no thread: run here */
     fn(&jobs[0]);
     int failed = jobs[0].failed;
-    for (long t = 1; t < threads; t++) {
+    for (int64_t t = 1; t < threads; t++) {
         if (t < started) pthread_join(tid[t], NULL);
         failed |= jobs[t].failed;
     }
     return failed;
 }
 
-static long clamp_threads(long threads, long units)
+static int64_t clamp_threads(int64_t threads, int64_t units)
 {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > units) threads = units;
@@ -279,7 +280,7 @@ static long clamp_threads(long threads, long units)
 /* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu uh uw. Returns 0, or 1 when
  * memory ran out (out is then incomplete). */
 int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
-                       const float *residual, float *out, const long *dims, long threads)
+                       const float *residual, float *out, const int64_t *dims, int64_t threads)
 {
     conv_t a = {.x = x, .wpack = wpack, .bias = bias, .residual = residual, .out = out};
     setup(&a, dims);
@@ -289,9 +290,9 @@ int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
     if (a.slices > a.nblk) a.slices = a.nblk;
     a.units = a.n * a.slices;
     threads = clamp_threads(threads, a.units);
-    long next = 0;
+    int64_t next = 0;
     job_t jobs[MAX_THREADS];
-    for (long t = 0; t < threads; t++) jobs[t] = (job_t){.a = &a, .next = &next};
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (job_t){.a = &a, .next = &next};
     int failed = run_jobs(forward_job, jobs, threads);
     free(a.koff);
     free(a.cmap);
@@ -301,27 +302,27 @@ int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
 /* dw (O x C kh kw, zeroed by the caller) += the filter gradient of the conv
  * `dims` (relu unused) for dout (N, O, ho, wo). Returns 0, or 1 when memory
  * ran out (dw is then unchanged). */
-int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const long *dims,
-                           long threads)
+int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const int64_t *dims,
+                           int64_t threads)
 {
     conv_t a = {.x = x, .dout = dout};
     setup(&a, dims);
     if (!a.koff) return 1;
     threads = clamp_threads(threads, a.n);
-    long opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
+    int64_t opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
     float *sums = calloc(threads * size, sizeof(float));
     job_t jobs[MAX_THREADS];
     int failed = !sums;
     if (!failed) {
-        for (long t = 0; t < threads; t++)
+        for (int64_t t = 0; t < threads; t++)
             jobs[t] = (job_t){.a = &a, .first = t * a.n / threads,
                               .last = (t + 1) * a.n / threads, .dw = sums + t * size};
         failed = run_jobs(filter_grad_job, jobs, threads);
     }
     if (!failed)
-        for (long t = 0; t < threads; t++)
-            for (long oc = 0; oc < a.o; oc++)
-                for (long k = 0; k < a.k; k++) dw[oc * a.k + k] += sums[t * size + k * opad + oc];
+        for (int64_t t = 0; t < threads; t++)
+            for (int64_t oc = 0; oc < a.o; oc++)
+                for (int64_t k = 0; k < a.k; k++) dw[oc * a.k + k] += sums[t * size + k * opad + oc];
     free(sums);
     free(a.koff);
     free(a.cmap);

@@ -21,7 +21,7 @@ MR = 4                       # the forward tile's output channels (conv2d_cpu.c)
 # tens of microseconds); the demo net's conv (0.6 M) ran 1.3x as long on 2 threads as on 1
 MIN_THREAD_WORK = 2_000_000
 
-_P, _L = ctypes.c_void_p, ctypes.c_long
+_P, _L = ctypes.c_void_p, ctypes.c_int64
 
 
 def _lib():

@@ -23,6 +23,7 @@ import importlib.resources
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -61,8 +62,9 @@ def reason(name):
 def _load(name):
     with _lock:
         source = importlib.resources.files(__package__).joinpath(f"{name}.c").read_text()
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
+        compiler = shlex.split(os.environ.get("CC", "")) or [
+            found for found in (shutil.which("cc"), shutil.which("gcc")) if found][:1]
+        if not compiler:
             _reasons[name] = "no C compiler (cc, gcc or $CC) on PATH"
             return None
         errors = []
@@ -76,7 +78,8 @@ def _load(name):
                         shutil.rmtree(path.parent, ignore_errors=True)
             except (OSError, subprocess.SubprocessError) as err:
                 errors.append(f"{' '.join(flags)}: {str(err).strip()[:300]}")
-        _reasons[name] = f"building {name}.c failed with {compiler}: " + "; ".join(errors)
+        _reasons[name] = (f"building {name}.c failed with {' '.join(compiler)}: "
+                          + "; ".join(errors))
         return None
 
 
@@ -85,7 +88,7 @@ def _build(name, source, compiler, flags):
     lies in a temporary directory (to remove once loaded): the cached one, else a
     fresh build renamed into the cache, else one in a temporary directory."""
     key = hashlib.sha256("\0".join(
-        (source, compiler, *flags, _compiler_version(compiler), _cpu_identity())).encode())
+        (source, *compiler, *flags, _compiler_version(compiler), _cpu_identity())).encode())
     filename = f"{name}-{key.hexdigest()[:20]}.so"
     try:
         directory = _cache_dir()
@@ -115,12 +118,12 @@ def _compile(source, compiler, flags, tmp, target):
         src = pathlib.Path(tmp).with_suffix(".c")
         src.write_text(source)
         try:
-            done = subprocess.run([compiler, *flags, str(src), "-o", tmp],
+            done = subprocess.run([*compiler, *flags, str(src), "-o", tmp],
                                   capture_output=True, text=True, timeout=TIMEOUT_S)
         finally:
             src.unlink(missing_ok=True)
         if done.returncode != 0:
-            raise OSError(done.stderr or f"{compiler} exited with {done.returncode}")
+            raise OSError(done.stderr or f"{compiler[0]} exited with {done.returncode}")
         os.replace(tmp, target)
         return target
     finally:
@@ -138,7 +141,7 @@ def _cache_dir():
 
 def _compiler_version(compiler):
     try:
-        return subprocess.run([compiler, "--version"], capture_output=True, text=True,
+        return subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                               timeout=TIMEOUT_S).stdout
     except (OSError, subprocess.SubprocessError):
         return ""

@@ -85,3 +85,9 @@ def test_a_temporary_build_is_removed_once_loaded(fresh, monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", None)
     assert native.library("conv2d_cpu") is not None
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="no gcc here")
+def test_cc_may_carry_arguments(fresh, monkeypatch):
+    monkeypatch.setenv("CC", f"{shutil.which('gcc')} -Wall")
+    assert native.library("conv2d_cpu") is not None
