@@ -7,12 +7,11 @@
  * no columns in memory. The buffer holds the padded input, its values uh
  * rows and uw columns apart when the input is dilated (zeros between: a
  * strided conv's input gradient is such a conv of dout), and only the rows
- * and columns the windows read. Stride 1 across (sw == 1): rows of wb
- * values, and tap (i, j) of input channel ci is koff = (ci hb + i dh) wb +
- * j dw. Strided across: kw copies, copy j holding the padded column
- * sw x + j dw at x, so that eight outputs of a row read eight adjacent values
- * here too (koff = ((j C + ci) hb + i dh) wb). Output row y starts at
- * y sh wb in both.
+ * and columns the windows read, in sw phases (one where sw == 1): phase q
+ * holds padded column sw x + q at x, so that eight outputs of a row read eight
+ * adjacent values of one phase. Tap (i, j) of input channel ci is the offset
+ * koff = ((q C + ci) hb + i dh) wb + s, with q = j dw % sw and s = j dw / sw;
+ * output row y starts at y sh wb.
  *
  * The forward tile is MR output channels by NV vectors of eight outputs
  * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
@@ -39,6 +38,7 @@
 #define GK 6
 #define GROUP_OUTPUTS 256
 #define MAX_THREADS 64
+#define MAX_PHASES 64      /* conv2d_cpu.py's supports() keeps to it */
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
@@ -48,8 +48,9 @@ typedef struct {
     const float *x, *wpack, *bias, *residual, *dout;
     float *out;
     int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu, uh, uw;
-    int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size;
+    int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
     int64_t *koff, *cmap;         /* cmap: the input column at each buffer column, or -1 */
+    int64_t x0[MAX_PHASES], x1[MAX_PHASES];   /* per phase: the buffer columns that are read */
 } conv_t;
 
 static v8 load(const float *p) { return *(const v8u *)p; }
@@ -73,31 +74,35 @@ static void setup(conv_t *a, const int64_t *d)
     a->hb = (a->ho - 1) * a->sh + (a->kh - 1) * a->dh + 1;     /* the rows read */
     a->k = a->c * a->kh * a->kw;
     a->nblk = (a->o + MR - 1) / MR;
-    if (a->sw == 1) {
-        a->wb = 8 * a->vpr + (a->kw - 1) * a->dw;
-        a->buf_size = a->c * a->hb * a->wb + 8;
-    } else {
-        a->wb = 8 * a->vpr;
-        a->buf_size = a->kw * a->c * a->hb * a->wb + 8;
-    }
-    int64_t copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
+    /* phase q holds padded column sw x + q at x; tap j reads phase (j dw) % sw
+     * shifted by (j dw) / sw */
+    int64_t reach = (a->kw - 1) * a->dw;
+    a->phases = a->sw < reach + 1 ? a->sw : reach + 1;
+    a->wb = 8 * a->vpr + reach / a->sw;
+    a->buf_size = a->phases * a->c * a->hb * a->wb + 8;
     a->koff = malloc(a->k * sizeof(int64_t));
-    a->cmap = malloc(copies * width * sizeof(int64_t));
+    a->cmap = malloc(a->phases * a->wb * sizeof(int64_t));
     if (!a->koff || !a->cmap) {
         free(a->koff);
         free(a->cmap);
         a->koff = NULL;
         return;
     }
-    for (int64_t j = 0; j < copies; j++)
-        for (int64_t x = 0; x < width; x++)
-            a->cmap[j * width + x] = source_column(a, a->sw == 1 ? x : j * a->dw + a->sw * x);
+    for (int64_t q = 0; q < a->phases; q++) {
+        a->x0[q] = a->x1[q] = 0;
+        for (int64_t x = 0; x < a->wb; x++) {
+            int64_t col = a->cmap[q * a->wb + x] = source_column(a, a->sw * x + q);
+            if (col >= 0 && a->x1[q] == a->x0[q]) a->x0[q] = x, a->x1[q] = x + 1;
+            else if (col >= 0) a->x1[q] = x + 1;
+        }
+    }
     int64_t k = 0;
     for (int64_t ci = 0; ci < a->c; ci++)
         for (int64_t i = 0; i < a->kh; i++)
-            for (int64_t j = 0; j < a->kw; j++)
-                a->koff[k++] = a->sw == 1 ? (ci * a->hb + i * a->dh) * a->wb + j * a->dw
-                                          : ((j * a->c + ci) * a->hb + i * a->dh) * a->wb;
+            for (int64_t j = 0; j < a->kw; j++) {
+                int64_t q = j * a->dw % a->sw, shift = j * a->dw / a->sw;
+                a->koff[k++] = ((q * a->c + ci) * a->hb + i * a->dh) * a->wb + shift;
+            }
 }
 
 /* Image `img` of x into buf, whose zeros were set once (the same places are
@@ -105,21 +110,25 @@ static void setup(conv_t *a, const int64_t *d)
 static void fill_buffer(const conv_t *a, int64_t img, float *buf)
 {
     const float *src = a->x + img * a->c * a->h * a->w;
-    int64_t copies = a->sw == 1 ? 1 : a->kw, width = a->sw == 1 ? a->wb : 8 * a->vpr;
+    int contiguous = a->sw == 1 && a->uw == 1 && a->pw + a->w <= a->wb;
     for (int64_t y = 0; y < a->h && a->ph + y * a->uh < a->hb; y++) {
         int64_t r = a->ph + y * a->uh;
-        if (r < 0) continue;
-        for (int64_t j = 0; j < copies; j++) {
-            const int64_t *map = a->cmap + j * width;
+        for (int64_t q = 0; q < a->phases; q++) {
+            const int64_t *map = a->cmap + q * a->wb;
             for (int64_t ci = 0; ci < a->c; ci++) {
-                float *dst = buf + ((j * a->c + ci) * a->hb + r) * a->wb;
+                float *dst = buf + ((q * a->c + ci) * a->hb + r) * a->wb;
                 const float *row = src + (ci * a->h + y) * a->w;
-                if (a->sw == 1 && a->uw == 1 && a->pw + a->w <= width) {
+                if (contiguous) {
                     memcpy(dst + a->pw, row, a->w * sizeof(float));
-                    continue;
+                } else if (a->uw == 1) {          /* the columns read form one range */
+                    if (a->x1[q] == a->x0[q]) continue;
+                    const float *from = row + map[a->x0[q]];
+                    for (int64_t x = 0; x < a->x1[q] - a->x0[q]; x++)
+                        dst[a->x0[q] + x] = from[a->sw * x];
+                } else {
+                    for (int64_t x = 0; x < a->wb; x++)
+                        if (map[x] >= 0) dst[x] = row[map[x]];
                 }
-                for (int64_t x = 0; x < width; x++)
-                    if (map[x] >= 0) dst[x] = row[map[x]];
             }
         }
     }

@@ -17,6 +17,7 @@ import numpy as np
 from minigraph.kernels import native
 
 MR = 4                       # the forward tile's output channels (conv2d_cpu.c)
+MAX_PHASES = 64              # conv2d_cpu.c's bound on a buffer's column phases
 # multiply-adds a thread must have to be worth starting (each call starts its threads:
 # tens of microseconds); the demo net's conv (0.6 M) ran 1.3x as long on 2 threads as on 1
 MIN_THREAD_WORK = 2_000_000
@@ -39,8 +40,10 @@ def available():
 
 
 def supports(g, dtype):
-    """True when the kernels take this conv: float32, one group."""
-    return g.groups == 1 and np.dtype(dtype) == np.float32 and available()
+    """True when the kernels take this conv: float32, one group, at most MAX_PHASES
+    column phases (min(stride across, reach across + 1))."""
+    return (g.groups == 1 and np.dtype(dtype) == np.float32
+            and min(g.sw, (g.kw - 1) * g.dw + 1) <= MAX_PHASES and available())
 
 
 def _threads(g, threads):

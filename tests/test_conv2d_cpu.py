@@ -199,3 +199,6 @@ def test_supports_float32_convs_of_one_group():
     assert conv2d_cpu.supports(g, np.float32)
     assert not conv2d_cpu.supports(g, np.float64)
     assert not conv2d_cpu.supports(g._replace(groups=2), np.float32)
+    wide = geometry((1, 1, 4, 200), (1, 1, 1, 70), (1, 65), (0, 0), (1, 1))
+    assert conv2d_cpu.supports(wide._replace(kw=64), np.float32)        # 64 phases
+    assert not conv2d_cpu.supports(wide, np.float32)                    # 65
