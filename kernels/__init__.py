@@ -8,4 +8,8 @@ from the source. `loader` compiles each module once per context and process;
 `launch` derives every launch configuration from shapes and device
 properties. Importing any of this imports nothing from pycuda: that happens
 at the first launch.
+
+Native CPU kernels sit here the same way: C source beside its launcher
+(conv2d_cpu.c + conv2d_cpu.py, plain functions on numpy arrays), built for
+this machine by `native` with the system C compiler on first use.
 """

@@ -89,7 +89,9 @@ def test_the_wheel_maps_ops_kernels_and_examples_into_minigraph(wheel):
         assert f"minigraph/ops/{module.name}" in names
     for module in sorted((REPO / "minigraph").rglob("*.py")):   # every subpackage listed
         assert module.relative_to(REPO).as_posix() in names, module
-    for source in sorted((REPO / "kernels").glob("*.cu*")):
+    sources = sorted((REPO / "kernels").glob("*.cu*")) + sorted((REPO / "kernels").glob("*.c"))
+    assert any(source.suffix == ".c" for source in sources)
+    for source in sources:
         assert f"minigraph/kernels/{source.name}" in names
     assert "minigraph/kernels/__init__.py" in names
     assert "minigraph/examples/train_digits.py" in names
@@ -110,16 +112,19 @@ def test_a_regular_install_of_the_wheel_works_outside_the_repo(wheel, tmp_path):
             "import numpy as np\n"
             "(p,) = net.infer(feed={'image': np.zeros((2, 1, 8, 8), 'float32')},"
             " fetch=[h['logits']])\n"
+            "from minigraph.kernels import conv2d_cpu, native\n"
+            "built = conv2d_cpu.available() or not native.reason('conv2d_cpu').startswith('build')\n"
             "print(mg.__file__, mg.ops.__file__, mg.kernels.__file__, p.shape,"
-            " [n for n in ('ops', 'kernels') if u.find_spec(n)])\n")
+            " [n for n in ('ops', 'kernels') if u.find_spec(n)], built)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, env=clean_env(PYTHONPATH=str(site)))
+                         text=True, timeout=120, env=clean_env(PYTHONPATH=str(site),
+                                                               MINIGRAPH_CACHE=str(tmp_path / "c")))
     assert res.returncode == 0, res.stderr
     mg_file, ops_file, kernels_file, *rest = res.stdout.split()
     assert Path(mg_file).parent == site / "minigraph"
     assert Path(ops_file).parent == site / "minigraph" / "ops"
     assert Path(kernels_file).parent == site / "minigraph" / "kernels"
-    assert " ".join(rest) == "(2, 10) []"
+    assert " ".join(rest) == "(2, 10) [] True"     # the native source builds where a cc does
 
 
 def readme_python_blocks():
