@@ -4,12 +4,12 @@
  *
  * Each thread copies one image at a time into a zero-bordered buffer that
  * stays in cache and reads the convolution's windows straight from it, with
- * no columns in memory. The buffer holds the padded input, its values uh
- * rows and uw columns apart when the input is dilated (zeros between: a
- * strided conv's input gradient is such a conv of dout), and only the rows
- * and columns the windows read, in sw phases (one where sw == 1): phase q
- * holds padded column sw x + q at x, so that eight outputs of a row read eight
- * adjacent values of one phase. Tap (i, j) of input channel ci is the offset
+ * no columns in memory. The buffer holds the input after ph rows and pw
+ * columns of zeros, then zeros: the rows and columns the windows read, no
+ * more (so the padding after the input may differ from ph, pw), in phases
+ * of the stride across (one where sw == 1). Phase q holds padded column
+ * sw x + q at x, so that eight outputs of a row read eight adjacent values of
+ * one phase. Tap (i, j) of input channel ci is the offset
  * koff = ((q C + ci) hb + i dh) wb + s, with q = j dw % sw and s = j dw / sw;
  * output row y starts at y sh wb.
  *
@@ -17,7 +17,9 @@
  * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
  * value times NV loaded vectors per tap. Filter values come packed
  * (O padded to MR, then [block][k][MR]). Outputs past wo in a vector are
- * computed on the buffer's zeros and never stored. Threads take (image,
+ * computed on the buffer's zeros and never stored. The outputs may go to
+ * every osh-th row and osw-th column of a larger array (a phase of a strided
+ * conv's input gradient). Threads take (image,
  * slice of output channels) units from a shared counter; every output is
  * summed by one thread in one order, so results do not depend on them.
  *
@@ -47,28 +49,22 @@ typedef int v8i __attribute__((vector_size(32)));
 typedef struct {
     const float *x, *wpack, *bias, *residual, *dout;
     float *out;
-    int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu, uh, uw;
+    int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
+    int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
     int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
-    int64_t *koff, *cmap;         /* cmap: the input column at each buffer column, or -1 */
-    int64_t x0[MAX_PHASES], x1[MAX_PHASES];   /* per phase: the buffer columns that are read */
+    int64_t *koff;
+    int64_t x0[MAX_PHASES], x1[MAX_PHASES], c0[MAX_PHASES];   /* per phase: the buffer
+                                           columns [x0, x1) hold input columns c0, c0 + sw, .. */
 } conv_t;
 
 static v8 load(const float *p) { return *(const v8u *)p; }
-
-/* The input column at padded (and dilated) column p, or -1 for a zero. */
-static int64_t source_column(const conv_t *a, int64_t p)
-{
-    int64_t q = p - a->pw;
-    if (q < 0 || q % a->uw) return -1;
-    return q / a->uw < a->w ? q / a->uw : -1;
-}
 
 static void setup(conv_t *a, const int64_t *d)
 {
     a->n = d[0]; a->c = d[1]; a->h = d[2]; a->w = d[3]; a->o = d[4]; a->kh = d[5];
     a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
-    a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->uh = d[16];
-    a->uw = d[17];
+    a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->out_h = d[16];
+    a->out_w = d[17]; a->oy0 = d[18]; a->ox0 = d[19]; a->osh = d[20]; a->osw = d[21];
     a->vpr = (a->wo + 7) / 8;
     a->nvec = a->ho * a->vpr;
     a->hb = (a->ho - 1) * a->sh + (a->kh - 1) * a->dh + 1;     /* the rows read */
@@ -81,19 +77,14 @@ static void setup(conv_t *a, const int64_t *d)
     a->wb = 8 * a->vpr + reach / a->sw;
     a->buf_size = a->phases * a->c * a->hb * a->wb + 8;
     a->koff = malloc(a->k * sizeof(int64_t));
-    a->cmap = malloc(a->phases * a->wb * sizeof(int64_t));
-    if (!a->koff || !a->cmap) {
-        free(a->koff);
-        free(a->cmap);
-        a->koff = NULL;
-        return;
-    }
-    for (int64_t q = 0; q < a->phases; q++) {
+    if (!a->koff) return;
+    for (int64_t q = 0; q < a->phases; q++) {    /* input column sw x + q - pw at x */
         a->x0[q] = a->x1[q] = 0;
         for (int64_t x = 0; x < a->wb; x++) {
-            int64_t col = a->cmap[q * a->wb + x] = source_column(a, a->sw * x + q);
-            if (col >= 0 && a->x1[q] == a->x0[q]) a->x0[q] = x, a->x1[q] = x + 1;
-            else if (col >= 0) a->x1[q] = x + 1;
+            int64_t col = a->sw * x + q - a->pw;
+            if (col < 0 || col >= a->w) continue;
+            if (a->x1[q] == a->x0[q]) a->x0[q] = x, a->c0[q] = col;
+            a->x1[q] = x + 1;
         }
     }
     int64_t k = 0;
@@ -109,26 +100,46 @@ static void setup(conv_t *a, const int64_t *d)
  * written for every image). */
 static void fill_buffer(const conv_t *a, int64_t img, float *buf)
 {
-    const float *src = a->x + img * a->c * a->h * a->w;
-    int contiguous = a->sw == 1 && a->uw == 1 && a->pw + a->w <= a->wb;
-    for (int64_t y = 0; y < a->h && a->ph + y * a->uh < a->hb; y++) {
-        int64_t r = a->ph + y * a->uh;
+    for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++)
         for (int64_t q = 0; q < a->phases; q++) {
-            const int64_t *map = a->cmap + q * a->wb;
-            for (int64_t ci = 0; ci < a->c; ci++) {
-                float *dst = buf + ((q * a->c + ci) * a->hb + r) * a->wb;
-                const float *row = src + (ci * a->h + y) * a->w;
-                if (contiguous) {
-                    memcpy(dst + a->pw, row, a->w * sizeof(float));
-                } else if (a->uw == 1) {          /* the columns read form one range */
-                    if (a->x1[q] == a->x0[q]) continue;
-                    const float *from = row + map[a->x0[q]];
-                    for (int64_t x = 0; x < a->x1[q] - a->x0[q]; x++)
-                        dst[a->x0[q] + x] = from[a->sw * x];
+            int64_t x0 = a->x0[q], count = a->x1[q] - x0;
+            for (int64_t ci = 0; ci < a->c && count > 0; ci++) {
+                float *dst = buf + ((q * a->c + ci) * a->hb + a->ph + y) * a->wb + x0;
+                const float *from = a->x + ((img * a->c + ci) * a->h + y) * a->w + a->c0[q];
+                if (a->sw == 1) {
+                    memcpy(dst, from, count * sizeof(float));
                 } else {
-                    for (int64_t x = 0; x < a->wb; x++)
-                        if (map[x] >= 0) dst[x] = row[map[x]];
+                    for (int64_t x = 0; x < count; x++) dst[x] = from[a->sw * x];
                 }
+            }
+        }
+}
+
+/* The epilogue of a forward tile: acc (+ bias) (+ residual) (then max(., 0)) to
+ * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1. */
+static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV], int nv,
+                                                 int64_t blk, int64_t v0, int64_t img)
+{
+    int64_t plane = a->out_h * a->out_w;
+    for (int r = 0; r < MR && blk * MR + r < a->o; r++) {
+        int64_t oc = blk * MR + r;
+        float bias = a->bias ? a->bias[oc] : 0.0f;
+        for (int v = 0; v < nv; v++) {
+            int64_t vv = v0 + v, x0 = (vv % a->vpr) * 8;
+            int64_t at = (img * a->o + oc) * plane + (a->oy0 + a->osh * (vv / a->vpr)) * a->out_w
+                         + a->ox0 + a->osw * x0;
+            int64_t lanes = a->wo - x0 < 8 ? a->wo - x0 : 8;
+            v8 val = acc[r][v] + bias;
+            if (lanes == 8 && a->osw == 1) {
+                if (a->residual) val += load(a->residual + at);
+                if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
+                *(v8u *)(a->out + at) = val;
+                continue;
+            }
+            for (int64_t l = 0; l < lanes; l++) {
+                int64_t to = at + a->osw * l;
+                float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
+                a->out[to] = a->relu && s < 0 ? 0.0f : s;
             }
         }
     }
@@ -151,27 +162,7 @@ static inline __attribute__((always_inline)) void forward_tile(
         for (int r = 0; r < MR; r++)
             for (int v = 0; v < nv; v++) acc[r][v] += f[r] * bv[v];
     }
-    int64_t plane = a->ho * a->wo;
-    for (int r = 0; r < MR && blk * MR + r < a->o; r++) {
-        int64_t oc = blk * MR + r;
-        float bias = a->bias ? a->bias[oc] : 0.0f;
-        for (int v = 0; v < nv; v++) {
-            int64_t vv = v0 + v, x0 = (vv % a->vpr) * 8;
-            int64_t at = (img * a->o + oc) * plane + (vv / a->vpr) * a->wo + x0;
-            int64_t lanes = a->wo - x0 < 8 ? a->wo - x0 : 8;
-            v8 val = acc[r][v] + bias;
-            if (lanes == 8) {
-                if (a->residual) val += load(a->residual + at);
-                if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
-                *(v8u *)(a->out + at) = val;
-                continue;
-            }
-            for (int64_t l = 0; l < lanes; l++) {
-                float s = val[l] + (a->residual ? a->residual[at + l] : 0.0f);
-                a->out[at + l] = a->relu && s < 0 ? 0.0f : s;
-            }
-        }
-    }
+    store_tile(a, acc, nv, blk, v0, img);
 }
 
 typedef struct {
@@ -286,7 +277,8 @@ static int64_t clamp_threads(int64_t threads, int64_t units)
     return threads < 1 ? 1 : threads;
 }
 
-/* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu uh uw. Returns 0, or 1 when
+/* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu, then where the outputs go:
+ * out (N, O, out_h, out_w), output (y, x) at (oy0 + osh y, ox0 + osw x). Returns 0, or 1 when
  * memory ran out (out is then incomplete). */
 int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
                        const float *residual, float *out, const int64_t *dims, int64_t threads)
@@ -304,7 +296,6 @@ int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
     for (int64_t t = 0; t < threads; t++) jobs[t] = (job_t){.a = &a, .next = &next};
     int failed = run_jobs(forward_job, jobs, threads);
     free(a.koff);
-    free(a.cmap);
     return failed;
 }
 
@@ -334,6 +325,5 @@ int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const i
                 for (int64_t k = 0; k < a.k; k++) dw[oc * a.k + k] += sums[t * size + k * opad + oc];
     free(sums);
     free(a.koff);
-    free(a.cmap);
     return failed;
 }

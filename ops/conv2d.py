@@ -118,23 +118,18 @@ def conv2d_cpu(op, ins, room=None):
 @kernel("conv2d_grad", "cpu")
 def conv2d_grad_cpu(op, ins, room=None):
     """dx and dfilter (each only when bound): the native kernels where they take the
-    conv (dfilter; dx as a forward pass over dout, where padding allows), else
-    conv_cpu_grad: dx of a stride-1 conv as the conv of dout with the flipped
+    conv (dfilter; dx as forward passes over dout, one per phase of the stride),
+    else conv_cpu_grad: dx of a stride-1 conv as the conv of dout with the flipped
     filter, dfilter from the same columns, else products with the columns and
     col2im; lean work arrays, or up to `room` bytes of them."""
     x, w, d = ins["x"], ins["filter"], ins["dout"]
     g = cpu_geometry(op, x, w)
     need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
-    dx = dw = None
     if native_conv.supports(g, x.dtype):
         threads = cpu_blocks.get_num_threads()
-        dw = native_conv.filter_grad(x, d, g, threads) if need_dw else None
-        dx = native_conv.input_grad(w, d, g, threads) if need_dx else None
-        need_dx, need_dw = need_dx and dx is None, False
-    if need_dx or need_dw:
-        dx_numpy, dw_numpy = conv_cpu_grad.backward(x, w, d, g, need_dx=need_dx,
-                                                    need_dw=need_dw, room=room)
-        dx, dw = (dx_numpy if need_dx else dx), (dw_numpy if need_dw else dw)
+        return present(dx=native_conv.input_grad(w, d, g, threads) if need_dx else None,
+                       dfilter=native_conv.filter_grad(x, d, g, threads) if need_dw else None)
+    dx, dw = conv_cpu_grad.backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw, room=room)
     return present(dx=dx, dfilter=dw)
 
 

@@ -2,9 +2,9 @@
 chunks of images and one BLAS matrix product per chunk; its gradients are in
 conv_cpu_grad. Not an op module: it registers nothing. The ops run float32
 convs of one group on the native kernels (kernels/conv2d_cpu) where those are
-built; this engine runs the rest (float64, groups, a dx the native pass does not
-cover), everything where no C compiler is at hand, and is the reference the
-native kernels are tested against.
+built; this engine runs the rest (float64, groups), everything where no C
+compiler is at hand, and is the reference the native kernels are tested
+against.
 
 Layout: x (N, C, H, W), filter (O, C/G, kh, kw), out (N, O, Ho, Wo), all NCHW.
 A chunk of m images is one product per group: filter[g] (O/G, C/G kh kw) @

@@ -88,7 +88,6 @@ def test_forward_epilogue(x_shape, w_shape, strides, paddings, dilations, bias, 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_gradients_against_the_float64_reference(x_shape, w_shape, strides, paddings,
                                                  dilations, threads):
-    """dfilter, and dx where the launcher has a pass for it (else None)."""
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal(w_shape).astype(np.float32)
     g = geometry(x_shape, w_shape, strides, paddings, dilations)
@@ -96,24 +95,25 @@ def test_gradients_against_the_float64_reference(x_shape, w_shape, strides, padd
     dx_ref, dw_ref = conv2d_grad(x, w, d, strides=strides, paddings=paddings,
                                  dilations=dilations)
     close(conv2d_cpu.filter_grad(x, d, g, threads), dw_ref)
-    dx = conv2d_cpu.input_grad(w, d, g, threads)
-    if max(paddings) > max(dilations) * (max(w_shape[2:]) - 1):
-        assert dx is None and conv2d_cpu.input_geometry(g) is None
-    else:
-        close(dx, dx_ref)
+    close(conv2d_cpu.input_grad(w, d, g, threads), dx_ref)
 
 
-def test_the_gradients_cover_every_input_pass():
-    """Strided and stride-1 dx, the strided 1x1 shortcut, and padding past the
-    filter's reach (no native dx) are all among the geometries."""
+def test_the_gradients_cover_every_kind_of_phase():
+    """dx's phases among the geometries: stride 1 (one phase), every phase reached,
+    phases no tap reaches (zeros), dout read from a later row or column (padding
+    past the filter's reach) and with zeros before it, dilated sub-filters."""
     kinds = set()
     for x_shape, w_shape, strides, paddings, dilations in GEOMETRIES:
         g = geometry(x_shape, w_shape, strides, paddings, dilations)
-        pointwise = g.kh == g.kw == 1 and g.ph == g.pw == 0
-        kinds.add("none" if conv2d_cpu.input_geometry(g) is None else
-                  "1x1 strided" if pointwise and strides != (1, 1) else
-                  "strided" if strides != (1, 1) else "stride 1")
-    assert kinds == {"none", "1x1 strided", "strided", "stride 1"}
+        axes = ((g.h, g.kh, g.sh, g.ph, g.dh, g.ho), (g.w, g.kw, g.sw, g.pw, g.dw, g.wo))
+        for size, k, stride, pad, dil, out in axes:
+            phases = conv2d_cpu._phases(size, k, stride, pad, dil, out)
+            kinds.add("stride 1" if stride == 1 else
+                      "all phases" if len(phases) == min(stride, size) else "zero phases")
+            kinds.update("sliced" if first > 0 else "padded" for _, _, first, _, _ in phases
+                         if first)
+            kinds.update("dilated" for _, _, _, step, _ in phases if step > 1)
+    assert kinds == {"stride 1", "all phases", "zero phases", "sliced", "padded", "dilated"}
 
 
 def test_results_do_not_depend_on_the_threads():
