@@ -15,8 +15,9 @@
  *
  * The forward tile is MR output channels by NV vectors of eight outputs
  * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
- * value times NV loaded vectors per tap. Filter values come packed
- * (O padded to MR, then [block][k][MR]). Outputs past wo in a vector are
+ * value times NV loaded vectors per tap, the filter read in place (O rows
+ * of C kh kw; a last block short of MR repeats row O - 1 and does not store
+ * it). Outputs past wo in a vector are
  * computed on the buffer's zeros and never stored. The outputs may go to
  * every osh-th row and osw-th column of a larger array (a phase of a strided
  * conv's input gradient). Threads take (image,
@@ -47,7 +48,7 @@ typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int v8i __attribute__((vector_size(32)));
 
 typedef struct {
-    const float *x, *wpack, *bias, *residual, *dout;
+    const float *x, *filter, *bias, *residual, *dout;
     float *out;
     int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
     int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
@@ -146,7 +147,8 @@ static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV]
 }
 
 static inline __attribute__((always_inline)) void forward_tile(
-    const conv_t *a, int nv, const float *buf, const float *wp, int64_t blk, int64_t v0, int64_t img)
+    const conv_t *a, int nv, const float *buf, const float *const f[MR], int64_t blk, int64_t v0,
+    int64_t img)
 {
     v8 acc[MR][NV];
     int64_t base[NV];
@@ -156,11 +158,11 @@ static inline __attribute__((always_inline)) void forward_tile(
         for (int r = 0; r < MR; r++) acc[r][v] = (v8){0};
     }
     for (int64_t k = 0; k < a->k; k++) {
-        const float *b = buf + a->koff[k], *f = wp + k * MR;
+        const float *b = buf + a->koff[k];
         v8 bv[NV];
         for (int v = 0; v < nv; v++) bv[v] = load(b + base[v]);
         for (int r = 0; r < MR; r++)
-            for (int v = 0; v < nv; v++) acc[r][v] += f[r] * bv[v];
+            for (int v = 0; v < nv; v++) acc[r][v] += f[r][k] * bv[v];
     }
     store_tile(a, acc, nv, blk, v0, img);
 }
@@ -183,7 +185,9 @@ static void *forward_job(void *p)
         int64_t img = u / a->slices, s = u % a->slices;
         if (img != shown) fill_buffer(a, img, buf), shown = img;
         for (int64_t blk = s * a->nblk / a->slices; blk < (s + 1) * a->nblk / a->slices; blk++) {
-            const float *wp = a->wpack + blk * a->k * MR;
+            const float *wp[MR];          /* the block's filter rows; past O: the last */
+            for (int r = 0; r < MR; r++)
+                wp[r] = a->filter + (blk * MR + r < a->o ? blk * MR + r : a->o - 1) * a->k;
             int64_t v = 0;
             for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, wp, blk, v, img);
             if (a->nvec - v == 2) forward_tile(a, 2, buf, wp, blk, v, img);
@@ -280,10 +284,10 @@ static int64_t clamp_threads(int64_t threads, int64_t units)
 /* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu, then where the outputs go:
  * out (N, O, out_h, out_w), output (y, x) at (oy0 + osh y, ox0 + osw x). Returns 0, or 1 when
  * memory ran out (out is then incomplete). */
-int conv2d_forward_f32(const float *x, const float *wpack, const float *bias,
+int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
                        const float *residual, float *out, const int64_t *dims, int64_t threads)
 {
-    conv_t a = {.x = x, .wpack = wpack, .bias = bias, .residual = residual, .out = out};
+    conv_t a = {.x = x, .filter = filter, .bias = bias, .residual = residual, .out = out};
     setup(&a, dims);
     if (!a.koff) return 1;
     threads = threads < 1 ? 1 : threads;

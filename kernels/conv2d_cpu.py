@@ -17,7 +17,6 @@ import numpy as np
 
 from minigraph.kernels import native
 
-MR = 4                       # the forward tile's output channels (conv2d_cpu.c)
 MAX_PHASES = 64              # conv2d_cpu.c's bound on a buffer's column phases
 # multiply-adds a thread must have to be worth starting (each call starts its threads:
 # tens of microseconds); the demo net's conv (0.6 M) ran 1.3x as long on 2 threads as on 1
@@ -73,15 +72,6 @@ def _float32(array, shape, name):
     return array
 
 
-def pack_filter(w, g):
-    """The filter (O, C, kh, kw) as the forward kernel reads it: output channels padded
-    with zeros to a multiple of MR, blocks of MR laid out (block, C kh kw, MR)."""
-    blocks = -(-g.o // MR)
-    rows = np.zeros((blocks * MR, g.c * g.kh * g.kw), dtype=np.float32)
-    rows[:g.o] = w.reshape(g.o, -1)
-    return np.ascontiguousarray(rows.reshape(blocks, MR, -1).transpose(0, 2, 1))
-
-
 def forward(x, w, g, threads, bias=None, residual=None, relu=False):
     """out (N, O, Ho, Wo) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0)),
     on `threads` threads; the epilogue runs on each tile of outputs in registers.
@@ -100,11 +90,11 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     (y, x) at out[..., at[0] + step[0] y, at[1] + step[1] x], the caller having
     checked that these fit; residual (out's shape) read at the same places."""
     x = _float32(x, (g.n, g.c, g.h, g.w), "x")
-    packed = pack_filter(_float32(w, (g.o, g.c, g.kh, g.kw), "filter"), g)
+    w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     bias = None if bias is None else _float32(bias, (g.o,), "bias")
     if g.n and g.o and g.ho and g.wo:
         dims = _dims(g, relu, out.shape, at, step)
-        failed = _lib().conv2d_forward_f32(_ptr(x), _ptr(packed), _ptr(bias), _ptr(residual),
+        failed = _lib().conv2d_forward_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
                                            _ptr(out), _ptr(dims), _threads(g, threads))
         if failed:
             raise MemoryError("conv2d_cpu.forward: the kernel's buffers could not be allocated")

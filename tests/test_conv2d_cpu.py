@@ -1,8 +1,6 @@
 """The native CPU conv kernels (kernels/conv2d_cpu.c) against the float64 reference:
 the forward pass, the filter gradient and the input gradient on every geometry
 the launchers take, the epilogue, the thread counts, bad inputs."""
-import math
-
 import numpy as np
 import pytest
 from references import conv2d, conv2d_grad
@@ -182,16 +180,6 @@ def test_empty_batch():
     assert conv2d_cpu.forward(x, w, g, 2).shape == (0, 4, 8, 8)
     np.testing.assert_array_equal(conv2d_cpu.filter_grad(x, d, g, 2), np.zeros(w.shape))
     assert conv2d_cpu.input_grad(w, d, g, 2).shape == (0, 3, 8, 8)
-
-
-def test_pack_filter_pads_output_channels_to_the_tile():
-    w = rng.standard_normal((5, 2, 3, 3)).astype(np.float32)
-    g = geometry((1, 2, 4, 4), w.shape, (1, 1), (1, 1), (1, 1))
-    packed = conv2d_cpu.pack_filter(w, g)
-    blocks = math.ceil(5 / conv2d_cpu.MR)
-    assert packed.shape == (blocks, 18, conv2d_cpu.MR)
-    np.testing.assert_array_equal(packed[1, :, 0], w[4].ravel())
-    assert not packed[1, :, 1:].any()
 
 
 def test_supports_float32_convs_of_one_group():
