@@ -8,7 +8,7 @@ import pytest
 
 from minigraph.kernels import conv2d_cpu, native
 
-HAS_CC = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
+HAS_CC = bool(shutil.which((os.environ.get("CC") or "cc").split()[0]) or shutil.which("gcc"))
 
 
 @pytest.fixture
