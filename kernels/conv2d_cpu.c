@@ -17,12 +17,12 @@
  * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
  * value times NV loaded vectors per tap, the filter read in place (O rows
  * of C kh kw; a last block short of MR repeats row O - 1 and does not store
- * it). Outputs past wo in a vector are
- * computed on the buffer's zeros and never stored. The outputs may go to
- * every osh-th row and osw-th column of a larger array (a phase of a strided
- * conv's input gradient). Threads take (image,
- * slice of output channels) units from a shared counter; every output is
- * summed by one thread in one order, so results do not depend on them.
+ * it). Outputs past wo in a vector are computed on the buffer's zeros and
+ * never stored. The outputs may go to every osh-th row and osw-th column of
+ * a larger array (a phase of a strided conv's input gradient). Threads take
+ * (image, slice of output channels) units from a shared counter; every
+ * output is summed by one thread in one order, so results do not depend on
+ * them.
  *
  * The filter gradient tile is GO output channels (two vectors) by GK taps:
  * per output, dout's GO values (dout transposed per image to (outputs, O
@@ -170,7 +170,7 @@ static inline __attribute__((always_inline)) void forward_tile(
 typedef struct {
     const conv_t *a;
     int64_t *next, first, last;   /* forward: a shared counter; filter gradient: images */
-    float *dw;                 /* filter gradient: this thread's O x K sums */
+    float *dw;                 /* filter gradient: this thread's K x O (padded) sums */
     int failed;
 } job_t;
 

@@ -18,8 +18,9 @@ import numpy as np
 from minigraph.kernels import native
 
 MAX_PHASES = 64              # conv2d_cpu.c's bound on a buffer's column phases
-# multiply-adds a thread must have to be worth starting (each call starts its threads:
-# tens of microseconds); the demo net's conv (0.6 M) ran 1.3x as long on 2 threads as on 1
+# multiply-adds a thread must have to be worth waking (~25 us to wake the kernels' pool
+# worker, ~60 us to start a thread); the demo net's conv (0.6 M) ran 1.3x as long on 2
+# threads as on 1 when each call started its threads
 MIN_THREAD_WORK = 2_000_000
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64

@@ -4,8 +4,10 @@ x (N, C, H, W), filter (O, C / groups, kh, kw) -> out (N, O, Ho, Wo) with
 Ho = floor((H + 2 ph - dh (kh - 1) - 1) / sh) + 1 (likewise Wo). Output
 channel o of group g = o // (O / groups) sees input channels
 [g C / groups, (g + 1) C / groups). No bias: add one with elementwise_add(axis=1).
-CPU: minigraph.ops.conv_cpu (im2col in chunks of images, one BLAS product per
-chunk straight into the NCHW output; the grad adds columns back per tap).
+CPU: float32 convs of one group on the native kernels (kernels/conv2d_cpu:
+windows read from a per-image buffer in cache, no columns; built where a C
+compiler works), the rest on minigraph.ops.conv_cpu (im2col in chunks of
+images, one BLAS product per chunk; the grad adds columns back per tap).
 """
 from __future__ import annotations
 

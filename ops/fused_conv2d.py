@@ -13,8 +13,8 @@ error (train the net with conv2d and fuse its inference copy).
 CPU: the native kernel (kernels/conv2d_cpu: float32, one group, where a C
 compiler built it) with the epilogue on each tile of outputs in registers,
 else minigraph.ops.conv_cpu.forward with its epilogue on each chunk. GPU: the
-conv2d launcher, then
-the bias, residual and relu launchers in place on its output.
+conv2d launcher, then the bias, residual and relu launchers in place on its
+output.
 """
 from __future__ import annotations
 
