@@ -47,14 +47,14 @@ def enabled():
 def library(name):
     """The loaded ctypes library of kernels/<name>.c, built on first use, or None
     (native kernels off, or no working compiler: reason(name) says which)."""
-    if not enabled():
-        _reasons[name] = "MINIGRAPH_NATIVE is off"
-        return None
-    return _load(name)
+    return _load(name) if enabled() else None
 
 
 def reason(name):
-    """Why library(name) returned None (empty when it did not, or was not asked)."""
+    """Why library(name) returns None now (empty when it does not, or its build was
+    not tried yet)."""
+    if not enabled():
+        return "MINIGRAPH_NATIVE is off"
     return _reasons.get(name, "")
 
 
