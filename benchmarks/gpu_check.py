@@ -1,0 +1,415 @@
+"""Everything a GPU can verify about minigraph, in one command, in the order of the
+GPU pre-flight review's first run (the most basic and cheapest first):
+
+    python benchmarks/gpu_check.py [--from STEP | --only STEP] [--timeout S] [--results PATH]
+
+Steps: env (versions; warns when nvcc's CUDA major is newer than the driver's),
+place (GPUPlace(0)), build (tests/gpu/test_kernel_build.py), load (every kernel
+entry point loaded on the device, with its registers), sanitizer
+(compute-sanitizer on launcher tests; skipped when not installed), tests (every
+test marked gpu), demo (`minigraph demo` on the GPU against the CPU), bench
+(benchmarks/bn_gpu.py, benchmarks/sync_bn.py) and findings (the review's findings
+1 and 6). gpu_steps() lists the exact commands.
+
+Each command runs in the repository root in its own process group with a hard
+timeout (--timeout seconds per step): a hang fails its step. After each step
+--results (default benchmarks/RESULTS.md) is rewritten atomically: machine, GPU,
+date, commit, then per step its status (ok / failed / skipped), wall time, commands
+and the tail of their output (bench: all of it). With --from or --only, earlier
+results of the other steps are kept. The run stops at the first failed step and
+prints the command that reruns it alone, e.g.
+`python benchmarks/gpu_check.py --only sanitizer`.
+
+Without a GPU (no nvidia-smi, no GPU listed, or pycuda.driver not importable) it
+prints one line, writes nothing and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEFAULT_RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+DEFAULT_TIMEOUT = 1800.0
+TAIL_LINES = 40             # lines of output kept per command (pytest and tables: more)
+PYTEST_LINES, FULL_LINES = 80, 400
+DEMO_EPOCHS = 3
+# the demo prints losses to 4 decimals, accuracy to 0.1 %. GPU and CPU (float32, other
+# summation orders) must agree on each epoch's mean training loss within LOSS_RTOL relative
+# + LOSS_ATOL (the printed rounding), on the final accuracy within ACC_POINTS points (~4 of
+# the ~360 held-out digits)
+LOSS_RTOL, LOSS_ATOL, ACC_POINTS = 1e-3, 1e-4, 1.0
+MARK = "<!-- gpu_check results: "
+
+
+@dataclass
+class Step:
+    """One step: `commands` (argument lists) run in order, all of them, sharing the
+    step's timeout; the step fails when one exits non-zero or times out, or when
+    `check(outputs)` returns a problem. `skip()` returns a reason to skip it, or None.
+    `check` returns (problem or None, [notes for the results])."""
+
+    name: str
+    title: str
+    commands: list
+    skip: Callable[[], str | None] | None = None
+    check: Callable[[list], tuple] | None = None
+    keep_lines: int = TAIL_LINES
+
+
+def run_command(command, timeout):
+    """Run `command` in the repository root, in its own process group, stdout and stderr
+    merged, echoed as it comes and kept; the whole group is killed after `timeout` s (and
+    at the end: leftover ranks). {rc (None: timed out; 127: did not start), seconds,
+    output, notes}."""
+    done, start, lines = dict(rc=None, seconds=0.0, output="", notes=[]), time.monotonic(), []
+    try:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, errors="replace",
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except OSError as e:
+        return dict(done, rc=127, output=f"could not start: {e}")
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        done["rc"] = proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        done["notes"].append(f"timed out after {timeout:.0f} s: process group killed")
+    finally:                    # also on Ctrl-C: the group is in a session of its own
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader.join(timeout=10)
+    return dict(done, seconds=time.monotonic() - start, output="".join(lines))
+
+
+def tail(text, n):
+    """The last `n` lines of `text`."""
+    lines = text.rstrip("\n").splitlines()
+    cut = [f"[{len(lines) - n} earlier lines left out]"] if len(lines) > n else []
+    return "\n".join(cut + lines[-n:])
+
+
+def run_step(step, timeout):
+    """Run one step; returns its result as a dict (status ok / failed / skipped ...)."""
+    start = time.monotonic()
+    result = dict(name=step.name, title=step.title, commands=[], notes=[], output="",
+                  date=now(), commit=commit())
+    reason = step.skip() if step.skip else None
+    if reason:
+        result.update(status=f"skipped ({reason})", seconds=0.0)
+        return result
+    outputs, failed = [], False
+    for command in step.commands:
+        left, shown = timeout - (time.monotonic() - start), shlex.join(map(str, command))
+        print(f"[{step.name}] $ {shown}", flush=True)
+        run = run_command(command, left) if left > 0 else dict(
+            rc=None, seconds=0.0, output="", notes=["not run: the step's time was up"])
+        outputs.append(run["output"])
+        failed |= run["rc"] != 0
+        result["commands"].append(dict(command=shown, rc=run["rc"],
+                                       seconds=round(run["seconds"], 1)))
+        result["notes"] += run["notes"]
+        result["output"] += f"$ {shown}\n{tail(run['output'], step.keep_lines)}\n"
+    if step.check and not failed:
+        problem, notes = step.check(outputs)
+        result["notes"] += notes + ([f"problem: {problem}"] if problem else [])
+        failed = bool(problem)
+    result.update(status="failed" if failed else "ok", seconds=round(time.monotonic() - start, 1))
+    return result
+
+
+def select(steps, start=None, only=None):
+    """The steps `--from start` / `--only only` pick (all of them without either)."""
+    names = [s.name for s in steps]
+    for name in (start, only):
+        if name is not None and name not in names:
+            raise ValueError(f"unknown step {name!r}: choose from {', '.join(names)}")
+    if only is not None:
+        return [s for s in steps if s.name == only]
+    return steps[names.index(start):] if start is not None else list(steps)
+
+
+def rerun_command(name, results=DEFAULT_RESULTS, timeout=DEFAULT_TIMEOUT):
+    """The command line that reruns step `name` alone (with the same options)."""
+    script = Path(__file__).resolve()
+    if script.is_relative_to(Path.cwd()):
+        script = script.relative_to(Path.cwd())
+    python = "python" if shutil.which("python") == PY else PY
+    words = [python, str(script), "--only", name]
+    if Path(results).resolve() != DEFAULT_RESULTS:
+        words += ["--results", str(results)]
+    if timeout != DEFAULT_TIMEOUT:
+        words += ["--timeout", f"{timeout:g}"]
+    return shlex.join(words)
+
+
+def run_steps(steps, results=DEFAULT_RESULTS, timeout=DEFAULT_TIMEOUT, start=None, only=None,
+              header=None):
+    """Run the steps `start` / `only` select, in order, rewriting `results` after each;
+    stop at the first failed step and print how to rerun it. Returns the exit code."""
+    chosen = select(steps, start, only)
+    kept = {} if start is None and only is None else read_results(results)
+    order = [s.name for s in steps]
+    for step in chosen:
+        kept.pop(step.name, None)
+    for step in chosen:
+        print(f"[{step.name}] {step.title}", flush=True)
+        result = run_step(step, timeout)
+        kept[step.name] = result
+        write_results(results, header or {}, kept, order)
+        for note in result["notes"]:
+            print(f"[{step.name}] {note}")
+        print(f"[{step.name}] {result['status']} ({result['seconds']:.1f} s)", flush=True)
+        if result["status"] == "failed":
+            print(f"step {step.name} failed; rerun it alone with:\n    "
+                  f"{rerun_command(step.name, results, timeout)}")
+            return 1
+    print(f"all {len(chosen)} step(s) done; results in {results}")
+    return 0
+
+
+def read_results(path):
+    """{step: result} kept in an earlier RESULTS.md (empty when none can be read)."""
+    try:
+        text = Path(path).read_text()
+        return json.loads(text[text.rindex(MARK) + len(MARK):text.rindex(" -->")])
+    except (OSError, ValueError):
+        return {}
+
+
+def write_results(path, header, results, order):
+    """Write the results (markdown, and the same as JSON in a trailing comment) to
+    `path` atomically: a temporary file in the same folder, then os.replace."""
+    lines = ["# GPU check", ""] + [f"- {k}: {v}" for k, v in header.items()]
+    lines += ["", "| step | status | seconds | date | commit |", "|---|---|---|---|---|"]
+    for name in order:
+        r = results.get(name)
+        lines.append(f"| {name} | {r['status']} | {r['seconds']:.1f} | {r['date']} | "
+                     f"{r['commit']} |" if r else f"| {name} | not run | | | |")
+    for name in (n for n in order if n in results):
+        r = results[name]
+        lines += ["", f"## {name}: {r['title']} - {r['status']} ({r['seconds']:.1f} s)", ""]
+        lines += [f"- `{c['command']}`: exit {c['rc']} ({c['seconds']} s)" if c["rc"] is not None
+                  else f"- `{c['command']}`: timed out" for c in r["commands"]]
+        lines += [f"- {note}" for note in r["notes"]]
+        if r["output"]:
+            lines += ["", "````text", r["output"].rstrip("\n"), "````"]
+    lines += ["", MARK + json.dumps(results) + " -->", ""]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines))
+    os.chmod(tmp, 0o644)                    # mkstemp's file is private; a results file is not
+    os.replace(tmp, path)
+
+
+def now():
+    """The local date and time, to the second."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def commit():
+    """The checked-out commit (short), marked when tracked files have local changes."""
+    def git(*words):
+        try:
+            return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" (with local changes)" if git("status", "--porcelain", "-uno") else "")
+
+
+def find_tool(name):
+    """`name` on PATH, else in the CUDA toolkit's bin (beside nvcc, CUDA_HOME, CUDA_PATH,
+    /usr/local/cuda); None when absent."""
+    nvcc = shutil.which("nvcc")
+    dirs = [os.path.dirname(os.path.realpath(nvcc))] if nvcc else []
+    dirs += [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH")
+             if os.environ.get(v)] + ["/usr/local/cuda/bin"]
+    for path in [shutil.which(name)] + [os.path.join(d, name) for d in dirs]:
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def gpu_listing():
+    """(`nvidia-smi -L` lines, None) where the check can run, else ([], why not)."""
+    if shutil.which("nvidia-smi") is None:
+        return [], "nvidia-smi is not installed"
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+        gpus = re.findall(r"^GPU \d+:.*$", listed.stdout, re.M)
+        if listed.returncode or not gpus:
+            return [], f"nvidia-smi lists no GPU (exit {listed.returncode})"
+        probe = subprocess.run([PY, "-c", "import pycuda.driver"], capture_output=True,
+                               text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], f"{type(e).__name__}: {e}"
+    if probe.returncode:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return [], f"pycuda.driver is not importable with {PY}: {last}"
+    return gpus, None
+
+
+def check_env(outputs):
+    """Warnings (never failures) from the env step: nvcc newer than the driver, and a
+    compute mode other than Default."""
+    notes = []
+    driver = re.search(r"CUDA Version\s*:\s*(\d+)\.(\d+)", outputs[0])
+    nvcc = re.search(r"release (\d+)\.(\d+)", outputs[2])
+    if driver and nvcc:
+        notes.append(f"driver CUDA {driver[1]}.{driver[2]}, nvcc CUDA {nvcc[1]}.{nvcc[2]}")
+        if int(nvcc[1]) > int(driver[1]):
+            notes.append(f"WARNING: nvcc's CUDA major {nvcc[1]} is newer than the driver's "
+                         f"{driver[1]}: kernels it builds will not load")
+    if "Default" not in outputs[1]:
+        notes.append("WARNING: compute mode is not Default (two ranks cannot share the GPU)")
+    return None, notes
+
+
+def pytest_check(forbidden=None):
+    """check(outputs) for pytest steps: notes skips; a problem when a skip reason
+    matches `forbidden` (a regex: the test could not do what the step is for)."""
+    def check(outputs):
+        notes = [f"{m[0]} (reasons in the output)" for o in outputs
+                 for m in [re.search(r"\d+ skipped", o)] if m]
+        bad = [o for o in outputs if forbidden and re.search(forbidden, o)]
+        return (f"a test skipped for {forbidden!r}" if bad else None), notes
+    return check
+
+
+def check_demo(outputs):
+    """Compare the epochs `minigraph demo` printed on the GPU (outputs[0]) and the CPU."""
+    gpu, cpu = ([(float(loss), float(acc)) for loss, acc in re.findall(
+        r"epoch \d+/\d+\s+loss (\S+)\s+held-out accuracy (\S+)%", o)] for o in outputs)
+    if len(gpu) != DEMO_EPOCHS or len(cpu) != DEMO_EPOCHS:
+        return f"expected {DEMO_EPOCHS} epoch lines, got {len(gpu)} (gpu), {len(cpu)} (cpu)", []
+    notes = [f"epoch {k}: loss gpu {g[0]:.4f} cpu {c[0]:.4f}, accuracy gpu {g[1]:.1f}% "
+             f"cpu {c[1]:.1f}%" for k, (g, c) in enumerate(zip(gpu, cpu), 1)]
+    bad = [k for k, (g, c) in enumerate(zip(gpu, cpu), 1)
+           if not abs(g[0] - c[0]) <= LOSS_RTOL * abs(c[0]) + LOSS_ATOL]
+    if bad:
+        return f"losses differ beyond {LOSS_RTOL:g} relative + {LOSS_ATOL:g} in epochs {bad}", notes
+    if not abs(gpu[-1][1] - cpu[-1][1]) <= ACC_POINTS:
+        return f"final accuracies differ by more than {ACC_POINTS:g} points", notes
+    return None, notes
+
+
+def check_findings(outputs):
+    """Finding 6 shows as PyCUDA's out-of-thread clean-up warning under the NCCL script
+    (outputs[1], when it ran)."""
+    if any("out-of-thread" in o for o in outputs[1:]):
+        return "finding 6 reproduced: CUDA events cleaned up out of their thread", []
+    return None, [] if outputs[1:] else ["finding 6 not checked: no nccl4py or mpiexec"]
+
+
+def gpu_steps():
+    """The steps of the check, in order (see the module doc)."""
+    pytest, probe = [PY, "-m", "pytest", "-q", "-rfEs"], [PY, "benchmarks/gpu_probes.py"]
+    sanitizer = find_tool("compute-sanitizer")
+
+    def sanitized(tool, *suites):
+        return [sanitizer or "compute-sanitizer", "--tool", tool, "--error-exitcode", "1",
+                *pytest, "-m", "gpu", *(f"tests/gpu/test_{s}_launchers.py" for s in suites)]
+    out = Path(tempfile.gettempdir()) / "minigraph-gpu-check"
+    demo = [PY, "-m", "minigraph.cli", "demo", "--no-progress", "--seed", "0",
+            "--epochs", str(DEMO_EPOCHS)]
+    mpiexec = os.path.join(os.path.dirname(PY), "mpiexec")
+    nccl = [mpiexec, "-n", "1", PY, "-W", "always", "tests/mpi_scripts/gpu_sync_bn_check.py",
+            "--place", "gpu", "--backend", "nccl"]
+    has_nccl = os.path.exists(mpiexec) and subprocess.run(
+        [PY, "-c", "import nccl.core"], capture_output=True, timeout=120).returncode == 0
+    return [
+        Step("env", "environment and versions", [
+            ["nvidia-smi"],
+            ["nvidia-smi", "--query-gpu=index,name,driver_version,compute_mode,memory.total",
+             "--format=csv"],
+            ["nvcc", "--version"], ["g++", "--version"], [*probe, "versions"]],
+            check=check_env),
+        Step("place", "GPUPlace(0) in a fresh process",
+             [[PY, "-c", "import minigraph as mg; print(mg.GPUPlace(0))"]],
+             check=lambda o: ("PyCUDA error at exit" if "PyCUDA ERROR" in o[0] else None, [])),
+        Step("build", "every .cu compiles; PTX parameters match the launchers",
+             [[*pytest, "tests/gpu/test_kernel_build.py"]], check=pytest_check("no nvcc"),
+             keep_lines=PYTEST_LINES),
+        Step("load", "every entry point compiled, loaded and fetched on the device",
+             [[*probe, "load"]], keep_lines=FULL_LINES),
+        Step("sanitizer", "compute-sanitizer on launcher tests (only those marked gpu)",
+             [sanitized("memcheck", "fill", "map"), sanitized("racecheck", "softmax"),
+              sanitized("synccheck", "bn")],
+             skip=lambda: None if sanitizer else "not installed", check=pytest_check(),
+             keep_lines=PYTEST_LINES),
+        Step("tests", "every test marked gpu; then those also marked mpi (sync BN, NCCL)", [
+            [*pytest, "-m", "gpu and not mpi", "tests"], [*pytest, "-m", "gpu and mpi", "tests"]],
+            check=pytest_check(), keep_lines=PYTEST_LINES),
+        Step("demo", f"minigraph demo, {DEMO_EPOCHS} epochs, GPU against CPU (seed 0)", [
+            [*demo, "--device", "gpu", "--out", str(out / "demo-gpu")],
+            [*demo, "--device", "cpu", "--out", str(out / "demo-cpu")]], check=check_demo),
+        Step("bench", "batch norm against PyTorch/cuDNN; sync batch norm over MPI",
+             [[PY, "benchmarks/bn_gpu.py"], [PY, "benchmarks/sync_bn.py"]],
+             keep_lines=FULL_LINES),
+        Step("findings", "review findings 1 (place on a worker thread) and 6 (NCCL events)",
+             [[*probe, "thread"]] + ([nccl] if has_nccl else []), check=check_findings),
+    ]
+
+
+STEP_NAMES = ("env", "place", "build", "load", "sanitizer", "tests", "demo", "bench", "findings")
+
+
+def parse_args(argv=None):
+    """The command line (see the module doc)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--from", dest="start", choices=STEP_NAMES, help="start at this step")
+    which.add_argument("--only", choices=STEP_NAMES, help="run this step alone")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds per step (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
+                   help="the results file (default benchmarks/RESULTS.md)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    """Check for a GPU (one line and exit 1 without), then run the steps."""
+    args = parse_args(argv)
+    gpus, reason = gpu_listing()
+    if reason:
+        print(f"gpu_check: no GPU to check on this machine: {reason}", file=sys.stderr)
+        return 1
+    header = {"machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPUs)",
+              "GPU": "; ".join(re.sub(r"\s*\(UUID.*\)", "", g) for g in gpus),
+              "date": now(), "commit": commit(),
+              "command": shlex.join(["python", "benchmarks/gpu_check.py",
+                                     *(sys.argv[1:] if argv is None else argv)])}
+    return run_steps(gpu_steps(), args.results, args.timeout, args.start, args.only, header)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

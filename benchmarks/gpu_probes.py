@@ -1,0 +1,131 @@
+"""The device probes of benchmarks/gpu_check.py, each run in a process of its own:
+
+    python benchmarks/gpu_probes.py versions   # Python, numpy, pycuda, the driver, NCCL, torch
+    python benchmarks/gpu_probes.py load       # every kernel entry point on GPU 0, registers
+    python benchmarks/gpu_probes.py thread     # a GPUPlace made and used on a worker thread
+
+Exit status 0 when the probe passed. Needs a GPU (versions reports what it finds).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import platform
+import sys
+import threading
+import time
+
+
+def show(label, get):
+    """Print `label: get()`, or why it is unavailable."""
+    try:
+        print(f"{label}: {get()}")
+    except Exception as e:  # anything a missing or broken library raises
+        print(f"{label}: unavailable ({type(e).__name__}: {str(e)[:200]})")
+
+
+def cuda_device():
+    """The driver's CUDA version and GPU 0 as PyCUDA sees them."""
+    import pycuda.driver as drv
+
+    drv.init()
+    v, dev = drv.get_driver_version(), drv.Device(0)
+    return (f"driver CUDA {v // 1000}.{v % 1000 // 10}; {dev.name()}, compute capability "
+            f"{dev.compute_capability()}; {drv.Device.count()} device(s)")
+
+
+def nccl_version():
+    """What nccl4py reports of itself and the libnccl it loaded."""
+    import nccl
+
+    get = getattr(nccl, "get_version", None) or importlib.import_module("nccl.core").get_version
+    return get()
+
+
+def torch_versions():
+    """PyTorch and the CUDA, cuDNN and NCCL it was built with."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    return (f"{torch.__version__}, CUDA {torch.version.cuda}, cuDNN "
+            f"{torch.backends.cudnn.version()}, NCCL {torch.cuda.nccl.version() if gpu else '-'}"
+            f", GPU available: {gpu}")
+
+
+def versions():
+    """Print the versions of everything the GPU code and the benchmarks use."""
+    show("python", platform.python_version)
+    for name in ("numpy", "pycuda", "nccl4py", "cupy", "mpi4py", "torch"):
+        show(name, lambda name=name: importlib.metadata.version(name))
+    show("pycuda device", cuda_device)
+    show("NCCL (nccl4py)", nccl_version)
+    show("torch build", torch_versions)
+    return 0
+
+
+def load():
+    """Compile, load and fetch every entry point of every kernel module on GPU 0,
+    printing each one's registers and static shared memory; 1 if any fails."""
+    import minigraph as mg
+
+    place = mg.GPUPlace(0)
+    try:
+        from minigraph.kernels.cuda import loader
+    except ImportError:          # the layout before kernels/cuda/
+        from minigraph.kernels import loader
+    print(f"loader: {loader.__name__}")
+    table, failed, count = loader.signature_table(), [], 0
+    enter = getattr(loader, "activate", None)
+    with enter(place) if enter else contextlib.nullcontext():
+        for module in loader.module_names():
+            start, entries = time.perf_counter(), table.get(module) or {}
+            if not entries:
+                failed.append(f"{module}: no entry points in the signature table")
+            for name, fmt in sorted(entries.items()):
+                try:
+                    res = getattr(loader.kernel(module, name, fmt), "resources", None)
+                except Exception as e:  # a compile, load or prepare error: report, go on
+                    failed.append(f"{module}.{name}: {type(e).__name__}: {e}")
+                    continue
+                count += 1
+                print(f"  {module}.{name} ({fmt}): registers "
+                      f"{getattr(res, 'regs_per_thread', '?')}, shared bytes "
+                      f"{getattr(res, 'shared_bytes', '?')}")
+            print(f"{module}: {len(entries)} entry points, {time.perf_counter() - start:.2f} s")
+    print(f"{count} entry points loaded, {len(failed)} failed")
+    print("\n".join(failed))
+    return 1 if failed else 0
+
+
+def thread():
+    """Make GPUPlace(0) on a worker thread and copy an array through it (the
+    pre-flight review's finding 1: the memory pool needs a current context)."""
+    import numpy as np
+
+    import minigraph as mg
+
+    got = {}
+
+    def work():
+        try:
+            place = mg.GPUPlace(0)
+            got["value"] = place.to_host(place.to_device(np.arange(4.0))).tolist()
+        except BaseException as e:  # reported below
+            got["error"] = f"{type(e).__name__}: {e}"
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    if got.get("value") != [0.0, 1.0, 2.0, 3.0]:
+        print(f"a place made and used on a worker thread failed: {got}")
+        return 1
+    print("a place made and used on a worker thread: ok")
+    return 0
+
+
+PROBES = {"versions": versions, "load": load, "thread": thread}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in PROBES:
+        sys.exit(f"usage: python {sys.argv[0]} {{{'|'.join(PROBES)}}}")
+    sys.exit(PROBES[sys.argv[1]]())
