@@ -186,10 +186,10 @@ def test_command_line_and_steps():
 
 def test_env_warns_when_nvcc_is_newer_than_the_driver():
     smi = "| NVIDIA-SMI 550.54  Driver Version: 550.54  CUDA Version: 12.4 |"
-    problem, notes = gc.check_env([smi, "0, H100, 550.54, Default, 81559 MiB",
+    problem, notes = gc.check_env([smi, "0, Some GPU, 550.54, Default, 81559 MiB",
                                    "Cuda compilation tools, release 13.0, V13.0.48"])
     assert problem is None and any("WARNING: nvcc" in n for n in notes)
-    problem, notes = gc.check_env([smi, "0, H100, 550.54, Default, 81559 MiB",
+    problem, notes = gc.check_env([smi, "0, Some GPU, 550.54, Default, 81559 MiB",
                                    "Cuda compilation tools, release 12.6, V12.6.1"])
     assert problem is None and not any("WARNING" in n for n in notes)
 
