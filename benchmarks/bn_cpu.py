@@ -1,6 +1,6 @@
 """CPU batch_norm benchmark: minigraph against PyTorch and a plain memory copy.
 
-    python benchmarks/bn_cpu.py [--threads N] [--repeat R] [--shapes 32x16x32x32 ...]
+    python benchmarks/bn_cpu.py [--threads N] [--repeat R] [--shapes 32x16x32x32 ...] [--no-write]
 
 For fp32 NCHW inputs it times, through `Executor.run` as a user calls it,
 the training forward of `batch_norm` and forward + `batch_norm_grad` (the op
@@ -15,6 +15,10 @@ shape take turns, so a change in the machine's load hits them alike. Then it
 measures the executor's overhead per op on tiny tensors (relu when
 registered, and batch_norm with is_infer=True, on (2, 3)): Executor.run over
 100 ops, divided by 100, minus the time of calling the kernel directly.
+
+It prints its table and then writes it, with the machine and the date, into
+the `bn_cpu` section of docs/performance.md (benchmarks/report.py), replacing
+the last run's; --no-write only prints.
 """
 from __future__ import annotations
 
@@ -150,8 +154,10 @@ def fmt(t):
 
 
 def bench_shapes(threads, repeat, shapes=SHAPES):
+    """Print the table of every shape's times; returns its rows (for the markdown)."""
     print(f"{'shape':<18} {'pass':<8} {'minigraph ms':>12} {'pytorch ms':>11} {'copy ms':>8} "
           f"{'mg/pytorch':>10} {'mg/copy':>8}")
+    rows = []
     for shape in shapes:
         t = shape_times(shape, threads, repeat)
         for name in ("fwd", "fwd+bwd"):
@@ -159,6 +165,9 @@ def bench_shapes(threads, repeat, shapes=SHAPES):
             label = str(shape) if name == "fwd" else ""
             print(f"{label:<18} {name:<8} {fmt(mine):>12} {fmt(theirs):>11} {fmt(copy):>8} "
                   f"{ratio(mine, theirs):>10} {ratio(mine, copy):>8}")
+            rows.append((str(shape), name, fmt(mine), fmt(theirs), fmt(copy),
+                         ratio(mine, theirs), ratio(mine, copy)))
+    return rows
 
 
 def tiny_ops(kind, count):
@@ -186,7 +195,9 @@ def tiny_ops(kind, count):
 
 
 def bench_overhead(repeat, count=100):
-    """Executor.run over `count` tiny ops, per op, against calling their kernel directly."""
+    """Executor.run over `count` tiny ops, per op, against calling their kernel directly;
+    returns the lines printed."""
+    lines = []
     relu_ok = "relu" in registered_ops() and {s.name for s in get_schema("relu").inputs} == {"x"}
     print()
     for kind in (["relu"] if relu_ok else []) + ["batch_norm"]:
@@ -202,9 +213,21 @@ def bench_overhead(repeat, count=100):
         t = median_ms({"run": lambda ex=ex, ops=ops, scope=scope: ex.run(ops, scope),
                        "kernels": kernels_only}, repeat * 5)
         run_us, kernel_us = t["run"] * 1e3 / count, t["kernels"] * 1e3 / count
-        print(f"executor overhead, {what}, {count} ops per run: {run_us:.1f} us per op in "
-              f"Executor.run, {kernel_us:.1f} us in the kernel, overhead "
-              f"{run_us - kernel_us:.1f} us per op (target <= 15)")
+        lines.append(f"executor overhead, {what}, {count} ops per run: {run_us:.1f} us per op "
+                     f"in Executor.run, {kernel_us:.1f} us in the kernel, overhead "
+                     f"{run_us - kernel_us:.1f} us per op (target <= 15)")
+        print(lines[-1])
+    return lines
+
+
+def markdown(setting, rows, notes):
+    """The section of docs/performance.md: the machine, the setting, the table, the notes."""
+    from report import machine_line, markdown_table
+
+    header = ("shape", "pass", "minigraph ms", "PyTorch ms", "copy ms", "minigraph / PyTorch",
+              "minigraph / copy")
+    return "\n\n".join([machine_line(setting), markdown_table(header, rows),
+                         "\n".join(f"- {note}" for note in notes)])
 
 
 def main(argv=None):
@@ -216,6 +239,9 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", metavar="NxCxHxW",
                         help="NCHW shapes to time (default: "
                              f"{' '.join('x'.join(map(str, s)) for s in SHAPES)})")
+    parser.add_argument("--no-write", action="store_true",
+                        help="print the table only; do not replace the 'bn_cpu' section "
+                             "of docs/performance.md")
     parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -228,12 +254,17 @@ def main(argv=None):
             print(json.dumps(torch_times(shape, args.threads, args.repeat)))
         return
     mg.set_num_threads(args.threads)
+    setting = (f"Threads: {args.threads} (minigraph batch_norm and PyTorch, each in its own "
+               f"process), median of {args.repeat} runs, fp32 NCHW, training mode.")
     print(f"threads: {args.threads} (minigraph batch_norm and PyTorch, each in its own "
           f"process), cores: {os.cpu_count()}, median of {args.repeat} runs, fp32 NCHW")
     shapes = (tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes)
               if args.shapes else SHAPES)
-    bench_shapes(args.threads, args.repeat, shapes)
-    bench_overhead(args.repeat)
+    rows = bench_shapes(args.threads, args.repeat, shapes)
+    notes = bench_overhead(args.repeat)
+    from report import write_section
+
+    write_section("bn_cpu", markdown(setting, rows, notes), enabled=not args.no_write)
 
 
 if __name__ == "__main__":

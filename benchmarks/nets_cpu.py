@@ -1,6 +1,10 @@
 """CPU speed and memory of whole nets: minigraph against PyTorch, each in its own process.
 
-    python benchmarks/nets_cpu.py [--threads 2] [--repeat 30] [--nets digits resnet]
+    python benchmarks/nets_cpu.py [--threads 2] [--repeat 30] [--nets digits resnet] [--no-write]
+
+It prints its table and then writes it, with the machine and the date, into
+the `nets_cpu` section of docs/performance.md (benchmarks/report.py), replacing
+the last run's; --no-write only prints.
 
 Nets (the same architecture, batch and optimizer, Momentum(0.1, 0.9), in both):
 - digits (64x1x8x8): minigraph.examples.train_digits.build_net, conv16-BN-ReLU-
@@ -367,61 +371,87 @@ def timed_rounds(net, args):
 
 
 def report(args):
-    print(f"threads: {args.threads} per framework, each measurement in its own process; "
-          f"medians of {args.repeat} steps after {args.warmup} warm-up steps, then the "
-          f"median over {args.rounds} rounds (minigraph, then PyTorch); "
-          f"load average before: {os.getloadavg()[0]:.2f}")
+    """Run every measurement, print the table and the notes under it; returns
+    the same as markdown (a table and a list) for docs/performance.md."""
+    setting = (f"threads: {args.threads} per framework, each measurement in its own process; "
+               f"medians of {args.repeat} steps after {args.warmup} warm-up steps, then the "
+               f"median over {args.rounds} rounds (minigraph, then PyTorch)")
+    print(f"{setting}; load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'net (batch)':<22} {'':<6} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
           f"{'per round':>11} {'target':>7}")
-    rows = {}
+    rows, table, notes = {}, [], []
     for net in args.nets:
         mine, theirs, ratios = timed_rounds(net, args)
         n, chw = NETS[net]
-        label = f"{net} ({n}x{'x'.join(map(str, chw))})"
+        name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what, target in (("train", 1.5), ("infer", 1.0)):
             r = mine[what] / theirs[what]
             spread = f"{min(ratios[what]):.2f}-{max(ratios[what]):.2f}"
+            verdict = "ok" if r <= target else "MISSED"
             print(f"{label:<22} {what:<6} {mine[what]:>12.2f} {theirs[what]:>11.2f} {r:>6.2f} "
-                  f"{spread:>11} {'<= ' + str(target):>7} {'ok' if r <= target else 'MISSED'}")
+                  f"{spread:>11} {'<= ' + str(target):>7} {verdict}")
+            table.append((name, what, f"{mine[what]:.2f}", f"{theirs[what]:.2f}", f"{r:.2f}",
+                          spread, f"<= {target} {verdict}"))
             label = ""
-        print(f"{'':<22} {'(infer, unoptimised net: ' + format(mine['infer (net)'], '.2f')}"
-              f" ms; ops run: train {mine['ops']['train']}, infer {mine['ops']['infer']})")
+        unoptimised = (f"(infer, unoptimised net: {mine['infer (net)']:.2f} ms; ops run: train "
+                       f"{mine['ops']['train']}, infer {mine['ops']['infer']})")
+        print(f"{'':<22} {unoptimised}")
+        notes.append(f"{net}: {unoptimised[1:-1]}")
         rows[net] = (mine, theirs)
     if "resnet" in rows:
-        gemm_floor(args, rows["resnet"][1])
+        notes.append(gemm_floor(args, rows["resnet"][1]))
     print()
     for net in args.nets:
         o = worker_result("minigraph", net, "overhead", args)
-        print(f"executor overhead, {net} train step: {o['overhead_us']:.1f} us per op "
-              f"over {o['ops']} ops (target <= 15)")
+        line = (f"executor overhead, {net} train step: {o['overhead_us']:.1f} us per op "
+                f"over {o['ops']} ops (target <= 15)")
+        print(line)
+        notes.append(line)
     t = worker_result("minigraph", "digits", "tiny", args)
-    print(f"executor overhead, 100 relus on (2, 3) via net.infer: {t['tiny_run_us']:.1f} us per "
-          f"op, {t['tiny_kernel_us']:.1f} us in the kernel, overhead "
-          f"{t['tiny_run_us'] - t['tiny_kernel_us']:.1f} us per op (target <= 15)")
+    line = (f"executor overhead, 100 relus on (2, 3) via net.infer: {t['tiny_run_us']:.1f} us "
+            f"per op, {t['tiny_kernel_us']:.1f} us in the kernel, overhead "
+            f"{t['tiny_run_us'] - t['tiny_kernel_us']:.1f} us per op (target <= 15)")
+    print(line)
+    notes.append(line)
     print()
     for net in args.nets:
         runs = [(worker_result("minigraph", net, "memory", args),
                  worker_result("pytorch", net, "memory", args)) for _ in range(args.rounds)]
         mine, theirs = ([r[i]["peak_mb"] for r in runs] for i in (0, 1))
         m, p = statistics.median(mine), statistics.median(theirs)
-        print(f"peak memory of a {net} training step (RSS above model, optimizer state and "
-              f"batch; median over {args.rounds} rounds): minigraph {m:.2f} MiB "
-              f"({min(mine):.2f}-{max(mine):.2f}; tracemalloc "
-              f"{runs[0][0]['tracemalloc_mb']:.2f} MiB), pytorch {p:.2f} MiB "
-              f"({min(theirs):.2f}-{max(theirs):.2f}) {'ok' if m <= p else 'MISSED'}")
-    return rows
+        line = (f"peak memory of a {net} training step (RSS above model, optimizer state and "
+                f"batch; median over {args.rounds} rounds): minigraph {m:.2f} MiB "
+                f"({min(mine):.2f}-{max(mine):.2f}; tracemalloc "
+                f"{runs[0][0]['tracemalloc_mb']:.2f} MiB), pytorch {p:.2f} MiB "
+                f"({min(theirs):.2f}-{max(theirs):.2f}) {'ok' if m <= p else 'MISSED'}")
+        print(line)
+        notes.append(line)
+    return rows, markdown(setting, table, notes)
+
+
+def markdown(setting, table, notes):
+    """The section of docs/performance.md: the machine, the setting, the table, the notes."""
+    from report import machine_line, markdown_table
+
+    header = ("net (batch)", "step", "minigraph ms", "PyTorch ms", "ratio",
+              "ratio per round", "target")
+    return "\n\n".join([machine_line(setting[0].upper() + setting[1:] + "."),
+                         markdown_table(header, table),
+                         "\n".join(f"- {note}" for note in notes)])
 
 
 def gemm_floor(args, theirs):
     """Print benchmarks/conv_gemm_floor.py's floor (run in a process of its own) of
-    the ResNet's convs against PyTorch's times."""
+    the ResNet's convs against PyTorch's times; returns the line printed."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv_gemm_floor.py")
     done = subprocess.run([sys.executable, script, "--json", "--threads", str(args.threads)],
                           capture_output=True, text=True, check=True)
     f = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{'':<22} (floor of any numpy im2col engine, conv products and column copies "
-          f"alone: infer {f['forward_ms']:.2f} ms = {f['forward_ms'] / theirs['infer']:.2f}x "
-          f"PyTorch, train {f['train_ms']:.2f} ms = {f['train_ms'] / theirs['train']:.2f}x)")
+    line = (f"floor of any numpy im2col engine, conv products and column copies alone: "
+            f"infer {f['forward_ms']:.2f} ms = {f['forward_ms'] / theirs['infer']:.2f}x "
+            f"PyTorch, train {f['train_ms']:.2f} ms = {f['train_ms'] / theirs['train']:.2f}x")
+    print(f"{'':<22} ({line})")
+    return "ResNet: " + line
 
 
 def main(argv=None):
@@ -433,13 +463,19 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3,
                         help="fresh minigraph and PyTorch processes per timing, alternated")
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
+    parser.add_argument("--no-write", action="store_true",
+                        help="print the table only; do not replace the 'nets_cpu' section "
+                             "of docs/performance.md")
     parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
     parser.add_argument("--net", choices=sorted(NETS), help=argparse.SUPPRESS)
     parser.add_argument("--what", choices=("time", "overhead", "tiny", "memory"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is None:
-        report(args)
+        _, section = report(args)
+        from report import write_section
+
+        write_section("nets_cpu", section, enabled=not args.no_write)
         return
     run = mg_worker if args.worker == "minigraph" else torch_worker
     print(json.dumps(run(args)))
