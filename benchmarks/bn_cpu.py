@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 import minigraph as mg
-from minigraph.schema import get_schema, registered_ops
+from minigraph.schema import KernelContext, get_schema, registered_ops
 
 SHAPES = ((32, 64, 56, 56), (256, 512, 7, 7))
 
@@ -203,12 +203,12 @@ def bench_overhead(repeat, count=100):
     for kind in (["relu"] if relu_ok else []) + ["batch_norm"]:
         scope, ops, what = tiny_ops(kind, count)
         ex = mg.Executor(mg.CPUPlace())
-        kernel = ops[0].schema.kernels["cpu"]
         ins = {slot: (None if v is None else v.value) for slot, v in ops[0].inputs.items()}
+        kernel, ctx = ops[0].schema.kernel_for("cpu", ins), KernelContext()
 
-        def kernels_only(ops=ops, kernel=kernel, ins=ins):
+        def kernels_only(ops=ops, kernel=kernel, ins=ins, ctx=ctx):
             for op in ops:
-                kernel(op, ins)
+                kernel(op, ins, ctx)
 
         t = median_ms({"run": lambda ex=ex, ops=ops, scope=scope: ex.run(ops, scope),
                        "kernels": kernels_only}, repeat * 5)

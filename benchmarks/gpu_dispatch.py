@@ -9,15 +9,16 @@ plans, pool allocations, argument packing, context pushes - plus the fake
 driver's few Python calls standing in for PyCUDA's C++ ones. Three columns:
 
   Net step       as Net.train runs a step whose input signature it has checked
-                 before: the plan's compiled ops through run.run_ops, checks
+                 before: the plan's compiled steps (minigraph.executor), checks
                  skipped, inside one `with place.activate():`
-  Executor.run   as Executor.run runs them: run_op (inputs checked every time)
-                 inside one `with place.activate():`
-  not activated  run_op outside any activate block: one context push and pop
-                 per launch, allocation and copy (code that runs ops by hand)
+  Executor.run   as Executor.run runs them: a plan of one op, its inputs
+                 checked and its kernel picked every time, inside one
+                 `with place.activate():`
+  not activated  Executor.run outside any activate block: one context push and
+                 pop per launch, allocation and copy (code that runs ops by hand)
 
 The target (<= 20 us/op) is for the two activated columns. A training step
-also saves the persistables it writes (run.Journal: one device copy each),
+also saves the persistables it writes (the Journal: one device copy each),
 reported per step below the table.
 
 Each cell is the median over --processes fresh processes (default 5) of the
@@ -82,14 +83,19 @@ def averaging_op(net):
 
 
 def net_steps(net, loss, extra):
-    """{id(op): compiled step} of the training plan of `net` plus the ops `extra`,
-    each step a one-op run for run.run_ops that releases nothing (so that it can
-    run again on the same values)."""
-    from minigraph import run
+    """{id(op): a compiled plan of one step} of the training plan of `net` plus the ops
+    `extra`, each releasing nothing (so that it can run again on the same values) and
+    with its kernel picked by one checked run."""
+    from minigraph import executor
 
-    plan = run.make_plan(list(net.ops("train")) + list(extra), "train", (loss,))
-    steps = plan.compiled("gpu", run._parameter_grads(net))[0]
-    return {id(step[1]): step[:5] + ((), 0) for step in steps}
+    plan = executor.Plan(list(net.ops("train")) + list(extra), "train", (loss,))
+    found = {}
+    for step in plan.compiled(net.place).steps:
+        one = executor.Compiled((step._replace(drops=(), thins=(), donors=()),), (), (),
+                                net.place)
+        executor._run_steps(one, "gpu", check=True)
+        found[id(step.op)] = one
+    return found
 
 
 ROUNDS = 7
@@ -132,15 +138,15 @@ def time_ops(ops, ways, repeat, counts):
 
 def time_journal(net, place, repeat):
     """(microseconds per training step spent saving persistables, how many are saved):
-    run.Journal.save of every persistable the train plan's ops write."""
-    from minigraph import run
+    Journal.save of every persistable the train plan's ops write."""
+    from minigraph.journal import Journal
 
     writes = [v for op in net.ops("train") for v in op.output_vars() if v.persistable]
     with place.activate():
-        run.Journal(place).save(writes)
+        Journal(place).save(writes)
         start = time.perf_counter()
         for _ in range(repeat):
-            run.Journal(place).save(writes)
+            Journal(place).save(writes)
     return (time.perf_counter() - start) / repeat * 1e6, len({id(v) for v in writes})
 
 
@@ -166,27 +172,29 @@ def measure(repeat, batch):
     from kernel_emulator.fake_pycuda import FakeCuda
 
     import minigraph as mg
-    from minigraph import run
-    from minigraph.ops import collective
+    from minigraph import executor
+    from minigraph.distributed import world
 
     fake = FakeCuda(devices=1, run_kernels=False, strict=False, sm_count=132)
     with fake.install():
         place = mg.GPUPlace(0)
         net, loss, feed = build(place, batch)
         net.train(feed, fetch=[loss])                   # compiles (fake), checks the plan
-        collective.communicator = LoopbackComm
+        world.get_comm = LoopbackComm
         average = averaging_op(net)
         ops = list(net.ops("train")) + [average]
+        runner = mg.Executor(place)
+        runner.run(ops)                                 # fills every var
         steps = net_steps(net, loss, [average])
-        executor = mg.Executor(place)
-        for op in ops:                                  # fills every var
-            executor.run_op(op)
 
         def step(op):
-            run.run_ops((steps[id(op)],), place, False, None)
+            executor._run_steps(steps[id(op)], "gpu", check=False)
 
-        ways = dict(zip(COLUMNS, ((step, place.activate), (executor.run_op, place.activate),
-                                  (executor.run_op, contextlib.nullcontext)), strict=True))
+        def run_one(op):
+            runner.run([op])
+
+        ways = dict(zip(COLUMNS, ((step, place.activate), (run_one, place.activate),
+                                  (run_one, contextlib.nullcontext)), strict=True))
         timed = time_ops(ops, ways, repeat, fake.counts)
         with place.activate():
             array_us = time_arrays(repeat)

@@ -53,6 +53,7 @@ by 2x over minutes, so a lone pair of processes can be far off).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -173,17 +174,18 @@ def wrap_kernels():
     for op_type in registered_ops():
         kernels = get_schema(op_type).kernels
         if "cpu" in kernels:
-            kernels["cpu"] = _timed(kernels["cpu"], spent)
+            kernels["cpu"] = tuple(dataclasses.replace(k, fn=_timed(k.fn, spent))
+                                   for k in kernels["cpu"])
     return spent
 
 
 def _timed(fn, spent):
     clock = time.perf_counter
 
-    def timed(op, ins, **handed_over):
+    def timed(op, ins, ctx):
         t = clock()
         try:
-            return fn(op, ins, **handed_over)
+            return fn(op, ins, ctx)
         finally:
             spent[0] += clock() - t
     return timed
@@ -208,6 +210,7 @@ def tiny_overhead(repeat, count=100):
 
     import minigraph as mg
     from minigraph import layers
+    from minigraph.schema import KernelContext
 
     net = mg.Net(seed=0)
     h = x = layers.data(net, "x", shape=(2, 3))
@@ -215,12 +218,12 @@ def tiny_overhead(repeat, count=100):
         h = layers.relu(net, h)
     value = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
     op = net.ops("infer")[0]
-    kernel = op.schema.kernels["cpu"]
     ins = {"x": value}
+    kernel, ctx = op.schema.kernel_for("cpu", ins), KernelContext()
 
     def kernels():
         for _ in range(count):
-            kernel(op, ins)
+            kernel(op, ins, ctx)
 
     run = median_ms(lambda: net.infer(feed={x.name: value}, fetch=[h]), repeat * 5, 5)
     bare = median_ms(kernels, repeat * 5, 5)

@@ -23,7 +23,7 @@ def main(argv=None):
     import nets_cpu
 
     import minigraph as mg
-    from minigraph import run
+    from minigraph import journal as journal_module
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=200,
@@ -31,7 +31,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     mg.set_num_threads(args.threads)
-    real_save = run.Journal.save
+    real_save = journal_module.Journal.save
     spent = [0.0]
 
     def timed_save(self, variables):
@@ -42,7 +42,7 @@ def main(argv=None):
     print(f"training steps, {args.threads} threads")
     print("| net | step ms | journal ms per step | share | state copied per step |")
     print("|---|---|---|---|---|")
-    run.Journal.save = timed_save
+    journal_module.Journal.save = timed_save
     try:
         for name, steps in (("digits", args.repeat), ("resnet", max(args.repeat // 10, 5))):
             net, image, _, loss = nets_cpu.mg_net(name)
@@ -57,12 +57,12 @@ def main(argv=None):
             step = (time.perf_counter() - start) / steps
             journal = spent[0] / steps
             written = {id(v): v for plan in net._plans.values()
-                       for writes in plan.writes for v in writes}
+                       for op in plan.ops for v in op.output_vars() if v.persistable}
             mib = sum(v.value.nbytes for v in written.values()) / 2 ** 20
             print(f"| {name} | {1e3 * step:.3f} | {1e3 * journal:.3f} | "
                   f"{100 * journal / step:.1f}% | {len(written)} arrays, {mib:.2f} MiB |")
     finally:
-        run.Journal.save = real_save
+        journal_module.Journal.save = real_save
 
 
 if __name__ == "__main__":

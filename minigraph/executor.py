@@ -1,107 +1,331 @@
-"""Executor: runs a list of ops on a place, with feeds in and fetches out."""
+"""The runner: a plan of ops is compiled once per device kind and run step by step.
+
+Every run goes through here: parameter initialisers and `Executor.run` (a
+plan of the ops given, mode "run"), `Net.infer` (mode "infer", pruned to what
+the fetches need) and `Net.train` (mode "train"). A Net keeps its plans until
+its ops change.
+
+Compiling binds each op's slots (`Step`) and, in a training step, finds the
+temporaries no later op reads; they are released as soon as their last reader
+has run, so a step's peak memory is what backward still needs rather than
+every value computed. A value later ops read only for its shape
+(`Slot.shape_only`) is replaced by a stand-in of that shape and dtype that
+holds no memory. On the CPU, an input whose value dies at the op that reads
+it may be handed over to a kernel that declares it may write its output
+there (`OpSchema.reuse`, `KernelContext.donated`), when at run time nothing
+else refers to its memory (minigraph.handover). The first training run with
+a signature measures the memory its values hold op by op
+(minigraph.work_room); later ones give the kernels that declare
+`OpSchema.work_room` the room the step's peak leaves them.
+
+Checks: while the signature of what the plan reads from outside (feeds,
+persistables) is new, each op's inputs go through its schema's inference and
+its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
+that signature has succeeded, later runs skip both, since every value inside
+follows from it. This is the only check cache.
+
+A training step keeps the values it fetches, the persistables, the feeds and
+the gradients of the persistables (as PyTorch keeps `.grad`); the gradients
+it computes anew are dropped as it starts (zero_grad(set_to_none=True)).
+It is all or nothing (minigraph.journal). Inference keeps every value.
+"""
 from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
 
 import numpy as np
 
+from minigraph import handover, host_memory, work_room
+from minigraph.feeds import check_feed, scope_targets
+from minigraph.journal import Journal
 from minigraph.place import CPUPlace
-from minigraph.schema import OpError
-from minigraph.scope import Variable
+from minigraph.schema import KernelContext, OpError
+
+ONE, LIST, UNBOUND = 0, 1, 2          # how a slot is bound: a Variable, a list, nothing
+MODES = ("run", "infer", "train")
+
+
+class Step(NamedTuple):
+    """One op of a compiled plan.
+
+    inputs / outputs: (slot, Variable or list of them or None, ONE/LIST/UNBOUND);
+    writes: the persistables it writes (saved by the journal before it runs);
+    drops: Variables whose values a training step drops after it;
+    thins: Variables whose values it replaces by stand-ins after it (read later
+      only for their shapes);
+    donors: (slot, Variable) pairs it may be handed over (CPU training steps)."""
+
+    op: object
+    inputs: tuple
+    outputs: tuple
+    writes: tuple
+    drops: tuple
+    thins: tuple
+    donors: tuple
+
+
+class Compiled:
+    """A plan compiled for one device kind: its steps, the Variables it reads from
+    outside (`external`), the kept gradients it recomputes (`stale`), the kernel
+    picked for each step (on check runs) and the kernels' contexts."""
+
+    def __init__(self, steps, external, stale, place):
+        self.steps, self.external, self.stale = steps, external, stale
+        self.kernels = [None] * len(steps)
+        self.plain = KernelContext(place)
+        self.roomy = None               # per step, the context with its work room
+
+
+class Plan:
+    """The ops a run executes, and what it knows of them.
+
+    ops: in order (mode "infer" with targets keeps only what they need);
+    needed: the data Variables they read; targets: the Variables fetched;
+    keep: Variables a training step keeps besides fetches, persistables and
+    data (the persistables' gradients)."""
+
+    def __init__(self, ops, mode="run", targets=(), keep=()):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "infer" and targets:
+            ops = prune(ops, targets)
+        self.ops, self.mode = tuple(ops), mode
+        self.targets, self.keep = tuple(targets), tuple(keep)
+        self.needed = tuple(_data_read(self.ops))
+        self.lean = mode == "train"     # releases temporaries, journals persistables
+        self.checked = None             # the external signature last run with checks
+        self.saved = {}                 # id(persistable) -> the journal's reusable copy
+        self._compiled = {}
+
+    def compiled(self, place):
+        """This plan compiled for `place.kind` (made on first use)."""
+        found = self._compiled.get(place.kind)
+        if found is None:
+            if place.kind == "cpu":
+                host_memory.keep_freed_memory()
+            found = self._compiled[place.kind] = _compile(self, place)
+        return found
+
+
+def prune(ops, targets):
+    """The ops that contribute to `targets`, in their original order."""
+    needed = {id(t) for t in targets}
+    kept = []
+    for op in reversed(ops):
+        if any(id(v) in needed for v in op.output_vars()):
+            kept.append(op)
+            needed.update(id(v) for v in op.input_vars())
+    return kept[::-1]
 
 
 class Executor:
-    """Runs ops with the kernels registered for `place.kind`."""
+    """Runs plans on a place (CPUPlace by default) with the kernels registered for
+    its kind. `run` keeps the plans of the last PLAN_CACHE op lists it ran."""
+
+    PLAN_CACHE = 32
 
     def __init__(self, place=None):
         self.place = place if place is not None else CPUPlace()
+        self._plans = {}                # (op ids, target ids) -> Plan, oldest first
 
-    def run(self, ops, scope, feed=None, fetch=None):
+    def run(self, ops, scope=None, feed=None, fetch=None):
         """Feed, run `ops` in order, fetch.
 
-        feed: {name: array}, each checked against the variable's declared
-        dtype and shape (-1 matches any size) and copied to the place once.
-        fetch: Variables or names looked up in `scope`; returned as numpy
-        arrays in the same order (see `fetch_all` for device errors).
-        """
-        with self.place.activate():         # a GPU's context, once for the whole run
-            for name, value in (feed or {}).items():
-                self.feed(scope, name, value)
-            for op in ops:
-                self.run_op(op)
-            return self.fetch_all(scope, fetch or [])
+        feed: {name: array}, each checked against the variable of that name in
+        `scope` (declared dtype and shape, -1 matching any size) and copied to
+        the place. fetch: Variables or names looked up in `scope`; returned as
+        numpy arrays in the same order. The plan of the same ops and fetches is
+        reused, so ops are checked again only when what they read from outside
+        changes shape or dtype."""
+        feed, fetch = feed or {}, fetch or []
+        if (feed or any(isinstance(f, str) for f in fetch)) and scope is None:
+            raise ValueError("Executor.run: feeding or fetching by name needs a scope")
+        targets = scope_targets(scope, fetch)
+        with self.place.activate():
+            for name, value in feed.items():
+                var = scope.find_var(name)
+                if var is None:
+                    raise KeyError(f"feed {name!r}: no such variable in the scope")
+                var.set(self.place.to_device(check_feed(var, value)))
+            return self.run_plan(self._plan(ops, targets))
 
-    def feed(self, scope, name, value):
-        """Check `value` against the declaration of `name` and store it on the place."""
-        var = scope.find_var(name)
-        if var is None:
-            raise KeyError(f"feed {name!r}: no such variable in the scope")
-        value = check_feed(var, value)
-        var.set(self.place.to_device(value))
+    def _plan(self, ops, targets):
+        key = (tuple(map(id, ops)), tuple(map(id, targets)))   # the plan holds them all
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            plan = Plan(ops, "run", targets)
+            if len(self._plans) >= self.PLAN_CACHE:
+                del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+        return plan
 
-    def fetch(self, scope, target):
-        """The value of `target` (a Variable or a name) as a numpy array."""
-        return self.fetch_all(scope, [target])[0]
+    def run_plan(self, plan):
+        """Run `plan` once and return the values of its targets as numpy arrays.
 
-    def fetch_all(self, scope, targets, check_errors=True):
-        """The values of `targets` (Variables or names) as numpy arrays, copied
-        out once each. When there is anything to fetch (and `check_errors`), the
-        place first raises any error its kernels flagged on the device since the
-        last check (`place.check_errors()`: GPU kernels cannot raise inside a step)."""
-        found = []
-        for target in targets:
-            var = target if isinstance(target, Variable) else scope.find_var(target)
-            if var is None:
-                raise KeyError(f"fetch {target!r}: no such variable in the scope")
-            if var.value is None:
-                raise ValueError(f"fetch {var.name!r}: the variable has no value "
-                                 "(no op that ran produced it)")
-            found.append(var)
-        if found and check_errors:
-            self.place.check_errors()
-        return [self.place.to_host(var.value) for var in found]
+        Mode "train" is all or nothing: if an op raises (or, on a GPU, a kernel
+        flagged an error on the device), every persistable it wrote is put back and
+        the error propagates. Device errors of other modes surface when their
+        targets are fetched."""
+        place = self.place
+        c = plan.compiled(place)
+        signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
+                          for v in c.external)
+        check = signature != plan.checked
+        with place.activate():          # a GPU's context, once for the whole run
+            if not plan.lean:
+                _run_steps(c, place.kind, check)
+                plan.checked = signature
+                return _fetch(place, plan.targets, check_errors=True)
+            journal = Journal(place, plan.saved)
+            for var in c.stale:
+                var.value = None
+            meter = work_room.Meter() if check and place.kind == "cpu" else None
+            try:
+                _run_steps(c, place.kind, check, journal, meter)
+                place.check_errors()
+            except BaseException:
+                journal.roll_back()
+                raise
+            plan.checked = signature
+            if meter is not None:
+                rooms = meter.rooms([s.op for s in c.steps])
+                c.roomy = tuple(c.plain if room is None else KernelContext(place, (), room)
+                                for room in rooms)
+            return _fetch(place, plan.targets, check_errors=False)
 
-    def run_op(self, op):
-        """Run one op: gather inputs, check them, call the kernel, store outputs."""
-        fn = op.schema.kernels.get(self.place.kind)
-        if fn is None:
-            raise OpError(f"{op.type}: no kernel for {self.place!r}")
-        ins = {}
-        for slot, var in op.inputs.items():
-            if var is None:
-                ins[slot] = None
-            elif isinstance(var, list):
-                ins[slot] = [_value(op, slot, v) for v in var]
+
+def _run_steps(c, kind, check, journal=None, meter=None):
+    """Run the compiled steps: with a journal (training), save persistables first,
+    hand over the inputs kernels may write into, and release temporaries."""
+    contexts = c.roomy if c.roomy is not None and not check else itertools.repeat(c.plain)
+    for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
+        if journal is not None:
+            if step.writes:
+                journal.save(step.writes)
+            if step.donors:
+                donated = handover.handed_over(step.donors)
+                if donated:
+                    ctx = ctx.with_donated(donated)
+        if check:
+            c.kernels[i] = _run_op(step, None, ctx, kind)
+        else:
+            _run_op(step, c.kernels[i], ctx, kind)
+        if meter is not None:
+            meter.ran(step.outputs, step.drops + step.thins)
+        if journal is not None:
+            for var in step.drops:
+                var.value = None
+            for var in step.thins:
+                if var.value is not None:
+                    var.value = _stand_in(var.value)
+
+
+def _run_op(step, fn, ctx, kind):
+    """One op: gather its inputs, check them and pick its kernel when `fn` is None,
+    call it, store its outputs; returns the kernel. (A function of its own so that
+    nothing of one op - its inputs, its outputs dict - is still referred to when the
+    next one asks whether an array is held elsewhere.)"""
+    op = step.op
+    ins = {}
+    for slot, var, how in step.inputs:
+        if how == ONE:
+            ins[slot] = _value_of(op, slot, var)
+        elif how == LIST:
+            ins[slot] = [_value_of(op, slot, v) for v in var]
+        else:
+            ins[slot] = None
+    if fn is None:
+        op.check_inputs(ins)
+        fn = op.schema.kernel_for(kind, ins)
+    outs = fn(op, ins, ctx)
+    for slot, var, how in step.outputs:
+        if slot in outs:
+            if how == ONE:
+                var.value = outs[slot]
             else:
-                ins[slot] = _value(op, slot, var)
-        op.check_inputs(ins, self.place.kind)
-        outs = fn(op, ins)
-        for slot, value in outs.items():
-            var = op.outputs.get(slot)
-            if var is None:
-                continue
-            if isinstance(var, list):
-                for v, x in zip(var, value):
+                for v, x in zip(var, outs[slot]):
                     v.value = x
-            else:
-                var.value = value
+    return fn
 
 
-def check_feed(var, value):
-    """`value` as an array matching `var`'s declared dtype and shape, or a clear error."""
-    value = np.asarray(value)
-    if var.decl_dtype is not None and value.dtype != var.decl_dtype:
-        raise TypeError(f"feed {var.name!r}: expected dtype {var.decl_dtype}, got {value.dtype} "
-                        f"(convert with .astype({str(var.decl_dtype)!r}))")
-    shape = var.decl_shape
-    if shape is not None and (len(shape) != value.ndim or
-                              any(d >= 0 and d != s for d, s in zip(shape, value.shape))):
-        want = "(" + ", ".join("N" if d < 0 else str(d) for d in shape) + ")"
-        raise ValueError(f"feed {var.name!r}: expected shape {want}, got {value.shape}")
+def _value_of(op, slot, var):
+    value = var.value
+    if value is None:
+        raise OpError(f"{op.type}: input {slot!r} (variable {var.name!r}) has no value; "
+                      "feed it or initialise it first")
     return value
 
 
-def _value(op, slot, var):
-    v = var.value
-    if v is None:
-        raise OpError(f"{op.type}: input {slot!r} (variable {var.name!r}) has no value; "
-                      "feed it or initialise it first")
-    return v
+def _fetch(place, targets, check_errors):
+    """The values of `targets` as numpy arrays, copied out once each; first, when
+    there is anything to fetch and `check_errors`, the errors the place's kernels
+    flagged on the device (GPU kernels cannot raise inside a step)."""
+    for var in targets:
+        if var.value is None:
+            raise ValueError(f"fetch {var.name!r}: the variable has no value "
+                             "(no op that ran produced it)")
+    if targets and check_errors:
+        place.check_errors()
+    return [place.to_host(var.value) for var in targets]
+
+
+def _compile(plan, place):
+    made, external = set(), []
+    last_use, value_use = {}, {}
+    for i, op in enumerate(plan.ops):
+        for v in op.input_vars():
+            if id(v) not in made and all(v is not e for e in external):
+                external.append(v)
+        for v in op.input_vars() + op.output_vars():
+            last_use[id(v)] = (i, v)
+        for v in _value_vars(op):
+            value_use[id(v)] = i
+        made.update(id(v) for v in op.output_vars())
+    keep = {id(t) for t in plan.targets} | {id(v) for v in plan.keep}
+    drops = [[] for _ in plan.ops]
+    thins = [[] for _ in plan.ops]
+    stale = ()
+    if plan.lean:
+        for i, v in last_use.values():
+            if not (v.persistable or v.is_data or id(v) in keep or v in external):
+                drops[i].append(v)
+                if value_use.get(id(v), i) < i:      # later ops read only its shape
+                    thins[value_use[id(v)]].append(v)
+        stale = tuple(v for v in plan.keep if id(v) in made and all(v is not e for e in external))
+    steps = []
+    for op, dropped, thinned in zip(plan.ops, drops, thins):
+        ins = tuple((slot, v, UNBOUND if v is None else LIST if isinstance(v, list) else ONE)
+                    for slot, v in op.inputs.items())
+        outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
+                     for slot, v in op.outputs.items() if v is not None)
+        writes = tuple(v for v in op.output_vars() if v.persistable)
+        donors = handover.donors(op, dropped + thinned) if plan.lean and place.kind == "cpu" \
+            else ()
+        steps.append(Step(op, ins, outs, writes, tuple(dropped), tuple(thinned), donors))
+    return Compiled(tuple(steps), tuple(external), stale, place)
+
+
+def _data_read(ops):
+    found = []
+    for op in ops:
+        for v in op.input_vars():
+            if v.is_data and v not in found:
+                found.append(v)
+    return found
+
+
+def _value_vars(op):
+    """The Variables whose values `op` reads or writes (not its shape-only inputs)."""
+    found = list(op.output_vars())
+    for slot in op.schema.inputs:
+        v = op.inputs.get(slot.name)
+        if v is not None and not slot.shape_only:
+            found.extend(v if isinstance(v, list) else [v])
+    return found
+
+
+def _stand_in(value):
+    """A read-only array of `value`'s shape and dtype that holds no memory (for ops that
+    read only the shape)."""
+    return np.broadcast_to(np.zeros((), dtype=value.dtype), value.shape)

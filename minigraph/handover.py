@@ -1,5 +1,5 @@
 """Handing a dying input over to a kernel that may write its output into it
-(OpSchema.reuse), in a training step on the CPU (minigraph.run).
+(OpSchema.reuse), in a training step on the CPU (minigraph.executor).
 
 At compile time `donors` picks, per op, the inputs whose value dies at that op
 and that the op reads through one slot only; at run time `handed_over` keeps

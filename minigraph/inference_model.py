@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minigraph.executor import prune
+from minigraph.feeds import io_variables
 from minigraph.files import atomic_write
 from minigraph.model_format import (
     FORMAT_NAME,
@@ -38,7 +40,6 @@ from minigraph.model_format import (
 from minigraph.net import Net
 from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, write_npz
 from minigraph.operator import Operator
-from minigraph.run import io_variables, prune
 from minigraph.schema import OpError, get_schema, registered_ops
 
 

@@ -20,10 +20,10 @@ import threading
 
 import numpy as np
 
-from minigraph.executor import Executor
+from minigraph import feeds
+from minigraph.executor import Executor, Plan
 from minigraph.operator import Operator
 from minigraph.place import CPUPlace
-from minigraph.run import run_step
 from minigraph.schema import OpDesc, get_schema
 from minigraph.scope import Scope, Variable
 
@@ -347,7 +347,12 @@ class Net:
             kept = self._temporaries() if nested else None
             self._running += 1
             try:
-                return run_step(self, mode, feed, fetch)
+                feed = feeds.feed_by_name(self.data_vars, feed or {})
+                fetch = self.default_fetches if fetch is None else fetch
+                targets = tuple(feeds.fetch_target(self, mode, f) for f in fetch)
+                plan = self.plan(mode, targets)
+                feeds.store_feeds(self.place, self.data_vars, plan.needed, feed, mode)
+                return self.executor.run_plan(plan)
             finally:
                 self._running -= 1
                 if kept is not None:
@@ -359,14 +364,23 @@ class Net:
                 for v in s.vars.values() if not v.persistable]
 
     def plan(self, mode, targets):
-        """The cached run plan of `mode` for fetch `targets` (see minigraph.run.Plan)."""
-        from minigraph.run import make_plan
-
+        """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan);
+        a training plan keeps the persistables' gradients after each step."""
         key = (mode, tuple(id(t) for t in targets))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = make_plan(self.ops(mode), mode, targets)
+            keep = self._parameter_grads() if mode == "train" else ()
+            plan = self._plans[key] = Plan(self.ops(mode), mode, targets, keep)
         return plan
+
+    def _parameter_grads(self):
+        """The gradients of the persistables (kept after a step, like PyTorch's .grad)."""
+        found = []
+        for name, grad in self.grads.items():
+            var = self.scope.find_var(name)
+            if var is not None and var.persistable:
+                found.append(grad)
+        return found
 
     # ---- pictures ----------------------------------------------------------
 

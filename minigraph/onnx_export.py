@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.executor import prune
+from minigraph.feeds import io_variables
 from minigraph.files import atomic_write
-from minigraph.run import io_variables, prune
 
 OPSETS = range(13, 21)
 DEFAULT_OPSET = 17

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
-
 from minigraph.schema import Meta, OpError, get_schema, meta_of
 from minigraph.scope import Variable
 
@@ -78,7 +76,6 @@ class Operator:
         if schema.resolve_attrs is not None:
             attrs = schema.resolve_attrs(attrs)
         self._attrs = FrozenAttrs(type, attrs)
-        self._checked = None
         if schema.validate is not None:
             schema.validate(self)
         self._declare_outputs()
@@ -106,16 +103,11 @@ class Operator:
             return {}
         return self.schema.infer(metas, self._attrs)
 
-    def check_inputs(self, arrays, kind=None):
-        """Validate concrete input arrays (cached on their shapes and dtypes): shape
-        inference, and the float dtypes the `kind` kernel was registered for."""
-        key = (kind,) + tuple(_key(a) for a in arrays.values())
-        if key != self._checked:
-            self.infer({slot: _meta(a) for slot, a in arrays.items()})
-            allowed = self.schema.kernel_dtypes.get(kind)
-            if allowed is not None:
-                _check_kernel_dtypes(self.type, kind, arrays, allowed)
-            self._checked = key
+    def check_inputs(self, arrays):
+        """Validate concrete input arrays ({slot: array, list or None}) with the
+        schema's shape and dtype inference (the runner calls this once per input
+        signature of a plan)."""
+        self.infer({slot: _meta(a) for slot, a in arrays.items()})
 
     def _declare_outputs(self):
         metas = {}
@@ -141,20 +133,6 @@ class Operator:
             return ", ".join(f"{k}={_name(v)}" for k, v in d.items() if v is not None)
         return (f"<Operator {self.type}({show(self.inputs)}) -> ({show(self.outputs)}) "
                 f"{dict(self._attrs)}>")
-
-
-def _check_kernel_dtypes(op_type, kind, arrays, allowed):
-    for slot, a in arrays.items():
-        for i, x in enumerate(a if isinstance(a, list) else [a]):
-            if x is None:
-                continue
-            dt = np.dtype(x.dtype)
-            if dt.kind == "f" and dt not in allowed:
-                where = f"{slot}[{i}]" if isinstance(a, list) else slot
-                names = " or ".join(str(d) for d in allowed)
-                hint = " (run float16 on the CPU)" if kind == "gpu" else ""
-                raise OpError(f"{op_type}: input {where!r} has dtype {dt}; the {kind.upper()} "
-                              f"kernels take {names}{hint}")
 
 
 def _bind(op_type, slot, value, valid):
@@ -225,14 +203,6 @@ def _name(v):
     if isinstance(v, list):
         return "[" + ", ".join(x.name for x in v) + "]"
     return v.name if v is not None else "None"
-
-
-def _key(a):
-    if a is None:
-        return None
-    if isinstance(a, list):
-        return tuple((x.shape, x.dtype) for x in a)
-    return (a.shape, a.dtype)
 
 
 def _meta(a):

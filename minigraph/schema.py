@@ -2,8 +2,12 @@
 
 An `OpSchema` declares an op's input and output slots, its typed attributes
 (with defaults and checkers), in-place pairs, shape/dtype inference, its
-kernels per place kind and its grad maker. Op modules in `minigraph.ops`
-register schemas and kernels here; the runtime finds ops only through here.
+grad maker, its ONNX exporter, the roles graph passes look it up by, and its
+kernels, registered per (device, float dtypes). Op modules in
+`minigraph.ops` register schemas and kernels here; the runtime finds ops only
+through here. A kernel is `fn(op, ins, ctx) -> {out_slot: array}`; `ctx` is
+a `KernelContext`, the one object through which the runner tells a kernel
+anything besides its op and its input arrays.
 """
 from __future__ import annotations
 
@@ -17,7 +21,6 @@ import numpy as np
 class OpError(ValueError):
     """A bad op: the message starts with the op type and names the slot or attribute."""
 
-
 class Meta(NamedTuple):
     """What shape inference knows of a value: a shape (-1 for unknown dims) and a dtype."""
 
@@ -29,7 +32,7 @@ class Meta(NamedTuple):
 class Slot:
     """One input or output of an op. A duplicable slot takes a list of Variables.
     shape_only: the kernels read only the input's shape and dtype, never its values
-    (a training step may then drop the values early; see minigraph.run)."""
+    (a training step may then drop the values early; see minigraph.executor)."""
 
     name: str
     optional: bool = False
@@ -57,6 +60,70 @@ class OpDesc:
     kwargs: dict
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """One registered kernel: `fn(op, ins, ctx) -> {out_slot: array}`, written for
+    the float dtypes `dtypes` (None: any dtype)."""
+
+    fn: Callable
+    dtypes: tuple | None = None
+
+    def takes(self, floats):
+        """True when every dtype in `floats` is one this kernel is written for."""
+        return self.dtypes is None or all(d in self.dtypes for d in floats)
+
+
+class KernelContext:
+    """What the runner tells a kernel besides its op and inputs (one object, never
+    extra keyword arguments).
+
+    place: the place the kernel runs on (CPUPlace, GPUPlace or a test double).
+    donated: input slots whose arrays the kernel may write its outputs into
+      (OpSchema.reuse): a training step hands an input over only when its value
+      dies at this op and nothing else refers to its memory (minigraph.handover).
+      The kernel must give the same bits as without it.
+    room: bytes of work memory the kernel may take without raising the training
+      step's peak (OpSchema.work_room; minigraph.work_room), or None: keep lean.
+    comm: the process's communicator (minigraph.distributed), made on first use;
+      only collective ops and sync_batch_norm ask for it.
+    """
+
+    __slots__ = ("place", "donated", "room")
+
+    def __init__(self, place=None, donated=(), room=None):
+        self.place, self.donated, self.room = place, donated, room
+
+    @property
+    def comm(self):
+        from minigraph.distributed.world import get_comm
+
+        return get_comm()
+
+    def with_donated(self, donated):
+        """This context with `donated` input slots (a new object)."""
+        return KernelContext(self.place, donated, self.room)
+
+    def __repr__(self):
+        return f"KernelContext(donated={self.donated!r}, room={self.room!r})"
+
+
+# The roles graph passes and backward look ops up by (`OpSchema.roles`), and what an op
+# declaring one promises. Several ops may share a role.
+ROLES = {
+    "accumulate": "out = the sum of the list x (backward adds gradients with it)",
+    "fill": "out: a constant tensor of the attributes shape, dtype and value",
+    "batch_norm": "batch_norm's slots and attributes (ops/batch_norm.py); folding reads "
+                  "x, scale, bias, the estimates, epsilon, data_layout and is_infer",
+    "linear": "out is x times the weight `OpSchema.weight` names (conv2d, fc's mul)",
+    "bias_add": "out = x + y, y a vector along x's axis `axis`",
+    "add": "out = x + y, numpy broadcasting",
+    "relu": "out = max(x, 0)",
+    "conv": "a 2-D convolution: x, filter -> out with strides, paddings, dilations, groups",
+    "fused_conv": "conv (+ bias + residual + activation) in one op: conv's slots and "
+                  "attributes, with optional bias and residual inputs and `activation`",
+}
+
+
 @dataclass
 class OpSchema:
     """Everything the runtime needs to know about one op type.
@@ -72,31 +139,32 @@ class OpSchema:
     validate(op) raises OpError for rules that span slots and attributes.
     resolve_attrs(attrs) -> attrs turns checked attribute values into their
       stored form (an int into a pair, a None stride into the window size).
-    kernels[kind](op, ins) -> {out_slot: array}: `ins` maps input slots to
-      arrays; outputs the op leaves unbound may be skipped.
+    kernels: device -> (Kernel, ...), registered with `kernel`; `kernel_for`
+      picks the first whose dtypes take the inputs.
+    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.onnx_export:
+      `ctx` names values and builds nodes); `no_export` says why an op has no
+      exporter (a gradient, an update, a training-only op).
 
     What graph rewrites may ask of an op (declared here, never matched by
     its type name outside ops/):
     mode_attr: the bool attribute that says "inference" (batch_norm's and
       dropout's `is_infer`); a Net forks at the first op that declares one.
-    roles: the jobs other modules look this op up for (`op_for_role`):
-      "accumulate" (sums a list of gradients), "fill" (a constant tensor).
+    roles: the jobs other modules look this op up for (`ROLES`, `ops_with_role`,
+      `op_for_role`).
+    weight: for a "linear" op, (weight slot, the weight's output-channel axis,
+      the output's channel axis; -1 for the last).
+    sync_variant: the op type that computes the same over every rank's batch
+      (convert_sync_batchnorm rewrites this op into it).
     presummed(op) -> output slots whose values are already sums over every
       rank and identical on each (sync_batch_norm_grad's dscale and dbias).
     replication: "always" when the outputs are identical on every rank (an
       op that averages presummed values), "inputs" when they are whenever
       every input is (a sum), None otherwise.
     reuse: output slot -> input slots whose array the CPU kernel may write
-      that output into (Paddle's inplace inferer): when a training step hands
-      one over (the input's value dies at this op and nothing else refers to
-      its memory; see minigraph.run), the kernel is called as
-      kernels["cpu"](op, ins, donated=(input slots,)) and may overwrite those
-      inputs; otherwise kernels never write their inputs.
-    work_room: the CPU kernel's speed grows with its work arrays, and a training
-      step, once it has measured its memory op by op (minigraph.work_room),
-      calls it as kernels["cpu"](op, ins, room=bytes): the memory its work may
-      take at this op without raising the step's peak. Called without `room`,
-      it keeps its work lean.
+      that output into (Paddle's inplace inferer; `KernelContext.donated`);
+      otherwise kernels never write their inputs.
+    work_room: the CPU kernel's speed grows with its work arrays; a training
+      step that has measured its memory op by op gives it `KernelContext.room`.
     """
 
     type: str
@@ -105,16 +173,19 @@ class OpSchema:
     attrs: tuple = ()
     inplace: dict = field(default_factory=dict)     # output slot -> input slot
     reuse: dict = field(default_factory=dict)       # output slot -> input slots (tuple)
-    work_room: bool = False                         # the CPU kernel takes room=bytes
+    work_room: bool = False
     infer: Callable | None = None
     grad: Callable | None = None
     validate: Callable | None = None                # validate(op): cross-slot rules at build
     resolve_attrs: Callable | None = None           # resolve_attrs(dict) -> dict: canonical
                                                     # forms, defaults that depend on other attrs
-    kernels: dict = field(default_factory=dict)
-    kernel_dtypes: dict = field(default_factory=dict)   # kind -> float dtypes its kernel takes
+    kernels: dict = field(default_factory=dict)     # device -> (Kernel, ...)
+    export: Callable | None = None
+    no_export: str = ""
     mode_attr: str | None = None
     roles: tuple = ()
+    weight: tuple | None = None
+    sync_variant: str | None = None
     presummed: Callable | None = None
     replication: str | None = None
     doc: str = ""
@@ -134,43 +205,65 @@ class OpSchema:
     def has_attr(self, name):
         return self.attr(name) is not None
 
+    def has_role(self, role):
+        return role in self.roles
+
+    def kernel_for(self, device, ins):
+        """The kernel function for `device` that takes the float dtypes of `ins`
+        ({slot: array or list of arrays or None}); an OpError naming the op, the
+        device, and the input and dtypes when none does."""
+        found = self.kernels.get(device, ())
+        if not found:
+            raise OpError(f"{self.type}: no kernel for {device.upper()} places; it has "
+                          f"{', '.join(d.upper() for d in self.kernels) or 'none'}")
+        floats = {}
+        for slot, a in ins.items():
+            for i, x in enumerate(a if isinstance(a, list) else [a]):
+                if x is not None and np.dtype(x.dtype).kind == "f":
+                    floats[f"{slot}[{i}]" if isinstance(a, list) else slot] = np.dtype(x.dtype)
+        for k in found:
+            if k.takes(floats.values()):
+                return k.fn
+        taken = sorted({str(d) for k in found for d in k.dtypes}, key=lambda d: int(d[5:]))
+        where, dt = next((w, d) for w, d in floats.items() if all(d not in k.dtypes
+                                                                  for k in found))
+        hint = " (run float16 on the CPU)" if device == "gpu" else ""
+        raise OpError(f"{self.type}: input {where!r} has dtype {dt}; the {device.upper()} "
+                      f"kernels take {' or '.join(taken)}{hint}")
+
 
 _SCHEMAS: dict = {}
-_ROLES: dict = {}
 
 
 def register(schema):
-    """Add `schema` to the registry; registering a type twice, or a second op
-    for the same role, is an error."""
+    """Add `schema` to the registry; registering a type twice, an undeclared
+    role or a mode_attr that is not a bool attribute is an error."""
     if schema.type in _SCHEMAS:
         raise ValueError(f"op {schema.type!r} is already registered")
     if schema.mode_attr is not None and bool not in getattr(schema.attr(schema.mode_attr),
                                                             "types", ()):
         raise ValueError(f"op {schema.type!r}: mode_attr {schema.mode_attr!r} must name one of "
                          "its bool attributes")
-    for role in schema.roles:
-        if role in _ROLES:
-            raise ValueError(f"op {schema.type!r}: role {role!r} is already taken by "
-                             f"{_ROLES[role]!r}")
+    unknown = [r for r in schema.roles if r not in ROLES]
+    if unknown:
+        raise ValueError(f"op {schema.type!r}: unknown role {unknown[0]!r}; roles: "
+                         f"{', '.join(sorted(ROLES))}")
     _SCHEMAS[schema.type] = schema
-    _ROLES.update(dict.fromkeys(schema.roles, schema.type))
     return schema
 
 
-def kernel(op_type, kind, dtypes=None):
-    """Decorator: register `fn(op, ins) -> outs` as `op_type`'s kernel on `kind` places.
-
-    dtypes: the float dtypes the kernel is written for (None: any). The
-    executor checks every float input against them once per input signature,
-    so the kernel itself holds only arithmetic.
-    """
-    def deco(fn):
-        schema = get_schema(op_type)
-        schema.kernels[kind] = fn
-        if dtypes is not None:
-            schema.kernel_dtypes[kind] = tuple(np.dtype(d) for d in dtypes)
-        return fn
-    return deco
+def kernel(op_type, device, fn=None, dtypes=None):
+    """Register `fn(op, ins, ctx) -> outs` as a kernel of `op_type` on `device`
+    places ("cpu", "gpu"), written for the float `dtypes` (None: any). Without
+    `fn`, a decorator. Kernels of one device are tried in registration order
+    (OpSchema.kernel_for); the runner picks one once per input signature, so a
+    kernel holds only arithmetic. Returns fn."""
+    if fn is None:
+        return lambda f: kernel(op_type, device, f, dtypes)
+    schema = get_schema(op_type)
+    entry = Kernel(fn, None if dtypes is None else tuple(np.dtype(d) for d in dtypes))
+    schema.kernels[device] = schema.kernels.get(device, ()) + (entry,)
+    return fn
 
 
 def get_schema(op_type):
@@ -182,14 +275,20 @@ def get_schema(op_type):
                       f"{', '.join(sorted(_SCHEMAS))}") from None
 
 
+def ops_with_role(role):
+    """The op types that declare `role` (see ROLES), sorted."""
+    if role not in ROLES:
+        raise OpError(f"unknown role {role!r}; roles: {', '.join(sorted(ROLES))}")
+    return sorted(t for t, s in _SCHEMAS.items() if role in s.roles)
+
+
 def op_for_role(role):
-    """The op type registered for `role` (see OpSchema.roles); an error naming the
-    roles there are when none is."""
-    try:
-        return _ROLES[role]
-    except KeyError:
-        raise OpError(f"no op registered for the role {role!r}; roles: "
-                      f"{', '.join(sorted(_ROLES)) or '(none)'}") from None
+    """The one op type that declares `role`; an OpError when none or several do."""
+    found = ops_with_role(role)
+    if len(found) != 1:
+        raise OpError(f"role {role!r} needs exactly one op, found "
+                      f"{', '.join(found) or 'none'}")
+    return found[0]
 
 
 def registered_ops():
@@ -231,95 +330,14 @@ def grad_maker(grad_type, keep=("x",), dout=None, wrt=("x",), attrs=True):
 def grad_schema(forward, inputs, outputs, infer=None, **fields):
     """The schema of `forward`'s grad op, `<type>_grad`: the given slots, and
     the forward's attributes (with their checks and canonical forms)."""
+    fields.setdefault("no_export", "a gradient op (training only)")
     return OpSchema(type=forward.type + "_grad", inputs=tuple(inputs), outputs=tuple(outputs),
                     attrs=forward.attrs, resolve_attrs=forward.resolve_attrs, infer=infer,
                     **fields)
 
 
-# ---- attribute checkers -------------------------------------------------------
-
-def positive(v):
-    return None if v > 0 else "must be > 0"
-
-
-def non_negative(v):
-    return None if v >= 0 else "must be >= 0"
-
-
-def in_range(lo, hi):
-    def check(v):
-        return None if lo <= v <= hi else f"must be in [{lo}, {hi}]"
-    return check
-
-
-def one_of(*choices):
-    def check(v):
-        return None if v in choices else f"must be one of {', '.join(map(repr, choices))}"
-    return check
-
-
-def float_attr(name, default, check=None, nullable=False):
-    return Attr(name, (float, int, np.floating, np.integer), default, check, nullable)
-
-
-def int_attr(name, default, check=None):
-    return Attr(name, (int, np.integer), default, check)
-
-
-def bool_attr(name, default):
-    return Attr(name, (bool,), default)
-
-
-def str_attr(name, default, check=None):
-    return Attr(name, (str,), default, check)
-
-
-def ints_attr(name, default, check=None):
-    return Attr(name, (tuple, list), default, check)
-
-
-# ---- shape and dtype helpers for infer functions ------------------------------
-
-FLOATS = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
-
-
-def fail(op_type, slot, msg):
-    """Raise the op error for input `slot`: "<op>: input 'x' <msg>"."""
-    raise OpError(f"{op_type}: input {slot!r} {msg}")
-
-
-def dims_equal(a, b):
-    """Two dims agree when equal or when either is unknown (-1)."""
-    return a == b or a < 0 or b < 0
-
-
-def shapes_equal(a, b):
-    return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
-
-
-def check_float(op_type, slot, meta):
-    if meta.dtype not in FLOATS:
-        fail(op_type, slot, f"must be a float tensor (float16/32/64), got dtype {meta.dtype}")
-
-
-def check_same_dtype(op_type, slot, meta, ref_slot, ref):
-    if meta.dtype != ref.dtype:
-        fail(op_type, slot, f"has dtype {meta.dtype} but input {ref_slot!r} has {ref.dtype}; "
-                            "they must match")
-
-
-def check_rank(op_type, slot, meta, ranks):
-    if len(meta.shape) not in ranks:
-        want = (f"{min(ranks)} to {max(ranks)}" if len(ranks) > 1 else str(ranks[0]))
-        fail(op_type, slot, f"must have rank {want}, got rank {len(meta.shape)} "
-                            f"(shape {meta.shape})")
-
-
-def check_shape(op_type, slot, meta, shape, why=""):
-    if not shapes_equal(meta.shape, shape):
-        fail(op_type, slot, f"must have shape {tuple(shape)}{why}, got {meta.shape}")
-
-
 def meta_of(value):
     """Meta of a concrete array."""
     return Meta(tuple(value.shape), np.dtype(value.dtype))
+
+

@@ -1,5 +1,5 @@
 """Room for work arrays: how much memory an op of a training step may take for
-its work without raising the step's peak (OpSchema.work_room; minigraph.run).
+its work without raising the step's peak (OpSchema.work_room; minigraph.executor).
 
 A training step's values peak where the most of them are alive: late in the
 forward pass and as the backward pass starts, when every activation the
@@ -8,8 +8,8 @@ speed grows with its work arrays (conv2d's, whose columns are cut in chunks of
 images) can take that difference. Kernels keep their work lean at the peak
 and take the room elsewhere, so the peak stays where it was.
 
-The first run of a plan with a signature (minigraph.run's check run, which
-passes no room) measures with a `Meter` the memory the step's values hold
+The first run of a plan with a signature (minigraph.executor's check run, which
+gives no room) measures with a `Meter` the memory the step's values hold
 after each op: each output's memory, counted once however many Variables and
 views refer to it (by the array that owns it), from the op that makes it to
 the op after which no Variable of the step refers to it. An output written
@@ -68,13 +68,13 @@ class Meter:
             del self._owners[key]
             self._total -= nbytes
 
-    def rooms(self, steps):
-        """Per compiled step, the keyword arguments of its kernel call: {"room": bytes}
-        for ops that declare OpSchema.work_room, else {}."""
+    def rooms(self, ops):
+        """Per op of the step, in order, the bytes of work memory its kernel may take
+        (the step's peak minus what is held at that op) for ops that declare
+        OpSchema.work_room, else None."""
         peak = max(self.held, default=0)
-        none = {}
-        return tuple({"room": peak - held} if step[1].schema.work_room else none
-                     for step, held in zip(steps, self.held))
+        return tuple(peak - held if op.schema.work_room else None
+                     for op, held in zip(ops, self.held))
 
 
 def _owner(value):

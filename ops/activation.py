@@ -21,18 +21,8 @@ from minigraph.kernels import activation as gpu
 from minigraph.kernels import map as maps
 from minigraph.ops.device import GPU_FLOATS
 from minigraph.ops.erf import normal_cdf
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
-    check_float,
-    check_shape,
-    float_attr,
-    grad_maker,
-    grad_schema,
-    kernel,
-    register,
-)
+from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.validators import check_float, check_shape, float_attr
 
 INV_SQRT_2PI = 0.3989422804014327        # 1 / sqrt(2 pi)
 
@@ -51,10 +41,10 @@ register(OpSchema(type="relu_grad", inputs=(Slot("out"), Slot("dout")),
 
 
 @kernel("relu", "cpu")
-def relu_cpu(op, ins, donated=()):
+def relu_cpu(op, ins, ctx):
     """out = max(x, 0), elementwise; into x's array when it is handed over."""
     x = ins["x"]
-    return {"out": cpu_blocks.relu(x, out=x if "x" in donated else None)}
+    return {"out": cpu_blocks.relu(x, out=x if "x" in ctx.donated else None)}
 
 
 _SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -65,7 +55,7 @@ MASK_BLOCK_RANGE = (1 << 12, 1 << 16)
 
 
 @kernel("relu_grad", "cpu")
-def relu_grad_cpu(op, ins, donated=()):
+def relu_grad_cpu(op, ins, ctx):
     """dx = dout where out > 0, else 0 (+0.0): the bits of dout ANDed with a mask of
     all ones or zeros, the same values as np.where and many times faster. When dout
     is handed over, dx is written into it, block by block through a small mask."""
@@ -73,7 +63,7 @@ def relu_grad_cpu(op, ins, donated=()):
     if d.dtype != out.dtype or d.shape != out.shape or d.dtype.itemsize not in _SAME_SIZE_INT:
         return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
     ints = _SAME_SIZE_INT[d.dtype.itemsize]
-    if "dout" in donated and d.flags.c_contiguous and out.flags.c_contiguous:
+    if "dout" in ctx.donated and d.flags.c_contiguous and out.flags.c_contiguous:
         flat_out, flat_d = out.reshape(-1), d.reshape(-1).view(ints)
         lo, hi = MASK_BLOCK_RANGE
         step = min(hi, max(lo, d.size // 4))
@@ -96,13 +86,13 @@ def _and_mask(out, d_bits, mask, result):
 
 
 @kernel("relu", "gpu", dtypes=GPU_FLOATS)
-def relu_gpu(op, ins):
+def relu_gpu(op, ins, ctx):
     """out = max(x, 0) on the device."""
     return {"out": gpu.relu(ins["x"])}
 
 
 @kernel("relu_grad", "gpu", dtypes=GPU_FLOATS)
-def relu_grad_gpu(op, ins):
+def relu_grad_gpu(op, ins, ctx):
     """dx = dout where out > 0, else 0, on the device; nothing when dx is unbound."""
     if not op.wants("dx"):
         return {}
@@ -162,35 +152,35 @@ def sigmoid64(x):
 
 
 @kernel("sigmoid", "cpu")
-def sigmoid_cpu(op, ins):
+def sigmoid_cpu(op, ins, ctx):
     """out = 1 / (1 + exp(-x)) (sigmoid64)."""
     x = ins["x"]
     return {"out": sigmoid64(work(x)).astype(x.dtype)}
 
 
 @kernel("sigmoid_grad", "cpu")
-def sigmoid_grad_cpu(op, ins):
+def sigmoid_grad_cpu(op, ins, ctx):
     """dx = dout * out * (1 - out)."""
     out, d = work(ins["out"]), ins["dout"]
     return {"dx": (work(d) * out * (1.0 - out)).astype(d.dtype)}
 
 
 @kernel("tanh", "cpu")
-def tanh_cpu(op, ins):
+def tanh_cpu(op, ins, ctx):
     """out = tanh(x)."""
     x = ins["x"]
     return {"out": np.tanh(work(x)).astype(x.dtype)}
 
 
 @kernel("tanh_grad", "cpu")
-def tanh_grad_cpu(op, ins):
+def tanh_grad_cpu(op, ins, ctx):
     """dx = dout * (1 - out^2)."""
     out, d = work(ins["out"]), ins["dout"]
     return {"dx": (work(d) * (1.0 - out * out)).astype(d.dtype)}
 
 
 @kernel("gelu", "cpu")
-def gelu_cpu(op, ins):
+def gelu_cpu(op, ins, ctx):
     """out = x * Phi(x), Phi from erfc so the left tail keeps its relative accuracy."""
     x = ins["x"]
     xw = work(x)
@@ -198,7 +188,7 @@ def gelu_cpu(op, ins):
 
 
 @kernel("gelu_grad", "cpu")
-def gelu_grad_cpu(op, ins):
+def gelu_grad_cpu(op, ins, ctx):
     """dx = dout * (Phi(x) + x * phi(x)); the x * phi(x) term is 0 for |x| >= 40."""
     x, d = work(ins["x"]), ins["dout"]
     inside = np.abs(x) < 40.0
@@ -208,7 +198,7 @@ def gelu_grad_cpu(op, ins):
 
 
 @kernel("leaky_relu", "cpu")
-def leaky_relu_cpu(op, ins):
+def leaky_relu_cpu(op, ins, ctx):
     """out = x where x > 0, else alpha * x."""
     x = ins["x"]
     xw = work(x)
@@ -216,7 +206,7 @@ def leaky_relu_cpu(op, ins):
 
 
 @kernel("leaky_relu_grad", "cpu")
-def leaky_relu_grad_cpu(op, ins):
+def leaky_relu_grad_cpu(op, ins, ctx):
     """dx = dout where x > 0, else alpha * dout."""
     x, d = ins["x"], ins["dout"]
     dw = work(d)
@@ -228,11 +218,11 @@ def leaky_relu_grad_cpu(op, ins):
 def register_map_gpu(op_type, keep, scalar=None):
     """GPU kernels of `op_type` and `<op_type>_grad` from kernels/<op_type>.cu, a
     map-only module: out = map(x[, attr]), dx = map_grad(keep, dout[, attr])."""
-    def forward(op, ins):
+    def forward(op, ins, ctx):
         args = (op.attrs[scalar],) if scalar else ()
         return {"out": maps.unary(op_type, op_type, ins["x"], *args)}
 
-    def backward(op, ins):
+    def backward(op, ins, ctx):
         if not op.wants("dx"):
             return {}
         args = (op.attrs[scalar],) if scalar else ()

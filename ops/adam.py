@@ -17,17 +17,8 @@ import numpy as np
 from minigraph.kernels import optimizer_ops as gpu
 from minigraph.ops.device import GPU_FLOATS
 from minigraph.ops.optimizer_ops import check_update_inputs, decay_attr, learning_rate
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
-    bool_attr,
-    fail,
-    float_attr,
-    kernel,
-    positive,
-    register,
-)
+from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.validators import bool_attr, fail, float_attr, positive
 
 STATE = ("moment1", "moment2")
 POWERS = ("beta1_pow", "beta2_pow")
@@ -62,7 +53,7 @@ register(OpSchema(
 
 
 @kernel("adam", "cpu")
-def adam_cpu(op, ins):
+def adam_cpu(op, ins, ctx):
     """One Adam/AdamW step (see the module doc); every state array updated in place."""
     a = op.attrs
     param, grad, m, v = ins["param"], ins["grad"], ins["moment1"], ins["moment2"]
@@ -92,7 +83,7 @@ def adam_cpu(op, ins):
 # ---- GPU bindings: kernels/optimizer_ops.cu ----
 
 @kernel("adam", "gpu", dtypes=GPU_FLOATS)
-def adam_gpu(op, ins):
+def adam_gpu(op, ins, ctx):
     """One Adam/AdamW step on the device, every state array (the beta powers too)
     updated in place there; returns them."""
     a = op.attrs

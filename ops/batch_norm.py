@@ -34,14 +34,10 @@ from minigraph.ops.batch_norm_cpu import (
     local_stats,
     normalize,
 )
-from minigraph.ops.batch_norm_gpu import batch_norm_gpu, batch_norm_grad_gpu
+from minigraph.ops.batch_norm_gpu import backward_gpu, forward_gpu
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpDesc,
-    OpError,
-    OpSchema,
-    Slot,
+from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import (
     bool_attr,
     check_float,
     check_rank,
@@ -49,10 +45,8 @@ from minigraph.schema import (
     check_shape,
     fail,
     float_attr,
-    kernel,
     one_of,
     positive,
-    register,
     str_attr,
 )
 
@@ -151,7 +145,27 @@ def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
     return new
 
 
-def batch_norm_cpu(op, ins, combine=None):
+def batch_norm_cpu(op, ins, ctx):
+    """The CPU kernel of batch_norm (forward_cpu on this process's batch)."""
+    return forward_cpu(op, ins)
+
+
+def batch_norm_grad_cpu(op, ins, ctx):
+    """The CPU kernel of batch_norm_grad (backward_cpu; dx into dy when handed over)."""
+    return backward_cpu(op, ins, donated=ctx.donated)
+
+
+def batch_norm_gpu(op, ins, ctx):
+    """The GPU kernel of batch_norm (forward_gpu on this process's batch)."""
+    return forward_gpu(op, ins)
+
+
+def batch_norm_grad_gpu(op, ins, ctx):
+    """The GPU kernel of batch_norm_grad (backward_gpu)."""
+    return backward_gpu(op, ins)
+
+
+def forward_cpu(op, ins, combine=None):
     """The CPU forward of batch_norm. `combine(n, mean, m2) -> (n, mean, m2)`
     turns local statistics into global ones (sync_batch_norm). Everything is
     computed before the estimates and the counter are written, in place."""
@@ -189,7 +203,7 @@ def batch_norm_cpu(op, ins, combine=None):
     return out
 
 
-def batch_norm_grad_cpu(op, ins, combine=None, donated=()):
+def backward_cpu(op, ins, combine=None, donated=()):
     """The CPU grad kernel of batch_norm. `combine(n, s_dy, s_dyxmu) -> (n, s_dy, s_dyxmu)` sums
     over ranks (sync_batch_norm); n is then the global count. dx goes into dy's array
     when dy is handed over (OpSchema.reuse) and already in its work dtype."""

@@ -56,7 +56,7 @@ def _too_few_values(op, n, x, layout):
     return too_few_values(op, n, x, layout)
 
 
-def batch_norm_gpu(op, ins, allreduce=None):
+def forward_gpu(op, ins, allreduce=None):
     """The GPU forward of batch_norm: the CPU kernel's outputs and in-place
     updates, on the device. With is_infer or use_global_est, y is normalised
     with the estimates and batch_mean/batch_var are copies of them.
@@ -95,9 +95,9 @@ def batch_norm_gpu(op, ins, allreduce=None):
             "saved_var": est_var, "saved_num_batches": counter}
 
 
-def batch_norm_grad_gpu(op, ins, allreduce=None):
+def backward_gpu(op, ins, allreduce=None):
     """The GPU grad kernel; unbound outputs are not computed. `allreduce` (see
-    batch_norm_gpu) sums (n, Σdy, Σdy·(x−μ)) over ranks when the statistics came
+    forward_gpu) sums (n, Σdy, Σdy·(x−μ)) over ranks when the statistics came
     from the batch: dscale and dbias are then the whole batch's, dx uses the
     global n."""
     a = op.attrs

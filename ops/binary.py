@@ -16,19 +16,8 @@ import numpy as np
 
 from minigraph.kernels import broadcast as gpu
 from minigraph.ops.device import GPU_FLOATS, present
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
-    check_float,
-    check_same_dtype,
-    check_shape,
-    fail,
-    grad_maker,
-    grad_schema,
-    kernel,
-    register,
-)
+from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.validators import check_float, check_same_dtype, check_shape, fail
 
 
 def broadcast_shape(op_type, x_shape, y_shape):
@@ -102,17 +91,17 @@ def reduce_to(g, shape, dtype):
 
 
 @kernel("add", "cpu")
-def add_cpu(op, ins, donated=()):
+def add_cpu(op, ins, ctx):
     """out = x + y, broadcast; into x's or y's array when one of out's shape is
     handed over."""
     x, y = ins["x"], ins["y"]
     shape = np.broadcast_shapes(x.shape, y.shape)
-    into = next((ins[s] for s in donated if ins[s].shape == shape), None)
+    into = next((ins[s] for s in ctx.donated if ins[s].shape == shape), None)
     return {"out": np.add(x, y, out=into)}
 
 
 @kernel("add_grad", "cpu")
-def add_grad_cpu(op, ins):
+def add_grad_cpu(op, ins, ctx):
     """dx = dout reduced to x's shape, dy = dout reduced to y's shape (each when bound);
     an input of dout's shape and dtype gets dout itself, not a copy (kernels never
     write their inputs unless handed them: see OpSchema.reuse)."""
@@ -126,13 +115,13 @@ def add_grad_cpu(op, ins):
 
 
 @kernel("multiply", "cpu")
-def multiply_cpu(op, ins):
+def multiply_cpu(op, ins, ctx):
     """out = x * y, broadcast."""
     return {"out": np.multiply(ins["x"], ins["y"])}
 
 
 @kernel("multiply_grad", "cpu")
-def multiply_grad_cpu(op, ins):
+def multiply_grad_cpu(op, ins, ctx):
     """dx = (dout * y) reduced to x's shape, dy = (dout * x) reduced to y's shape; the
     products in float64."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
@@ -147,13 +136,13 @@ def multiply_grad_cpu(op, ins):
 # ---- GPU bindings: kernels/broadcast.cu ----
 
 @kernel("add", "gpu", dtypes=GPU_FLOATS)
-def add_gpu(op, ins):
+def add_gpu(op, ins, ctx):
     """out = x + y, broadcast, on the device."""
     return {"out": gpu.add(ins["x"], ins["y"])}
 
 
 @kernel("add_grad", "gpu", dtypes=GPU_FLOATS)
-def add_grad_gpu(op, ins):
+def add_grad_gpu(op, ins, ctx):
     """dx, dy = dout summed (in double) back to x's and y's shapes, each when bound."""
     dx, dy = gpu.add_grad(ins["x"].shape, ins["y"].shape, ins["dout"], need_dx=op.wants("dx"),
                           need_dy=op.wants("dy"))
@@ -161,13 +150,13 @@ def add_grad_gpu(op, ins):
 
 
 @kernel("multiply", "gpu", dtypes=GPU_FLOATS)
-def multiply_gpu(op, ins):
+def multiply_gpu(op, ins, ctx):
     """out = x * y, broadcast, on the device."""
     return {"out": gpu.multiply(ins["x"], ins["y"])}
 
 
 @kernel("multiply_grad", "gpu", dtypes=GPU_FLOATS)
-def multiply_grad_gpu(op, ins):
+def multiply_grad_gpu(op, ins, ctx):
     """dx = (dout * y) and dy = (dout * x) summed back to x's and y's shapes, each when
     bound; the products in the dtype, the sums in double."""
     dx, dy = gpu.multiply_grad(ins["x"], ins["y"], ins["dout"], need_dx=op.wants("dx"),

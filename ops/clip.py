@@ -12,17 +12,8 @@ import numpy as np
 from minigraph.kernels import clip as gpu
 from minigraph.kernels import shape_ops
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpError,
-    OpSchema,
-    Slot,
-    check_float,
-    float_attr,
-    kernel,
-    positive,
-    register,
-)
+from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import check_float, float_attr, positive
 
 
 def infer_clip(ins, attrs):
@@ -49,7 +40,7 @@ def clip_coefficient(total_norm, max_norm):
 
 
 @kernel("clip_by_global_norm", "cpu")
-def clip_by_global_norm_cpu(op, ins):
+def clip_by_global_norm_cpu(op, ins, ctx):
     """out_i = x_i * min(max_norm / (||x||_2 + 1e-6), 1) over all the x at once."""
     xs = ins["x"]
     total = np.sqrt(sum(float(np.dot(x.ravel().astype(np.float64), x.ravel())) for x in xs))
@@ -60,7 +51,7 @@ def clip_by_global_norm_cpu(op, ins):
 # ---- GPU bindings: kernels/clip.cu ----
 
 @kernel("clip_by_global_norm", "gpu", dtypes=GPU_FLOATS)
-def clip_by_global_norm_gpu(op, ins):
+def clip_by_global_norm_gpu(op, ins, ctx):
     """out_i = x_i * coef on the device, no host sync: in place where out_i is x_i's
     own Variable (as the optimizers bind it), else into a copy."""
     xs = [x if o is v else shape_ops.copy(x)

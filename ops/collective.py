@@ -24,14 +24,8 @@ import numpy as np
 from minigraph.kernels import collective as gpu_collective
 from minigraph.kernels import elementwise as gpu_elementwise
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import Meta, OpError, OpSchema, Slot, check_float, kernel, register
-
-
-def communicator():
-    """The process's communicator (made on first use when none was initialised)."""
-    from minigraph.distributed.world import get_comm
-
-    return get_comm()
+from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import check_float
 
 
 def _infer_pairs(op_type):
@@ -115,9 +109,9 @@ def by_dtype(xs):
 
 
 @kernel("c_allreduce_avg", "cpu")
-def allreduce_avg_cpu(op, ins):
+def allreduce_avg_cpu(op, ins, ctx):
     """Pack the arrays of each dtype into one buffer, allreduce it once, unpack."""
-    comm = communicator()
+    comm = ctx.comm
     xs = ins["x"]
     if comm.size == 1:
         return {"out": [x.copy() for x in xs]}
@@ -135,12 +129,12 @@ def allreduce_avg_cpu(op, ins):
 
 
 @kernel("c_allreduce_avg", "gpu", dtypes=GPU_FLOATS)
-def allreduce_avg_gpu(op, ins):
+def allreduce_avg_gpu(op, ins, ctx):
     """As the CPU kernel, on the device: per dtype, the arrays packed into one
     pooled flat buffer (a copy kernel), ONE allreduce of it, then unpacked
     scaled by 1 / size on the way (one kernel) - into the x arrays themselves
     when `out` is `x` (data_parallel's in-place average), else into new ones."""
-    comm = communicator()
+    comm = ctx.comm
     xs = ins["x"]
     if comm.size == 1:
         return {"out": [copied(x) for x in xs]}
@@ -156,9 +150,9 @@ def allreduce_avg_gpu(op, ins):
     return {"out": outs}
 
 
-def avg_presummed(op, ins):
+def avg_presummed(op, ins, ctx):
     """x / size on the place (numpy arrays and GPUArrays alike)."""
-    size = communicator().size
+    size = ctx.comm.size
     return {"out": [scaled(x, 1.0 / size) if size > 1 else copied(x) for x in ins["x"]]}
 
 
@@ -166,9 +160,9 @@ kernel("c_avg_presummed", "cpu")(avg_presummed)
 kernel("c_avg_presummed", "gpu", dtypes=GPU_FLOATS)(avg_presummed)
 
 
-def scale_by_batch_share(op, ins):
+def scale_by_batch_share(op, ins, ctx):
     """x * size * B_r / ΣB; the counts are reduced on the host (one scalar)."""
-    comm = communicator()
+    comm = ctx.comm
     mine = ins["batch"].shape[0]
     if comm.size == 1:
         return {"out": copied(ins["x"])}

@@ -14,20 +14,8 @@ import numpy as np
 
 from minigraph.kernels import shape_ops as gpu
 from minigraph.ops.axis import normalized_axis
-from minigraph.schema import (
-    Meta,
-    OpDesc,
-    OpError,
-    OpSchema,
-    Slot,
-    check_same_dtype,
-    dims_equal,
-    fail,
-    int_attr,
-    kernel,
-    non_negative,
-    register,
-)
+from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import check_same_dtype, dims_equal, fail, int_attr, non_negative
 
 
 def check_parts(op_type, xs, axis):
@@ -98,13 +86,13 @@ register(OpSchema(
 
 
 @kernel("concat", "cpu")
-def concat_cpu(op, ins):
+def concat_cpu(op, ins, ctx):
     """out = np.concatenate(x, axis)."""
     return {"out": np.concatenate(ins["x"], axis=op.attrs["axis"])}
 
 
 @kernel("concat_grad", "cpu")
-def concat_grad_cpu(op, ins):
+def concat_grad_cpu(op, ins, ctx):
     """dx = dout[..., start:start + x[index].shape[axis], ...] along axis (a copy)."""
     if not op.wants("dx"):
         return {}
@@ -120,13 +108,13 @@ def concat_grad_cpu(op, ins):
 # ---- GPU bindings: kernels/shape_ops.cu (any dtype) ----
 
 @kernel("concat", "gpu")
-def concat_gpu(op, ins):
+def concat_gpu(op, ins, ctx):
     """out = np.concatenate(x, axis) on the device."""
     return {"out": gpu.concat(ins["x"], op.attrs["axis"])}
 
 
 @kernel("concat_grad", "gpu")
-def concat_grad_gpu(op, ins):
+def concat_grad_gpu(op, ins, ctx):
     """dx = x[index]'s slice of dout along axis (a new array), when bound."""
     if not op.wants("dx"):
         return {}

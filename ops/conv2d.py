@@ -22,17 +22,12 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
-    check_float,
-    check_rank,
-    check_same_dtype,
-    fail,
     grad_maker,
     grad_schema,
-    int_attr,
     kernel,
-    positive,
     register,
 )
+from minigraph.validators import check_float, check_rank, check_same_dtype, fail, int_attr, positive
 
 PAIR_ATTRS = ("strides", "paddings", "dilations")
 
@@ -103,27 +98,27 @@ def cpu_geometry(op, x, w):
 
 
 @kernel("conv2d", "cpu")
-def conv2d_cpu(op, ins, room=None):
+def conv2d_cpu(op, ins, ctx):
     """out[n, o] = sum over the group's channels and taps of filter * window: the
     native kernel where it takes the conv (kernels/conv2d_cpu: float32, one group),
     else conv_cpu's engine with lean work arrays, like its gradient's (conv2d is
     the op training steps run, and their peak memory comes from these;
-    fused_conv2d, for inference, takes full chunks), or up to `room` bytes of them
+    fused_conv2d, for inference, takes full chunks), or up to `ctx.room` bytes of them
     (OpSchema.work_room)."""
     x, w = ins["x"], ins["filter"]
     g = cpu_geometry(op, x, w)
     if native_conv.supports(g, x.dtype):
         return {"out": native_conv.forward(x, w, g, cpu_blocks.get_num_threads())}
-    return {"out": conv_cpu.forward(x, w, g, lean=True, room=room)}
+    return {"out": conv_cpu.forward(x, w, g, lean=True, room=ctx.room)}
 
 
 @kernel("conv2d_grad", "cpu")
-def conv2d_grad_cpu(op, ins, room=None):
+def conv2d_grad_cpu(op, ins, ctx):
     """dx and dfilter (each only when bound): the native kernels where they take the
     conv (dfilter; dx as forward passes over dout, one per phase of the stride),
     else conv_cpu_grad: dx of a stride-1 conv as the conv of dout with the flipped
     filter, dfilter from the same columns, else products with the columns and
-    col2im; lean work arrays, or up to `room` bytes of them."""
+    col2im; lean work arrays, or up to `ctx.room` bytes of them."""
     x, w, d = ins["x"], ins["filter"], ins["dout"]
     g = cpu_geometry(op, x, w)
     need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
@@ -131,7 +126,7 @@ def conv2d_grad_cpu(op, ins, room=None):
         threads = cpu_blocks.get_num_threads()
         return present(dx=native_conv.input_grad(w, d, g, threads) if need_dx else None,
                        dfilter=native_conv.filter_grad(x, d, g, threads) if need_dw else None)
-    dx, dw = conv_cpu_grad.backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw, room=room)
+    dx, dw = conv_cpu_grad.backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw, room=ctx.room)
     return present(dx=dx, dfilter=dw)
 
 
@@ -143,14 +138,14 @@ def conv_geometry(op):
 
 
 @kernel("conv2d", "gpu", dtypes=GPU_FLOATS)
-def conv2d_gpu(op, ins):
+def conv2d_gpu(op, ins, ctx):
     """out on the device: im2col in chunks, one batched matrix product per chunk."""
     x, w = ins["x"], ins["filter"]
     return {"out": gpu.conv2d(x, w, **conv_geometry(op))}
 
 
 @kernel("conv2d_grad", "gpu", dtypes=GPU_FLOATS)
-def conv2d_grad_gpu(op, ins):
+def conv2d_grad_gpu(op, ins, ctx):
     """dfilter (dout @ cols^T, summed over images) and dx (col2im of filter^T @ dout)
     on the device; each only when bound."""
     x, w, d = ins["x"], ins["filter"], ins["dout"]

@@ -27,17 +27,12 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
-    bool_attr,
-    check_float,
-    check_shape,
-    fail,
-    float_attr,
     grad_maker,
     grad_schema,
-    int_attr,
     kernel,
     register,
 )
+from minigraph.validators import bool_attr, check_float, check_shape, fail, float_attr, int_attr
 
 STREAM = 2      # fill.cu's uniform and gaussian initialisers use streams 0 and 1
 
@@ -102,7 +97,7 @@ def keep_mask(n, p, seed, step):
 
 
 @kernel("dropout", "cpu")
-def dropout_cpu(op, ins):
+def dropout_cpu(op, ins, ctx):
     """train: out = x * (keep * factor), mask = keep, then step += 1 in place;
     infer: out = a copy of x."""
     x, step = ins["x"], ins["step"]
@@ -121,7 +116,7 @@ def dropout_cpu(op, ins):
 
 
 @kernel("dropout_grad", "cpu")
-def dropout_grad_cpu(op, ins):
+def dropout_grad_cpu(op, ins, ctx):
     """dx = dout * (mask * factor); dx = a copy of dout for is_infer."""
     if not op.wants("dx"):
         return {}
@@ -136,7 +131,7 @@ def dropout_grad_cpu(op, ins):
 # ---- GPU bindings: kernels/dropout.cu ----
 
 @kernel("dropout", "gpu", dtypes=GPU_FLOATS)
-def dropout_gpu(op, ins):
+def dropout_gpu(op, ins, ctx):
     """train: the CPU's masks drawn on the device (same bits), step += 1 there;
     infer: out = a device copy of x."""
     x, step = ins["x"], ins["step"]
@@ -148,7 +143,7 @@ def dropout_gpu(op, ins):
 
 
 @kernel("dropout_grad", "gpu", dtypes=GPU_FLOATS)
-def dropout_grad_gpu(op, ins):
+def dropout_grad_gpu(op, ins, ctx):
     """dx = dout * (mask * factor) on the device; a copy of dout for is_infer."""
     if not op.wants("dx"):
         return {}

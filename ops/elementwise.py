@@ -14,21 +14,8 @@ import numpy as np
 
 from minigraph.kernels import elementwise as gpu
 from minigraph.ops.device import GPU_FLOATS, present
-from minigraph.schema import (
-    Meta,
-    OpDesc,
-    OpSchema,
-    Slot,
-    check_same_dtype,
-    check_shape,
-    fail,
-    grad_maker,
-    grad_schema,
-    int_attr,
-    kernel,
-    register,
-    shapes_equal,
-)
+from minigraph.schema import Meta, OpDesc, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.validators import check_same_dtype, check_shape, fail, int_attr, shapes_equal
 
 
 def broadcast_axis(op_type, x_shape, y_shape, axis):
@@ -83,16 +70,16 @@ register(grad_schema(ADD, inputs=(Slot("y"), Slot("dout")),
 
 
 @kernel("elementwise_add", "cpu")
-def elementwise_add_cpu(op, ins, donated=()):
+def elementwise_add_cpu(op, ins, ctx):
     """out = x + y, y broadcast along x's dims from `axis`; into x's array when it is
     handed over."""
     x, y = ins["x"], ins["y"]
     start = broadcast_axis(op.type, x.shape, y.shape, op.attrs["axis"])
-    return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in donated else None)}
+    return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}
 
 
 @kernel("elementwise_add_grad", "cpu")
-def elementwise_add_grad_cpu(op, ins):
+def elementwise_add_grad_cpu(op, ins, ctx):
     """dx = dout (the same array: kernels write only inputs handed over to them,
     OpSchema.reuse); dy = dout summed over every dim of x outside y's run - along
     the trailing dims by one BLAS product with a ones vector, over the leading ones
@@ -115,14 +102,14 @@ def elementwise_add_grad_cpu(op, ins):
 
 
 @kernel("elementwise_add", "gpu", dtypes=GPU_FLOATS)
-def elementwise_add_gpu(op, ins):
+def elementwise_add_gpu(op, ins, ctx):
     """out = x + y on the device, y broadcast along x's dims from `axis`."""
     x, y = ins["x"], ins["y"]
     return {"out": gpu.add(x, y, op.attrs["axis"])}
 
 
 @kernel("elementwise_add_grad", "gpu", dtypes=GPU_FLOATS)
-def elementwise_add_grad_gpu(op, ins):
+def elementwise_add_grad_gpu(op, ins, ctx):
     """dx = a device copy of dout; dy = dout summed over the broadcast dims (in
     double on the device); each only when bound."""
     y, d = ins["y"], ins["dout"]
@@ -160,7 +147,7 @@ register(OpSchema(
 
 
 @kernel("sum", "cpu")
-def sum_cpu(op, ins):
+def sum_cpu(op, ins, ctx):
     """out = x[0] + x[1] + ... (a new array)."""
     xs = ins["x"]
     out = xs[0].copy()
@@ -170,18 +157,18 @@ def sum_cpu(op, ins):
 
 
 @kernel("sum_grad", "cpu")
-def sum_grad_cpu(op, ins):
+def sum_grad_cpu(op, ins, ctx):
     """dx = a copy of dout."""
     return {"dx": ins["dout"].copy()}
 
 
 @kernel("sum", "gpu", dtypes=GPU_FLOATS)
-def sum_gpu(op, ins):
+def sum_gpu(op, ins, ctx):
     """out = x[0] + x[1] + ... (a new device array)."""
     return {"out": gpu.sum_n(ins["x"])}
 
 
 @kernel("sum_grad", "gpu", dtypes=GPU_FLOATS)
-def sum_grad_gpu(op, ins):
+def sum_grad_gpu(op, ins, ctx):
     """dx = a device copy of dout."""
     return {"dx": gpu.copy(ins["dout"])}

@@ -16,18 +16,8 @@ import numpy as np
 
 from minigraph.kernels import fill as gpu
 from minigraph.kernels import loader
-from minigraph.schema import (
-    Attr,
-    Meta,
-    OpError,
-    OpSchema,
-    Slot,
-    float_attr,
-    int_attr,
-    kernel,
-    non_negative,
-    register,
-)
+from minigraph.schema import Attr, Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import float_attr, int_attr, non_negative
 
 
 def check_shape_attr(v):
@@ -85,14 +75,14 @@ register(fill_schema("gaussian_random", "f", (float_attr("mean", 0.0),
 
 
 @kernel("fill_constant", "cpu")
-def fill_constant_cpu(op, ins):
+def fill_constant_cpu(op, ins, ctx):
     """out = an array of `shape` and `dtype` holding `value` everywhere."""
     a = op.attrs
     return {"out": np.full(a["shape"], a["value"], dtype=a["dtype"])}
 
 
 @kernel("uniform_random", "cpu")
-def uniform_random_cpu(op, ins):
+def uniform_random_cpu(op, ins, ctx):
     """out ~ U[min, max), drawn by default_rng(seed) in float64, cast to `dtype`."""
     a = op.attrs
     rng = np.random.default_rng(a["seed"])
@@ -100,7 +90,7 @@ def uniform_random_cpu(op, ins):
 
 
 @kernel("gaussian_random", "cpu")
-def gaussian_random_cpu(op, ins):
+def gaussian_random_cpu(op, ins, ctx):
     """out ~ N(mean, std^2), drawn by default_rng(seed) in float64, cast to `dtype`."""
     a = op.attrs
     rng = np.random.default_rng(a["seed"])
@@ -108,7 +98,7 @@ def gaussian_random_cpu(op, ins):
 
 
 @kernel("fill_constant", "gpu")
-def fill_constant_gpu(op, ins):
+def fill_constant_gpu(op, ins, ctx):
     """out = a device array of `shape` and `dtype` holding `value`, filled on the device."""
     a = op.attrs
     return {"out": gpu.full(a["shape"], a["value"], a["dtype"])}
@@ -121,12 +111,12 @@ def upload(values):
 
 
 @kernel("uniform_random", "gpu")
-def uniform_random_gpu(op, ins):
+def uniform_random_gpu(op, ins, ctx):
     """The CPU kernel's values (same seed, same numbers), copied to the device once."""
-    return {"out": upload(uniform_random_cpu(op, ins)["out"])}
+    return {"out": upload(uniform_random_cpu(op, ins, ctx)["out"])}
 
 
 @kernel("gaussian_random", "gpu")
-def gaussian_random_gpu(op, ins):
+def gaussian_random_gpu(op, ins, ctx):
     """The CPU kernel's values (same seed, same numbers), copied to the device once."""
-    return {"out": upload(gaussian_random_cpu(op, ins)["out"])}
+    return {"out": upload(gaussian_random_cpu(op, ins, ctx)["out"])}

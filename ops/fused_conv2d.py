@@ -27,17 +27,8 @@ from minigraph.kernels import elementwise as gpu_elementwise
 from minigraph.ops import conv_cpu
 from minigraph.ops.conv2d import conv_attrs, conv_geometry, cpu_geometry, infer_conv, resolve
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    OpError,
-    OpSchema,
-    Slot,
-    check_same_dtype,
-    check_shape,
-    kernel,
-    one_of,
-    register,
-    str_attr,
-)
+from minigraph.schema import OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import check_same_dtype, check_shape, one_of, str_attr
 
 TYPE = "fused_conv2d"
 
@@ -73,7 +64,7 @@ register(OpSchema(
 
 
 @kernel(TYPE, "cpu")
-def fused_conv2d_cpu(op, ins):
+def fused_conv2d_cpu(op, ins, ctx):
     """out = act(conv2d(x, filter) + bias + residual): the native kernel where it
     takes the conv, else conv_cpu's engine."""
     x, w = ins["x"], ins["filter"]
@@ -86,7 +77,7 @@ def fused_conv2d_cpu(op, ins):
 
 
 @kernel(TYPE, "gpu", dtypes=GPU_FLOATS)
-def fused_conv2d_gpu(op, ins):
+def fused_conv2d_gpu(op, ins, ctx):
     """The conv2d launcher, then bias, residual and relu in place on its output."""
     out = gpu_conv.conv2d(ins["x"], ins["filter"], **conv_geometry(op))
     if ins.get("bias") is not None:

@@ -18,19 +18,14 @@ import numpy as np
 
 from minigraph.kernels import loader
 from minigraph.kernels import lr_schedule as gpu
-from minigraph.schema import (
-    Meta,
-    OpError,
-    OpSchema,
-    Slot,
+from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import (
     fail,
     float_attr,
     int_attr,
-    kernel,
     non_negative,
     one_of,
     positive,
-    register,
     str_attr,
 )
 
@@ -75,7 +70,7 @@ register(OpSchema(
 
 
 @kernel("lr_schedule", "cpu")
-def lr_schedule_cpu(op, ins):
+def lr_schedule_cpu(op, ins, ctx):
     """learning_rate = schedule(step); step += 1 in place."""
     step = ins["step"]
     lr = np.asarray(schedule_value(op.attrs, int(step)), dtype=np.float64)
@@ -86,7 +81,7 @@ def lr_schedule_cpu(op, ins):
 # ---- GPU bindings: kernels/lr_schedule.cu ----
 
 @kernel("lr_schedule", "gpu")
-def lr_schedule_gpu(op, ins):
+def lr_schedule_gpu(op, ins, ctx):
     """learning_rate = schedule(step) into a new float64 device scalar, then step += 1,
     both by one device thread (no host sync)."""
     step = ins["step"]

@@ -12,16 +12,8 @@ import numpy as np
 from minigraph.kernels import fill
 from minigraph.kernels import mean as gpu
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
-    check_float,
-    check_shape,
-    grad_maker,
-    kernel,
-    register,
-)
+from minigraph.schema import Meta, OpSchema, Slot, grad_maker, kernel, register
+from minigraph.validators import check_float, check_shape
 
 
 def infer_mean(ins, attrs):
@@ -41,7 +33,7 @@ register(OpSchema(type="mean_grad", inputs=(Slot("x"), Slot("dout")),
 
 
 @kernel("mean", "cpu")
-def mean_cpu(op, ins):
+def mean_cpu(op, ins, ctx):
     """out = mean(x), accumulated in float64 (pairwise), cast back to x's dtype; 0 when
     x is empty."""
     x = ins["x"]
@@ -51,7 +43,7 @@ def mean_cpu(op, ins):
 
 
 @kernel("mean_grad", "cpu")
-def mean_grad_cpu(op, ins):
+def mean_grad_cpu(op, ins, ctx):
     """dx = full_like(x, dout / x.size)."""
     x, d = ins["x"], ins["dout"]
     share = np.asarray(d, dtype=np.float64).reshape(()) / max(x.size, 1)
@@ -59,7 +51,7 @@ def mean_grad_cpu(op, ins):
 
 
 @kernel("mean", "gpu", dtypes=GPU_FLOATS)
-def mean_gpu(op, ins):
+def mean_gpu(op, ins, ctx):
     """out = mean(x), summed in double on the device, in x's dtype; 0 when x is empty."""
     x = ins["x"]
     if x.size == 0:
@@ -68,7 +60,7 @@ def mean_gpu(op, ins):
 
 
 @kernel("mean_grad", "gpu", dtypes=GPU_FLOATS)
-def mean_grad_gpu(op, ins):
+def mean_grad_gpu(op, ins, ctx):
     """dx = dout / x.size everywhere, dout read on the device; nothing when dx is unbound."""
     x, d = ins["x"], ins["dout"]
     if not op.wants("dx"):

@@ -15,19 +15,8 @@ from minigraph.kernels import argmax as gpu
 from minigraph.kernels import loader
 from minigraph.ops.axis import normalized_axis
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpError,
-    OpSchema,
-    Slot,
-    check_float,
-    check_rank,
-    check_shape,
-    fail,
-    int_attr,
-    kernel,
-    register,
-)
+from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.validators import check_float, check_rank, check_shape, fail, int_attr
 
 
 def infer_argmax(ins, attrs):
@@ -60,13 +49,13 @@ register(OpSchema(type="accuracy", inputs=(Slot("logits"), Slot("label")),
 
 
 @kernel("argmax", "cpu")
-def argmax_cpu(op, ins):
+def argmax_cpu(op, ins, ctx):
     """out = np.argmax(x, axis) as int64."""
     return {"out": np.argmax(ins["x"], axis=op.attrs["axis"]).astype(np.int64)}
 
 
 @kernel("accuracy", "cpu")
-def accuracy_cpu(op, ins):
+def accuracy_cpu(op, ins, ctx):
     """out = mean(argmax(logits, 1) == label) as a float32 scalar; NaN for no rows."""
     logits, label = ins["logits"], ins["label"]
     classes = logits.shape[1]
@@ -84,13 +73,13 @@ def accuracy_cpu(op, ins):
 # ---- GPU bindings: kernels/argmax.cu ----
 
 @kernel("argmax", "gpu", dtypes=GPU_FLOATS)
-def argmax_gpu(op, ins):
+def argmax_gpu(op, ins, ctx):
     """out = the first maximum's index along axis (int64), on the device."""
     return {"out": gpu.argmax(ins["x"], op.attrs["axis"])}
 
 
 @kernel("accuracy", "gpu", dtypes=GPU_FLOATS)
-def accuracy_gpu(op, ins):
+def accuracy_gpu(op, ins, ctx):
     """out = the fraction of rows whose argmax is the label (float32), on the device.
     A label outside [0, K) is flagged there and raises at the next fetch."""
     status = loader.error_flag("accuracy", gpu.LabelStatus)

@@ -9,21 +9,15 @@ import math
 
 from minigraph.kernels import matmul as gpu
 from minigraph.ops.device import GPU_FLOATS, present
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
+from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.validators import (
     check_float,
     check_rank,
     check_same_dtype,
     dims_equal,
     fail,
-    grad_maker,
-    grad_schema,
     int_attr,
-    kernel,
     positive,
-    register,
 )
 
 
@@ -68,7 +62,7 @@ register(grad_schema(MUL, inputs=(Slot("x"), Slot("y"), Slot("dout")),
 
 
 @kernel("mul", "cpu")
-def mul_cpu(op, ins):
+def mul_cpu(op, ins, ctx):
     """out = flatten(x) @ y, reshaped to x.shape[:n] + (M,)."""
     x, y = ins["x"], ins["y"]
     n = op.attrs["x_num_col_dims"]
@@ -76,7 +70,7 @@ def mul_cpu(op, ins):
 
 
 @kernel("mul_grad", "cpu")
-def mul_grad_cpu(op, ins):
+def mul_grad_cpu(op, ins, ctx):
     """dx = dout2 @ y.T reshaped to x's shape; dy = x2.T @ dout2."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
     n = op.attrs["x_num_col_dims"]
@@ -90,14 +84,14 @@ def mul_grad_cpu(op, ins):
 
 
 @kernel("mul", "gpu", dtypes=GPU_FLOATS)
-def mul_gpu(op, ins):
+def mul_gpu(op, ins, ctx):
     """out = flatten(x) @ y on the device (tiled matrix product), shaped x.shape[:n] + (M,)."""
     x, y = ins["x"], ins["y"]
     return {"out": gpu.mul(x, y, op.attrs["x_num_col_dims"])}
 
 
 @kernel("mul_grad", "gpu", dtypes=GPU_FLOATS)
-def mul_grad_gpu(op, ins):
+def mul_grad_gpu(op, ins, ctx):
     """dx = dout2 @ y.T (x's shape), dy = x2.T @ dout2 on the device; each only when bound."""
     x, y, d = ins["x"], ins["y"], ins["dout"]
     dx, dy = gpu.mul_grad(x, y, d, op.attrs["x_num_col_dims"], need_dx=op.wants("dx"),

@@ -15,10 +15,8 @@ import numpy as np
 
 from minigraph.kernels import optimizer_ops as gpu
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
+from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.validators import (
     bool_attr,
     check_float,
     check_same_dtype,
@@ -26,9 +24,7 @@ from minigraph.schema import (
     fail,
     float_attr,
     in_range,
-    kernel,
     non_negative,
-    register,
 )
 
 
@@ -79,7 +75,7 @@ register(OpSchema(
 
 
 @kernel("sgd", "cpu")
-def sgd_cpu(op, ins):
+def sgd_cpu(op, ins, ctx):
     """param -= learning_rate * (grad + weight_decay * param), in place; returns param."""
     param = ins["param"]
     step = decayed_grad(op, ins) * param.dtype.type(learning_rate(ins))
@@ -88,7 +84,7 @@ def sgd_cpu(op, ins):
 
 
 @kernel("momentum", "cpu")
-def momentum_cpu(op, ins):
+def momentum_cpu(op, ins, ctx):
     """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
     (velocity, or d + mu * velocity with use_nesterov); both in place; returns them."""
     param, velocity = ins["param"], ins["velocity"]
@@ -104,7 +100,7 @@ def momentum_cpu(op, ins):
 
 
 @kernel("sgd", "gpu", dtypes=GPU_FLOATS)
-def sgd_gpu(op, ins):
+def sgd_gpu(op, ins, ctx):
     """param -= learning_rate * (grad + weight_decay * param) in place on the device
     (the rate is read there); returns param, the same device buffer."""
     param, grad, lr = ins["param"], ins["grad"], ins["learning_rate"]
@@ -112,7 +108,7 @@ def sgd_gpu(op, ins):
 
 
 @kernel("momentum", "gpu", dtypes=GPU_FLOATS)
-def momentum_gpu(op, ins):
+def momentum_gpu(op, ins, ctx):
     """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
     (velocity, or d + mu * velocity with use_nesterov); both in place on the device."""
     param, grad, velocity = ins["param"], ins["grad"], ins["velocity"]

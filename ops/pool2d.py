@@ -22,16 +22,12 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
-    bool_attr,
-    check_float,
-    check_rank,
     grad_maker,
     grad_schema,
     kernel,
-    one_of,
     register,
-    str_attr,
 )
+from minigraph.validators import bool_attr, check_float, check_rank, one_of, str_attr
 
 
 def pool_attrs():
@@ -183,7 +179,7 @@ def avg_divisor(x_shape, attrs, hw, dtype):
 
 
 @kernel("pool2d", "cpu")
-def pool2d_cpu(op, ins):
+def pool2d_cpu(op, ins, ctx):
     """Max or average of every window (see the module doc)."""
     x, a = ins["x"], op.attrs
     if a["global_pooling"]:
@@ -201,7 +197,7 @@ def pool2d_cpu(op, ins):
 
 
 @kernel("pool2d_grad", "cpu")
-def pool2d_grad_cpu(op, ins):
+def pool2d_grad_cpu(op, ins, ctx):
     """dx: dout routed to each window's first max, or spread evenly over its real elements."""
     x, d, a = ins["x"], ins["dout"], op.attrs
     n, c, h, w = x.shape
@@ -242,13 +238,13 @@ def pool_geometry(op):
 
 
 @kernel("pool2d", "gpu", dtypes=GPU_FLOATS)
-def pool2d_gpu(op, ins):
+def pool2d_gpu(op, ins, ctx):
     """Max or average of every window on the device (see the module doc)."""
     return {"out": gpu.pool2d(ins["x"], **pool_geometry(op))}
 
 
 @kernel("pool2d_grad", "gpu", dtypes=GPU_FLOATS)
-def pool2d_grad_gpu(op, ins):
+def pool2d_grad_gpu(op, ins, ctx):
     """dx on the device: dout routed to each window's first max, or spread evenly
     over its real elements; nothing when dx is unbound."""
     x, d = ins["x"], ins["dout"]

@@ -25,13 +25,12 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
-    fail,
     grad_maker,
     grad_schema,
-    int_attr,
     kernel,
     register,
 )
+from minigraph.validators import fail, int_attr
 
 
 def is_int(v):
@@ -165,14 +164,14 @@ register(grad_schema(TRANSPOSE, inputs=(Slot("dout"),), outputs=(Slot("dx", opti
 
 
 @kernel("reshape", "cpu")
-def reshape_cpu(op, ins):
+def reshape_cpu(op, ins, ctx):
     """out = a copy of x in `shape` (the -1 resolved)."""
     x = ins["x"]
     return {"out": x.reshape(reshaped(op.type, x.shape, op.attrs["shape"])).copy()}
 
 
 @kernel("flatten", "cpu")
-def flatten_cpu(op, ins):
+def flatten_cpu(op, ins, ctx):
     """out = a copy of x with dims start_axis..stop_axis merged."""
     x = ins["x"]
     start, stop = flat_range(op.type, x.ndim, op.attrs)
@@ -180,7 +179,7 @@ def flatten_cpu(op, ins):
 
 
 @kernel("reshape_grad", "cpu")
-def reshape_grad_cpu(op, ins):
+def reshape_grad_cpu(op, ins, ctx):
     """dx = a copy of dout in x's shape."""
     if not op.wants("dx"):
         return {}
@@ -188,13 +187,13 @@ def reshape_grad_cpu(op, ins):
 
 
 @kernel("transpose", "cpu")
-def transpose_cpu(op, ins):
+def transpose_cpu(op, ins, ctx):
     """out = x.transpose(perm), C-contiguous (a copy even for the identity perm)."""
     return {"out": ins["x"].transpose(op.attrs["perm"]).copy(order="C")}
 
 
 @kernel("transpose_grad", "cpu")
-def transpose_grad_cpu(op, ins):
+def transpose_grad_cpu(op, ins, ctx):
     """dx = dout.transpose(argsort(perm)), C-contiguous."""
     if not op.wants("dx"):
         return {}
@@ -204,14 +203,14 @@ def transpose_grad_cpu(op, ins):
 # ---- GPU bindings: kernels/shape_ops.cu (any dtype) ----
 
 @kernel("reshape", "gpu")
-def reshape_gpu(op, ins):
+def reshape_gpu(op, ins, ctx):
     """out = a device copy of x in `shape` (the -1 resolved)."""
     x = ins["x"]
     return {"out": gpu.reshape(x, reshaped(op.type, x.shape, op.attrs["shape"]))}
 
 
 @kernel("flatten", "gpu")
-def flatten_gpu(op, ins):
+def flatten_gpu(op, ins, ctx):
     """out = a device copy of x with dims start_axis..stop_axis merged."""
     x = ins["x"]
     start, stop = flat_range(op.type, len(x.shape), op.attrs)
@@ -219,7 +218,7 @@ def flatten_gpu(op, ins):
 
 
 @kernel("reshape_grad", "gpu")
-def reshape_grad_gpu(op, ins):
+def reshape_grad_gpu(op, ins, ctx):
     """dx = a device copy of dout in x's shape, when bound."""
     if not op.wants("dx"):
         return {}
@@ -227,13 +226,13 @@ def reshape_grad_gpu(op, ins):
 
 
 @kernel("transpose", "gpu")
-def transpose_gpu(op, ins):
+def transpose_gpu(op, ins, ctx):
     """out = x.transpose(perm), a new C-contiguous device array."""
     return {"out": gpu.transpose(ins["x"], op.attrs["perm"])}
 
 
 @kernel("transpose_grad", "gpu")
-def transpose_grad_gpu(op, ins):
+def transpose_grad_gpu(op, ins, ctx):
     """dx = dout.transpose(argsort(perm)) on the device, when bound."""
     if not op.wants("dx"):
         return {}

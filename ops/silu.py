@@ -15,7 +15,7 @@ register_activation("silu", keep="x")
 
 
 @kernel("silu", "cpu")
-def silu_cpu(op, ins):
+def silu_cpu(op, ins, ctx):
     """out = x * sigmoid(x)."""
     x = ins["x"]
     xw = work(x)
@@ -23,7 +23,7 @@ def silu_cpu(op, ins):
 
 
 @kernel("silu_grad", "cpu")
-def silu_grad_cpu(op, ins):
+def silu_grad_cpu(op, ins, ctx):
     """dx = dout * s * (1 + x * (1 - s)), s = sigmoid(x)."""
     x, d = work(ins["x"]), ins["dout"]
     s = sigmoid64(x)

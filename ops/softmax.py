@@ -12,19 +12,8 @@ import numpy as np
 from minigraph.kernels import softmax as gpu
 from minigraph.ops.axis import normalized_axis
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpSchema,
-    Slot,
-    check_float,
-    check_shape,
-    fail,
-    grad_maker,
-    grad_schema,
-    int_attr,
-    kernel,
-    register,
-)
+from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.validators import check_float, check_shape, fail, int_attr
 
 
 def infer_softmax(ins, attrs):
@@ -51,7 +40,7 @@ register(grad_schema(SOFTMAX, inputs=(Slot("out"), Slot("dout")),
 
 
 @kernel("softmax", "cpu")
-def softmax_cpu(op, ins):
+def softmax_cpu(op, ins, ctx):
     """out = exp(z) / sum(exp(z), axis), z = x - max(x, axis), in float64."""
     x = ins["x"]
     if x.size == 0:
@@ -66,7 +55,7 @@ def softmax_cpu(op, ins):
 
 
 @kernel("softmax_grad", "cpu")
-def softmax_grad_cpu(op, ins):
+def softmax_grad_cpu(op, ins, ctx):
     """dx = out * (dout - sum(dout * out, axis)), in float64."""
     if not op.wants("dx"):
         return {}
@@ -78,13 +67,13 @@ def softmax_grad_cpu(op, ins):
 # ---- GPU bindings: kernels/softmax.cu ----
 
 @kernel("softmax", "gpu", dtypes=GPU_FLOATS)
-def softmax_gpu(op, ins):
+def softmax_gpu(op, ins, ctx):
     """out = softmax of x along axis, in double on the device."""
     return {"out": gpu.softmax(ins["x"], op.attrs["axis"])}
 
 
 @kernel("softmax_grad", "gpu", dtypes=GPU_FLOATS)
-def softmax_grad_gpu(op, ins):
+def softmax_grad_gpu(op, ins, ctx):
     """dx = out * (dout - sum(dout * out, axis)) on the device, when bound."""
     if not op.wants("dx"):
         return {}

@@ -14,19 +14,8 @@ import numpy as np
 from minigraph.kernels import loader
 from minigraph.kernels import softmax_with_cross_entropy as gpu
 from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import (
-    Meta,
-    OpError,
-    OpSchema,
-    Slot,
-    check_float,
-    check_rank,
-    check_shape,
-    fail,
-    grad_maker,
-    kernel,
-    register,
-)
+from minigraph.schema import Meta, OpError, OpSchema, Slot, grad_maker, kernel, register
+from minigraph.validators import check_float, check_rank, check_shape, fail
 
 OP = "softmax_with_cross_entropy"
 
@@ -75,7 +64,7 @@ register(OpSchema(
 
 
 @kernel(OP, "cpu")
-def softmax_with_cross_entropy_cpu(op, ins):
+def softmax_with_cross_entropy_cpu(op, ins, ctx):
     """softmax = exp(z - lse(z)), loss = lse(z) - z[label], z the logits shifted by the row max."""
     logits, label = ins["logits"], ins["label"]
     check_labels(label, logits.shape[1])
@@ -88,7 +77,7 @@ def softmax_with_cross_entropy_cpu(op, ins):
 
 
 @kernel(OP + "_grad", "cpu")
-def softmax_with_cross_entropy_grad_cpu(op, ins):
+def softmax_with_cross_entropy_grad_cpu(op, ins, ctx):
     """dlogits = (softmax - onehot(label)) * dloss[:, None]
     + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1))."""
     sm, label = ins["softmax"], ins["label"]
@@ -112,7 +101,7 @@ def label_status(what):
 
 
 @kernel(OP, "gpu", dtypes=GPU_FLOATS)
-def softmax_with_cross_entropy_gpu(op, ins):
+def softmax_with_cross_entropy_gpu(op, ins, ctx):
     """softmax and loss on the device, from the max-shifted logits in double.
     A label outside [0, K) gets loss NaN and is flagged on the device; the
     error raises at the next fetch (see minigraph.place), not here."""
@@ -122,7 +111,7 @@ def softmax_with_cross_entropy_gpu(op, ins):
 
 
 @kernel(OP + "_grad", "gpu", dtypes=GPU_FLOATS)
-def softmax_with_cross_entropy_grad_gpu(op, ins):
+def softmax_with_cross_entropy_grad_gpu(op, ins, ctx):
     """dlogits on the device, from the terms whose incoming gradient is bound;
     nothing when dlogits is unbound."""
     sm, label = ins["softmax"], ins["label"]

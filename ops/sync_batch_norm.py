@@ -33,14 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.ops.batch_norm import (
-    batch_norm_cpu,
-    batch_norm_grad_cpu,
-    bn_grad_schema,
-    bn_schema,
-)
-from minigraph.ops.batch_norm_gpu import batch_norm_gpu, batch_norm_grad_gpu
-from minigraph.ops.collective import communicator
+from minigraph.ops.batch_norm import backward_cpu, bn_grad_schema, bn_schema, forward_cpu
+from minigraph.ops.batch_norm_gpu import backward_gpu, forward_gpu
 from minigraph.ops.device import GPU_FLOATS
 from minigraph.schema import kernel, register
 
@@ -93,20 +87,20 @@ def grad_combiner(op, comm):
     return combine
 
 
-def sync_batch_norm_cpu(op, ins):
-    """CPU forward: batch_norm's kernel with the statistics combined over ranks."""
-    comm = communicator()
+def sync_batch_norm_cpu(op, ins, ctx):
+    """CPU forward: batch_norm's with the statistics combined over ranks."""
     training = not (op.attrs["is_infer"] or op.attrs["use_global_est"])
+    comm = ctx.comm if training else None
     combine = stats_combiner(op, comm) if training and comm.size > 1 else None
-    return batch_norm_cpu(op, ins, combine=combine)
+    return forward_cpu(op, ins, combine=combine)
 
 
-def sync_batch_norm_grad_cpu(op, ins, donated=()):
+def sync_batch_norm_grad_cpu(op, ins, ctx):
     """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks (dx into dy's
     array when it is handed over)."""
-    comm = communicator()
+    comm = ctx.comm
     combine = grad_combiner(op, comm) if comm.size > 1 else None
-    return batch_norm_grad_cpu(op, ins, combine=combine, donated=donated)
+    return backward_cpu(op, ins, combine=combine, donated=ctx.donated)
 
 
 def device_allreduce(comm, what):
@@ -120,19 +114,19 @@ def device_stats_merge(comm, what):
     return lambda v: comm.allreduce_stats(v, what=what)
 
 
-def sync_batch_norm_gpu(op, ins):
+def sync_batch_norm_gpu(op, ins, ctx):
     """GPU forward: batch_norm's binding with ONE allreduce_stats of the 2C+1 local
     (n, mean, M2) (training with more than one rank); otherwise exactly batch_norm."""
-    comm = communicator()
-    return batch_norm_gpu(op, ins, allreduce=device_stats_merge(comm, forward_label(op))
+    comm = ctx.comm
+    return forward_gpu(op, ins, allreduce=device_stats_merge(comm, forward_label(op))
                           if comm.size > 1 else None)
 
 
-def sync_batch_norm_grad_gpu(op, ins):
+def sync_batch_norm_grad_gpu(op, ins, ctx):
     """GPU grad: ONE allreduce of (n, Σdy, Σdy·(x−μ)) when the statistics came from
     the batch and there is more than one rank; then dx with the global n."""
-    comm = communicator()
-    return batch_norm_grad_gpu(op, ins, allreduce=device_allreduce(comm, backward_label(op))
+    comm = ctx.comm
+    return backward_gpu(op, ins, allreduce=device_allreduce(comm, backward_label(op))
                                if comm.size > 1 else None)
 
 

@@ -2,10 +2,13 @@
 central finite differences."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import numpy as np
 
 import minigraph as mg
-from minigraph.schema import get_schema
+from minigraph.schema import KernelContext, get_schema
 
 DEFAULT_TOL = {np.dtype("float16"): 1e-2, np.dtype("float32"): 1e-5, np.dtype("float64"): 1e-9}
 
@@ -56,6 +59,26 @@ def helper_test_op(op_type, inputs, attrs=None, reference=None, grad_wrt=(), out
         _check_grads(op_type, _map(inputs, _as_float64), attrs, expected, grad_wrt,
                      loss_slots, seed, grad_atol, grad_rtol, eps)
     return got
+
+
+def call_kernel(op, ins, device="cpu", donated=(), room=None, place=None):
+    """Call the kernel the runner would pick for `op` on `device` and the dtypes of
+    `ins`, with a KernelContext of `donated` input slots and work `room`."""
+    fn = op.schema.kernel_for(device, ins)
+    return fn(op, ins, KernelContext(place, donated, room))
+
+
+@contextlib.contextmanager
+def spying(op_type, make_spy, device="cpu"):
+    """Within the block, every `device` kernel `fn` of `op_type` is replaced by
+    make_spy(fn) (a function (op, ins, ctx) -> outs); restored after."""
+    schema = get_schema(op_type)
+    plain = schema.kernels[device]
+    schema.kernels[device] = tuple(dataclasses.replace(k, fn=make_spy(k.fn)) for k in plain)
+    try:
+        yield
+    finally:
+        schema.kernels[device] = plain
 
 
 def tiny_bn_net(sync, place=None, seed=0, optimizer=None):

@@ -9,8 +9,7 @@ def _forward_loss(net, loss, feed):
     ex = net.executor
     for name, value in feed.items():
         net.data_vars[name].set(value)
-    for op in net.section("trunk") + net.section("train"):
-        ex.run_op(op)
+    ex.run(net.section("trunk") + net.section("train"))
     return float(loss.get())
 
 

@@ -62,7 +62,7 @@ def test_runtime_shape_check_runs_when_input_shapes_change():
     op, x, y = _bn_op(scope)
     ex = mg.Executor()
     x.set(np.ones((4, 3, 2, 2), np.float32))
-    ex.run_op(op)
+    ex.run([op], scope)
     x.value = np.ones((4, 3), np.float32)[:, :2]    # bypasses feed checks: the op still checks
     with pytest.raises(mg.OpError, match=r"batch_norm: input 'scale' must have shape \(2,\)"):
-        ex.run_op(op)
+        ex.run([op], scope)

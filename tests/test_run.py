@@ -7,7 +7,8 @@ import pytest
 
 import minigraph as mg
 from minigraph import layers as L
-from minigraph.schema import Meta, OpSchema, Slot, bool_attr, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.validators import bool_attr
 
 
 def _passthrough_infer(ins, attrs):
@@ -23,14 +24,14 @@ CALLBACK = {"fn": None}
 
 
 @kernel("test_fail_if", "cpu")
-def _fail_if(op, ins):
+def _fail_if(op, ins, ctx):
     if ARMED["on"]:
         raise RuntimeError("test_fail_if: armed")
     return {"out": ins["x"]}
 
 
 @kernel("test_call_back", "cpu")
-def _call_back(op, ins):
+def _call_back(op, ins, ctx):
     if CALLBACK["fn"] is not None:
         CALLBACK["fn"]()
     return {"out": ins["x"]}

@@ -1,12 +1,13 @@
-"""The lean training step (minigraph/run.py): temporaries released once dead, dying
+"""The lean training step (minigraph/executor.py): temporaries released once dead, dying
 inputs handed over to kernels that may write into them (OpSchema.reuse), a flat
 memory peak over many steps, input checks skipped only for a signature that
 already ran, and the relu gradient's bit-mask kernel."""
-import inspect
+import contextlib
 import tracemalloc
 
 import numpy as np
 import pytest
+from helpers import call_kernel, spying
 
 import minigraph as mg
 from minigraph import layers as L
@@ -52,26 +53,23 @@ def test_the_last_steps_parameter_grads_are_dropped_before_the_first_op():
     """A step computes every parameter's gradient anew, so the last step's values are
     dropped when it starts (PyTorch's zero_grad(set_to_none=True)) and hold no memory
     while it runs; after the step they are there again."""
-    from minigraph.schema import get_schema
 
     net, _, _, loss = small_net()
     grads = [net.grad(p) for p in net.parameters()]
     first = net.plan("train", (loss,)).ops[0]
-    kernels = get_schema(first.type).kernels
-    plain, seen = kernels["cpu"], []
+    seen = []
 
-    def spy(op, ins, **kw):
-        if op is first:
-            seen.append([g.name for g in grads if g.value is not None])
-        return plain(op, ins, **kw)
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            if op is first:
+                seen.append([g.name for g in grads if g.value is not None])
+            return plain(op, ins, ctx)
+        return spy
 
-    kernels["cpu"] = spy
-    try:
+    with spying(first.type, make_spy):
         for step in range(3):
             net.train(feed=feed(seed=step), fetch=[loss])
             assert all(g.value is not None for g in grads)
-    finally:
-        kernels["cpu"] = plain
     assert seen == [[], [], []]
 
 
@@ -96,21 +94,18 @@ def test_add_grad_gets_shape_stand_ins_not_the_forward_values():
     """add_grad reads only the shapes of add's inputs (Slot.shape_only): a training
     step replaces a value that nothing else needs by a zero-stride stand-in once the
     forward is done."""
-    from minigraph.schema import get_schema
 
     net, _, _, loss = small_net()
-    kernels = get_schema("add_grad").kernels
-    plain, seen = kernels["cpu"], []
+    seen = []
 
-    def spy(op, ins):
-        seen.append((ins["x"].strides, ins["y"].strides, ins["x"].shape))
-        return plain(op, ins)
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            seen.append((ins["x"].strides, ins["y"].strides, ins["x"].shape))
+            return plain(op, ins, ctx)
+        return spy
 
-    kernels["cpu"] = spy
-    try:
+    with spying("add_grad", make_spy):
         net.train(feed=feed(), fetch=[loss])
-    finally:
-        kernels["cpu"] = plain
     (x_strides, y_strides, shape), = seen
     assert x_strides == (0, 0, 0, 0) and shape == (16, 8, 8, 8)    # batch norm's output
     assert y_strides != (0, 0, 0, 0)             # the shortcut: relu_grad needs its values
@@ -178,10 +173,8 @@ def spy_on_handovers(net, op_types=REUSERS):
     """Wrap the CPU kernels of `op_types`; each call appends (op type, donated slots,
     {slot: True when an input array shares memory with another live Variable}) and
     checks that a donated input's memory now holds the output."""
-    from minigraph.schema import get_schema
-
     scopes = [net.scope, *net.scopes.values()]
-    calls, plain = [], {}
+    calls = []
 
     def held_elsewhere(op, slot, a):
         own = op.inputs[slot]
@@ -190,25 +183,20 @@ def spy_on_handovers(net, op_types=REUSERS):
                    for scope in scopes for v in scope.vars.values())
 
     def make(op_type, fn):
-        def spy(op, ins, donated=()):
+        def spy(op, ins, ctx):
             shared = {s: held_elsewhere(op, s, a) for s, a in ins.items()
                       if isinstance(a, np.ndarray) and a.strides and 0 not in a.strides}
-            calls.append((op_type, donated, shared))
-            outs = fn(op, ins, donated=donated) if donated else fn(op, ins)
-            for slot in donated:
+            calls.append((op_type, ctx.donated, shared))
+            outs = fn(op, ins, ctx)
+            for slot in ctx.donated:
                 assert any(np.shares_memory(o, ins[slot]) for o in outs.values()), (op_type, slot)
             return outs
         return spy
 
+    stack = contextlib.ExitStack()
     for op_type in op_types:
-        kernels = get_schema(op_type).kernels
-        plain[op_type] = kernels["cpu"]
-        kernels["cpu"] = make(op_type, kernels["cpu"])
-
-    def restore():
-        for op_type, fn in plain.items():
-            get_schema(op_type).kernels["cpu"] = fn
-    return calls, restore
+        stack.enter_context(spying(op_type, lambda fn, t=op_type: make(t, fn)))
+    return calls, stack.close
 
 
 def test_dying_inputs_are_handed_over_and_never_one_another_variable_sees():
@@ -256,7 +244,8 @@ def test_fetched_and_inference_values_are_never_written_over():
 
 
 def test_every_reusing_op_says_what_it_may_overwrite():
-    """OpSchema.reuse names real slots, and the op's CPU kernel takes `donated`."""
+    """OpSchema.reuse names real slots, and a kernel given a donated input writes into
+    it (test_a_kernel_writing_into_a_handed_over_input_gives_the_same_bits)."""
     from minigraph.schema import get_schema, registered_ops
 
     reusing = [get_schema(t) for t in registered_ops() if get_schema(t).reuse]
@@ -265,12 +254,11 @@ def test_every_reusing_op_says_what_it_may_overwrite():
         for out_slot, in_slots in schema.reuse.items():
             assert out_slot in {s.name for s in schema.outputs}, schema.type
             assert set(in_slots) <= {s.name for s in schema.inputs}, schema.type
-        assert "donated" in inspect.signature(schema.kernels["cpu"]).parameters, schema.type
+    assert {op.type for op, _, _ in kernel_cases()} == {s.type for s in reusing}
 
 
 def run_kernel(op, ins, donated):
-    return op.schema.kernels["cpu"](op, ins, donated=donated) if donated else \
-        op.schema.kernels["cpu"](op, ins)
+    return call_kernel(op, ins, donated=donated)
 
 
 def kernel_cases():
@@ -294,8 +282,10 @@ def kernel_cases():
            {"x": x[0, :1], "y": x}, "y")
     yield (mg.Operator("elementwise_add", x=var("p"), y=var("q"), out=var("r"), axis=1),
            {"x": x, "y": x[0, :, 0, 0]}, "x")
-    for shift, use_est in ((0.0, False), (40.0, False), (0.0, True)):
-        op = mg.Operator("batch_norm_grad", use_global_est=use_est, **bn_grad)
+    cases = ((0.0, False, "batch_norm_grad"), (40.0, False, "batch_norm_grad"),
+             (0.0, True, "batch_norm_grad"), (0.0, False, "sync_batch_norm_grad"))
+    for shift, use_est, op_type in cases:
+        op = mg.Operator(op_type, use_global_est=use_est, **bn_grad)
         xs = (x + shift).astype(np.float64)
         yield (op, {"x": xs, "scale": r.standard_normal(3), "mean": xs.mean(axis=(0, 2, 3)),
                     "var": xs.var(axis=(0, 2, 3)), "dy": r.standard_normal(big)}, "dy")

@@ -4,12 +4,13 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from helpers import spying
 
 import minigraph as mg
 from minigraph import layers as L
 from minigraph import work_room
+from minigraph.executor import ONE
 from minigraph.ops import conv_cpu
-from minigraph.run import ONE
 from minigraph.schema import get_schema
 from minigraph.scope import Variable
 
@@ -47,8 +48,8 @@ def test_rooms_go_to_the_ops_that_declare_work_room():
 
     meter = work_room.Meter()
     meter.held = [100, 700, 400]
-    steps = [(None, Op("conv2d")), (None, Op("relu")), (None, Op("conv2d_grad"))]
-    assert meter.rooms(steps) == ({"room": 600}, {}, {"room": 300})
+    ops = [Op("conv2d"), Op("relu"), Op("conv2d_grad")]
+    assert meter.rooms(ops) == (600, None, 300)
 
 
 def test_room_above_the_lean_cap_buys_full_chunks():
@@ -89,7 +90,7 @@ def train(rooms, monkeypatch, steps=3):
     (lean, taken) of a few steps, with work rooms or without."""
     with monkeypatch.context() as m:
         if not rooms:
-            m.setattr(work_room.Meter, "rooms", lambda self, steps: None)
+            m.setattr(work_room.Meter, "rooms", lambda self, ops: [None] * len(ops))
         chunks, real = [], conv_cpu.chunk_size
 
         def spy(g, dtype, lean, reserved=0, room=None):
@@ -127,15 +128,23 @@ def test_a_step_with_work_room_takes_bigger_chunks_and_no_more_memory(monkeypatc
     assert peak <= lean_peak + (64 << 10), (peak, lean_peak)
 
 
-def test_the_check_run_passes_no_room_and_a_new_shape_measures_again(monkeypatch):
-    kernels = get_schema("conv2d").kernels
-    plain, rooms = kernels["cpu"], []
+@pytest.fixture
+def conv_rooms():
+    """The work room of every conv2d kernel call, in order."""
+    rooms = []
 
-    def spy(op, ins, **kw):
-        rooms.append(kw.get("room"))
-        return plain(op, ins, **kw)
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            rooms.append(ctx.room)
+            return plain(op, ins, ctx)
+        return spy
 
-    monkeypatch.setitem(kernels, "cpu", spy)
+    with spying("conv2d", make_spy):
+        yield rooms
+
+
+def test_the_check_run_passes_no_room_and_a_new_shape_measures_again(conv_rooms):
+    rooms = conv_rooms
     net, loss = conv_net()
     net.train(feed=batch(0), fetch=[loss])
     assert rooms == [None] * 3

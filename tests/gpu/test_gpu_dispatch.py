@@ -18,6 +18,7 @@ import shutil
 import kernel_emulator
 import numpy as np
 import pytest
+from helpers import call_kernel
 from kernel_emulator import fake_pycuda
 from kernel_emulator.fake_memory import FakeArray
 from op_harness import batches, small_net
@@ -295,7 +296,6 @@ def test_channel_sum_partials_come_from_scratch(fake, gpu):
 def test_the_gpu_binding_still_names_a_batch_of_one_value_per_channel(shape):
     """The binding no longer computes n before launching: the launcher's ValueError
     (raised before anything is written) becomes batch_norm's own OpError."""
-    from minigraph.ops.batch_norm_gpu import batch_norm_gpu
     from minigraph.schema import OpError
 
     with kernel_emulator.emulated_gpu() as place:
@@ -310,11 +310,11 @@ def test_the_gpu_binding_still_names_a_batch_of_one_value_per_channel(shape):
                "estimated_mean": ones, "estimated_var": ones}
         with pytest.raises(OpError, match=r"batch_norm: training needs more than one value "
                                           r"per channel, got n=1"):
-            batch_norm_gpu(op, ins)
+            call_kernel(op, ins, "gpu", place=place)
         ins["scale"] = place.to_device(np.ones(4, np.float32))      # other errors pass through
         ins["x"] = place.to_device(np.ones((2, 3), np.float32))
         with pytest.raises(ValueError, match=r"batch_norm: 'scale' must be float32 of shape"):
-            batch_norm_gpu(op, ins)
+            call_kernel(op, ins, "gpu", place=place)
 
 
 def test_allreduce_scaled_packs_reduces_and_unpacks_once():

@@ -1,0 +1,128 @@
+"""Feeds and fetches: what a caller names, resolved to a net's Variables and checked.
+
+A feed is {data name or data Variable: array}; each value is checked against
+its Variable's declared dtype and shape (-1 matches any size) and stored on
+the net's place as a copy the net owns. A fetch is a Variable of the net or a
+name; a Variable of the other branch stands for its copy in the branch that
+runs. The exporters resolve their feeds and fetches the same way
+(`io_variables`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.scope import Variable
+
+
+def check_feed(var, value):
+    """`value` as an array matching `var`'s declared dtype and shape, or a clear error."""
+    value = np.asarray(value)
+    if var.decl_dtype is not None and value.dtype != var.decl_dtype:
+        raise TypeError(f"feed {var.name!r}: expected dtype {var.decl_dtype}, got {value.dtype} "
+                        f"(convert with .astype({str(var.decl_dtype)!r}))")
+    shape = var.decl_shape
+    if shape is not None and (len(shape) != value.ndim or
+                              any(d >= 0 and d != s for d, s in zip(shape, value.shape))):
+        want = "(" + ", ".join("N" if d < 0 else str(d) for d in shape) + ")"
+        raise ValueError(f"feed {var.name!r}: expected shape {want}, got {value.shape}")
+    return value
+
+
+def feed_by_name(data_vars, feed):
+    """{data name: value} of `feed`, whose keys may be names or the data Variables
+    themselves; `data_vars` is the net's {name: data Variable}."""
+    named = {}
+    for key, value in feed.items():
+        if isinstance(key, Variable):
+            if data_vars.get(key.name) is not key:
+                raise KeyError(f"feed {key.name!r}: this Variable is not a data variable of "
+                               "this net (from another net, or not declared with "
+                               "layers.data)")
+            key = key.name
+        if key not in data_vars:
+            raise KeyError(f"feed {key!r}: not a data variable of this net; data: "
+                           f"{', '.join(data_vars) or '(none)'}")
+        named[key] = value
+    return named
+
+
+def store_feeds(place, data_vars, needed, feed, mode):
+    """Check every value of `feed` ({name: value}) and store a copy of it on `place`
+    in its data Variable; a KeyError naming what `needed` (the data Variables the ops
+    read) lacks. The net never keeps (nor writes) the caller's array."""
+    missing = [v.name for v in needed if v.name not in feed]
+    if missing:
+        raise KeyError(f"{mode}: missing feed {', '.join(map(repr, missing))}; the ops run "
+                       f"need {', '.join(v.name for v in needed)}")
+    for name, value in feed.items():
+        var = data_vars[name]
+        stored = place.to_device(check_feed(var, value))
+        if stored is value:
+            stored = stored.copy()
+        var.value = stored
+
+
+def fetch_target(net, mode, target):
+    """The Variable `mode` computes for `target` (a Variable of this net, or a name)."""
+    scope = net.scopes[mode]
+    if not isinstance(target, Variable):
+        var = scope.find_var(target)
+        if var is None:
+            raise KeyError(f"fetch {target!r}: no variable of that name in this net's "
+                           f"{mode} branch")
+        return var
+    if not net.owns(target):
+        raise KeyError(f"fetch {target.name!r}: this Variable belongs to another net; fetch "
+                       "a Variable of this net or a name")
+    other = "train" if mode == "infer" else "infer"
+    if target.scope is net.scopes[other]:
+        twin = net.twin(target)
+        if twin is None:
+            raise KeyError(f"fetch {target.name!r}: computed only in the {other} branch (it "
+                           f"has no copy in the {mode} branch)")
+        return twin
+    return target
+
+
+def scope_targets(scope, fetch):
+    """The Variables of `fetch` (Variables, or names looked up in `scope`)."""
+    found = []
+    for target in fetch:
+        var = target if isinstance(target, Variable) else scope.find_var(target)
+        if var is None:
+            raise KeyError(f"fetch {target!r}: no such variable in the scope")
+        found.append(var)
+    return found
+
+
+def io_variables(net, feeds, fetches, what, error=ValueError):
+    """(feed Variables, fetch Variables) of the inference graph an exporter writes.
+
+    feeds: a list of data Variables of `net` or their names; fetches: a
+    non-empty list of Variables of `net` or names (a train-branch Variable
+    stands for its infer copy). Anything else, or a repeated one, is an
+    `error` whose message starts with `what`."""
+    found = {}
+    for kind, given in (("feeds", feeds), ("fetches", fetches)):
+        if isinstance(given, (str, Variable)) or not hasattr(given, "__iter__") or \
+                (kind == "fetches" and not given):
+            raise error(f"{what}: {kind} must be a{' non-empty' if kind == 'fetches' else ''} "
+                        f"list of Variables or names, got {given!r}")
+        out = found[kind] = []
+        for item in given:
+            if kind == "feeds":
+                name = item.name if isinstance(item, Variable) else item
+                var = net.data_vars.get(name) if isinstance(name, str) else None
+                if var is None or (isinstance(item, Variable) and item is not var):
+                    raise error(f"{what}: feed {name!r} is not a data variable of this net "
+                                f"(declared with layers.data); data: "
+                                f"{', '.join(net.data_vars) or '(none)'}")
+            else:
+                try:
+                    var = fetch_target(net, "infer", item)
+                except KeyError as e:
+                    raise error(f"{what}: {e.args[0]}") from None
+            if any(var is v for v in out):
+                raise error(f"{what}: {kind[:-1]} {var.name!r} is given twice")
+            out.append(var)
+    return found["feeds"], found["fetches"]
