@@ -180,7 +180,7 @@ def main(argv=None):
     import numpy as np
 
     import minigraph as mg
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     try:
         mg.GPUPlace(args.device)             # primary context, current from now on

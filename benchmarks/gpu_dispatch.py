@@ -152,7 +152,7 @@ def time_journal(net, place, repeat):
 
 def time_arrays(repeat):
     """Microseconds per pooled device array made and dropped (loader.empty)."""
-    from minigraph.kernels import loader
+    from minigraph.kernels.cuda import loader
 
     loader.empty((32, 16, 16, 16), np.float32)
     start = time.perf_counter()

@@ -73,7 +73,7 @@ def load():
     try:
         from minigraph.kernels.cuda import loader
     except ImportError:          # the layout before kernels/cuda/
-        from minigraph.kernels import loader
+        from minigraph.kernels.cuda import loader
     print(f"loader: {loader.__name__}")
     table, failed, count = loader.signature_table(), [], 0
     enter = getattr(loader, "activate", None)

@@ -1,15 +1,21 @@
-"""CUDA kernels (*.cu, shared helpers in *.cuh) and their thin PyCUDA launchers.
+"""How ops run: one folder per device.
 
-A kernel module is either beside its launcher (batch_norm.py beside
-batch_norm.cu, ...: plain functions on PyCUDA GPUArrays, usable without the
-graph) or map-only: elementwise kernels declared one per line with map.cuh's
-macros, launched by map.unary / map.binary, whose signatures map.py reads
-from the source. `loader` compiles each module once per context and process;
-`launch` derives every launch configuration from shapes and device
-properties. Importing any of this imports nothing from pycuda: that happens
-at the first launch.
+`cpu/`: numpy engines (the blocked, threaded reductions of `blocks`, batch
+norm's statistics, the im2col convolution) and native C kernels built for this
+machine with the system compiler (`native`), and one module of op kernels per
+op family of ops/ (kernels/cpu/activation.py for ops/activation.py, ...).
 
-Native CPU kernels sit here the same way: C source beside its launcher
-(conv2d_cpu.c + conv2d_cpu.py, plain functions on numpy arrays), built for
-this machine by `native` with the system C compiler on first use.
+`cuda/`: the CUDA sources (*.cu, shared helpers in *.cuh), their thin PyCUDA
+launchers (plain functions on device arrays, usable without the graph), the
+loader that compiles them, and the op kernels that call the launchers.
+
+An op kernel is `fn(op, ins, ctx) -> {out_slot: array}` (minigraph.schema);
+the op's module in ops/ registers it for its device and float dtypes. Nothing
+here imports pycuda until a GPU kernel runs.
 """
+
+
+def present(**outputs):
+    """{slot: array} without the outputs that were not computed (None): what a kernel
+    returns when some of its optional outputs are unbound."""
+    return {slot: a for slot, a in outputs.items() if a is not None}

@@ -3,7 +3,9 @@
     mg.onnx.export(net, "model.onnx", feeds=["image"], fetches=[logits])
 
 The infer branch (`net.ops("infer")`) is pruned to what the fetches need and
-each op becomes ONNX nodes by the table in minigraph.onnx_ops. The graph's
+each op becomes ONNX nodes by its schema's exporter (`OpSchema.export`,
+declared in the op's module in ops/; the helpers at the end of this module
+build the common ones). The graph's
 inputs are the feeds, its outputs the fetches, both under their Variable
 names; every -1 of a data declaration is a symbolic dim ("N" for the first
 axis), so one file serves any batch size. The persistables the ops read are
@@ -35,14 +37,13 @@ def export(net, path, feeds, fetches, opset=DEFAULT_OPSET):
     feeds: data Variables of `net` or their names, the model's inputs (in order).
     fetches: Variables of `net` (a train-branch Variable stands for its infer
     copy) or names, the model's outputs (in order). opset: the default-domain
-    opset, 13 to 20 (17 by default). Every op the fetches need must have a
-    mapping (minigraph.onnx_ops.MAPPINGS) and every data Variable they read
-    must be a feed; otherwise ExportError naming the op type or Variable.
+    opset, 13 to 20 (17 by default). Every op the fetches need must have an
+    exporter (OpSchema.export) and every data Variable they read must be a
+    feed; otherwise ExportError naming the op type (and why it has none) or
+    the Variable.
     ImportError when onnx is not installed.
     """
     onnx = _require_onnx()
-    from minigraph import onnx_ops
-
     what = f"onnx.export {str(path)!r}"
     if isinstance(opset, bool) or not isinstance(opset, int) or opset not in OPSETS:
         raise ExportError(f"{what}: opset must be an int from {OPSETS[0]} to {OPSETS[-1]} "
@@ -54,11 +55,12 @@ def export(net, path, feeds, fetches, opset=DEFAULT_OPSET):
     ctx = Context(onnx, opset, feed_vars, fetch_vars, ops, what)
     nodes = []
     for op in ops:
-        fn = onnx_ops.MAPPINGS.get(op.type)
+        fn = op.schema.export
         if fn is None:
             out = ", ".join(repr(v.name) for v in op.output_vars()) or "nothing"
-            raise ExportError(f"{what}: op {op.type!r} (computing {out}) has no ONNX mapping; "
-                              f"mapped: {', '.join(sorted(onnx_ops.MAPPINGS))}")
+            why = f" ({op.schema.no_export})" if op.schema.no_export else ""
+            raise ExportError(f"{what}: op {op.type!r} (computing {out}) has no ONNX "
+                              f"exporter{why}")
         try:
             nodes += fn(ctx, op)
         except ExportError:
@@ -87,8 +89,9 @@ def _require_onnx():
 
 
 class Context:
-    """What the op mappings build into: ONNX names of Variables, initializers,
-    constants and helper tensors, in one namespace."""
+    """What the ops' exporters build into: ONNX names of Variables, initializers,
+    constants and helper tensors, in one namespace. `onnx` is the onnx module
+    (TensorProto, helper), for exporters that need more than `node`."""
 
     def __init__(self, onnx, opset, feeds, fetches, ops, what):
         self.onnx, self.opset, self.what = onnx, opset, what
@@ -239,3 +242,36 @@ def _output_dims(name, declared, inferred):
         dims = [None] * len(declared)
     return [d if d is not None else (k if k >= 0 else f"{name}_d{i}")
             for i, (d, k) in enumerate(zip(dims, declared))]
+
+
+# ---- what exporters share (OpSchema.export: fn(ctx, op) -> [NodeProto]) -------------
+
+def unary(onnx_type, **attrs):
+    """The exporter of an op x -> out that is one ONNX node."""
+    def export(ctx, op):
+        return [ctx.node(onnx_type, [ctx.value(op.inputs["x"])],
+                         [ctx.output(op.outputs["out"])], **attrs)]
+    export.__doc__ = f"out = {onnx_type}(x)"
+    return export
+
+
+def binary(onnx_type):
+    """The exporter of an op out = x (op) y with numpy broadcasting, ONNX's own rule."""
+    def export(ctx, op):
+        ins = [ctx.value(op.inputs["x"]), ctx.value(op.inputs["y"])]
+        return [ctx.node(onnx_type, ins, [ctx.output(op.outputs["out"])])]
+    export.__doc__ = f"out = {onnx_type}(x, y), numpy broadcasting"
+    return export
+
+
+def infer_only(op):
+    """A ValueError unless a mode-dependent op runs in inference mode."""
+    mode = op.schema.mode_attr
+    if mode is not None and not op.attrs[mode]:
+        raise ValueError(f"{op.type} with {mode}=False is a training op; export the infer "
+                         "branch (net.ops('infer'))")
+
+
+def pair(v):
+    """An int or a pair as a tuple of two ints."""
+    return (int(v), int(v)) if np.ndim(v) == 0 else (int(v[0]), int(v[1]))

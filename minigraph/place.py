@@ -32,8 +32,8 @@ import threading
 
 import numpy as np
 
-from minigraph.kernels import loader
-from minigraph.kernels.loader import GPUError
+from minigraph import device
+from minigraph.device import GPUError
 
 _NO_DEVICE = contextlib.nullcontext()
 
@@ -87,18 +87,18 @@ class GPUPlace:
             raise GPUError(f"GPUPlace({self.device_id}): only {count} GPU(s) present")
         self.device = self._drv.Device(self.device_id)
         self.context = _primary_context(self.device)
-        loader.register_place(self)
+        device.register_place(self)
 
     def activate(self):
         """A context manager: this GPU's context is current on the calling thread
         inside the block (pushed on entry, popped on exit; see the module doc)."""
-        return loader.activate(self)
+        return device.activate(self)
 
     def to_device(self, array):
         """`array` copied into a GPUArray on this device, from its memory pool
         (0-d stays 0-d)."""
         with self.activate():
-            return loader.to_device(array)
+            return device.backend().to_device(np.require(array, requirements="C"))
 
     def to_host(self, value):
         """`value` (a GPUArray) copied into a numpy array."""
@@ -111,13 +111,13 @@ class GPUPlace:
         """Raise what GPU kernels flagged on this device since the last check
         (see the module doc): one small synchronising read per flag."""
         with self.activate():
-            loader.check_flags()
+            device.check_flags()
 
     def copy(self, value):
         """A new device array from the memory pool holding a copy of `value`, of
         any dtype (a device-to-device copy: nothing crosses to the host)."""
         with self.activate():
-            return loader.copy(value)
+            return device.backend().copy(value)
 
     def __eq__(self, other):
         return isinstance(other, GPUPlace) and other.device_id == self.device_id
@@ -184,7 +184,7 @@ def _primary_context(device):
 def release_gpus():
     """Give back every primary context this process retained (registered with
     atexit; safe to call again). Per device: push its context, synchronize,
-    drop the loader's state for it (kernels, modules, error flags, caches) and
+    drop the device state for it (kernels, modules, error flags, caches) and
     give its memory pool back, pop; then pop the context left current on the
     main thread, clear PyCUDA's context caches and detach each context. GPU
     places made before are unusable afterwards; new ones retain afresh."""
@@ -202,7 +202,7 @@ def release_gpus():
                 drv.Context.synchronize()
             except Exception as e:  # a sticky launch error: report it, finish the teardown
                 sys.stderr.write(f"minigraph: GPU error found at exit: {e}\n")
-            loader.forget_place(ctx)
+            device.forget_place(ctx)
         finally:
             drv.Context.pop()
     if main is not None and threading.current_thread() is threading.main_thread() and \

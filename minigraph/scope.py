@@ -50,9 +50,9 @@ class Variable:
         if isinstance(v, np.ndarray):
             return v
         if hasattr(v, "get"):            # a device array: copied out in its device's context
-            from minigraph.kernels import loader
+            from minigraph import device
 
-            return loader.to_host(v)
+            return device.to_host(v)
         return np.asarray(v)
 
     @property

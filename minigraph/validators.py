@@ -110,6 +110,13 @@ def as_pair(v):
     return (int(v[0]), int(v[1]))
 
 
+def out_size(size, k, stride, pad, dilation=1):
+    """floor((size + 2 pad - dilation (k - 1) - 1) / stride) + 1; -1 when size or k is unknown."""
+    if size < 0 or k < 0:
+        return -1
+    return (size + 2 * pad - dilation * (k - 1) - 1) // stride + 1
+
+
 # ---- shapes and dtypes, for schema inference --------------------------------------
 
 def fail(op_type, slot, msg):

@@ -1,10 +1,10 @@
-"""The op library: importing it registers every op's schema and kernels.
+"""What each op is: importing this package registers every op.
 
-One module per op family (`relu.py`-style: schema, shape checks, CPU
-kernel, GPU binding, grad maker); every module in this package is imported
-here, so a new op is one new file. Helper modules (`device`, `window`,
-`batch_norm_cpu`, ...) register nothing and are imported harmlessly.
-See docs/adding_an_op.md for the recipe.
+One module per op family: its schemas (slots, typed attributes, in-place pairs,
+roles), shape and dtype inference, grad maker, ONNX exporter, and the
+registration of its kernels, which live in kernels/cpu and kernels/cuda. No
+numerics here. Every module of the package is imported below, so a new op is
+one new module (see docs/adding_an_op.md).
 """
 import pkgutil
 from importlib import import_module

@@ -1,4 +1,4 @@
-"""batch_norm: the op's schema, shape checks, CPU drivers, grad maker and registration.
+"""batch_norm: the op's schema, shape checks, grad maker, exporter and kernels.
 
 Semantics (n = values per channel in the batch):
   training:        y = (x - batch_mean) / sqrt(batch_var + eps) * scale + bias,
@@ -15,27 +15,20 @@ are these in-place running estimates (Paddle's `MeanOut`/`VarianceOut`), the
 reverse of Paddle's `SavedMean`/`SavedVariance`, which are batch statistics
 (ours are `batch_mean`/`batch_var`).
 
-Where the rest lives: the numerics in ops/batch_norm_cpu.py (on the blocked,
-threaded engine of minigraph/cpu_blocks.py), the GPU bindings in
-ops/batch_norm_gpu.py (which registers nothing). This module registers every
-kernel of the op - the list at the bottom, the GPU ones with the float dtypes
-they take; sync_batch_norm reuses the drivers through `combine`.
+docs/batch_norm.md explains the names and the momentum convention.
+Kernels: kernels/cpu/batch_norm.py (on the stable statistics of
+kernels/cpu/batch_norm_stats.py) and kernels/cuda/batch_norm_op.py; sync_batch_norm
+shares the schema and the kernels' drivers. In ONNX an inference batch norm is
+BatchNormalization on the estimates.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.ops.batch_norm_cpu import (
-    as_3d,
-    as_work,
-    centring_needed,
-    grad_sums,
-    input_grad,
-    local_stats,
-    normalize,
-)
-from minigraph.ops.batch_norm_gpu import backward_gpu, forward_gpu
-from minigraph.ops.device import GPU_FLOATS
+from minigraph import onnx_export
+from minigraph.kernels.cpu import batch_norm as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import batch_norm_op as cuda
 from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, kernel, register
 from minigraph.validators import (
     bool_attr,
@@ -61,7 +54,26 @@ def momentum_range(v):
             "cumulative average")
 
 
-def bn_schema(op_type):
+def export_batch_norm(ctx, op):
+    """BatchNormalization on the estimates (inference); NHWC is transposed to NCHW
+    and back around it."""
+    onnx_export.infer_only(op)
+    x, y = op.inputs["x"], op.outputs["y"]
+    rank = len(ctx.shape(x))
+    ins = [ctx.value(op.inputs[s]) for s in ("scale", "bias", "estimated_mean", "estimated_var")]
+    eps = float(op.attrs["epsilon"])
+    if op.attrs["data_layout"] == "NCHW" or rank == 2:
+        return [ctx.node("BatchNormalization", [ctx.value(x), *ins], [ctx.output(y)],
+                         epsilon=eps)]
+    to_nchw = [0, rank - 1, *range(1, rank - 1)]
+    to_nhwc = [0, *range(2, rank), 1]
+    xt, yt = ctx.temp(y, "nchw"), ctx.temp(y, "bn_nchw")
+    return [ctx.node("Transpose", [ctx.value(x)], [xt], perm=to_nchw),
+            ctx.node("BatchNormalization", [xt, *ins], [yt], epsilon=eps),
+            ctx.node("Transpose", [yt], [ctx.output(y)], perm=to_nhwc)]
+
+
+def bn_schema(op_type, **fields):
     """The batch-norm schema under `op_type` (sync_batch_norm shares it)."""
     return OpSchema(
         type=op_type,
@@ -76,10 +88,13 @@ def bn_schema(op_type):
         inplace={"saved_mean": "estimated_mean", "saved_var": "estimated_var",
                  "saved_num_batches": "num_batches"},
         mode_attr="is_infer",
+        roles=("batch_norm",),
+        export=export_batch_norm,
         infer=lambda ins, attrs: infer_bn(op_type, ins, attrs),
         validate=validate_bn,
         grad=grad_bn,
         doc=__doc__,
+        **fields,
     )
 
 
@@ -113,128 +128,6 @@ def infer_bn(op_type, ins, attrs):
     return {"y": Meta(x.shape, x.dtype), "batch_mean": stat, "batch_var": stat}
 
 
-
-def too_few_values(op, n, x, layout):
-    """The error of a training batch with n <= 1 values per channel (CPU and GPU)."""
-    return OpError(f"{op.type}: training needs more than one value per channel, got "
-                   f"n={n} for input 'x' of shape {tuple(x.shape)} ({layout}); use a bigger "
-                   "batch or is_infer/use_global_est")
-
-
-def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
-    """New (mean, var) estimates after a batch, in est's dtype; never NaN or Inf."""
-    dtype = est_mean.dtype
-    unbiased = var * (n / (n - 1))
-    est_mean, est_var = est_mean.astype(np.float64), est_var.astype(np.float64)
-    momentum = op.attrs["momentum"]
-    seen = int(counter) if counter is not None else None
-    if seen == 0:
-        new = mean, unbiased
-    elif momentum is None:
-        w = 1.0 / (seen + 1)
-        new = est_mean + (mean - est_mean) * w, est_var + (unbiased - est_var) * w
-    else:
-        new = (momentum * est_mean + (1 - momentum) * mean,
-               momentum * est_var + (1 - momentum) * unbiased)
-    with np.errstate(over="ignore", invalid="ignore"):
-        new = tuple(v.astype(dtype) for v in new)
-    if not np.isfinite(np.concatenate((mean, var) + new)).all():
-        raise OpError(f"{op.type}: the batch statistics are not finite (input 'x' holds NaN "
-                      "or Inf, or its variance overflows); the running estimates and the "
-                      "counter were left unchanged")
-    return new
-
-
-def batch_norm_cpu(op, ins, ctx):
-    """The CPU kernel of batch_norm (forward_cpu on this process's batch)."""
-    return forward_cpu(op, ins)
-
-
-def batch_norm_grad_cpu(op, ins, ctx):
-    """The CPU kernel of batch_norm_grad (backward_cpu; dx into dy when handed over)."""
-    return backward_cpu(op, ins, donated=ctx.donated)
-
-
-def batch_norm_gpu(op, ins, ctx):
-    """The GPU kernel of batch_norm (forward_gpu on this process's batch)."""
-    return forward_gpu(op, ins)
-
-
-def batch_norm_grad_gpu(op, ins, ctx):
-    """The GPU kernel of batch_norm_grad (backward_gpu)."""
-    return backward_gpu(op, ins)
-
-
-def forward_cpu(op, ins, combine=None):
-    """The CPU forward of batch_norm. `combine(n, mean, m2) -> (n, mean, m2)`
-    turns local statistics into global ones (sync_batch_norm). Everything is
-    computed before the estimates and the counter are written, in place."""
-    x = ins["x"]
-    a = op.attrs
-    layout = a["data_layout"]
-    xw = as_work(x)
-    x3 = as_3d(xw, layout)
-    est_mean, est_var = ins["estimated_mean"], ins["estimated_var"]
-    counter = ins.get("num_batches")
-    training = not (a["is_infer"] or a["use_global_est"])
-    if training:
-        n, mean, m2 = local_stats(x3)
-        if combine is not None:
-            n, mean, m2 = combine(n, mean, m2)
-        if n <= 1:
-            raise too_few_values(op, n, x, layout)
-        var = m2 / n
-        new_mean, new_var = updated_estimates(op, mean, var, n, est_mean, est_var, counter)
-    else:
-        mean = est_mean.astype(np.float64)
-        var = est_var.astype(np.float64)
-    invstd = 1.0 / np.sqrt(var + a["epsilon"])
-    yw = np.empty(xw.shape, xw.dtype)
-    normalize(x3, mean, invstd, ins["scale"].astype(np.float64),
-              ins["bias"].astype(np.float64), as_3d(yw, layout))
-    out = {"y": yw.astype(x.dtype, copy=False), "batch_mean": mean.astype(x.dtype),
-           "batch_var": var.astype(x.dtype), "saved_mean": est_mean, "saved_var": est_var,
-           "saved_num_batches": counter}
-    if training:             # everything is computed: now commit, all at once
-        est_mean[...] = new_mean
-        est_var[...] = new_var
-        if counter is not None:
-            counter[...] = counter + 1
-    return out
-
-
-def backward_cpu(op, ins, combine=None, donated=()):
-    """The CPU grad kernel of batch_norm. `combine(n, s_dy, s_dyxmu) -> (n, s_dy, s_dyxmu)` sums
-    over ranks (sync_batch_norm); n is then the global count. dx goes into dy's array
-    when dy is handed over (OpSchema.reuse) and already in its work dtype."""
-    a = op.attrs
-    x, dy = ins["x"], ins["dy"]
-    layout = a["data_layout"]
-    x3, dy3 = as_3d(as_work(x), layout), as_3d(as_work(dy), layout)
-    mean = ins["mean"].astype(np.float64)
-    invstd = 1.0 / np.sqrt(ins["var"].astype(np.float64) + a["epsilon"])
-    scale = ins["scale"].astype(np.float64)
-    out = {}
-    if not a["use_global_est"] or op.wants("dscale") or op.wants("dbias"):
-        n, s_dy, s_dyxmu = grad_sums(x3, dy3, mean, invstd)
-        if combine is not None and not a["use_global_est"]:
-            n, s_dy, s_dyxmu = combine(n, s_dy, s_dyxmu)
-        out["dbias"] = s_dy.astype(x.dtype)
-        out["dscale"] = (s_dyxmu * invstd).astype(x.dtype)
-    if op.wants("dx"):
-        k_dy = scale * invstd
-        into = "dy" in donated and dy.dtype == x3.dtype and dy.flags.c_contiguous
-        dx = dy3 if into else np.empty(x3.shape, x3.dtype)
-        if a["use_global_est"]:
-            input_grad(x3, dy3, mean, k_dy, None, None, dx)
-        else:
-            k_x = -scale * invstd ** 3 * s_dyxmu / n
-            k_c = -scale * invstd * s_dy / n
-            input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd))
-        out["dx"] = dy if into else dx.reshape(x.shape).astype(x.dtype, copy=False)
-    return out
-
-
 def grad_bn(op, dout, make_grad):
     """batch_norm_grad from batch statistics, or with the estimates as constants."""
     dy = dout.get("y")
@@ -251,9 +144,9 @@ def grad_bn(op, dout, make_grad):
         epsilon=op.attrs["epsilon"], data_layout=op.attrs["data_layout"]))]
 
 
-def bn_grad_schema(op_type, presummed=None):
+def bn_grad_schema(op_type, **fields):
     """`<op_type>_grad`: dx, dscale, dbias from x, dy and the statistics used.
-    presummed: see OpSchema.presummed (sync_batch_norm's dscale and dbias)."""
+    fields: more OpSchema fields (sync_batch_norm's `presummed`, dscale and dbias)."""
     def infer(ins, attrs):
         x = ins["x"]
         check_shape(op_type + "_grad", "dy", ins["dy"], x.shape, " (the shape of x)")
@@ -268,13 +161,14 @@ def bn_grad_schema(op_type, presummed=None):
         attrs=(bool_attr("use_global_est", False), float_attr("epsilon", 1e-5, positive),
                str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC"))),
         infer=infer,
-        presummed=presummed,
+        no_export="a gradient op (training only)",
+        **fields,
     )
 
 
-register(bn_schema("batch_norm"))
-register(bn_grad_schema("batch_norm"))
-kernel("batch_norm", "cpu")(batch_norm_cpu)
-kernel("batch_norm_grad", "cpu")(batch_norm_grad_cpu)
-kernel("batch_norm", "gpu", dtypes=GPU_FLOATS)(batch_norm_gpu)
-kernel("batch_norm_grad", "gpu", dtypes=GPU_FLOATS)(batch_norm_grad_gpu)
+register(bn_schema("batch_norm", sync_variant="sync_batch_norm"))
+register(bn_grad_schema("batch_norm", sync_variant="sync_batch_norm_grad"))
+kernel("batch_norm", "cpu", cpu.batch_norm_cpu)
+kernel("batch_norm_grad", "cpu", cpu.batch_norm_grad_cpu)
+kernel("batch_norm", "gpu", cuda.batch_norm_gpu, dtypes=GPU_FLOATS)
+kernel("batch_norm_grad", "gpu", cuda.batch_norm_grad_gpu, dtypes=GPU_FLOATS)

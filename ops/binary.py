@@ -8,14 +8,14 @@ add:      out = x + y;  add_grad(x, y, dout) -> dx = R_x(dout), dy = R_y(dout)
 multiply: out = x * y;  multiply_grad(x, y, dout) -> dx = R_x(dout * y), dy = R_y(dout * x)
 R_v(g) sums g over the axes along which v was broadcast, back to v's shape,
 in float64, cast to v's dtype. x and y of the grad ops give the shapes (and,
-for multiply, the factors).
+for multiply, the factors). Kernels: kernels/cpu/binary.py, kernels/cuda/broadcast.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from minigraph.kernels import broadcast as gpu
-from minigraph.ops.device import GPU_FLOATS, present
+from minigraph import onnx_export
+from minigraph.kernels.cpu import binary as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import broadcast as cuda
 from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
 from minigraph.validators import check_float, check_same_dtype, check_shape, fail
 
@@ -61,104 +61,29 @@ def infer_binary_grad(op_type):
     return infer
 
 
-def register_binary(op_type, shapes_only=False):
-    """Register `op_type` (x, y -> out) and `<op_type>_grad` (x, y, dout -> dx, dy);
-    shapes_only: the grad reads only x's and y's shapes (add), and then the forward
-    may write out into x or y when a training step hands it over (OpSchema.reuse)."""
+def register_binary(op_type, onnx_type, shapes_only=False, roles=()):
+    """Register `op_type` (x, y -> out; ONNX `onnx_type`) and `<op_type>_grad`
+    (x, y, dout -> dx, dy); shapes_only: the grad reads only x's and y's shapes
+    (add), and then the forward may write out into x or y when a training step
+    hands it over (OpSchema.reuse)."""
     schema = register(OpSchema(
         type=op_type, inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
         infer=infer_binary(op_type), reuse={"out": ("x", "y")} if shapes_only else {},
-        grad=grad_maker(op_type + "_grad", keep=("x", "y"), wrt=("x", "y")), doc=__doc__))
+        grad=grad_maker(op_type + "_grad", keep=("x", "y"), wrt=("x", "y")),
+        export=onnx_export.binary(onnx_type), roles=roles, doc=__doc__))
     register(grad_schema(schema, inputs=(Slot("x", shape_only=shapes_only),
                                          Slot("y", shape_only=shapes_only), Slot("dout")),
                          outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                          infer=infer_binary_grad(op_type + "_grad")))
 
 
-register_binary("add", shapes_only=True)
-register_binary("multiply")
-
-
-def reduce_to(g, shape, dtype):
-    """g (of the broadcast shape) summed in float64 over the axes that broadcast
-    `shape` to it, reshaped to `shape`, as a new `dtype` array."""
-    lead = g.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
-                                      if n == 1 and g.shape[lead + i] != 1)
-    if axes:
-        g = np.add.reduce(g, axis=axes, dtype=np.float64)
-    return np.array(g.reshape(shape), dtype=dtype)
-
-
-@kernel("add", "cpu")
-def add_cpu(op, ins, ctx):
-    """out = x + y, broadcast; into x's or y's array when one of out's shape is
-    handed over."""
-    x, y = ins["x"], ins["y"]
-    shape = np.broadcast_shapes(x.shape, y.shape)
-    into = next((ins[s] for s in ctx.donated if ins[s].shape == shape), None)
-    return {"out": np.add(x, y, out=into)}
-
-
-@kernel("add_grad", "cpu")
-def add_grad_cpu(op, ins, ctx):
-    """dx = dout reduced to x's shape, dy = dout reduced to y's shape (each when bound);
-    an input of dout's shape and dtype gets dout itself, not a copy (kernels never
-    write their inputs unless handed them: see OpSchema.reuse)."""
-    x, y, d = ins["x"], ins["y"], ins["dout"]
-    out = {}
-    for slot, v in (("dx", x), ("dy", y)):
-        if op.wants(slot):
-            same = v.shape == d.shape and v.dtype == d.dtype
-            out[slot] = d if same else reduce_to(d, v.shape, v.dtype)
-    return out
-
-
-@kernel("multiply", "cpu")
-def multiply_cpu(op, ins, ctx):
-    """out = x * y, broadcast."""
-    return {"out": np.multiply(ins["x"], ins["y"])}
-
-
-@kernel("multiply_grad", "cpu")
-def multiply_grad_cpu(op, ins, ctx):
-    """dx = (dout * y) reduced to x's shape, dy = (dout * x) reduced to y's shape; the
-    products in float64."""
-    x, y, d = ins["x"], ins["y"], ins["dout"]
-    out = {}
-    if op.wants("dx"):
-        out["dx"] = reduce_to(np.multiply(d, y, dtype=np.float64), x.shape, x.dtype)
-    if op.wants("dy"):
-        out["dy"] = reduce_to(np.multiply(d, x, dtype=np.float64), y.shape, y.dtype)
-    return out
-
-
-# ---- GPU bindings: kernels/broadcast.cu ----
-
-@kernel("add", "gpu", dtypes=GPU_FLOATS)
-def add_gpu(op, ins, ctx):
-    """out = x + y, broadcast, on the device."""
-    return {"out": gpu.add(ins["x"], ins["y"])}
-
-
-@kernel("add_grad", "gpu", dtypes=GPU_FLOATS)
-def add_grad_gpu(op, ins, ctx):
-    """dx, dy = dout summed (in double) back to x's and y's shapes, each when bound."""
-    dx, dy = gpu.add_grad(ins["x"].shape, ins["y"].shape, ins["dout"], need_dx=op.wants("dx"),
-                          need_dy=op.wants("dy"))
-    return present(dx=dx, dy=dy)
-
-
-@kernel("multiply", "gpu", dtypes=GPU_FLOATS)
-def multiply_gpu(op, ins, ctx):
-    """out = x * y, broadcast, on the device."""
-    return {"out": gpu.multiply(ins["x"], ins["y"])}
-
-
-@kernel("multiply_grad", "gpu", dtypes=GPU_FLOATS)
-def multiply_grad_gpu(op, ins, ctx):
-    """dx = (dout * y) and dy = (dout * x) summed back to x's and y's shapes, each when
-    bound; the products in the dtype, the sums in double."""
-    dx, dy = gpu.multiply_grad(ins["x"], ins["y"], ins["dout"], need_dx=op.wants("dx"),
-                               need_dy=op.wants("dy"))
-    return present(dx=dx, dy=dy)
+register_binary("add", "Add", shapes_only=True, roles=("add",))
+register_binary("multiply", "Mul")
+kernel("add", "cpu", cpu.add_cpu)
+kernel("add_grad", "cpu", cpu.add_grad_cpu)
+kernel("multiply", "cpu", cpu.multiply_cpu)
+kernel("multiply_grad", "cpu", cpu.multiply_grad_cpu)
+kernel("add", "gpu", cuda.add_gpu, dtypes=GPU_FLOATS)
+kernel("add_grad", "gpu", cuda.add_grad_gpu, dtypes=GPU_FLOATS)
+kernel("multiply", "gpu", cuda.multiply_gpu, dtypes=GPU_FLOATS)
+kernel("multiply_grad", "gpu", cuda.multiply_grad_gpu, dtypes=GPU_FLOATS)

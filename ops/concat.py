@@ -10,12 +10,17 @@ one per input that needs a gradient.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from minigraph.kernels import shape_ops as gpu
-from minigraph.ops.axis import normalized_axis
+from minigraph.kernels.cpu import concat as cpu
+from minigraph.kernels.cuda import shape_ops as cuda
 from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, kernel, register
-from minigraph.validators import check_same_dtype, dims_equal, fail, int_attr, non_negative
+from minigraph.validators import (
+    check_same_dtype,
+    dims_equal,
+    fail,
+    int_attr,
+    non_negative,
+    normalized_axis,
+)
 
 
 def check_parts(op_type, xs, axis):
@@ -76,47 +81,25 @@ def infer_concat_grad(ins, attrs):
     return {"dx": Meta(xs[index].shape, xs[index].dtype)}
 
 
+def export_concat(ctx, op):
+    """Concat along `axis`."""
+    ins = [ctx.value(v) for v in op.inputs["x"]]
+    return [ctx.node("Concat", ins, [ctx.output(op.outputs["out"])],
+                     axis=int(op.attrs["axis"]))]
+
+
 CONCAT = register(OpSchema(
     type="concat", inputs=(Slot("x", duplicable=True),), outputs=(Slot("out"),),
-    attrs=(int_attr("axis", 0),), infer=infer_concat, grad=grad_concat, doc=__doc__))
+    attrs=(int_attr("axis", 0),), infer=infer_concat, grad=grad_concat, export=export_concat,
+    doc=__doc__))
 register(OpSchema(
     type="concat_grad", inputs=(Slot("x", duplicable=True), Slot("dout")),
     outputs=(Slot("dx", optional=True),),
-    attrs=CONCAT.attrs + (int_attr("index", 0, non_negative),), infer=infer_concat_grad))
+    attrs=CONCAT.attrs + (int_attr("index", 0, non_negative),), infer=infer_concat_grad,
+    no_export="a gradient op (training only)"))
 
 
-@kernel("concat", "cpu")
-def concat_cpu(op, ins, ctx):
-    """out = np.concatenate(x, axis)."""
-    return {"out": np.concatenate(ins["x"], axis=op.attrs["axis"])}
-
-
-@kernel("concat_grad", "cpu")
-def concat_grad_cpu(op, ins, ctx):
-    """dx = dout[..., start:start + x[index].shape[axis], ...] along axis (a copy)."""
-    if not op.wants("dx"):
-        return {}
-    xs, d = ins["x"], ins["dout"]
-    index = op.attrs["index"]
-    ax = op.attrs["axis"] % d.ndim
-    start = sum(x.shape[ax] for x in xs[:index])
-    where = [slice(None)] * d.ndim
-    where[ax] = slice(start, start + xs[index].shape[ax])
-    return {"dx": d[tuple(where)].copy()}
-
-
-# ---- GPU bindings: kernels/shape_ops.cu (any dtype) ----
-
-@kernel("concat", "gpu")
-def concat_gpu(op, ins, ctx):
-    """out = np.concatenate(x, axis) on the device."""
-    return {"out": gpu.concat(ins["x"], op.attrs["axis"])}
-
-
-@kernel("concat_grad", "gpu")
-def concat_grad_gpu(op, ins, ctx):
-    """dx = x[index]'s slice of dout along axis (a new array), when bound."""
-    if not op.wants("dx"):
-        return {}
-    return {"dx": gpu.concat_slice(ins["dout"], [x.shape for x in ins["x"]], op.attrs["axis"],
-                                   op.attrs["index"])}
+kernel("concat", "cpu", cpu.concat_cpu)
+kernel("concat_grad", "cpu", cpu.concat_grad_cpu)
+kernel("concat", "gpu", cuda.concat_gpu)
+kernel("concat_grad", "gpu", cuda.concat_grad_gpu)

@@ -4,19 +4,16 @@ x (N, C, H, W), filter (O, C / groups, kh, kw) -> out (N, O, Ho, Wo) with
 Ho = floor((H + 2 ph - dh (kh - 1) - 1) / sh) + 1 (likewise Wo). Output
 channel o of group g = o // (O / groups) sees input channels
 [g C / groups, (g + 1) C / groups). No bias: add one with elementwise_add(axis=1).
-CPU: float32 convs of one group on the native kernels (kernels/conv2d_cpu:
-windows read from a per-image buffer in cache, no columns; built where a C
-compiler works), the rest on minigraph.ops.conv_cpu (im2col in chunks of
-images, one BLAS product per chunk; the grad adds columns back per tap).
+Kernels: kernels/cpu/conv2d.py (float32 convs of one group on the native
+kernels of kernels/cpu/conv_native.c where a C compiler works, the rest by
+im2col in chunks of images, one BLAS product per chunk) and kernels/cuda/conv2d.py.
 """
 from __future__ import annotations
 
-from minigraph import cpu_blocks
-from minigraph.kernels import conv2d as gpu
-from minigraph.kernels import conv2d_cpu as native_conv
-from minigraph.ops import conv_cpu, conv_cpu_grad
-from minigraph.ops.device import GPU_FLOATS, present
-from minigraph.ops.window import as_pair, out_size, pair_attr
+from minigraph import onnx_export
+from minigraph.kernels.cpu import conv2d as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import conv2d as cuda
 from minigraph.schema import (
     Meta,
     OpError,
@@ -27,7 +24,17 @@ from minigraph.schema import (
     kernel,
     register,
 )
-from minigraph.validators import check_float, check_rank, check_same_dtype, fail, int_attr, positive
+from minigraph.validators import (
+    as_pair,
+    check_float,
+    check_rank,
+    check_same_dtype,
+    fail,
+    int_attr,
+    out_size,
+    pair_attr,
+    positive,
+)
 
 PAIR_ATTRS = ("strides", "paddings", "dilations")
 
@@ -81,74 +88,31 @@ def infer_conv_grad(ins, attrs):
     return {"dx": Meta(x.shape, x.dtype), "dfilter": Meta(w.shape, w.dtype)}
 
 
+def export_conv2d(ctx, op):
+    """Conv with explicit symmetric pads, strides, dilations and group."""
+    return [conv_node(ctx, op, [ctx.value(op.inputs["x"]), ctx.value(op.inputs["filter"])],
+                      ctx.output(op.outputs["out"]))]
+
+
+def conv_node(ctx, op, inputs, output):
+    """The ONNX Conv of a conv2d or fused_conv2d op on `inputs` (x, filter[, bias])."""
+    a = op.attrs
+    ph, pw = onnx_export.pair(a["paddings"])
+    return ctx.node("Conv", inputs, [output], kernel_shape=list(ctx.shape(op.inputs["filter"])[2:]),
+                    pads=[ph, pw, ph, pw], strides=list(onnx_export.pair(a["strides"])),
+                    dilations=list(onnx_export.pair(a["dilations"])), group=int(a["groups"]))
+
+
 CONV = register(OpSchema(
     type="conv2d", inputs=(Slot("x"), Slot("filter")), outputs=(Slot("out"),),
     attrs=conv_attrs(), infer=infer_conv, resolve_attrs=resolve, doc=__doc__, work_room=True,
-    grad=grad_maker("conv2d_grad", keep=("x", "filter"), wrt=("x", "filter"))))
+    grad=grad_maker("conv2d_grad", keep=("x", "filter"), wrt=("x", "filter")),
+    export=export_conv2d, roles=("conv", "linear"), weight=("filter", 0, 1)))
 register(grad_schema(CONV, inputs=(Slot("x"), Slot("filter"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dfilter", optional=True)),
                      infer=infer_conv_grad, work_room=True))
 
-
-def cpu_geometry(op, x, w):
-    """The CPU engine's Geometry of this op on x and filter."""
-    a = op.attrs
-    return conv_cpu.geometry(x.shape, w.shape, a["strides"], a["paddings"], a["dilations"],
-                             a["groups"])
-
-
-@kernel("conv2d", "cpu")
-def conv2d_cpu(op, ins, ctx):
-    """out[n, o] = sum over the group's channels and taps of filter * window: the
-    native kernel where it takes the conv (kernels/conv2d_cpu: float32, one group),
-    else conv_cpu's engine with lean work arrays, like its gradient's (conv2d is
-    the op training steps run, and their peak memory comes from these;
-    fused_conv2d, for inference, takes full chunks), or up to `ctx.room` bytes of them
-    (OpSchema.work_room)."""
-    x, w = ins["x"], ins["filter"]
-    g = cpu_geometry(op, x, w)
-    if native_conv.supports(g, x.dtype):
-        return {"out": native_conv.forward(x, w, g, cpu_blocks.get_num_threads())}
-    return {"out": conv_cpu.forward(x, w, g, lean=True, room=ctx.room)}
-
-
-@kernel("conv2d_grad", "cpu")
-def conv2d_grad_cpu(op, ins, ctx):
-    """dx and dfilter (each only when bound): the native kernels where they take the
-    conv (dfilter; dx as forward passes over dout, one per phase of the stride),
-    else conv_cpu_grad: dx of a stride-1 conv as the conv of dout with the flipped
-    filter, dfilter from the same columns, else products with the columns and
-    col2im; lean work arrays, or up to `ctx.room` bytes of them."""
-    x, w, d = ins["x"], ins["filter"], ins["dout"]
-    g = cpu_geometry(op, x, w)
-    need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
-    if native_conv.supports(g, x.dtype):
-        threads = cpu_blocks.get_num_threads()
-        return present(dx=native_conv.input_grad(w, d, g, threads) if need_dx else None,
-                       dfilter=native_conv.filter_grad(x, d, g, threads) if need_dw else None)
-    dx, dw = conv_cpu_grad.backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw, room=ctx.room)
-    return present(dx=dx, dfilter=dw)
-
-
-def conv_geometry(op):
-    """The launchers' keyword arguments for this op's attributes."""
-    a = op.attrs
-    return dict(strides=a["strides"], paddings=a["paddings"], dilations=a["dilations"],
-                groups=a["groups"])
-
-
-@kernel("conv2d", "gpu", dtypes=GPU_FLOATS)
-def conv2d_gpu(op, ins, ctx):
-    """out on the device: im2col in chunks, one batched matrix product per chunk."""
-    x, w = ins["x"], ins["filter"]
-    return {"out": gpu.conv2d(x, w, **conv_geometry(op))}
-
-
-@kernel("conv2d_grad", "gpu", dtypes=GPU_FLOATS)
-def conv2d_grad_gpu(op, ins, ctx):
-    """dfilter (dout @ cols^T, summed over images) and dx (col2im of filter^T @ dout)
-    on the device; each only when bound."""
-    x, w, d = ins["x"], ins["filter"], ins["dout"]
-    dx, dw = gpu.conv2d_grad(x, w, d, **conv_geometry(op), need_dx=op.wants("dx"),
-                             need_dfilter=op.wants("dfilter"))
-    return present(dx=dx, dfilter=dw)
+kernel("conv2d", "cpu", cpu.conv2d_cpu)
+kernel("conv2d_grad", "cpu", cpu.conv2d_grad_cpu)
+kernel("conv2d", "gpu", cuda.conv2d_gpu, dtypes=GPU_FLOATS)
+kernel("conv2d_grad", "gpu", cuda.conv2d_grad_gpu, dtypes=GPU_FLOATS)

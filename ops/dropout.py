@@ -13,15 +13,16 @@ i.e. kernels/fill.cu's philox(i // 4, 2, seed + (step << 32)): a mask depends
 on (seed, step, i) only, and the CPU and the GPU draw the same one.
 dropout_grad(mask, dout; p): dx = dout * (mask * factor) (the same factor);
 with is_infer (not made by backward, which runs the train branch) dx = dout.
+Kernels: kernels/cpu/dropout.py, kernels/cuda/dropout.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels import dropout as gpu
-from minigraph.kernels import shape_ops as gpu_shape
-from minigraph.ops.device import GPU_FLOATS, present
-from minigraph.ops.philox import philox_words, uniforms24
+from minigraph import onnx_export
+from minigraph.kernels.cpu import dropout as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import dropout as cuda
 from minigraph.schema import (
     Meta,
     OpError,
@@ -33,8 +34,6 @@ from minigraph.schema import (
     register,
 )
 from minigraph.validators import bool_attr, check_float, check_shape, fail, float_attr, int_attr
-
-STREAM = 2      # fill.cu's uniform and gaussian initialisers use streams 0 and 1
 
 
 def probability(v):
@@ -74,82 +73,25 @@ def grad_dropout(op, dout, make_grad):
 
 MAKE_GRAD = grad_maker("dropout_grad", keep=("mask",))
 
+
+def export_dropout(ctx, op):
+    """Identity: inference dropout passes x through (mask and step are not written)."""
+    onnx_export.infer_only(op)
+    return [ctx.node("Identity", [ctx.value(op.inputs["x"])], [ctx.output(op.outputs["out"])])]
+
+
 DROPOUT = register(OpSchema(
     type="dropout", inputs=(Slot("x"), Slot("step")),
     outputs=(Slot("out"), Slot("mask", optional=True), Slot("step_out")),
     attrs=(float_attr("p", 0.5, probability), bool_attr("is_infer", False),
            int_attr("seed", 0, seed_range)),
     inplace={"step_out": "step"}, mode_attr="is_infer", infer=infer_dropout,
-    grad=grad_dropout, doc=__doc__))
+    grad=grad_dropout, export=export_dropout, doc=__doc__))
 register(grad_schema(DROPOUT, inputs=(Slot("mask", optional=True), Slot("dout")),
                      outputs=(Slot("dx", optional=True),), infer=infer_dropout_grad))
 
 
-def scale_factor(p, dtype):
-    """1 / (1 - p) computed in float64, as a scalar of `dtype`."""
-    return np.dtype(dtype).type(1.0 / (1.0 - p))
-
-
-def keep_mask(n, p, seed, step):
-    """keep_i = u_i >= p for i < n (see the module docstring), a bool array."""
-    seed64 = int(seed) + ((int(step) & 0xFFFFFFFF) << 32)
-    return uniforms24(philox_words(n, STREAM, seed64)) >= p
-
-
-@kernel("dropout", "cpu")
-def dropout_cpu(op, ins, ctx):
-    """train: out = x * (keep * factor), mask = keep, then step += 1 in place;
-    infer: out = a copy of x."""
-    x, step = ins["x"], ins["step"]
-    a = op.attrs
-    if a["is_infer"]:
-        return {"out": x.copy(), "step_out": step}
-    p = a["p"]
-    if p == 0.0:                        # every u_i >= 0: all kept, factor 1
-        keep = np.ones(x.shape, dtype=bool)
-        out = x.copy()
-    else:
-        keep = keep_mask(x.size, p, a["seed"], step).reshape(x.shape)
-        out = x * (keep.astype(x.dtype) * scale_factor(p, x.dtype))
-    step[...] = step + 1
-    return {"out": out, "mask": keep.astype(np.uint8), "step_out": step}
-
-
-@kernel("dropout_grad", "cpu")
-def dropout_grad_cpu(op, ins, ctx):
-    """dx = dout * (mask * factor); dx = a copy of dout for is_infer."""
-    if not op.wants("dx"):
-        return {}
-    d, mask = ins["dout"], ins["mask"]
-    if op.attrs["is_infer"]:
-        return {"dx": d.copy()}
-    if mask is None:
-        raise OpError("dropout_grad: input 'mask' is required in training (is_infer=False)")
-    return {"dx": d * (mask.astype(d.dtype) * scale_factor(op.attrs["p"], d.dtype))}
-
-
-# ---- GPU bindings: kernels/dropout.cu ----
-
-@kernel("dropout", "gpu", dtypes=GPU_FLOATS)
-def dropout_gpu(op, ins, ctx):
-    """train: the CPU's masks drawn on the device (same bits), step += 1 there;
-    infer: out = a device copy of x."""
-    x, step = ins["x"], ins["step"]
-    a = op.attrs
-    if a["is_infer"]:
-        return {"out": gpu_shape.copy(x), "step_out": step}
-    out, mask = gpu.dropout(x, step, a["p"], a["seed"], want_mask=op.wants("mask"))
-    return present(out=out, mask=mask, step_out=step)
-
-
-@kernel("dropout_grad", "gpu", dtypes=GPU_FLOATS)
-def dropout_grad_gpu(op, ins, ctx):
-    """dx = dout * (mask * factor) on the device; a copy of dout for is_infer."""
-    if not op.wants("dx"):
-        return {}
-    d, mask = ins["dout"], ins["mask"]
-    if op.attrs["is_infer"]:
-        return {"dx": gpu_shape.copy(d)}
-    if mask is None:
-        raise OpError("dropout_grad: input 'mask' is required in training (is_infer=False)")
-    return {"dx": gpu.dropout_grad(mask, d, op.attrs["p"])}
+kernel("dropout", "cpu", cpu.dropout_cpu)
+kernel("dropout_grad", "cpu", cpu.dropout_grad_cpu)
+kernel("dropout", "gpu", cuda.dropout_gpu, dtypes=GPU_FLOATS)
+kernel("dropout_grad", "gpu", cuda.dropout_grad_gpu, dtypes=GPU_FLOATS)

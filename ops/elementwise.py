@@ -5,15 +5,15 @@ elementwise_add: y's shape equals a contiguous run of x's dims starting at
 broadcast over every other dim of x: x (N, C, H, W) + y (C,) with axis=1
 adds a per-channel bias. out has x's shape.
 sum: out = x[0] + x[1] + ...; autodiff uses it to add gradient contributions.
+Kernels: kernels/cpu/elementwise.py, kernels/cuda/elementwise.py.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from minigraph.kernels import elementwise as gpu
-from minigraph.ops.device import GPU_FLOATS, present
+from minigraph.kernels.cpu import elementwise as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import elementwise as cuda
 from minigraph.schema import Meta, OpDesc, OpSchema, Slot, grad_maker, grad_schema, kernel, register
 from minigraph.validators import check_same_dtype, check_shape, fail, int_attr, shapes_equal
 
@@ -48,74 +48,47 @@ def infer_add(ins, attrs):
     return {"out": Meta(x.shape, x.dtype)}
 
 
-def y_view(x_ndim, y, start):
-    """y reshaped so numpy broadcasting lines it up with x's dims from `start`."""
-    return y.reshape(y.shape + (1,) * (x_ndim - start - y.ndim))
-
-
 def infer_add_grad(ins, attrs):
     y, d = ins["y"], ins["dout"]
     broadcast_axis("elementwise_add_grad", d.shape, y.shape, attrs["axis"])
     return {"dx": Meta(d.shape, d.dtype), "dy": Meta(y.shape, d.dtype)}
 
 
+def export_elementwise_add(ctx, op):
+    """Add, y lined up with x's dims from `axis`: a persistable y is stored with
+    trailing 1s (a bias (C,) at axis 1 of NCHW as (C, 1, 1)); a computed y is
+    Unsqueezed."""
+    x, y, out = op.inputs["x"], op.inputs["y"], op.outputs["out"]
+    x_rank, y_shape = len(ctx.shape(x)), tuple(ctx.shape(y))
+    axis = int(op.attrs["axis"])
+    start = x_rank - len(y_shape) if axis == -1 else axis
+    trailing = x_rank - start - len(y_shape)
+    nodes = []
+    if trailing == 0:
+        ys = ctx.value(y)
+    elif y.persistable:
+        ys = ctx.value(y, shape=y_shape + (1,) * trailing)
+    else:
+        ys = ctx.temp(out, "y")
+        axes = ctx.const(out, "axes", np.arange(len(y_shape), len(y_shape) + trailing))
+        nodes.append(ctx.node("Unsqueeze", [ctx.value(y), axes], [ys]))
+    return nodes + [ctx.node("Add", [ctx.value(x), ys], [ctx.output(out)])]
+
+
+def export_sum(ctx, op):
+    """Sum of the list x."""
+    return [ctx.node("Sum", [ctx.value(v) for v in op.inputs["x"]],
+                     [ctx.output(op.outputs["out"])])]
+
+
 ADD = register(OpSchema(
     type="elementwise_add", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
     attrs=(int_attr("axis", -1, check_axis),), infer=infer_add,
     grad=grad_maker("elementwise_add_grad", keep=("y",), wrt=("x", "y")), reuse={"out": ("x",)},
-    doc=__doc__))
+    roles=("bias_add",), export=export_elementwise_add, doc=__doc__))
 register(grad_schema(ADD, inputs=(Slot("y"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                      infer=infer_add_grad))
-
-
-@kernel("elementwise_add", "cpu")
-def elementwise_add_cpu(op, ins, ctx):
-    """out = x + y, y broadcast along x's dims from `axis`; into x's array when it is
-    handed over."""
-    x, y = ins["x"], ins["y"]
-    start = broadcast_axis(op.type, x.shape, y.shape, op.attrs["axis"])
-    return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}
-
-
-@kernel("elementwise_add_grad", "cpu")
-def elementwise_add_grad_cpu(op, ins, ctx):
-    """dx = dout (the same array: kernels write only inputs handed over to them,
-    OpSchema.reuse); dy = dout summed over every dim of x outside y's run - along
-    the trailing dims by one BLAS product with a ones vector, over the leading ones
-    in float64."""
-    y, d = ins["y"], ins["dout"]
-    out = {}
-    if op.wants("dx"):
-        out["dx"] = d
-    if op.wants("dy"):
-        start = broadcast_axis(op.type, d.shape, y.shape, op.attrs["axis"])
-        post = math.prod(d.shape[start + y.ndim:])
-        rows = np.ascontiguousarray(d).reshape(-1, y.size, post)
-        if post > 1:
-            rows = rows @ np.ones(post, dtype=d.dtype)
-        else:
-            rows = rows[..., 0]
-        dy = np.add.reduce(rows, axis=0, dtype=np.float64)
-        out["dy"] = dy.astype(d.dtype).reshape(y.shape)
-    return out
-
-
-@kernel("elementwise_add", "gpu", dtypes=GPU_FLOATS)
-def elementwise_add_gpu(op, ins, ctx):
-    """out = x + y on the device, y broadcast along x's dims from `axis`."""
-    x, y = ins["x"], ins["y"]
-    return {"out": gpu.add(x, y, op.attrs["axis"])}
-
-
-@kernel("elementwise_add_grad", "gpu", dtypes=GPU_FLOATS)
-def elementwise_add_grad_gpu(op, ins, ctx):
-    """dx = a device copy of dout; dy = dout summed over the broadcast dims (in
-    double on the device); each only when bound."""
-    y, d = ins["y"], ins["dout"]
-    dx, dy = gpu.add_grad(d, tuple(y.shape), op.attrs["axis"], need_dx=op.wants("dx"),
-                          need_dy=op.wants("dy"))
-    return present(dx=dx, dy=dy)
 
 
 def infer_sum(ins, attrs):
@@ -140,35 +113,17 @@ def grad_sum(op, dout, make_grad):
 
 register(OpSchema(
     type="sum", inputs=(Slot("x", duplicable=True),), outputs=(Slot("out"),),
-    infer=infer_sum, grad=grad_sum, roles=("accumulate",), replication="inputs", doc=__doc__))
+    infer=infer_sum, grad=grad_sum, roles=("accumulate",), replication="inputs",
+    export=export_sum, doc=__doc__))
 register(OpSchema(
     type="sum_grad", inputs=(Slot("dout"),), outputs=(Slot("dx"),),
-    infer=lambda ins, attrs: {"dx": ins["dout"]}))
+    infer=lambda ins, attrs: {"dx": ins["dout"]}, no_export="a gradient op (training only)"))
 
-
-@kernel("sum", "cpu")
-def sum_cpu(op, ins, ctx):
-    """out = x[0] + x[1] + ... (a new array)."""
-    xs = ins["x"]
-    out = xs[0].copy()
-    for x in xs[1:]:
-        out += x
-    return {"out": out}
-
-
-@kernel("sum_grad", "cpu")
-def sum_grad_cpu(op, ins, ctx):
-    """dx = a copy of dout."""
-    return {"dx": ins["dout"].copy()}
-
-
-@kernel("sum", "gpu", dtypes=GPU_FLOATS)
-def sum_gpu(op, ins, ctx):
-    """out = x[0] + x[1] + ... (a new device array)."""
-    return {"out": gpu.sum_n(ins["x"])}
-
-
-@kernel("sum_grad", "gpu", dtypes=GPU_FLOATS)
-def sum_grad_gpu(op, ins, ctx):
-    """dx = a device copy of dout."""
-    return {"dx": gpu.copy(ins["dout"])}
+kernel("elementwise_add", "cpu", cpu.elementwise_add_cpu)
+kernel("elementwise_add_grad", "cpu", cpu.elementwise_add_grad_cpu)
+kernel("sum", "cpu", cpu.sum_cpu)
+kernel("sum_grad", "cpu", cpu.sum_grad_cpu)
+kernel("elementwise_add", "gpu", cuda.elementwise_add_gpu, dtypes=GPU_FLOATS)
+kernel("elementwise_add_grad", "gpu", cuda.elementwise_add_grad_gpu, dtypes=GPU_FLOATS)
+kernel("sum", "gpu", cuda.sum_gpu, dtypes=GPU_FLOATS)
+kernel("sum_grad", "gpu", cuda.sum_grad_gpu, dtypes=GPU_FLOATS)

@@ -10,23 +10,18 @@ of the convolution's output while it is in cache, with no array in between.
 
 It is an inference-only op: it has no gradient, and backward through it is an
 error (train the net with conv2d and fuse its inference copy).
-CPU: the native kernel (kernels/conv2d_cpu: float32, one group, where a C
-compiler built it) with the epilogue on each tile of outputs in registers,
-else minigraph.ops.conv_cpu.forward with its epilogue on each chunk. GPU: the
-conv2d launcher, then the bias, residual and relu launchers in place on its
-output.
+Kernels (beside conv2d's): kernels/cpu/conv2d.py (the native kernel with the
+epilogue on each tile of outputs in registers, else the im2col engine with it on
+each chunk) and kernels/cuda/conv2d.py (the conv2d launcher, then the bias,
+residual and relu launchers in place on its output). In ONNX it is Conv (with
+the bias as its third input), then Add of the residual and Relu.
 """
 from __future__ import annotations
 
-from minigraph import cpu_blocks
-from minigraph.kernels import activation as gpu_activation
-from minigraph.kernels import broadcast as gpu_broadcast
-from minigraph.kernels import conv2d as gpu_conv
-from minigraph.kernels import conv2d_cpu as native_conv
-from minigraph.kernels import elementwise as gpu_elementwise
-from minigraph.ops import conv_cpu
-from minigraph.ops.conv2d import conv_attrs, conv_geometry, cpu_geometry, infer_conv, resolve
-from minigraph.ops.device import GPU_FLOATS
+from minigraph.kernels.cpu import conv2d as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import conv2d as cuda
+from minigraph.ops.conv2d import conv_attrs, conv_node, infer_conv, resolve
 from minigraph.schema import OpError, OpSchema, Slot, kernel, register
 from minigraph.validators import check_same_dtype, check_shape, one_of, str_attr
 
@@ -54,36 +49,30 @@ def no_grad(op, dout, make_grad):
                   "(mg.passes.optimize_for_inference)")
 
 
+def export_fused(ctx, op):
+    """Conv (the bias as its third input), then Add of the residual, then Relu."""
+    out = op.outputs["out"]
+    ins = [ctx.value(op.inputs[s]) for s in ("x", "filter")]
+    if op.inputs["bias"] is not None:
+        ins.append(ctx.value(op.inputs["bias"]))
+    residual, relu = op.inputs["residual"], op.attrs["activation"] == "relu"
+    steps = ["conv"] + (["residual"] if residual is not None else []) + (["relu"] if relu else [])
+    names = [ctx.temp(out, s) for s in steps[:-1]] + [ctx.output(out)]
+    nodes = [conv_node(ctx, op, ins, names[0])]
+    if residual is not None:
+        nodes.append(ctx.node("Add", [names[0], ctx.value(residual)], [names[1]]))
+    if relu:
+        nodes.append(ctx.node("Relu", [names[-2]], [names[-1]]))
+    return nodes
+
+
 register(OpSchema(
     type=TYPE,
     inputs=(Slot("x"), Slot("filter"), Slot("bias", optional=True),
             Slot("residual", optional=True)),
     outputs=(Slot("out"),),
     attrs=conv_attrs() + (str_attr("activation", "none", one_of("none", "relu")),),
-    infer=infer_fused, resolve_attrs=resolve, grad=no_grad, doc=__doc__))
-
-
-@kernel(TYPE, "cpu")
-def fused_conv2d_cpu(op, ins, ctx):
-    """out = act(conv2d(x, filter) + bias + residual): the native kernel where it
-    takes the conv, else conv_cpu's engine."""
-    x, w = ins["x"], ins["filter"]
-    g = cpu_geometry(op, x, w)
-    epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
-                "relu": op.attrs["activation"] == "relu"}
-    if native_conv.supports(g, x.dtype):
-        return {"out": native_conv.forward(x, w, g, cpu_blocks.get_num_threads(), **epilogue)}
-    return {"out": conv_cpu.forward(x, w, g, **epilogue)}
-
-
-@kernel(TYPE, "gpu", dtypes=GPU_FLOATS)
-def fused_conv2d_gpu(op, ins, ctx):
-    """The conv2d launcher, then bias, residual and relu in place on its output."""
-    out = gpu_conv.conv2d(ins["x"], ins["filter"], **conv_geometry(op))
-    if ins.get("bias") is not None:
-        gpu_elementwise.add(out, ins["bias"], axis=1, out=out)
-    if ins.get("residual") is not None:
-        gpu_broadcast.add(out, ins["residual"], out=out)
-    if op.attrs["activation"] == "relu":
-        gpu_activation.relu(out, out=out)
-    return {"out": out}
+    infer=infer_fused, resolve_attrs=resolve, grad=no_grad, export=export_fused,
+    roles=("fused_conv",), doc=__doc__))
+kernel(TYPE, "cpu", cpu.fused_conv2d_cpu)
+kernel(TYPE, "gpu", cuda.fused_conv2d_gpu, dtypes=GPU_FLOATS)

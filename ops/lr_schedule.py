@@ -8,16 +8,14 @@ base = base_lr:
                   else, with t' = t - W and T = total_steps - W:
                   end_lr + (base - end_lr) * (1 + cos(pi * t' / T)) / 2
                   (torch CosineAnnealingLR's closed form; W = warmup_steps)
-No gradient.
+No gradient. Kernels: kernels/cpu/lr_schedule.py, kernels/cuda/lr_schedule.py.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from minigraph.kernels import loader
-from minigraph.kernels import lr_schedule as gpu
+from minigraph.kernels.cpu import lr_schedule as cpu
+from minigraph.kernels.cuda import lr_schedule as cuda
 from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
 from minigraph.validators import (
     fail,
@@ -28,19 +26,6 @@ from minigraph.validators import (
     positive,
     str_attr,
 )
-
-
-def schedule_value(attrs, t):
-    """The learning rate of step t (an int >= 0) under `attrs` (a float)."""
-    base = attrs["base_lr"]
-    if attrs["kind"] == "step":
-        return base * attrs["gamma"] ** (t // attrs["step_size"])
-    warm = attrs["warmup_steps"]
-    if t < warm:
-        return base * (t + 1) / warm
-    end = attrs["end_lr"]
-    span = attrs["total_steps"] - warm
-    return end + (base - end) * (1.0 + math.cos(math.pi * (t - warm) / span)) / 2.0
 
 
 def infer_schedule(ins, attrs):
@@ -66,27 +51,8 @@ register(OpSchema(
            float_attr("gamma", 0.1, non_negative), int_attr("total_steps", 1, positive),
            float_attr("end_lr", 0.0, non_negative), int_attr("warmup_steps", 0, non_negative)),
     inplace={"step_out": "step"}, infer=infer_schedule, validate=validate_schedule,
-    doc=__doc__))
+    no_export="a training schedule (an inference graph has none)", doc=__doc__))
 
 
-@kernel("lr_schedule", "cpu")
-def lr_schedule_cpu(op, ins, ctx):
-    """learning_rate = schedule(step); step += 1 in place."""
-    step = ins["step"]
-    lr = np.asarray(schedule_value(op.attrs, int(step)), dtype=np.float64)
-    step[...] = step + 1
-    return {"learning_rate": lr, "step_out": step}
-
-
-# ---- GPU bindings: kernels/lr_schedule.cu ----
-
-@kernel("lr_schedule", "gpu")
-def lr_schedule_gpu(op, ins, ctx):
-    """learning_rate = schedule(step) into a new float64 device scalar, then step += 1,
-    both by one device thread (no host sync)."""
-    step = ins["step"]
-    a = op.attrs
-    lr = gpu.lr_schedule(step, loader.empty((), np.float64), a["kind"], a["base_lr"],
-                         a["step_size"], a["gamma"], a["total_steps"], a["end_lr"],
-                         a["warmup_steps"])
-    return {"learning_rate": lr, "step_out": step}
+kernel("lr_schedule", "cpu", cpu.lr_schedule_cpu)
+kernel("lr_schedule", "gpu", cuda.lr_schedule_gpu)

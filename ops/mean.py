@@ -3,15 +3,14 @@
 The mean of an empty x (a batch with no rows, as a data-parallel rank may
 hold) is defined as 0, and its gradient is the empty dx: a rank without rows
 adds nothing to the loss or to the averaged gradients (weight ranks by their
-rows with data_parallel(batch_size_from=...)).
+rows with data_parallel(batch_size_from=...)). Kernels: kernels/cpu/mean.py,
+kernels/cuda/mean.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from minigraph.kernels import fill
-from minigraph.kernels import mean as gpu
-from minigraph.ops.device import GPU_FLOATS
+from minigraph.kernels.cpu import mean as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import mean as cuda
 from minigraph.schema import Meta, OpSchema, Slot, grad_maker, kernel, register
 from minigraph.validators import check_float, check_shape
 
@@ -26,43 +25,20 @@ def infer_mean_grad(ins, attrs):
     return {"dx": Meta(ins["x"].shape, ins["x"].dtype)}
 
 
+def export_mean(ctx, op):
+    """ReduceMean over every axis, keepdims=0: a scalar."""
+    return [ctx.node("ReduceMean", [ctx.value(op.inputs["x"])],
+                     [ctx.output(op.outputs["out"])], keepdims=0)]
+
+
 register(OpSchema(type="mean", inputs=(Slot("x"),), outputs=(Slot("out"),),
-                  infer=infer_mean, grad=grad_maker("mean_grad"), doc=__doc__))
+                  infer=infer_mean, grad=grad_maker("mean_grad"), export=export_mean,
+                  doc=__doc__))
 register(OpSchema(type="mean_grad", inputs=(Slot("x"), Slot("dout")),
-                  outputs=(Slot("dx", optional=True),), infer=infer_mean_grad))
+                  outputs=(Slot("dx", optional=True),), infer=infer_mean_grad,
+                  no_export="a gradient op (training only)"))
 
-
-@kernel("mean", "cpu")
-def mean_cpu(op, ins, ctx):
-    """out = mean(x), accumulated in float64 (pairwise), cast back to x's dtype; 0 when
-    x is empty."""
-    x = ins["x"]
-    if x.size == 0:
-        return {"out": np.zeros((), dtype=x.dtype)}
-    return {"out": np.asarray(np.mean(x, dtype=np.float64), dtype=x.dtype)}
-
-
-@kernel("mean_grad", "cpu")
-def mean_grad_cpu(op, ins, ctx):
-    """dx = full_like(x, dout / x.size)."""
-    x, d = ins["x"], ins["dout"]
-    share = np.asarray(d, dtype=np.float64).reshape(()) / max(x.size, 1)
-    return {"dx": np.full_like(x, share)}
-
-
-@kernel("mean", "gpu", dtypes=GPU_FLOATS)
-def mean_gpu(op, ins, ctx):
-    """out = mean(x), summed in double on the device, in x's dtype; 0 when x is empty."""
-    x = ins["x"]
-    if x.size == 0:
-        return {"out": fill.full((), 0.0, x.dtype)}
-    return {"out": gpu.mean(x)}
-
-
-@kernel("mean_grad", "gpu", dtypes=GPU_FLOATS)
-def mean_grad_gpu(op, ins, ctx):
-    """dx = dout / x.size everywhere, dout read on the device; nothing when dx is unbound."""
-    x, d = ins["x"], ins["dout"]
-    if not op.wants("dx"):
-        return {}
-    return {"dx": gpu.mean_grad(tuple(x.shape), d)}
+kernel("mean", "cpu", cpu.mean_cpu)
+kernel("mean_grad", "cpu", cpu.mean_grad_cpu)
+kernel("mean", "gpu", cuda.mean_gpu, dtypes=GPU_FLOATS)
+kernel("mean_grad", "gpu", cuda.mean_grad_gpu, dtypes=GPU_FLOATS)

@@ -6,17 +6,24 @@ accuracy(logits, label):  out = the fraction (float32, shape ()) of rows i where
                           argmax(logits[i]) == label[i] (first maximum on ties);
                           logits (N, K) float, label (N,) int64 in [0, K) (a label
                           outside is an error naming 'label'); N == 0 gives NaN.
+Kernels: kernels/cpu/metrics.py, kernels/cuda/argmax.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels import argmax as gpu
-from minigraph.kernels import loader
-from minigraph.ops.axis import normalized_axis
-from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
-from minigraph.validators import check_float, check_rank, check_shape, fail, int_attr
+from minigraph.kernels.cpu import metrics as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import argmax as cuda
+from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.validators import (
+    check_float,
+    check_rank,
+    check_shape,
+    fail,
+    int_attr,
+    normalized_axis,
+)
 
 
 def infer_argmax(ins, attrs):
@@ -42,45 +49,31 @@ def infer_accuracy(ins, attrs):
     return {"out": Meta((), np.dtype(np.float32))}
 
 
+def export_argmax(ctx, op):
+    """ArgMax along `axis`, keepdims=0, the first maximum, int64."""
+    return [ctx.node("ArgMax", [ctx.value(op.inputs["x"])], [ctx.output(op.outputs["out"])],
+                     axis=int(op.attrs["axis"]), keepdims=0)]
+
+
+def export_accuracy(ctx, op):
+    """ReduceMean(Cast(Equal(ArgMax(logits, axis 1), label), float32)): a scalar."""
+    out = op.outputs["out"]
+    pred, hit, hits = (ctx.temp(out, s) for s in ("argmax", "equal", "float"))
+    return [ctx.node("ArgMax", [ctx.value(op.inputs["logits"])], [pred], axis=1, keepdims=0),
+            ctx.node("Equal", [pred, ctx.value(op.inputs["label"])], [hit]),
+            ctx.node("Cast", [hit], [hits], to=ctx.onnx.TensorProto.FLOAT),
+            ctx.node("ReduceMean", [hits], [ctx.output(out)], keepdims=0)]
+
+
 register(OpSchema(type="argmax", inputs=(Slot("x"),), outputs=(Slot("out"),),
-                  attrs=(int_attr("axis", -1),), infer=infer_argmax, doc=__doc__))
+                  attrs=(int_attr("axis", -1),), infer=infer_argmax, export=export_argmax,
+                  doc=__doc__))
 register(OpSchema(type="accuracy", inputs=(Slot("logits"), Slot("label")),
-                  outputs=(Slot("out"),), infer=infer_accuracy, doc=__doc__))
+                  outputs=(Slot("out"),), infer=infer_accuracy, export=export_accuracy,
+                  doc=__doc__))
 
 
-@kernel("argmax", "cpu")
-def argmax_cpu(op, ins, ctx):
-    """out = np.argmax(x, axis) as int64."""
-    return {"out": np.argmax(ins["x"], axis=op.attrs["axis"]).astype(np.int64)}
-
-
-@kernel("accuracy", "cpu")
-def accuracy_cpu(op, ins, ctx):
-    """out = mean(argmax(logits, 1) == label) as a float32 scalar; NaN for no rows."""
-    logits, label = ins["logits"], ins["label"]
-    classes = logits.shape[1]
-    bad = np.flatnonzero((label < 0) | (label >= classes))
-    if bad.size:
-        i = int(bad[0])
-        raise OpError(f"accuracy: input 'label' has value {int(label[i])} at row {i}, outside "
-                      f"[0, {classes}) for logits with {classes} classes")
-    if label.size == 0:
-        return {"out": np.array(np.nan, dtype=np.float32)}
-    hits = np.count_nonzero(np.argmax(logits, axis=1) == label)
-    return {"out": np.array(hits / label.size, dtype=np.float32)}
-
-
-# ---- GPU bindings: kernels/argmax.cu ----
-
-@kernel("argmax", "gpu", dtypes=GPU_FLOATS)
-def argmax_gpu(op, ins, ctx):
-    """out = the first maximum's index along axis (int64), on the device."""
-    return {"out": gpu.argmax(ins["x"], op.attrs["axis"])}
-
-
-@kernel("accuracy", "gpu", dtypes=GPU_FLOATS)
-def accuracy_gpu(op, ins, ctx):
-    """out = the fraction of rows whose argmax is the label (float32), on the device.
-    A label outside [0, K) is flagged there and raises at the next fetch."""
-    status = loader.error_flag("accuracy", gpu.LabelStatus)
-    return {"out": gpu.accuracy(ins["logits"], ins["label"], status)}
+kernel("argmax", "cpu", cpu.argmax_cpu)
+kernel("accuracy", "cpu", cpu.accuracy_cpu)
+kernel("argmax", "gpu", cuda.argmax_gpu, dtypes=GPU_FLOATS)
+kernel("accuracy", "gpu", cuda.accuracy_gpu, dtypes=GPU_FLOATS)

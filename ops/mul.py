@@ -2,13 +2,18 @@
 
 x is viewed as (prod(x.shape[:n]), prod(x.shape[n:])) with n = x_num_col_dims,
 y is (K, M) with K the second of those, and out has shape x.shape[:n] + (M,).
+An fc layer is mul and a bias add (elementwise_add). Kernels: kernels/cpu/mul.py,
+kernels/cuda/matmul.py.
 """
 from __future__ import annotations
 
 import math
 
-from minigraph.kernels import matmul as gpu
-from minigraph.ops.device import GPU_FLOATS, present
+import numpy as np
+
+from minigraph.kernels.cpu import mul as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import matmul as cuda
 from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
 from minigraph.validators import (
     check_float,
@@ -42,58 +47,39 @@ def infer_mul(ins, attrs):
     return {"out": Meta(tuple(x.shape[:n]) + (y.shape[1],), x.dtype)}
 
 
-def as_matrix(x, n):
-    """x viewed as (prod(x.shape[:n]), prod(x.shape[n:]))."""
-    return x.reshape(math.prod(x.shape[:n]), flat_cols(x.shape, n))
-
-
 def infer_mul_grad(ins, attrs):
     x, y = ins["x"], ins["y"]
     return {"dx": Meta(x.shape, x.dtype), "dy": Meta(y.shape, y.dtype)}
 
 
+def export_mul(ctx, op):
+    """MatMul of x viewed as a matrix (Flatten, or a Reshape keeping the first
+    x_num_col_dims dims) with y."""
+    x, n = op.inputs["x"], int(op.attrs["x_num_col_dims"])
+    out = op.outputs["out"]
+    rank, xs = len(ctx.shape(x)), ctx.value(x)
+    nodes = []
+    if rank > n + 1:
+        flat = ctx.temp(out, "flat")
+        if n == 1:
+            nodes.append(ctx.node("Flatten", [xs], [flat], axis=1))
+        else:
+            shape = ctx.const(out, "shape", np.array([0] * n + [-1], np.int64))
+            nodes.append(ctx.node("Reshape", [xs, shape], [flat]))
+        xs = flat
+    return nodes + [ctx.node("MatMul", [xs, ctx.value(op.inputs["y"])], [ctx.output(out)])]
+
+
 MUL = register(OpSchema(
     type="mul", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
     attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul,
-    grad=grad_maker("mul_grad", keep=("x", "y"), wrt=("x", "y")), doc=__doc__))
+    grad=grad_maker("mul_grad", keep=("x", "y"), wrt=("x", "y")), export=export_mul,
+    roles=("linear",), weight=("y", 1, -1), doc=__doc__))
 register(grad_schema(MUL, inputs=(Slot("x"), Slot("y"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                      infer=infer_mul_grad))
 
-
-@kernel("mul", "cpu")
-def mul_cpu(op, ins, ctx):
-    """out = flatten(x) @ y, reshaped to x.shape[:n] + (M,)."""
-    x, y = ins["x"], ins["y"]
-    n = op.attrs["x_num_col_dims"]
-    return {"out": (as_matrix(x, n) @ y).reshape(x.shape[:n] + (y.shape[1],))}
-
-
-@kernel("mul_grad", "cpu")
-def mul_grad_cpu(op, ins, ctx):
-    """dx = dout2 @ y.T reshaped to x's shape; dy = x2.T @ dout2."""
-    x, y, d = ins["x"], ins["y"], ins["dout"]
-    n = op.attrs["x_num_col_dims"]
-    d2 = d.reshape(math.prod(x.shape[:n]), y.shape[1])
-    out = {}
-    if op.wants("dx"):
-        out["dx"] = (d2 @ y.T).reshape(x.shape)
-    if op.wants("dy"):
-        out["dy"] = as_matrix(x, n).T @ d2
-    return out
-
-
-@kernel("mul", "gpu", dtypes=GPU_FLOATS)
-def mul_gpu(op, ins, ctx):
-    """out = flatten(x) @ y on the device (tiled matrix product), shaped x.shape[:n] + (M,)."""
-    x, y = ins["x"], ins["y"]
-    return {"out": gpu.mul(x, y, op.attrs["x_num_col_dims"])}
-
-
-@kernel("mul_grad", "gpu", dtypes=GPU_FLOATS)
-def mul_grad_gpu(op, ins, ctx):
-    """dx = dout2 @ y.T (x's shape), dy = x2.T @ dout2 on the device; each only when bound."""
-    x, y, d = ins["x"], ins["y"], ins["dout"]
-    dx, dy = gpu.mul_grad(x, y, d, op.attrs["x_num_col_dims"], need_dx=op.wants("dx"),
-                          need_dy=op.wants("dy"))
-    return present(dx=dx, dy=dy)
+kernel("mul", "cpu", cpu.mul_cpu)
+kernel("mul_grad", "cpu", cpu.mul_grad_cpu)
+kernel("mul", "gpu", cuda.mul_gpu, dtypes=GPU_FLOATS)
+kernel("mul_grad", "gpu", cuda.mul_grad_gpu, dtypes=GPU_FLOATS)

@@ -8,13 +8,13 @@ momentum: velocity = mu * velocity + d (the PyTorch convention), then
 `param_out` (and `velocity_out`) are the input Variables themselves: the
 kernels compute every new value first, then overwrite the arrays and
 return them. learning_rate is a float array of shape () or (1,).
+Kernels: kernels/cpu/optimizer_ops.py, kernels/cuda/optimizer_ops.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from minigraph.kernels import optimizer_ops as gpu
-from minigraph.ops.device import GPU_FLOATS
+from minigraph.kernels.cpu import optimizer_ops as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import optimizer_ops as cuda
 from minigraph.schema import Meta, OpSchema, Slot, kernel, register
 from minigraph.validators import (
     bool_attr,
@@ -42,8 +42,7 @@ def check_update_inputs(op_type, ins, state_slots=()):
     return Meta(param.shape, param.dtype)
 
 
-def learning_rate(ins):
-    return float(np.asarray(ins["learning_rate"]).reshape(()))
+UPDATE = "a training update (an inference graph has none)"
 
 
 def decay_attr():
@@ -51,17 +50,11 @@ def decay_attr():
     return float_attr("weight_decay", 0.0, non_negative)
 
 
-def decayed_grad(op, ins):
-    """grad + weight_decay * param, in param's dtype (grad itself when no decay)."""
-    param, grad = ins["param"], ins["grad"]
-    wd = op.attrs["weight_decay"]
-    return grad + param.dtype.type(wd) * param if wd else grad
-
-
 register(OpSchema(
     type="sgd", inputs=(Slot("param"), Slot("grad"), Slot("learning_rate")),
     outputs=(Slot("param_out"),), inplace={"param_out": "param"}, attrs=(decay_attr(),),
-    infer=lambda ins, attrs: {"param_out": check_update_inputs("sgd", ins)}, doc=__doc__))
+    infer=lambda ins, attrs: {"param_out": check_update_inputs("sgd", ins)}, no_export=UPDATE,
+    doc=__doc__))
 register(OpSchema(
     type="momentum",
     inputs=(Slot("param"), Slot("grad"), Slot("velocity"), Slot("learning_rate")),
@@ -71,48 +64,9 @@ register(OpSchema(
     inplace={"param_out": "param", "velocity_out": "velocity"},
     infer=lambda ins, attrs: dict.fromkeys(
         ("param_out", "velocity_out"), check_update_inputs("momentum", ins, ("velocity",))),
-    doc=__doc__))
+    no_export=UPDATE, doc=__doc__))
 
-
-@kernel("sgd", "cpu")
-def sgd_cpu(op, ins, ctx):
-    """param -= learning_rate * (grad + weight_decay * param), in place; returns param."""
-    param = ins["param"]
-    step = decayed_grad(op, ins) * param.dtype.type(learning_rate(ins))
-    param -= step
-    return {"param_out": param}
-
-
-@kernel("momentum", "cpu")
-def momentum_cpu(op, ins, ctx):
-    """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
-    (velocity, or d + mu * velocity with use_nesterov); both in place; returns them."""
-    param, velocity = ins["param"], ins["velocity"]
-    grad = decayed_grad(op, ins)
-    mu = param.dtype.type(op.attrs["mu"])
-    lr = param.dtype.type(learning_rate(ins))
-    new_velocity = mu * velocity + grad
-    step = grad + mu * new_velocity if op.attrs["use_nesterov"] else new_velocity
-    step = lr * step
-    np.copyto(velocity, new_velocity)
-    param -= step
-    return {"param_out": param, "velocity_out": velocity}
-
-
-@kernel("sgd", "gpu", dtypes=GPU_FLOATS)
-def sgd_gpu(op, ins, ctx):
-    """param -= learning_rate * (grad + weight_decay * param) in place on the device
-    (the rate is read there); returns param, the same device buffer."""
-    param, grad, lr = ins["param"], ins["grad"], ins["learning_rate"]
-    return {"param_out": gpu.sgd(param, grad, lr, op.attrs["weight_decay"])}
-
-
-@kernel("momentum", "gpu", dtypes=GPU_FLOATS)
-def momentum_gpu(op, ins, ctx):
-    """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
-    (velocity, or d + mu * velocity with use_nesterov); both in place on the device."""
-    param, grad, velocity = ins["param"], ins["grad"], ins["velocity"]
-    lr = ins["learning_rate"]
-    param, velocity = gpu.momentum(param, grad, velocity, lr, op.attrs["mu"],
-                                   op.attrs["use_nesterov"], op.attrs["weight_decay"])
-    return {"param_out": param, "velocity_out": velocity}
+kernel("sgd", "cpu", cpu.sgd_cpu)
+kernel("momentum", "cpu", cpu.momentum_cpu)
+kernel("sgd", "gpu", cuda.sgd_gpu, dtypes=GPU_FLOATS)
+kernel("momentum", "gpu", cuda.momentum_gpu, dtypes=GPU_FLOATS)

@@ -9,14 +9,14 @@ every window holds at least one real element.
 Grad: max sends dout to the first maximum of each window (row-major: the first
 tap, replaced by a later one only where strictly greater, as on the GPU); avg
 spreads dout / count over the real elements of the window.
+Kernels: kernels/cpu/pool2d.py, kernels/cuda/pool2d.py.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from minigraph.kernels import pool2d as gpu
-from minigraph.ops.device import GPU_FLOATS
-from minigraph.ops.window import as_pair, offset_slices, out_size, pad_hw, pair_attr
+from minigraph import onnx_export
+from minigraph.kernels.cpu import pool2d as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import pool2d as cuda
 from minigraph.schema import (
     Meta,
     OpError,
@@ -27,7 +27,16 @@ from minigraph.schema import (
     kernel,
     register,
 )
-from minigraph.validators import bool_attr, check_float, check_rank, one_of, str_attr
+from minigraph.validators import (
+    as_pair,
+    bool_attr,
+    check_float,
+    check_rank,
+    one_of,
+    out_size,
+    pair_attr,
+    str_attr,
+)
 
 
 def pool_attrs():
@@ -74,180 +83,31 @@ def infer_pool(ins, attrs):
     return {"out": Meta(tuple(x.shape[:2]) + out_hw("pool2d", x.shape, attrs), x.dtype)}
 
 
+def export_pool2d(ctx, op):
+    """MaxPool / AveragePool (padding excluded from the divisor) with explicit
+    pads; global pooling -> GlobalMaxPool / GlobalAveragePool."""
+    a, x, out = op.attrs, ctx.value(op.inputs["x"]), ctx.output(op.outputs["out"])
+    kind = "Max" if a["pool_type"] == "max" else "Average"
+    if a["global_pooling"]:
+        return [ctx.node(f"Global{kind}Pool", [x], [out])]
+    ksize = onnx_export.pair(a["ksize"])
+    strides = ksize if a["strides"] is None else onnx_export.pair(a["strides"])
+    ph, pw = onnx_export.pair(a["paddings"])
+    extra = {} if kind == "Max" else {"count_include_pad": 0}
+    return [ctx.node(f"{kind}Pool", [x], [out], kernel_shape=list(ksize),
+                     strides=list(strides), pads=[ph, pw, ph, pw], **extra)]
+
+
 POOL = register(OpSchema(
     type="pool2d", inputs=(Slot("x"),), outputs=(Slot("out"),), attrs=pool_attrs(),
-    infer=infer_pool, validate=validate_pool, resolve_attrs=resolve, doc=__doc__,
+    infer=infer_pool, validate=validate_pool, resolve_attrs=resolve, export=export_pool2d,
+    doc=__doc__,
     grad=grad_maker("pool2d_grad")))   # dx from x and dout: the max is located again
 register(grad_schema(POOL, inputs=(Slot("x"), Slot("dout")),
                      outputs=(Slot("dx", optional=True),),
                      infer=lambda ins, attrs: {"dx": ins["x"]}, validate=validate_pool))
 
-
-def taps(attrs):
-    kh, kw = attrs["ksize"]
-    return [(i, j) for i in range(kh) for j in range(kw)]
-
-
-def tiles(x, attrs, hw):
-    """True when the windows tile x exactly: no padding, strides = ksize, and
-    Ho kh = H, Wo kw = W."""
-    (kh, kw), (ho, wo) = attrs["ksize"], hw
-    return (attrs["paddings"] == (0, 0) and attrs["strides"] == (kh, kw)
-            and x.shape[2] == ho * kh and x.shape[3] == wo * kw)
-
-
-def tiled_max(x, attrs, hw):
-    """window_max where the windows tile x: the max over each window's kh rows
-    (contiguous rows of W), then over the kw neighbours in that row (one long
-    strided run), instead of kh kw views with rows of Wo values (numpy's loops
-    pay per row: 49 -> 38 us on (64, 16, 8, 8) with 2x2 windows)."""
-    (kh, kw), (ho, wo) = attrs["ksize"], hw
-    n, c, h, w = x.shape
-    return _max_along(_max_along(x.reshape(n * c * ho, kh, w)).reshape(-1, kw)).reshape(
-        n, c, ho, wo)
-
-
-def _max_along(a):
-    """The max over axis 1 of a (rows, k[, inner]), as a new array."""
-    if a.shape[1] == 1:
-        return a[:, 0].copy()
-    best = np.maximum(a[:, 0], a[:, 1])
-    for i in range(2, a.shape[1]):
-        np.maximum(best, a[:, i], out=best)
-    return best
-
-
-def window_max(x, attrs, hw):
-    """The max of every window, padding as -inf."""
-    if tiles(x, attrs, hw):
-        return tiled_max(x, attrs, hw)
-    xp = pad_hw(x, attrs["paddings"], -np.inf)
-    best = None
-    for i, j in taps(attrs):
-        v = xp[offset_slices(i, j, hw, attrs["strides"])]
-        best = v.copy() if best is None else np.maximum(best, v, out=best)
-    return best
-
-
-_SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def window_argmax(x, attrs, hw):
-    """The tap index (row-major) of the first max of every window, padding as -inf:
-    the first tap, replaced by a later one only where it is strictly greater.
-    Updates go through bit masks (np.where and masked copies are many times slower)."""
-    xp = pad_hw(x, attrs["paddings"], -np.inf)
-    ints = _SAME_SIZE_INT[x.dtype.itemsize]
-    tap_list = taps(attrs)
-    index_type = np.int8 if len(tap_list) <= 127 else np.int32
-    best = where = None
-    for t, (i, j) in enumerate(tap_list):
-        v = xp[offset_slices(i, j, hw, attrs["strides"])]
-        if best is None:
-            best, where = v.copy(), np.zeros(v.shape, dtype=index_type)
-            bits, mask, diff = best.view(ints), np.empty(v.shape, ints), np.empty(v.shape, ints)
-            wmask, wdiff = np.empty(v.shape, index_type), np.empty(v.shape, index_type)
-            continue
-        better = np.greater(v, best).view(np.int8)
-        np.negative(better, out=mask, casting="unsafe")          # all ones where better
-        np.negative(better, out=wmask, casting="unsafe")
-        np.bitwise_xor(bits, v.view(ints), out=diff)              # best = v where better
-        np.bitwise_and(diff, mask, out=diff)
-        np.bitwise_xor(bits, diff, out=bits)
-        np.bitwise_xor(where, t, out=wdiff, casting="unsafe")     # where = t where better
-        np.bitwise_and(wdiff, wmask, out=wdiff)
-        np.bitwise_xor(where, wdiff, out=where)
-    return where
-
-
-def route(dst, d, hit, ints):
-    """dst = d where `hit`, else +0.0 (the bits of d ANDed with a mask)."""
-    mask = np.negative(hit.view(np.int8), dtype=ints)
-    np.bitwise_and(d.view(ints), mask, out=dst.view(ints))
-
-
-def window_counts(size, k, s, p, out):
-    """How many real (unpadded) elements each of `out` windows covers along one axis."""
-    start = np.arange(out) * s
-    return np.minimum(start + k, p + size) - np.maximum(start, p)
-
-
-def avg_divisor(x_shape, attrs, hw, dtype):
-    rows, cols = (window_counts(x_shape[2 + a], attrs["ksize"][a], attrs["strides"][a],
-                                attrs["paddings"][a], hw[a]) for a in (0, 1))
-    return np.outer(rows, cols).astype(dtype)
-
-
-@kernel("pool2d", "cpu")
-def pool2d_cpu(op, ins, ctx):
-    """Max or average of every window (see the module doc)."""
-    x, a = ins["x"], op.attrs
-    if a["global_pooling"]:
-        if a["pool_type"] == "max":
-            return {"out": x.max(axis=(2, 3), keepdims=True)}
-        return {"out": x.mean(axis=(2, 3), keepdims=True, dtype=np.float64).astype(x.dtype)}
-    hw = out_hw(op.type, x.shape, a)
-    if a["pool_type"] == "max":
-        return {"out": window_max(x, a, hw)}
-    xp = pad_hw(x, a["paddings"])
-    total = np.zeros(x.shape[:2] + hw, dtype=np.float64)
-    for i, j in taps(a):
-        total += xp[offset_slices(i, j, hw, a["strides"])]
-    return {"out": (total / avg_divisor(x.shape, a, hw, np.float64)).astype(x.dtype)}
-
-
-@kernel("pool2d_grad", "cpu")
-def pool2d_grad_cpu(op, ins, ctx):
-    """dx: dout routed to each window's first max, or spread evenly over its real elements."""
-    x, d, a = ins["x"], ins["dout"], op.attrs
-    n, c, h, w = x.shape
-    if a["global_pooling"]:
-        if a["pool_type"] == "avg":
-            return {"dx": np.broadcast_to(d / (h * w), x.shape).astype(x.dtype)}
-        flat = x.reshape(n, c, h * w)
-        dx = np.zeros_like(flat)
-        np.put_along_axis(dx, flat.argmax(axis=2)[..., None], d.reshape(n, c, 1), axis=2)
-        return {"dx": dx.reshape(x.shape)}
-    hw = out_hw("pool2d", x.shape, a)
-    ph, pw = a["paddings"]
-    where = window_argmax(x, a, hw) if a["pool_type"] == "max" else None
-    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)   # after argmax's work
-    if where is not None:
-        ints = _SAME_SIZE_INT[x.dtype.itemsize]
-        disjoint = all(s >= k for s, k in zip(a["strides"], a["ksize"]))
-        part = None if disjoint else np.empty(d.shape, dtype=x.dtype)
-        for t, (i, j) in enumerate(taps(a)):
-            dst = dxp[offset_slices(i, j, hw, a["strides"])]
-            if disjoint:                         # each element is in at most one window
-                route(dst, d, np.equal(where, t), ints)
-            else:
-                route(part, d, np.equal(where, t), ints)
-                dst += part
-    else:
-        share = d / avg_divisor(x.shape, a, hw, x.dtype)
-        for i, j in taps(a):
-            dxp[offset_slices(i, j, hw, a["strides"])] += share
-    return {"dx": np.ascontiguousarray(dxp[:, :, ph:ph + h, pw:pw + w])}
-
-
-def pool_geometry(op):
-    """The launchers' keyword arguments for this op's attributes."""
-    a = op.attrs
-    return dict(pool_type=a["pool_type"], ksize=a["ksize"], strides=a["strides"],
-                paddings=a["paddings"], global_pooling=a["global_pooling"])
-
-
-@kernel("pool2d", "gpu", dtypes=GPU_FLOATS)
-def pool2d_gpu(op, ins, ctx):
-    """Max or average of every window on the device (see the module doc)."""
-    return {"out": gpu.pool2d(ins["x"], **pool_geometry(op))}
-
-
-@kernel("pool2d_grad", "gpu", dtypes=GPU_FLOATS)
-def pool2d_grad_gpu(op, ins, ctx):
-    """dx on the device: dout routed to each window's first max, or spread evenly
-    over its real elements; nothing when dx is unbound."""
-    x, d = ins["x"], ins["dout"]
-    if not op.wants("dx"):
-        return {}
-    return {"dx": gpu.pool2d_grad(x, d, **pool_geometry(op))}
+kernel("pool2d", "cpu", cpu.pool2d_cpu)
+kernel("pool2d_grad", "cpu", cpu.pool2d_grad_cpu)
+kernel("pool2d", "gpu", cuda.pool2d_gpu, dtypes=GPU_FLOATS)
+kernel("pool2d_grad", "gpu", cuda.pool2d_grad_gpu, dtypes=GPU_FLOATS)

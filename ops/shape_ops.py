@@ -9,16 +9,16 @@ transpose(x; perm):  out = x.transpose(perm), perm a permutation of range(rank).
 Grads: reshape_grad(x, dout) -> dx = dout reshaped to x's shape (reshape and
 flatten share it); transpose_grad(dout; perm) -> dx = dout.transpose(argsort(perm)).
 Any dtype. Outputs are new C-contiguous arrays, never views of x.
+Kernels: kernels/cpu/shape_ops.py, kernels/cuda/shape_ops.py.
 """
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 
-from minigraph.kernels import shape_ops as gpu
-from minigraph.ops.axis import normalized_axis
+from minigraph.kernels.cpu import shape_ops as cpu
+from minigraph.kernels.cuda import shape_ops as cuda
 from minigraph.schema import (
     Attr,
     Meta,
@@ -30,11 +30,7 @@ from minigraph.schema import (
     kernel,
     register,
 )
-from minigraph.validators import fail, int_attr
-
-
-def is_int(v):
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+from minigraph.validators import fail, int_attr, is_int, normalized_axis
 
 
 def check_target_shape(v):
@@ -141,99 +137,70 @@ def infer_transpose_grad(ins, attrs):
     return {"dx": Meta(tuple(d.shape[p] for p in np.argsort(perm)), d.dtype)}
 
 
+def export_reshape(ctx, op):
+    """Reshape to the `shape` attribute (an int64 constant; -1 is inferred, no 0s)."""
+    out = op.outputs["out"]
+    shape = ctx.const(out, "shape", np.array(op.attrs["shape"], np.int64))
+    return [ctx.node("Reshape", [ctx.value(op.inputs["x"]), shape], [ctx.output(out)])]
+
+
+def export_flatten(ctx, op):
+    """Flatten when dims 1.. merge into one; else a Reshape that copies the dims
+    before start_axis (0), merges start..stop (-1 or their known product) and
+    keeps the known dims after stop_axis."""
+    x, out = op.inputs["x"], op.outputs["out"]
+    shape = tuple(ctx.shape(x))
+    rank = len(shape)
+    start, stop = op.attrs["start_axis"] % rank, op.attrs["stop_axis"] % rank
+    if start == 1 and stop == rank - 1:
+        return [ctx.node("Flatten", [ctx.value(x)], [ctx.output(out)], axis=1)]
+    merged = shape[start:stop + 1]
+    target = [0] * start + [-1 if min(merged) < 0 else math.prod(merged)]
+    target += [d if d >= 0 else -1 for d in shape[stop + 1:]]
+    if target.count(-1) > 1:
+        raise ValueError(f"flatten computing {out.name!r}: input {x.name!r} of shape {shape} "
+                         "has unknown dims both inside and after the merged axes; ONNX "
+                         "Reshape can infer only one")
+    const = ctx.const(out, "shape", np.array(target, np.int64))
+    return [ctx.node("Reshape", [ctx.value(x), const], [ctx.output(out)])]
+
+
+def export_transpose(ctx, op):
+    """Transpose by `perm`."""
+    return [ctx.node("Transpose", [ctx.value(op.inputs["x"])], [ctx.output(op.outputs["out"])],
+                     perm=[int(p) for p in op.attrs["perm"]])]
+
+
 RESHAPE_GRAD = grad_maker("reshape_grad", keep=("x",), attrs=False)
 
 register(OpSchema(
     type="reshape", inputs=(Slot("x"),), outputs=(Slot("out"),),
     attrs=(Attr("shape", (tuple, list), (), check_target_shape, required=True),),
-    resolve_attrs=as_ints("shape"), infer=infer_reshape, grad=RESHAPE_GRAD, doc=__doc__))
+    resolve_attrs=as_ints("shape"), infer=infer_reshape, grad=RESHAPE_GRAD,
+    export=export_reshape, doc=__doc__))
 register(OpSchema(
     type="flatten", inputs=(Slot("x"),), outputs=(Slot("out"),),
     attrs=(int_attr("start_axis", 1), int_attr("stop_axis", -1)), infer=infer_flatten,
-    grad=RESHAPE_GRAD, doc=__doc__))
+    grad=RESHAPE_GRAD, export=export_flatten, doc=__doc__))
 register(OpSchema(
     type="reshape_grad", inputs=(Slot("x"), Slot("dout")), outputs=(Slot("dx", optional=True),),
-    infer=infer_reshape_grad))
+    infer=infer_reshape_grad, no_export="a gradient op (training only)"))
 TRANSPOSE = register(OpSchema(
     type="transpose", inputs=(Slot("x"),), outputs=(Slot("out"),),
     attrs=(Attr("perm", (tuple, list), (), check_perm, required=True),),
     resolve_attrs=as_ints("perm"), infer=infer_transpose,
-    grad=grad_maker("transpose_grad", keep=()), doc=__doc__))
+    grad=grad_maker("transpose_grad", keep=()), export=export_transpose, doc=__doc__))
 register(grad_schema(TRANSPOSE, inputs=(Slot("dout"),), outputs=(Slot("dx", optional=True),),
                      infer=infer_transpose_grad))
 
 
-@kernel("reshape", "cpu")
-def reshape_cpu(op, ins, ctx):
-    """out = a copy of x in `shape` (the -1 resolved)."""
-    x = ins["x"]
-    return {"out": x.reshape(reshaped(op.type, x.shape, op.attrs["shape"])).copy()}
-
-
-@kernel("flatten", "cpu")
-def flatten_cpu(op, ins, ctx):
-    """out = a copy of x with dims start_axis..stop_axis merged."""
-    x = ins["x"]
-    start, stop = flat_range(op.type, x.ndim, op.attrs)
-    return {"out": x.reshape(flattened(x.shape, start, stop)).copy()}
-
-
-@kernel("reshape_grad", "cpu")
-def reshape_grad_cpu(op, ins, ctx):
-    """dx = a copy of dout in x's shape."""
-    if not op.wants("dx"):
-        return {}
-    return {"dx": ins["dout"].reshape(ins["x"].shape).copy()}
-
-
-@kernel("transpose", "cpu")
-def transpose_cpu(op, ins, ctx):
-    """out = x.transpose(perm), C-contiguous (a copy even for the identity perm)."""
-    return {"out": ins["x"].transpose(op.attrs["perm"]).copy(order="C")}
-
-
-@kernel("transpose_grad", "cpu")
-def transpose_grad_cpu(op, ins, ctx):
-    """dx = dout.transpose(argsort(perm)), C-contiguous."""
-    if not op.wants("dx"):
-        return {}
-    return {"dx": ins["dout"].transpose(np.argsort(op.attrs["perm"])).copy(order="C")}
-
-
-# ---- GPU bindings: kernels/shape_ops.cu (any dtype) ----
-
-@kernel("reshape", "gpu")
-def reshape_gpu(op, ins, ctx):
-    """out = a device copy of x in `shape` (the -1 resolved)."""
-    x = ins["x"]
-    return {"out": gpu.reshape(x, reshaped(op.type, x.shape, op.attrs["shape"]))}
-
-
-@kernel("flatten", "gpu")
-def flatten_gpu(op, ins, ctx):
-    """out = a device copy of x with dims start_axis..stop_axis merged."""
-    x = ins["x"]
-    start, stop = flat_range(op.type, len(x.shape), op.attrs)
-    return {"out": gpu.reshape(x, flattened(tuple(x.shape), start, stop))}
-
-
-@kernel("reshape_grad", "gpu")
-def reshape_grad_gpu(op, ins, ctx):
-    """dx = a device copy of dout in x's shape, when bound."""
-    if not op.wants("dx"):
-        return {}
-    return {"dx": gpu.reshape(ins["dout"], ins["x"].shape)}
-
-
-@kernel("transpose", "gpu")
-def transpose_gpu(op, ins, ctx):
-    """out = x.transpose(perm), a new C-contiguous device array."""
-    return {"out": gpu.transpose(ins["x"], op.attrs["perm"])}
-
-
-@kernel("transpose_grad", "gpu")
-def transpose_grad_gpu(op, ins, ctx):
-    """dx = dout.transpose(argsort(perm)) on the device, when bound."""
-    if not op.wants("dx"):
-        return {}
-    return {"dx": gpu.transpose(ins["dout"], tuple(int(p) for p in np.argsort(op.attrs["perm"])))}
+kernel("reshape", "cpu", cpu.reshape_cpu)
+kernel("flatten", "cpu", cpu.flatten_cpu)
+kernel("reshape_grad", "cpu", cpu.reshape_grad_cpu)
+kernel("transpose", "cpu", cpu.transpose_cpu)
+kernel("transpose_grad", "cpu", cpu.transpose_grad_cpu)
+kernel("reshape", "gpu", cuda.reshape_gpu)
+kernel("flatten", "gpu", cuda.flatten_gpu)
+kernel("reshape_grad", "gpu", cuda.reshape_grad_gpu)
+kernel("transpose", "gpu", cuda.transpose_gpu)
+kernel("transpose_grad", "gpu", cuda.transpose_grad_gpu)

@@ -1,33 +1,22 @@
 """silu: out = x * sigmoid(x) (torch.nn.SiLU, "swish").
 
 silu_grad(x, dout): dx = dout * s * (1 + x * (1 - s)), s = sigmoid(x).
-x must be a float tensor; the CPU kernels compute in float64 and cast back.
-This module is the worked example of docs/adding_an_op.md: the schema and
-grad op come from ops.activation's helper, the GPU kernels are the two lines
-of kernels/silu.cu.
+x must be a float tensor; the CPU kernels (kernels/cpu/silu.py) compute in
+float64 and cast back; the GPU kernels are the two map lines of
+kernels/cuda/silu.cu. In ONNX it is Mul(x, Sigmoid(x)). This module is the
+worked example of docs/adding_an_op.md.
 """
 from __future__ import annotations
 
-from minigraph.ops.activation import register_activation, register_map_gpu, sigmoid64, work
-from minigraph.schema import kernel
-
-register_activation("silu", keep="x")
+from minigraph.kernels.cpu import silu as cpu
+from minigraph.ops.activation import register_activation
 
 
-@kernel("silu", "cpu")
-def silu_cpu(op, ins, ctx):
-    """out = x * sigmoid(x)."""
-    x = ins["x"]
-    xw = work(x)
-    return {"out": (xw * sigmoid64(xw)).astype(x.dtype)}
+def export_silu(ctx, op):
+    """Mul(x, Sigmoid(x)) (opset 17 has no Swish)."""
+    x, out = ctx.value(op.inputs["x"]), op.outputs["out"]
+    s = ctx.temp(out, "sigmoid")
+    return [ctx.node("Sigmoid", [x], [s]), ctx.node("Mul", [x, s], [ctx.output(out)])]
 
 
-@kernel("silu_grad", "cpu")
-def silu_grad_cpu(op, ins, ctx):
-    """dx = dout * s * (1 + x * (1 - s)), s = sigmoid(x)."""
-    x, d = work(ins["x"]), ins["dout"]
-    s = sigmoid64(x)
-    return {"dx": (work(d) * s * (1.0 + x * (1.0 - s))).astype(d.dtype)}
-
-
-register_map_gpu("silu", "x")          # kernels/silu.cu: silu and silu_grad on the device
+register_activation("silu", "x", export_silu, (cpu.silu_cpu, cpu.silu_grad_cpu), doc=__doc__)

@@ -5,16 +5,17 @@ loss (N,) = -log softmax[i, label[i]]. Computed from the row-max-shifted
 logits with log-sum-exp in float64, so huge logits stay finite.
 Grad w.r.t. logits: (softmax - onehot(label)) * dloss[:, None], plus the
 softmax Jacobian applied to dsoftmax when the softmax output is used too.
-The label has no gradient.
+The label has no gradient. Kernels: kernels/cpu/softmax_with_cross_entropy.py,
+kernels/cuda/softmax_with_cross_entropy.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels import loader
-from minigraph.kernels import softmax_with_cross_entropy as gpu
-from minigraph.ops.device import GPU_FLOATS
-from minigraph.schema import Meta, OpError, OpSchema, Slot, grad_maker, kernel, register
+from minigraph.kernels.cpu import softmax_with_cross_entropy as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import softmax_with_cross_entropy as cuda
+from minigraph.schema import Meta, OpSchema, Slot, grad_maker, kernel, register
 from minigraph.validators import check_float, check_rank, check_shape, fail
 
 OP = "softmax_with_cross_entropy"
@@ -32,15 +33,6 @@ def infer_swce(ins, attrs):
     return {"softmax": Meta(logits.shape, logits.dtype), "loss": Meta((n,), logits.dtype)}
 
 
-def check_labels(label, classes):
-    """OpError naming the first label outside [0, classes)."""
-    bad = np.flatnonzero((label < 0) | (label >= classes))
-    if bad.size:
-        i = int(bad[0])
-        raise OpError(f"{OP}: input 'label' has value {int(label[i])} at row {i}, outside "
-                      f"[0, {classes}) for logits with {classes} classes")
-
-
 def infer_swce_grad(ins, attrs):
     sm = ins["softmax"]
     if ins["dloss"] is not None:
@@ -51,71 +43,39 @@ def infer_swce_grad(ins, attrs):
     return {"dlogits": Meta(sm.shape, sm.dtype)}
 
 
+def export_swce(ctx, op):
+    """softmax = Softmax(logits, axis 1); loss = -GatherElements(LogSoftmax(logits),
+    label[:, None], axis 1)[:, 0]. Only the outputs used downstream are made."""
+    logits, label = ctx.value(op.inputs["logits"]), op.inputs["label"]
+    sm, loss = op.outputs["softmax"], op.outputs["loss"]
+    nodes = []
+    if ctx.wants(sm):
+        nodes.append(ctx.node("Softmax", [logits], [ctx.output(sm)], axis=1))
+    if ctx.wants(loss):
+        logp, idx, picked, picked1 = (ctx.temp(loss, s) for s in
+                                      ("log_softmax", "label_col", "picked", "picked_flat"))
+        axis1 = ctx.const(loss, "axis1", np.array([1], np.int64))
+        nodes += [ctx.node("LogSoftmax", [logits], [logp], axis=1),
+                  ctx.node("Unsqueeze", [ctx.value(label), axis1], [idx]),
+                  ctx.node("GatherElements", [logp, idx], [picked], axis=1),
+                  ctx.node("Squeeze", [picked, axis1], [picked1]),
+                  ctx.node("Neg", [picked1], [ctx.output(loss)])]
+    return nodes
+
+
 register(OpSchema(
     type=OP, inputs=(Slot("logits"), Slot("label")), outputs=(Slot("softmax"), Slot("loss")),
-    infer=infer_swce, doc=__doc__,
+    infer=infer_swce, export=export_swce, doc=__doc__,
     grad=grad_maker(OP + "_grad", keep=("label", "softmax"), wrt=("logits",),
                     dout={"loss": "dloss", "softmax": "dsoftmax"})))
 register(OpSchema(
     type=OP + "_grad",
     inputs=(Slot("label"), Slot("softmax"), Slot("dloss", optional=True),
             Slot("dsoftmax", optional=True)),
-    outputs=(Slot("dlogits", optional=True),), infer=infer_swce_grad))
+    outputs=(Slot("dlogits", optional=True),), infer=infer_swce_grad,
+    no_export="a gradient op (training only)"))
 
-
-@kernel(OP, "cpu")
-def softmax_with_cross_entropy_cpu(op, ins, ctx):
-    """softmax = exp(z - lse(z)), loss = lse(z) - z[label], z the logits shifted by the row max."""
-    logits, label = ins["logits"], ins["label"]
-    check_labels(label, logits.shape[1])
-    z = logits.astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    log_softmax = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-    loss = -log_softmax[np.arange(logits.shape[0]), label]
-    return {"softmax": np.exp(log_softmax).astype(logits.dtype),
-            "loss": loss.astype(logits.dtype)}
-
-
-@kernel(OP + "_grad", "cpu")
-def softmax_with_cross_entropy_grad_cpu(op, ins, ctx):
-    """dlogits = (softmax - onehot(label)) * dloss[:, None]
-    + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1))."""
-    sm, label = ins["softmax"], ins["label"]
-    dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
-    dlogits = np.zeros(sm.shape, dtype=np.float64)
-    if dloss is not None:
-        check_labels(label, sm.shape[1])
-        dlogits += sm
-        dlogits[np.arange(sm.shape[0]), label] -= 1.0
-        dlogits *= dloss[:, None]
-    if dsoftmax is not None:
-        inner = np.einsum("ij,ij->i", dsoftmax, sm, dtype=np.float64)[:, None]
-        dlogits += sm * (dsoftmax - inner)
-    return {"dlogits": dlogits.astype(sm.dtype)}
-
-
-def label_status(what):
-    """The device-side record of out-of-range labels met by the `what` kernels;
-    the place's check_errors() (at fetch time) raises for them."""
-    return loader.error_flag(what, gpu.LabelStatus)
-
-
-@kernel(OP, "gpu", dtypes=GPU_FLOATS)
-def softmax_with_cross_entropy_gpu(op, ins, ctx):
-    """softmax and loss on the device, from the max-shifted logits in double.
-    A label outside [0, K) gets loss NaN and is flagged on the device; the
-    error raises at the next fetch (see minigraph.place), not here."""
-    logits, label = ins["logits"], ins["label"]
-    softmax, loss = gpu.forward(logits, label, label_status(OP))
-    return {"softmax": softmax, "loss": loss}
-
-
-@kernel(OP + "_grad", "gpu", dtypes=GPU_FLOATS)
-def softmax_with_cross_entropy_grad_gpu(op, ins, ctx):
-    """dlogits on the device, from the terms whose incoming gradient is bound;
-    nothing when dlogits is unbound."""
-    sm, label = ins["softmax"], ins["label"]
-    dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
-    if not op.wants("dlogits"):
-        return {}
-    return {"dlogits": gpu.grad(label, sm, dloss, dsoftmax, label_status(op.type))}
+kernel(OP, "cpu", cpu.softmax_with_cross_entropy_cpu)
+kernel(OP + "_grad", "cpu", cpu.softmax_with_cross_entropy_grad_cpu)
+kernel(OP, "gpu", cuda.softmax_with_cross_entropy_gpu, dtypes=GPU_FLOATS)
+kernel(OP + "_grad", "gpu", cuda.softmax_with_cross_entropy_grad_gpu, dtypes=GPU_FLOATS)

@@ -31,13 +31,13 @@ def gpu_place():
 def device_place(request):
     """A GPU place: the CPU emulator's EmuPlace (the real .cu kernels compiled with
     g++; skipped without g++), or GPUPlace(0) (marked gpu; skipped without one)."""
-    from minigraph.kernels import loader
+    from minigraph import device
 
     if request.param == "gpu":
         gpu = request.getfixturevalue("gpu_place")
-        old = loader.use_backend(None)
+        old = device.use_backend(None)
         yield gpu
-        loader.use_backend(old)
+        device.use_backend(old)
         return
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the kernel emulator")
@@ -82,7 +82,7 @@ def device(device_place):
 def force_splits(monkeypatch):
     """Let small tensors split one channel over many blocks (exercises the last-block
     merges)."""
-    from minigraph.kernels import launch
+    from minigraph.kernels.cuda import launch
 
     monkeypatch.setattr(launch, "MIN_UNITS_PER_THREAD", 1)
 
@@ -91,10 +91,10 @@ def force_splits(monkeypatch):
 def cpu_engine(request, monkeypatch):
     """The CPU engine the conv ops run float32 on: the native kernels (skipped where
     they cannot be built here) or conv_cpu's numpy engine (MINIGRAPH_NATIVE=0)."""
-    from minigraph.kernels import conv2d_cpu, native
+    from minigraph.kernels.cpu import conv_native, native
 
     if request.param == "numpy":
         monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
-    elif not conv2d_cpu.available():
-        pytest.skip(f"native kernels not built: {native.reason('conv2d_cpu')}")
+    elif not conv_native.available():
+        pytest.skip(f"native kernels not built: {native.reason('conv_native')}")
     return request.param

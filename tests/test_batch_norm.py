@@ -8,8 +8,9 @@ import pytest
 from references import batch_norm, batch_norm_grad, batch_stats
 
 import minigraph as mg
-from minigraph import OpError, cpu_blocks
-from minigraph.ops import batch_norm_cpu as bn_cpu
+from minigraph import OpError
+from minigraph.kernels.cpu import batch_norm_stats as bn_cpu
+from minigraph.kernels.cpu import blocks as cpu_blocks
 
 rng = np.random.default_rng(1234)
 

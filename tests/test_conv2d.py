@@ -6,7 +6,8 @@ from references import conv2d
 from references import conv2d_grad as conv2d_grad_reference
 
 import minigraph as mg
-from minigraph.ops import conv_cpu, conv_cpu_grad
+from minigraph.kernels.cpu import conv_im2col as conv_cpu
+from minigraph.kernels.cpu import conv_im2col_grad as conv_cpu_grad
 
 rng = np.random.default_rng(0)
 

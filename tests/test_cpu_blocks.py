@@ -1,4 +1,4 @@
-"""The blocked, threaded CPU engine (minigraph.cpu_blocks) and the framework-wide
+"""The blocked, threaded CPU engine (minigraph.kernels.cpu.blocks) and the framework-wide
 thread setting mg.set_num_threads / mg.get_num_threads."""
 import multiprocessing
 import os
@@ -11,7 +11,7 @@ import pytest
 import threadpoolctl
 
 import minigraph as mg
-from minigraph import cpu_blocks
+from minigraph.kernels.cpu import blocks as cpu_blocks
 
 
 def blas_threads():

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from minigraph.ops.erf import erf, erfc, normal_cdf
+from minigraph.kernels.cpu.erf import erf, erfc, normal_cdf
 
 GRID = np.concatenate([
     np.linspace(-30.0, 30.0, 120001),                      # every range, both signs

@@ -7,7 +7,7 @@ from references import conv2d
 
 import minigraph as mg
 from minigraph import layers as L
-from minigraph.ops import conv_cpu
+from minigraph.kernels.cpu import conv_im2col as conv_cpu
 
 rng = np.random.default_rng(0)
 

@@ -6,8 +6,8 @@ import shutil
 import numpy as np
 import pytest
 
-from minigraph.kernels import conv2d_cpu, native
-from minigraph.ops import conv_cpu
+from minigraph.kernels.cpu import conv_im2col as conv_cpu
+from minigraph.kernels.cpu import conv_native, native
 
 HAS_CC = bool(shutil.which((os.environ.get("CC") or "cc").split()[0]) or shutil.which("gcc"))
 
@@ -24,20 +24,20 @@ def fresh(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
 def test_built_once_then_loaded_from_the_cache(fresh):
-    assert native.library("conv2d_cpu") is not None
+    assert native.library("conv_native") is not None
     built = sorted(fresh.iterdir())
-    assert [p.suffix for p in built] == [".so"] and built[0].name.startswith("conv2d_cpu-")
+    assert [p.suffix for p in built] == [".so"] and built[0].name.startswith("conv_native-")
     stamp = built[0].stat().st_mtime_ns
     native._load.cache_clear()
-    assert native.library("conv2d_cpu") is not None
+    assert native.library("conv_native") is not None
     assert sorted(fresh.iterdir()) == built and built[0].stat().st_mtime_ns == stamp
 
 
 def test_no_compiler_means_no_library_and_says_why(fresh, monkeypatch):
     monkeypatch.setenv("CC", str(fresh.parent / "no-such-cc"))
-    assert native.library("conv2d_cpu") is None
-    assert "building conv2d_cpu.c failed" in native.reason("conv2d_cpu")
-    assert not conv2d_cpu.available()
+    assert native.library("conv_native") is None
+    assert "building conv_native.c failed" in native.reason("conv_native")
+    assert not conv_native.available()
     assert not list(fresh.glob("*.so"))
 
 
@@ -46,19 +46,19 @@ def test_a_failing_compiler_leaves_no_files(fresh, monkeypatch):
     failing.write_text("#!/bin/sh\necho 'cc: error: broken' >&2\nexit 1\n")
     failing.chmod(0o755)
     monkeypatch.setenv("CC", str(failing))
-    assert native.library("conv2d_cpu") is None
-    assert "cc: error: broken" in native.reason("conv2d_cpu")
+    assert native.library("conv_native") is None
+    assert "cc: error: broken" in native.reason("conv_native")
     assert list(fresh.iterdir()) == []
 
 
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
-    assert native.library("conv2d_cpu") is None
-    assert native.reason("conv2d_cpu") == "MINIGRAPH_NATIVE is off"
+    assert native.library("conv_native") is None
+    assert native.reason("conv_native") == "MINIGRAPH_NATIVE is off"
     g = conv_cpu.geometry((1, 2, 4, 4), (2, 2, 3, 3), (1, 1), (1, 1), (1, 1), 1)
-    assert not conv2d_cpu.supports(g, np.float32)
+    assert not conv_native.supports(g, np.float32)
     monkeypatch.setenv("MINIGRAPH_NATIVE", "1")
-    assert native.reason("conv2d_cpu") != "MINIGRAPH_NATIVE is off"
+    assert native.reason("conv_native") != "MINIGRAPH_NATIVE is off"
 
 
 def test_the_key_names_this_cpu():
@@ -75,11 +75,11 @@ def test_unwritable_cache_builds_in_a_temporary_directory_removed_once_loaded(
     (tmp_path / "tmp").mkdir()
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)
-    assert native.library("conv2d_cpu") is not None
+    assert native.library("conv_native") is not None
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
 @pytest.mark.skipif(not shutil.which("gcc"), reason="no gcc here")
 def test_cc_may_carry_arguments(fresh, monkeypatch):
     monkeypatch.setenv("CC", f"{shutil.which('gcc')} -Wall")
-    assert native.library("conv2d_cpu") is not None
+    assert native.library("conv_native") is not None

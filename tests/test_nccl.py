@@ -29,7 +29,8 @@ import minigraph as mg
 from minigraph.distributed import deadline
 from minigraph.distributed import nccl as mg_nccl
 from minigraph.distributed.comm import Progress, merge_rows
-from minigraph.ops import collective
+from minigraph.kernels.cuda import collective
+from minigraph.schema import KernelContext
 
 # not installed, or installed without what it needs (cuda-bindings): skipped either way
 REAL = pytest.importorskip("nccl.core", reason="nccl4py is not installed or does not import",
@@ -250,7 +251,7 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
     parts = np.split(offset, [5])
 
     def rank_work(rank):
-        from minigraph.kernels import batch_norm_sync
+        from minigraph.kernels.cuda import batch_norm_sync
 
         place = mg.GPUPlace(rank)
         comm = tls.comm = mg_nccl.NCCLComm(place, HostComm(world, rank), timeout_s=60)
@@ -269,16 +270,16 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
             op = types.SimpleNamespace(type="c_allreduce_avg", inputs={"x": names},
                                        outputs={"out": [object() for _ in names]})
             before = world_calls(world, "allreduce", rank)
-            outs = collective.allreduce_avg_gpu(op, {"x": grads})["out"]
+            outs = collective.allreduce_avg_gpu(op, {"x": grads}, KernelContext())["out"]
             got["avg_calls"] = world_calls(world, "allreduce", rank) - before
-            collective.allreduce_avg_gpu(op, {"x": grads})          # warms the pool
+            collective.allreduce_avg_gpu(op, {"x": grads}, KernelContext())          # warms the pool
             allocs = cuda.counts["mem_alloc"]
-            collective.allreduce_avg_gpu(op, {"x": grads})
+            collective.allreduce_avg_gpu(op, {"x": grads}, KernelContext())
             got["avg_allocs"] = cuda.counts["mem_alloc"] - allocs
             got["avg"] = [place.to_host(o) for o in outs]
             in_place = types.SimpleNamespace(type=op.type, inputs=op.inputs,
                                              outputs={"out": names})
-            same = collective.allreduce_avg_gpu(in_place, {"x": grads})["out"]
+            same = collective.allreduce_avg_gpu(in_place, {"x": grads}, KernelContext())["out"]
             got["in_place"] = all(a is b for a, b in zip(same, grads, strict=True))
             got["avg_of_avg"] = place.to_host(grads[0])
         comm.barrier(what="save ckpt.npz")               # drain, synchronize, MPI barrier

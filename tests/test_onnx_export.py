@@ -1,4 +1,4 @@
-"""ONNX export (minigraph/onnx_export.py, minigraph/onnx_ops.py): every test net
+"""ONNX export (minigraph/onnx_export.py and the ops' exporters): every test net
 passes the full ONNX check, and onnxruntime and onnx's reference evaluator
 both give net.infer's outputs at batch sizes 1 and 7 from one file."""
 import subprocess
@@ -31,7 +31,7 @@ register(OpSchema(type="test_onnx_unmapped", inputs=(Slot("x"),), outputs=(Slot(
 
 
 @kernel("test_onnx_unmapped", "cpu")
-def _unmapped(op, ins):
+def _unmapped(op, ins, ctx):
     return {"out": ins["x"] * 2}
 
 

@@ -89,10 +89,10 @@ def test_the_wheel_maps_ops_kernels_and_examples_into_minigraph(wheel):
         assert f"minigraph/ops/{module.name}" in names
     for module in sorted((REPO / "minigraph").rglob("*.py")):   # every subpackage listed
         assert module.relative_to(REPO).as_posix() in names, module
-    sources = sorted((REPO / "kernels").glob("*.cu*")) + sorted((REPO / "kernels").glob("*.c"))
+    sources = sorted((REPO / "kernels").rglob("*.cu*")) + sorted((REPO / "kernels").rglob("*.c"))
     assert any(source.suffix == ".c" for source in sources)
-    for source in sources:
-        assert f"minigraph/kernels/{source.name}" in names
+    for source in sources + sorted((REPO / "kernels").rglob("*.py")):
+        assert f"minigraph/{source.relative_to(REPO).as_posix()}" in names, source
     assert "minigraph/kernels/__init__.py" in names
     assert "minigraph/examples/train_digits.py" in names
     assert "minigraph/cli.py" in names and "minigraph/render.py" in names
@@ -112,9 +112,9 @@ def test_a_regular_install_of_the_wheel_works_outside_the_repo(wheel, tmp_path):
             "import numpy as np\n"
             "(p,) = net.infer(feed={'image': np.zeros((2, 1, 8, 8), 'float32')},"
             " fetch=[h['logits']])\n"
-            "from minigraph.kernels import conv2d_cpu\n"
+            "from minigraph.kernels.cpu import conv_native\n"
             "print(mg.__file__, mg.ops.__file__, mg.kernels.__file__, p.shape,"
-            " [n for n in ('ops', 'kernels') if u.find_spec(n)], conv2d_cpu.available())\n")
+            " [n for n in ('ops', 'kernels') if u.find_spec(n)], conv_native.available())\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120, env=clean_env(PYTHONPATH=str(site),
                                                                MINIGRAPH_CACHE=str(tmp_path / "c")))
@@ -123,8 +123,8 @@ def test_a_regular_install_of_the_wheel_works_outside_the_repo(wheel, tmp_path):
     assert Path(mg_file).parent == site / "minigraph"
     assert Path(ops_file).parent == site / "minigraph" / "ops"
     assert Path(kernels_file).parent == site / "minigraph" / "kernels"
-    from minigraph.kernels import conv2d_cpu  # the installed source builds as the repo's
-    assert " ".join(rest) == f"(2, 10) [] {conv2d_cpu.available()}"
+    from minigraph.kernels.cpu import conv_native  # the installed source builds as the repo's
+    assert " ".join(rest) == f"(2, 10) [] {conv_native.available()}"
 
 
 def readme_python_blocks():

@@ -2,7 +2,7 @@
 import numpy as np
 from references import philox4x32 as scalar_philox
 
-from minigraph.ops.philox import philox4x32, philox_words, uniforms24
+from minigraph.kernels.cpu.philox import philox4x32, philox_words, uniforms24
 
 
 def words(counter, key):
@@ -46,7 +46,7 @@ def test_counter_high_word_via_philox4x32():
 
 
 def test_chunks_join_seamlessly(monkeypatch):
-    from minigraph.ops import philox
+    from minigraph.kernels.cpu import philox
 
     whole = philox_words(1000, 2, 99)
     monkeypatch.setattr(philox, "CHUNK", 7)

@@ -5,7 +5,8 @@ from helpers import helper_test_op
 from references import pool2d
 
 import minigraph as mg
-from minigraph.ops import pool2d as pool_op
+from minigraph.kernels.cpu import pool2d as pool_kernels
+from minigraph.ops import pool2d as pool_schema
 
 rng = np.random.default_rng(0)
 
@@ -146,11 +147,11 @@ def test_max_of_windows_that_tile_x(ksize):
     x = rng.standard_normal((2, 3, 6, 8))
     helper_test_op("pool2d", {"x": x}, {"ksize": ksize}, pool_reference, grad_wrt=("x",))
     x[0, 1, 2, 3] = x[1, 2, 5, 0] = np.nan
-    attrs = pool_op.resolve({"pool_type": "max", "ksize": ksize, "strides": None,
-                            "paddings": 0, "global_pooling": False})
-    hw = pool_op.out_hw("pool2d", x.shape, attrs)
-    assert pool_op.tiles(x, attrs, hw)
-    out = pool_op.window_max(x, attrs, hw)
+    attrs = pool_schema.resolve({"pool_type": "max", "ksize": ksize, "strides": None,
+                                "paddings": 0, "global_pooling": False})
+    hw = pool_kernels.out_hw(x.shape, attrs)
+    assert pool_kernels.tiles(x, attrs, hw)
+    out = pool_kernels.window_max(x, attrs, hw)
     kh, kw = attrs["ksize"]
     expected = x.reshape(2, 3, 6 // kh, kh, 8 // kw, kw).max(axis=(3, 5))   # NaN propagates
     np.testing.assert_array_equal(out, expected)

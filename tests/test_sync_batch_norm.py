@@ -11,7 +11,7 @@ import minigraph as mg
 from minigraph import layers
 from minigraph.distributed import world
 from minigraph.distributed.comm import LocalComm
-from minigraph.ops import sync_batch_norm as sync_ops
+from minigraph.kernels.cpu import batch_norm as sync_ops
 from minigraph.schema import get_schema
 
 
@@ -109,7 +109,7 @@ def test_matches_one_process_batch_norm_on_ranks(ranks):
 
 def rank_vectors(parts):
     """Each rank's pack_stats vector, from the CPU kernel's local statistics."""
-    from minigraph.ops import batch_norm_cpu
+    from minigraph.kernels.cpu import batch_norm_stats as batch_norm_cpu
 
     return [sync_ops.pack_stats(*batch_norm_cpu.local_stats(batch_norm_cpu.as_3d(p, "NCHW")))
             for p in parts]

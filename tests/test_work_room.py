@@ -10,7 +10,7 @@ import minigraph as mg
 from minigraph import layers as L
 from minigraph import work_room
 from minigraph.executor import ONE
-from minigraph.ops import conv_cpu
+from minigraph.kernels.cpu import conv_im2col as conv_cpu
 from minigraph.schema import get_schema
 from minigraph.scope import Variable
 

@@ -127,7 +127,7 @@ class NCCLComm(Communicator):
         on the device (kernels/batch_norm.cu merge_stats): NCCL has no custom ops."""
         if is_host_array(x):
             return self.host._allreduce_stats(x)
-        from minigraph.kernels import batch_norm_sync
+        from minigraph.kernels.cuda import batch_norm_sync
 
         with self.place.activate():
             return batch_norm_sync.merge_stats(self._gather_device(x))
@@ -171,7 +171,7 @@ class NCCLComm(Communicator):
 
 
 def _empty(shape, dtype):
-    from minigraph.kernels import loader
+    from minigraph.kernels.cuda import loader
 
     return loader.empty(tuple(shape), dtype)
 

@@ -12,7 +12,7 @@ from launcher_harness import rng
                                         ((2, 3, 4), 0), ((6,), 0), ((3, 1), 1)], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_argmax_takes_the_first_maximum(device, shape, axis, dtype):
-    from minigraph.kernels import argmax
+    from minigraph.kernels.cuda import argmax
 
     x = rng(11).integers(0, 4, size=shape).astype(dtype)      # many ties
     got = device.get(argmax.argmax(device.put(x), axis))
@@ -27,7 +27,7 @@ def test_argmax_takes_the_first_maximum(device, shape, axis, dtype):
 @pytest.mark.parametrize("rows,classes", [(7, 3), (50, 10), (1, 1), (3, 500)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_accuracy(device, rows, classes, dtype):
-    from minigraph.kernels import argmax
+    from minigraph.kernels.cuda import argmax
 
     logits = rng(13).integers(0, 3, size=(rows, classes)).astype(dtype)
     label = rng(14).integers(0, classes, rows).astype(np.int64)
@@ -39,7 +39,7 @@ def test_accuracy(device, rows, classes, dtype):
 
 
 def test_accuracy_flags_bad_labels_and_empty_batches(device):
-    from minigraph.kernels import argmax
+    from minigraph.kernels.cuda import argmax
 
     status = argmax.LabelStatus()
     logits = np.eye(4, dtype=np.float32)

@@ -29,7 +29,7 @@ def bn_params(channels, dtype, seed=1):
 
 def run_bn_training(device, layout, shape, dtype, momentum, steps, offset=0, counter=True,
                     data=None):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     channels = shape[1] if layout == "NCHW" else shape[-1]
     scale, bias, est_mean, est_var = bn_params(channels, dtype)
@@ -80,7 +80,7 @@ def test_bn_cumulative_average_and_no_counter(device):
 @pytest.mark.parametrize("layout,shape", [("NCHW", (16, 2, 17, 13)), ("NHWC", (64, 9, 4)),
                                           ("NCHW", (4000, 1))])
 def test_bn_offset_data_keeps_its_variance(device, force_splits, layout, shape):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     x = (1e4 + rng(3).standard_normal(shape)).astype(np.float32)
     channels = shape[1] if layout == "NCHW" else shape[-1]
@@ -96,7 +96,7 @@ def test_bn_offset_data_keeps_its_variance(device, force_splits, layout, shape):
 
 
 def test_bn_non_finite_batch_commits_nothing(device):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     shape, channels = (4, 3, 5, 5), 3
     params = bn_params(channels, np.float32)
@@ -126,7 +126,7 @@ def test_bn_non_finite_batch_commits_nothing(device):
 
 
 def test_bn_training_needs_two_values_per_channel(device):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     params = [device.put(a) for a in bn_params(3, np.float32)]
     with pytest.raises(ValueError, match="more than one value per channel"):
@@ -138,7 +138,7 @@ def test_bn_training_needs_two_values_per_channel(device):
 @pytest.mark.parametrize("layout,shape", BN_SHAPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_bn_forward_infer(device, layout, shape, dtype):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     x = rng(5).normal(1, 3, shape).astype(dtype)
     channels = shape[1] if layout == "NCHW" else shape[-1]
@@ -151,7 +151,7 @@ def test_bn_forward_infer(device, layout, shape, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("use_global", [False, True], ids=["batch", "global"])
 def test_bn_backward(device, force_splits, layout, shape, dtype, use_global):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     r = rng(7)
     x = r.normal(2, 3, shape).astype(dtype)
@@ -174,7 +174,7 @@ def test_bn_backward(device, force_splits, layout, shape, dtype, use_global):
 
 
 def test_empty_arrays_launch_nothing(device):
-    from minigraph.kernels import activation, batch_norm, elementwise
+    from minigraph.kernels.cuda import activation, batch_norm, elementwise
 
     empty = device.put(np.zeros((0, 3), np.float32))
     assert device.get(activation.relu(empty)).shape == (0, 3)
@@ -184,7 +184,7 @@ def test_empty_arrays_launch_nothing(device):
 
 
 def test_bn_backward_skips_unwanted_outputs(device):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     x = rng(1).normal(size=(4, 3, 4, 4)).astype(np.float32)
     args = [device.put(a) for a in (x, x, np.ones(3, np.float32), np.zeros(3, np.float32),

@@ -9,7 +9,7 @@ from launcher_harness import rel_err, rng
 from references import conv2d as conv2d_ref
 from references import conv2d_grad as conv2d_grad_ref
 
-from minigraph.kernels import launch
+from minigraph.kernels.cuda import launch
 
 
 @pytest.mark.parametrize("x_shape,w_shape,stride,pad,dil,groups", [
@@ -18,7 +18,7 @@ from minigraph.kernels import launch
     ((1, 2, 5, 5), (2, 1, 1, 1), (2, 2), (0, 0), (1, 1), 2),
     ((2, 1, 6, 7), (3, 1, 5, 5), (1, 2), (2, 2), (1, 1), 1)])
 def test_conv2d_and_grad(device, x_shape, w_shape, stride, pad, dil, groups):
-    from minigraph.kernels import conv2d
+    from minigraph.kernels.cuda import conv2d
 
     r = rng(10)
     x, w = r.normal(size=x_shape), r.normal(size=w_shape)
@@ -34,7 +34,7 @@ def test_conv2d_and_grad(device, x_shape, w_shape, stride, pad, dil, groups):
 
 
 def test_conv2d_in_several_chunks(device, monkeypatch):
-    from minigraph.kernels import conv2d
+    from minigraph.kernels.cuda import conv2d
 
     monkeypatch.setattr(launch, "COLS_BUDGET", 3 * 4 * 9 * 36 * 4)     # 3 images per chunk
     r = rng(11)

@@ -20,7 +20,7 @@ def dropout_ref(x, p, seed, step):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
 def test_dropout_masks_are_the_cpus_bit_for_bit(device, shape, dtype, offset):
-    from minigraph.kernels import dropout
+    from minigraph.kernels.cuda import dropout
 
     x = rng(7).normal(size=shape).astype(dtype)
     step = device.put(np.array(5, np.int64))
@@ -40,7 +40,7 @@ def test_dropout_masks_are_the_cpus_bit_for_bit(device, shape, dtype, offset):
 
 
 def test_dropout_keeps_about_1_minus_p_and_steps_change_masks(device):
-    from minigraph.kernels import dropout
+    from minigraph.kernels.cuda import dropout
 
     x = np.ones(40001, np.float32)
     step = device.put(np.array(0, np.int64))

@@ -10,7 +10,7 @@ import pytest
 from launcher_harness import TOL, rel_err, rng
 from references import unbroadcast
 
-from minigraph.kernels import broadcast, strided
+from minigraph.kernels.cuda import broadcast, strided
 
 BROADCASTS = [((4, 3, 5), (3, 1)), ((2, 1, 4), (3, 1)), ((7,), (7,)), ((6, 5), (5,)),
               ((5, 1, 3, 1, 2), (4, 3, 6, 2)), ((3,), ()), ((2, 3), (1, 1)), ((1, 9), (4, 1)),
@@ -101,7 +101,7 @@ def test_broadcast_errors(device):
                                                   ((6, 5), (6,), 0), ((33, 8), (), -1)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_elementwise_add_and_grad(device, force_splits, x_shape, y_shape, axis, dtype):
-    from minigraph.kernels import elementwise
+    from minigraph.kernels.cuda import elementwise
 
     r = rng(2)
     x, y = r.normal(size=x_shape).astype(dtype), r.normal(size=y_shape).astype(dtype)
@@ -118,7 +118,7 @@ def test_elementwise_add_and_grad(device, force_splits, x_shape, y_shape, axis, 
 
 @pytest.mark.parametrize("count", [1, 3, 11])
 def test_sum_of_n_tensors(device, count):
-    from minigraph.kernels import elementwise
+    from minigraph.kernels.cuda import elementwise
 
     xs = [rng(i).normal(size=(5, 13)).astype(np.float32) for i in range(count)]
     out = elementwise.sum_n([device.put(x) for x in xs])
@@ -127,7 +127,7 @@ def test_sum_of_n_tensors(device, count):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_mean_and_grad(device, dtype):
-    from minigraph.kernels import mean
+    from minigraph.kernels.cuda import mean
 
     x = (1e3 + rng(6).normal(size=(37, 211))).astype(dtype)
     out = mean.mean(device.put(x))

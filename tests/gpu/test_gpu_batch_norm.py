@@ -30,8 +30,8 @@ from op_harness import TOL, assert_close, run_op
 import minigraph as mg
 from minigraph.distributed import world
 from minigraph.distributed.comm import LocalComm
-from minigraph.ops import batch_norm_cpu as bn_cpu
-from minigraph.ops import sync_batch_norm as sync_ops
+from minigraph.kernels.cpu import batch_norm as sync_ops
+from minigraph.kernels.cpu import batch_norm_stats as bn_cpu
 
 
 def assert_near(got, want, where, loosen=1.0):
@@ -266,7 +266,7 @@ def test_sync_path_makes_one_allreduce_each_way(device_place, monkeypatch, layou
 
 
 def test_local_vectors_are_the_cpu_packing(device_place, force_splits):
-    from minigraph.kernels import batch_norm_sync as gpu
+    from minigraph.kernels.cuda import batch_norm_sync as gpu
 
     rng = np.random.default_rng(2)
     for layout, shape in (("NCHW", (4, 3, 5, 7)), ("NHWC", (6, 5, 4)), ("NCHW", (0, 3))):
@@ -292,7 +292,7 @@ def test_ranks_in_one_process_match_batch_norm_on_the_whole_batch(device_place, 
     """Three ranks (5, 0 and 2 rows) run through the launchers one after another,
     their statistics merged on the device (merge_stats), their gradient sums added
     on the host: the whole batch's results on every rank."""
-    from minigraph.kernels import batch_norm_sync as gpu
+    from minigraph.kernels.cuda import batch_norm_sync as gpu
 
     counts = (5, 0, 2)
     channels = shape_of(1)[1] if layout == "NCHW" else shape_of(1)[-1]
@@ -333,7 +333,7 @@ def test_device_merge_keeps_offset_variance_and_equals_the_host_merge(device_pla
     |mean|/std = 1e6 (one rank empty): the variance to 1e-6 relative, and the
     host's rank-order merge to 1e-12 (the NCCL path vs the MPI path)."""
     from minigraph.distributed.comm import merge_rows
-    from minigraph.kernels import batch_norm_sync as gpu
+    from minigraph.kernels.cuda import batch_norm_sync as gpu
 
     rng = np.random.default_rng(9)
     counts = (6, 0, 3, 9)

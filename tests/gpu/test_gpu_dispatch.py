@@ -24,7 +24,8 @@ from kernel_emulator.fake_memory import FakeArray
 from op_harness import batches, small_net
 
 import minigraph as mg
-from minigraph.kernels import batch_norm, collective, conv2d, elementwise, loader, matmul
+from minigraph import device
+from minigraph.kernels.cuda import batch_norm, collective, conv2d, elementwise, loader, matmul
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 
@@ -52,7 +53,7 @@ def put(place, a):
 def test_made_arrays_match_constructed_ones_and_never_share_memory(fake, gpu):
     import pycuda.gpuarray as gpuarray
 
-    state = loader.current()
+    state = device.current()
     model = gpuarray.empty((4, 3), np.dtype(np.float32), allocator=state.allocate)
     made = [loader.empty((4, 3), np.float32) for _ in range(3)]
     made.append(loader.empty((4, 3), np.dtype("float32")))       # the same maker, spelled anew
@@ -79,7 +80,7 @@ def test_made_arrays_match_constructed_ones_and_never_share_memory(fake, gpu):
 
 def test_a_group_is_one_allocation_freed_when_its_last_array_goes(fake, gpu):
     shapes = ((5,), (5,), (2, 3))
-    state = loader.current()
+    state = device.current()
     calls = []
     real = state.allocate
     state.allocate = lambda n: calls.append(n) or real(n)         # a spy the makers call
@@ -143,7 +144,7 @@ def test_a_batch_norm_net_trains_on_the_fake_driver_as_on_the_cpu(fake):
 def test_the_model_of_an_array_maker_holds_no_device_memory(fake, gpu):
     """The maker keeps the model's attributes, flags memo included, and the fake's
     flags hold their array as PyCUDA's do: the model must have let its memory go."""
-    state = loader.current()
+    state = device.current()
     allocs = fake.counts["mem_alloc"]
     a = loader.empty((7, 3), np.float64)
     assert a.flags.array is not a                       # the model's flags, shared
@@ -211,7 +212,7 @@ def test_conv2d_plans_once_and_keeps_its_columns_in_scratch(fake, gpu, monkeypat
     assert len(calls) == 2                                 # one plan forward, one backward
     assert second is not first and int(second.gpudata) != int(first.gpudata)
     np.testing.assert_array_equal(first.get(), second.get())
-    state = loader.current()
+    state = device.current()
     assert len(state.scratch) == 1                         # one buffer for this thread
 
 
@@ -220,7 +221,7 @@ def test_scratch_is_handed_out_again_and_grows_only_when_needed(fake, gpu):
     assert loader.scratch(50, np.float64) == a              # 400 bytes fit: the same buffer
     bigger = loader.scratch(10**6, np.float32)
     assert loader.scratch(10, np.float32) == bigger
-    (buffer,) = loader.current().scratch.values()
+    (buffer,) = device.current().scratch.values()
     assert buffer.nbytes >= 4 * 10**6
 
 
@@ -343,7 +344,7 @@ def test_allreduce_scaled_packs_reduces_and_unpacks_once():
 
 
 def test_fill_remembers_bits_without_mixing_up_values():
-    from minigraph.kernels import fill
+    from minigraph.kernels.cuda import fill
 
     with kernel_emulator.emulated_gpu():
         a = kernel_emulator.to_device(np.ones(5, np.float32))
@@ -358,7 +359,7 @@ def test_fill_remembers_bits_without_mixing_up_values():
 
 
 def test_mean_and_pooling_plan_once_and_make_only_their_outputs(fake, gpu, monkeypatch):
-    from minigraph.kernels import mean, pool2d
+    from minigraph.kernels.cuda import mean, pool2d
 
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)

@@ -35,8 +35,10 @@ from op_harness import batches, small_net
 from references import pool2d_grad
 
 import minigraph as mg
+from minigraph import device
 from minigraph import place as mg_place
-from minigraph.kernels import cuda_backend, launch, loader
+from minigraph.kernels.cuda import backend as cuda_backend
+from minigraph.kernels.cuda import launch, loader
 
 TESTS = pathlib.Path(__file__).parents[1]
 
@@ -76,7 +78,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     installed = fake.install()       # stays installed until the process ends
     installed.__enter__()
     import minigraph as mg
-    from minigraph.kernels import elementwise
+    from minigraph.kernels.cuda import elementwise
     p0, p1 = mg.GPUPlace(0), mg.GPUPlace(1)
     for p in (p0, p1):
         with p.activate():
@@ -110,10 +112,10 @@ def test_release_gpus_drops_the_loader_state(fake):
     p = mg.GPUPlace(0)
     with p.activate():
         p.to_host(p.to_device(np.ones(3)))
-        state = loader.current()
-    assert state in loader.backend()._states.values()
+        state = device.current()
+    assert state in device.backend()._states.values()
     mg_place.release_gpus()
-    assert not loader.backend()._states and not loader._places
+    assert not device.backend()._states and not device.places
     assert state.kernels == {} and state.flags == {} and state.cache == {}
     fake.check_clean()
     mg_place.release_gpus()                                 # a second call does nothing
@@ -161,7 +163,7 @@ def test_two_gpus_in_one_process_each_run_their_own_kernels(fake):
             net, _, loss = small_net(p, mg.optimizer.SGD(learning_rate=0.1))
             runs.append(train(net, loss, batches(2)))
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-6)
-    states = loader.backend()._states
+    states = device.backend()._states
     assert set(states) == {p.context for p in places}
     for p in places:
         s = states[p.context]
@@ -184,7 +186,7 @@ def test_nets_on_two_gpus_train_in_turn_without_activating_by_hand(fake):
 
 
 def test_two_gpus_and_no_active_place_is_an_error_not_a_guess(fake):
-    from minigraph.kernels import elementwise
+    from minigraph.kernels.cuda import elementwise
 
     p0, p1 = mg.GPUPlace(0), mg.GPUPlace(1)
     x = p0.to_device(np.ones(4))
@@ -238,7 +240,7 @@ def test_no_nvcc_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_the_check_runs_before_the_first_compile(tmp_path, monkeypatch):
-    from minigraph.kernels import elementwise
+    from minigraph.kernels.cuda import elementwise
 
     cuda = fake_pycuda.FakeCuda(devices=1, driver_version=12040)
     with cuda.install():
@@ -285,7 +287,7 @@ def test_missing_pycuda_is_reported_as_not_installed(monkeypatch):
 
 
 def test_launchers_reject_arrays_that_are_not_contiguous():
-    from minigraph.kernels import batch_norm, elementwise
+    from minigraph.kernels.cuda import batch_norm, elementwise
 
     with kernel_emulator.emulated_gpu():
         x = kernel_emulator.to_device(np.ones((4, 3), np.float32))
@@ -308,7 +310,7 @@ def test_launchers_reject_arrays_that_are_not_contiguous():
 # ---- item 5: host speed ----------------------------------------------------------------
 
 def test_launch_plans_are_computed_once_per_shape(monkeypatch):
-    from minigraph.kernels import batch_norm
+    from minigraph.kernels.cuda import batch_norm
 
     calls = []
     real = launch.best_splits
@@ -362,7 +364,7 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
     element of dx itself (no zero-fill first: the emulator's fresh arrays are NaN),
     sums in a fixed window order (no atomicAdd), so grids of any size give the same
     bits, and the first maximum of each window gets its gradient."""
-    from minigraph.kernels import fill, pool2d
+    from minigraph.kernels.cuda import fill, pool2d
 
     assert "atomicAdd" not in (loader.kernel_dir() / "pool2d.cu").read_text()
     monkeypatch.setattr(fill, "fill_constant", lambda *a: pytest.fail("dx was zero-filled"))
@@ -371,7 +373,7 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
     d = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
     runs = []
     for sm_count, seed in ((1, 1), (3, 7), (16, 2)):
-        monkeypatch.setattr(loader, "_backend", kernel_emulator.EmuBackend(sm_count, seed))
+        monkeypatch.setattr(device, "_backend", kernel_emulator.EmuBackend(sm_count, seed))
         dx = pool2d.pool2d_grad(kernel_emulator.to_device(x), kernel_emulator.to_device(d),
                                 "max", (3, 3), (1, 1), (0, 0))
         runs.append(dx.get())
@@ -390,7 +392,7 @@ def test_max_pool_grad_gathers_without_atomics_or_a_zero_fill(monkeypatch):
 def test_each_launcher_names_the_array_that_is_not_contiguous(call, words):
     import importlib
 
-    mods = {m: importlib.import_module(f"minigraph.kernels.{m}")
+    mods = {m: importlib.import_module(f"minigraph.kernels.cuda.{m}")
             for m in ("elementwise", "matmul", "mean", "collective")}
     with kernel_emulator.emulated_gpu():
         a = kernel_emulator.to_device(np.ones((3, 3), np.float32))

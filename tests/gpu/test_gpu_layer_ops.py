@@ -304,7 +304,7 @@ def test_a_step_of_the_new_layers_reads_nothing_back(monkeypatch):
 
     import kernel_emulator
 
-    from minigraph.kernels import loader
+    from minigraph import device
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the kernel emulator")
@@ -330,6 +330,6 @@ def test_a_step_of_the_new_layers_reads_nothing_back(monkeypatch):
         monkeypatch.setattr(kernel_emulator.EmuArray, "get", counting_get)
         monkeypatch.setattr(kernel_emulator.EmuArray, "set", counting_set)
         net.train(feed=feed)
-        flags = loader.current().flags
+        flags = device.current().flags
         assert "accuracy" in flags
         assert moved == {"in": 2, "out": len(flags)}

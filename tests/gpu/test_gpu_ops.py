@@ -21,7 +21,7 @@ from helpers import call_kernel
 from op_harness import assert_close, batches, is_device_array, labels, r, run_op, small_net
 
 import minigraph as mg
-from minigraph.kernels import loader
+from minigraph import device
 from minigraph.schema import get_schema
 
 F64 = np.float64
@@ -251,7 +251,7 @@ def test_digits_net_trains_on_the_gpu_like_on_the_cpu(gpu_place):
     from minigraph.examples.train_digits import build_net, load_digits_split
 
     pytest.importorskip("sklearn")
-    old = loader.use_backend(None)
+    old = device.use_backend(None)
     try:
         x, y, _, _ = load_digits_split()
         runs = []
@@ -267,4 +267,4 @@ def test_digits_net_trains_on_the_gpu_like_on_the_cpu(gpu_place):
         np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
         np.testing.assert_allclose(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-4)
     finally:
-        loader.use_backend(old)
+        device.use_backend(old)

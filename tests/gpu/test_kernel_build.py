@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from minigraph.kernels import launch, loader
+from minigraph.kernels.cuda import launch, loader
 
 KERNEL_DIR = loader.kernel_dir()
 CU_FILES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
@@ -59,7 +59,7 @@ def test_kernel_compiles_for_sm90_and_matches_its_launcher(cu, tmp_path):
 def test_every_module_has_a_launcher_beside_it_or_is_map_only():
     """A .cu is either beside its launcher .py, or map-only: every entry point
     declared with map.cuh's macros (kernels/map.py launches those)."""
-    from minigraph.kernels import map as maps
+    from minigraph.kernels.cuda import map as maps
 
     map_only = [cu for cu in CU_FILES if not (KERNEL_DIR / (cu[:-3] + ".py")).exists()]
     for cu in map_only:
@@ -73,7 +73,7 @@ def test_every_module_has_a_launcher_beside_it_or_is_map_only():
 
 
 def test_map_signatures_come_from_the_declarations():
-    from minigraph.kernels import map as maps
+    from minigraph.kernels.cuda import map as maps
 
     source = ("#include \"map.cuh\"\n// MG_UNARY_MAP(commented, x, x)\n"
               "/* MG_UNARY_MAP(blocked, x,\n x) */\n"
@@ -90,7 +90,7 @@ def test_map_signatures_come_from_the_declarations():
 
 
 def test_map_only_modules_are_in_the_signature_table():
-    from minigraph.kernels import map as maps
+    from minigraph.kernels.cuda import map as maps
 
     table = loader.signature_table()
     for module in ("sigmoid", "tanh", "gelu", "leaky_relu"):
@@ -118,11 +118,11 @@ def test_importing_minigraph_imports_nothing_from_pycuda():
 
 def test_launchers_import_nothing_from_pycuda():
     code = ("import sys, minigraph, minigraph.kernels\n"
-            "from minigraph.kernels import loader\n"
+            "from minigraph.kernels.cuda import loader\n"
             "import importlib\n"
             "for m in [m for m in loader.module_names() if loader.has_launcher(m)]"
             " + ['loader', 'launch', 'map']:\n"
-            "    importlib.import_module('minigraph.kernels.' + m)\n"
+            "    importlib.import_module('minigraph.kernels.cuda.' + m)\n"
             "loader.signature_table()\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'pycuda']\n"
             "assert not bad, bad\n")
@@ -132,7 +132,7 @@ def test_launchers_import_nothing_from_pycuda():
 
 def test_launching_without_pycuda_is_a_clear_error():
     code = ("import numpy as np\n"
-            "from minigraph.kernels import fill\n"
+            "from minigraph.kernels.cuda import fill\n"
             "try:\n"
             "    fill.full((3,), 1.0, np.float32)\n"
             "except RuntimeError as e:\n"

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from minigraph.kernels import launch
+from minigraph.kernels.cuda import launch
 
 H100 = launch.DeviceInfo("H100", (9, 0), sm_count=132)
 SMALL = launch.DeviceInfo("small", (7, 5), sm_count=20, max_threads_per_sm=1024,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from launcher_harness import TOL, rel_err, rng
 
-from minigraph.kernels import map as maps
+from minigraph.kernels.cuda import map as maps
 
 SHAPES = [(1,), (7,), (4, 9), (3, 5, 17)]
 erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -136,7 +136,7 @@ def test_launcher_checks(device):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_relu_and_grad(device, dtype, offset):
-    from minigraph.kernels import activation
+    from minigraph.kernels.cuda import activation
 
     x = rng(4).normal(size=(7, 19)).astype(dtype)
     x[0, 0] = np.nan

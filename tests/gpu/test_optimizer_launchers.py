@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from launcher_harness import TOL, rng
 
-from minigraph.kernels import clip, lr_schedule, optimizer_ops
+from minigraph.kernels.cuda import clip, lr_schedule, optimizer_ops
 
 SHAPES = [(3, 41), (5,), (2, 8)]
 
@@ -152,7 +152,7 @@ SCHEDULES = [dict(kind="step", base_lr=0.1, step_size=3, gamma=0.5),
 @pytest.mark.parametrize("attrs", SCHEDULES, ids=lambda a: f"{a['kind']}-{a.get('warmup_steps')}")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_lr_schedule_on_the_device(device, attrs, dtype):
-    from minigraph.ops.lr_schedule import schedule_value
+    from minigraph.kernels.cpu.lr_schedule import schedule_value
 
     full = {**dict(step_size=1, gamma=0.1, total_steps=1, end_lr=0.0, warmup_steps=0), **attrs}
     step, lr = device.put(np.array(0, np.int64)), device.put(np.zeros((), dtype))

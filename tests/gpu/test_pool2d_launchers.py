@@ -15,7 +15,7 @@ from references import pool2d_grad as pool2d_grad_ref
 @pytest.mark.parametrize("k,s,p", [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 1), (1, 1)),
                                    ((3, 2), (1, 1), (2, 1))])
 def test_pool2d_and_grad(device, kind, k, s, p):
-    from minigraph.kernels import pool2d
+    from minigraph.kernels.cuda import pool2d
 
     x = rng(12).normal(size=(2, 3, 7, 6))
     want = pool2d_ref(x, kind, k, s, p)
@@ -27,7 +27,7 @@ def test_pool2d_and_grad(device, kind, k, s, p):
 
 
 def test_global_pooling_and_first_max(device):
-    from minigraph.kernels import pool2d
+    from minigraph.kernels.cuda import pool2d
 
     x = rng(14).normal(size=(2, 3, 5, 4)).astype(np.float32)
     np.testing.assert_allclose(device.get(pool2d.pool2d(device.put(x), "avg", global_pooling=True)),

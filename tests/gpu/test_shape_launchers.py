@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from launcher_harness import rng
 
-from minigraph.kernels import shape_ops
+from minigraph.kernels.cuda import shape_ops
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.uint8, np.float16,

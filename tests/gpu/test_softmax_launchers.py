@@ -15,7 +15,7 @@ from references import softmax as softmax_ref
                          ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_softmax_and_grad_along_any_axis(device, shape, axis, dtype):
-    from minigraph.kernels import softmax
+    from minigraph.kernels.cuda import softmax
 
     x = (rng(9).normal(size=shape) * 20).astype(dtype)
     out = softmax.softmax(device.put(x), axis)
@@ -28,7 +28,7 @@ def test_softmax_and_grad_along_any_axis(device, shape, axis, dtype):
 
 
 def test_softmax_nan_and_extremes(device):
-    from minigraph.kernels import softmax
+    from minigraph.kernels.cuda import softmax
 
     x = np.array([[1.0, np.nan, 2.0], [1000.0, -1000.0, 1000.0]], np.float32)
     for axis in (1, 0):
@@ -40,7 +40,7 @@ def test_softmax_nan_and_extremes(device):
 @pytest.mark.parametrize("rows,classes", [(5, 10), (3, 1000), (1, 1)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_softmax_with_cross_entropy(device, rows, classes, dtype):
-    from minigraph.kernels import softmax_with_cross_entropy as swce
+    from minigraph.kernels.cuda import softmax_with_cross_entropy as swce
 
     r = rng(15)
     logits = (r.normal(size=(rows, classes)) * 30).astype(dtype)
@@ -63,7 +63,7 @@ def test_softmax_with_cross_entropy(device, rows, classes, dtype):
 
 
 def test_bad_labels_are_flagged_not_hidden(device):
-    from minigraph.kernels import softmax_with_cross_entropy as swce
+    from minigraph.kernels.cuda import softmax_with_cross_entropy as swce
 
     status = swce.LabelStatus()
     _, loss = swce.forward(device.put(np.zeros((3, 4), np.float32)),

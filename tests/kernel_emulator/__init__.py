@@ -2,7 +2,7 @@
 
 `EmuBackend` compiles a kernel module's real .cu source with g++ against
 emu.h (a stand-in for the CUDA runtime: cooperative fibers per block, see
-there) and plugs into minigraph.kernels.loader in place of PyCUDA, so the real
+there) and plugs into minigraph.kernels.cuda.loader in place of PyCUDA, so the real
 launchers run unchanged on `EmuArray`s (host buffers shaped like GPUArrays,
 poisoned with NaN bytes and fenced with canaries that are checked after
 every launch). It checks the kernels' logic - indexing, reductions, the
@@ -27,8 +27,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from minigraph.kernels import loader
-from minigraph.kernels.launch import DeviceInfo, KernelResources
+from minigraph import device
+from minigraph.kernels.cuda import loader
+from minigraph.kernels.cuda.launch import DeviceInfo, KernelResources
 from minigraph.place import GPUPlace
 
 HERE = pathlib.Path(__file__).parent
@@ -181,7 +182,7 @@ class EmuBackend:
     def __init__(self, sm_count=2, seed=1):
         self.info = DeviceInfo(name="emulated", compute_capability=(9, 0), sm_count=sm_count,
                                total_memory=2**30)
-        self.state = loader.DeviceState("emulated", self.info, None)
+        self.state = device.DeviceState("emulated", self.info, None)
         self._libs = {}
         self._kernels = {}
         self._seed = [seed]
@@ -263,8 +264,8 @@ class EmuPlace(GPUPlace):
 def emulated_gpu(sm_count=2):
     """Install an EmuBackend in the loader and yield an EmuPlace; the previous
     backend comes back afterwards."""
-    old = loader.use_backend(EmuBackend(sm_count=sm_count))
+    old = device.use_backend(EmuBackend(sm_count=sm_count))
     try:
         yield EmuPlace()
     finally:
-        loader.use_backend(old)
+        device.use_backend(old)

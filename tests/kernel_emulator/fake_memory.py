@@ -198,7 +198,7 @@ class FakeModule:
     """SourceModule: compiled in the current context; functions launch only there."""
 
     def __init__(self, cuda, source, options):
-        from minigraph.kernels import loader
+        from minigraph.kernels.cuda import loader
 
         self.cuda, self.options = cuda, options
         self.ctx = cuda.current("SourceModule")

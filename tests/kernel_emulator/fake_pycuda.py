@@ -119,21 +119,20 @@ class FakeCuda:
         block left retained are released at its end, as at exit."""
         import atexit
 
-        from minigraph import place
-        from minigraph.kernels import loader
+        from minigraph import device, place
 
         saved = {k: v for k, v in sys.modules.items() if k == "pycuda" or
                  k.startswith("pycuda.")}
         for k in saved:
             del sys.modules[k]
         sys.modules.update(self.modules())
-        old_backend = loader.use_backend(None)
-        old_places = dict(loader._places)
-        loader._places.clear()
+        old_backend = device.use_backend(None)
+        old_places = dict(device.places)
+        device.places.clear()
         old_ctx, old_main = dict(place._contexts), place._main_context
         place._contexts.clear()
         place._main_context = None
-        from minigraph.kernels import cuda_backend
+        from minigraph.kernels.cuda import backend as cuda_backend
 
         real_check, cuda_backend.check_toolkit = cuda_backend.check_toolkit, self._check_toolkit
         self.real_check_toolkit = real_check
@@ -146,9 +145,9 @@ class FakeCuda:
             if old_ctx:
                 atexit.register(place.release_gpus)
             cuda_backend.check_toolkit = real_check
-            loader.use_backend(old_backend)
-            loader._places.clear()
-            loader._places.update(old_places)
+            device.use_backend(old_backend)
+            device.places.clear()
+            device.places.update(old_places)
             place._contexts.clear()
             place._contexts.update(old_ctx)
             place._main_context = old_main

@@ -179,7 +179,7 @@ def check_global_n_is_one(comm, place):
 def check_synced_path_in_a_world_of_one(comm, place):
     """batch_norm's GPU binding with the communicator's allreduce (the path
     sync_batch_norm takes on several ranks) equals batch_norm, in one process."""
-    from minigraph.ops import batch_norm_gpu as bn
+    from minigraph.kernels.cuda import batch_norm_op as bn
 
     def sums(v):
         return comm.allreduce(v, what="world of one")

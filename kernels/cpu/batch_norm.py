@@ -1,0 +1,201 @@
+"""CPU kernels of batch_norm and sync_batch_norm (ops/batch_norm.py,
+ops/sync_batch_norm.py) on the stable statistics of batch_norm_stats.
+
+`forward_cpu` and `backward_cpu` are the drivers: everything is computed before
+the estimates and the counter are written, in place, and never with NaN or Inf.
+sync_batch_norm passes them `combine`, which turns this rank's statistics (or
+gradient sums) into the whole batch's with one collective on the communicator
+of the kernel's context: the forward's (n, mean_c, M2_c) merged with Chan's
+formula (`pack_stats`), the backward's (n, sum dy, sum dy (x - mean)) summed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.kernels.cpu.batch_norm_stats import (
+    as_3d,
+    as_work,
+    centring_needed,
+    grad_sums,
+    input_grad,
+    local_stats,
+    normalize,
+)
+from minigraph.schema import OpError
+
+
+def too_few_values(op, n, x, layout):
+    """The error of a training batch with n <= 1 values per channel (CPU and GPU)."""
+    return OpError(f"{op.type}: training needs more than one value per channel, got "
+                   f"n={n} for input 'x' of shape {tuple(x.shape)} ({layout}); use a bigger "
+                   "batch or is_infer/use_global_est")
+
+
+def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
+    """New (mean, var) estimates after a batch, in est's dtype; never NaN or Inf."""
+    dtype = est_mean.dtype
+    unbiased = var * (n / (n - 1))
+    est_mean, est_var = est_mean.astype(np.float64), est_var.astype(np.float64)
+    momentum = op.attrs["momentum"]
+    seen = int(counter) if counter is not None else None
+    if seen == 0:
+        new = mean, unbiased
+    elif momentum is None:
+        w = 1.0 / (seen + 1)
+        new = est_mean + (mean - est_mean) * w, est_var + (unbiased - est_var) * w
+    else:
+        new = (momentum * est_mean + (1 - momentum) * mean,
+               momentum * est_var + (1 - momentum) * unbiased)
+    with np.errstate(over="ignore", invalid="ignore"):
+        new = tuple(v.astype(dtype) for v in new)
+    if not np.isfinite(np.concatenate((mean, var) + new)).all():
+        raise OpError(f"{op.type}: the batch statistics are not finite (input 'x' holds NaN "
+                      "or Inf, or its variance overflows); the running estimates and the "
+                      "counter were left unchanged")
+    return new
+
+
+def batch_norm_cpu(op, ins, ctx):
+    """The CPU kernel of batch_norm (forward_cpu on this process's batch)."""
+    return forward_cpu(op, ins)
+
+
+def batch_norm_grad_cpu(op, ins, ctx):
+    """The CPU kernel of batch_norm_grad (backward_cpu; dx into dy when handed over)."""
+    return backward_cpu(op, ins, donated=ctx.donated)
+
+
+def forward_cpu(op, ins, combine=None):
+    """The CPU forward of batch_norm. `combine(n, mean, m2) -> (n, mean, m2)`
+    turns local statistics into global ones (sync_batch_norm). Everything is
+    computed before the estimates and the counter are written, in place."""
+    x = ins["x"]
+    a = op.attrs
+    layout = a["data_layout"]
+    xw = as_work(x)
+    x3 = as_3d(xw, layout)
+    est_mean, est_var = ins["estimated_mean"], ins["estimated_var"]
+    counter = ins.get("num_batches")
+    training = not (a["is_infer"] or a["use_global_est"])
+    if training:
+        n, mean, m2 = local_stats(x3)
+        if combine is not None:
+            n, mean, m2 = combine(n, mean, m2)
+        if n <= 1:
+            raise too_few_values(op, n, x, layout)
+        var = m2 / n
+        new_mean, new_var = updated_estimates(op, mean, var, n, est_mean, est_var, counter)
+    else:
+        mean = est_mean.astype(np.float64)
+        var = est_var.astype(np.float64)
+    invstd = 1.0 / np.sqrt(var + a["epsilon"])
+    yw = np.empty(xw.shape, xw.dtype)
+    normalize(x3, mean, invstd, ins["scale"].astype(np.float64),
+              ins["bias"].astype(np.float64), as_3d(yw, layout))
+    out = {"y": yw.astype(x.dtype, copy=False), "batch_mean": mean.astype(x.dtype),
+           "batch_var": var.astype(x.dtype), "saved_mean": est_mean, "saved_var": est_var,
+           "saved_num_batches": counter}
+    if training:             # everything is computed: now commit, all at once
+        est_mean[...] = new_mean
+        est_var[...] = new_var
+        if counter is not None:
+            counter[...] = counter + 1
+    return out
+
+
+def backward_cpu(op, ins, combine=None, donated=()):
+    """The CPU grad kernel of batch_norm. `combine(n, s_dy, s_dyxmu) -> (n, s_dy, s_dyxmu)` sums
+    over ranks (sync_batch_norm); n is then the global count. dx goes into dy's array
+    when dy is handed over (OpSchema.reuse) and already in its work dtype."""
+    a = op.attrs
+    x, dy = ins["x"], ins["dy"]
+    layout = a["data_layout"]
+    x3, dy3 = as_3d(as_work(x), layout), as_3d(as_work(dy), layout)
+    mean = ins["mean"].astype(np.float64)
+    invstd = 1.0 / np.sqrt(ins["var"].astype(np.float64) + a["epsilon"])
+    scale = ins["scale"].astype(np.float64)
+    out = {}
+    if not a["use_global_est"] or op.wants("dscale") or op.wants("dbias"):
+        n, s_dy, s_dyxmu = grad_sums(x3, dy3, mean, invstd)
+        if combine is not None and not a["use_global_est"]:
+            n, s_dy, s_dyxmu = combine(n, s_dy, s_dyxmu)
+        out["dbias"] = s_dy.astype(x.dtype)
+        out["dscale"] = (s_dyxmu * invstd).astype(x.dtype)
+    if op.wants("dx"):
+        k_dy = scale * invstd
+        into = "dy" in donated and dy.dtype == x3.dtype and dy.flags.c_contiguous
+        dx = dy3 if into else np.empty(x3.shape, x3.dtype)
+        if a["use_global_est"]:
+            input_grad(x3, dy3, mean, k_dy, None, None, dx)
+        else:
+            k_x = -scale * invstd ** 3 * s_dyxmu / n
+            k_c = -scale * invstd * s_dy / n
+            input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd))
+        out["dx"] = dy if into else dx.reshape(x.shape).astype(x.dtype, copy=False)
+    return out
+
+
+# ---- sync_batch_norm ------------------------------------------------------------
+
+def forward_label(op):
+    """The `what=` of the forward's allreduce_stats (the same on every rank): it
+    names the op and its input in the order check and in deadline errors."""
+    return f"{op.type} forward x={op.inputs['x'].name}"
+
+
+def backward_label(op):
+    """The `what=` of the backward's allreduce ("sync_batch_norm_grad x=...")."""
+    return f"{op.type} x={op.inputs['x'].name}"
+
+
+def pack_stats(n, mean, m2):
+    """The forward's message: float64 (n, mean_c..., M2_c...), 2C+1 numbers (the GPU
+    kernel bn_local_stats writes the same vector on the device). A rank with no
+    values sends zeros."""
+    c = mean.shape[0]
+    buf = np.zeros(2 * c + 1)
+    if n:
+        buf[0] = n
+        buf[1:c + 1] = mean
+        buf[c + 1:] = m2
+    return buf
+
+
+def unpack_stats(total):
+    """(n, mean, M2) of the whole batch from the merged pack_stats vector."""
+    c = (total.shape[0] - 1) // 2
+    return int(round(total[0])), total[1:c + 1].copy(), total[c + 1:].copy()
+
+
+def stats_combiner(op, comm):
+    """combine(n, mean, m2) -> the whole batch's (n, mean, m2), one allreduce_stats."""
+    def combine(n, mean, m2):
+        return unpack_stats(comm.allreduce_stats(pack_stats(n, mean, m2),
+                                                 what=forward_label(op)))
+    return combine
+
+
+def grad_combiner(op, comm):
+    """combine(n, s_dy, s_dyxmu) -> sums over every rank, with one allreduce."""
+    def combine(n, s_dy, s_dyxmu):
+        c = s_dy.shape[0]
+        buf = np.concatenate(([float(n)], s_dy, s_dyxmu))
+        total = comm.allreduce(buf, what=backward_label(op))
+        return int(round(total[0])), total[1:c + 1], total[c + 1:]
+    return combine
+
+
+def sync_batch_norm_cpu(op, ins, ctx):
+    """CPU forward: batch_norm's with the statistics combined over ranks."""
+    training = not (op.attrs["is_infer"] or op.attrs["use_global_est"])
+    comm = ctx.comm if training else None
+    combine = stats_combiner(op, comm) if training and comm.size > 1 else None
+    return forward_cpu(op, ins, combine=combine)
+
+
+def sync_batch_norm_grad_cpu(op, ins, ctx):
+    """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks (dx into dy's
+    array when it is handed over)."""
+    comm = ctx.comm
+    combine = grad_combiner(op, comm) if comm.size > 1 else None
+    return backward_cpu(op, ins, combine=combine, donated=ctx.donated)

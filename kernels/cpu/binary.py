@@ -1,0 +1,56 @@
+"""CPU kernels of add and multiply (ops/binary.py): numpy broadcasting both ways;
+the gradients are summed in float64 back to each input's shape (`reduce_to`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def reduce_to(g, shape, dtype):
+    """g (of the broadcast shape) summed in float64 over the axes that broadcast
+    `shape` to it, reshaped to `shape`, as a new `dtype` array."""
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape)
+                                      if n == 1 and g.shape[lead + i] != 1)
+    if axes:
+        g = np.add.reduce(g, axis=axes, dtype=np.float64)
+    return np.array(g.reshape(shape), dtype=dtype)
+
+
+def add_cpu(op, ins, ctx):
+    """out = x + y, broadcast; into x's or y's array when one of out's shape is
+    handed over."""
+    x, y = ins["x"], ins["y"]
+    shape = np.broadcast_shapes(x.shape, y.shape)
+    into = next((ins[s] for s in ctx.donated if ins[s].shape == shape), None)
+    return {"out": np.add(x, y, out=into)}
+
+
+def add_grad_cpu(op, ins, ctx):
+    """dx = dout reduced to x's shape, dy = dout reduced to y's shape (each when bound);
+    an input of dout's shape and dtype gets dout itself, not a copy (kernels never
+    write their inputs unless handed them: see OpSchema.reuse)."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    out = {}
+    for slot, v in (("dx", x), ("dy", y)):
+        if op.wants(slot):
+            same = v.shape == d.shape and v.dtype == d.dtype
+            out[slot] = d if same else reduce_to(d, v.shape, v.dtype)
+    return out
+
+
+def multiply_cpu(op, ins, ctx):
+    """out = x * y, broadcast."""
+    return {"out": np.multiply(ins["x"], ins["y"])}
+
+
+def multiply_grad_cpu(op, ins, ctx):
+    """dx = (dout * y) reduced to x's shape, dy = (dout * x) reduced to y's shape; the
+    products in float64."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    out = {}
+    if op.wants("dx"):
+        out["dx"] = reduce_to(np.multiply(d, y, dtype=np.float64), x.shape, x.dtype)
+    if op.wants("dy"):
+        out["dy"] = reduce_to(np.multiply(d, x, dtype=np.float64), y.shape, y.dtype)
+    return out

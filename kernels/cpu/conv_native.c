@@ -1,0 +1,412 @@
+/* The native CPU kernels of 2-D convolutions (float32, NCHW, one group): the
+ * forward pass with fused_conv2d's epilogue, and the filter gradient. Built
+ * and loaded by native.py, launched by conv_native.py (the contract is there).
+ *
+ * Each thread copies one image at a time into a zero-bordered buffer that
+ * stays in cache and reads the convolution's windows straight from it, with
+ * no columns in memory. The buffer holds the input after ph rows and pw
+ * columns of zeros, then zeros: the rows and columns the windows read, no
+ * more (so the padding after the input may differ from ph, pw), in phases
+ * of the stride across (one where sw == 1). Phase q holds padded column
+ * sw x + q at x, so that eight outputs of a row read eight adjacent values of
+ * one phase. Tap (i, j) of input channel ci is the offset
+ * koff = ((q C + ci) hb + i dh) wb + s, with q = j dw % sw and s = j dw / sw;
+ * output row y starts at y sh wb.
+ *
+ * The forward tile is MR output channels by NV vectors of eight outputs
+ * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
+ * value times NV loaded vectors per tap, the filter read in place (O rows
+ * of C kh kw; a last block short of MR repeats row O - 1 and does not store
+ * it). Outputs past wo in a vector are computed on the buffer's zeros and
+ * never stored. The outputs may go to every osh-th row and osw-th column of
+ * a larger array (a phase of a strided conv's input gradient). Threads take
+ * (image, slice of output channels) units from a shared counter; every
+ * output is summed by one thread in one order, so results do not depend on
+ * them.
+ *
+ * The filter gradient tile is GO output channels (two vectors) by GK taps:
+ * per output, dout's GO values (dout transposed per image to (outputs, O
+ * padded to GO)) times one broadcast input value per tap, summed over every
+ * output of a group of images (group_size). Each thread sums a fixed range
+ * of images into its own K x O array; the calling thread adds those in
+ * thread order (results depend on the number of threads only). */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MR 4
+#define NV 3
+#define GO 16
+#define GK 6
+#define GROUP_OUTPUTS 256
+#define MAX_THREADS 64
+#define MAX_PHASES 64      /* conv_native.py's supports() keeps to it */
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
+
+typedef struct {
+    const float *x, *filter, *bias, *residual, *dout;
+    float *out;
+    int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
+    int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
+    int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
+    int64_t *koff;
+    int64_t x0[MAX_PHASES], x1[MAX_PHASES], c0[MAX_PHASES];   /* per phase: the buffer
+                                           columns [x0, x1) hold input columns c0, c0 + sw, .. */
+} conv_t;
+
+static v8 load(const float *p) { return *(const v8u *)p; }
+
+static void setup(conv_t *a, const int64_t *d)
+{
+    a->n = d[0]; a->c = d[1]; a->h = d[2]; a->w = d[3]; a->o = d[4]; a->kh = d[5];
+    a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
+    a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->out_h = d[16];
+    a->out_w = d[17]; a->oy0 = d[18]; a->ox0 = d[19]; a->osh = d[20]; a->osw = d[21];
+    a->vpr = (a->wo + 7) / 8;
+    a->nvec = a->ho * a->vpr;
+    a->hb = (a->ho - 1) * a->sh + (a->kh - 1) * a->dh + 1;     /* the rows read */
+    a->k = a->c * a->kh * a->kw;
+    a->nblk = (a->o + MR - 1) / MR;
+    /* phase q holds padded column sw x + q at x; tap j reads phase (j dw) % sw
+     * shifted by (j dw) / sw */
+    int64_t reach = (a->kw - 1) * a->dw;
+    a->phases = a->sw < reach + 1 ? a->sw : reach + 1;
+    a->wb = 8 * a->vpr + reach / a->sw;
+    a->buf_size = a->phases * a->c * a->hb * a->wb + 8;
+    a->koff = malloc(a->k * sizeof(int64_t));
+    if (!a->koff) return;
+    for (int64_t q = 0; q < a->phases; q++) {    /* input column sw x + q - pw at x */
+        a->x0[q] = a->x1[q] = 0;
+        for (int64_t x = 0; x < a->wb; x++) {
+            int64_t col = a->sw * x + q - a->pw;
+            if (col < 0 || col >= a->w) continue;
+            if (a->x1[q] == a->x0[q]) a->x0[q] = x, a->c0[q] = col;
+            a->x1[q] = x + 1;
+        }
+    }
+    int64_t k = 0;
+    for (int64_t ci = 0; ci < a->c; ci++)
+        for (int64_t i = 0; i < a->kh; i++)
+            for (int64_t j = 0; j < a->kw; j++) {
+                int64_t q = j * a->dw % a->sw, shift = j * a->dw / a->sw;
+                a->koff[k++] = ((q * a->c + ci) * a->hb + i * a->dh) * a->wb + shift;
+            }
+}
+
+/* Image `img` of x into buf, whose zeros were set once (the same places are
+ * written for every image). */
+static void fill_buffer(const conv_t *a, int64_t img, float *buf)
+{
+    for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++)
+        for (int64_t q = 0; q < a->phases; q++) {
+            int64_t x0 = a->x0[q], count = a->x1[q] - x0;
+            for (int64_t ci = 0; ci < a->c && count > 0; ci++) {
+                float *dst = buf + ((q * a->c + ci) * a->hb + a->ph + y) * a->wb + x0;
+                const float *from = a->x + ((img * a->c + ci) * a->h + y) * a->w + a->c0[q];
+                if (a->sw == 1) {
+                    memcpy(dst, from, count * sizeof(float));
+                } else {
+                    for (int64_t x = 0; x < count; x++) dst[x] = from[a->sw * x];
+                }
+            }
+        }
+}
+
+/* The epilogue of a forward tile: acc (+ bias) (+ residual) (then max(., 0)) to
+ * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1. */
+static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV], int nv,
+                                                 int64_t blk, int64_t v0, int64_t img)
+{
+    int64_t plane = a->out_h * a->out_w;
+    for (int r = 0; r < MR && blk * MR + r < a->o; r++) {
+        int64_t oc = blk * MR + r;
+        float bias = a->bias ? a->bias[oc] : 0.0f;
+        for (int v = 0; v < nv; v++) {
+            int64_t vv = v0 + v, x0 = (vv % a->vpr) * 8;
+            int64_t at = (img * a->o + oc) * plane + (a->oy0 + a->osh * (vv / a->vpr)) * a->out_w
+                         + a->ox0 + a->osw * x0;
+            int64_t lanes = a->wo - x0 < 8 ? a->wo - x0 : 8;
+            v8 val = acc[r][v] + bias;
+            if (lanes == 8 && a->osw == 1) {
+                if (a->residual) val += load(a->residual + at);
+                if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
+                *(v8u *)(a->out + at) = val;
+                continue;
+            }
+            for (int64_t l = 0; l < lanes; l++) {
+                int64_t to = at + a->osw * l;
+                float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
+                a->out[to] = a->relu && s < 0 ? 0.0f : s;
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void forward_tile(
+    const conv_t *a, int nv, const float *buf, const float *const f[MR], int64_t blk, int64_t v0,
+    int64_t img)
+{
+    v8 acc[MR][NV];
+    int64_t base[NV];
+    for (int v = 0; v < NV; v++) {
+        int64_t vv = v0 + (v < nv ? v : 0);
+        base[v] = (vv / a->vpr) * a->sh * a->wb + (vv % a->vpr) * 8;
+        for (int r = 0; r < MR; r++) acc[r][v] = (v8){0};
+    }
+    for (int64_t k = 0; k < a->k; k++) {
+        const float *b = buf + a->koff[k];
+        v8 bv[NV];
+        for (int v = 0; v < nv; v++) bv[v] = load(b + base[v]);
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < nv; v++) acc[r][v] += f[r][k] * bv[v];
+    }
+    store_tile(a, acc, nv, blk, v0, img);
+}
+
+typedef struct {
+    const conv_t *a;
+    int64_t *next, first, last;   /* forward: a shared counter; filter gradient: images */
+    float *dw;                 /* filter gradient: this thread's K x O (padded) sums */
+    int failed;
+} job_t;
+
+static void *forward_job(void *p)
+{
+    job_t *job = p;
+    const conv_t *a = job->a;
+    float *buf = calloc(a->buf_size, sizeof(float));
+    if (!buf) { job->failed = 1; return NULL; }
+    int64_t shown = -1;
+    for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
+        int64_t img = u / a->slices, s = u % a->slices;
+        if (img != shown) fill_buffer(a, img, buf), shown = img;
+        for (int64_t blk = s * a->nblk / a->slices; blk < (s + 1) * a->nblk / a->slices; blk++) {
+            const float *wp[MR];          /* the block's filter rows; past O: the last */
+            for (int r = 0; r < MR; r++)
+                wp[r] = a->filter + (blk * MR + r < a->o ? blk * MR + r : a->o - 1) * a->k;
+            int64_t v = 0;
+            for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, wp, blk, v, img);
+            if (a->nvec - v == 2) forward_tile(a, 2, buf, wp, blk, v, img);
+            if (a->nvec - v == 1) forward_tile(a, 1, buf, wp, blk, v, img);
+        }
+    }
+    free(buf);
+    return NULL;
+}
+
+/* Images per group of the filter gradient: enough outputs that the loads and
+ * stores around each tile's loop are a small part of it. */
+static int64_t group_size(const conv_t *a)
+{
+    int64_t per_image = a->ho * a->wo, g = (GROUP_OUTPUTS + per_image - 1) / per_image;
+    return g < 1 ? 1 : g;
+}
+
+static void *filter_grad_job(void *p)
+{
+    job_t *job = p;
+    const conv_t *a = job->a;
+    int64_t plane = a->ho * a->wo, opad = (a->o + GO - 1) / GO * GO, dsize = plane * opad;
+    int64_t group = group_size(a);
+    if (group > job->last - job->first) group = job->last - job->first;
+    float *buf = calloc(group * a->buf_size, sizeof(float));
+    float *dt = calloc(group * dsize, sizeof(float));      /* columns past O: zeros */
+    if (!buf || !dt) { job->failed = 1; free(buf); free(dt); return NULL; }
+    for (int64_t img0 = job->first; img0 < job->last; img0 += group) {
+        int64_t m = job->last - img0 < group ? job->last - img0 : group;
+        for (int64_t g = 0; g < m; g++) {
+            fill_buffer(a, img0 + g, buf + g * a->buf_size);
+            const float *d = a->dout + (img0 + g) * a->o * plane;
+            for (int64_t q = 0; q < plane; q++)
+                for (int64_t oc = 0; oc < a->o; oc++) dt[g * dsize + q * opad + oc] = d[oc * plane + q];
+        }
+        for (int64_t o0 = 0; o0 < opad; o0 += GO)
+            for (int64_t k0 = 0; k0 < a->k; k0 += GK) {
+                v8 acc[GO / 8][GK];
+                int64_t off[GK];
+                for (int t = 0; t < GK; t++) {
+                    off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
+                    for (int v = 0; v < GO / 8; v++) acc[v][t] = (v8){0};
+                }
+                for (int64_t g = 0; g < m; g++)
+                    for (int64_t y = 0; y < a->ho; y++) {
+                        const float *drow = dt + g * dsize + y * a->wo * opad + o0;
+                        const float *brow = buf + g * a->buf_size + y * a->sh * a->wb;
+                        for (int64_t x = 0; x < a->wo; x++) {
+                            v8 dv[GO / 8];
+                            for (int v = 0; v < GO / 8; v++) dv[v] = load(drow + x * opad + 8 * v);
+                            for (int t = 0; t < GK; t++) {
+                                float b = brow[off[t] + x];
+                                for (int v = 0; v < GO / 8; v++) acc[v][t] += dv[v] * b;
+                            }
+                        }
+                    }
+                for (int t = 0; t < GK && k0 + t < a->k; t++)
+                    for (int v = 0; v < GO / 8; v++) {
+                        float *dst = job->dw + (k0 + t) * opad + o0 + 8 * v;
+                        *(v8u *)dst = load(dst) + acc[v][t];
+                    }
+            }
+    }
+    free(buf);
+    free(dt);
+    return NULL;
+}
+
+/* Worker threads kept between calls (starting threads per call cost ~60 us):
+ * each waits on a condition variable (no spinning, so they take no core from
+ * anyone while idle) for the next generation of jobs, runs its job if it has
+ * one, and reports. One call uses the pool at a time; a call that finds it
+ * busy (another thread's conv) starts threads of its own. A forked child starts
+ * with an empty pool. */
+static struct {
+    pthread_mutex_t busy, lock;
+    pthread_cond_t wake, done;
+    int64_t size, count, pending;          /* workers; jobs this generation; unfinished */
+    uint64_t generation, seen[MAX_THREADS];   /* seen: the last generation each worker saw */
+    void *(*fn)(void *);
+    job_t *jobs;
+    int fork_handler;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, NULL, 0};
+
+static void pool_after_fork(void)
+{
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t empty = PTHREAD_COND_INITIALIZER;
+    pool.busy = pool.lock = fresh;
+    pool.wake = pool.done = empty;
+    pool.size = pool.count = pool.pending = 0;
+}
+
+static void *pool_worker(void *arg)
+{
+    int64_t index = (int64_t)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.generation == pool.seen[index]) pthread_cond_wait(&pool.wake, &pool.lock);
+        pool.seen[index] = pool.generation;
+        if (index >= pool.count) continue;
+        void *(*fn)(void *) = pool.fn;
+        job_t *job = &pool.jobs[index];
+        pthread_mutex_unlock(&pool.lock);
+        fn(job);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* Per-call threads, for when the pool is busy: 0 on success. */
+static int run_jobs_on_new_threads(void *(*fn)(void *), job_t *jobs, int64_t threads)
+{
+    pthread_t tid[MAX_THREADS];
+    int64_t started = 1;
+    for (; started < threads; started++)
+        if (pthread_create(&tid[started], NULL, fn, &jobs[started])) break;
+    for (int64_t t = started; t < threads; t++) fn(&jobs[t]);   /* no thread: run here */
+    fn(&jobs[0]);
+    for (int64_t t = 1; t < started; t++) pthread_join(tid[t], NULL);
+    int failed = 0;
+    for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
+    return failed;
+}
+
+/* Runs fn on `threads` jobs (this thread runs the first, the pool's workers the
+ * others); 0 on success. */
+static int run_jobs(void *(*fn)(void *), job_t *jobs, int64_t threads)
+{
+    if (threads <= 1) {
+        fn(&jobs[0]);
+        return jobs[0].failed;
+    }
+    if (pthread_mutex_trylock(&pool.busy)) return run_jobs_on_new_threads(fn, jobs, threads);
+    pthread_mutex_lock(&pool.lock);
+    if (!pool.fork_handler) pool.fork_handler = !pthread_atfork(NULL, NULL, pool_after_fork);
+    while (pool.size < threads - 1 && pool.fork_handler) {      /* workers 1, 2, ... */
+        pthread_t tid;
+        pool.seen[pool.size + 1] = pool.generation;      /* its first jobs: the next ones */
+        if (pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)(pool.size + 1))) break;
+        pthread_detach(tid);
+        pool.size++;
+    }
+    int64_t pooled = threads - 1 < pool.size ? threads : pool.size + 1;
+    pool.fn = fn;
+    pool.jobs = jobs;
+    pool.count = pooled;
+    pool.pending = pooled - 1;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    for (int64_t t = pooled; t < threads; t++) fn(&jobs[t]);    /* no worker: run here */
+    fn(&jobs[0]);
+    pthread_mutex_lock(&pool.lock);
+    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.busy);
+    int failed = 0;
+    for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
+    return failed;
+}
+
+static int64_t clamp_threads(int64_t threads, int64_t units)
+{
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > units) threads = units;
+    return threads < 1 ? 1 : threads;
+}
+
+/* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu, then where the outputs go:
+ * out (N, O, out_h, out_w), output (y, x) at (oy0 + osh y, ox0 + osw x). Returns 0, or 1 when
+ * memory ran out (out is then incomplete). */
+int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
+                       const float *residual, float *out, const int64_t *dims, int64_t threads)
+{
+    conv_t a = {.x = x, .filter = filter, .bias = bias, .residual = residual, .out = out};
+    setup(&a, dims);
+    if (!a.koff) return 1;
+    threads = threads < 1 ? 1 : threads;
+    a.slices = a.n >= threads ? 1 : (threads + a.n - 1) / a.n;   /* few images: split O */
+    if (a.slices > a.nblk) a.slices = a.nblk;
+    a.units = a.n * a.slices;
+    threads = clamp_threads(threads, a.units);
+    int64_t next = 0;
+    job_t jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (job_t){.a = &a, .next = &next};
+    int failed = run_jobs(forward_job, jobs, threads);
+    free(a.koff);
+    return failed;
+}
+
+/* dw (O x C kh kw, zeroed by the caller) += the filter gradient of the conv
+ * `dims` (relu unused) for dout (N, O, ho, wo). Returns 0, or 1 when memory
+ * ran out (dw is then unchanged). */
+int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const int64_t *dims,
+                           int64_t threads)
+{
+    conv_t a = {.x = x, .dout = dout};
+    setup(&a, dims);
+    if (!a.koff) return 1;
+    threads = clamp_threads(threads, a.n);
+    int64_t opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
+    float *sums = calloc(threads * size, sizeof(float));
+    job_t jobs[MAX_THREADS];
+    int failed = !sums;
+    if (!failed) {
+        for (int64_t t = 0; t < threads; t++)
+            jobs[t] = (job_t){.a = &a, .first = t * a.n / threads,
+                              .last = (t + 1) * a.n / threads, .dw = sums + t * size};
+        failed = run_jobs(filter_grad_job, jobs, threads);
+    }
+    if (!failed)
+        for (int64_t t = 0; t < threads; t++)
+            for (int64_t oc = 0; oc < a.o; oc++)
+                for (int64_t k = 0; k < a.k; k++) dw[oc * a.k + k] += sums[t * size + k * opad + oc];
+    free(sums);
+    free(a.koff);
+    return failed;
+}

@@ -1,0 +1,162 @@
+"""Launchers of the native CPU conv kernels (conv_native.c, built by native.py):
+float32 NCHW convolutions of one group, any kernel size, stride, padding and
+dilation - the forward pass (with fused_conv2d's epilogue), the filter
+gradient, and the input gradient as forward passes over dout.
+
+`supports(g, dtype)` says whether they take a conv here; the conv ops call
+them where they do, else conv_cpu's numpy engine (the reference they are
+tested against). Sizes come as minigraph.kernels.cpu.conv_im2col.Geometry (n c h w o kh
+kw groups sh sw ph pw dh dw ho wo).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from minigraph.kernels.cpu import native
+
+MAX_PHASES = 64              # conv_native.c's bound on a buffer's column phases
+# multiply-adds a thread must have to be worth waking (~25 us to wake the kernels' pool
+# worker, ~60 us to start a thread); the demo net's conv (0.6 M) ran 1.3x as long on 2
+# threads as on 1 when each call started its threads
+MIN_THREAD_WORK = 2_000_000
+
+_P, _L = ctypes.c_void_p, ctypes.c_int64
+
+
+def _lib():
+    lib = native.library("conv_native")
+    if lib is not None and not getattr(lib, "_typed", False):
+        lib.conv2d_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
+        lib.conv2d_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
+        lib._typed = True
+    return lib
+
+
+def available():
+    """True when the native kernels are built and loaded (native.reason says why not)."""
+    return _lib() is not None
+
+
+def supports(g, dtype):
+    """True when the kernels take this conv: float32, one group, at most MAX_PHASES
+    column phases (min(stride across, reach across + 1))."""
+    return (g.groups == 1 and np.dtype(dtype) == np.float32
+            and min(g.sw, (g.kw - 1) * g.dw + 1) <= MAX_PHASES and available())
+
+
+def _threads(g, threads):
+    """At most `threads`, at least 1, and no more than the conv's work is worth."""
+    work = g.n * g.o * g.c * g.kh * g.kw * g.ho * g.wo
+    return max(1, min(int(threads), work // MIN_THREAD_WORK))
+
+
+def _dims(g, relu=False, out_shape=None, at=(0, 0), step=(1, 1)):
+    """The C kernels' sizes: g, then the output array's planes (out_shape's last two,
+    default g.ho, g.wo) and where output (y, x) goes in them: (at + step * (y, x))."""
+    out_h, out_w = (g.ho, g.wo) if out_shape is None else out_shape[2:]
+    return np.array([g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
+                     g.ho, g.wo, int(bool(relu)), out_h, out_w, *at, *step], dtype=np.int64)
+
+
+def _ptr(array):
+    return None if array is None else array.ctypes.data
+
+
+def _float32(array, shape, name):
+    """`array` as a C-contiguous float32 array of `shape` (a copy only where needed)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if array.shape != tuple(shape):
+        raise ValueError(f"conv_native: {name} has shape {array.shape}, expected {tuple(shape)}")
+    return array
+
+
+def forward(x, w, g, threads, bias=None, residual=None, relu=False):
+    """out (N, O, Ho, Wo) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0)),
+    on `threads` threads; the epilogue runs on each tile of outputs in registers.
+    The padding g.ph, g.pw goes before x's first row and column; rows and columns
+    past x's end that the windows read are zeros (asymmetric padding: g.ho and
+    g.wo need not be x's output size for symmetric padding)."""
+    out = np.empty((g.n, g.o, g.ho, g.wo), dtype=np.float32)
+    residual = None if residual is None else _float32(residual, out.shape, "residual")
+    _forward_into(out, x, w, g, threads, bias=bias, residual=residual, relu=relu)
+    return out
+
+
+def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, at=(0, 0),
+                  step=(1, 1)):
+    """forward's outputs into out (C-contiguous float32, (N, O, rows, cols)): output
+    (y, x) at out[..., at[0] + step[0] y, at[1] + step[1] x], the caller having
+    checked that these fit; residual (out's shape) read at the same places."""
+    x = _float32(x, (g.n, g.c, g.h, g.w), "x")
+    w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
+    bias = None if bias is None else _float32(bias, (g.o,), "bias")
+    if g.n and g.o and g.ho and g.wo:
+        dims = _dims(g, relu, out.shape, at, step)
+        failed = _lib().conv2d_forward_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
+                                           _ptr(out), _ptr(dims), _threads(g, threads))
+        if failed:
+            raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
+
+
+def filter_grad(x, d, g, threads):
+    """dfilter (O, C, kh, kw) float32 of out = conv(x, w) for dout `d` (N, O, Ho, Wo),
+    on `threads` threads (each sums a fixed range of images; the sums are added in
+    thread order)."""
+    x = _float32(x, (g.n, g.c, g.h, g.w), "x")
+    d = _float32(d, (g.n, g.o, g.ho, g.wo), "dout")
+    dw = np.zeros((g.o, g.c, g.kh, g.kw), dtype=np.float32)
+    if g.n and g.o and g.ho and g.wo:
+        failed = _lib().conv2d_filter_grad_f32(_ptr(x), _ptr(d), _ptr(dw), _ptr(_dims(g)),
+                                               _threads(g, threads))
+        if failed:
+            raise MemoryError("conv_native.filter_grad: the kernel's buffers could not be "
+                              "allocated")
+    return dw
+
+
+@functools.lru_cache(maxsize=1024)
+def _phases(size, k, stride, pad, dil, out_size):
+    """Along one axis, per phase a (the outputs a, a + stride, ... of dx, `size` of
+    them in all): (a, taps, first, step, count) - the filter taps that reach those
+    outputs as a slice of the filter's axis, ordered by the dout offset they read
+    (first, first + step, ...), and how many outputs the phase has; phases no tap
+    reaches are left out."""
+    phases = []
+    for a in range(min(stride, size)):
+        taps = sorted((i for i in range(k) if (a + pad - i * dil) % stride == 0),
+                      key=lambda i: -i)                 # ascending dout offsets
+        offsets = [(a + pad - i * dil) // stride for i in taps]
+        if taps and offsets[0] < out_size:
+            step = offsets[1] - offsets[0] if len(taps) > 1 else 1
+            gap = taps[0] - taps[1] if len(taps) > 1 else 1      # a slice, not a fancy index
+            stop = taps[-1] - gap
+            taps = slice(taps[0], stop if stop >= 0 else None, -gap)
+            phases.append((a, taps, offsets[0], step, len(range(a, size, stride))))
+    return tuple(phases)
+
+
+def input_grad(w, d, g, threads):
+    """dx (N, C, H, W) float32 of out = conv(x, w) for dout `d`: per phase (a, b) of
+    the stride, the outputs dx[..., a::sh, b::sw] are a stride-1 forward pass over
+    dout with the filter taps that reach them (flipped, channels swapped), written
+    in place: no multiply-add by a zero (1, 2, 2 and 4 of a 3x3 filter's 9 taps on
+    the four phases of stride 2; one phase, the whole flipped filter, at stride 1)."""
+    w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
+    d = _float32(d, (g.n, g.o, g.ho, g.wo), "dout")
+    rows = _phases(g.h, g.kh, g.sh, g.ph, g.dh, g.ho)
+    cols = _phases(g.w, g.kw, g.sw, g.pw, g.dw, g.wo)
+    whole = len(rows) == g.sh and len(cols) == g.sw     # else phases of zeros
+    dx = (np.empty if whole else np.zeros)((g.n, g.c, g.h, g.w), dtype=np.float32)
+    for a, row_taps, row_first, row_step, n_rows in rows:
+        for b, col_taps, col_first, col_step, n_cols in cols:
+            part = d[:, :, max(0, row_first):, max(0, col_first):]
+            sub = w[:, :, row_taps, col_taps].transpose(1, 0, 2, 3)
+            gp = g._replace(c=g.o, h=part.shape[2], w=part.shape[3], o=g.c,
+                            kh=sub.shape[2], kw=sub.shape[3], sh=1, sw=1,
+                            ph=max(0, -row_first), pw=max(0, -col_first),
+                            dh=row_step, dw=col_step, ho=n_rows, wo=n_cols)
+            _forward_into(dx, part, sub, gp, threads, at=(a, b), step=(g.sh, g.sw))
+    return dx

@@ -1,0 +1,62 @@
+"""CPU kernels of elementwise_add (y broadcast along x's dims from `axis`) and sum
+(ops/elementwise.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def y_start(x_ndim, y_ndim, axis):
+    """The dim of x where y's dims start (axis -1: the trailing dims)."""
+    return x_ndim - y_ndim if axis == -1 else axis
+
+
+def y_view(x_ndim, y, start):
+    """y reshaped so numpy broadcasting lines it up with x's dims from `start`."""
+    return y.reshape(y.shape + (1,) * (x_ndim - start - y.ndim))
+
+
+def elementwise_add_cpu(op, ins, ctx):
+    """out = x + y, y broadcast along x's dims from `axis`; into x's array when it is
+    handed over."""
+    x, y = ins["x"], ins["y"]
+    start = y_start(x.ndim, y.ndim, op.attrs["axis"])
+    return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}
+
+
+def elementwise_add_grad_cpu(op, ins, ctx):
+    """dx = dout (the same array: kernels write only inputs handed over to them,
+    OpSchema.reuse); dy = dout summed over every dim of x outside y's run - along
+    the trailing dims by one BLAS product with a ones vector, over the leading ones
+    in float64."""
+    y, d = ins["y"], ins["dout"]
+    out = {}
+    if op.wants("dx"):
+        out["dx"] = d
+    if op.wants("dy"):
+        start = y_start(d.ndim, y.ndim, op.attrs["axis"])
+        post = math.prod(d.shape[start + y.ndim:])
+        rows = np.ascontiguousarray(d).reshape(-1, y.size, post)
+        if post > 1:
+            rows = rows @ np.ones(post, dtype=d.dtype)
+        else:
+            rows = rows[..., 0]
+        dy = np.add.reduce(rows, axis=0, dtype=np.float64)
+        out["dy"] = dy.astype(d.dtype).reshape(y.shape)
+    return out
+
+
+def sum_cpu(op, ins, ctx):
+    """out = x[0] + x[1] + ... (a new array)."""
+    xs = ins["x"]
+    out = xs[0].copy()
+    for x in xs[1:]:
+        out += x
+    return {"out": out}
+
+
+def sum_grad_cpu(op, ins, ctx):
+    """dx = a copy of dout."""
+    return {"dx": ins["dout"].copy()}

@@ -1,0 +1,30 @@
+"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS.
+"""
+from __future__ import annotations
+
+import math
+
+
+def as_matrix(x, n):
+    """x viewed as (prod(x.shape[:n]), prod(x.shape[n:]))."""
+    return x.reshape(math.prod(x.shape[:n]), math.prod(x.shape[n:]))
+
+
+def mul_cpu(op, ins, ctx):
+    """out = flatten(x) @ y, reshaped to x.shape[:n] + (M,)."""
+    x, y = ins["x"], ins["y"]
+    n = op.attrs["x_num_col_dims"]
+    return {"out": (as_matrix(x, n) @ y).reshape(x.shape[:n] + (y.shape[1],))}
+
+
+def mul_grad_cpu(op, ins, ctx):
+    """dx = dout2 @ y.T reshaped to x's shape; dy = x2.T @ dout2."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    n = op.attrs["x_num_col_dims"]
+    d2 = d.reshape(math.prod(x.shape[:n]), y.shape[1])
+    out = {}
+    if op.wants("dx"):
+        out["dx"] = (d2 @ y.T).reshape(x.shape)
+    if op.wants("dy"):
+        out["dy"] = as_matrix(x, n).T @ d2
+    return out

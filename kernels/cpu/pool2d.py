@@ -1,0 +1,174 @@
+"""CPU kernels of pool2d (ops/pool2d.py): max and average pooling by window taps over a
+padded copy (padding -inf for max, not counted by the average), and their gradients.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def out_hw(x_shape, attrs):
+    """(Ho, Wo) of the windows (attributes resolved and checked by the schema)."""
+    return tuple((x_shape[2 + a] + 2 * attrs["paddings"][a] - attrs["ksize"][a])
+                 // attrs["strides"][a] + 1 for a in (0, 1))
+
+
+def pad_hw(x, paddings, value=0.0):
+    """x (N, C, H, W) padded by paddings=(ph, pw) on both sides of H and W."""
+    ph, pw = paddings
+    if ph == 0 and pw == 0:
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+
+
+def offset_slices(i, j, out_hw, strides, dilations=(1, 1)):
+    """Index of the padded array holding tap (i, j) of every window: an
+    (N, C, Ho, Wo) strided view."""
+    (ho, wo), (sh, sw), (dh, dw) = out_hw, strides, dilations
+    return (slice(None), slice(None),
+            slice(i * dh, i * dh + sh * (ho - 1) + 1, sh),
+            slice(j * dw, j * dw + sw * (wo - 1) + 1, sw))
+
+
+def taps(attrs):
+    kh, kw = attrs["ksize"]
+    return [(i, j) for i in range(kh) for j in range(kw)]
+
+
+def tiles(x, attrs, hw):
+    """True when the windows tile x exactly: no padding, strides = ksize, and
+    Ho kh = H, Wo kw = W."""
+    (kh, kw), (ho, wo) = attrs["ksize"], hw
+    return (attrs["paddings"] == (0, 0) and attrs["strides"] == (kh, kw)
+            and x.shape[2] == ho * kh and x.shape[3] == wo * kw)
+
+
+def tiled_max(x, attrs, hw):
+    """window_max where the windows tile x: the max over each window's kh rows
+    (contiguous rows of W), then over the kw neighbours in that row (one long
+    strided run), instead of kh kw views with rows of Wo values (numpy's loops
+    pay per row: 49 -> 38 us on (64, 16, 8, 8) with 2x2 windows)."""
+    (kh, kw), (ho, wo) = attrs["ksize"], hw
+    n, c, h, w = x.shape
+    return _max_along(_max_along(x.reshape(n * c * ho, kh, w)).reshape(-1, kw)).reshape(
+        n, c, ho, wo)
+
+
+def _max_along(a):
+    """The max over axis 1 of a (rows, k[, inner]), as a new array."""
+    if a.shape[1] == 1:
+        return a[:, 0].copy()
+    best = np.maximum(a[:, 0], a[:, 1])
+    for i in range(2, a.shape[1]):
+        np.maximum(best, a[:, i], out=best)
+    return best
+
+
+def window_max(x, attrs, hw):
+    """The max of every window, padding as -inf."""
+    if tiles(x, attrs, hw):
+        return tiled_max(x, attrs, hw)
+    xp = pad_hw(x, attrs["paddings"], -np.inf)
+    best = None
+    for i, j in taps(attrs):
+        v = xp[offset_slices(i, j, hw, attrs["strides"])]
+        best = v.copy() if best is None else np.maximum(best, v, out=best)
+    return best
+
+
+_SAME_SIZE_INT = {2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def window_argmax(x, attrs, hw):
+    """The tap index (row-major) of the first max of every window, padding as -inf:
+    the first tap, replaced by a later one only where it is strictly greater.
+    Updates go through bit masks (np.where and masked copies are many times slower)."""
+    xp = pad_hw(x, attrs["paddings"], -np.inf)
+    ints = _SAME_SIZE_INT[x.dtype.itemsize]
+    tap_list = taps(attrs)
+    index_type = np.int8 if len(tap_list) <= 127 else np.int32
+    best = where = None
+    for t, (i, j) in enumerate(tap_list):
+        v = xp[offset_slices(i, j, hw, attrs["strides"])]
+        if best is None:
+            best, where = v.copy(), np.zeros(v.shape, dtype=index_type)
+            bits, mask, diff = best.view(ints), np.empty(v.shape, ints), np.empty(v.shape, ints)
+            wmask, wdiff = np.empty(v.shape, index_type), np.empty(v.shape, index_type)
+            continue
+        better = np.greater(v, best).view(np.int8)
+        np.negative(better, out=mask, casting="unsafe")          # all ones where better
+        np.negative(better, out=wmask, casting="unsafe")
+        np.bitwise_xor(bits, v.view(ints), out=diff)              # best = v where better
+        np.bitwise_and(diff, mask, out=diff)
+        np.bitwise_xor(bits, diff, out=bits)
+        np.bitwise_xor(where, t, out=wdiff, casting="unsafe")     # where = t where better
+        np.bitwise_and(wdiff, wmask, out=wdiff)
+        np.bitwise_xor(where, wdiff, out=where)
+    return where
+
+
+def route(dst, d, hit, ints):
+    """dst = d where `hit`, else +0.0 (the bits of d ANDed with a mask)."""
+    mask = np.negative(hit.view(np.int8), dtype=ints)
+    np.bitwise_and(d.view(ints), mask, out=dst.view(ints))
+
+
+def window_counts(size, k, s, p, out):
+    """How many real (unpadded) elements each of `out` windows covers along one axis."""
+    start = np.arange(out) * s
+    return np.minimum(start + k, p + size) - np.maximum(start, p)
+
+
+def avg_divisor(x_shape, attrs, hw, dtype):
+    rows, cols = (window_counts(x_shape[2 + a], attrs["ksize"][a], attrs["strides"][a],
+                                attrs["paddings"][a], hw[a]) for a in (0, 1))
+    return np.outer(rows, cols).astype(dtype)
+
+
+def pool2d_cpu(op, ins, ctx):
+    """Max or average of every window (see the module doc)."""
+    x, a = ins["x"], op.attrs
+    if a["global_pooling"]:
+        if a["pool_type"] == "max":
+            return {"out": x.max(axis=(2, 3), keepdims=True)}
+        return {"out": x.mean(axis=(2, 3), keepdims=True, dtype=np.float64).astype(x.dtype)}
+    hw = out_hw(x.shape, a)
+    if a["pool_type"] == "max":
+        return {"out": window_max(x, a, hw)}
+    xp = pad_hw(x, a["paddings"])
+    total = np.zeros(x.shape[:2] + hw, dtype=np.float64)
+    for i, j in taps(a):
+        total += xp[offset_slices(i, j, hw, a["strides"])]
+    return {"out": (total / avg_divisor(x.shape, a, hw, np.float64)).astype(x.dtype)}
+
+
+def pool2d_grad_cpu(op, ins, ctx):
+    """dx: dout routed to each window's first max, or spread evenly over its real elements."""
+    x, d, a = ins["x"], ins["dout"], op.attrs
+    n, c, h, w = x.shape
+    if a["global_pooling"]:
+        if a["pool_type"] == "avg":
+            return {"dx": np.broadcast_to(d / (h * w), x.shape).astype(x.dtype)}
+        flat = x.reshape(n, c, h * w)
+        dx = np.zeros_like(flat)
+        np.put_along_axis(dx, flat.argmax(axis=2)[..., None], d.reshape(n, c, 1), axis=2)
+        return {"dx": dx.reshape(x.shape)}
+    hw = out_hw(x.shape, a)
+    ph, pw = a["paddings"]
+    where = window_argmax(x, a, hw) if a["pool_type"] == "max" else None
+    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)   # after argmax's work
+    if where is not None:
+        ints = _SAME_SIZE_INT[x.dtype.itemsize]
+        disjoint = all(s >= k for s, k in zip(a["strides"], a["ksize"]))
+        part = None if disjoint else np.empty(d.shape, dtype=x.dtype)
+        for t, (i, j) in enumerate(taps(a)):
+            dst = dxp[offset_slices(i, j, hw, a["strides"])]
+            if disjoint:                         # each element is in at most one window
+                route(dst, d, np.equal(where, t), ints)
+            else:
+                route(part, d, np.equal(where, t), ints)
+                dst += part
+    else:
+        share = d / avg_divisor(x.shape, a, hw, x.dtype)
+        for i, j in taps(a):
+            dxp[offset_slices(i, j, hw, a["strides"])] += share
+    return {"dx": np.ascontiguousarray(dxp[:, :, ph:ph + h, pw:pw + w])}

@@ -1,0 +1,47 @@
+"""CPU kernels of softmax_with_cross_entropy (ops/softmax_with_cross_entropy.py):
+log-sum-exp of the row-max-shifted logits in float64; a label outside [0, K) is an
+error naming it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.schema import OpError
+
+
+def check_labels(label, classes):
+    """OpError naming the first label outside [0, classes)."""
+    bad = np.flatnonzero((label < 0) | (label >= classes))
+    if bad.size:
+        i = int(bad[0])
+        raise OpError(f"softmax_with_cross_entropy: input 'label' has value {int(label[i])} "
+                      f"at row {i}, outside [0, {classes}) for logits with {classes} classes")
+
+
+def softmax_with_cross_entropy_cpu(op, ins, ctx):
+    """softmax = exp(z - lse(z)), loss = lse(z) - z[label], z the logits shifted by the row max."""
+    logits, label = ins["logits"], ins["label"]
+    check_labels(label, logits.shape[1])
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    log_softmax = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    loss = -log_softmax[np.arange(logits.shape[0]), label]
+    return {"softmax": np.exp(log_softmax).astype(logits.dtype),
+            "loss": loss.astype(logits.dtype)}
+
+
+def softmax_with_cross_entropy_grad_cpu(op, ins, ctx):
+    """dlogits = (softmax - onehot(label)) * dloss[:, None]
+    + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1))."""
+    sm, label = ins["softmax"], ins["label"]
+    dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
+    dlogits = np.zeros(sm.shape, dtype=np.float64)
+    if dloss is not None:
+        check_labels(label, sm.shape[1])
+        dlogits += sm
+        dlogits[np.arange(sm.shape[0]), label] -= 1.0
+        dlogits *= dloss[:, None]
+    if dsoftmax is not None:
+        inner = np.einsum("ij,ij->i", dsoftmax, sm, dtype=np.float64)[:, None]
+        dlogits += sm * (dsoftmax - inner)
+    return {"dlogits": dlogits.astype(sm.dtype)}

@@ -1,0 +1,452 @@
+"""Launchers for kernels/batch_norm.cu: batch norm on device arrays (no graph).
+
+Layouts: "NCHW" (channel axis 1; rank 2 to 5) or "NHWC" (channel axis last).
+Every launch is asynchronous and nothing is copied to the host:
+
+  forward_train  2 kernels: statistics (Welford per thread, Chan merges across
+                 the warp, the block and, when one channel is split over
+                 several blocks, the last block of the channel) and
+                 normalisation, which also commits the running estimates and
+                 the counter - on the device, unless the batch was flagged.
+  forward_infer  1 elementwise kernel.
+  backward       2 kernels: sums of dy and dy (x - mean) per channel (giving
+                 dscale and dbias), then the elementwise dx.
+
+Synchronized batch norm (one collective each way between two launches) has
+its own entry points on top of these kernels: kernels/batch_norm_sync.py.
+
+Non-finite statistics. The statistics kernel flags a batch whose mean or
+variance is NaN or Inf in any channel, or whose new estimates would be (as
+the CPU kernel checks them), by writing its epoch into the Guard's status
+word; the normalisation kernel then writes neither estimate nor the counter
+(for any channel) and counts the batch as rejected. The host learns of it only
+when it asks: `Guard.check()` reads the status (a synchronising copy of
+8 bytes) and raises; call it where the host synchronises anyway (when results
+are fetched), or after every step in a debug mode. y and the batch statistics
+of a flagged batch are written (they hold the NaNs); only the estimates and the
+counter are protected.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.kernels.cuda import launch, loader
+
+MODULE = "batch_norm"
+_STATS_TAIL = "PPPPPddiIPPPPP"
+SIGNATURES = {}
+for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
+    for _w in _ws:
+        SIGNATURES.update({
+            f"bn_stats_planar_{_t}_w{_w}": "PqqqqiPP" + _STATS_TAIL,
+            f"bn_stats_rows_{_t}_w{_w}": "PqqqiPP" + _STATS_TAIL,
+            f"bn_normalize_{_t}_w{_w}": "PPqqqPiPPPPPI",
+            f"bn_infer_{_t}_w{_w}": "PPqqqPPPPd",
+            f"bn_grad_planar_{_t}_w{_w}": "PPqqqqiPPPPPddiPPP",
+            f"bn_grad_rows_{_t}_w{_w}": "PPqqqiPPPPPddiPPP",
+            f"bn_grad_dx_{_t}_w{_w}": "PPPqqqP",
+            f"bn_grad_dx_global_{_t}_w{_w}": "PPqqqP",
+            f"bn_local_stats_planar_{_t}_w{_w}": "PqqqqiPPP",
+            f"bn_local_stats_rows_{_t}_w{_w}": "PqqqiPPP",
+            f"bn_grad_sums_planar_{_t}_w{_w}": "PPqqqqiPPPdP",
+            f"bn_grad_sums_rows_{_t}_w{_w}": "PPqqqiPPPdP",
+        })
+    SIGNATURES[f"bn_stats_from_sums_{_t}"] = "Pq" + _STATS_TAIL
+    SIGNATURES[f"bn_grad_from_sums_{_t}"] = "PqPPPdPPP"
+SIGNATURES["bn_merge_stats"] = "PqqP"
+
+
+def _kernel(name):
+    return loader.kernel(MODULE, name, SIGNATURES[name])
+
+
+class Guard:
+    """Device-side record of training batches whose statistics were not finite.
+
+    status[0] = the epoch of the last flagged launch, status[1] = batches
+    rejected so far (`address`: its device address). Each forward_train launch
+    takes a fresh epoch.
+    """
+
+    def __init__(self):
+        from minigraph.kernels.cuda import fill
+
+        self.status = fill.full((2,), 0, np.uint32)
+        self.address = loader.address(self.status)
+        self.epoch = 0
+        self._reported = 0
+
+    def next_epoch(self):
+        """A new nonzero epoch for the next launch."""
+        self.epoch = self.epoch % 0xFFFFFFFF + 1
+        return self.epoch
+
+    def rejected(self):
+        """Batches rejected since the last call (reads the device: synchronises)."""
+        total = int(self.status.get()[1])
+        new, self._reported = total - self._reported, total
+        return new
+
+    def check(self, what="batch_norm"):
+        """Raise FloatingPointError if a batch was rejected since the last check."""
+        n = self.rejected()
+        if n:
+            raise FloatingPointError(
+                f"{what}: {n} training batch(es) had NaN or Inf batch statistics (input 'x' "
+                "has non-finite values); the running estimates and the counter were left "
+                "unchanged for them")
+
+
+def default_guard():
+    """The Guard used by forward_train calls that are not given one (per device)."""
+    return loader.cached("batch_norm.default_guard", Guard)
+
+
+def _geometry(x, layout):
+    """(pre, channels, post) of x; its layout and rank checked once per device, shape
+    and layout."""
+    shapes = loader.cached("batch_norm.geometry", dict)
+    key = (x.shape, layout)
+    found = shapes.get(key)
+    if found is None:
+        if layout not in ("NCHW", "NHWC"):
+            raise ValueError(f"batch_norm: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        if not 2 <= len(x.shape) <= 5:
+            raise ValueError(f"batch_norm: x must have rank 2 to 5, got shape {tuple(x.shape)}")
+        found = shapes[key] = launch.channel_view(x.shape, layout)
+    return found
+
+
+_LABELS = {}
+
+
+def _param_ptrs(x, layout, channels, params):
+    """The device pointers of `params` ((name, array or None) pairs; 0 for None),
+    each checked to be C-contiguous, of x's dtype and of shape (channels,)."""
+    found = []
+    want, dtype = (channels,), x.dtype
+    for name, a in params:
+        if a is None:
+            found.append(0)
+            continue
+        if a.shape != want and tuple(a.shape) != want or \
+                a.dtype is not dtype and a.dtype != dtype:
+            raise ValueError(f"batch_norm: '{name}' must be {np.dtype(x.dtype)} of shape "
+                             f"({channels},) for x {tuple(x.shape)} ({layout}), got "
+                             f"{a.dtype}{tuple(a.shape)}")
+        if a.gpudata is not None and a.flags.c_contiguous:
+            found.append(int(a.gpudata))
+        else:
+            label = _LABELS.get(name)
+            if label is None:
+                label = _LABELS[name] = f"batch_norm: '{name}'"
+            found.append(loader.ptr(a, label))
+    return found
+
+
+def _check(x, layout, params):
+    """(pre, channels, post) of x, after checking x and `params` (see _param_ptrs)."""
+    pre, channels, post = _geometry(x, layout)
+    loader.ptr(x, "batch_norm: x")
+    _param_ptrs(x, layout, channels, params)
+    return pre, channels, post
+
+
+def _flat_launch(name, total, width, at_least, *args):
+    """Launch the grid-stride kernel `name` over `total` values in packs of `width`
+    (its grid memoised per device)."""
+    configs = loader.cached("batch_norm.flat", dict)
+    key = (name, total, width, at_least)
+    go = configs.get(key)
+    if go is None:
+        go = configs[key] = _flat_go(name, total, width, at_least)
+    go(*args)
+
+
+def _flat_go(name, total, width, at_least):
+    k = _kernel(name)
+    dev = loader.device()
+    threads = launch.block_threads(dev)
+    grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
+    return k.prepared((grid, 1, 1), (threads, 1, 1))
+
+
+def _packed_launch(stem, dtype, total, aligned, at_least, *args):
+    """_flat_launch of the kernel `stem`_<f32|f64>_w<width>: packs of 16 bytes when
+    `aligned` (every pointer it reads or writes is), else single values."""
+    configs = loader.cached("batch_norm.packed", dict)
+    key = (stem, dtype, total, aligned, at_least)
+    go = configs.get(key)
+    if go is None:
+        width = launch.vector_width(np.dtype(dtype).itemsize) if aligned else 1
+        go = configs[key] = _flat_go(f"{stem}_{loader.suffix(dtype)}_w{width}", total, width,
+                                     at_least)
+    go(*args)
+
+
+def _aligned(*pointers):
+    """True when every pointer allows 16-byte packs."""
+    return not any(p % launch.VECTOR_BYTES for p in pointers)
+
+
+def _reduce_plan(name_stem, x, aligned, pre, channels, post):
+    """(ReducePlan, its prepared launch) of a reduction of x, memoised per device;
+    `aligned`: the data pointers allow 16-byte packs."""
+    key = (name_stem, pre, channels, post, x.dtype, aligned, launch.tunables())
+    plans = loader.cached("batch_norm.plans", dict)
+    found = plans.get(key)
+    if found is None:
+        dev = loader.device()
+        sfx = loader.suffix(x.dtype)
+        itemsize = np.dtype(x.dtype).itemsize
+        plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev)
+        # size the grid with the resources of the kernel the plan picked
+        k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+        plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
+        k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+        found = plans[key] = (plan, k.prepared(plan.grid, plan.block))
+    return found
+
+
+_TRAIN_PARAMS = ("scale", "bias", "estimated_mean", "estimated_var")
+_INT64 = np.dtype(np.int64)
+
+
+def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
+    """(pre, channels, post, x's pointer, the pointers of scale, bias, est_mean,
+    est_var and counter) after checking them all."""
+    pre, channels, post = _geometry(x, layout)
+    xp = loader.ptr(x, "batch_norm: x")
+    params = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
+                                                  (scale, bias, est_mean, est_var)))
+    return pre, channels, post, xp, (*params, _counter_ptr(counter, momentum))
+
+
+def _counter_ptr(counter, momentum):
+    """The counter's device pointer (0 for None) after checking it."""
+    if counter is None:
+        if momentum is None:
+            raise ValueError("batch_norm: momentum=None (cumulative average) needs the counter")
+        return 0
+    if counter.dtype is not _INT64 and counter.dtype != _INT64 or counter.size != 1:
+        raise ValueError(f"batch_norm: counter must be an int64 scalar, got "
+                         f"{counter.dtype}{tuple(counter.shape)}")
+    return loader.ptr(counter, "batch_norm: counter")
+
+
+class _Training:
+    """The buffers and arguments one training forward shares between its two
+    launches: outputs, the scratch (loader.scratch) holding the per-channel
+    coefficients [3C], the candidate estimates [2C], then `partials` values for
+    the statistics kernel's split partials (at `self.partial`), and the
+    Guard's epoch. `params`: the pointers of scale, bias, est_mean, est_var and
+    the counter (_check_train)."""
+
+    def __init__(self, x, xp, channels, post, params, momentum, eps, out, guard, partials=0):
+        dtype = np.dtype(x.dtype)
+        self.x, self.xp, self.channels, self.post = x, xp, channels, post
+        self.guard = default_guard() if guard is None else guard
+        self.epoch = self.guard.next_epoch()
+        if out is None:
+            self.y = loader.empty(x.shape, dtype)
+            self.yp = loader.address(self.y)
+        else:
+            launch.check_array("batch_norm: out", out, x.shape, dtype)
+            self.y, self.yp = out, loader.ptr(out, "batch_norm: out")
+        self.batch_mean, self.batch_var = loader.empty_group(((channels,), (channels,)), dtype)
+        self.coef = loader.scratch(5 * channels + partials, dtype)
+        self.newest = self.coef + 3 * channels * dtype.itemsize
+        self.partial = self.coef + 5 * channels * dtype.itemsize
+        self.params = params
+        self.status = self.guard.address
+        # the StatsOut arguments every statistics kernel ends with (MG_BN_STATS_ARGS)
+        self.stats_args = (
+            *params, float(eps), 0.0 if momentum is None else float(momentum),
+            int(momentum is None), self.epoch, loader.address(self.batch_mean),
+            loader.address(self.batch_var), self.coef, self.newest, self.status)
+
+    def normalize(self):
+        """y from the coefficients; commit the estimates and the counter unless flagged."""
+        x, xp, yp = self.x, self.xp, self.yp
+        _packed_launch("bn_normalize", x.dtype, x.size, _aligned(xp, yp), self.channels, xp,
+                       yp, x.size, self.channels, self.post, self.coef, 1, self.params[2],
+                       self.params[3], self.newest, self.params[4], self.status, self.epoch)
+        return self.y, self.batch_mean, self.batch_var
+
+
+def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, layout="NCHW",
+                  out=None, guard=None):
+    """Training forward: normalise x with its own batch statistics and update
+    the running estimates in place.
+
+    x: (N, C, ...) for "NCHW" or (..., C) for "NHWC", float32/float64;
+    scale, bias, est_mean, est_var: (C,) of x's dtype; counter: int64 device
+    scalar of batches seen, or None (then the first-batch rule is skipped);
+    momentum: weight of the OLD estimate in [0, 1], or None for the cumulative
+    average est += (batch - est) / k of the k-th batch (needs the counter).
+    Estimates take the unbiased variance var * n / (n - 1); on the first batch
+    (counter == 0) they are set to the batch statistics; the counter goes up
+    by one. All of that happens on the device, skipped for a batch with
+    non-finite statistics or estimates (see the module doc and Guard).
+
+    Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
+    when given. Raises ValueError when a channel has fewer than 2 values.
+    """
+    xp = loader.ptr(x, "batch_norm: x")
+    plans = loader.cached("batch_norm.train", dict)
+    key = (x.shape, x.dtype, layout, _aligned(xp), launch.tunables())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _TrainPlan(x, layout, key[3])
+    params = _param_ptrs(x, layout, plan.channels, zip(_TRAIN_PARAMS,
+                                                       (scale, bias, est_mean, est_var)))
+    params.append(_counter_ptr(counter, momentum))
+    run = _Training(x, xp, plan.channels, plan.post, params, momentum, eps, out, guard,
+                    plan.partials)
+    plan.stats(xp, plan.pre, plan.channels, *plan.split_args, run.partial,
+               loader.address(loader.tickets(plan.tickets)), *run.stats_args)
+    return run.normalize()
+
+
+class _TrainPlan:
+    """forward_train's geometry and statistics launch for one device, x shape,
+    dtype, layout and alignment of x (checked when made: ValueError for a channel
+    with fewer than 2 values)."""
+
+    def __init__(self, x, layout, aligned):
+        self.pre, self.channels, self.post = _geometry(x, layout)
+        n = self.pre * self.post
+        if n <= 1:
+            raise ValueError(f"batch_norm: training needs more than one value per channel, got "
+                             f"n={n} for x of shape {tuple(x.shape)} ({layout})")
+        reduce, self.stats = _reduce_plan("bn_stats", x, aligned, self.pre, self.channels,
+                                          self.post)
+        self.split_args, self.tickets = reduce.split_args, reduce.tickets
+        self.partials = 3 * self.channels * reduce.splits
+
+
+def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=None):
+    """Inference (and use_global_est) forward, one elementwise kernel:
+    y = (x - est_mean) / sqrt(est_var + eps) * scale + bias per channel.
+    Nothing else is written. Returns y (in `out` when given)."""
+    pre, channels, post = _geometry(x, layout)
+    xp = loader.ptr(x, "batch_norm: x")
+    sp, bp, mp, vp = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
+                                                          (scale, bias, est_mean, est_var)))
+    if out is None:
+        y = loader.empty(x.shape, x.dtype)
+    else:
+        launch.check_array("batch_norm: out", out, x.shape, x.dtype)
+        y = out
+    if x.size:
+        yp = loader.ptr(y)
+        _packed_launch("bn_infer", x.dtype, x.size, _aligned(xp, yp), 1, xp, yp, x.size,
+                       channels, post, mp, vp, sp, bp, float(eps))
+    return y
+
+
+def _check_grad(x, dy, layout, params):
+    """(pre, channels, post, x's pointer, dy's pointer, the pointers of `params`)
+    after checking them (dy: x's shape and dtype)."""
+    pre, channels, post = _geometry(x, layout)
+    xp = loader.ptr(x, "batch_norm: x")
+    found = _param_ptrs(x, layout, channels, params)
+    dyp = loader.ptr(dy, "batch_norm_grad: dy")
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
+                         f"{dy.dtype}{tuple(dy.shape)}")
+    return pre, channels, post, xp, dyp, found
+
+
+def _grad_outputs(x, channels, need_dx, need_dscale, need_dbias):
+    """(dx, dscale, dbias), None where not needed; dscale and dbias share one
+    allocation (loader.empty_group) when both are."""
+    dtype = x.dtype
+    dx = loader.empty(x.shape, dtype) if need_dx else None
+    if need_dscale and need_dbias:
+        return (dx, *loader.empty_group(((channels,), (channels,)), dtype))
+    return (dx, loader.empty((channels,), dtype) if need_dscale else None,
+            loader.empty((channels,), dtype) if need_dbias else None)
+
+
+def _grad_reduce(name_stem, x, xp, dyp, pre, channels, post, tail, coef_words=0):
+    """Launch the per-channel sums of dy and dy (x - mean) (x and dy at xp and dyp);
+    `tail` ends the arguments. The scratch (loader.scratch) holds `coef_words`
+    values (the dx coefficients, whose pointer then ends the arguments) and the
+    split partials. Returns the coefficients' device address."""
+    plan, reduce = _reduce_plan(name_stem, x, _aligned(xp, dyp), pre, channels, post)
+    coef = loader.scratch(coef_words + 2 * channels * plan.splits, x.dtype)
+    partial = coef + coef_words * np.dtype(x.dtype).itemsize
+    reduce(xp, dyp, pre, channels, *plan.split_args, partial,
+           loader.ptr(loader.tickets(plan.tickets)), *tail, *((coef,) if coef_words else ()))
+    return coef
+
+
+def _grad_dx(x, xp, dyp, dx, channels, post, coef, use_global_est):
+    if not x.size:
+        return
+    dxp = loader.address(dx)
+    if use_global_est:
+        _packed_launch("bn_grad_dx_global", x.dtype, x.size, _aligned(dyp, dxp), 1, dyp, dxp,
+                       x.size, channels, post, coef)
+    else:
+        _packed_launch("bn_grad_dx", x.dtype, x.size, _aligned(xp, dyp, dxp), 1, xp, dyp, dxp,
+                       x.size, channels, post, coef)
+
+
+_GRAD_PARAMS = ("scale", "mean", "var")
+
+
+def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, need_dx=True,
+             need_dscale=True, need_dbias=True):
+    """Gradients of batch norm given dy (x's shape and dtype).
+
+    mean, var: the statistics the forward normalised with - the batch mean and
+    (biased) batch variance, or the estimates with use_global_est=True (then
+    they are constants: dx = dy * scale / sqrt(var + eps)). With
+    xhat = (x - mean) * invstd: dbias = sum(dy), dscale = sum(dy * xhat),
+    dx = scale * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
+    Returns (dx, dscale, dbias), None for those not needed.
+    """
+    xp = loader.ptr(x, "batch_norm: x")
+    dyp = loader.ptr(dy, "batch_norm_grad: dy")
+    if dy.shape != x.shape or dy.dtype is not x.dtype and dy.dtype != x.dtype:
+        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
+                         f"{dy.dtype}{tuple(dy.shape)}")
+    plans = loader.cached("batch_norm.grad", dict)
+    key = (x.shape, x.dtype, layout, _aligned(xp, dyp), launch.tunables())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _GradPlan(x, layout, key[3])
+    channels = plan.channels
+    sp, mp, vp = _param_ptrs(x, layout, channels, zip(_GRAD_PARAMS, (scale, mean, var)))
+    dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
+    if plan.n == 0:
+        from minigraph.kernels.cuda import fill
+
+        for a in (dscale, dbias):
+            if a is not None:
+                fill.fill_constant(a, 0)
+        return dx, dscale, dbias
+    itemsize = x.dtype.itemsize
+    coef = loader.scratch(4 * channels + plan.partials, x.dtype)
+    plan.reduce(xp, dyp, plan.pre, channels, *plan.split_args, coef + 4 * channels * itemsize,
+                loader.address(loader.tickets(plan.tickets)), sp, mp, vp, float(eps),
+                float(plan.n), int(bool(use_global_est)), loader.address(dscale),
+                loader.address(dbias), coef)
+    if dx is not None:
+        _grad_dx(x, xp, dyp, dx, channels, plan.post, coef, use_global_est)
+    return dx, dscale, dbias
+
+
+class _GradPlan:
+    """backward's geometry and reduction launch for one device, x shape, dtype,
+    layout and alignment of x and dy."""
+
+    def __init__(self, x, layout, aligned):
+        self.pre, self.channels, self.post = _geometry(x, layout)
+        self.n = self.pre * self.post
+        reduce, self.reduce = _reduce_plan("bn_grad", x, aligned, self.pre, self.channels,
+                                           self.post)
+        self.split_args, self.tickets = reduce.split_args, reduce.tickets
+        self.partials = 2 * self.channels * reduce.splits
