@@ -44,7 +44,7 @@ def main(argv=None):
     logits = h["logits"].name
     print(f"demo net, {args.threads} threads, median of {args.repeat} runs")
     print(f"inference ops: {len(net.ops('infer'))} -> {len(folded.ops('infer'))} "
-          f"({', '.join(str(n) for n in folded.fold_report)})")
+          f"({', '.join(str(n) for n in folded.reports['fold_batch_norm'])})")
     print("| batch | net.infer ms | folded ms | folded / net | max |difference| |")
     print("|---|---|---|---|---|")
     for batch in (1, 64):

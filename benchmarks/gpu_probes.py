@@ -8,7 +8,6 @@ Exit status 0 when the probe passed. Needs a GPU (versions reports what it finds
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.metadata
 import platform
@@ -68,16 +67,11 @@ def load():
     """Compile, load and fetch every entry point of every kernel module on GPU 0,
     printing each one's registers and static shared memory; 1 if any fails."""
     import minigraph as mg
+    from minigraph.kernels.cuda import loader
 
     place = mg.GPUPlace(0)
-    try:
-        from minigraph.kernels.cuda import loader
-    except ImportError:          # the layout before kernels/cuda/
-        from minigraph.kernels.cuda import loader
-    print(f"loader: {loader.__name__}")
     table, failed, count = loader.signature_table(), [], 0
-    enter = getattr(loader, "activate", None)
-    with enter(place) if enter else contextlib.nullcontext():
+    with place.activate():
         for module in loader.module_names():
             start, entries = time.perf_counter(), table.get(module) or {}
             if not entries:

@@ -56,6 +56,7 @@ class Net:
         self._sections = {s: [] for s in SECTIONS}
         self._twins = {}                 # id(branch Variable) -> its copy in the other branch
         self._applied = []
+        self.reports = {}                # pass name -> what it reported (mark_applied)
         self._name_counts = {}
         self._plans = {}
         self._lock = threading.RLock()
@@ -113,12 +114,15 @@ class Net:
         del ops[self._index(section, ops, op)]
         self._changed()
 
-    def mark_applied(self, name):
-        """Record that the transformation `name` was applied to this net; a second
-        time is an error (a pass must not run twice)."""
+    def mark_applied(self, name, report=None):
+        """Record that the transformation `name` was applied to this net, with what
+        it reports (kept as `reports[name]`: fold_batch_norm's and fuse_conv2d's
+        notes); a second time is an error (a pass must not run twice)."""
         if name in self._applied:
             raise ValueError(f"{name}: already applied to this net")
         self._applied.append(name)
+        if report is not None:
+            self.reports[name] = report
 
     @property
     def applied(self):
@@ -310,7 +314,6 @@ class Net:
         """A table (str): per layer its name, op types, output shape and parameter
         count; then the trainable and non-trainable totals."""
         from minigraph.summary import summary
-
         return summary(self)
 
     # ---- running -----------------------------------------------------------
@@ -365,22 +368,15 @@ class Net:
 
     def plan(self, mode, targets):
         """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan);
-        a training plan keeps the persistables' gradients after each step."""
+        a training plan keeps the persistables' gradients after each step (as
+        PyTorch keeps .grad)."""
         key = (mode, tuple(id(t) for t in targets))
         plan = self._plans.get(key)
         if plan is None:
-            keep = self._parameter_grads() if mode == "train" else ()
+            keep = [g for name, g in self.grads.items() if mode == "train" and
+                    getattr(self.scope.find_var(name), "persistable", False)]
             plan = self._plans[key] = Plan(self.ops(mode), mode, targets, keep)
         return plan
-
-    def _parameter_grads(self):
-        """The gradients of the persistables (kept after a step, like PyTorch's .grad)."""
-        found = []
-        for name, grad in self.grads.items():
-            var = self.scope.find_var(name)
-            if var is not None and var.persistable:
-                found.append(grad)
-        return found
 
     # ---- pictures ----------------------------------------------------------
 

@@ -144,6 +144,9 @@ class OpSchema:
     export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.onnx_export:
       `ctx` names values and builds nodes); `no_export` says why an op has no
       exporter (a gradient, an update, a training-only op).
+    examples(ex) -> [(name, inputs, attrs, grad sets)]: small cases the device
+      tests run on every place against the CPU (`ex` makes their arrays); set with
+      `examples(op_type, fn)`.
 
     What graph rewrites may ask of an op (declared here, never matched by
     its type name outside ops/):
@@ -182,6 +185,7 @@ class OpSchema:
     kernels: dict = field(default_factory=dict)     # device -> (Kernel, ...)
     export: Callable | None = None
     no_export: str = ""
+    examples: Callable | None = None                # examples(ex) -> [(name, ins, attrs, grads)]
     mode_attr: str | None = None
     roles: tuple = ()
     weight: tuple | None = None
@@ -263,6 +267,14 @@ def kernel(op_type, device, fn=None, dtypes=None):
     schema = get_schema(op_type)
     entry = Kernel(fn, None if dtypes is None else tuple(np.dtype(d) for d in dtypes))
     schema.kernels[device] = schema.kernels.get(device, ()) + (entry,)
+    return fn
+
+
+def examples(op_type, fn):
+    """Declare `fn(ex) -> [(name, inputs, attrs, grad sets)]` as the cases of
+    `op_type` that the device tests run on every place against the CPU
+    (tests/gpu/test_gpu_ops.py). Returns fn."""
+    get_schema(op_type).examples = fn
     return fn
 
 

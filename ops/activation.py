@@ -24,7 +24,16 @@ from minigraph.kernels.cpu import activation as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import activation as cuda
 from minigraph.kernels.cuda import map as cuda_map
-from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.schema import (
+    Meta,
+    OpSchema,
+    Slot,
+    examples,
+    grad_maker,
+    grad_schema,
+    kernel,
+    register,
+)
 from minigraph.validators import check_float, check_shape, finite, float_attr
 
 
@@ -104,3 +113,62 @@ register_activation("gelu", "x", export_gelu, (cpu.gelu_cpu, cpu.gelu_grad_cpu))
 register_activation("leaky_relu", "x", export_leaky_relu,
                     (cpu.leaky_relu_cpu, cpu.leaky_relu_grad_cpu),
                     attrs=(float_attr("alpha", 0.01, finite),), gpu_scalar="alpha")
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def relu_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(3, 4, 5)}, {}, (("x",),)),
+        ("f64", {"x": ex.r(7, dtype=np.float64)}, {}, (("x",),)),
+    ]
+
+
+def sigmoid_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(3, 17) * 10}, {}, (("x",),)),
+        ("f64", {"x": ex.r(7, dtype=np.float64) * 40}, {}, (("x",),)),
+    ]
+
+
+def tanh_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(5, 9)}, {}, (("x",),)),
+        ("f64", {"x": ex.r(11, dtype=np.float64)}, {}, (("x",),)),
+    ]
+
+
+def gelu_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(4, 13) * 3}, {}, (("x",),)),
+        ("f64", {"x": ex.r(2, 9, dtype=np.float64) * 3}, {}, (("x",),)),
+    ]
+
+
+def leaky_relu_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(6, 5)}, dict(alpha=0.1), (("x",),)),
+        ("f64", {"x": ex.r(13, dtype=np.float64)}, {}, (("x",),)),
+    ]
+
+
+examples("relu", relu_examples)
+examples("sigmoid", sigmoid_examples)
+examples("tanh", tanh_examples)
+examples("gelu", gelu_examples)
+examples("leaky_relu", leaky_relu_examples)

@@ -19,7 +19,7 @@ from minigraph.kernels.cpu import adam as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import optimizer_ops as cuda
 from minigraph.ops.optimizer_ops import UPDATE, check_update_inputs, decay_attr
-from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import bool_attr, fail, float_attr, positive
 
 STATE = ("moment1", "moment2")
@@ -56,3 +56,29 @@ register(OpSchema(
 
 kernel("adam", "cpu", cpu.adam_cpu)
 kernel("adam", "gpu", cuda.adam_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def adam_inputs(ex, dtype, shape=(3, 7)):
+    """Adam's inputs: state arrays of `shape`, the beta powers partway, a float32 rate."""
+    return {"param": ex.r(*shape, dtype=dtype), "grad": ex.r(*shape, dtype=dtype, seed=1),
+            "moment1": ex.r(*shape, dtype=dtype, seed=2) * 0.1,
+            "moment2": np.abs(ex.r(*shape, dtype=dtype, seed=3)) * 0.01,
+            "beta1_pow": np.array(0.9), "beta2_pow": np.array(0.999),
+            "learning_rate": np.array(1e-3, np.float32)}
+
+
+def adam_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", adam_inputs(ex, np.float32), {}, ()),
+        ("l2-f64", adam_inputs(ex, np.float64, (11,)), dict(weight_decay=0.05), ()),
+        ("adamw-f32", adam_inputs(ex, np.float32, (2, 9)),
+         dict(weight_decay=0.01, decoupled=True), ()),
+    ]
+
+
+examples("adam", adam_examples)

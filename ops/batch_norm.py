@@ -29,7 +29,7 @@ from minigraph import onnx_export
 from minigraph.kernels.cpu import batch_norm as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import batch_norm_op as cuda
-from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, kernel, register
+from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import (
     bool_attr,
     check_float,
@@ -172,3 +172,27 @@ kernel("batch_norm", "cpu", cpu.batch_norm_cpu)
 kernel("batch_norm_grad", "cpu", cpu.batch_norm_grad_cpu)
 kernel("batch_norm", "gpu", cuda.batch_norm_gpu, dtypes=GPU_FLOATS)
 kernel("batch_norm_grad", "gpu", cuda.batch_norm_grad_gpu, dtypes=GPU_FLOATS)
+
+
+def batch_norm_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); the estimates and the counter are updated in place."""
+    def ins(x, counter=0, channels_last=False):
+        c, dt = x.shape[-1 if channels_last else 1], x.dtype
+        return {"x": x, "scale": ex.r(c, dtype=dt, seed=1) + 1, "bias": ex.r(c, dtype=dt, seed=2),
+                "estimated_mean": ex.r(c, dtype=dt, seed=3),
+                "estimated_var": ex.r(c, dtype=dt, seed=4) ** 2 + 0.5,
+                "num_batches": np.array(counter, np.int64)}
+
+    grads = (("x", "scale", "bias"), ("x",), ("scale",))
+    return [("train-f32", ins(ex.r(6, 3, 4, 5)), {}, grads),
+            ("first-batch-f64", ins(ex.r(5, 4, 3, 2, dtype=np.float64)), {}, grads),
+            ("later-batch-f32", ins(ex.r(7, 4, 3), counter=3), dict(momentum=0.8), grads),
+            ("infer-f32", ins(ex.r(2, 3, 4, 4)), dict(is_infer=True), grads),
+            ("global-est-f64", ins(ex.r(4, 3, 2, 2, dtype=np.float64)),
+             dict(use_global_est=True), grads),
+            ("nhwc-f32", ins(ex.r(3, 2, 5, 4), channels_last=True), dict(data_layout="NHWC"),
+             grads)]
+
+
+examples("batch_norm", batch_norm_examples)

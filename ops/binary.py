@@ -12,11 +12,22 @@ for multiply, the factors). Kernels: kernels/cpu/binary.py, kernels/cuda/broadca
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph import onnx_export
 from minigraph.kernels.cpu import binary as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import broadcast as cuda
-from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.schema import (
+    Meta,
+    OpSchema,
+    Slot,
+    examples,
+    grad_maker,
+    grad_schema,
+    kernel,
+    register,
+)
 from minigraph.validators import check_float, check_same_dtype, check_shape, fail
 
 
@@ -87,3 +98,39 @@ kernel("add", "gpu", cuda.add_gpu, dtypes=GPU_FLOATS)
 kernel("add_grad", "gpu", cuda.add_grad_gpu, dtypes=GPU_FLOATS)
 kernel("multiply", "gpu", cuda.multiply_gpu, dtypes=GPU_FLOATS)
 kernel("multiply_grad", "gpu", cuda.multiply_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def add_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("both-ways-f32", {"x": ex.r(4, 1, 5), "y": ex.r(3, 1)}, {}, (("x", "y"), ("x",), ("y",))),
+        ("bias-f64", {"x": ex.r(2, 3, 4, 5, dtype=np.float64),
+                "y": ex.r(3, 1, 1, dtype=np.float64)},
+         {}, (("x", "y"), ("x",), ("y",))),
+        ("same-f32", {"x": ex.r(3, 7), "y": ex.r(3, 7, seed=1)}, {}, (("x", "y"), ("x",), ("y",))),
+        ("scalar-f64", {"x": ex.r(5, dtype=np.float64), "y": np.array(1.5)},
+         {}, (("x", "y"), ("x",), ("y",))),
+        ("kept-inner-f32", {"x": ex.r(2, 1, 6), "y": ex.r(2, 4, 6, seed=2)},
+         {}, (("x", "y"), ("x",), ("y",))),
+    ]
+
+
+def multiply_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("both-ways-f64", {"x": ex.r(1, 3, 5, dtype=np.float64),
+                "y": ex.r(4, 1, 5, dtype=np.float64)},
+         {}, (("x", "y"), ("x",), ("y",))),
+        ("rows-f32", {"x": ex.r(9, 33), "y": ex.r(9, 1, seed=3)}, {}, (("x", "y"), ("x",), ("y",))),
+        ("same-f32", {"x": ex.r(2, 5), "y": ex.r(2, 5, seed=4)}, {}, (("x", "y"), ("x",), ("y",))),
+    ]
+
+
+examples("add", add_examples)
+examples("multiply", multiply_examples)

@@ -10,9 +10,11 @@ one per input that needs a gradient.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph.kernels.cpu import concat as cpu
 from minigraph.kernels.cuda import shape_ops as cuda
-from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, kernel, register
+from minigraph.schema import Meta, OpDesc, OpError, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import (
     check_same_dtype,
     dims_equal,
@@ -103,3 +105,21 @@ kernel("concat", "cpu", cpu.concat_cpu)
 kernel("concat_grad", "cpu", cpu.concat_grad_cpu)
 kernel("concat", "gpu", cuda.concat_gpu)
 kernel("concat_grad", "gpu", cuda.concat_grad_gpu)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def concat_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("axis1-f32", {"x": [ex.r(2, 3, 4), ex.r(2, 5, 4, seed=1), ex.r(2, 1, 4, seed=2)]},
+         dict(axis=1), (("x",),)),
+        ("neg-f64", {"x": [ex.r(3, 2, dtype=np.float64), ex.r(3, 7, dtype=np.float64, seed=1)]},
+         dict(axis=-1), (("x",),)),
+        ("axis0-int64", {"x": [np.arange(6).reshape(2, 3), np.arange(3).reshape(1, 3)]}, {}, ()),
+    ]
+
+
+examples("concat", concat_examples)

@@ -10,6 +10,8 @@ im2col in chunks of images, one BLAS product per chunk) and kernels/cuda/conv2d.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph import onnx_export
 from minigraph.kernels.cpu import conv2d as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
@@ -19,6 +21,7 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
+    examples,
     grad_maker,
     grad_schema,
     kernel,
@@ -116,3 +119,21 @@ kernel("conv2d", "cpu", cpu.conv2d_cpu)
 kernel("conv2d_grad", "cpu", cpu.conv2d_grad_cpu)
 kernel("conv2d", "gpu", cuda.conv2d_gpu, dtypes=GPU_FLOATS)
 kernel("conv2d_grad", "gpu", cuda.conv2d_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def conv2d_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("groups-f32", {"x": ex.r(2, 4, 6, 6), "filter": ex.r(6, 2, 3, 3)},
+         dict(paddings=1, groups=2), (("x", "filter"), ("x",), ("filter",))),
+        ("strided-f64", {"x": ex.r(1, 3, 9, 8, dtype=np.float64),
+                "filter": ex.r(4, 3, 3, 2, dtype=np.float64)},
+         dict(strides=2, paddings=(1, 0), dilations=2), (("x", "filter"),)),
+    ]
+
+
+examples("conv2d", conv2d_examples)

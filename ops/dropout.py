@@ -28,6 +28,7 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
+    examples,
     grad_maker,
     grad_schema,
     kernel,
@@ -95,3 +96,21 @@ kernel("dropout", "cpu", cpu.dropout_cpu)
 kernel("dropout_grad", "cpu", cpu.dropout_grad_cpu)
 kernel("dropout", "gpu", cuda.dropout_gpu, dtypes=GPU_FLOATS)
 kernel("dropout_grad", "gpu", cuda.dropout_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def dropout_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("train-f32", {"x": ex.r(5, 13), "step": np.array(3, np.int64)},
+         dict(p=0.3, seed=11), (("x",),)),
+        ("train-f64", {"x": ex.r(4, 8, dtype=np.float64), "step": np.array(0, np.int64)},
+         dict(p=0.6, seed=2**32 - 1), (("x",),)),
+        ("p0-f32", {"x": ex.r(9), "step": np.array(1, np.int64)}, dict(p=0.0), (("x",),)),
+    ]
+
+
+examples("dropout", dropout_examples)

@@ -14,7 +14,17 @@ import numpy as np
 from minigraph.kernels.cpu import elementwise as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import elementwise as cuda
-from minigraph.schema import Meta, OpDesc, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.schema import (
+    Meta,
+    OpDesc,
+    OpSchema,
+    Slot,
+    examples,
+    grad_maker,
+    grad_schema,
+    kernel,
+    register,
+)
 from minigraph.validators import check_same_dtype, check_shape, fail, int_attr, shapes_equal
 
 
@@ -127,3 +137,33 @@ kernel("elementwise_add", "gpu", cuda.elementwise_add_gpu, dtypes=GPU_FLOATS)
 kernel("elementwise_add_grad", "gpu", cuda.elementwise_add_grad_gpu, dtypes=GPU_FLOATS)
 kernel("sum", "gpu", cuda.sum_gpu, dtypes=GPU_FLOATS)
 kernel("sum_grad", "gpu", cuda.sum_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def elementwise_add_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("channel-f32", {"x": ex.r(2, 3, 4, 5), "y": ex.r(3)},
+         dict(axis=1), (("x", "y"), ("x",), ("y",))),
+        ("same-f64", {"x": ex.r(4, 6, dtype=np.float64), "y": ex.r(4, 6, dtype=np.float64)},
+         {}, (("x", "y"), ("x",), ("y",))),
+        ("trailing-f32", {"x": ex.r(2, 3, 4), "y": ex.r(3, 4)}, {}, (("x", "y"), ("x",), ("y",))),
+        ("leading-f64", {"x": ex.r(2, 3, 4, dtype=np.float64), "y": ex.r(2, dtype=np.float64)},
+         dict(axis=0), (("y",),)),
+    ]
+
+
+def sum_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": [ex.r(3, 5, seed=k) for k in range(3)]}, {}, (("x",),)),
+    ]
+
+
+examples("elementwise_add", elementwise_add_examples)
+examples("sum", sum_examples)

@@ -15,7 +15,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import fill as cpu
 from minigraph.kernels.cuda import fill as cuda
-from minigraph.schema import Attr, Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.schema import Attr, Meta, OpError, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import float_attr, int_attr, is_int, non_negative
 
 
@@ -93,3 +93,42 @@ kernel("gaussian_random", "cpu", cpu.gaussian_random_cpu)
 kernel("fill_constant", "gpu", cuda.fill_constant_gpu)
 kernel("uniform_random", "gpu", cuda.uniform_random_gpu)
 kernel("gaussian_random", "gpu", cuda.gaussian_random_gpu)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def fill_constant_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {}, dict(shape=(3, 4), value=2.5), ()),
+        ("int64", {}, dict(shape=(5,), dtype="int64", value=7.9), ()),
+        ("bool", {}, dict(shape=(2, 2), dtype="bool", value=1.0), ()),
+        ("f16", {}, dict(shape=(3,), dtype="float16", value=0.1), ()),
+        ("scalar-f64", {}, dict(shape=(), dtype="float64", value=-1.25), ()),
+    ]
+
+
+def uniform_random_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {}, dict(shape=(4, 5), min=-2.0, max=3.0, seed=3), ()),
+        ("f64", {}, dict(shape=(7,), dtype="float64", seed=4), ()),
+    ]
+
+
+def gaussian_random_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f64", {}, dict(shape=(2, 3), dtype="float64", mean=1.0, std=2.0, seed=5), ()),
+    ]
+
+
+examples("fill_constant", fill_constant_examples)
+examples("uniform_random", uniform_random_examples)
+examples("gaussian_random", gaussian_random_examples)

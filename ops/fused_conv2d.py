@@ -18,11 +18,13 @@ the bias as its third input), then Add of the residual and Relu.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph.kernels.cpu import conv2d as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import conv2d as cuda
 from minigraph.ops.conv2d import conv_attrs, conv_node, infer_conv, resolve
-from minigraph.schema import OpError, OpSchema, Slot, kernel, register
+from minigraph.schema import OpError, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import check_same_dtype, check_shape, one_of, str_attr
 
 TYPE = "fused_conv2d"
@@ -76,3 +78,20 @@ register(OpSchema(
     roles=("fused_conv",), doc=__doc__))
 kernel(TYPE, "cpu", cpu.fused_conv2d_cpu)
 kernel(TYPE, "gpu", cuda.fused_conv2d_gpu, dtypes=GPU_FLOATS)
+
+
+def fused_conv2d_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); an inference op, so no gradients."""
+    x, w = ex.r(2, 4, 7, 6), ex.r(6, 2, 3, 3, seed=1)
+    return [("bias-residual-relu-f32", {"x": x, "filter": w, "bias": ex.r(6, seed=2),
+                                        "residual": ex.r(2, 6, 7, 6, seed=3)},
+             dict(paddings=1, groups=2, activation="relu"), ()),
+            ("bias-f64", {"x": ex.r(1, 3, 9, 8, dtype=np.float64),
+                          "filter": ex.r(4, 3, 3, 2, dtype=np.float64),
+                          "bias": ex.r(4, dtype=np.float64)},
+             dict(strides=2, dilations=2), ()),
+            ("plain-f32", {"x": x, "filter": ex.r(5, 4, 1, 1)}, {}, ())]
+
+
+examples(TYPE, fused_conv2d_examples)

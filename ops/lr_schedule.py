@@ -16,7 +16,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import lr_schedule as cpu
 from minigraph.kernels.cuda import lr_schedule as cuda
-from minigraph.schema import Meta, OpError, OpSchema, Slot, kernel, register
+from minigraph.schema import Meta, OpError, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import (
     fail,
     float_attr,
@@ -56,3 +56,22 @@ register(OpSchema(
 
 kernel("lr_schedule", "cpu", cpu.lr_schedule_cpu)
 kernel("lr_schedule", "gpu", cuda.lr_schedule_gpu)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def lr_schedule_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("step", {"step": np.array(7, np.int64)},
+         dict(kind="step", base_lr=0.1, step_size=3, gamma=0.5), ()),
+        ("cosine-warmup", {"step": np.array(1, np.int64)},
+         dict(kind="cosine", base_lr=0.1, total_steps=10, warmup_steps=3), ()),
+        ("cosine", {"step": np.array(6, np.int64)},
+         dict(kind="cosine", base_lr=0.1, total_steps=10, end_lr=0.01), ()),
+    ]
+
+
+examples("lr_schedule", lr_schedule_examples)

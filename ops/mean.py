@@ -8,10 +8,12 @@ kernels/cuda/mean.py.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph.kernels.cpu import mean as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import mean as cuda
-from minigraph.schema import Meta, OpSchema, Slot, grad_maker, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, examples, grad_maker, kernel, register
 from minigraph.validators import check_float, check_shape
 
 
@@ -42,3 +44,18 @@ kernel("mean", "cpu", cpu.mean_cpu)
 kernel("mean_grad", "cpu", cpu.mean_grad_cpu)
 kernel("mean", "gpu", cuda.mean_gpu, dtypes=GPU_FLOATS)
 kernel("mean_grad", "gpu", cuda.mean_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def mean_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(3, 4, 5)}, {}, (("x",),)),
+        ("f64", {"x": ex.r(6, dtype=np.float64)}, {}, (("x",),)),
+    ]
+
+
+examples("mean", mean_examples)

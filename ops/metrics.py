@@ -15,7 +15,7 @@ import numpy as np
 from minigraph.kernels.cpu import metrics as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import argmax as cuda
-from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import (
     check_float,
     check_rank,
@@ -77,3 +77,29 @@ kernel("argmax", "cpu", cpu.argmax_cpu)
 kernel("accuracy", "cpu", cpu.accuracy_cpu)
 kernel("argmax", "gpu", cuda.argmax_gpu, dtypes=GPU_FLOATS)
 kernel("accuracy", "gpu", cuda.accuracy_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def argmax_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("last-f32", {"x": ex.r(6, 9)}, {}, ()),
+        ("mid-f64", {"x": ex.r(3, 5, 4, dtype=np.float64)}, dict(axis=1), ()),
+    ]
+
+
+def accuracy_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"logits": ex.r(20, 4), "label": ex.labels(20, 4)}, {}, ()),
+        ("f64", {"logits": ex.r(7, 3, dtype=np.float64), "label": ex.labels(7, 3)}, {}, ()),
+    ]
+
+
+examples("argmax", argmax_examples)
+examples("accuracy", accuracy_examples)

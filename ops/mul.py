@@ -14,7 +14,16 @@ import numpy as np
 from minigraph.kernels.cpu import mul as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import matmul as cuda
-from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.schema import (
+    Meta,
+    OpSchema,
+    Slot,
+    examples,
+    grad_maker,
+    grad_schema,
+    kernel,
+    register,
+)
 from minigraph.validators import (
     check_float,
     check_rank,
@@ -83,3 +92,19 @@ kernel("mul", "cpu", cpu.mul_cpu)
 kernel("mul_grad", "cpu", cpu.mul_grad_cpu)
 kernel("mul", "gpu", cuda.mul_gpu, dtypes=GPU_FLOATS)
 kernel("mul_grad", "gpu", cuda.mul_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def mul_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(2, 3, 4), "y": ex.r(12, 5)}, {}, (("x", "y"), ("x",), ("y",))),
+        ("cols2-f64", {"x": ex.r(2, 3, 4, dtype=np.float64), "y": ex.r(4, 6, dtype=np.float64)},
+         dict(x_num_col_dims=2), (("x", "y"), ("x",), ("y",))),
+    ]
+
+
+examples("mul", mul_examples)

@@ -12,10 +12,12 @@ Kernels: kernels/cpu/optimizer_ops.py, kernels/cuda/optimizer_ops.py.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph.kernels.cpu import optimizer_ops as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import optimizer_ops as cuda
-from minigraph.schema import Meta, OpSchema, Slot, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, examples, kernel, register
 from minigraph.validators import (
     bool_attr,
     check_float,
@@ -70,3 +72,52 @@ kernel("sgd", "cpu", cpu.sgd_cpu)
 kernel("momentum", "cpu", cpu.momentum_cpu)
 kernel("sgd", "gpu", cuda.sgd_gpu, dtypes=GPU_FLOATS)
 kernel("momentum", "gpu", cuda.momentum_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def sgd_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"param": ex.r(3, 5),
+                "grad": ex.r(3, 5, seed=1),
+                "learning_rate": np.array(0.1, np.float32)},
+         {}, ()),
+        ("f64-lr64", {"param": ex.r(9, dtype=np.float64),
+                "grad": ex.r(9, dtype=np.float64, seed=1),
+                "learning_rate": np.array([0.3])},
+         {}, ()),
+        ("decay-f32", {"param": ex.r(3, 5),
+                "grad": ex.r(3, 5, seed=1),
+                "learning_rate": np.array(0.05, np.float32)},
+         dict(weight_decay=0.01), ()),
+    ]
+
+
+def momentum_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"param": ex.r(3, 5),
+                "grad": ex.r(3, 5, seed=1),
+                "velocity": ex.r(3, 5, seed=2),
+                "learning_rate": np.array(0.1, np.float32)},
+         dict(mu=0.8), ()),
+        ("nesterov-f64", {"param": ex.r(4, 3, dtype=np.float64),
+                "grad": ex.r(4, 3, dtype=np.float64, seed=1),
+                "velocity": ex.r(4, 3, dtype=np.float64, seed=2),
+                "learning_rate": np.array(0.1, np.float32)},
+         dict(mu=0.9, use_nesterov=True), ()),
+        ("decay-nesterov-f64", {"param": ex.r(4, 3, dtype=np.float64),
+                "grad": ex.r(4, 3, dtype=np.float64, seed=1),
+                "velocity": ex.r(4, 3, dtype=np.float64, seed=2),
+                "learning_rate": np.array(0.05, np.float32)},
+         dict(mu=0.9, use_nesterov=True, weight_decay=0.1), ()),
+    ]
+
+
+examples("sgd", sgd_examples)
+examples("momentum", momentum_examples)

@@ -13,6 +13,8 @@ Kernels: kernels/cpu/pool2d.py, kernels/cuda/pool2d.py.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph import onnx_export
 from minigraph.kernels.cpu import pool2d as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
@@ -22,6 +24,7 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
+    examples,
     grad_maker,
     grad_schema,
     kernel,
@@ -111,3 +114,24 @@ kernel("pool2d", "cpu", cpu.pool2d_cpu)
 kernel("pool2d_grad", "cpu", cpu.pool2d_grad_cpu)
 kernel("pool2d", "gpu", cuda.pool2d_gpu, dtypes=GPU_FLOATS)
 kernel("pool2d_grad", "gpu", cuda.pool2d_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def pool2d_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("max-f32", {"x": ex.r(2, 3, 6, 6)}, dict(ksize=2), (("x",),)),
+        ("avg-pad-f64", {"x": ex.r(2, 2, 7, 7, dtype=np.float64)},
+         dict(pool_type="avg", ksize=3, strides=2, paddings=1), (("x",),)),
+        ("max-pad-f32", {"x": ex.r(1, 2, 5, 5)}, dict(ksize=3, strides=2, paddings=1), (("x",),)),
+        ("global-max-f64", {"x": ex.r(2, 3, 4, 5, dtype=np.float64)},
+         dict(global_pooling=True), (("x",),)),
+        ("global-avg-f32", {"x": ex.r(2, 3, 4, 5)},
+         dict(pool_type="avg", global_pooling=True), (("x",),)),
+    ]
+
+
+examples("pool2d", pool2d_examples)

@@ -25,6 +25,7 @@ from minigraph.schema import (
     OpError,
     OpSchema,
     Slot,
+    examples,
     grad_maker,
     grad_schema,
     kernel,
@@ -204,3 +205,42 @@ kernel("flatten", "gpu", cuda.flatten_gpu)
 kernel("reshape_grad", "gpu", cuda.reshape_grad_gpu)
 kernel("transpose", "gpu", cuda.transpose_gpu)
 kernel("transpose_grad", "gpu", cuda.transpose_grad_gpu)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def reshape_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(2, 3, 4)}, dict(shape=(4, -1)), (("x",),)),
+        ("f64", {"x": ex.r(5, 6, dtype=np.float64)}, dict(shape=(3, 10)), (("x",),)),
+        ("int64", {"x": np.arange(12)}, dict(shape=(3, 4)), ()),
+    ]
+
+
+def flatten_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(2, 3, 4, 5)}, {}, (("x",),)),
+        ("mid-f64", {"x": ex.r(2, 3, 4, 5, dtype=np.float64)},
+         dict(start_axis=1, stop_axis=2), (("x",),)),
+    ]
+
+
+def transpose_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"x": ex.r(2, 3, 5)}, dict(perm=(2, 0, 1)), (("x",),)),
+        ("4d-f64", {"x": ex.r(2, 3, 4, 5, dtype=np.float64)}, dict(perm=(0, 2, 1, 3)), (("x",),)),
+    ]
+
+
+examples("reshape", reshape_examples)
+examples("flatten", flatten_examples)
+examples("transpose", transpose_examples)

@@ -8,8 +8,11 @@ worked example of docs/adding_an_op.md.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph.kernels.cpu import silu as cpu
 from minigraph.ops.activation import register_activation
+from minigraph.schema import examples
 
 
 def export_silu(ctx, op):
@@ -20,3 +23,13 @@ def export_silu(ctx, op):
 
 
 register_activation("silu", "x", export_silu, (cpu.silu_cpu, cpu.silu_grad_cpu), doc=__doc__)
+
+
+def silu_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets)."""
+    return [("f32", {"x": ex.r(4, 9) * 8}, {}, (("x",),)),
+            ("f64", {"x": ex.r(13, dtype=np.float64) * 40}, {}, (("x",),))]
+
+
+examples("silu", silu_examples)

@@ -8,11 +8,22 @@ Kernels: kernels/cpu/softmax.py, kernels/cuda/softmax.py.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minigraph import onnx_export
 from minigraph.kernels.cpu import softmax as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import softmax as cuda
-from minigraph.schema import Meta, OpSchema, Slot, grad_maker, grad_schema, kernel, register
+from minigraph.schema import (
+    Meta,
+    OpSchema,
+    Slot,
+    examples,
+    grad_maker,
+    grad_schema,
+    kernel,
+    register,
+)
 from minigraph.validators import check_float, check_shape, fail, int_attr, normalized_axis
 
 
@@ -49,3 +60,19 @@ kernel("softmax", "cpu", cpu.softmax_cpu)
 kernel("softmax_grad", "cpu", cpu.softmax_grad_cpu)
 kernel("softmax", "gpu", cuda.softmax_gpu, dtypes=GPU_FLOATS)
 kernel("softmax_grad", "gpu", cuda.softmax_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def softmax_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("last-f32", {"x": ex.r(5, 11) * 10}, {}, (("x",),)),
+        ("mid-f64", {"x": ex.r(2, 7, 3, dtype=np.float64)}, dict(axis=1), (("x",),)),
+        ("first-f32", {"x": ex.r(4, 3, 2)}, dict(axis=0), (("x",),)),
+    ]
+
+
+examples("softmax", softmax_examples)

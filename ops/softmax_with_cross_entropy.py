@@ -15,7 +15,7 @@ import numpy as np
 from minigraph.kernels.cpu import softmax_with_cross_entropy as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import softmax_with_cross_entropy as cuda
-from minigraph.schema import Meta, OpSchema, Slot, grad_maker, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, examples, grad_maker, kernel, register
 from minigraph.validators import check_float, check_rank, check_shape, fail
 
 OP = "softmax_with_cross_entropy"
@@ -79,3 +79,19 @@ kernel(OP, "cpu", cpu.softmax_with_cross_entropy_cpu)
 kernel(OP + "_grad", "cpu", cpu.softmax_with_cross_entropy_grad_cpu)
 kernel(OP, "gpu", cuda.softmax_with_cross_entropy_gpu, dtypes=GPU_FLOATS)
 kernel(OP + "_grad", "gpu", cuda.softmax_with_cross_entropy_grad_gpu, dtypes=GPU_FLOATS)
+
+
+# ---- examples ---------------------------------------------------------------------
+
+def softmax_with_cross_entropy_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); ex.r(*shape, dtype, seed) gives random values, ex.labels(n, k)
+    class indices."""
+    return [
+        ("f32", {"logits": ex.r(5, 7) * 10, "label": ex.labels(5, 7)}, {}, (("logits",),)),
+        ("f64", {"logits": ex.r(4, 3, dtype=np.float64), "label": ex.labels(4, 3)},
+         {}, (("logits",),)),
+    ]
+
+
+examples("softmax_with_cross_entropy", softmax_with_cross_entropy_examples)

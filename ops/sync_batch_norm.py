@@ -31,8 +31,8 @@ from __future__ import annotations
 from minigraph.kernels.cpu import batch_norm as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import batch_norm_op as cuda
-from minigraph.ops.batch_norm import bn_grad_schema, bn_schema
-from minigraph.schema import kernel, register
+from minigraph.ops.batch_norm import batch_norm_examples, bn_grad_schema, bn_schema
+from minigraph.schema import examples, kernel, register
 
 
 def presummed_grads(op):
@@ -47,3 +47,4 @@ kernel("sync_batch_norm", "cpu", cpu.sync_batch_norm_cpu)
 kernel("sync_batch_norm_grad", "cpu", cpu.sync_batch_norm_grad_cpu)
 kernel("sync_batch_norm", "gpu", cuda.sync_batch_norm_gpu, dtypes=GPU_FLOATS)
 kernel("sync_batch_norm_grad", "gpu", cuda.sync_batch_norm_grad_gpu, dtypes=GPU_FLOATS)
+examples("sync_batch_norm", batch_norm_examples)        # a world of one: batch_norm's values

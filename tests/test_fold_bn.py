@@ -71,7 +71,7 @@ def test_conv_folds_and_matches_a_float64_reference(bias, groups):
     net, out = conv_net("float64", bias, groups)
     folded = check_equal(net, out, x, 1e-12)
     assert [op.type for op in folded.ops("infer")] == ["conv2d", "elementwise_add", "relu"]
-    assert [n.folded for n in folded.fold_report] == [True]
+    assert [n.folded for n in folded.reports["fold_batch_norm"]] == [True]
     net32, out32 = conv_net("float32", bias, groups)
     check_equal(net32, out32, x.astype(np.float32), 1e-5)
 
@@ -88,6 +88,16 @@ def test_the_folded_parameters_follow_the_formula():
     np.testing.assert_allclose(folded.var("c1.b").get(), (b - mean) * s + bias, rtol=1e-14)
     names = {v.name for v in folded.persistables()}
     assert names == {"c1.w", "c1.b"}                  # the batch norm's state is gone
+
+
+def test_a_sync_batch_norm_folds_too():
+    """The pass finds batch norms by their declared role, so sync_batch_norm (after
+    convert_sync_batchnorm) folds as batch_norm does."""
+    net, out = conv_net("float64")
+    assert mg.passes.convert_sync_batchnorm(net) == 2           # the train and infer copies
+    assert "sync_batch_norm" in [op.type for op in net.ops("infer")]
+    folded = check_equal(net, out, rng.standard_normal((5, 4, 6, 6)), 1e-12)
+    assert [op.type for op in folded.ops("infer")] == ["conv2d", "elementwise_add", "relu"]
 
 
 @pytest.mark.parametrize("rank", [2, 4])
@@ -116,7 +126,7 @@ def test_the_example_nets_fold_to_1e_5(tmp_path):
 def test_what_cannot_be_folded_stays_and_the_report_says_why(capsys):
     net, out = conv_net(share_input=True)
     folded = check_equal(net, out, rng.standard_normal((2, 4, 6, 6)).astype(np.float32), 1e-5)
-    (note,) = folded.fold_report
+    (note,) = folded.reports["fold_batch_norm"]
     assert not note.folded and "is also read by relu" in note.reason
     assert "batch_norm" in [op.type for op in folded.ops("infer")]
 
@@ -133,7 +143,7 @@ def test_what_cannot_be_folded_stays_and_the_report_says_why(capsys):
     x = L.data(net, "x", shape=(-1, 2, 4, 4))
     h = L.conv2d(net, x, 4, 1, name="c")
     L.batch_norm(net, h, data_layout="NHWC", name="bn")
-    (note,) = mg.passes.fold_batch_norm(net).fold_report
+    (note,) = mg.passes.fold_batch_norm(net).reports["fold_batch_norm"]
     assert "NHWC batch norm after conv2d" in note.reason
 
 

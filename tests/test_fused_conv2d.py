@@ -128,7 +128,7 @@ def test_optimize_for_inference_equals_net_infer():
     assert types.count("fused_conv2d") == 4 and "batch_norm" not in types
     assert "relu" not in types and "add" not in types         # all inside the fused ops
     assert "conv2d + add + relu" in [" + ".join(n.ops[:1] + n.ops[-2:]) for n in
-                                     fast.fuse_report]       # the block's second conv
+                                     fast.reports["fuse_conv2d"]]       # the block's second conv
     assert fast.applied == ("fold_batch_norm", "fuse_conv2d")
     assert "fused_conv2d" not in [op.type for op in net.ops("infer")]   # source untouched
 
@@ -144,7 +144,7 @@ def test_a_value_read_twice_or_fetched_by_default_ends_the_chain():
     mg.passes.fuse_conv2d(fast)
     assert [op.type for op in fast.section("trunk")] == \
         ["fused_conv2d", "relu", "add", "fused_conv2d", "relu"]
-    assert [str(n) for n in fast.fuse_report] == [
+    assert [str(n) for n in fast.reports["fuse_conv2d"]] == [
         "conv2d + elementwise_add -> fused_conv2d computing 'c.out'",
         "conv2d + elementwise_add -> fused_conv2d computing 'd.out'"]
     x = np.random.default_rng(2).standard_normal((2, 2, 5, 5)).astype(np.float32)

@@ -27,7 +27,8 @@ def assert_close(got, want, msg=""):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL * scale, err_msg=msg)
 
 register(OpSchema(type="test_onnx_unmapped", inputs=(Slot("x"),), outputs=(Slot("out"),),
-                  infer=lambda ins, attrs: {"out": Meta(ins["x"].shape, ins["x"].dtype)}))
+                  infer=lambda ins, attrs: {"out": Meta(ins["x"].shape, ins["x"].dtype)},
+                  no_export="a test op that says why"))
 
 
 @kernel("test_onnx_unmapped", "cpu")
@@ -234,6 +235,42 @@ def test_folded_batch_norms(digits, tmp_path):
     assert worst
 
 
+def test_optimize_for_inference_of_a_residual_net(resnet, tmp_path):
+    """fused_conv2d exports as Conv (its bias as Conv's third input), Add and Relu;
+    the fused net's ONNX file equals net.infer (and the fused net) to 1e-5."""
+    net, h = resnet
+    fast = mg.passes.optimize_for_inference(net)
+    notes = fast.reports["fuse_conv2d"]
+    assert any("add" in n.ops and "relu" in n.ops for n in notes)      # a residual chain
+    path = mg.onnx.export(fast, tmp_path / "fast.onnx", feeds=["image"],
+                          fetches=[h["logits"].name])
+    graph = onnx.load(str(path)).graph
+    types = [n.op_type for n in graph.node]
+    assert types.count("BatchNormalization") == sum(op.schema.has_role("batch_norm")
+                                                    for op in fast.ops("infer"))
+    assert types.count("Conv") == sum(op.type in ("conv2d", "fused_conv2d")
+                                      for op in fast.ops("infer"))
+    assert any(len(n.input) == 3 for n in graph.node if n.op_type == "Conv")
+    for n in (1, 7):
+        x = digits_feed(np.random.default_rng(n), n)["image"]
+        (want,) = net.infer(feed={"image": x}, fetch=[h["logits"]])
+        (fused,) = fast.infer(feed={"image": x}, fetch=[h["logits"].name])
+        assert_close(fused, want)
+        for runtime, (got,) in onnx_outputs(path, {"image": x}).items():
+            assert_close(got, want, f"{runtime}, N={n}")
+
+
+def test_silu_exports_as_x_times_sigmoid(tmp_path):
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 5))
+    y = L.fc(net, L.silu(net, L.fc(net, x, 8, name="a")), 3, name="b")
+    path = mg.onnx.export(net, tmp_path / "silu.onnx", ["x"], [y])
+    types = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "Sigmoid" in types and "Mul" in types
+    feed = lambda rng, n: {"x": 4 * rng.standard_normal((n, 5)).astype("float32")}  # noqa: E731
+    max_differences(net, path, [y], feed, ["x"])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_mul_with_several_row_dims(tmp_path, dtype):
     net = mg.Net(seed=0)
@@ -258,12 +295,13 @@ def test_mul_with_several_row_dims(tmp_path, dtype):
 
 # ---- errors ----------------------------------------------------------------------------
 
-def test_an_op_without_a_mapping_is_an_error_naming_it(tmp_path):
+def test_an_op_without_an_exporter_is_an_error_naming_it_and_why(tmp_path):
     net = mg.Net(seed=0)
     x = L.data(net, "x", shape=(-1, 4))
     y = net.append("test_onnx_unmapped", {"x": x}, {"out": "odd.out"})["out"]
     out = L.relu(net, y)
-    with pytest.raises(mg.onnx.ExportError, match=r"'test_onnx_unmapped'.*'odd\.out'"):
+    with pytest.raises(mg.onnx.ExportError,
+                       match=r"'test_onnx_unmapped'.*'odd\.out'.*no ONNX exporter \(a test op"):
         mg.onnx.export(net, tmp_path / "m.onnx", ["x"], [out])
     assert not (tmp_path / "m.onnx").exists()
 

@@ -56,7 +56,7 @@ for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
 SIGNATURES["bn_merge_stats"] = "PqqP"
 
 
-def _kernel(name):
+def kernel(name):
     return loader.kernel(MODULE, name, SIGNATURES[name])
 
 
@@ -102,7 +102,7 @@ def default_guard():
     return loader.cached("batch_norm.default_guard", Guard)
 
 
-def _geometry(x, layout):
+def geometry(x, layout):
     """(pre, channels, post) of x; its layout and rank checked once per device, shape
     and layout."""
     shapes = loader.cached("batch_norm.geometry", dict)
@@ -120,7 +120,7 @@ def _geometry(x, layout):
 _LABELS = {}
 
 
-def _param_ptrs(x, layout, channels, params):
+def param_ptrs(x, layout, channels, params):
     """The device pointers of `params` ((name, array or None) pairs; 0 for None),
     each checked to be C-contiguous, of x's dtype and of shape (channels,)."""
     found = []
@@ -145,14 +145,14 @@ def _param_ptrs(x, layout, channels, params):
 
 
 def _check(x, layout, params):
-    """(pre, channels, post) of x, after checking x and `params` (see _param_ptrs)."""
-    pre, channels, post = _geometry(x, layout)
+    """(pre, channels, post) of x, after checking x and `params` (see param_ptrs)."""
+    pre, channels, post = geometry(x, layout)
     loader.ptr(x, "batch_norm: x")
-    _param_ptrs(x, layout, channels, params)
+    param_ptrs(x, layout, channels, params)
     return pre, channels, post
 
 
-def _flat_launch(name, total, width, at_least, *args):
+def flat_launch(name, total, width, at_least, *args):
     """Launch the grid-stride kernel `name` over `total` values in packs of `width`
     (its grid memoised per device)."""
     configs = loader.cached("batch_norm.flat", dict)
@@ -164,15 +164,15 @@ def _flat_launch(name, total, width, at_least, *args):
 
 
 def _flat_go(name, total, width, at_least):
-    k = _kernel(name)
+    k = kernel(name)
     dev = loader.device()
     threads = launch.block_threads(dev)
     grid = launch.flat_grid(-(-total // width), dev, threads, k.resources, at_least=at_least)
     return k.prepared((grid, 1, 1), (threads, 1, 1))
 
 
-def _packed_launch(stem, dtype, total, aligned, at_least, *args):
-    """_flat_launch of the kernel `stem`_<f32|f64>_w<width>: packs of 16 bytes when
+def packed_launch(stem, dtype, total, aligned, at_least, *args):
+    """flat_launch of the kernel `stem`_<f32|f64>_w<width>: packs of 16 bytes when
     `aligned` (every pointer it reads or writes is), else single values."""
     configs = loader.cached("batch_norm.packed", dict)
     key = (stem, dtype, total, aligned, at_least)
@@ -184,12 +184,12 @@ def _packed_launch(stem, dtype, total, aligned, at_least, *args):
     go(*args)
 
 
-def _aligned(*pointers):
+def aligned(*pointers):
     """True when every pointer allows 16-byte packs."""
     return not any(p % launch.VECTOR_BYTES for p in pointers)
 
 
-def _reduce_plan(name_stem, x, aligned, pre, channels, post):
+def reduce_plan(name_stem, x, aligned, pre, channels, post):
     """(ReducePlan, its prepared launch) of a reduction of x, memoised per device;
     `aligned`: the data pointers allow 16-byte packs."""
     key = (name_stem, pre, channels, post, x.dtype, aligned, launch.tunables())
@@ -201,9 +201,9 @@ def _reduce_plan(name_stem, x, aligned, pre, channels, post):
         itemsize = np.dtype(x.dtype).itemsize
         plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev)
         # size the grid with the resources of the kernel the plan picked
-        k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+        k = kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
         plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
-        k = _kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
+        k = kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
         found = plans[key] = (plan, k.prepared(plan.grid, plan.block))
     return found
 
@@ -212,12 +212,12 @@ _TRAIN_PARAMS = ("scale", "bias", "estimated_mean", "estimated_var")
 _INT64 = np.dtype(np.int64)
 
 
-def _check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
+def check_train(x, scale, bias, est_mean, est_var, counter, momentum, layout):
     """(pre, channels, post, x's pointer, the pointers of scale, bias, est_mean,
     est_var and counter) after checking them all."""
-    pre, channels, post = _geometry(x, layout)
+    pre, channels, post = geometry(x, layout)
     xp = loader.ptr(x, "batch_norm: x")
-    params = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
+    params = param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
                                                   (scale, bias, est_mean, est_var)))
     return pre, channels, post, xp, (*params, _counter_ptr(counter, momentum))
 
@@ -240,7 +240,7 @@ class _Training:
     coefficients [3C], the candidate estimates [2C], then `partials` values for
     the statistics kernel's split partials (at `self.partial`), and the
     Guard's epoch. `params`: the pointers of scale, bias, est_mean, est_var and
-    the counter (_check_train)."""
+    the counter (check_train)."""
 
     def __init__(self, x, xp, channels, post, params, momentum, eps, out, guard, partials=0):
         dtype = np.dtype(x.dtype)
@@ -268,7 +268,7 @@ class _Training:
     def normalize(self):
         """y from the coefficients; commit the estimates and the counter unless flagged."""
         x, xp, yp = self.x, self.xp, self.yp
-        _packed_launch("bn_normalize", x.dtype, x.size, _aligned(xp, yp), self.channels, xp,
+        packed_launch("bn_normalize", x.dtype, x.size, aligned(xp, yp), self.channels, xp,
                        yp, x.size, self.channels, self.post, self.coef, 1, self.params[2],
                        self.params[3], self.newest, self.params[4], self.status, self.epoch)
         return self.y, self.batch_mean, self.batch_var
@@ -294,11 +294,11 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     """
     xp = loader.ptr(x, "batch_norm: x")
     plans = loader.cached("batch_norm.train", dict)
-    key = (x.shape, x.dtype, layout, _aligned(xp), launch.tunables())
+    key = (x.shape, x.dtype, layout, aligned(xp), launch.tunables())
     plan = plans.get(key)
     if plan is None:
         plan = plans[key] = _TrainPlan(x, layout, key[3])
-    params = _param_ptrs(x, layout, plan.channels, zip(_TRAIN_PARAMS,
+    params = param_ptrs(x, layout, plan.channels, zip(_TRAIN_PARAMS,
                                                        (scale, bias, est_mean, est_var)))
     params.append(_counter_ptr(counter, momentum))
     run = _Training(x, xp, plan.channels, plan.post, params, momentum, eps, out, guard,
@@ -314,12 +314,12 @@ class _TrainPlan:
     with fewer than 2 values)."""
 
     def __init__(self, x, layout, aligned):
-        self.pre, self.channels, self.post = _geometry(x, layout)
+        self.pre, self.channels, self.post = geometry(x, layout)
         n = self.pre * self.post
         if n <= 1:
             raise ValueError(f"batch_norm: training needs more than one value per channel, got "
                              f"n={n} for x of shape {tuple(x.shape)} ({layout})")
-        reduce, self.stats = _reduce_plan("bn_stats", x, aligned, self.pre, self.channels,
+        reduce, self.stats = reduce_plan("bn_stats", x, aligned, self.pre, self.channels,
                                           self.post)
         self.split_args, self.tickets = reduce.split_args, reduce.tickets
         self.partials = 3 * self.channels * reduce.splits
@@ -329,9 +329,9 @@ def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=Non
     """Inference (and use_global_est) forward, one elementwise kernel:
     y = (x - est_mean) / sqrt(est_var + eps) * scale + bias per channel.
     Nothing else is written. Returns y (in `out` when given)."""
-    pre, channels, post = _geometry(x, layout)
+    pre, channels, post = geometry(x, layout)
     xp = loader.ptr(x, "batch_norm: x")
-    sp, bp, mp, vp = _param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
+    sp, bp, mp, vp = param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
                                                           (scale, bias, est_mean, est_var)))
     if out is None:
         y = loader.empty(x.shape, x.dtype)
@@ -340,113 +340,6 @@ def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=Non
         y = out
     if x.size:
         yp = loader.ptr(y)
-        _packed_launch("bn_infer", x.dtype, x.size, _aligned(xp, yp), 1, xp, yp, x.size,
+        packed_launch("bn_infer", x.dtype, x.size, aligned(xp, yp), 1, xp, yp, x.size,
                        channels, post, mp, vp, sp, bp, float(eps))
     return y
-
-
-def _check_grad(x, dy, layout, params):
-    """(pre, channels, post, x's pointer, dy's pointer, the pointers of `params`)
-    after checking them (dy: x's shape and dtype)."""
-    pre, channels, post = _geometry(x, layout)
-    xp = loader.ptr(x, "batch_norm: x")
-    found = _param_ptrs(x, layout, channels, params)
-    dyp = loader.ptr(dy, "batch_norm_grad: dy")
-    if dy.shape != x.shape or dy.dtype != x.dtype:
-        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
-                         f"{dy.dtype}{tuple(dy.shape)}")
-    return pre, channels, post, xp, dyp, found
-
-
-def _grad_outputs(x, channels, need_dx, need_dscale, need_dbias):
-    """(dx, dscale, dbias), None where not needed; dscale and dbias share one
-    allocation (loader.empty_group) when both are."""
-    dtype = x.dtype
-    dx = loader.empty(x.shape, dtype) if need_dx else None
-    if need_dscale and need_dbias:
-        return (dx, *loader.empty_group(((channels,), (channels,)), dtype))
-    return (dx, loader.empty((channels,), dtype) if need_dscale else None,
-            loader.empty((channels,), dtype) if need_dbias else None)
-
-
-def _grad_reduce(name_stem, x, xp, dyp, pre, channels, post, tail, coef_words=0):
-    """Launch the per-channel sums of dy and dy (x - mean) (x and dy at xp and dyp);
-    `tail` ends the arguments. The scratch (loader.scratch) holds `coef_words`
-    values (the dx coefficients, whose pointer then ends the arguments) and the
-    split partials. Returns the coefficients' device address."""
-    plan, reduce = _reduce_plan(name_stem, x, _aligned(xp, dyp), pre, channels, post)
-    coef = loader.scratch(coef_words + 2 * channels * plan.splits, x.dtype)
-    partial = coef + coef_words * np.dtype(x.dtype).itemsize
-    reduce(xp, dyp, pre, channels, *plan.split_args, partial,
-           loader.ptr(loader.tickets(plan.tickets)), *tail, *((coef,) if coef_words else ()))
-    return coef
-
-
-def _grad_dx(x, xp, dyp, dx, channels, post, coef, use_global_est):
-    if not x.size:
-        return
-    dxp = loader.address(dx)
-    if use_global_est:
-        _packed_launch("bn_grad_dx_global", x.dtype, x.size, _aligned(dyp, dxp), 1, dyp, dxp,
-                       x.size, channels, post, coef)
-    else:
-        _packed_launch("bn_grad_dx", x.dtype, x.size, _aligned(xp, dyp, dxp), 1, xp, dyp, dxp,
-                       x.size, channels, post, coef)
-
-
-_GRAD_PARAMS = ("scale", "mean", "var")
-
-
-def backward(x, dy, scale, mean, var, eps, layout="NCHW", use_global_est=False, need_dx=True,
-             need_dscale=True, need_dbias=True):
-    """Gradients of batch norm given dy (x's shape and dtype).
-
-    mean, var: the statistics the forward normalised with - the batch mean and
-    (biased) batch variance, or the estimates with use_global_est=True (then
-    they are constants: dx = dy * scale / sqrt(var + eps)). With
-    xhat = (x - mean) * invstd: dbias = sum(dy), dscale = sum(dy * xhat),
-    dx = scale * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)).
-    Returns (dx, dscale, dbias), None for those not needed.
-    """
-    xp = loader.ptr(x, "batch_norm: x")
-    dyp = loader.ptr(dy, "batch_norm_grad: dy")
-    if dy.shape != x.shape or dy.dtype is not x.dtype and dy.dtype != x.dtype:
-        raise ValueError(f"batch_norm_grad: dy must match x {x.dtype}{tuple(x.shape)}, got "
-                         f"{dy.dtype}{tuple(dy.shape)}")
-    plans = loader.cached("batch_norm.grad", dict)
-    key = (x.shape, x.dtype, layout, _aligned(xp, dyp), launch.tunables())
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = _GradPlan(x, layout, key[3])
-    channels = plan.channels
-    sp, mp, vp = _param_ptrs(x, layout, channels, zip(_GRAD_PARAMS, (scale, mean, var)))
-    dx, dscale, dbias = _grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
-    if plan.n == 0:
-        from minigraph.kernels.cuda import fill
-
-        for a in (dscale, dbias):
-            if a is not None:
-                fill.fill_constant(a, 0)
-        return dx, dscale, dbias
-    itemsize = x.dtype.itemsize
-    coef = loader.scratch(4 * channels + plan.partials, x.dtype)
-    plan.reduce(xp, dyp, plan.pre, channels, *plan.split_args, coef + 4 * channels * itemsize,
-                loader.address(loader.tickets(plan.tickets)), sp, mp, vp, float(eps),
-                float(plan.n), int(bool(use_global_est)), loader.address(dscale),
-                loader.address(dbias), coef)
-    if dx is not None:
-        _grad_dx(x, xp, dyp, dx, channels, plan.post, coef, use_global_est)
-    return dx, dscale, dbias
-
-
-class _GradPlan:
-    """backward's geometry and reduction launch for one device, x shape, dtype,
-    layout and alignment of x and dy."""
-
-    def __init__(self, x, layout, aligned):
-        self.pre, self.channels, self.post = _geometry(x, layout)
-        self.n = self.pre * self.post
-        reduce, self.reduce = _reduce_plan("bn_grad", x, aligned, self.pre, self.channels,
-                                           self.post)
-        self.split_args, self.tickets = reduce.split_args, reduce.tickets
-        self.partials = 2 * self.channels * reduce.splits

@@ -15,6 +15,7 @@ from minigraph import device
 from minigraph.kernels import present
 from minigraph.kernels.cpu.batch_norm import backward_label, forward_label, too_few_values
 from minigraph.kernels.cuda import batch_norm as gpu
+from minigraph.kernels.cuda import batch_norm_grad as gpu_grad
 from minigraph.kernels.cuda import batch_norm_sync as gpu_sync
 from minigraph.kernels.cuda import elementwise as gpu_elementwise
 from minigraph.kernels.cuda import launch as gpu_launch
@@ -99,7 +100,7 @@ def backward_gpu(op, ins, allreduce=None):
     need = dict(need_dx=op.wants("dx"), need_dscale=op.wants("dscale"),
                 need_dbias=op.wants("dbias"))
     if allreduce is None or a["use_global_est"]:
-        dx, dscale, dbias = gpu.backward(x, dy, scale, mean, var, eps, layout,
+        dx, dscale, dbias = gpu_grad.backward(x, dy, scale, mean, var, eps, layout,
                                          a["use_global_est"], **need)
     else:
         sums = allreduce(gpu_sync.backward_sums(x, dy, mean, layout))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels.cuda import batch_norm as bn
+from minigraph.kernels.cuda import batch_norm_grad as bn_grad
 from minigraph.kernels.cuda import launch, loader
 
 
@@ -32,14 +33,14 @@ def local_stats(x, layout="NCHW"):
     formula (merge_stats, or the communicator's allreduce_stats) it gives
     forward_train_from_sums its input. x with no values gives zeros (a rank
     holding no rows)."""
-    pre, channels, post = bn._geometry(x, layout)
+    pre, channels, post = bn.geometry(x, layout)
     xp = loader.ptr(x, "batch_norm: x")
     sums = loader.empty((2 * channels + 1,), np.float64)
     if pre * post == 0:
         from minigraph.kernels.cuda import fill
 
         return fill.fill_constant(sums, 0)
-    plan, stats = bn._reduce_plan("bn_local_stats", x, bn._aligned(xp), pre, channels, post)
+    plan, stats = bn.reduce_plan("bn_local_stats", x, bn.aligned(xp), pre, channels, post)
     partial = loader.scratch(3 * channels * plan.splits, x.dtype)
     stats(xp, pre, channels, *plan.split_args, partial,
           loader.ptr(loader.tickets(plan.tickets)), loader.ptr(sums))
@@ -55,7 +56,7 @@ def merge_stats(rows):
     ranks, width = (int(d) for d in rows.shape)
     channels = (width - 1) // 2
     out = loader.empty((width,), np.float64)
-    bn._flat_launch("bn_merge_stats", max(channels, 1), 1, 1, loader.ptr(rows, "merge_stats: rows"),
+    bn.flat_launch("bn_merge_stats", max(channels, 1), 1, 1, loader.ptr(rows, "merge_stats: rows"),
                  ranks, channels, loader.ptr(out))
     return out
 
@@ -71,11 +72,11 @@ def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, mo
     The global n = sums[0] must be at least 2: the caller checks it (only it
     knows whether that needs reading the device). Returns (y, batch_mean,
     batch_var) as forward_train does."""
-    _, channels, post, xp, params = bn._check_train(x, scale, bias, est_mean, est_var, counter,
+    _, channels, post, xp, params = bn.check_train(x, scale, bias, est_mean, est_var, counter,
                                                     momentum, layout)
     launch.check_array("batch_norm: sums", sums, (2 * channels + 1,), np.float64)
     run = bn._Training(x, xp, channels, post, params, momentum, eps, out, guard)
-    bn._flat_launch(f"bn_stats_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
+    bn.flat_launch(f"bn_stats_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
                  loader.ptr(sums), channels, *run.stats_args)
     return run.normalize()
 
@@ -84,14 +85,14 @@ def backward_sums(x, dy, mean, layout="NCHW"):
     device vector of 2C+1 numbers (n, sum dy_c..., sum dy (x - mean_c)...),
     `mean` the (global) batch mean the forward used. Summed over ranks it gives
     backward_from_sums its input. x with no values gives zeros."""
-    pre, channels, post, xp, dyp, (mp,) = bn._check_grad(x, dy, layout, [("mean", mean)])
+    pre, channels, post, xp, dyp, (mp,) = bn_grad.check_grad(x, dy, layout, [("mean", mean)])
     sums = loader.empty((2 * channels + 1,), np.float64)
     n = pre * post
     if n == 0:
         from minigraph.kernels.cuda import fill
 
         return fill.fill_constant(sums, 0)
-    bn._grad_reduce("bn_grad_sums", x, xp, dyp, pre, channels, post,
+    bn_grad.grad_reduce("bn_grad_sums", x, xp, dyp, pre, channels, post,
                     (mp, float(n), loader.ptr(sums)))
     return sums
 
@@ -101,14 +102,14 @@ def backward_from_sums(x, dy, scale, mean, var, sums, eps, layout="NCHW", need_d
     backward_sums summed over ranks (float64, 2C+1, on the device), its n the
     global count. dscale and dbias are those of the whole batch; dx is this
     device's rows. Returns (dx, dscale, dbias), None for those not needed."""
-    _, channels, post, xp, dyp, (sp, mp, vp) = bn._check_grad(
+    _, channels, post, xp, dyp, (sp, mp, vp) = bn_grad.check_grad(
         x, dy, layout, [("scale", scale), ("mean", mean), ("var", var)])
     launch.check_array("batch_norm_grad: sums", sums, (2 * channels + 1,), np.float64)
-    dx, dscale, dbias = bn._grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
+    dx, dscale, dbias = bn_grad.grad_outputs(x, channels, need_dx, need_dscale, need_dbias)
     coef = loader.scratch(4 * channels, x.dtype)
-    bn._flat_launch(f"bn_grad_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
+    bn.flat_launch(f"bn_grad_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
                     loader.ptr(sums), channels, sp, mp, vp, float(eps), loader.ptr(dscale),
                     loader.ptr(dbias), coef)
     if dx is not None:
-        bn._grad_dx(x, xp, dyp, dx, channels, post, coef, False)
+        bn_grad.grad_dx(x, xp, dyp, dx, channels, post, coef, False)
     return dx, dscale, dbias

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from minigraph.scope import Variable
+from minigraph.validators import check_number, is_int
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def known_rank(kind, x):
 
 def int_arg(kind, arg, value, minimum=1):
     """`value` as an int >= minimum, else an error naming the argument."""
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{kind}: argument '{arg}' must be an int >= {minimum}, got {value!r}")
     return int(value)
 
@@ -122,31 +122,21 @@ def int_arg(kind, arg, value, minimum=1):
 def pair_arg(kind, arg, value, minimum=1):
     """An int or a pair of ints, each >= minimum, as a tuple of two ints."""
     items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(items) != 2 or not all(_is_int(v) and v >= minimum for v in items):
+    if len(items) != 2 or not all(is_int(v) and v >= minimum for v in items):
         raise ValueError(f"{kind}: argument '{arg}' must be an int or a pair of ints >= "
                          f"{minimum}, got {value!r}")
     return (int(items[0]), int(items[1]))
 
 
-def _is_int(v):
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
 def float_arg(kind, arg, value, low=-math.inf, high=math.inf, high_open=False):
-    """`value` as a finite float in [low, high] (or [low, high)), else an error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{kind}: argument '{arg}' must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < low or v > high or (high_open and v >= high):
-        bracket = ")" if high_open else "]"
-        raise ValueError(f"{kind}: argument '{arg}' must be a finite number in [{low:g}, "
-                         f"{high:g}{bracket}, got {value!r}")
-    return v
+    """`value` as a finite float in [low, high] (or [low, high)), else an error naming
+    the layer and the argument."""
+    return check_number(value, f"{kind}: argument '{arg}'", low, high, high_open)
 
 
 def axis_arg(kind, arg, value, rank):
     """An int axis in [-rank, rank), as a non-negative int."""
-    if not _is_int(value) or not -rank <= value < rank:
+    if not is_int(value) or not -rank <= value < rank:
         raise ValueError(f"{kind}: argument '{arg}' must be an int in [{-rank}, {rank}) for a "
                          f"rank-{rank} input, got {value!r}")
     return int(value) % rank

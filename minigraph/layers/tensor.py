@@ -2,9 +2,8 @@
 flatten, transpose. None has parameters."""
 from __future__ import annotations
 
-import numbers
-
 from minigraph.layers.base import axis_arg, known_rank, layer, tensor
+from minigraph.validators import is_int
 
 
 @layer("add")
@@ -44,8 +43,7 @@ def reshape(net, x, shape, name=None):
     """x with a new shape: each size > 0, or one -1 inferred from the total; a
     -1 batch axis of x flows through (reshape(net, x, (-1, 64)))."""
     tensor(net, "reshape", "x", x)
-    if isinstance(shape, numbers.Integral) or not hasattr(shape, "__iter__") or not all(
-            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in shape):
+    if is_int(shape) or not hasattr(shape, "__iter__") or not all(is_int(d) for d in shape):
         raise ValueError(f"reshape: argument 'shape' must be a tuple of ints, got {shape!r}")
     return net.append("reshape", {"x": x}, {"out": f"{name}.out"},
                       {"shape": tuple(int(d) for d in shape)})["out"]
@@ -70,8 +68,7 @@ def flatten(net, x, start_axis=1, stop_axis=-1, name=None):
 def transpose(net, x, perm, name=None):
     """x with its axes permuted: out.shape[i] = x.shape[perm[i]]."""
     tensor(net, "transpose", "x", x)
-    if not hasattr(perm, "__iter__") or not all(
-            isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in perm):
+    if not hasattr(perm, "__iter__") or not all(is_int(d) for d in perm):
         raise ValueError(f"transpose: argument 'perm' must be a tuple of ints, got {perm!r}")
     perm = tuple(int(d) for d in perm)
     if sorted(perm) != list(range(len(known_rank("transpose", x)))):

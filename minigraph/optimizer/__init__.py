@@ -20,32 +20,15 @@ schedule's op, the clipping op, one update op per parameter.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 
 from minigraph.backward import append_backward
 from minigraph.initializer import Constant
 from minigraph.optimizer import lr
 from minigraph.schema import OpDesc
+from minigraph.validators import check_number
 
 __all__ = ["SGD", "Adam", "AdamW", "ClipGradByGlobalNorm", "Momentum", "Optimizer", "lr"]
-
-
-def check_number(value, what, low=0.0, high=math.inf, high_open=False, low_open=False):
-    """`value` as a float when it is a real number in the range, else a ValueError
-    naming `what` (NaN, inf, bools and non-numbers included)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{what} must be a number, got {type(value).__name__} {value!r}")
-    v = float(value)
-    too_low = v <= low if low_open else v < low
-    too_high = v >= high if high_open else v > high
-    if not math.isfinite(v) or too_low or too_high:
-        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-        raise ValueError(f"{what} must be a finite number in {lo}{low:g}, {high:g}{hi}, "
-                         f"got {value!r}")
-    return v
 
 
 def check_learning_rate(value, what="learning_rate"):

@@ -16,11 +16,11 @@ resumes the schedule where it stopped.
 """
 from __future__ import annotations
 
-import numbers
+from minigraph.validators import check_number, is_int
 
 
 def _count(value, what, low):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
     return int(value)
 
@@ -31,10 +31,7 @@ class Schedule:
     kind = ""
 
     def __init__(self, learning_rate):
-        from minigraph.optimizer import check_learning_rate
-
-        self.learning_rate = check_learning_rate(learning_rate,
-                                                 f"{type(self).__name__}: learning_rate")
+        self.learning_rate = check_number(learning_rate, f"{type(self).__name__}: learning_rate")
 
     def attrs(self):
         return {"kind": self.kind, "base_lr": self.learning_rate}
@@ -46,8 +43,6 @@ class StepDecay(Schedule):
     kind = "step"
 
     def __init__(self, learning_rate, step_size, gamma=0.1):
-        from minigraph.optimizer import check_number
-
         super().__init__(learning_rate)
         self.step_size = _count(step_size, "StepDecay: step_size", 1)
         self.gamma = check_number(gamma, "StepDecay: gamma")

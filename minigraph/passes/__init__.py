@@ -1,7 +1,7 @@
 """Graph rewrites. Each pass changes a net only through the Net's own API
 (append_op, insert_op, replace_op, remove_op) and records itself with
-net.mark_applied; the ops it looks at are known by what their schemas
-declare, or, for the passes about particular layers, by their types.
+net.mark_applied; the ops it looks at are known only by what their schemas
+declare (roles, OpSchema.weight, sync_variant, presummed, replication).
 
     convert_sync_batchnorm(net)   batch_norm -> sync_batch_norm, in place
     fold_batch_norm(net)          a new infer-only net with batch norms folded into conv/fc

@@ -1,9 +1,10 @@
 """Graph pass: fold inference batch norms into the conv2d or fc before them.
 
-An inference batch norm computes y = (x - mean) * s + bias with
-s = scale / sqrt(var + eps) per channel. When x is the output of a conv2d
-or an fc (`mul`), with or without its bias add, and nothing else reads x,
-the batch norm disappears into that layer's weight and bias:
+An inference batch norm (an op with the "batch_norm" role) computes
+y = (x - mean) * s + bias with s = scale / sqrt(var + eps) per channel. When x
+is the output of a "linear" op (conv2d, fc's mul: OpSchema.weight names its
+weight and channel axes), with or without its "bias_add", and nothing else reads
+x, the batch norm disappears into that layer's weight and bias:
 
     w' = w * s            (conv2d: per output channel; fc: per column)
     b' = (b - mean) * s + bias     (b = 0 without a bias add)
@@ -21,9 +22,9 @@ import numpy as np
 
 from minigraph.operator import Operator
 from minigraph.passes.infer_clone import clone_for_inference, drop_unused_persistables
+from minigraph.schema import op_for_role
 
 NAME = "fold_batch_norm"
-BN_TYPES = ("batch_norm", "sync_batch_norm")
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,14 @@ class FoldNote:
 def fold_batch_norm(net, verbose=False):
     """A new infer-only Net equal to `net.infer` with every foldable batch norm
     folded (see the module doc); `net` and its persistables are untouched.
-    The new net's `fold_report` lists a FoldNote per batch norm; verbose=True
-    also prints it. Fetch from the new net by name."""
+    The new net's `reports["fold_batch_norm"]` lists a FoldNote per batch norm;
+    verbose=True also prints it. Fetch from the new net by name."""
     folded, _ = clone_for_inference(net)
     notes = []
-    for bn in [op for op in folded.section("trunk") if op.type in BN_TYPES]:
+    for bn in [op for op in folded.section("trunk") if op.schema.has_role("batch_norm")]:
         notes.append(_fold_one(folded, bn))
     drop_unused_persistables(folded)
-    folded.mark_applied(NAME)
-    folded.fold_report = notes
+    folded.mark_applied(NAME, notes)
     if verbose:
         for note in notes:
             print(f"fold_batch_norm: {note}")
@@ -67,15 +67,15 @@ def _fold_one(net, bn):
     readers = [op for op in ops if x in op.input_vars()]
     producer = next((op for op in ops if x in op.output_vars()), None)
     bias_add = None
-    if producer is not None and producer.type == "elementwise_add" and \
+    if producer is not None and producer.schema.has_role("bias_add") and \
             producer.inputs["y"].persistable:
         bias_add, producer = producer, next(
             (op for op in ops if producer.inputs["x"] in op.output_vars()), None)
     why = _why_not(bn, x, readers, producer, bias_add, ops)
     if why:
         return FoldNote(label, False, reason=why)
-    w = producer.inputs["y" if producer.type == "mul" else "filter"]
-    channel_axis = 0 if producer.type == "conv2d" else 1
+    w_slot, channel_axis, _ = producer.schema.weight
+    w = producer.inputs[w_slot]
     a = {s: bn.inputs[s].get().astype(np.float64) for s in
          ("scale", "bias", "estimated_mean", "estimated_var")}
     s = a["scale"] / np.sqrt(a["estimated_var"] + bn.attrs["epsilon"])
@@ -90,16 +90,21 @@ def _fold_one(net, bn):
         b = bias_add.inputs["y"]
         b.set(net.place.to_device(b_new))
         net.replace_op("trunk", bias_add, Operator(
-            "elementwise_add", x=bias_add.inputs["x"], y=b, out=y, **bias_add.attrs))
+            bias_add.type, x=bias_add.inputs["x"], y=b, out=y, **bias_add.attrs))
         net.remove_op("trunk", bn)
     else:
         b = bn.inputs["bias"]
         b.set(net.place.to_device(b_new))
-        axis = 1 if producer.type == "conv2d" else len(x.shape) - 1
-        net.replace_op("trunk", bn, Operator("elementwise_add", x=x, y=b, out=y, axis=axis))
-    kind = "conv2d" if producer.type == "conv2d" else "fc"
-    return FoldNote(label, True, into=f"the {kind} computing {x.name!r}" +
+        net.replace_op("trunk", bn, Operator(op_for_role("bias_add"), x=x, y=b, out=y,
+                                             axis=_out_channel_axis(producer, x)))
+    return FoldNote(label, True, into=f"the {producer.type} computing {x.name!r}" +
                     (" and its bias add" if bias_add else " (as a new bias add)"))
+
+
+def _out_channel_axis(producer, out):
+    """The axis of `out` (the output of a "linear" op) that holds its channels."""
+    axis = producer.schema.weight[2]
+    return axis % len(out.shape)
 
 
 def _why_not(bn, x, readers, producer, bias_add, ops):
@@ -109,7 +114,7 @@ def _why_not(bn, x, readers, producer, bias_add, ops):
     if len(readers) > 1:
         others = ", ".join(op.type for op in readers if op is not bn)
         return f"its input {x.name!r} is also read by {others}"
-    if producer is None or producer.type not in ("conv2d", "mul"):
+    if producer is None or not producer.schema.has_role("linear"):
         what = "a data input" if producer is None else producer.type
         return f"its input comes from {what}, not a conv2d or fc"
     if bias_add is not None:
@@ -121,15 +126,14 @@ def _why_not(bn, x, readers, producer, bias_add, ops):
             return f"the bias {bias.name!r} is shared or not per channel"
         rank = len(x.shape)
         start = rank - 1 if bias_add.attrs["axis"] == -1 else bias_add.attrs["axis"]
-        if start != (1 if producer.type == "conv2d" else rank - 1):
+        if start != _out_channel_axis(producer, x):
             return "the bias add does not add per output channel"
-    w = producer.inputs["y" if producer.type == "mul" else "filter"]
+    w = producer.inputs[producer.schema.weight[0]]
     if not w.persistable or sum(w in op.input_vars() for op in ops) > 1:
         return f"the weight {w.name!r} is not a parameter of this layer alone"
     rank, layout = len(x.shape), bn.attrs["data_layout"]
     channel = 1 if layout == "NCHW" else rank - 1
-    if producer.type == "conv2d" and channel != 1:
-        return f"a {layout} batch norm after conv2d (whose channels are on axis 1)"
-    if producer.type == "mul" and channel != rank - 1:
-        return f"a {layout} batch norm of a rank-{rank} fc output (channels on the last axis)"
+    if channel != _out_channel_axis(producer, x):
+        return (f"a {layout} batch norm after {producer.type} (whose channels are on axis "
+                f"{_out_channel_axis(producer, x)} of its rank-{rank} output)")
     return ""

@@ -4,6 +4,9 @@
            -> add (another value of the same shape)               a residual
            -> relu
 
+The ops are found by their declared roles ("conv", "bias_add", "add", "relu";
+the fused op is the one with the "fused_conv" role), never by type name.
+
 Every step after the conv2d is optional; a chain stops where a value has
 another reader, is fetched by default, or the next op does not fit. The
 chain's last output Variable becomes the fused op's output, so what reads it
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 from minigraph.operator import Operator
 from minigraph.passes.fold_bn import fold_batch_norm
+from minigraph.schema import op_for_role
 
 NAME = "fuse_conv2d"
 
@@ -36,8 +40,8 @@ class FuseNote:
 def optimize_for_inference(net, verbose=False):
     """A new infer-only Net equal to `net.infer` (to float rounding): batch norms
     folded into the convolutions and fc layers before them (fold_batch_norm), then
-    conv2d chains fused (fuse_conv2d). `net` is untouched; the new net has
-    `fold_report` and `fuse_report`. Fetch from it by name."""
+    conv2d chains fused (fuse_conv2d). `net` is untouched; the new net's `reports`
+    hold both passes' notes. Fetch from it by name."""
     fast = fold_batch_norm(net, verbose=verbose)
     fuse_conv2d(fast, verbose=verbose)
     return fast
@@ -46,26 +50,26 @@ def optimize_for_inference(net, verbose=False):
 def fuse_conv2d(net, verbose=False):
     """Rewrite the trunk of an infer-only net (one from fold_batch_norm or
     clone_for_inference: every op in its trunk) in place, fusing each conv2d
-    chain of the module doc into a fused_conv2d. Sets and returns
-    `net.fuse_report`, a FuseNote per fused chain."""
+    chain of the module doc into a fused_conv2d. Returns a FuseNote per fused
+    chain, also kept as `net.reports["fuse_conv2d"]`."""
     if any(net.section(s) for s in ("train", "infer", "backward", "update")):
         raise ValueError(f"{NAME}: needs an infer-only net (all ops in its trunk), such as "
                          "mg.passes.fold_batch_norm(net) returns")
     kept = {id(v) for v in net.default_fetches}
     notes = []
-    for conv in [op for op in net.section("trunk") if op.type == "conv2d"]:
+    fused_type = op_for_role("fused_conv")
+    for conv in [op for op in net.section("trunk") if op.schema.has_role("conv")]:
         chain, parts = _chain(net.section("trunk"), conv, kept)
         if len(chain) == 1:
             continue
         out = chain[-1].outputs["out"]
-        fused = Operator("fused_conv2d", x=conv.inputs["x"], filter=conv.inputs["filter"],
+        fused = Operator(fused_type, x=conv.inputs["x"], filter=conv.inputs["filter"],
                          out=out, **parts, **conv.attrs)
         net.replace_op("trunk", chain[-1], fused)
         for op in chain[:-1]:
             net.remove_op("trunk", op)
         notes.append(FuseNote(tuple(op.type for op in chain), out.name))
-    net.mark_applied(NAME)
-    net.fuse_report = notes
+    net.mark_applied(NAME, notes)
     if verbose:
         for note in notes:
             print(f"{NAME}: {note}")
@@ -82,14 +86,14 @@ def _chain(ops, conv, kept):
         chain.append(nxt)
         v = nxt.outputs["out"]
         nxt = _only_reader(ops, v, kept)
-    if nxt is not None and nxt.type == "add":
+    if nxt is not None and nxt.schema.has_role("add"):
         other = nxt.inputs["y"] if nxt.inputs["x"] is v else nxt.inputs["x"]
         if other is not v and _same_meta(other, v):
             parts["residual"] = other
             chain.append(nxt)
             v = nxt.outputs["out"]
             nxt = _only_reader(ops, v, kept)
-    if nxt is not None and nxt.type == "relu":
+    if nxt is not None and nxt.schema.has_role("relu"):
         parts["activation"] = "relu"
         chain.append(nxt)
     return chain, parts
@@ -104,7 +108,7 @@ def _only_reader(ops, v, kept):
 
 
 def _is_bias_add(op, v, conv):
-    if op.type != "elementwise_add" or op.inputs["x"] is not v:
+    if not op.schema.has_role("bias_add") or op.inputs["x"] is not v:
         return False
     b = op.inputs["y"]
     channels = conv.inputs["filter"].shape[0] if conv.inputs["filter"].shape else None

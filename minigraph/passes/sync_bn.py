@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from minigraph.operator import Operator
 
-RENAMES = {"batch_norm": "sync_batch_norm", "batch_norm_grad": "sync_batch_norm_grad"}
-
 
 def convert_sync_batchnorm(net):
-    """Rewrite every `batch_norm` op of `net` as `sync_batch_norm`, in place.
+    """Rewrite every `batch_norm` op of `net` as `sync_batch_norm`, in place: each op
+    whose schema declares a `sync_variant` (batch_norm and batch_norm_grad) becomes
+    that op.
 
     Both branches are rewritten (the infer copy makes no collective anyway),
     and so are `batch_norm_grad` ops when backward was already appended.
@@ -18,7 +18,7 @@ def convert_sync_batchnorm(net):
     count = 0
     for section in ("trunk", "train", "infer", "backward"):
         for op in net.section(section):
-            new_type = RENAMES.get(op.type)
+            new_type = op.schema.sync_variant
             if new_type is None:
                 continue
             kwargs = {**{k: v for k, v in op.inputs.items() if v is not None},

@@ -151,7 +151,7 @@ def test_bn_forward_infer(device, layout, shape, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("use_global", [False, True], ids=["batch", "global"])
 def test_bn_backward(device, force_splits, layout, shape, dtype, use_global):
-    from minigraph.kernels.cuda import batch_norm
+    from minigraph.kernels.cuda import batch_norm_grad as launchers
 
     r = rng(7)
     x = r.normal(2, 3, shape).astype(dtype)
@@ -164,9 +164,9 @@ def test_bn_backward(device, force_splits, layout, shape, dtype, use_global):
     else:
         mean, var = x.astype(np.float64).mean(axes).astype(dtype), \
             x.astype(np.float64).var(axes).astype(dtype)
-    dx, dscale, dbias = batch_norm.backward(device.put(x), device.put(dy), device.put(scale),
-                                            device.put(mean), device.put(var), 1e-5, layout,
-                                            use_global)
+    dx, dscale, dbias = launchers.backward(device.put(x), device.put(dy), device.put(scale),
+                                           device.put(mean), device.put(var), 1e-5, layout,
+                                           use_global)
     want = batch_norm_grad(x, dy, scale, mean, var, 1e-5, layout, use_global)
     tol = TOL[dtype] * (100 if dtype == np.float32 else 1)    # dx cancels: sums of ~n terms
     for got, ref in zip((dx, dscale, dbias), want, strict=True):
@@ -184,10 +184,10 @@ def test_empty_arrays_launch_nothing(device):
 
 
 def test_bn_backward_skips_unwanted_outputs(device):
-    from minigraph.kernels.cuda import batch_norm
+    from minigraph.kernels.cuda import batch_norm_grad as launchers
 
     x = rng(1).normal(size=(4, 3, 4, 4)).astype(np.float32)
     args = [device.put(a) for a in (x, x, np.ones(3, np.float32), np.zeros(3, np.float32),
                                     np.ones(3, np.float32))]
-    dx, dscale, dbias = batch_norm.backward(*args, 1e-5, need_dx=False, need_dscale=False)
+    dx, dscale, dbias = launchers.backward(*args, 1e-5, need_dx=False, need_dscale=False)
     assert dx is None and dscale is None and dbias is not None

@@ -25,7 +25,15 @@ from op_harness import batches, small_net
 
 import minigraph as mg
 from minigraph import device
-from minigraph.kernels.cuda import batch_norm, collective, conv2d, elementwise, loader, matmul
+from minigraph.kernels.cuda import (
+    batch_norm,
+    batch_norm_grad,
+    collective,
+    conv2d,
+    elementwise,
+    loader,
+    matmul,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 
@@ -258,7 +266,7 @@ def test_plans_still_reject_what_the_launchers_rejected():
         with pytest.raises(ValueError, match=r"batch_norm: counter must be an int64 scalar"):
             batch_norm.forward_train(x, c, c, c, c, c, 0.9, 1e-5)
         with pytest.raises(ValueError, match=r"batch_norm_grad: dy must match x"):
-            batch_norm.backward(x, w, c, c, c, 1e-5)
+            batch_norm_grad.backward(x, w, c, c, c, 1e-5)
         parts = [kernel_emulator.to_device(np.ones(s, np.float32)) for s in ((2, 3), (4,))]
         flat = collective.pack(parts)
         with pytest.raises(ValueError, match=r"pack: array 1 is float64, expected float32"):
