@@ -9,7 +9,7 @@ train: keep_i = u_i >= p; factor = 1 / (1 - p) in float64, cast to x's dtype;
 infer: out = a copy of x; mask and step are not written.
 u_i, for element i of x in flat C order, is (w >> 8) / 2**24 with w word i % 4
 of Philox4x32-10(counter = i // 4, stream = 2, key = (seed, step as uint32)),
-i.e. kernels/fill.cu's philox(i // 4, 2, seed + (step << 32)): a mask depends
+i.e. kernels/cuda/fill.cu's philox(i // 4, 2, seed + (step << 32)): a mask depends
 on (seed, step, i) only, and the CPU and the GPU draw the same one.
 dropout_grad(mask, dout; p): dx = dout * (mask * factor) (the same factor);
 with is_infer (not made by backward, which runs the train branch) dx = dout.

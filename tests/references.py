@@ -241,7 +241,7 @@ def softmax(x, axis=-1):
 
 
 def philox4x32(counter, key):
-    """Random123's Philox4x32-10 on Python ints (the round of kernels/fill.cu, line by
+    """Random123's Philox4x32-10 on Python ints (the round of kernels/cuda/fill.cu, line by
     line): four 32-bit words from a 4-word counter and a 2-word key."""
     c0, c1, c2, c3 = (int(v) for v in counter)
     k0, k1 = (int(v) for v in key)

@@ -1,4 +1,4 @@
-"""The native CPU conv kernels (kernels/conv_native.c) against the float64 reference:
+"""The native CPU conv kernels (kernels/cpu/conv_native.c) against the float64 reference:
 the forward pass, the filter gradient and the input gradient on every geometry
 the launchers take, the epilogue, the thread counts, bad inputs."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""Building, caching and loading the native CPU kernels (kernels/native.py), and
+"""Building, caching and loading the native CPU kernels (kernels/cpu/native.py), and
 what runs where they cannot be built."""
 import os
 import shutil

@@ -34,9 +34,8 @@ import threadpoolctl
 CHUNK_BYTES = 1 << 20          # work on x in cache-sized blocks
 # Smaller arrays stay on the calling thread. In a net, numpy's BLAS threads spin for a
 # while after each product (a conv's), and a pool thread then takes a core from them
-# or from this thread: at 2 MiB the ResNet benchmark's step preempted its main thread
-# ~60 times and ran 1.02-1.06x the time of one thread (2026-11-24, 2 cores), its
-# batch norms 1.2x.
+# or from this thread: below this size the preemptions cost more than a second core
+# gains.
 PARALLEL_MIN_BYTES = 1 << 22
 MIN_UNIT = 2048                # short rows are grouped into units of at least this many values
 MIN_INNER = 16                 # shorter inner axes (NHWC: 1) sum over rows, not along them

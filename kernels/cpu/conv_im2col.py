@@ -1,10 +1,9 @@
 """The numpy engine of the 2-D convolutions (conv2d, fused_conv2d): im2col in
 chunks of images and one BLAS matrix product per chunk; its gradients are in
-conv_cpu_grad. Not an op module: it registers nothing. The ops run float32
-convs of one group on the native kernels (kernels/conv2d_cpu) where those are
-built; this engine runs the rest (float64, groups), everything where no C
-compiler is at hand, and is the reference the native kernels are tested
-against.
+conv_im2col_grad. The ops run float32 convs of one group on the native kernels
+(conv_native) where those are built; this engine runs the rest (float64,
+groups), everything where no C compiler is at hand, and is the reference the
+native kernels are tested against.
 
 Layout: x (N, C, H, W), filter (O, C/G, kh, kw), out (N, O, Ho, Wo), all NCHW.
 A chunk of m images is one product per group: filter[g] (O/G, C/G kh kw) @
@@ -21,22 +20,19 @@ row shifted by i dh Wp + j dw, so a column row is one contiguous run of
 L = Ho Wp values; the products then also cover Wp - Wo columns per output row
 that are not outputs (dropped, and zero in the gradient). Other convs copy
 a (C, kh, kw, m, Ho, Wo) strided view: for a first layer on 1-3 channels
-cropping the flat product's rows costs more than the strided copy (the demo
-net's conv: forward 0.073 -> 0.059 ms, filter gradient 0.112 -> 0.078 ms).
-A 1x1 stride-1 unpadded conv multiplies x itself, image by image, straight
-into the output.
+cropping the flat product's rows costs more than the strided copy. A 1x1
+stride-1 unpadded conv multiplies x itself, image by image, straight into the
+output.
 
-Flat convs with "same" padding (Ho = H, Wo = W: 3x3 with padding 1, the
-ResNet's) take their flat columns from the unpadded planes instead: a column
-row is a run of H W values shifted by oi W + oj (oi = i dh - ph, oj = j dw -
-pw), the windows' values that fall in the padding are set to zero after the
-copy (a few rows and columns of each tap), and the product has exactly the
-outputs, no columns to drop. The chunk's planes are copied one after the
-other with a gap of `margin` values after each: the runs read across
-planes only where they are then set to zero, and planes of a power-of-two
-size one after the other made the column copy 3-4x slower (32x32 planes,
-2026-11-24). Against the padded flat columns: 0.98x, 0.87x and 0.77x the time
-of the ResNet benchmark's stage 1-3 3x3 convs (32x32, 16x16, 8x8 planes).
+Flat convs with "same" padding (Ho = H, Wo = W: 3x3 with padding 1) take their
+flat columns from the unpadded planes instead: a column row is a run of H W
+values shifted by oi W + oj (oi = i dh - ph, oj = j dw - pw), the windows'
+values that fall in the padding are set to zero after the copy (a few rows and
+columns of each tap), and the product has exactly the outputs, no columns to
+drop. The chunk's planes are copied one after the other with a gap of `margin`
+values after each: the runs read across planes only where they are then set
+to zero, and planes of a power-of-two size placed back to back make the column
+copy several times slower (cache-set conflicts).
 
 Chunks of images keep the columns (about CHUNK_BYTES, LEAN_CHUNK_BYTES for
 lean calls) in cache between the copy and the product, and each chunk is
@@ -45,23 +41,17 @@ padding and product (or dout) buffers are work arrays of one call (`Work`),
 made for its first chunk and reused by the others, and freed when the call
 returns: nothing is kept between calls, so a training step's peak memory
 holds only the running conv's buffers (with minigraph.host_memory's settings
-the allocator hands the same blocks back, without page faults). Chunks of 1
-MiB made the ResNet benchmark's training step ~10 % slower (2026-11-23) and
-4 MiB 2-4 % slower (2026-11-24), so lean calls take 2 MiB; its inference
-(fused_conv2d, full chunks) ran 0.94-0.96x the time with 4 MiB than with 2
-MiB (2026-11-24, a 2-core AVX2 machine; within 3 % on an AVX-512 one). The
+the allocator hands the same blocks back, without page faults). The chunk
+sizes are the fastest of those the benchmarks tried (docs/performance.md). The
 gradients' chunks, and those of conv2d's forward pass (the op a training
 step runs; fused_conv2d, for inference, takes full chunks), are also "lean":
 all their work arrays together take no more than INPUT_MULTIPLE times x's
 size (or LEAN_FLOOR_BYTES, for tiny inputs), since a training step's peak
 comes late in the forward pass and as the backward pass starts, in the last
 layers, while every saved activation is alive, and there the planes are
-small. With conv_cpu_grad's strided col2im (and add_grad passing its
-gradient through), that brought the ResNet benchmark's step peak RSS from
-36.2 to 34.7 MiB (PyTorch: 35.0-35.1 MiB) for ~5 % of its time (2026-11-24).
-Away from the peak a training step gives conv2d and its gradient more
-(`room`, minigraph.work_room): their work arrays then take up to that many
-bytes, in full chunks.
+small. Away from the peak a training step gives conv2d and its gradient more
+(KernelContext.room, minigraph.work_room): their work arrays then take up to
+that many bytes, in full chunks.
 """
 from __future__ import annotations
 
@@ -70,7 +60,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks as cpu_blocks
+from minigraph.kernels.cpu import blocks
 
 CHUNK_BYTES, LEAN_CHUNK_BYTES = 1 << 22, 1 << 21
 INPUT_MULTIPLE, LEAN_FLOOR_BYTES = 1.5, 1 << 19
@@ -189,7 +179,7 @@ def forward(x, w, g, bias=None, residual=None, relu=False, lean=False, room=None
         if bias is not None:            # on the product's long rows, before the transpose
             rows += bias.reshape(-1, 1)
         if relu and residual is None:
-            cpu_blocks.relu(rows, out=rows)
+            blocks.relu(rows, out=rows)
         dst = out[n0:n1]
         np.copyto(dst, res.reshape(g.o, m, g.ho, width)[..., :g.wo].transpose(1, 0, 2, 3))
         if residual is not None:
@@ -222,7 +212,7 @@ def _epilogue(dst, bias, residual, relu):
     if residual is not None:
         dst += residual
     if relu:
-        cpu_blocks.relu(dst, out=dst)
+        blocks.relu(dst, out=dst)
 
 
 def chunk_size(g, dtype, lean, reserved=0, room=None):

@@ -1,31 +1,26 @@
-"""The gradients of the CPU conv engine (conv_cpu: its layout, chunks and work
-arrays). Not an op module: it registers nothing.
+"""The gradients of the im2col conv engine (conv_im2col: its layout, chunks and
+work arrays).
 
 dx of a stride-1 conv is the conv of the padded dout with the flipped filter;
 when dfilter is wanted too and that conv has flat columns, dfilter comes from
-the same columns, one more product per chunk (_dx_and_dw: 0.68-0.86x the time
-of the two apart on the ResNet benchmark's 3x3 convs, 2026-11-24). Other
-dfilters sum (cols @ dout^T)^T over the chunks (BLAS runs that orientation
-faster than dout @ cols^T: few output channels). (One product per tap over
-shifted runs of the padded planes, with no columns, had been faster for
-convs with few channels; with same-padded columns and room it took 1.3-2.5x
-the time of the columns on the ResNet benchmark's shapes, its 3-channel
-first layer included, 2026-11-24, and is gone.) dx of other
-strides is filter^T @ dout per chunk with each tap's columns added back
-(col2im) straight onto dx, each tap only where its windows read x, not
-padding (no padded gradient and no cropping copy).
+the same columns, one more product per chunk (_dx_and_dw). Other dfilters sum
+(cols @ dout^T)^T over the chunks (BLAS runs that orientation faster than
+dout @ cols^T: few output channels). dx of other strides is filter^T @ dout
+per chunk with each tap's columns added back (col2im) straight onto dx, each
+tap only where its windows read x, not padding (no padded gradient and no
+cropping copy).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import conv_im2col as conv_cpu
+from minigraph.kernels.cpu import conv_im2col
 from minigraph.kernels.cpu.conv_im2col import Geometry, Work
 
 
 def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
     """(dx or None, dfilter or None) of out = conv(x, w) for dout `d`; lean work
-    arrays, or up to `room` bytes of them (conv_cpu.chunk_size)."""
+    arrays, or up to `room` bytes of them (conv_im2col.chunk_size)."""
     og, rows = g.o // g.groups, w[0].size
     wg = w.reshape(g.groups, og, rows)
     dx = None
@@ -34,7 +29,7 @@ def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
         flipped = _flipped(w, g)
         if need_dw and _paired(gd):
             return _dx_and_dw(x, d, g, gd, flipped, room)
-        dx = conv_cpu.forward(np.ascontiguousarray(d), flipped, gd, lean=True, room=room)
+        dx = conv_im2col.forward(np.ascontiguousarray(d), flipped, gd, lean=True, room=room)
         need_dx = False
     dwg = np.zeros((g.groups, og, rows), dtype=x.dtype) if need_dw else None
     dw = None if dwg is None else dwg.reshape(w.shape)      # a view: filled below
@@ -52,7 +47,7 @@ def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
         m = n1 - n0
         dcol = _dout_columns(d, n0, n1, g, work)
         if need_dw:
-            cols = conv_cpu.fill_cols(x[n0:n1], g, work)
+            cols = conv_im2col.fill_cols(x[n0:n1], g, work)
             dwg[...] += np.matmul(cols, dcol.swapaxes(-1, -2)).swapaxes(-1, -2)
         if need_dx:              # the column buffer again: dfilter is done with it
             dcols = work.array("cols", x.dtype, (g.groups, rows, m * g.length))
@@ -60,7 +55,7 @@ def backward(x, w, d, g, need_dx=True, need_dw=True, room=None):
             _col2im(dcols, dxp, n0, n1, g)
 
     reserved = dxp.nbytes if padded_dx and need_dx else 0
-    conv_cpu.run_chunks(chunk, g, x.dtype, lean=True, reserved=reserved, room=room)
+    conv_im2col.run_chunks(chunk, g, x.dtype, lean=True, reserved=reserved, room=room)
     work.free()                          # the crop below needs no work arrays beside it
     if need_dx:
         dx = dxp if not padded_dx else np.ascontiguousarray(
@@ -106,8 +101,7 @@ def _dx_and_dw(x, d, g, gd, flipped, room=None):
     output q is padded dout at q shifted by tap (i, j), so x laid out like the
     product's output (zeros in the columns that are not outputs) times the columns
     gives dfilter's taps flipped, (cols (O/G kh kw, m L) @ x^T (m L, C/G))^T per chunk
-    (in that orientation the ResNet benchmark's stage 1-3 conv gradients took
-    0.96-0.98x the time of x @ cols^T's, 2026-11-24).
+    (BLAS runs that orientation faster than x @ cols^T).
     x goes into the product's buffer once dx's chunk is out of it, and the flipped
     filter and dfilter's sums count against the chunks' lean budget, so the pair
     takes no more memory than dx alone, and the columns are built once, not for dx
@@ -121,7 +115,7 @@ def _dx_and_dw(x, d, g, gd, flipped, room=None):
 
     def chunk(n0, n1):
         m = n1 - n0
-        cols = conv_cpu.fill_cols(d[n0:n1], gd, work)
+        cols = conv_im2col.fill_cols(d[n0:n1], gd, work)
         res = work.array("res", x.dtype, (g.groups, cg, m * gd.length))
         np.matmul(wg, cols, out=res)
         planes = res.reshape(g.c, m, g.h, gd.width)
@@ -130,7 +124,7 @@ def _dx_and_dw(x, d, g, gd, flipped, room=None):
         planes[..., g.w:] = 0
         acc[...] += np.matmul(cols, res.swapaxes(-1, -2))
 
-    conv_cpu.run_chunks(chunk, gd, x.dtype, lean=True, reserved=wg.nbytes + acc.nbytes,
+    conv_im2col.run_chunks(chunk, gd, x.dtype, lean=True, reserved=wg.nbytes + acc.nbytes,
                         room=room)
     work.free()
     taps = acc.reshape(g.groups, og, g.kh, g.kw, cg)[:, :, ::-1, ::-1]
@@ -145,7 +139,7 @@ def _pointwise_backward(x, wg, d, g, dwg, need_dx, room=None):
     a = x.reshape(g.n, g.groups, g.c // g.groups, hw)
     dd = d.reshape(g.n, g.groups, g.o // g.groups, hw)
     if dwg is not None:
-        step = conv_cpu.chunk_size(g, x.dtype, lean=True, room=room)
+        step = conv_im2col.chunk_size(g, x.dtype, lean=True, room=room)
         for n0 in range(0, g.n, step):
             n1 = min(g.n, n0 + step)
             dwg += np.matmul(dd[n0:n1], a[n0:n1].swapaxes(-1, -2)).sum(axis=0)

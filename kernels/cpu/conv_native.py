@@ -4,7 +4,7 @@ dilation - the forward pass (with fused_conv2d's epilogue), the filter
 gradient, and the input gradient as forward passes over dout.
 
 `supports(g, dtype)` says whether they take a conv here; the conv ops call
-them where they do, else conv_cpu's numpy engine (the reference they are
+them where they do, else conv_im2col's numpy engine (the reference they are
 tested against). Sizes come as minigraph.kernels.cpu.conv_im2col.Geometry (n c h w o kh
 kw groups sh sw ph pw dh dw ho wo).
 """

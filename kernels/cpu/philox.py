@@ -1,6 +1,6 @@
 """Philox4x32-10 (Salmon et al. 2011, Random123) in vectorised numpy.
 
-Bit for bit the generator of kernels/fill.cu: `philox(counter64, stream, seed64)`
+Bit for bit the generator of kernels/cuda/fill.cu: `philox(counter64, stream, seed64)`
 maps its arguments onto the 4-word counter (c0, c1, c2, c3) = (counter low,
 counter high, stream, 0) and the 2-word key (k0, k1) = (seed low, seed high).
 Not an op module: it registers nothing.

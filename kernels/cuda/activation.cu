@@ -1,4 +1,4 @@
-// relu and its gradient, elementwise (kernels/map.cuh).
+// relu and its gradient, elementwise (kernels/cuda/map.cuh).
 #include "map.cuh"
 
 // out = max(x, 0); NaN stays NaN (as numpy's maximum).

@@ -1,4 +1,4 @@
-"""Launchers for kernels/argmax.cu: argmax along an axis (int64) and accuracy.
+"""Launchers for kernels/cuda/argmax.cu: argmax along an axis (int64) and accuracy.
 
 accuracy cannot raise for a label outside [0, K) without a host round trip:
 such a row counts as wrong and a `LabelStatus` on the device records it;

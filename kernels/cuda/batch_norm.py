@@ -1,4 +1,4 @@
-"""Launchers for kernels/batch_norm.cu: batch norm on device arrays (no graph).
+"""Launchers for kernels/cuda/batch_norm.cu: batch norm on device arrays (no graph).
 
 Layouts: "NCHW" (channel axis 1; rank 2 to 5) or "NHWC" (channel axis last).
 Every launch is asynchronous and nothing is copied to the host:
@@ -13,7 +13,7 @@ Every launch is asynchronous and nothing is copied to the host:
                  dscale and dbias), then the elementwise dx.
 
 Synchronized batch norm (one collective each way between two launches) has
-its own entry points on top of these kernels: kernels/batch_norm_sync.py.
+its own entry points on top of these kernels: kernels/cuda/batch_norm_sync.py.
 
 Non-finite statistics. The statistics kernel flags a batch whose mean or
 variance is NaN or Inf in any channel, or whose new estimates would be (as

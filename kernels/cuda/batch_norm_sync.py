@@ -1,4 +1,4 @@
-"""Launchers of kernels/batch_norm.cu for synchronized batch norm: statistics
+"""Launchers of kernels/cuda/batch_norm.cu for synchronized batch norm: statistics
 and gradients over several devices or processes. The caller combines one
 float64 vector of 2C+1 numbers over the ranks between two launches, with one
 collective each way:
@@ -15,7 +15,7 @@ collective each way:
                            coefficients from the global sums (global n), then dx
 
 The kernels, their signatures and the single-device entry points are in
-kernels/batch_norm.py; these reuse its checks, plans and launch helpers.
+kernels/cuda/batch_norm.py; these reuse its checks, plans and launch helpers.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 // add and multiply with numpy broadcasting both ways, and the sum of a tensor
 // down to a shape that broadcasts to it (their gradients).
 //
-// Shapes arrive collapsed (kernels/strided.cuh): out has dims n, x and y are
+// Shapes arrive collapsed (kernels/cuda/strided.cuh): out has dims n, x and y are
 // read through strides xs and ys (0 on their broadcast dims). Equal shapes
 // take the packed maps `add` / `multiply` instead. reduce_sum: out[k] = the
 // sum, in double, of d over the reduced dims (rn, strides rs) at kept position

@@ -1,8 +1,8 @@
-"""Launchers for kernels/broadcast.cu: add and multiply with numpy broadcasting
+"""Launchers for kernels/cuda/broadcast.cu: add and multiply with numpy broadcasting
 both ways, their gradients, and sums of a tensor down to a broadcastable shape.
 
 Equal shapes run the packed maps; otherwise the shapes are collapsed
-(kernels/strided.py) and each output element reads x and y through their
+(kernels/cuda/strided.py) and each output element reads x and y through their
 broadcast strides. A sum down to a shape whose kept dims form one run (a
 bias, a row or column sum, a full sum) is elementwise.channel_sum; any other
 one is reduce_sum, one block per output; both add in double.

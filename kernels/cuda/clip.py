@@ -1,4 +1,4 @@
-"""Launchers for kernels/clip.cu: clip_by_global_norm in place on device arrays,
+"""Launchers for kernels/cuda/clip.cu: clip_by_global_norm in place on device arrays,
 with no host round trip (the coefficient stays on the device)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Launchers for kernels/collective.cu: device arrays packed into one flat buffer
+"""Launchers for kernels/cuda/collective.cu: device arrays packed into one flat buffer
 and back, times a factor - the bucketed allreduce of data-parallel gradients
 (pack, one allreduce, unpack_scaled by 1 / world size) and scaled copies.
 

@@ -10,7 +10,7 @@
 namespace mg {
 
 constexpr unsigned FULL_MASK = 0xffffffffu;
-constexpr int ROW_THREADS = 256;        // threads of a 2-D row block (kernels/launch.py agrees)
+constexpr int ROW_THREADS = 256;        // threads of a 2-D row block (kernels/cuda/launch.py agrees)
 constexpr int MERGE_SLOTS = 256;        // shared slots of a column merge: 8 warps x 32 lanes
 
 // ---- thread geometry -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Launchers for kernels/dropout.cu: inverted dropout with masks from Philox, and
+"""Launchers for kernels/cuda/dropout.cu: inverted dropout with masks from Philox, and
 its gradient, on device arrays.
 
 The mask of element i depends only on (seed, step, i) (see dropout.cu and

@@ -1,4 +1,4 @@
-"""Launchers for kernels/elementwise.cu: elementwise_add with Paddle
+"""Launchers for kernels/cuda/elementwise.cu: elementwise_add with Paddle
 broadcasting and its gradient, sum of n tensors, copy, per-channel sums."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Launchers for kernels/fill.cu: fill_constant and the seeded random initialisers.
+"""Launchers for kernels/cuda/fill.cu: fill_constant and the seeded random initialisers.
 
 Plain functions on device arrays (PyCUDA GPUArrays): no graph needed.
 """

@@ -1,4 +1,4 @@
-// gelu, the exact form x * Phi(x), and its gradient (map-only: kernels/map.py
+// gelu, the exact form x * Phi(x), and its gradient (map-only: kernels/cuda/map.py
 // launches them). Phi(x) = erfc(-x / sqrt 2) / 2 keeps the left tail's relative
 // accuracy (1 + erf would cancel); phi(x) = exp(-x^2 / 2) / sqrt(2 pi), and
 // x * phi(x) is taken as 0 for |x| >= 40 (x * x would overflow to inf * 0).

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 THREADS = 256                 # threads of a 1-D block (elementwise, planar reductions)
-ROW_THREADS = 256             # threads of a 2-D row block; kernels/common.cuh agrees
+ROW_THREADS = 256             # threads of a 2-D row block; kernels/cuda/common.cuh agrees
 MIN_UNITS_PER_THREAD = 8      # a reduction block gives each thread at least this many packs
 MAX_BLOCK_VALUES = 1 << 22    # values per channel per block: float counts stay exact
 MAX_SPLITS = 1024             # splits per channel, unless MAX_BLOCK_VALUES needs more
@@ -241,7 +241,7 @@ def rows_grid(rows, threads, dev, res=KernelResources()):
     return max(1, min(rows, dev.sm_count * blocks_per_sm(dev, threads, res), dev.max_grid[0]))
 
 
-GEMM_TILE = 64          # output tile of kernels/matmul.cu (rows and columns)
+GEMM_TILE = 64          # output tile of kernels/cuda/matmul.cu (rows and columns)
 GEMM_THREADS = 256
 
 

@@ -1,4 +1,4 @@
-// leaky_relu and its gradient, alpha a launch scalar (map-only: kernels/map.py
+// leaky_relu and its gradient, alpha a launch scalar (map-only: kernels/cuda/map.py
 // launches them). NaN x: out = alpha * NaN = NaN, dx = alpha * dout (as numpy's where).
 #include "map.cuh"
 

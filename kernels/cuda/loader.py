@@ -324,14 +324,14 @@ def error_flag(what, make):
 
 def has_launcher(module):
     """True when kernels/<module>.cu has a launcher module beside it; without one
-    it is map-only (every entry point declared with kernels/map.cuh's macros)."""
+    it is map-only (every entry point declared with kernels/cuda/map.cuh's macros)."""
     return importlib.resources.files(__package__).joinpath(f"{module}.py").is_file()
 
 
 @functools.cache
 def signature_table():
     """{module: {kernel name: format}} of every kernel module: its map declarations
-    (kernels/map.py reads them from the source) and its launcher's SIGNATURES."""
+    (kernels/cuda/map.py reads them from the source) and its launcher's SIGNATURES."""
     import importlib
 
     from minigraph.kernels.cuda import map as maps

@@ -1,4 +1,4 @@
-"""Launchers for kernels/lr_schedule.cu: a learning-rate schedule evaluated on the
+"""Launchers for kernels/cuda/lr_schedule.cu: a learning-rate schedule evaluated on the
 device from the int64 device step counter, which it then increments (no host sync)."""
 from __future__ import annotations
 

@@ -12,7 +12,7 @@
 // The expression (everything after the operand and scalar names; it may hold
 // commas) is evaluated in the element type T with the operands of type T; a
 // scalar arrives as a double and is converted to T once per launch.
-// kernels/map.py derives the launch signatures from these macro uses (a .cu
+// kernels/cuda/map.py derives the launch signatures from these macro uses (a .cu
 // made only of them needs no launcher of its own) and launches them.
 #pragma once
 #include "common.cuh"

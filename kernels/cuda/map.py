@@ -1,11 +1,11 @@
-"""The generic launcher of the one-line elementwise kernels of kernels/map.cuh.
+"""The generic launcher of the one-line elementwise kernels of kernels/cuda/map.cuh.
 
 A `.cu` file declares maps with `MG_UNARY_MAP(name, x, expr)`,
 `MG_BINARY_MAP(name, a, b, expr)` and their one-scalar forms `..._MAP_S`;
 `signatures(module)` reads those declarations out of the source, so a module
 made only of them (a "map-only" module) needs no launcher file of its own:
 
-    // kernels/softsign.cu
+    // kernels/cuda/softsign.cu
     #include "map.cuh"
     MG_UNARY_MAP(softsign, x, x / (T(1) + fabs(x)))
 

@@ -1,4 +1,4 @@
-"""Launchers for kernels/matmul.cu: tiled matrix products on device arrays,
+"""Launchers for kernels/cuda/matmul.cu: tiled matrix products on device arrays,
 and `mul` (x flattened to 2-D times y) with its gradients."""
 from __future__ import annotations
 

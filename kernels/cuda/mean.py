@@ -1,4 +1,4 @@
-"""Launchers for kernels/mean.cu: the mean of all elements and its gradient."""
+"""Launchers for kernels/cuda/mean.cu: the mean of all elements and its gradient."""
 from __future__ import annotations
 
 from minigraph.kernels.cuda import fill, launch, loader

@@ -1,4 +1,4 @@
-"""Launchers for kernels/optimizer_ops.cu: sgd, momentum and adam, in place on
+"""Launchers for kernels/cuda/optimizer_ops.cu: sgd, momentum and adam, in place on
 device arrays.
 
 The learning rate is a one-element device array (float32 or float64), read

@@ -7,7 +7,7 @@
 //            concat writes each input into its columns of the output, and
 //            concat_grad reads them back out.
 // transpose: dst[e] = src[offset of e's multi-index under strides s], dst
-//            contiguous with collapsed dims n (kernels/strided.cuh).
+//            contiguous with collapsed dims n (kernels/cuda/strided.cuh).
 #include "strided.cuh"
 
 namespace mg {

@@ -1,4 +1,4 @@
-"""Launchers for kernels/shape_ops.cu: copies between layouts, for any dtype of
+"""Launchers for kernels/cuda/shape_ops.cu: copies between layouts, for any dtype of
 1, 2, 4 or 8 bytes (the kernels move words): copy / reshape, concat and its
 gradient's slices, transpose.
 

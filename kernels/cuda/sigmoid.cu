@@ -1,4 +1,4 @@
-// sigmoid and its gradient (map-only: kernels/map.py launches them).
+// sigmoid and its gradient (map-only: kernels/cuda/map.py launches them).
 #include "map.cuh"
 
 // 1 / (1 + exp(-x)), from e = exp(-|x|) so that nothing overflows.

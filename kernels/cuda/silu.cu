@@ -1,4 +1,4 @@
-// silu and its gradient (map-only: kernels/map.py launches them; see ops/silu.py).
+// silu and its gradient (map-only: kernels/cuda/map.py launches them; see ops/silu.py).
 #include "map.cuh"
 
 // sigmoid from exp(-|x|), so that nothing overflows.

@@ -1,4 +1,4 @@
-"""Launchers for kernels/softmax.cu: softmax along any axis and its gradient,
+"""Launchers for kernels/cuda/softmax.cu: softmax along any axis and its gradient,
 computed in double on the device."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Launchers for kernels/softmax_with_cross_entropy.cu on device arrays.
+"""Launchers for kernels/cuda/softmax_with_cross_entropy.cu on device arrays.
 
 Labels outside [0, K) cannot raise at launch time without a host round
 trip: their loss is NaN and a `LabelStatus` on the device counts them;

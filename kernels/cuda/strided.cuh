@@ -1,7 +1,7 @@
 // Walks over tensors seen through up to MAX_DIMS collapsed dims with per-operand
 // strides (in elements; 0 for a broadcast dim): the shared machinery of
 // broadcasting, reductions to a shape and transposes. Launchers collapse the
-// shapes first (kernels/strided.py), pad them on the left with dims of size 1
+// shapes first (kernels/cuda/strided.py), pad them on the left with dims of size 1
 // and pass every dim and stride as a kernel argument.
 #pragma once
 #include "common.cuh"

@@ -1,4 +1,4 @@
-"""Shapes and strides for the kernels of kernels/strided.cuh (pure Python, no pycuda).
+"""Shapes and strides for the kernels of kernels/cuda/strided.cuh (pure Python, no pycuda).
 
 Kernels that walk a tensor through other tensors' strides (broadcasting,
 reductions to a shape, transposes) see at most MAX_DIMS dims: the launchers

@@ -1,4 +1,4 @@
-// tanh and its gradient (map-only: kernels/map.py launches them).
+// tanh and its gradient (map-only: kernels/cuda/map.py launches them).
 #include "map.cuh"
 
 MG_UNARY_MAP(tanh, x, tanh(x))

@@ -124,7 +124,7 @@ class NCCLComm(Communicator):
 
     def _allreduce_stats(self, x):
         """Allgather the ranks' (n, mean, M2) vectors and merge them in rank order
-        on the device (kernels/batch_norm.cu merge_stats): NCCL has no custom ops."""
+        on the device (kernels/cuda/batch_norm.cu merge_stats): NCCL has no custom ops."""
         if is_host_array(x):
             return self.host._allreduce_stats(x)
         from minigraph.kernels.cuda import batch_norm_sync

@@ -1,4 +1,4 @@
-"""kernels/argmax.py against numpy, on the emulator and (marked gpu) a real GPU:
+"""kernels/cuda/argmax.py against numpy, on the emulator and (marked gpu) a real GPU:
 argmax takes the first maximum (NaN wins, as numpy), accuracy as float32, bad
 labels flagged on the device and raised once, an empty batch's NaN."""
 from __future__ import annotations

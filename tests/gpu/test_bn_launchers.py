@@ -1,4 +1,4 @@
-"""kernels/batch_norm.py against the float64 references, on the emulator and (marked
+"""kernels/cuda/batch_norm.py against the float64 references, on the emulator and (marked
 gpu) a real GPU: training with the estimates and counter updated on the device
 (first batch, momentum, cumulative average, no counter), channels split over many
 blocks and merged in the last, offset and unaligned data, non-finite batches

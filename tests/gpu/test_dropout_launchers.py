@@ -1,4 +1,4 @@
-"""kernels/dropout.py on the emulator and (marked gpu) a real GPU: the masks are the
+"""kernels/cuda/dropout.py on the emulator and (marked gpu) a real GPU: the masks are the
 float64 reference's Philox masks bit for bit (so the CPU's), the step counter
 advances on the device at every training call, dropout_grad, the argument checks."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The elementwise family's launchers against numpy, on the emulator and (marked gpu)
-a real GPU: kernels/strided.py's shape merging (pure Python), kernels/broadcast.py
+a real GPU: kernels/cuda/strided.py's shape merging (pure Python), kernels/cuda/broadcast.py
 (add/multiply with numpy broadcasting both ways, their gradients, sums down to any
-shape accumulated in double), kernels/elementwise.py (add along an axis, its grad,
-the sum of n tensors) and kernels/mean.py."""
+shape accumulated in double), kernels/cuda/elementwise.py (add along an axis, its grad,
+the sum of n tensors) and kernels/cuda/mean.py."""
 from __future__ import annotations
 
 import numpy as np

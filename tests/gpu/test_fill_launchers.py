@@ -1,4 +1,4 @@
-"""kernels/fill.py on the emulator and (marked gpu) a real GPU: constants of every
+"""kernels/cuda/fill.py on the emulator and (marked gpu) a real GPU: constants of every
 dtype, uniform values that are Philox4x32-10 words (checked against the float64
 references' Philox), seeded and independent of the device, gaussian moments."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - Every kernels/*.cu compiles with `nvcc -arch=sm_90 -ptx` (skipped only where no
   nvcc exists), and every entry point's parameters match the format its launcher
-  passes (or, for a map-only module, the format kernels/map.py derives from its
+  passes (or, for a map-only module, the format kernels/cuda/map.py derives from its
   declarations).
 - Every .cu has a launcher beside it or is map-only; the loader's signature table
   holds the map-only modules.
@@ -58,7 +58,7 @@ def test_kernel_compiles_for_sm90_and_matches_its_launcher(cu, tmp_path):
 
 def test_every_module_has_a_launcher_beside_it_or_is_map_only():
     """A .cu is either beside its launcher .py, or map-only: every entry point
-    declared with map.cuh's macros (kernels/map.py launches those)."""
+    declared with map.cuh's macros (kernels/cuda/map.py launches those)."""
     from minigraph.kernels.cuda import map as maps
 
     map_only = [cu for cu in CU_FILES if not (KERNEL_DIR / (cu[:-3] + ".py")).exists()]

@@ -1,4 +1,4 @@
-"""kernels/launch.py: launch configurations from shapes and device properties
+"""kernels/cuda/launch.py: launch configurations from shapes and device properties
 (occupancy, grids within one wave, reduction plans that split every channel,
 vector widths, GEMM and convolution chunks, row-kernel blocks). Pure Python: runs
 without g++, nvcc or a GPU."""

@@ -1,8 +1,8 @@
-"""The one-line elementwise kernels (kernels/map.cuh, launched by kernels/map.py)
+"""The one-line elementwise kernels (kernels/cuda/map.cuh, launched by kernels/cuda/map.py)
 against float64 numpy references: relu, sigmoid, tanh, gelu, leaky_relu and
 their gradients, on the emulator and (marked gpu) a real GPU; packed and
 unpacked paths (aligned and offset data, sizes that are not a multiple of the
-pack width), extreme values, and the launcher's checks; kernels/activation.py's
+pack width), extreme values, and the launcher's checks; kernels/cuda/activation.py's
 relu and relu_grad (map kernels with their own launcher). Their signature table:
 test_kernel_build.py."""
 from __future__ import annotations

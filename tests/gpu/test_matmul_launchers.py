@@ -1,4 +1,4 @@
-"""kernels/matmul.py against float64 numpy, on the emulator and (marked gpu) a real
+"""kernels/cuda/matmul.py against float64 numpy, on the emulator and (marked gpu) a real
 GPU: matmul with either operand transposed and accumulation into `out`, odd and
 one-element sizes; mul (x flattened to 2-D at x_num_col_dims) and its grad."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kernels/shape_ops.py against numpy, on the emulator and (marked gpu) a real GPU:
+"""kernels/cuda/shape_ops.py against numpy, on the emulator and (marked gpu) a real GPU:
 copies and reshapes of any 1-8 byte dtype (aligned and offset), concat and its
 slices, transpose and back."""
 from __future__ import annotations

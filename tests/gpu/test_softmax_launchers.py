@@ -1,4 +1,4 @@
-"""kernels/softmax.py and kernels/softmax_with_cross_entropy.py against the float64
+"""kernels/cuda/softmax.py and kernels/cuda/softmax_with_cross_entropy.py against the float64
 references, on the emulator and (marked gpu) a real GPU: softmax and its grad
 along any axis, NaN and extreme logits; softmax with cross entropy, its grad with
 and without d(softmax), bad labels flagged on the device and raised once."""

@@ -1,5 +1,6 @@
-"""Running a step (minigraph/run.py): all or nothing, several threads, re-entrant
-infer, and feeds that never share the caller's arrays."""
+"""A training step is all or nothing (minigraph/journal.py, run by minigraph/executor.py),
+and so are steps on several threads, re-entrant infer, and feeds that never share the
+caller's arrays."""
 import threading
 
 import numpy as np
