@@ -135,7 +135,7 @@ def machine():
     vector = cpu_flags()
     parts = [cpu_model() + (f" with {vector}" if vector else ""),
              f"{cores} cores" + (f" ({usable} usable)" if usable != cores else ""),
-             f"{platform.system()} {platform.release()}".strip(),
+             platform.system() or "unknown OS",
              f"Python {platform.python_version()}"]
     try:
         import numpy as np
