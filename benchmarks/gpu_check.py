@@ -8,7 +8,7 @@ place (GPUPlace(0)), build (tests/gpu/test_kernel_build.py), load (every kernel
 entry point loaded on the device, with its registers), sanitizer
 (compute-sanitizer on launcher tests; skipped when not installed), tests (every
 test marked gpu), demo (`minigraph demo` on the GPU against the CPU), bench
-(benchmarks/bn_gpu.py, benchmarks/sync_bn.py) and findings (the review's findings
+(benchmarks/bn_gpu.py, benchmarks/sync_bn_gpu.py) and findings (the review's findings
 1 and 6). gpu_steps() lists the exact commands.
 
 Each command runs in the repository root in its own process group with a hard
@@ -372,8 +372,8 @@ def gpu_steps():
         Step("demo", f"minigraph demo, {DEMO_EPOCHS} epochs, GPU against CPU (seed 0)", [
             [*demo, "--device", "gpu", "--out", str(out / "demo-gpu")],
             [*demo, "--device", "cpu", "--out", str(out / "demo-cpu")]], check=check_demo),
-        Step("bench", "batch norm against PyTorch/cuDNN; sync batch norm over MPI",
-             [[PY, "benchmarks/bn_gpu.py"], [PY, "benchmarks/sync_bn.py"]],
+        Step("bench", "batch norm and sync batch norm on the GPU against PyTorch/cuDNN",
+             [[PY, "benchmarks/bn_gpu.py"], [PY, "benchmarks/sync_bn_gpu.py"]],
              keep_lines=FULL_LINES),
         Step("findings", "review findings 1 (place on a worker thread) and 6 (NCCL events)",
              [[*probe, "thread"]] + ([nccl] if has_nccl else []), check=check_findings),

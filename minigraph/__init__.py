@@ -6,7 +6,7 @@ forks into train and infer branches at its first mode-dependent op
 (batch_norm, dropout).
 """
 from minigraph import distributed, initializer, io, layers, optimizer, passes
-from minigraph import ops as _ops  # noqa: F401  (registers every op
+from minigraph import ops as _ops  # noqa: F401  (registers every op)
 from minigraph.backward import append_backward
 from minigraph.executor import Executor
 from minigraph.kernels.cpu.blocks import get_num_threads, set_num_threads

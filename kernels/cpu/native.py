@@ -1,6 +1,6 @@
 """Building and loading the native CPU kernels (*.c beside their launchers).
 
-`library(name)` compiles kernels/<name>.c with the system C compiler (`cc`,
+`library(name)` compiles kernels/cpu/<name>.c with the system C compiler (`cc`,
 or $CC) for this machine's own instruction set (-O3 -march=native), once: the
 shared library is kept in a cache directory ($MINIGRAPH_CACHE, else
 $XDG_CACHE_HOME/minigraph, else ~/.cache/minigraph) under a name that hashes
@@ -45,7 +45,7 @@ def enabled():
 
 
 def library(name):
-    """The loaded ctypes library of kernels/<name>.c, built on first use, or None
+    """The loaded ctypes library of kernels/cpu/<name>.c, built on first use, or None
     (native kernels off, or no working compiler: reason(name) says which)."""
     return _load(name) if enabled() else None
 
