@@ -31,36 +31,52 @@ WARMUP_EPOCHS = 1
 CLIP_NORM = 2.0
 
 
-def conv_bn(net, x, filters, size, name, stride=1, relu=True):
-    """conv (no bias: batch norm has one) -> batch_norm (-> relu)."""
+NORMS = ("batch_norm", "group_norm", "sync_batch_norm")
+CHANNELS_PER_GROUP = 4          # group_norm's groups: 4 and 8 for the 16- and 32-channel layers
+
+
+def normalize(net, h, name, norm="batch_norm"):
+    """batch_norm (`name.bn`), sync_batch_norm (the same, synchronised over ranks) or
+    group_norm with groups of CHANNELS_PER_GROUP channels (`name.gn`)."""
+    if norm == "group_norm":
+        return L.group_norm(net, h, h.shape[1] // CHANNELS_PER_GROUP, name=f"{name}.gn")
+    return L.batch_norm(net, h, name=f"{name}.bn", sync=norm == "sync_batch_norm")
+
+
+def conv_bn(net, x, filters, size, name, stride=1, relu=True, norm="batch_norm"):
+    """conv (no bias: the normalisation has one) -> normalisation (-> relu)."""
     h = L.conv2d(net, x, filters, size, stride=stride, padding=size // 2, bias=False,
                  name=f"{name}.conv")
-    h = L.batch_norm(net, h, name=f"{name}.bn")
+    h = normalize(net, h, name, norm)
     return L.relu(net, h) if relu else h
 
 
-def residual(net, x, filters, name, stride=1):
+def residual(net, x, filters, name, stride=1, norm="batch_norm"):
     """A basic residual block; a 1x1 projection shortcut where the shape changes."""
-    h = conv_bn(net, x, filters, 3, f"{name}.a", stride)
-    h = conv_bn(net, h, filters, 3, f"{name}.b", relu=False)
+    h = conv_bn(net, x, filters, 3, f"{name}.a", stride, norm=norm)
+    h = conv_bn(net, h, filters, 3, f"{name}.b", relu=False, norm=norm)
     shortcut = x
     if stride != 1 or x.shape[1] != filters:
-        shortcut = conv_bn(net, x, filters, 1, f"{name}.proj", stride, relu=False)
+        shortcut = conv_bn(net, x, filters, 1, f"{name}.proj", stride, relu=False, norm=norm)
     return L.relu(net, L.add(net, h, shortcut, name=f"{name}.add"))
 
 
-def build_net(place=None, seed=0, epochs=DEFAULT_EPOCHS, steps_per_epoch=23):
+def build_net(place=None, seed=0, epochs=DEFAULT_EPOCHS, steps_per_epoch=23,
+              norm="batch_norm"):
     """(net, handles): the residual digits net, minimised with AdamW on a cosine
-    schedule (warm-up one epoch) with clipping. handles: image, label, logits, loss."""
+    schedule (warm-up one epoch) with clipping. norm: one of NORMS, the layers'
+    normalisation. handles: image, label, logits, loss."""
+    if norm not in NORMS:
+        raise ValueError(f"build_net: norm must be one of {', '.join(NORMS)}, got {norm!r}")
     net = mg.Net(place=place, seed=seed)
     image = L.data(net, "image", shape=(-1, 1, 8, 8))
     label = L.data(net, "label", shape=(-1,), dtype="int64")
-    h = conv_bn(net, image, 16, 3, "stem")
-    h = residual(net, h, 16, "block1")
+    h = conv_bn(net, image, 16, 3, "stem", norm=norm)
+    h = residual(net, h, 16, "block1", norm=norm)
     mixed = L.concat(net, [L.conv2d(net, h, 16, 1, name="mixed.1x1"),
                            L.conv2d(net, h, 16, 3, padding=1, name="mixed.3x3")], axis=1)
-    h = L.relu(net, L.batch_norm(net, mixed, name="mixed.bn"))
-    h = residual(net, h, 32, "down", stride=2)
+    h = L.relu(net, normalize(net, mixed, "mixed", norm))
+    h = residual(net, h, 32, "down", stride=2, norm=norm)
     h = L.flatten(net, L.pool2d(net, h, global_pooling=True, pool_type="avg"))
     h = L.dropout(net, h, p=0.2, name="drop")
     logits = L.fc(net, h, 10, name="head")
@@ -73,7 +89,7 @@ def build_net(place=None, seed=0, epochs=DEFAULT_EPOCHS, steps_per_epoch=23):
 
 
 def train(epochs=DEFAULT_EPOCHS, device="cpu", batch_size=DEFAULT_BATCH_SIZE, seed=0,
-          progress=True, place=None, log=print):
+          progress=True, place=None, log=print, norm="batch_norm"):
     """Train and evaluate after each epoch; returns (net, handles, history) with
     history: loss and accuracy per epoch, seconds of training."""
     from tqdm import tqdm
@@ -82,7 +98,7 @@ def train(epochs=DEFAULT_EPOCHS, device="cpu", batch_size=DEFAULT_BATCH_SIZE, se
         place = mg.GPUPlace(0) if device == "gpu" else mg.CPUPlace()
     train_x, train_y, test_x, test_y = load_digits_split()
     steps = len(train_x) // batch_size               # whole batches only
-    net, h = build_net(place, seed, epochs, steps)
+    net, h = build_net(place, seed, epochs, steps, norm)
     rng = np.random.default_rng(seed)
     history = {"loss": [], "accuracy": [], "seconds": 0.0}
     start = time.perf_counter()

@@ -275,3 +275,29 @@ def infer_only(op):
 def pair(v):
     """An int or a pair as a tuple of two ints."""
     return (int(v), int(v)) if np.ndim(v) == 0 else (int(v[0]), int(v[1]))
+
+
+def moments_normalize(ctx, x, axes, eps, out, var, dtype):
+    """Nodes computing `out` = (x - mean) / sqrt(mean((x - mean)^2) + eps), the means
+    over `axes` kept as size-1 dims (x and out: ONNX names; `var` the Variable the
+    helper tensors are named after): what LayerNormalization and
+    BatchNormalization's training mode compute, spelled out for any opset."""
+    mean, centred, square, variance, shifted, std = (
+        ctx.temp(var, s) for s in ("mean", "centred", "square", "variance", "plus_eps", "std"))
+    return [reduce_mean(ctx, x, axes, mean, var),
+            ctx.node("Sub", [x, mean], [centred]),
+            ctx.node("Mul", [centred, centred], [square]),
+            reduce_mean(ctx, square, axes, variance, var),
+            ctx.node("Add", [variance, ctx.const(var, "epsilon", np.array(eps, dtype))],
+                     [shifted]),
+            ctx.node("Sqrt", [shifted], [std]),
+            ctx.node("Div", [centred, std], [out])]
+
+
+def reduce_mean(ctx, x, axes, out, var):
+    """ReduceMean over `axes`, keepdims=1: axes an attribute before opset 18, an input
+    from it on."""
+    if ctx.opset < 18:
+        return ctx.node("ReduceMean", [x], [out], axes=list(axes), keepdims=1)
+    return ctx.node("ReduceMean", [x, ctx.const(var, "axes", np.array(axes, np.int64))], [out],
+                    keepdims=1)

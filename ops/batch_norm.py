@@ -14,6 +14,10 @@ updated in place, and never with NaN or Inf. minigraph's `saved_mean`/`saved_var
 are these in-place running estimates (Paddle's `MeanOut`/`VarianceOut`), the
 reverse of Paddle's `SavedMean`/`SavedVariance`, which are batch statistics
 (ours are `batch_mean`/`batch_var`).
+Optional parts (PyTorch's _NormBase options): without scale and bias
+(affine=False) y is not scaled or shifted; without the estimates, their
+in-place outputs and the counter (track_running_stats=False) both modes
+normalise with the batch's statistics and nothing persistable is written.
 
 docs/batch_norm.md explains the names and the momentum convention.
 Kernels: kernels/cpu/batch_norm.py (on the stable statistics of
@@ -54,15 +58,30 @@ def momentum_range(v):
             "cumulative average")
 
 
+def batch_statistics(op):
+    """Whether `op` normalises with its batch's statistics: in training, and in
+    inference too when it keeps no estimates (track_running_stats=False)."""
+    a = op.attrs
+    return not a["use_global_est"] and (not a["is_infer"] or op.inputs["estimated_mean"] is None)
+
+
 def export_batch_norm(ctx, op):
-    """BatchNormalization on the estimates (inference); NHWC is transposed to NCHW
-    and back around it."""
+    """BatchNormalization on the estimates (inference; ones and zeros for an absent
+    scale and bias); NHWC is transposed to NCHW and back around it. Without
+    estimates the batch's moments are spelled out (onnx_export.moments_normalize)."""
     onnx_export.infer_only(op)
     x, y = op.inputs["x"], op.outputs["y"]
-    rank = len(ctx.shape(x))
-    ins = [ctx.value(op.inputs[s]) for s in ("scale", "bias", "estimated_mean", "estimated_var")]
+    rank, dt = len(ctx.shape(x)), ctx.dtype(x)
+    nchw = op.attrs["data_layout"] == "NCHW" or rank == 2
+    channels = ctx.shape(x)[1 if nchw else -1]
     eps = float(op.attrs["epsilon"])
-    if op.attrs["data_layout"] == "NCHW" or rank == 2:
+    scale, bias = (ctx.value(op.inputs[s]) if op.inputs[s] is not None else
+                   ctx.const(y, s, np.full(channels, 1.0 if s == "scale" else 0.0, dt))
+                   for s in ("scale", "bias"))
+    if op.inputs["estimated_mean"] is None:
+        return export_batch_statistics(ctx, op, scale, bias, nchw, eps)
+    ins = [scale, bias] + [ctx.value(op.inputs[s]) for s in ("estimated_mean", "estimated_var")]
+    if nchw:
         return [ctx.node("BatchNormalization", [ctx.value(x), *ins], [ctx.output(y)],
                          epsilon=eps)]
     to_nchw = [0, rank - 1, *range(1, rank - 1)]
@@ -73,14 +92,34 @@ def export_batch_norm(ctx, op):
             ctx.node("Transpose", [yt], [ctx.output(y)], perm=to_nhwc)]
 
 
+def export_batch_statistics(ctx, op, scale, bias, nchw, eps):
+    """y = (x - mean) / sqrt(var + eps) * scale + bias with the batch's per-channel
+    moments (track_running_stats=False), the scale and bias reshaped to broadcast."""
+    x, y = op.inputs["x"], op.outputs["y"]
+    shape, dt = ctx.shape(x), ctx.dtype(x)
+    rank = len(shape)
+    axes = [0, *range(2, rank)] if nchw else list(range(rank - 1))
+    per_channel = np.array([-1] + [1] * (rank - 2) if nchw else [-1], np.int64)
+    normed, scaled, s_col, b_col = (ctx.temp(y, n) for n in
+                                    ("normalized", "scaled", "scale_col", "bias_col"))
+    nodes = onnx_export.moments_normalize(ctx, ctx.value(x), axes, eps, normed, y, dt)
+    shape_const = ctx.const(y, "per_channel", per_channel)
+    return nodes + [ctx.node("Reshape", [scale, shape_const], [s_col]),
+                    ctx.node("Reshape", [bias, shape_const], [b_col]),
+                    ctx.node("Mul", [normed, s_col], [scaled]),
+                    ctx.node("Add", [scaled, b_col], [ctx.output(y)])]
+
+
 def bn_schema(op_type, **fields):
     """The batch-norm schema under `op_type` (sync_batch_norm shares it)."""
     return OpSchema(
         type=op_type,
-        inputs=(Slot("x"), Slot("estimated_mean"), Slot("estimated_var"), Slot("scale"),
-                Slot("bias"), Slot("num_batches", optional=True)),
-        outputs=(Slot("y"), Slot("batch_mean"), Slot("batch_var"), Slot("saved_mean"),
-                 Slot("saved_var"), Slot("saved_num_batches", optional=True)),
+        inputs=(Slot("x"), Slot("estimated_mean", optional=True),
+                Slot("estimated_var", optional=True), Slot("scale", optional=True),
+                Slot("bias", optional=True), Slot("num_batches", optional=True)),
+        outputs=(Slot("y"), Slot("batch_mean"), Slot("batch_var"),
+                 Slot("saved_mean", optional=True), Slot("saved_var", optional=True),
+                 Slot("saved_num_batches", optional=True)),
         attrs=(bool_attr("is_infer", False), bool_attr("use_global_est", False),
                float_attr("epsilon", 1e-5, positive),
                float_attr("momentum", 0.9, momentum_range, nullable=True),
@@ -99,13 +138,25 @@ def bn_schema(op_type, **fields):
 
 
 def validate_bn(op):
-    """Cross-slot rules: momentum=None needs the counter; the counter pair goes together."""
-    if op.inputs["num_batches"] is None and op.attrs["momentum"] is None:
+    """Cross-slot rules: the estimates and the affine parameters go together (each
+    in-place pair too: Operator checks those); the counter and use_global_est need
+    the estimates; with them, momentum=None needs the counter."""
+    ins = op.inputs
+    for pair, why in ((("estimated_mean", "estimated_var"), "the running estimates"),
+                      (("scale", "bias"), "the affine parameters")):
+        if (ins[pair[0]] is None) != (ins[pair[1]] is None):
+            raise OpError(f"{op.type}: {pair[0]!r} and {pair[1]!r} go together ({why}); bind "
+                          "both or neither")
+    if ins["estimated_mean"] is None:
+        for needs, what in ((ins["num_batches"] is not None, "the 'num_batches' counter"),
+                            (op.attrs["use_global_est"], "use_global_est=True")):
+            if needs:
+                raise OpError(f"{op.type}: {what} needs the running estimates "
+                              "('estimated_mean', 'estimated_var'); without them both modes "
+                              "normalise with the batch's statistics")
+    elif ins["num_batches"] is None and op.attrs["momentum"] is None:
         raise OpError(f"{op.type}: momentum=None (cumulative average) needs the "
                       "'num_batches' counter input")
-    if (op.inputs["num_batches"] is None) != (op.outputs["saved_num_batches"] is None):
-        raise OpError(f"{op.type}: 'num_batches' and 'saved_num_batches' go together "
-                      "(an in-place pair); bind both or neither")
 
 
 def infer_bn(op_type, ins, attrs):
@@ -116,6 +167,8 @@ def infer_bn(op_type, ins, attrs):
     layout = attrs["data_layout"]
     channels = x.shape[1] if layout == "NCHW" else x.shape[-1]
     for slot in PARAM_SLOTS:
+        if ins.get(slot) is None:
+            continue
         check_shape(op_type, slot, ins[slot], (channels,),
                     f" to match the {channels} channels of input 'x' ({layout}, shape {x.shape})")
         check_same_dtype(op_type, slot, ins[slot], "x", x)
@@ -133,14 +186,15 @@ def grad_bn(op, dout, make_grad):
     dy = dout.get("y")
     if dy is None:
         return []
-    use_est = op.attrs["is_infer"] or op.attrs["use_global_est"]
+    use_est = not batch_statistics(op)
     src = op.inputs if use_est else op.outputs
     mean_slot, var_slot = (("estimated_mean", "estimated_var") if use_est
                            else ("batch_mean", "batch_var"))
+    scale, bias = op.inputs["scale"], op.inputs["bias"]
     return [OpDesc(op.type + "_grad", dict(
-        x=op.inputs["x"], scale=op.inputs["scale"], mean=src[mean_slot], var=src[var_slot],
-        dy=dy, dx=make_grad(op.inputs["x"]), dscale=make_grad(op.inputs["scale"]),
-        dbias=make_grad(op.inputs["bias"]), use_global_est=use_est,
+        x=op.inputs["x"], scale=scale, mean=src[mean_slot], var=src[var_slot], dy=dy,
+        dx=make_grad(op.inputs["x"]), dscale=None if scale is None else make_grad(scale),
+        dbias=None if bias is None else make_grad(bias), use_global_est=use_est,
         epsilon=op.attrs["epsilon"], data_layout=op.attrs["data_layout"]))]
 
 
@@ -150,12 +204,12 @@ def bn_grad_schema(op_type, **fields):
     def infer(ins, attrs):
         x = ins["x"]
         check_shape(op_type + "_grad", "dy", ins["dy"], x.shape, " (the shape of x)")
-        c = Meta(ins["scale"].shape, x.dtype)
+        c = Meta(ins["mean"].shape, x.dtype)
         return {"dx": Meta(x.shape, x.dtype), "dscale": c, "dbias": c}
 
     return OpSchema(
         type=op_type + "_grad",
-        inputs=(Slot("x"), Slot("scale"), Slot("mean"), Slot("var"), Slot("dy")),
+        inputs=(Slot("x"), Slot("scale", optional=True), Slot("mean"), Slot("var"), Slot("dy")),
         outputs=(Slot("dx", optional=True), Slot("dscale", optional=True),
                  Slot("dbias", optional=True)), reuse={"dx": ("dy",)},
         attrs=(bool_attr("use_global_est", False), float_attr("epsilon", 1e-5, positive),
@@ -192,7 +246,12 @@ def batch_norm_examples(ex):
             ("global-est-f64", ins(ex.r(4, 3, 2, 2, dtype=np.float64)),
              dict(use_global_est=True), grads),
             ("nhwc-f32", ins(ex.r(3, 2, 5, 4), channels_last=True), dict(data_layout="NHWC"),
-             grads)]
+             grads),
+            ("no-affine-f32", {k: v for k, v in ins(ex.r(5, 3, 2, 2)).items()
+                               if k not in ("scale", "bias")}, {}, (("x",),)),
+            ("untracked-f64", {k: v for k, v in ins(ex.r(4, 3, 3, dtype=np.float64)).items()
+                               if k in ("x", "scale", "bias")}, {}, grads),
+            ("untracked-infer-f32", {"x": ex.r(6, 2, 3)}, dict(is_infer=True), (("x",),))]
 
 
 examples("batch_norm", batch_norm_examples)

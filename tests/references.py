@@ -260,3 +260,44 @@ def dropout_keep(n, p, seed, step):
     for call in range((n + 3) // 4):
         words += philox4x32([call & 0xFFFFFFFF, call >> 32, 2, 0], [seed, step & 0xFFFFFFFF])
     return np.array([(w >> 8) / 2.0**24 >= p for w in words[:n]], dtype=bool)
+
+
+# ---- layer, group and instance norm ------------------------------------------------------
+
+
+def layer_norm(x, scale=None, bias=None, begin_norm_axis=1, epsilon=1e-5):
+    """torch's F.layer_norm(x, x.shape[begin:], scale, bias, eps) in float64, with the
+    rows' mean and biased variance; scale and bias flattened over the normalised axes."""
+    rows = int(np.prod(x.shape[:begin_norm_axis]))
+    x2 = np.asarray(x, np.float64).reshape(rows, -1)
+    mean = x2.mean(axis=1, keepdims=True)
+    var = ((x2 - mean) ** 2).mean(axis=1, keepdims=True)
+    y = (x2 - mean) / np.sqrt(var + epsilon)
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    stat = x.shape[:begin_norm_axis]
+    return {"y": y.reshape(x.shape), "mean": mean.reshape(stat), "variance": var.reshape(stat)}
+
+
+def group_norm(x, scale=None, bias=None, groups=1, epsilon=1e-5):
+    """torch.nn.GroupNorm(groups, C) in float64 with the groups' mean and biased
+    variance (N, groups); scale and bias per channel."""
+    n, c = x.shape[:2]
+    xg = np.asarray(x, np.float64).reshape(n, groups, -1)
+    mean = xg.mean(axis=2, keepdims=True)
+    var = ((xg - mean) ** 2).mean(axis=2, keepdims=True)
+    y = ((xg - mean) / np.sqrt(var + epsilon)).reshape(x.shape)
+    per = (1, c) + (1,) * (x.ndim - 2)
+    if scale is not None:
+        y = y * np.reshape(scale, per)
+    if bias is not None:
+        y = y + np.reshape(bias, per)
+    return {"y": y, "mean": mean.reshape(n, groups), "variance": var.reshape(n, groups)}
+
+
+def instance_norm(x, scale=None, bias=None, epsilon=1e-5):
+    """torch's F.instance_norm(x, weight=scale, bias=bias, eps) in float64: group_norm
+    with a group per channel."""
+    return group_norm(x, scale, bias, x.shape[1], epsilon)

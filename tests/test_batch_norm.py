@@ -484,8 +484,9 @@ def test_unknown_attribute_lists_valid_names():
 
 def test_missing_slot_lists_valid_names():
     scope = mg.Scope()
-    x = scope.new_var("x")
-    with pytest.raises(OpError, match=r"batch_norm: missing slot 'estimated_mean'; valid names"):
+    x = scope.new_var("x")          # the estimates, scale and bias are optional; y is not
+    with pytest.raises(OpError, match=r"batch_norm: missing slot 'y'; valid names: x, "
+                                      r"estimated_mean"):
         mg.Operator("batch_norm", x=x)
 
 

@@ -260,6 +260,43 @@ def test_optimize_for_inference_of_a_residual_net(resnet, tmp_path):
             assert_close(got, want, f"{runtime}, N={n}")
 
 
+def norms_net():
+    """layer_norm (with and without affine), group_norm, instance_norm and batch norms
+    without scale and bias, and without running estimates, trained a few steps."""
+    net = mg.Net(seed=3)
+    img = L.data(net, "image", shape=(-1, 4, 5, 5))
+    h = L.group_norm(net, L.conv2d(net, img, 6, 3, padding=1, name="c1"), 3, name="gn")
+    h = L.instance_norm(net, L.relu(net, h), name="inn")
+    h = L.batch_norm(net, h, affine=False, name="bn_plain")
+    h = L.batch_norm(net, h, track_running_stats=False, name="bn_batch")
+    h = L.batch_norm(net, L.transpose(net, h, (0, 2, 3, 1)), data_layout="NHWC",
+                     track_running_stats=False, affine=False, name="bn_nhwc")
+    f = L.layer_norm(net, L.flatten(net, h), name="ln")
+    r = L.layer_norm(net, L.reshape(net, f, (-1, 6, 25)), begin_norm_axis=2, scale=False,
+                     shift=False, name="ln_bare")
+    logits = L.fc(net, r, 3, name="head")
+    loss = L.mean(net, L.multiply(net, logits, logits))
+    mg.optimizer.SGD(0.05).minimize(net, loss)
+    feed = lambda rng, n: {"image": rng.standard_normal((n, 4, 5, 5)).astype("float32")}  # noqa
+    return trained(net, loss, feed), logits, feed
+
+
+@pytest.mark.parametrize("opset", [13, 17, 18])
+def test_the_normalisations_and_batch_norm_options(tmp_path, opset):
+    """LayerNormalization (opset 17+; its moments spelled out before), group_norm as
+    InstanceNormalization of a reshape, InstanceNormalization, a batch norm without
+    scale and bias as BatchNormalization with ones and zeros, one without estimates
+    as the batch's moments: onnxruntime and the reference evaluator equal net.infer
+    at batch sizes 2 and 7 (the batch-statistics ones need more than one row)."""
+    net, logits, feed = norms_net()
+    path = mg.onnx.export(net, tmp_path / "norms.onnx", ["image"], [logits], opset=opset)
+    types = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert types.count("InstanceNormalization") == 2
+    assert types.count("LayerNormalization") == (2 if opset >= 17 else 0)
+    assert types.count("BatchNormalization") == 1
+    max_differences(net, path, [logits], feed, ["image"], sizes=(2, 7))
+
+
 def test_silu_exports_as_x_times_sigmoid(tmp_path):
     net = mg.Net(seed=0)
     x = L.data(net, "x", shape=(-1, 5))

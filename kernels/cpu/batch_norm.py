@@ -31,6 +31,20 @@ def too_few_values(op, n, x, layout):
                    "batch or is_infer/use_global_est")
 
 
+def batch_statistics(op, ins):
+    """Whether `op` normalises with its batch's statistics: in training, and in
+    inference too when it keeps no estimates (track_running_stats=False)."""
+    a = op.attrs
+    return not a["use_global_est"] and (not a["is_infer"] or ins.get("estimated_mean") is None)
+
+
+def affine(ins, channels, dtype=np.float64):
+    """(scale, bias) as arrays of `channels` values: ones and zeros without them."""
+    scale, bias = ins.get("scale"), ins.get("bias")
+    return (np.ones(channels, dtype) if scale is None else scale.astype(dtype),
+            np.zeros(channels, dtype) if bias is None else bias.astype(dtype))
+
+
 def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
     """New (mean, var) estimates after a batch, in est's dtype; never NaN or Inf."""
     dtype = est_mean.dtype
@@ -68,15 +82,17 @@ def batch_norm_grad_cpu(op, ins, ctx):
 def forward_cpu(op, ins, combine=None):
     """The CPU forward of batch_norm. `combine(n, mean, m2) -> (n, mean, m2)`
     turns local statistics into global ones (sync_batch_norm). Everything is
-    computed before the estimates and the counter are written, in place."""
+    computed before the estimates and the counter (when the op keeps them) are
+    written, in place."""
     x = ins["x"]
     a = op.attrs
     layout = a["data_layout"]
     xw = as_work(x)
     x3 = as_3d(xw, layout)
-    est_mean, est_var = ins["estimated_mean"], ins["estimated_var"]
+    est_mean, est_var = ins.get("estimated_mean"), ins.get("estimated_var")
     counter = ins.get("num_batches")
-    training = not (a["is_infer"] or a["use_global_est"])
+    training = batch_statistics(op, ins)
+    tracked = training and est_mean is not None
     if training:
         n, mean, m2 = local_stats(x3)
         if combine is not None:
@@ -84,18 +100,18 @@ def forward_cpu(op, ins, combine=None):
         if n <= 1:
             raise too_few_values(op, n, x, layout)
         var = m2 / n
-        new_mean, new_var = updated_estimates(op, mean, var, n, est_mean, est_var, counter)
+        if tracked:
+            new_mean, new_var = updated_estimates(op, mean, var, n, est_mean, est_var, counter)
     else:
         mean = est_mean.astype(np.float64)
         var = est_var.astype(np.float64)
     invstd = 1.0 / np.sqrt(var + a["epsilon"])
     yw = np.empty(xw.shape, xw.dtype)
-    normalize(x3, mean, invstd, ins["scale"].astype(np.float64),
-              ins["bias"].astype(np.float64), as_3d(yw, layout))
+    normalize(x3, mean, invstd, *affine(ins, x3.shape[1]), as_3d(yw, layout))
     out = {"y": yw.astype(x.dtype, copy=False), "batch_mean": mean.astype(x.dtype),
            "batch_var": var.astype(x.dtype), "saved_mean": est_mean, "saved_var": est_var,
            "saved_num_batches": counter}
-    if training:             # everything is computed: now commit, all at once
+    if tracked:              # everything is computed: now commit, all at once
         est_mean[...] = new_mean
         est_var[...] = new_var
         if counter is not None:
@@ -113,7 +129,7 @@ def backward_cpu(op, ins, combine=None, donated=()):
     x3, dy3 = as_3d(as_work(x), layout), as_3d(as_work(dy), layout)
     mean = ins["mean"].astype(np.float64)
     invstd = 1.0 / np.sqrt(ins["var"].astype(np.float64) + a["epsilon"])
-    scale = ins["scale"].astype(np.float64)
+    scale, _ = affine(ins, x3.shape[1])
     out = {}
     if not a["use_global_est"] or op.wants("dscale") or op.wants("dbias"):
         n, s_dy, s_dyxmu = grad_sums(x3, dy3, mean, invstd)
@@ -187,7 +203,7 @@ def grad_combiner(op, comm):
 
 def sync_batch_norm_cpu(op, ins, ctx):
     """CPU forward: batch_norm's with the statistics combined over ranks."""
-    training = not (op.attrs["is_infer"] or op.attrs["use_global_est"])
+    training = batch_statistics(op, ins)
     comm = ctx.comm if training else None
     combine = stats_combiner(op, comm) if training and comm.size > 1 else None
     return forward_cpu(op, ins, combine=combine)

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from minigraph import device
 from minigraph.kernels import present
-from minigraph.kernels.cpu.batch_norm import backward_label, forward_label, too_few_values
+from minigraph.kernels.cpu.batch_norm import (
+    backward_label,
+    batch_statistics,
+    forward_label,
+    too_few_values,
+)
 from minigraph.kernels.cuda import batch_norm as gpu
 from minigraph.kernels.cuda import batch_norm_grad as gpu_grad
 from minigraph.kernels.cuda import batch_norm_sync as gpu_sync
 from minigraph.kernels.cuda import elementwise as gpu_elementwise
+from minigraph.kernels.cuda import fill, loader
 from minigraph.kernels.cuda import launch as gpu_launch
-from minigraph.kernels.cuda import loader
 from minigraph.schema import OpError
 
 
@@ -50,6 +55,16 @@ def _values(x, layout):
     return pre * post
 
 
+def affine(ins, x, layout):
+    """(scale, bias) of a batch norm on the device: ones and zeros without them."""
+    scale, bias = ins.get("scale"), ins.get("bias")
+    if scale is not None and bias is not None:
+        return scale, bias
+    channels = x.shape[1] if layout == "NCHW" else x.shape[-1]
+    return (fill.full((channels,), 1.0, x.dtype) if scale is None else scale,
+            fill.full((channels,), 0.0, x.dtype) if bias is None else bias)
+
+
 def forward_gpu(op, ins, allreduce=None):
     """The GPU forward of batch_norm: the CPU kernel's outputs and in-place
     updates, on the device. With is_infer or use_global_est, y is normalised
@@ -59,15 +74,21 @@ def forward_gpu(op, ins, allreduce=None):
     training then takes the statistics of every rank's batch - one call on the
     2C+1 numbers (n, mean, M2) of kernels.batch_norm_sync.local_stats, merged (Chan)."""
     a = op.attrs
-    x, scale, bias = ins["x"], ins["scale"], ins["bias"]
-    est_mean, est_var, counter = ins["estimated_mean"], ins["estimated_var"], \
+    x = ins["x"]
+    est_mean, est_var, counter = ins.get("estimated_mean"), ins.get("estimated_var"), \
         ins.get("num_batches")
     layout, eps = a["data_layout"], a["epsilon"]
-    if a["is_infer"] or a["use_global_est"]:
+    scale, bias = affine(ins, x, layout)
+    if not batch_statistics(op, ins):
         y = gpu.forward_infer(x, scale, bias, est_mean, est_var, eps, layout)
         mean, var = gpu_elementwise.copy(est_mean), gpu_elementwise.copy(est_var)
     else:
-        common = (scale, bias, est_mean, est_var, counter, a["momentum"], eps, layout)
+        momentum = a["momentum"]
+        if est_mean is None:        # no running estimates: the kernels update scratch ones
+            channels = x.shape[1] if layout == "NCHW" else x.shape[-1]
+            est_mean, est_var = (fill.full((channels,), v, x.dtype) for v in (0.0, 1.0))
+            momentum = 0.0 if momentum is None else momentum
+        common = (scale, bias, est_mean, est_var, counter, momentum, eps, layout)
         if allreduce is None:
             try:
                 y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type))
@@ -85,8 +106,8 @@ def forward_gpu(op, ins, allreduce=None):
                     raise too_few_values(op, n, x, layout)
             y, mean, var = gpu_sync.forward_train_from_sums(x, sums, *common,
                                                        guard=gpu_guard(op.type))
-    return {"y": y, "batch_mean": mean, "batch_var": var, "saved_mean": est_mean,
-            "saved_var": est_var, "saved_num_batches": counter}
+    return present(y=y, batch_mean=mean, batch_var=var, saved_mean=ins.get("estimated_mean"),
+                   saved_var=ins.get("estimated_var"), saved_num_batches=counter)
 
 
 def backward_gpu(op, ins, allreduce=None):
@@ -95,8 +116,9 @@ def backward_gpu(op, ins, allreduce=None):
     from the batch: dscale and dbias are then the whole batch's, dx uses the
     global n."""
     a = op.attrs
-    x, dy, scale, mean, var = ins["x"], ins["dy"], ins["scale"], ins["mean"], ins["var"]
+    x, dy, mean, var = ins["x"], ins["dy"], ins["mean"], ins["var"]
     layout, eps = a["data_layout"], a["epsilon"]
+    scale, _ = affine(ins, x, layout)
     need = dict(need_dx=op.wants("dx"), need_dscale=op.wants("dscale"),
                 need_dbias=op.wants("dbias"))
     if allreduce is None or a["use_global_est"]:
@@ -134,7 +156,10 @@ def device_stats_merge(comm, what):
 
 def sync_batch_norm_gpu(op, ins, ctx):
     """GPU forward: batch_norm's binding with ONE allreduce_stats of the 2C+1 local
-    (n, mean, M2) (training with more than one rank); otherwise exactly batch_norm."""
+    (n, mean, M2) (batch statistics with more than one rank); otherwise exactly
+    batch_norm."""
+    if not batch_statistics(op, ins):
+        return forward_gpu(op, ins)
     comm = ctx.comm
     return forward_gpu(op, ins, allreduce=device_stats_merge(comm, forward_label(op))
                           if comm.size > 1 else None)

@@ -1,4 +1,5 @@
-"""Layers with parameters or modes: data, fc, conv2d, pool2d, batch_norm, dropout.
+"""Layers with parameters or modes: data, fc, conv2d, pool2d, dropout (the normalisations:
+minigraph.layers.norm).
 
 Each returns its output Variable (the train copy once the net has forked;
 the infer branch has its own copy, `net.twin(var)`). Parameters get their
@@ -107,47 +108,6 @@ def pool2d(net, x, pool_size=2, pool_type="max", pool_stride=None, pool_padding=
     return net.append("pool2d", {"x": x}, {"out": f"{name}.out"},
                       {"pool_type": pool_type, "ksize": ksize, "strides": strides,
                        "paddings": paddings, "global_pooling": bool(global_pooling)})["out"]
-
-
-@layer("batch_norm")
-def batch_norm(net, x, epsilon=1e-5, momentum=0.9, data_layout="NCHW", use_global_est=False,
-               name=None, sync=False):
-    """Batch normalisation; forks the net into train and infer branches.
-
-    Persistables: `name.scale` (ones), `name.bias` (zeros), `name.estimated_mean`
-    (zeros), `name.estimated_var` (ones) and the int64 counter `name.num_batches`.
-    momentum weights the OLD estimate (PyTorch's momentum m is 1 - m here);
-    None makes the estimates a cumulative average. sync=True builds
-    `sync_batch_norm` (statistics over every rank's batch).
-    """
-    tensor(net, "batch_norm", "x", x, float_only=True)
-    if data_layout not in ("NCHW", "NHWC"):
-        raise ValueError(f"batch_norm: argument 'data_layout' must be 'NCHW' or 'NHWC', got "
-                         f"{data_layout!r}")
-    shape = x.shape
-    axis = 1 if data_layout == "NCHW" else -1
-    if shape is None or len(shape) < 2 or shape[axis] < 0:
-        raise ValueError(f"batch_norm: argument 'x' ({x.name!r}) needs a known channel axis "
-                         f"({data_layout}), got shape {shape}")
-    channels = (shape[axis],)
-
-    def persist(suffix, init, trainable=False, shape=channels, dt=x.dtype):
-        return net.create_parameter(f"{name}.{suffix}", shape, dt, init, trainable=trainable)
-
-    scale = persist("scale", Constant(1.0), trainable=True)
-    bias = persist("bias", Constant(0.0), trainable=True)
-    mean = persist("estimated_mean", Constant(0.0))
-    var = persist("estimated_var", Constant(1.0))
-    counter = persist("num_batches", Constant(0.0), shape=(), dt=np.dtype("int64"))
-    outs = net.append(
-        "sync_batch_norm" if sync else "batch_norm",
-        {"x": x, "estimated_mean": mean, "estimated_var": var, "scale": scale, "bias": bias,
-         "num_batches": counter},
-        {"y": f"{name}.y", "batch_mean": f"{name}.batch_mean", "batch_var": f"{name}.batch_var",
-         "saved_mean": mean, "saved_var": var, "saved_num_batches": counter},
-        {"epsilon": epsilon, "momentum": momentum, "data_layout": data_layout,
-         "use_global_est": use_global_est})
-    return outs["y"]
 
 
 @layer("dropout")

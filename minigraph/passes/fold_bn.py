@@ -76,8 +76,10 @@ def _fold_one(net, bn):
         return FoldNote(label, False, reason=why)
     w_slot, channel_axis, _ = producer.schema.weight
     w = producer.inputs[w_slot]
-    a = {s: bn.inputs[s].get().astype(np.float64) for s in
-         ("scale", "bias", "estimated_mean", "estimated_var")}
+    channels = bn.inputs["estimated_mean"].shape[0]
+    a = {s: np.full(channels, 1.0 if s == "scale" else 0.0) if bn.inputs[s] is None else
+         bn.inputs[s].get().astype(np.float64)
+         for s in ("scale", "bias", "estimated_mean", "estimated_var")}
     s = a["scale"] / np.sqrt(a["estimated_var"] + bn.attrs["epsilon"])
     w64 = w.get().astype(np.float64)
     shape = [1] * w64.ndim
@@ -94,6 +96,8 @@ def _fold_one(net, bn):
         net.remove_op("trunk", bn)
     else:
         b = bn.inputs["bias"]
+        if b is None:                   # affine=False: the folded bias gets a Variable
+            b = net.scope.new_var(f"{label}.folded_bias", persistable=True, trainable=False)
         b.set(net.place.to_device(b_new))
         net.replace_op("trunk", bn, Operator(op_for_role("bias_add"), x=x, y=b, out=y,
                                              axis=_out_channel_axis(producer, x)))
@@ -109,6 +113,9 @@ def _out_channel_axis(producer, out):
 
 def _why_not(bn, x, readers, producer, bias_add, ops):
     """Why `bn` cannot be folded ('' when it can)."""
+    if bn.inputs["estimated_mean"] is None:
+        return "it keeps no running estimates (track_running_stats=False): it normalises " \
+               "with batch statistics"
     if not (bn.attrs["is_infer"] or bn.attrs["use_global_est"]):
         return "it normalises with batch statistics"
     if len(readers) > 1:

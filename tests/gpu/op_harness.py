@@ -48,6 +48,8 @@ def run_op(place, op_type, inputs, attrs=None, grad_sets=(), dout_slots=None, se
     out_vars = {}
     for slot in schema.outputs:
         src = schema.inplace.get(slot.name)
+        if src and src not in in_vars:
+            continue                # an in-place output of an unbound optional input
         out_vars[slot.name] = in_vars[src] if src else scope.new_var(f"out.{slot.name}")
     op = mg.Operator(op_type, **in_vars, **out_vars, **(attrs or {}))
     fetched = ex.run([op], scope, fetch=list(out_vars.values()))

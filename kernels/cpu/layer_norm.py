@@ -1,0 +1,84 @@
+"""CPU kernels of layer_norm (ops/layer_norm.py) on batch norm's stable engine
+(batch_norm_stats).
+
+x is viewed as R rows of L values (the axes before begin_norm_axis, and those
+from it on): the rows' statistics come from one read of x viewed as (1, R, L),
+batch norm's per-channel reduction with the rows as its channels. The scale
+and bias hold one value per position of a row. dx = k_dy g + k_x (x - mean) +
+k_c per row, with g = dy * scale and the row sums of one `grad_sums` pass.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minigraph.kernels.cpu.batch_norm_stats import (
+    as_work,
+    centring_needed,
+    grad_sums,
+    input_grad,
+    local_stats,
+    normalize,
+)
+
+
+def rows(x, begin):
+    """(R, L): the rows and the row length of x normalised from axis `begin`."""
+    return math.prod(x.shape[:begin]), math.prod(x.shape[begin:])
+
+
+def normalized(x3, mean, invstd):
+    """(x - mean) * invstd per row of the (1, R, L) view, in x's work dtype."""
+    out = np.empty(x3.shape, x3.dtype)
+    r = x3.shape[1]
+    normalize(x3, mean, invstd, np.ones(r), np.zeros(r), out)
+    return out
+
+
+def layer_norm_cpu(op, ins, ctx):
+    """y = (x - mean) / sqrt(var + eps) * scale + bias over each row; the rows' mean
+    and (biased) variance."""
+    x, scale, bias = ins["x"], ins["scale"], ins["bias"]
+    a = op.attrs
+    begin = a["begin_norm_axis"]
+    r, length = rows(x, begin)
+    x3 = as_work(x).reshape(1, r, length)
+    _, mean, m2 = local_stats(x3)
+    var = m2 / max(length, 1)
+    y = normalized(x3, mean, 1.0 / np.sqrt(var + a["epsilon"])).reshape(r, length)
+    if scale is not None:
+        y *= scale.astype(y.dtype, copy=False)
+    if bias is not None:
+        y += bias.astype(y.dtype, copy=False)
+    stat_shape = x.shape[:begin]
+    return {"y": y.reshape(x.shape).astype(x.dtype, copy=False),
+            "mean": mean.reshape(stat_shape).astype(x.dtype),
+            "variance": var.reshape(stat_shape).astype(x.dtype)}
+
+
+def layer_norm_grad_cpu(op, ins, ctx):
+    """dx, dscale and dbias (those bound) of layer_norm."""
+    x, scale, dy = ins["x"], ins["scale"], ins["dy"]
+    a = op.attrs
+    r, length = rows(x, a["begin_norm_axis"])
+    x3, dy3 = as_work(x).reshape(1, r, length), as_work(dy).reshape(1, r, length)
+    mean = ins["mean"].astype(np.float64).reshape(-1)
+    invstd = 1.0 / np.sqrt(ins["variance"].astype(np.float64).reshape(-1) + a["epsilon"])
+    out = {}
+    if op.wants("dscale") or op.wants("dbias"):
+        dy2 = dy3.reshape(r, length)
+        if op.wants("dbias"):
+            out["dbias"] = dy2.sum(axis=0, dtype=np.float64).astype(x.dtype)
+        if op.wants("dscale"):
+            xhat = normalized(x3, mean, invstd).reshape(r, length)
+            out["dscale"] = np.einsum("rl,rl->l", dy2, xhat, dtype=np.float64).astype(x.dtype)
+    if op.wants("dx"):
+        g3 = dy3 if scale is None else dy3 * scale.astype(dy3.dtype, copy=False)
+        _, s_g, s_gxmu = grad_sums(x3, g3, mean, invstd)
+        dx = np.empty(x3.shape, x3.dtype)
+        m = max(length, 1)
+        input_grad(x3, g3, mean, invstd, -invstd ** 3 * s_gxmu / m, -invstd * s_g / m, dx,
+                   centring_needed(mean, invstd))
+        out["dx"] = dx.reshape(x.shape).astype(x.dtype, copy=False)
+    return out
