@@ -53,9 +53,10 @@ def load_digits_split(held_out=HELD_OUT_FRACTION):
     return x[~test], y[~test], x[test], y[test]
 
 
-def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9):
+def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, optimizer=None):
     """(net, handles): the digits net on `place`, its parameters seeded by
-    `seed`, minimised with Momentum. handles: image, label, logits, loss."""
+    `seed`, minimised with `optimizer` (default Momentum(learning_rate, momentum)).
+    handles: image, label, logits, loss."""
     net = mg.Net(place=place, seed=seed)
     image = layers.data(net, "image", shape=(-1, 1, 8, 8))
     label = layers.data(net, "label", shape=(-1,), dtype="int64")
@@ -66,7 +67,9 @@ def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9):
     h = layers.relu(net, layers.batch_norm(net, h, name="bn2"))
     logits = layers.fc(net, h, size=10, name="fc2")
     loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
-    mg.optimizer.Momentum(learning_rate=learning_rate, momentum=momentum).minimize(net, loss)
+    if optimizer is None:
+        optimizer = mg.optimizer.Momentum(learning_rate=learning_rate, momentum=momentum)
+    optimizer.minimize(net, loss)
     return net, {"image": image, "label": label, "logits": logits, "loss": loss}
 
 

@@ -12,12 +12,13 @@ from minigraph.executor import Executor
 from minigraph.kernels.cpu.blocks import get_num_threads, set_num_threads
 from minigraph.net import Net
 from minigraph.operator import Operator
+from minigraph.param_attr import ParamAttr
 from minigraph.place import CPUPlace, GPUError, GPUPlace
 from minigraph.schema import OpError
 from minigraph.scope import Scope, Variable
 
 __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Operator",
-           "Scope", "Variable", "append_backward", "distributed", "get_num_threads",
+           "ParamAttr", "Scope", "Variable", "append_backward", "distributed", "get_num_threads",
            "initializer", "io", "layers", "optimizer", "passes", "set_num_threads"]
 __version__ = "0.1.0"
 

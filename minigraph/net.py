@@ -59,6 +59,7 @@ class Net:
         self.reports = {}                # pass name -> what it reported (mark_applied)
         self._name_counts = {}
         self._plans = {}
+        self._update_every = None        # (k, step counter): see update_every
         self._lock = threading.RLock()
         self._running = 0
 
@@ -304,11 +305,13 @@ class Net:
                            "append_backward() first, and check the loss depends on it")
         return self.grads[name]
 
-    def ops(self, mode="train"):
-        """The ops `train` or `infer` runs, in order (before pruning), as a list."""
+    def ops(self, mode="train", update=True):
+        """The ops `train` or `infer` runs, in order (before pruning), as a list;
+        without the update section when `update` is False."""
         if mode not in MODE_SECTIONS:
             raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
-        return [op for s in MODE_SECTIONS[mode] for op in self._sections[s]]
+        return [op for s in MODE_SECTIONS[mode] if update or s != "update"
+                for op in self._sections[s]]
 
     def summary(self):
         """A table (str): per layer its name, op types, output shape and parameter
@@ -344,6 +347,12 @@ class Net:
         (e.g. from a kernel): the step's own values are kept."""
         return self._run("infer", feed, fetch)
 
+    def update_every(self, k, counter):
+        """Run the update section on every k-th train step only, counting steps in
+        `counter` (an int64 persistable scalar); optimizer.GradientMerge sets this."""
+        self._update_every = (int(k), counter)
+        self._changed()
+
     def _run(self, mode, feed, fetch):
         with self._lock:
             nested = self._running > 0
@@ -353,9 +362,16 @@ class Net:
                 feed = feeds.feed_by_name(self.data_vars, feed or {})
                 fetch = self.default_fetches if fetch is None else fetch
                 targets = tuple(feeds.fetch_target(self, mode, f) for f in fetch)
-                plan = self.plan(mode, targets)
+                count = None
+                if mode == "train" and self._update_every is not None:
+                    k, counter = self._update_every
+                    count = int(counter.get())
+                plan = self.plan(mode, targets, count is None or (count + 1) % k == 0)
                 feeds.store_feeds(self.place, self.data_vars, plan.needed, feed, mode)
-                return self.executor.run_plan(plan)
+                out = self.executor.run_plan(plan)
+                if count is not None:
+                    counter.set(self.place.to_device(np.array(count + 1, np.int64)))
+                return out
             finally:
                 self._running -= 1
                 if kept is not None:
@@ -366,16 +382,16 @@ class Net:
         return [(v, v.value) for s in (self.scope, *self.scopes.values())
                 for v in s.vars.values() if not v.persistable]
 
-    def plan(self, mode, targets):
-        """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan);
-        a training plan keeps the persistables' gradients after each step (as
-        PyTorch keeps .grad)."""
-        key = (mode, tuple(id(t) for t in targets))
+    def plan(self, mode, targets, update=True):
+        """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan),
+        without the update section when `update` is False; a training plan keeps the
+        persistables' gradients after each step (as PyTorch keeps .grad)."""
+        key = (mode, tuple(id(t) for t in targets), update)
         plan = self._plans.get(key)
         if plan is None:
             keep = [g for name, g in self.grads.items() if mode == "train" and
                     getattr(self.scope.find_var(name), "persistable", False)]
-            plan = self._plans[key] = Plan(self.ops(mode), mode, targets, keep)
+            plan = self._plans[key] = Plan(self.ops(mode, update), mode, targets, keep)
         return plan
 
     # ---- pictures ----------------------------------------------------------

@@ -17,7 +17,7 @@ class Variable:
     """
 
     __slots__ = ("name", "persistable", "trainable", "value", "decl_shape",
-                 "decl_dtype", "is_data", "scope")
+                 "decl_dtype", "is_data", "scope", "param_attr")
 
     def __init__(self, name, persistable=False, trainable=False, scope=None):
         self.name = name
@@ -28,6 +28,7 @@ class Variable:
         self.decl_dtype = None
         self.is_data = False
         self.scope = scope
+        self.param_attr = None          # the ParamAttr a layer made this parameter with
 
     def set(self, value):
         """Store a copy of `value` as the new value.

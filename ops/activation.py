@@ -56,10 +56,11 @@ def grad_like(op_type, ref_slot):
 
 
 def register_activation(op_type, keep, export, cpu_kernels, attrs=(), gpu_scalar=None,
-                        doc=__doc__, **fields):
+                        doc=__doc__, gpu_module=None, **fields):
     """Register `op_type` (x -> out) and `<op_type>_grad` (keep, dout -> dx) with their
     exporter, their CPU kernels (forward, grad) and, on the GPU, the map kernels of
-    kernels/cuda/<op_type>.cu (`gpu_scalar`: the attribute passed to them)."""
+    kernels/cuda/<gpu_module or op_type>.cu (`gpu_scalar`: the attribute, or tuple of
+    attributes, passed to them)."""
     schema = register(OpSchema(type=op_type, inputs=(Slot("x"),), outputs=(Slot("out"),),
                                attrs=attrs, infer=same_as_x(op_type), export=export,
                                grad=grad_maker(op_type + "_grad", keep=(keep,)), doc=doc,
@@ -69,7 +70,7 @@ def register_activation(op_type, keep, export, cpu_kernels, attrs=(), gpu_scalar
                          infer=grad_like(op_type + "_grad", keep)))
     kernel(op_type, "cpu", cpu_kernels[0])
     kernel(op_type + "_grad", "cpu", cpu_kernels[1])
-    forward, backward = cuda_map.op_kernels(op_type, keep, gpu_scalar)
+    forward, backward = cuda_map.op_kernels(op_type, keep, gpu_scalar, gpu_module)
     kernel(op_type, "gpu", forward, dtypes=GPU_FLOATS)
     kernel(op_type + "_grad", "gpu", backward, dtypes=GPU_FLOATS)
 

@@ -1,11 +1,14 @@
-"""add and multiply: elementwise with numpy broadcasting both ways (and their grads).
+"""add, subtract, multiply, divide: elementwise with numpy broadcasting both ways.
 
 x and y are float tensors of the same dtype. Their shapes are right-aligned;
 in each aligned dim the sizes are equal or one of them is 1 (a missing dim
 counts as 1), and out has the broadcast shape (numpy's rule; -1 where a size
 is unknown at build time).
 add:      out = x + y;  add_grad(x, y, dout) -> dx = R_x(dout), dy = R_y(dout)
+subtract: out = x - y;  subtract_grad(x, y, dout) -> dx = R_x(dout), dy = -R_y(dout)
 multiply: out = x * y;  multiply_grad(x, y, dout) -> dx = R_x(dout * y), dy = R_y(dout * x)
+divide:   out = x / y;  divide_grad(x, y, dout) -> dx = R_x(dout / y),
+                        dy = -R_y(dout * x / y^2)
 R_v(g) sums g over the axes along which v was broadcast, back to v's shape,
 in float64, cast to v's dtype. x and y of the grad ops give the shapes (and,
 for multiply, the factors). Kernels: kernels/cpu/binary.py, kernels/cuda/broadcast.py.
@@ -89,15 +92,25 @@ def register_binary(op_type, onnx_type, shapes_only=False, roles=()):
 
 
 register_binary("add", "Add", shapes_only=True, roles=("add",))
+register_binary("subtract", "Sub", shapes_only=True)
 register_binary("multiply", "Mul")
+register_binary("divide", "Div")
 kernel("add", "cpu", cpu.add_cpu)
 kernel("add_grad", "cpu", cpu.add_grad_cpu)
 kernel("multiply", "cpu", cpu.multiply_cpu)
 kernel("multiply_grad", "cpu", cpu.multiply_grad_cpu)
+kernel("subtract", "cpu", cpu.subtract_cpu)
+kernel("subtract_grad", "cpu", cpu.subtract_grad_cpu)
+kernel("divide", "cpu", cpu.divide_cpu)
+kernel("divide_grad", "cpu", cpu.divide_grad_cpu)
 kernel("add", "gpu", cuda.add_gpu, dtypes=GPU_FLOATS)
 kernel("add_grad", "gpu", cuda.add_grad_gpu, dtypes=GPU_FLOATS)
 kernel("multiply", "gpu", cuda.multiply_gpu, dtypes=GPU_FLOATS)
 kernel("multiply_grad", "gpu", cuda.multiply_grad_gpu, dtypes=GPU_FLOATS)
+kernel("subtract", "gpu", cuda.subtract_gpu, dtypes=GPU_FLOATS)
+kernel("subtract_grad", "gpu", cuda.subtract_grad_gpu, dtypes=GPU_FLOATS)
+kernel("divide", "gpu", cuda.divide_gpu, dtypes=GPU_FLOATS)
+kernel("divide_grad", "gpu", cuda.divide_grad_gpu, dtypes=GPU_FLOATS)
 
 
 # ---- examples ---------------------------------------------------------------------
@@ -132,5 +145,26 @@ def multiply_examples(ex):
     ]
 
 
+def subtract_examples(ex):
+    """Cases the device tests run on every place against the CPU."""
+    xy = (("x", "y"), ("x",), ("y",))
+    return [("both-ways-f32", {"x": ex.r(4, 1, 5), "y": ex.r(3, 1)}, {}, xy),
+            ("same-f64", {"x": ex.r(3, 7, dtype=np.float64),
+                          "y": ex.r(3, 7, dtype=np.float64, seed=1)}, {}, xy)]
+
+
+def divide_examples(ex):
+    """Cases the device tests run on every place against the CPU (y kept away from 0)."""
+    def away(*shape, dtype=np.float32, seed=0):
+        y = ex.r(*shape, dtype=dtype, seed=seed)
+        return (np.sign(y) + (y == 0)) * (np.abs(y) + 0.5)
+    xy = (("x", "y"), ("x",), ("y",))
+    return [("both-ways-f32", {"x": ex.r(4, 1, 5), "y": away(3, 1, seed=2)}, {}, xy),
+            ("rows-f64", {"x": ex.r(6, 9, dtype=np.float64),
+                          "y": away(6, 1, dtype=np.float64, seed=3)}, {}, xy)]
+
+
 examples("add", add_examples)
 examples("multiply", multiply_examples)
+examples("subtract", subtract_examples)
+examples("divide", divide_examples)

@@ -82,10 +82,18 @@ register(fill_schema("fill_constant", "biuf", (float_attr("value", 0.0),), roles
 register(fill_schema("uniform_random", "f", (float_attr("min", -1.0), float_attr("max", 1.0),
                                              int_attr("seed", 0, non_negative)),
                      validate_uniform, no_export=INITIALIZER))
+def validate_zero_row(op):
+    row, shape = op.attrs["zero_row"], op.attrs["shape"]
+    if row != -1 and not (shape and 0 <= row < shape[0]):
+        raise OpError(f"{op.type}: attribute 'zero_row' ({row}) must be -1 (none) or a row "
+                      f"index in [0, {shape[0] if shape else 0}) of shape {tuple(shape)}")
+
+
 register(fill_schema("gaussian_random", "f", (float_attr("mean", 0.0),
                                               float_attr("std", 1.0, non_negative),
-                                              int_attr("seed", 0, non_negative)),
-                     no_export=INITIALIZER))
+                                              int_attr("seed", 0, non_negative),
+                                              int_attr("zero_row", -1)),
+                     validate_zero_row, no_export=INITIALIZER))
 
 kernel("fill_constant", "cpu", cpu.fill_constant_cpu)
 kernel("uniform_random", "cpu", cpu.uniform_random_cpu)

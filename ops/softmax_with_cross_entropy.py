@@ -5,6 +5,9 @@ loss (N,) = -log softmax[i, label[i]]. Computed from the row-max-shifted
 logits with log-sum-exp in float64, so huge logits stay finite.
 Grad w.r.t. logits: (softmax - onehot(label)) * dloss[:, None], plus the
 softmax Jacobian applied to dsoftmax when the softmax output is used too.
+With label_smoothing eps (torch's CrossEntropyLoss(label_smoothing=eps)) the target
+is (1 - eps) onehot(label) + eps / K: loss = (1 - eps) (-log softmax[label]) + eps
+mean_k(-log softmax[k]), and the onehot of the gradient becomes that target.
 The label has no gradient. Kernels: kernels/cpu/softmax_with_cross_entropy.py,
 kernels/cuda/softmax_with_cross_entropy.py.
 """
@@ -16,7 +19,7 @@ from minigraph.kernels.cpu import softmax_with_cross_entropy as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import softmax_with_cross_entropy as cuda
 from minigraph.schema import Meta, OpSchema, Slot, examples, grad_maker, kernel, register
-from minigraph.validators import check_float, check_rank, check_shape, fail
+from minigraph.validators import check_float, check_rank, check_shape, fail, float_attr, in_range
 
 OP = "softmax_with_cross_entropy"
 
@@ -58,21 +61,33 @@ def export_swce(ctx, op):
         nodes += [ctx.node("LogSoftmax", [logits], [logp], axis=1),
                   ctx.node("Unsqueeze", [ctx.value(label), axis1], [idx]),
                   ctx.node("GatherElements", [logp, idx], [picked], axis=1),
-                  ctx.node("Squeeze", [picked, axis1], [picked1]),
-                  ctx.node("Neg", [picked1], [ctx.output(loss)])]
+                  ctx.node("Squeeze", [picked, axis1], [picked1])]
+        eps = float(op.attrs["label_smoothing"])
+        if not eps:
+            return nodes + [ctx.node("Neg", [picked1], [ctx.output(loss)])]
+        dt = ctx.dtype(op.inputs["logits"])
+        k = ctx.shape(op.inputs["logits"])[1]
+        total, kept, spread = (ctx.temp(loss, s) for s in ("sum_log_softmax", "kept", "spread"))
+        nodes += [ctx.node("ReduceSum", [logp, axis1], [total], keepdims=0),
+                  ctx.node("Mul", [picked1, ctx.const(loss, "kept_weight",
+                                                      np.array(eps - 1.0, dt))], [kept]),
+                  ctx.node("Mul", [total, ctx.const(loss, "spread_weight",
+                                                    np.array(-eps / k, dt))], [spread]),
+                  ctx.node("Add", [kept, spread], [ctx.output(loss)])]
     return nodes
 
 
+ATTRS = (float_attr("label_smoothing", 0.0, in_range(0.0, 1.0)),)
 register(OpSchema(
     type=OP, inputs=(Slot("logits"), Slot("label")), outputs=(Slot("softmax"), Slot("loss")),
-    infer=infer_swce, export=export_swce, doc=__doc__,
+    attrs=ATTRS, infer=infer_swce, export=export_swce, doc=__doc__,
     grad=grad_maker(OP + "_grad", keep=("label", "softmax"), wrt=("logits",),
                     dout={"loss": "dloss", "softmax": "dsoftmax"})))
 register(OpSchema(
     type=OP + "_grad",
     inputs=(Slot("label"), Slot("softmax"), Slot("dloss", optional=True),
             Slot("dsoftmax", optional=True)),
-    outputs=(Slot("dlogits", optional=True),), infer=infer_swce_grad,
+    outputs=(Slot("dlogits", optional=True),), attrs=ATTRS, infer=infer_swce_grad,
     no_export="a gradient op (training only)"))
 
 kernel(OP, "cpu", cpu.softmax_with_cross_entropy_cpu)
@@ -91,6 +106,8 @@ def softmax_with_cross_entropy_examples(ex):
         ("f32", {"logits": ex.r(5, 7) * 10, "label": ex.labels(5, 7)}, {}, (("logits",),)),
         ("f64", {"logits": ex.r(4, 3, dtype=np.float64), "label": ex.labels(4, 3)},
          {}, (("logits",),)),
+        ("smoothed-f32", {"logits": ex.r(6, 5) * 4, "label": ex.labels(6, 5)},
+         dict(label_smoothing=0.1), (("logits",),)),
     ]
 
 

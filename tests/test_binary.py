@@ -1,4 +1,5 @@
-"""add and multiply: numpy broadcasting both ways, grads reduced back to each shape."""
+"""add, multiply, subtract and divide: numpy broadcasting both ways, grads reduced back
+to each shape."""
 import numpy as np
 import pytest
 from helpers import call_kernel, helper_test_op
@@ -30,6 +31,38 @@ def multiply_reference(x, y):
     return {"out": np.broadcast_to(x, shape) * np.broadcast_to(y, shape)}
 
 
+def subtract_reference(x, y):
+    shape = np.broadcast_shapes(x.shape, y.shape)
+    return {"out": np.broadcast_to(x, shape) - np.broadcast_to(y, shape)}
+
+
+def divide_reference(x, y):
+    shape = np.broadcast_shapes(x.shape, y.shape)
+    return {"out": np.broadcast_to(x, shape) / np.broadcast_to(y, shape)}
+
+
+@pytest.mark.parametrize("x_shape, y_shape", SHAPES)
+def test_subtract_forward_and_grads(x_shape, y_shape):
+    x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
+    helper_test_op("subtract", {"x": x, "y": y}, {}, subtract_reference, grad_wrt=("x", "y"))
+
+
+@pytest.mark.parametrize("x_shape, y_shape", SHAPES)
+def test_divide_forward_and_grads(x_shape, y_shape):
+    x = rng.standard_normal(x_shape)
+    y = rng.uniform(0.5, 2.0, y_shape) * rng.choice([-1.0, 1.0], y_shape)
+    helper_test_op("divide", {"x": x, "y": y}, {}, divide_reference, grad_wrt=("x", "y"))
+
+
+def test_divide_by_zero_is_inf_and_nan_as_in_numpy():
+    scope = mg.Scope()
+    x, y, out = scope.new_var("x"), scope.new_var("y"), scope.new_var("out")
+    x.set(np.array([1.0, -1.0, 0.0]))
+    y.set(np.zeros(3))
+    (got,) = mg.Executor().run([mg.Operator("divide", x=x, y=y, out=out)], scope, fetch=[out])
+    assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2])
+
+
 @pytest.mark.parametrize("x_shape, y_shape", SHAPES)
 def test_add_forward_and_grads(x_shape, y_shape):
     x, y = rng.standard_normal(x_shape), rng.standard_normal(y_shape)
@@ -43,7 +76,9 @@ def test_multiply_forward_and_grads(x_shape, y_shape):
 
 
 @pytest.mark.parametrize("op_type, reference", [("add", add_reference),
-                                                ("multiply", multiply_reference)])
+                                                ("multiply", multiply_reference),
+                                                ("subtract", subtract_reference),
+                                                ("divide", divide_reference)])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_keeps_float_dtype(op_type, reference, dtype):
     x = rng.standard_normal((4, 1, 3)).astype(dtype)
@@ -64,12 +99,14 @@ def run_grad(op_type, x, y, dout, **bound):
     return {k: v.get() for k, v in outs.items()}
 
 
-@pytest.mark.parametrize("op_type", ["add", "multiply"])
+@pytest.mark.parametrize("op_type", ["add", "multiply", "subtract", "divide"])
 def test_grad_kernels_by_hand_and_one_output_alone(op_type):
     x = rng.standard_normal((4, 1, 3)).astype("float32")
-    y = rng.standard_normal((2, 3)).astype("float32")
+    y = rng.uniform(0.5, 2.0, (2, 3)).astype("float32")
     d = rng.standard_normal((4, 2, 3)).astype("float32")
-    fx, fy = (y, x) if op_type == "multiply" else (1.0, 1.0)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    fx, fy = {"add": (1.0, 1.0), "multiply": (y64, x64), "subtract": (1.0, -1.0),
+              "divide": (1.0 / y64, -x64 / y64 ** 2)}[op_type]
     want_dx = (d.astype(np.float64) * fx).sum(axis=1, keepdims=True)
     want_dy = (d.astype(np.float64) * fy).sum(axis=0)
     both = run_grad(op_type, x, y, d, dx=True, dy=True)
@@ -121,12 +158,12 @@ def build(op_type, x_shape, y_shape, x_dtype="float64", y_dtype="float64"):
     ((-1, 4), (5, 4), (5, 4)),
     ((4, 1, 3), (2, 3), (4, 2, 3)),
 ])
-@pytest.mark.parametrize("op_type", ["add", "multiply"])
+@pytest.mark.parametrize("op_type", ["add", "multiply", "subtract", "divide"])
 def test_infer_broadcast_shape_with_unknown_dims(op_type, x_shape, y_shape, want):
     assert build(op_type, x_shape, y_shape).shape == want
 
 
-@pytest.mark.parametrize("op_type", ["add", "multiply"])
+@pytest.mark.parametrize("op_type", ["add", "multiply", "subtract", "divide"])
 @pytest.mark.parametrize("x_shape, y_shape", [((2, 3), (4,)), ((4, 2, 3), (3, 3)),
                                               ((-1, 3), (-1, 2))])
 def test_non_broadcastable_shapes_name_the_op_and_inputs(op_type, x_shape, y_shape):
@@ -135,7 +172,7 @@ def test_non_broadcastable_shapes_name_the_op_and_inputs(op_type, x_shape, y_sha
         build(op_type, x_shape, y_shape)
 
 
-@pytest.mark.parametrize("op_type", ["add", "multiply"])
+@pytest.mark.parametrize("op_type", ["add", "multiply", "subtract", "divide"])
 def test_bad_dtypes(op_type):
     with pytest.raises(mg.OpError, match=rf"{op_type}: input 'x' must be a float tensor"):
         build(op_type, (2,), (2,), "int64", "int64")

@@ -138,6 +138,22 @@ def test_data_parallel_ops(one_rank):
         mg.distributed.data_parallel(net)
 
 
+def test_data_parallel_under_gradient_merge_averages_on_update_steps_only(one_rank):
+    """GradientMerge's means are made in the update section; their allreduce follows
+    them there (so it runs only on the steps that update), and nothing is averaged at
+    the end of the backward section."""
+    merge = mg.optimizer.GradientMerge(mg.optimizer.Momentum(0.1), 2)
+    net, _, _ = tiny_bn_net(sync=True, optimizer=merge)
+    mg.distributed.data_parallel(net)
+    assert "c_allreduce_avg" not in [op.type for op in net.section("backward")]
+    update = [op.type for op in net.section("update")]
+    at = update.index("c_allreduce_avg")
+    assert update[:at] == ["scale"] * at and update[at + 1] == "momentum"
+    (avg,) = [op for op in net.section("update") if op.type == "c_allreduce_avg"]
+    assert {v.name for v in avg.inputs["x"]} == {f"{p.name}.merged_grad_mean"
+                                                 for p in net.parameters()}
+
+
 def test_data_parallel_in_a_world_of_one_changes_nothing(one_rank):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((6, 2, 4, 4)).astype(np.float32)

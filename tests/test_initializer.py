@@ -50,16 +50,23 @@ def test_same_seed_same_values_other_seed_other_values():
     assert not np.array_equal(a, c)
 
 
-def test_layers_initialise_biases_to_zero_and_bn_to_identity():
+def test_layers_initialise_as_pytorch_and_bn_to_identity():
+    """fc and conv2d: weights and biases U(+-1/sqrt(fan_in)) (nn.Linear's and nn.Conv2d's
+    kaiming_uniform(a=sqrt(5)) and bias init); batch norm the identity."""
     net = mg.Net(seed=0)
-    x = mg.layers.data(net, "x", shape=(-1, 3, 4, 4))
-    h = mg.layers.conv2d(net, x, num_filters=4, filter_size=3, name="c")
+    x = mg.layers.data(net, "x", shape=(-1, 3, 8, 8))
+    h = mg.layers.conv2d(net, x, num_filters=64, filter_size=3, name="c")
     mg.layers.batch_norm(net, h, name="bn")
-    net.initialize()
-    assert not np.all(net.var("c.w").get() == 0)
-    np.testing.assert_array_equal(net.var("c.b").get(), np.zeros(4))
-    np.testing.assert_array_equal(net.var("bn.scale").get(), np.ones(4))
-    np.testing.assert_array_equal(net.var("bn.estimated_var").get(), np.ones(4))
+    f = mg.layers.fc(net, h, 300, name="f")
+    assert f.shape == (-1, 300)
+    for name, fan_in in (("c", 27), ("f", 64 * 36)):
+        bound = 1 / np.sqrt(fan_in)
+        for part in ("w", "b"):
+            v = net.var(f"{name}.{part}").get().astype(np.float64)
+            assert np.abs(v).max() <= bound and np.abs(v).max() > 0.95 * bound, (name, part)
+            assert abs(v.std() - bound / np.sqrt(3)) < 0.2 * bound, (name, part)
+    np.testing.assert_array_equal(net.var("bn.scale").get(), np.ones(64))
+    np.testing.assert_array_equal(net.var("bn.estimated_var").get(), np.ones(64))
     assert net.var("bn.num_batches").get() == 0 and net.var("bn.num_batches").dtype == np.int64
 
 

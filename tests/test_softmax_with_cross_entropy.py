@@ -9,16 +9,37 @@ OP = "softmax_with_cross_entropy"
 rng = np.random.default_rng(0)
 
 
-def swce_reference(logits, label):
-    """Row by row with Python's math on float64: log-sum-exp around the row max."""
+def swce_reference(logits, label, label_smoothing=0.0):
+    """Row by row with Python's math on float64: log-sum-exp around the row max; with
+    label smoothing eps the cross entropy against the target (1 - eps) onehot + eps / K."""
     softmax = np.zeros_like(logits)
     loss = np.zeros(len(label))
+    k = logits.shape[1]
     for i, row in enumerate(logits):
         m = row.max()
         lse = m + np.log(sum(np.exp(v - m) for v in row))
         softmax[i] = [np.exp(v - lse) for v in row]
-        loss[i] = lse - row[label[i]]
+        target = [label_smoothing / k + (1.0 - label_smoothing) * (c == label[i])
+                  for c in range(k)]
+        loss[i] = sum(t * (lse - v) for t, v in zip(target, row))
     return {"softmax": softmax, "loss": loss}
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.5, 1.0])
+def test_label_smoothing_forward_and_grad(eps):
+    logits, label = rng.standard_normal((5, 4)) * 3, rng.integers(0, 4, 5)
+    helper_test_op(OP, {"logits": logits, "label": label}, {"label_smoothing": eps},
+                   swce_reference, grad_wrt=("logits",))
+    helper_test_op(OP, {"logits": logits, "label": label}, {"label_smoothing": eps},
+                   swce_reference, grad_wrt=("logits",), outputs=("loss",))
+
+
+def test_label_smoothing_must_lie_in_0_1():
+    scope = mg.Scope()
+    with pytest.raises(mg.OpError, match="softmax_with_cross_entropy: attribute "
+                                         "'label_smoothing' must be in \\[0.0, 1.0\\]"):
+        mg.Operator(OP, logits=scope.new_var("z"), label=scope.new_var("y"),
+                    softmax=scope.new_var("s"), loss=scope.new_var("l"), label_smoothing=1.5)
 
 
 def test_forward_and_grad_through_loss_and_softmax():

@@ -280,6 +280,10 @@ def kernel_cases():
            {"x": x, "y": x[:1, :, :1]}, "x")
     yield (mg.Operator("add", x=var("a2"), y=var("b2"), out=var("s2")),
            {"x": x[0, :1], "y": x}, "y")
+    yield (mg.Operator("subtract", x=var("a3"), y=var("b3"), out=var("s3")),
+           {"x": x, "y": x[:1, :, :1]}, "x")
+    yield (mg.Operator("subtract", x=var("a4"), y=var("b4"), out=var("s4")),
+           {"x": x[0, :1], "y": x}, "y")
     yield (mg.Operator("elementwise_add", x=var("p"), y=var("q"), out=var("r"), axis=1),
            {"x": x, "y": x[0, :, 0, 0]}, "x")
     cases = ((0.0, False, "batch_norm_grad"), (40.0, False, "batch_norm_grad"),

@@ -1,4 +1,4 @@
-"""CPU kernels of add and multiply (ops/binary.py): numpy broadcasting both ways;
+"""CPU kernels of add, subtract, multiply and divide (ops/binary.py): numpy broadcasting both ways;
 the gradients are summed in float64 back to each input's shape (`reduce_to`).
 """
 from __future__ import annotations
@@ -53,4 +53,47 @@ def multiply_grad_cpu(op, ins, ctx):
         out["dx"] = reduce_to(np.multiply(d, y, dtype=np.float64), x.shape, x.dtype)
     if op.wants("dy"):
         out["dy"] = reduce_to(np.multiply(d, x, dtype=np.float64), y.shape, y.dtype)
+    return out
+
+
+def subtract_cpu(op, ins, ctx):
+    """out = x - y, broadcast; into x's or y's array when one of out's shape is handed
+    over."""
+    x, y = ins["x"], ins["y"]
+    shape = np.broadcast_shapes(x.shape, y.shape)
+    into = next((ins[s] for s in ctx.donated if ins[s].shape == shape), None)
+    return {"out": np.subtract(x, y, out=into)}
+
+
+def subtract_grad_cpu(op, ins, ctx):
+    """dx = dout reduced to x's shape (dout itself when it has it), dy = -dout reduced to
+    y's shape."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    out = {}
+    if op.wants("dx"):
+        same = x.shape == d.shape and x.dtype == d.dtype
+        out["dx"] = d if same else reduce_to(d, x.shape, x.dtype)
+    if op.wants("dy"):
+        out["dy"] = np.negative(reduce_to(d, y.shape, y.dtype))
+    return out
+
+
+def divide_cpu(op, ins, ctx):
+    """out = x / y, broadcast (IEEE: x / 0 is inf or nan, as numpy and torch give)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {"out": np.divide(ins["x"], ins["y"])}
+
+
+def divide_grad_cpu(op, ins, ctx):
+    """dx = (dout / y) reduced to x's shape, dy = -(dout * x / y^2) reduced to y's shape;
+    in float64."""
+    x, y, d = ins["x"], ins["y"], ins["dout"]
+    y64 = y.astype(np.float64)
+    out = {}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.divide(d, y64, dtype=np.float64)
+        if op.wants("dx"):
+            out["dx"] = reduce_to(q, x.shape, x.dtype)
+        if op.wants("dy"):
+            out["dy"] = reduce_to(-q * x / y64, y.shape, y.dtype)
     return out

@@ -20,7 +20,11 @@ def uniform_random_cpu(op, ins, ctx):
 
 
 def gaussian_random_cpu(op, ins, ctx):
-    """out ~ N(mean, std^2), drawn by default_rng(seed) in float64, cast to `dtype`."""
+    """out ~ N(mean, std^2), drawn by default_rng(seed) in float64, cast to `dtype`; the
+    row `zero_row` (if not -1) then set to 0."""
     a = op.attrs
     rng = np.random.default_rng(a["seed"])
-    return {"out": rng.normal(a["mean"], a["std"], size=a["shape"]).astype(a["dtype"])}
+    out = rng.normal(a["mean"], a["std"], size=a["shape"]).astype(a["dtype"])
+    if a.get("zero_row", -1) != -1:
+        out[a["zero_row"]] = 0
+    return {"out": out}

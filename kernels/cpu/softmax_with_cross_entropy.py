@@ -19,27 +19,35 @@ def check_labels(label, classes):
 
 
 def softmax_with_cross_entropy_cpu(op, ins, ctx):
-    """softmax = exp(z - lse(z)), loss = lse(z) - z[label], z the logits shifted by the row max."""
+    """softmax = exp(z - lse(z)), loss = lse(z) - z[label], z the logits shifted by the row
+    max; with label_smoothing eps, loss = (1 - eps) (lse(z) - z[label]) + eps mean_k(lse(z) -
+    z[k])."""
     logits, label = ins["logits"], ins["label"]
     check_labels(label, logits.shape[1])
     z = logits.astype(np.float64)
     z -= z.max(axis=1, keepdims=True)
     log_softmax = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
     loss = -log_softmax[np.arange(logits.shape[0]), label]
+    eps = op.attrs["label_smoothing"]
+    if eps:                     # the target (1 - eps) onehot + eps / K, as torch's
+        loss = (1.0 - eps) * loss - eps * log_softmax.mean(axis=1)
     return {"softmax": np.exp(log_softmax).astype(logits.dtype),
             "loss": loss.astype(logits.dtype)}
 
 
 def softmax_with_cross_entropy_grad_cpu(op, ins, ctx):
-    """dlogits = (softmax - onehot(label)) * dloss[:, None]
-    + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1))."""
+    """dlogits = (softmax - target) * dloss[:, None]
+    + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1)), target the smoothed
+    onehot (1 - eps) onehot(label) + eps / K."""
     sm, label = ins["softmax"], ins["label"]
     dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
     dlogits = np.zeros(sm.shape, dtype=np.float64)
     if dloss is not None:
         check_labels(label, sm.shape[1])
+        eps = op.attrs["label_smoothing"]
         dlogits += sm
-        dlogits[np.arange(sm.shape[0]), label] -= 1.0
+        dlogits -= eps / sm.shape[1]
+        dlogits[np.arange(sm.shape[0]), label] -= 1.0 - eps
         dlogits *= dloss[:, None]
     if dsoftmax is not None:
         inner = np.einsum("ij,ij->i", dsoftmax, sm, dtype=np.float64)[:, None]

@@ -1,5 +1,6 @@
-"""Launchers for kernels/cuda/broadcast.cu: add and multiply with numpy broadcasting
-both ways, their gradients, and sums of a tensor down to a broadcastable shape.
+"""Launchers for kernels/cuda/broadcast.cu: add, subtract, multiply and divide with
+numpy broadcasting both ways, their gradients, and sums of a tensor down to a
+broadcastable shape.
 
 Equal shapes run the packed maps; otherwise the shapes are collapsed
 (kernels/cuda/strided.py) and each output element reads x and y through their
@@ -17,8 +18,9 @@ from minigraph.kernels.cuda import map as maps
 
 MODULE = "broadcast"
 _DIMS = "q" * strided.MAX_DIMS
-SIGNATURES = {**{f"broadcast_{op}_{t}": "PPPq" + 3 * _DIMS for op in ("add", "multiply")
-                 for t in ("f32", "f64")},
+OPS = ("add", "subtract", "multiply", "divide")
+SIGNATURES = {**{f"broadcast_{op}_{t}": "PPPq" + 3 * _DIMS for op in OPS for t in ("f32", "f64")},
+              **{f"divide_grad_y_{t}": "PPPPq" + 3 * _DIMS for t in ("f32", "f64")},
               **{f"reduce_sum_{t}": "PPqq" + 4 * _DIMS for t in ("f32", "f64")}}
 
 
@@ -54,9 +56,20 @@ def add(x, y, out=None):
     return _binary("add", x, y, out)
 
 
+def subtract(x, y, out=None):
+    """out = x - y with numpy broadcasting. Returns out (new unless given)."""
+    return _binary("subtract", x, y, out)
+
+
 def multiply(x, y, out=None):
     """out = x * y with numpy broadcasting. Returns out (new unless given)."""
     return _binary("multiply", x, y, out)
+
+
+def divide(x, y, out=None):
+    """out = x / y with numpy broadcasting (IEEE: x / 0 is inf or nan). Returns out
+    (new unless given)."""
+    return _binary("divide", x, y, out)
 
 
 def reduce_to(d, shape, out=None, what="reduce_to"):
@@ -121,6 +134,60 @@ def _product_grad(dout, other, shape, what):
     return reduce_to(product, shape, what=what)
 
 
+def subtract_grad(x_shape, y_shape, dout, need_dx=True, need_dy=True):
+    """(dx, dy) of out = x - y (broadcast): dx = dout summed back to x's shape,
+    dy = -(dout summed back to y's shape); None for the ones not needed."""
+    dx = reduce_to(dout, x_shape, what="subtract_grad: dx") if need_dx else None
+    dy = None
+    if need_dy:
+        dy = reduce_to(dout, y_shape, what="subtract_grad: dy")
+        maps.unary(MODULE, "negate", dy, out=dy)
+    return dx, dy
+
+
+def divide_grad(x, y, dout, need_dx=True, need_dy=True):
+    """(dx, dy) of out = x / y (broadcast): dx = dout / y summed back to x's shape
+    (the quotient in the dtype), dy = -(dout / y) * x / y (in double) summed back to
+    y's shape; the sums in double; None for the ones not needed."""
+    dx = dy = None
+    if need_dx:
+        q = divide(dout, y)
+        dx = q if tuple(q.shape) == tuple(x.shape) else reduce_to(q, x.shape,
+                                                                  what="divide_grad: dx")
+    if need_dy:
+        g = divide_grad_y(dout, x, y)
+        dy = g if tuple(g.shape) == tuple(y.shape) else reduce_to(g, y.shape,
+                                                                  what="divide_grad: dy")
+    return dx, dy
+
+
+def divide_grad_y(dout, x, y):
+    """-(dout / y) * x / y elementwise in double, x and y broadcast to dout's shape (their
+    broadcast shape); a new array of dout's shape and dtype."""
+    what = "divide_grad"
+    launch.check_contiguous(f"{what}: dout", dout)
+    launch.check_contiguous(f"{what}: x", x)
+    launch.check_contiguous(f"{what}: y", y)
+    shape = tuple(int(n) for n in dout.shape)
+    if strided.broadcast_shape(what, x.shape, y.shape) != shape:
+        raise ValueError(f"{what}: dout has shape {shape}, not the broadcast shape of x "
+                         f"{tuple(x.shape)} and y {tuple(y.shape)}")
+    if not np.dtype(x.dtype) == np.dtype(y.dtype) == np.dtype(dout.dtype):
+        raise ValueError(f"{what}: dout, x and y must have one dtype, got "
+                         f"{np.dtype(dout.dtype)}, {np.dtype(x.dtype)} and {np.dtype(y.dtype)}")
+    out = loader.empty(shape, dout.dtype)
+    if out.size == 0:
+        return out
+    dims, (_, xs, ys) = strided.collapse(shape, strided.contiguous_strides(shape),
+                                         strided.broadcast_strides(shape, x.shape),
+                                         strided.broadcast_strides(shape, y.shape))
+    name = f"divide_grad_y_{loader.suffix(dout.dtype)}"
+    loader.flat_go(MODULE, name, SIGNATURES[name], out.size)(
+        loader.ptr(dout), loader.ptr(x), loader.ptr(y), loader.address(out), out.size,
+        *strided.padded(what, dims, xs, ys))
+    return out
+
+
 # ---- op kernels -------------------------------------------------------------------
 
 def add_gpu(op, ins, ctx):
@@ -145,4 +212,30 @@ def multiply_grad_gpu(op, ins, ctx):
     bound; the products in the dtype, the sums in double."""
     dx, dy = multiply_grad(ins["x"], ins["y"], ins["dout"], need_dx=op.wants("dx"),
                                need_dy=op.wants("dy"))
+    return present(dx=dx, dy=dy)
+
+
+def subtract_gpu(op, ins, ctx):
+    """out = x - y, broadcast, on the device."""
+    return {"out": subtract(ins["x"], ins["y"])}
+
+
+def subtract_grad_gpu(op, ins, ctx):
+    """dx = dout and dy = -dout, each summed (in double) back to its input's shape, each
+    when bound."""
+    dx, dy = subtract_grad(ins["x"].shape, ins["y"].shape, ins["dout"],
+                           need_dx=op.wants("dx"), need_dy=op.wants("dy"))
+    return present(dx=dx, dy=dy)
+
+
+def divide_gpu(op, ins, ctx):
+    """out = x / y, broadcast, on the device."""
+    return {"out": divide(ins["x"], ins["y"])}
+
+
+def divide_grad_gpu(op, ins, ctx):
+    """dx = dout / y and dy = -(dout / y) * x / y, each summed (in double) back to its
+    input's shape, each when bound."""
+    dx, dy = divide_grad(ins["x"], ins["y"], ins["dout"], need_dx=op.wants("dx"),
+                         need_dy=op.wants("dy"))
     return present(dx=dx, dy=dy)

@@ -4,14 +4,16 @@
 //   MG_BINARY_MAP(sigmoid_grad, out, dout, dout * out * (T(1) - out))
 //   MG_UNARY_MAP_S(leaky_relu, x, alpha, x > T(0) ? x : alpha * x)
 //   MG_BINARY_MAP_S(leaky_relu_grad, x, dout, alpha, x > T(0) ? dout : alpha * dout)
+//   MG_UNARY_MAP_S2(clip, x, lo, hi, x < lo ? lo : (x > hi ? hi : x))
 //
 // Each use defines four entry points, NAME_{f32,f64}_w{1,W} (W = 4 for float,
 // 2 for double: 16-byte packs, used when every array is 16-byte aligned):
-//   unary:  NAME_..(const T* x, T* out, long long total [, double s])
-//   binary: NAME_..(const T* a, const T* b, T* out, long long total [, double s])
+//   unary:  NAME_..(const T* x, T* out, long long total [, double s [, double s1]])
+//   binary: NAME_..(const T* a, const T* b, T* out, long long total [, double s [, double s1]])
 // The expression (everything after the operand and scalar names; it may hold
 // commas) is evaluated in the element type T with the operands of type T; a
-// scalar arrives as a double and is converted to T once per launch.
+// scalar arrives as a double and is converted to T once per launch (the _S
+// forms take one scalar, the _S2 forms two).
 // kernels/cuda/map.py derives the launch signatures from these macro uses (a .cu
 // made only of them needs no launcher of its own) and launches them.
 #pragma once
@@ -67,6 +69,16 @@ __device__ __forceinline__ void map_binary(const T* __restrict__ a, const T* __r
                                                  long long total, double s) {                 \
     mg::map_binary<T, W>(a, b, out, total, mg_map_##NAME<T>{T(s)});                           \
   }
+#define MG_MAP_UNARY_S2_ENTRY(NAME, T, SFX, W)                                                \
+  extern "C" __global__ void NAME##_##SFX##_w##W(const T* x, T* out, long long total,         \
+                                                 double s, double s1) {                       \
+    mg::map_unary<T, W>(x, out, total, mg_map_##NAME<T>{T(s), T(s1)});                        \
+  }
+#define MG_MAP_BINARY_S2_ENTRY(NAME, T, SFX, W)                                               \
+  extern "C" __global__ void NAME##_##SFX##_w##W(const T* a, const T* b, T* out,              \
+                                                 long long total, double s, double s1) {      \
+    mg::map_binary<T, W>(a, b, out, total, mg_map_##NAME<T>{T(s), T(s1)});                    \
+  }
 #define MG_MAP_ENTRIES(KIND, NAME)                                                            \
   KIND(NAME, float, f32, 1)                                                                   \
   KIND(NAME, float, f32, 4)                                                                   \
@@ -104,3 +116,19 @@ __device__ __forceinline__ void map_binary(const T* __restrict__ a, const T* __r
     __device__ __forceinline__ T operator()(T A, T B) const { return (__VA_ARGS__); }         \
   };                                                                                          \
   MG_MAP_ENTRIES(MG_MAP_BINARY_S_ENTRY, NAME)
+
+#define MG_UNARY_MAP_S2(NAME, X, S, S1, ...)                                                  \
+  template <typename T>                                                                       \
+  struct mg_map_##NAME {                                                                      \
+    T S, S1;                                                                                  \
+    __device__ __forceinline__ T operator()(T X) const { return (__VA_ARGS__); }              \
+  };                                                                                          \
+  MG_MAP_ENTRIES(MG_MAP_UNARY_S2_ENTRY, NAME)
+
+#define MG_BINARY_MAP_S2(NAME, A, B, S, S1, ...)                                              \
+  template <typename T>                                                                       \
+  struct mg_map_##NAME {                                                                      \
+    T S, S1;                                                                                  \
+    __device__ __forceinline__ T operator()(T A, T B) const { return (__VA_ARGS__); }         \
+  };                                                                                          \
+  MG_MAP_ENTRIES(MG_MAP_BINARY_S2_ENTRY, NAME)

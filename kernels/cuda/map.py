@@ -1,7 +1,8 @@
 """The generic launcher of the one-line elementwise kernels of kernels/cuda/map.cuh.
 
 A `.cu` file declares maps with `MG_UNARY_MAP(name, x, expr)`,
-`MG_BINARY_MAP(name, a, b, expr)` and their one-scalar forms `..._MAP_S`;
+`MG_BINARY_MAP(name, a, b, expr)`, their one-scalar forms `..._MAP_S` and their
+two-scalar forms `..._MAP_S2`;
 `signatures(module)` reads those declarations out of the source, so a module
 made only of them (a "map-only" module) needs no launcher file of its own:
 
@@ -21,11 +22,12 @@ import re
 
 from minigraph.kernels.cuda import launch, loader
 
-# macro -> (argument format without the scalar, number of double scalars)
+# macro -> (argument format without the scalars, number of double scalars)
 MACROS = {"MG_UNARY_MAP": ("PPq", 0), "MG_UNARY_MAP_S": ("PPq", 1),
-          "MG_BINARY_MAP": ("PPPq", 0), "MG_BINARY_MAP_S": ("PPPq", 1)}
+          "MG_UNARY_MAP_S2": ("PPq", 2), "MG_BINARY_MAP": ("PPPq", 0),
+          "MG_BINARY_MAP_S": ("PPPq", 1), "MG_BINARY_MAP_S2": ("PPPq", 2)}
 VARIANTS = ("f32_w1", "f32_w4", "f64_w1", "f64_w2")      # map.cuh's MG_MAP_ENTRIES
-_USE = re.compile(r"^[ \t]*(MG_(?:UNARY|BINARY)_MAP(?:_S)?)\s*\(\s*(\w+)\s*,", re.MULTILINE)
+_USE = re.compile(r"^[ \t]*(MG_(?:UNARY|BINARY)_MAP(?:_S2?)?)\s*\(\s*(\w+)\s*,", re.MULTILINE)
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 
 
@@ -76,7 +78,7 @@ def _out(what, like, out):
 
 def unary(module, name, x, *scalars, out=None):
     """out = f(x) elementwise, f the map `name` declared in kernels/<module>.cu
-    (`scalars`: its scalar, as a float). A new array of x's shape and dtype
+    (`scalars`: its scalars, as floats). A new array of x's shape and dtype
     (float32 or float64, C-contiguous) unless `out` is given. Returns out."""
     template = _family(module, name, len(scalars))
     if not x.flags.c_contiguous:
@@ -109,21 +111,25 @@ def binary(module, name, a, b, *scalars, out=None):
     return out
 
 
-def op_kernels(op_type, keep, scalar=None):
+def op_kernels(op_type, keep, scalar=None, module=None):
     """(forward, backward): the GPU kernels of `op_type` and `<op_type>_grad` from the
-    map-only module kernels/cuda/<op_type>.cu: out = op(x[, attr]) and
-    dx = op_grad(keep, dout[, attr]); `scalar` names the attribute passed."""
+    map-only module kernels/cuda/<module or op_type>.cu: out = op(x[, attrs]) and
+    dx = op_grad(keep, dout[, attrs]); `scalar` names the attribute passed, or is a
+    tuple of attribute names."""
+    module = module or op_type
+    names = () if scalar is None else (scalar,) if isinstance(scalar, str) else tuple(scalar)
+
     def forward(op, ins, ctx):
-        args = (op.attrs[scalar],) if scalar else ()
-        return {"out": unary(op_type, op_type, ins["x"], *args)}
+        args = tuple(op.attrs[n] for n in names)
+        return {"out": unary(module, op_type, ins["x"], *args)}
 
     def backward(op, ins, ctx):
         if not op.wants("dx"):
             return {}
-        args = (op.attrs[scalar],) if scalar else ()
-        return {"dx": binary(op_type, op_type + "_grad", ins[keep], ins["dout"], *args)}
+        args = tuple(op.attrs[n] for n in names)
+        return {"dx": binary(module, op_type + "_grad", ins[keep], ins["dout"], *args)}
 
-    forward.__doc__ = f"{op_type} on the device (kernels/cuda/{op_type}.cu)."
-    backward.__doc__ = f"{op_type}_grad on the device (kernels/cuda/{op_type}.cu), when bound."
+    forward.__doc__ = f"{op_type} on the device (kernels/cuda/{module}.cu)."
+    backward.__doc__ = f"{op_type}_grad on the device (kernels/cuda/{module}.cu), when bound."
     forward.__name__, backward.__name__ = f"{op_type}_gpu", f"{op_type}_grad_gpu"
     return forward, backward

@@ -1,5 +1,5 @@
 // Tiled matrix product in shared memory: C = op(A) @ op(B) (+ C when beta),
-// op = identity or transpose (nn: A @ B, tn: A^T @ B, nt: A @ B^T), all
+// op = identity or transpose (nn: A @ B, tn: A^T @ B, nt: A @ B^T, tt: A^T @ B^T), all
 // row-major with leading dimensions lda, ldb, ldc.
 //
 // Batches: blockIdx.z = outer * inner_count + inner picks the matrices at
@@ -102,6 +102,8 @@ __device__ void gemm(int M, int N, int K, const T* __restrict__ A, long long lda
 MG_GEMM_KERNEL(float, f32, nn, false, false)
 MG_GEMM_KERNEL(float, f32, tn, true, false)
 MG_GEMM_KERNEL(float, f32, nt, false, true)
+MG_GEMM_KERNEL(float, f32, tt, true, true)
 MG_GEMM_KERNEL(double, f64, nn, false, false)
 MG_GEMM_KERNEL(double, f64, tn, true, false)
 MG_GEMM_KERNEL(double, f64, nt, false, true)
+MG_GEMM_KERNEL(double, f64, tt, true, true)

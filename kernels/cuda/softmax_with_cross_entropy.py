@@ -11,8 +11,8 @@ import numpy as np
 from minigraph.kernels.cuda import launch, loader
 
 MODULE = "softmax_with_cross_entropy"
-SIGNATURES = {**{f"swce_forward_{t}": "PPPPqiP" for t in ("f32", "f64")},
-              **{f"swce_grad_{t}": "PPPPPqiP" for t in ("f32", "f64")}}
+SIGNATURES = {**{f"swce_forward_{t}": "PPPPqiPd" for t in ("f32", "f64")},
+              **{f"swce_grad_{t}": "PPPPPqiPd" for t in ("f32", "f64")}}
 
 
 class LabelStatus:
@@ -44,9 +44,11 @@ def _rows_launch(name, rows, k_classes, *args):
     loader.rows_go(MODULE, name, SIGNATURES[name], rows, k_classes)(*args)
 
 
-def forward(logits, label, status=None):
+def forward(logits, label, status=None, label_smoothing=0.0):
     """(softmax (N, K), loss (N,)) of logits (N, K) and int64 labels (N,),
-    computed in double from the max-shifted logits. Bad labels: see LabelStatus."""
+    computed in double from the max-shifted logits; with label_smoothing eps,
+    loss = (1 - eps) (-log softmax[label]) + eps mean_k(-log softmax[k]) (eps = 0:
+    exactly the unsmoothed loss). Bad labels: see LabelStatus."""
     rows, classes = (int(d) for d in logits.shape)
     launch.check_contiguous("softmax_with_cross_entropy: logits", logits)
     launch.check_array("softmax_with_cross_entropy: label", label, (rows,), np.int64)
@@ -56,13 +58,15 @@ def forward(logits, label, status=None):
     if rows and classes:
         _rows_launch(f"swce_forward_{loader.suffix(logits.dtype)}", rows, classes,
                      loader.ptr(logits), loader.ptr(label), loader.address(softmax),
-                     loader.address(loss), rows, classes, loader.address(status.array))
+                     loader.address(loss), rows, classes, loader.address(status.array),
+                     float(label_smoothing))
     return softmax, loss
 
 
-def grad(label, softmax, dloss=None, dsoftmax=None, status=None):
-    """dlogits = (softmax - onehot(label)) * dloss[:, None]
-    + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1)); either term is
+def grad(label, softmax, dloss=None, dsoftmax=None, status=None, label_smoothing=0.0):
+    """dlogits = (softmax - target) * dloss[:, None]
+    + softmax * (dsoftmax - sum(dsoftmax * softmax, axis=1)), target the smoothed
+    onehot (1 - eps) onehot(label) + eps / K (eps = label_smoothing); either term is
     left out when its input is None."""
     rows, classes = (int(d) for d in softmax.shape)
     launch.check_contiguous("softmax_with_cross_entropy_grad: softmax", softmax)
@@ -79,7 +83,7 @@ def grad(label, softmax, dloss=None, dsoftmax=None, status=None):
         _rows_launch(f"swce_grad_{loader.suffix(softmax.dtype)}", rows, classes,
                      loader.ptr(label), loader.ptr(softmax), loader.ptr(dloss),
                      loader.ptr(dsoftmax), loader.address(dlogits), rows, classes,
-                     loader.address(status.array))
+                     loader.address(status.array), float(label_smoothing))
     return dlogits
 
 
@@ -92,19 +96,22 @@ def label_status(what):
 
 
 def softmax_with_cross_entropy_gpu(op, ins, ctx):
-    """softmax and loss on the device, from the max-shifted logits in double.
-    A label outside [0, K) gets loss NaN and is flagged on the device; the
-    error raises at the next fetch (see minigraph.place), not here."""
+    """softmax and loss (label-smoothed by the attribute) on the device, from the
+    max-shifted logits in double. A label outside [0, K) gets loss NaN and is
+    flagged on the device; the error raises at the next fetch (see
+    minigraph.place), not here."""
     logits, label = ins["logits"], ins["label"]
-    softmax, loss = forward(logits, label, label_status("softmax_with_cross_entropy"))
+    softmax, loss = forward(logits, label, label_status("softmax_with_cross_entropy"),
+                            op.attrs["label_smoothing"])
     return {"softmax": softmax, "loss": loss}
 
 
 def softmax_with_cross_entropy_grad_gpu(op, ins, ctx):
-    """dlogits on the device, from the terms whose incoming gradient is bound;
-    nothing when dlogits is unbound."""
+    """dlogits on the device (the smoothed target of the attribute), from the terms
+    whose incoming gradient is bound; nothing when dlogits is unbound."""
     sm, label = ins["softmax"], ins["label"]
     dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
     if not op.wants("dlogits"):
         return {}
-    return {"dlogits": grad(label, sm, dloss, dsoftmax, label_status(op.type))}
+    return {"dlogits": grad(label, sm, dloss, dsoftmax, label_status(op.type),
+                            op.attrs["label_smoothing"])}

@@ -8,12 +8,40 @@ builds all or nothing. See minigraph.layers.base for writing a new one.
 """
 from minigraph.layers.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
 from minigraph.layers.base import LayerRecord, layer
-from minigraph.layers.loss import accuracy, argmax, mean, softmax_with_cross_entropy
-from minigraph.layers.nn import conv2d, data, dropout, fc, pool2d
+from minigraph.layers.loss import (
+    accuracy,
+    argmax,
+    binary_cross_entropy_with_logits,
+    huber_loss,
+    l1_loss,
+    mean,
+    mse_loss,
+    softmax_with_cross_entropy,
+)
+from minigraph.layers.math import (
+    abs,  # noqa: A004  (the layer API's name, like torch.abs)
+    clip,
+    divide,
+    exp,
+    log,
+    matmul,
+    pow,  # noqa: A004
+    reduce_max,
+    reduce_mean,
+    reduce_sum,
+    scale,
+    sqrt,
+    square,
+    subtract,
+)
+from minigraph.layers.nn import conv2d, data, dropout, embedding, fc, pool2d
 from minigraph.layers.norm import batch_norm, group_norm, instance_norm, layer_norm
 from minigraph.layers.tensor import add, concat, flatten, multiply, reshape, transpose
 
-__all__ = ["LayerRecord", "accuracy", "add", "argmax", "batch_norm", "concat", "conv2d", "data",
-           "dropout", "fc", "flatten", "gelu", "group_norm", "instance_norm", "layer",
-           "layer_norm", "leaky_relu", "mean", "multiply", "pool2d", "relu", "reshape",
-           "sigmoid", "silu", "softmax", "softmax_with_cross_entropy", "tanh", "transpose"]
+__all__ = ["LayerRecord", "abs", "accuracy", "add", "argmax", "batch_norm",
+           "binary_cross_entropy_with_logits", "clip", "concat", "conv2d", "data", "divide",
+           "dropout", "embedding", "exp", "fc", "flatten", "gelu", "group_norm", "huber_loss",
+           "instance_norm", "l1_loss", "layer", "layer_norm", "leaky_relu", "log", "matmul",
+           "mean", "mse_loss", "multiply", "pool2d", "pow", "reduce_max", "reduce_mean",
+           "reduce_sum", "relu", "reshape", "scale", "sigmoid", "silu", "softmax",
+           "softmax_with_cross_entropy", "sqrt", "square", "subtract", "tanh", "transpose"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minigraph.param_attr import as_param_attr
 from minigraph.scope import Variable
 from minigraph.validators import check_number, is_int
 
@@ -25,15 +26,23 @@ from minigraph.validators import check_number, is_int
 @dataclass(frozen=True)
 class LayerRecord:
     """What one layer call built: its name and kind, the types of the ops it
-    appended (train path), its output's shape, and the sizes of the
-    persistables it created (trainable and not)."""
+    appended (train path), its output's shape, and the persistables it created;
+    `trainable` / `non_trainable` count their values by their current flags (a
+    parameter frozen after the build counts as non-trainable)."""
 
     name: str
     kind: str
     op_types: tuple
     output_shape: tuple | None
-    trainable: int
-    non_trainable: int
+    made: tuple
+
+    @property
+    def trainable(self):
+        return sum(_size(v) for v in self.made if v.trainable)
+
+    @property
+    def non_trainable(self):
+        return sum(_size(v) for v in self.made if not v.trainable)
 
 
 def layer(kind):
@@ -57,9 +66,7 @@ def layer(kind):
                 net.layers.append(LayerRecord(
                     name, kind, tuple(op.type for op in ops),
                     tuple(out.shape) if isinstance(out, Variable) and out.shape is not None
-                    else None,
-                    sum(_size(v) for v in made if v.trainable),
-                    sum(_size(v) for v in made if not v.trainable)))
+                    else None, tuple(made)))
             return out
         return wrapper
     return deco
@@ -140,3 +147,35 @@ def axis_arg(kind, arg, value, rank):
         raise ValueError(f"{kind}: argument '{arg}' must be an int in [{-rank}, {rank}) for a "
                          f"rank-{rank} input, got {value!r}")
     return int(value) % rank
+
+
+def parameter(net, kind, arg, attr, default_name, shape, dtype, default_init, fan_in=None,
+              fan_out=None):
+    """The parameter a layer's `arg` (a ParamAttr, its name, or None) asks for: a new
+    persistable made with the attr's initializer (else `default_init`), or, when the
+    attr names one this net already has, that one - shared, after checking its shape,
+    dtype and settings agree (an error naming the layer and the argument otherwise)."""
+    attr = as_param_attr(kind, arg, attr)
+    name = attr.name or default_name
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    existing = net.scope.find_local_var(name) if attr.name is not None else None
+    if existing is not None:
+        if not existing.persistable or existing.param_attr is None:
+            raise ValueError(f"{kind}: argument '{arg}' names {name!r}, which is not a "
+                             "parameter made by a layer")
+        if tuple(existing.shape) != shape or np.dtype(existing.dtype) != dtype:
+            raise ValueError(f"{kind}: argument '{arg}' names the shared parameter {name!r} of "
+                             f"shape {tuple(existing.shape)} and dtype {existing.dtype}; this "
+                             f"layer needs shape {shape} and dtype {dtype}")
+        ours = (attr.learning_rate, attr.weight_decay, attr.trainable)
+        theirs = (existing.param_attr.learning_rate, existing.param_attr.weight_decay,
+                  existing.param_attr.trainable)
+        if ours != theirs:
+            raise ValueError(f"{kind}: argument '{arg}' shares {name!r} with other settings "
+                             f"(learning_rate, weight_decay, trainable) = {ours} than its first "
+                             f"use's {theirs}")
+        return existing
+    var = net.create_parameter(name, shape, dtype, attr.initializer or default_init,
+                               trainable=attr.trainable, fan_in=fan_in, fan_out=fan_out)
+    var.param_attr = attr
+    return var

@@ -12,15 +12,17 @@ import zlib
 
 import numpy as np
 
-from minigraph.initializer import Constant, Xavier
+from minigraph.initializer import Constant, FanInUniform, KaimingUniform, Normal
 from minigraph.layers.base import (
     float_arg,
     int_arg,
     known_dims,
     layer,
     pair_arg,
+    parameter,
     tensor,
 )
+from minigraph.validators import is_int
 
 
 def data(net, name, shape, dtype="float32"):
@@ -41,16 +43,19 @@ def data(net, name, shape, dtype="float32"):
     return net.add_data(name, shape, dtype)
 
 
-def _bias(net, out, name, size, dtype, b_init, out_name):
-    b = net.create_parameter(f"{name}.b", (size,), dtype, b_init or Constant(0.0))
+def _bias(net, kind, out, name, size, dtype, attr, fan_in, out_name):
+    b = parameter(net, kind, "bias_attr", attr, f"{name}.b", (size,), dtype, FanInUniform(),
+                  fan_in=fan_in)
     return net.append("elementwise_add", {"x": out, "y": b}, {"out": out_name},
                       {"axis": 1})["out"]
 
 
 @layer("fc")
-def fc(net, x, size, name=None, w_init=None, b_init=None, bias=True):
+def fc(net, x, size, name=None, param_attr=None, bias_attr=None, bias=True):
     """y = flatten(x) @ w + b; w: `name.w` (in_features, size), b: `name.b` (size,).
-    Every axis after the first is flattened."""
+    Every axis after the first is flattened. param_attr / bias_attr: a ParamAttr (or
+    the parameter's name: the same name twice shares it); bias_attr=False (or
+    bias=False) makes no bias. Default initialisation: PyTorch's nn.Linear's."""
     tensor(net, "fc", "x", x, float_only=True)
     size = int_arg("fc", "size", size)
     shape = known_dims("fc", "x", x, range(1, len(x.shape or ())))
@@ -58,17 +63,22 @@ def fc(net, x, size, name=None, w_init=None, b_init=None, bias=True):
         raise ValueError(f"fc: argument 'x' ({x.name!r}) needs a batch axis and at least one "
                          f"feature axis, got shape {shape}")
     in_features = math.prod(shape[1:])
-    w = net.create_parameter(f"{name}.w", (in_features, size), x.dtype, w_init or Xavier(),
-                             fan_in=in_features, fan_out=size)
-    out = net.append("mul", {"x": x, "y": w}, {"out": f"{name}.mul" if bias else f"{name}.out"},
+    with_bias = bias and bias_attr is not False
+    w = parameter(net, "fc", "param_attr", param_attr, f"{name}.w", (in_features, size),
+                  x.dtype, KaimingUniform(math.sqrt(5)), fan_in=in_features, fan_out=size)
+    out = net.append("mul", {"x": x, "y": w},
+                     {"out": f"{name}.mul" if with_bias else f"{name}.out"},
                      {"x_num_col_dims": 1})["out"]
-    return _bias(net, out, name, size, x.dtype, b_init, f"{name}.out") if bias else out
+    if not with_bias:
+        return out
+    return _bias(net, "fc", out, name, size, x.dtype, bias_attr, in_features, f"{name}.out")
 
 
 @layer("conv2d")
 def conv2d(net, x, num_filters, filter_size, stride=1, padding=0, dilation=1, groups=1,
-           name=None, w_init=None, b_init=None, bias=True):
-    """2-D convolution on NCHW input; w: `name.w` (out, in/groups, kh, kw), b: `name.b`."""
+           name=None, param_attr=None, bias_attr=None, bias=True):
+    """2-D convolution on NCHW input; w: `name.w` (out, in/groups, kh, kw), b: `name.b`.
+    param_attr / bias_attr as fc's. Default initialisation: PyTorch's nn.Conv2d's."""
     tensor(net, "conv2d", "x", x, float_only=True)
     num_filters = int_arg("conv2d", "num_filters", num_filters)
     groups = int_arg("conv2d", "groups", groups)
@@ -83,12 +93,44 @@ def conv2d(net, x, num_filters, filter_size, stride=1, padding=0, dilation=1, gr
     if channels % groups or num_filters % groups:
         raise ValueError(f"conv2d: argument 'groups' ({groups}) must divide the {channels} "
                          f"input channels and num_filters ({num_filters})")
-    w = net.create_parameter(f"{name}.w", (num_filters, channels // groups, kh, kw), x.dtype,
-                             w_init or Xavier(), fan_in=channels // groups * kh * kw,
-                             fan_out=num_filters // groups * kh * kw)
+    fan_in = channels // groups * kh * kw
+    with_bias = bias and bias_attr is not False
+    w = parameter(net, "conv2d", "param_attr", param_attr, f"{name}.w",
+                  (num_filters, channels // groups, kh, kw), x.dtype,
+                  KaimingUniform(math.sqrt(5)), fan_in=fan_in,
+                  fan_out=num_filters // groups * kh * kw)
     out = net.append("conv2d", {"x": x, "filter": w},
-                     {"out": f"{name}.conv" if bias else f"{name}.out"}, attrs)["out"]
-    return _bias(net, out, name, num_filters, x.dtype, b_init, f"{name}.out") if bias else out
+                     {"out": f"{name}.conv" if with_bias else f"{name}.out"}, attrs)["out"]
+    if not with_bias:
+        return out
+    return _bias(net, "conv2d", out, name, num_filters, x.dtype, bias_attr, fan_in,
+                 f"{name}.out")
+
+
+@layer("embedding")
+def embedding(net, ids, num_embeddings, embedding_dim, padding_idx=None, param_attr=None,
+              dtype="float32", name=None):
+    """Rows of a learned table by int64 id (torch.nn.Embedding): `name.w`
+    (num_embeddings, embedding_dim), initialised N(0, 1) as torch's with its padding_idx
+    row (if any) zero (a param_attr initializer replaces both); the padding row gets no
+    gradient. dtype: the table's float dtype. out: ids.shape + (embedding_dim,)."""
+    tensor(net, "embedding", "ids", ids)
+    if ids.dtype is not None and np.dtype(ids.dtype) != np.int64:
+        raise TypeError(f"embedding: argument 'ids' must be int64 row indices, got "
+                        f"{ids.name!r} of dtype {ids.dtype}")
+    rows = int_arg("embedding", "num_embeddings", num_embeddings)
+    dim = int_arg("embedding", "embedding_dim", embedding_dim)
+    if padding_idx is not None:
+        if not is_int(padding_idx) or not -rows <= padding_idx < rows:
+            raise ValueError(f"embedding: argument 'padding_idx' must be None or an int in "
+                             f"[{-rows}, {rows}), got {padding_idx!r}")
+        padding_idx = int(padding_idx) % rows
+    if np.dtype(dtype).kind != "f":
+        raise TypeError(f"embedding: argument 'dtype' must be a float dtype, got {dtype!r}")
+    w = parameter(net, "embedding", "param_attr", param_attr, f"{name}.w", (rows, dim),
+                  dtype, Normal(0.0, 1.0, zero_row=padding_idx))
+    return net.append("embedding", {"ids": ids, "w": w}, {"out": f"{name}.out"},
+                      {"padding_idx": -1 if padding_idx is None else padding_idx})["out"]
 
 
 @layer("pool2d")

@@ -24,11 +24,13 @@ import numpy as np
 
 from minigraph.backward import append_backward
 from minigraph.initializer import Constant
-from minigraph.optimizer import lr
+from minigraph.optimizer import groups, lr
+from minigraph.optimizer.gradient_merge import GradientMerge
 from minigraph.schema import OpDesc
 from minigraph.validators import check_number
 
-__all__ = ["SGD", "Adam", "AdamW", "ClipGradByGlobalNorm", "Momentum", "Optimizer", "lr"]
+__all__ = ["SGD", "Adam", "AdamW", "ClipGradByGlobalNorm", "GradientMerge", "Momentum",
+           "Optimizer", "lr"]
 
 
 def check_learning_rate(value, what="learning_rate"):
@@ -56,6 +58,8 @@ class Optimizer:
     def __init__(self, learning_rate, weight_decay=0.0, grad_clip=None):
         name = type(self).__name__
         if isinstance(learning_rate, lr.Schedule):
+            self.schedule, self._initial = learning_rate, learning_rate.value(0)
+        elif isinstance(learning_rate, lr.ReduceOnPlateau):
             self.schedule, self._initial = learning_rate, learning_rate.learning_rate
         else:
             self.schedule = None
@@ -72,35 +76,65 @@ class Optimizer:
     @property
     def learning_rate(self):
         """The current learning rate: the value of the learning-rate variable after
-        minimize() (with a schedule: the rate of the last step taken, the initial
-        rate before the first), else the initial value."""
+        minimize() (with a schedule: the rate of the last update, the initial rate
+        before the first), else the initial value."""
         if self.lr_var is None or self.lr_var.value is None:
             return self._initial
         return float(self.lr_var.get())
 
     def minimize(self, net, loss, parameters=None):
-        """Append backward and the update section (schedule, clipping, one update op
-        per trainable parameter; train branch only). Returns [(parameter, gradient)]."""
+        """Append backward and the update section (schedule, learning-rate multipliers,
+        clipping, one update op per parameter; train branch only). parameters: None
+        (every trainable one), or a list of parameters and groups (see
+        minigraph.optimizer.groups). Returns [(parameter, gradient)]."""
+        settings, params_grads = self.backward(net, loss, parameters)
+        self.append_updates(net, [(s, g) for s, (_, g) in zip(settings, params_grads)
+                                  if g is not None])
+        return params_grads
+
+    def backward(self, net, loss, parameters=None):
+        """The first half of minimize: checks, then append_backward for the parameters'
+        settings. Returns ([ParamSetting], [(parameter, gradient)]) in one order."""
+        name = type(self).__name__
         if self.lr_var is not None:
-            raise ValueError(f"{type(self).__name__}.minimize: this optimizer already "
-                             "minimises a net; make one optimizer per net")
-        params_grads = append_backward(net, loss, parameters)
+            raise ValueError(f"{name}.minimize: this optimizer already minimises a net; make "
+                             "one optimizer per net")
+        if getattr(net, "optimizer", None) is not None:
+            raise ValueError(f"{name}.minimize: this net is already minimised by a "
+                             f"{type(net.optimizer).__name__}; a net has one optimizer: give it "
+                             "parameter groups instead (parameters=[{'params': [...], "
+                             "'learning_rate': multiplier, 'weight_decay': wd}, ...])")
+        settings = groups.resolve(net, parameters, f"{name}.minimize", self.weight_decay)
+        return settings, append_backward(net, loss, [s.param for s in settings])
+
+    def append_updates(self, net, updates):
+        """The second half of minimize: the learning-rate variable, the schedule op, one
+        `scale` op per learning-rate multiplier other than 1, the clipping op and one
+        update op per (ParamSetting, gradient) of `updates`, in the update section."""
         self._place = net.place
         self.lr_var = net.create_parameter(net.unique_name("learning_rate"), (), "float64",
                                            Constant(self._initial), trainable=False)
-        if self.schedule is not None:
+        if isinstance(self.schedule, lr.ReduceOnPlateau):
+            self.schedule.bind(net, self.lr_var)
+        elif self.schedule is not None:
             self.step_var = net.create_parameter(f"{self.lr_var.name}.step", (), "int64",
                                                  Constant(0), trainable=False)
             net.append_op(OpDesc("lr_schedule", dict(step=self.step_var, step_out=self.step_var,
                                                       learning_rate=self.lr_var,
                                                       **self.schedule.attrs())), "update")
-        pairs = [(p, g) for p, g in params_grads if g is not None]
-        if self.grad_clip is not None and pairs:
-            net.append_op(self.grad_clip.op([g for _, g in pairs]), "update")
-        for param, grad in pairs:
-            net.append_op(self.update(net, param, grad), "update")
+        rates = {1.0: self.lr_var}
+        for setting, _ in updates:
+            if setting.lr_scale not in rates:
+                out = net.scopes["train"].new_var(f"{self.lr_var.name}.x{len(rates)}")
+                net.append_op(OpDesc("scale", dict(x=self.lr_var, out=out,
+                                                   scale=setting.lr_scale)), "update")
+                rates[setting.lr_scale] = out
+        if self.grad_clip is not None and updates:
+            net.append_op(self.grad_clip.op([g for _, g in updates]), "update")
+        for setting, grad in updates:
+            net.append_op(self.update(net, setting.param, grad, rates[setting.lr_scale],
+                                      setting.weight_decay), "update")
         net.optimizer = self
-        return params_grads
 
     def set_learning_rate(self, value):
         """Change the learning rate for the next steps (after minimize; not with a
@@ -111,7 +145,8 @@ class Optimizer:
         if self.schedule is not None:
             raise ValueError(f"{name}.set_learning_rate: the learning rate follows a schedule "
                              f"({type(self.schedule).__name__}); build the optimizer with a "
-                             "number instead to set it by hand")
+                             "number instead to set it by hand (lr.ReduceOnPlateau lowers it "
+                             "from a metric)")
         value = check_learning_rate(value, f"{name}.set_learning_rate: learning_rate")
         self.lr_var.set(self._place.to_device(np.array(value, dtype=np.float64)))
 
@@ -122,16 +157,18 @@ class Optimizer:
                                     param.dtype if dtype is None else dtype,
                                     Constant(value), trainable=False)
 
-    def update(self, net, param, grad):
+    def update(self, net, param, grad, learning_rate, weight_decay):
+        """The OpDesc updating `param` from `grad` at the rate held by the Variable
+        `learning_rate`, with this parameter's `weight_decay`."""
         raise NotImplementedError
 
 
 class SGD(Optimizer):
     """param -= learning_rate * (grad + weight_decay * param)."""
 
-    def update(self, net, param, grad):
-        return OpDesc("sgd", dict(param=param, grad=grad, learning_rate=self.lr_var,
-                                  param_out=param, weight_decay=self.weight_decay))
+    def update(self, net, param, grad, learning_rate, weight_decay):
+        return OpDesc("sgd", dict(param=param, grad=grad, learning_rate=learning_rate,
+                                  param_out=param, weight_decay=weight_decay))
 
 
 class Momentum(Optimizer):
@@ -145,13 +182,12 @@ class Momentum(Optimizer):
         self.momentum = check_number(momentum, "Momentum: momentum", high=1.0)
         self.nesterov = bool(nesterov)
 
-    def update(self, net, param, grad):
+    def update(self, net, param, grad, learning_rate, weight_decay):
         velocity = self.state(net, param, "velocity")
         return OpDesc("momentum", dict(param=param, grad=grad, velocity=velocity,
-                                       learning_rate=self.lr_var, param_out=param,
+                                       learning_rate=learning_rate, param_out=param,
                                        velocity_out=velocity, mu=self.momentum,
-                                       use_nesterov=self.nesterov,
-                                       weight_decay=self.weight_decay))
+                                       use_nesterov=self.nesterov, weight_decay=weight_decay))
 
 
 class Adam(Optimizer):
@@ -167,15 +203,15 @@ class Adam(Optimizer):
         self.beta2 = check_number(beta2, f"{name}: beta2", high=1.0, high_open=True)
         self.epsilon = check_number(epsilon, f"{name}: epsilon", low_open=True)
 
-    def update(self, net, param, grad):
+    def update(self, net, param, grad, learning_rate, weight_decay):
         m1, m2 = self.state(net, param, "moment1"), self.state(net, param, "moment2")
         p1, p2 = (self.state(net, param, s, 1.0, (), "float64")
                   for s in ("beta1_pow", "beta2_pow"))
         return OpDesc("adam", dict(
             param=param, grad=grad, moment1=m1, moment2=m2, beta1_pow=p1, beta2_pow=p2,
-            learning_rate=self.lr_var, param_out=param, moment1_out=m1, moment2_out=m2,
+            learning_rate=learning_rate, param_out=param, moment1_out=m1, moment2_out=m2,
             beta1_pow_out=p1, beta2_pow_out=p2, beta1=self.beta1, beta2=self.beta2,
-            epsilon=self.epsilon, weight_decay=self.weight_decay, decoupled=self.decoupled))
+            epsilon=self.epsilon, weight_decay=weight_decay, decoupled=self.decoupled))
 
 
 class AdamW(Adam):

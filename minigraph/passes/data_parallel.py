@@ -3,7 +3,10 @@
 After it, K ranks running the same net on their own rows train like one
 process on all the rows (with sync_batch_norm for the batch statistics):
   * before the update ops, one `c_allreduce_avg` (per dtype) replaces each
-    parameter gradient by its average over ranks. With the loss a mean over
+    parameter gradient by its average over ranks (at the end of the backward
+    section; for gradients made in the update section, GradientMerge's means
+    of the merged gradients, right after they are made, so only on the steps
+    that update). With the loss a mean over
     the local rows and equal per-rank batch sizes, that average is the
     gradient of the mean loss over the whole batch. For uneven sizes pass
     `batch_size_from`: the loss gradient is first scaled by size·B_r/ΣB
@@ -42,9 +45,19 @@ def rewrite(net, batch_size_from=None):
             continue
         seen.add(id(grad))
         partial.setdefault(grad.dtype, []).append(grad)
+    made_in_update = _producers(net.section("update"))
+    count = 0
     for grads in partial.values():
-        net.append_op(Operator("c_allreduce_avg", x=grads, out=grads), "backward")
-    return len(partial)
+        early = [g for g in grads if id(g) not in made_in_update]
+        late = [g for g in grads if id(g) in made_in_update]
+        if early:
+            net.append_op(Operator("c_allreduce_avg", x=early, out=early), "backward")
+        if late:
+            ops = net.section("update")
+            index = max(ops.index(made_in_update[id(g)]) for g in late) + 1
+            net.insert_op("update", index, Operator("c_allreduce_avg", x=late, out=late))
+        count += bool(early) + bool(late)
+    return count
 
 
 def _data_var(net, batch):

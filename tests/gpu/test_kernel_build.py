@@ -83,6 +83,9 @@ def test_map_signatures_come_from_the_declarations():
     sigs = maps.source_signatures(source)
     assert sigs == {**{f"neg_{v}": "PPq" for v in ("f32_w1", "f32_w4", "f64_w1", "f64_w2")},
                     **{f"axpy_{v}": "PPPqd" for v in ("f32_w1", "f32_w4", "f64_w1", "f64_w2")}}
+    two = maps.source_signatures("MG_UNARY_MAP_S2(clamp, x, lo, hi, x)\n"
+                                 "MG_BINARY_MAP_S2(clamp_grad, x, d, lo, hi, d)\n")
+    assert two["clamp_f32_w4"] == "PPqdd" and two["clamp_grad_f64_w1"] == "PPPqdd"
     with pytest.raises(ValueError, match="'neg' is declared twice"):
         maps.source_signatures(source + "MG_UNARY_MAP(neg, x, x)\n")
     for module in loader.module_names():

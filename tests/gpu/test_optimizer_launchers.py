@@ -2,7 +2,7 @@
 a real GPU: sgd / momentum in place (with weight decay; a learning rate of either
 float dtype), adam / AdamW (beta powers advanced on the device),
 clip_by_global_norm (no host sync) and lr_schedule (the step counter and the rate
-on the device)."""
+on the device, every kind and the linear warm-up, the milestones uploaded once)."""
 from __future__ import annotations
 
 import math
@@ -146,20 +146,41 @@ def test_clip_edge_cases(device):
 
 SCHEDULES = [dict(kind="step", base_lr=0.1, step_size=3, gamma=0.5),
              dict(kind="cosine", base_lr=0.1, total_steps=7, end_lr=0.01),
-             dict(kind="cosine", base_lr=1.0, total_steps=6, end_lr=0.0, warmup_steps=2)]
+             dict(kind="cosine", base_lr=1.0, total_steps=6, end_lr=0.0, warmup_steps=2),
+             dict(kind="constant", base_lr=0.3),
+             dict(kind="exponential", base_lr=0.1, gamma=0.9),
+             dict(kind="multistep", base_lr=0.1, gamma=0.5, milestones=(2, 6, 9)),
+             dict(kind="multistep", base_lr=0.1, gamma=0.5, milestones=(0,)),
+             dict(kind="onecycle", base_lr=0.1, total_steps=12, end_lr=1e-4),
+             dict(kind="onecycle", base_lr=0.7, total_steps=9, end_lr=0.0, divide_factor=10.0,
+                  phase_pct=0.45),
+             dict(kind="constant", base_lr=0.1, linear_warmup_steps=4, linear_warmup_start=0.01,
+                  linear_warmup_end=0.1),
+             dict(kind="step", base_lr=0.1, step_size=2, gamma=0.5, linear_warmup_steps=3,
+                  linear_warmup_end=0.2),
+             dict(kind="onecycle", base_lr=0.1, total_steps=10, linear_warmup_steps=2,
+                  linear_warmup_end=0.004)]
+DEFAULTS = dict(step_size=1, gamma=0.1, total_steps=1, end_lr=0.0, warmup_steps=0,
+                milestones=(), divide_factor=25.0, phase_pct=0.3, linear_warmup_steps=0,
+                linear_warmup_start=0.0, linear_warmup_end=0.0)
 
 
-@pytest.mark.parametrize("attrs", SCHEDULES, ids=lambda a: f"{a['kind']}-{a.get('warmup_steps')}")
+@pytest.mark.parametrize("attrs", SCHEDULES,
+                         ids=lambda a: "-".join(f"{v}" for v in a.values())[:40])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_lr_schedule_on_the_device(device, attrs, dtype):
+    """Against the float64 reference (kernels/cpu/lr_schedule.py's schedule_value); on
+    the emulator (the same libm), float64 rates are the reference's bits."""
     from minigraph.kernels.cpu.lr_schedule import schedule_value
 
-    full = {**dict(step_size=1, gamma=0.1, total_steps=1, end_lr=0.0, warmup_steps=0), **attrs}
+    full = {**DEFAULTS, **attrs}
     step, lr = device.put(np.array(0, np.int64)), device.put(np.zeros((), dtype))
     for t in range(15):                              # past total_steps: periodic
         lr_schedule.lr_schedule(step, lr, **attrs)
-        np.testing.assert_allclose(device.get(lr), schedule_value(full, t), rtol=TOL[dtype],
-                                   atol=1e-15)
+        want = schedule_value(full, t)
+        np.testing.assert_allclose(device.get(lr), want, rtol=TOL[dtype], atol=1e-15)
+        if device.emulated and dtype == np.float64:
+            assert float(device.get(lr)) == want, t
         assert int(device.get(step)) == t + 1
 
 
@@ -171,3 +192,19 @@ def test_lr_schedule_checks(device):
         lr_schedule.lr_schedule(step, lr, "cosine", 0.1, total_steps=5, warmup_steps=5)
     with pytest.raises(ValueError, match=r"step must be int64 of shape \(\)"):
         lr_schedule.lr_schedule(device.put(np.array(0, np.int32)), lr, "step", 0.1)
+    with pytest.raises(ValueError, match="milestones must be strictly increasing"):
+        lr_schedule.lr_schedule(step, lr, "multistep", 0.1, milestones=(3, 3))
+    with pytest.raises(ValueError, match="onecycle needs"):
+        lr_schedule.lr_schedule(step, lr, "onecycle", 0.1, total_steps=2)
+    assert int(device.get(step)) == 0                    # nothing ran
+
+
+def test_milestones_are_uploaded_once_per_tuple(device):
+    step, lr = device.put(np.array(0, np.int64)), device.put(np.zeros((), np.float64))
+    first = lr_schedule.milestones_on_device((2, 5))
+    assert first[1] == 2 and lr_schedule.milestones_on_device([2, 5]) == first
+    assert lr_schedule.milestones_on_device((2, 6))[0] != first[0]
+    assert lr_schedule.milestones_on_device(()) == (0, 0)
+    for _ in range(6):
+        lr_schedule.lr_schedule(step, lr, "multistep", 1.0, gamma=0.5, milestones=(2, 5))
+    assert float(device.get(lr)) == 0.25

@@ -1,7 +1,8 @@
 """kernels/cuda/softmax.py and kernels/cuda/softmax_with_cross_entropy.py against the float64
 references, on the emulator and (marked gpu) a real GPU: softmax and its grad
 along any axis, NaN and extreme logits; softmax with cross entropy, its grad with
-and without d(softmax), bad labels flagged on the device and raised once."""
+and without d(softmax), label smoothing (0: the unsmoothed bits), bad labels flagged
+on the device and raised once."""
 from __future__ import annotations
 
 import numpy as np
@@ -59,6 +60,31 @@ def test_softmax_with_cross_entropy(device, rows, classes, dtype):
     assert rel_err(device.get(got), want) < TOL[dtype] * 10
     got = swce.grad(device.put(label), sm, device.put(dloss), None, status)
     assert rel_err(device.get(got), (p - onehot) * dloss[:, None]) < TOL[dtype] * 10
+    status.check()
+
+
+@pytest.mark.parametrize("rows,classes", [(5, 10), (3, 1000), (2, 1)])
+@pytest.mark.parametrize("eps", [0.1, 1.0])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_label_smoothing(device, rows, classes, eps, dtype):
+    from minigraph.kernels.cuda import softmax_with_cross_entropy as swce
+
+    r = rng(16)
+    logits = (r.normal(size=(rows, classes)) * 30).astype(dtype)
+    label = r.integers(0, classes, rows).astype(np.int64)
+    z = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    target = (1 - eps) * np.eye(classes)[label] + eps / classes
+    status = swce.LabelStatus()
+    sm, loss = swce.forward(device.put(logits), device.put(label), status, label_smoothing=eps)
+    assert rel_err(device.get(loss), -(target * logp).sum(axis=1)) < TOL[dtype] * 10
+    dloss = r.normal(size=rows).astype(dtype)
+    got = swce.grad(device.put(label), sm, device.put(dloss), None, status, label_smoothing=eps)
+    assert rel_err(device.get(got), (np.exp(logp) - target) * dloss[:, None]) < TOL[dtype] * 10
+    plain = swce.forward(device.put(logits), device.put(label), status)
+    zero = swce.forward(device.put(logits), device.put(label), status, label_smoothing=0.0)
+    for a, b in zip(plain, zero, strict=True):
+        np.testing.assert_array_equal(device.get(a), device.get(b))
     status.check()
 
 

@@ -6,8 +6,10 @@ whole batch. The per-step loss over the whole batch and every parameter
 after the last step must agree within float32 tolerance, and every rank
 must end with bitwise the same persistables.
 
-Two runs: "equal" (the same rows on every rank; plain gradient averaging)
-and "uneven" (different rows per rank; data_parallel(batch_size_from="label")).
+Three runs: "equal" (the same rows on every rank; plain gradient averaging),
+"uneven" (different rows per rank; data_parallel(batch_size_from="label")) and
+"merge" (GradientMerge(k=2) around the momentum optimizer on both sides: two
+micro-batches per update, averaged over the ranks on the update steps only).
 argv[1], optional: an .npz with the training images and labels (x, y), so
 that the ranks need not import scikit-learn; by default load_digits_split().
 Prints "OK rank r" when every check passed.
@@ -25,7 +27,7 @@ STEPS = 4
 
 
 def rows_per_rank(size, mode):
-    if mode == "equal":
+    if mode in ("equal", "merge"):
         return [6] * size
     return [3 + 2 * r for r in range(size)]
 
@@ -49,11 +51,15 @@ def check(comm, mode, train_x, train_y):
     lo, hi = sum(counts[:comm.rank]), sum(counts[:comm.rank + 1])
     batch = sum(counts)
 
-    net, h = build_net(seed=3)
+    def optimizer():
+        inner = mg.optimizer.Momentum(learning_rate=0.05, momentum=0.9)
+        return mg.optimizer.GradientMerge(inner, 2) if mode == "merge" else inner
+
+    net, h = build_net(seed=3, optimizer=optimizer())
     # 2 batch norms x (train + infer copy) + their 2 grad ops
     assert mg.distributed.convert_sync_batchnorm(net) == 6
     mg.distributed.data_parallel(net, batch_size_from="label" if mode == "uneven" else None)
-    ref, rh = build_net(seed=3)                                 # one process, whole batch
+    ref, rh = build_net(seed=3, optimizer=optimizer())          # one process, whole batch
 
     rng = np.random.default_rng(0)
     for step in range(STEPS):
@@ -84,7 +90,7 @@ def check(comm, mode, train_x, train_y):
 def main(path=None):
     comm = mg.distributed.init()
     train_x, train_y = load(path)
-    for mode in ("equal", "uneven"):
+    for mode in ("equal", "uneven", "merge"):
         check(comm, mode, train_x, train_y)
     print(f"OK rank {comm.rank}", flush=True)
 

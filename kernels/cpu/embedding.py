@@ -1,0 +1,38 @@
+"""CPU kernels of embedding (ops/embedding.py): rows of the table gathered by id, and
+the table's gradient summed back row by row (the padding row gets none)."""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.schema import OpError
+
+
+def check_ids(op, ids, rows):
+    """OpError naming the first id outside [0, rows)."""
+    bad = np.flatnonzero((ids < 0) | (ids >= rows))
+    if bad.size:
+        i = int(bad[0])
+        raise OpError(f"{op.type}: input 'ids' has value {int(ids.reshape(-1)[i])} at flat "
+                      f"position {i}, outside [0, {rows}) for a table of {rows} rows")
+
+
+def embedding_cpu(op, ins, ctx):
+    """out[..., :] = w[ids[...], :]."""
+    ids, w = ins["ids"], ins["w"]
+    check_ids(op, ids, w.shape[0])
+    return {"out": np.take(w, ids, axis=0)}
+
+
+def embedding_grad_cpu(op, ins, ctx):
+    """dw[r] = the sum of dout over the positions whose id is r (in float64); the
+    padding row's stays 0."""
+    ids, w, d = ins["ids"], ins["w"], ins["dout"]
+    if not op.wants("dw"):
+        return {}
+    check_ids(op, ids, w.shape[0])
+    flat = ids.reshape(-1)
+    dw = np.zeros(w.shape, np.float64)
+    np.add.at(dw, flat, d.reshape(flat.size, w.shape[1]))
+    if op.attrs["padding_idx"] >= 0:
+        dw[op.attrs["padding_idx"]] = 0.0
+    return {"dw": dw.astype(w.dtype)}
