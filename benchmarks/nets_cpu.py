@@ -6,12 +6,15 @@ It prints its table and then writes it, with the machine and the date, into
 the `nets_cpu` section of docs/performance.md (benchmarks/report.py), replacing
 the last run's; --no-write only prints.
 
-Nets (the same architecture, batch and optimizer, Momentum(0.1, 0.9), in both):
-- digits (64x1x8x8): minigraph.examples.train_digits.build_net, conv16-BN-ReLU-
-  maxpool-fc64-BN-ReLU-fc10;
-- resnet (32x3x32x32): stem conv16-BN-ReLU, three stages of two residual blocks
-  (16; 32 stride 2; 64 stride 2; 3x3 convs without bias, BN, a 1x1 projection
-  with BN where the shape changes), global average pool, fc10.
+Nets (the same architecture, batch and optimizer in both):
+- digits (64x1x8x8, Momentum(0.1, 0.9)): minigraph.examples.train_digits.build_net,
+  conv16-BN-ReLU-maxpool-fc64-BN-ReLU-fc10;
+- resnet (32x3x32x32, Momentum(0.1, 0.9)): stem conv16-BN-ReLU, three stages of two
+  residual blocks (16; 32 stride 2; 64 stride 2; 3x3 convs without bias, BN, a 1x1
+  projection with BN where the shape changes), global average pool, fc10;
+- mnist (64x1x28x28, Adam(1e-3)): conv16-BN-ReLU-maxpool, conv32-BN-ReLU-maxpool
+  (3x3, padding 1), dropout 0.25, fc128-BN-ReLU, dropout 0.5, fc10;
+- mlp (128x784, Adam(1e-3)): fc2048-BN-ReLU, fc2048-BN-ReLU, fc10.
 
 Every measurement runs in a fresh process of its own (this script with
 --worker): numpy's OpenBLAS threads and PyTorch's OpenMP threads slow each
@@ -61,7 +64,9 @@ import subprocess
 import sys
 import time
 
-NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32))}
+NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32)), "mnist": (64, (1, 28, 28)),
+        "mlp": (128, (784,))}
+ADAM_NETS = ("mnist", "mlp")           # trained with Adam(1e-3); the others with Momentum
 LEARNING_RATE, MOMENTUM = 0.1, 0.9
 STAGES = ((16, 1), (32, 2), (64, 2))
 
@@ -117,9 +122,36 @@ def mg_resnet(seed=0):
     return net, image, logits, loss
 
 
+def mg_mnist_or_mlp(net_name, seed=0):
+    """(net, image, logits, loss): the MNIST CNN or the wide MLP, minimised with Adam."""
+    import minigraph as mg
+    from minigraph import layers as L
+
+    net = mg.Net(seed=seed)
+    image = L.data(net, "image", shape=(-1,) + NETS[net_name][1])
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    if net_name == "mnist":
+        h = image
+        for filters in (16, 32):
+            h = L.conv2d(net, h, num_filters=filters, filter_size=3, padding=1)
+            h = L.pool2d(net, L.relu(net, L.batch_norm(net, h)), 2)
+        h = L.dropout(net, h, p=0.25)
+        h = L.dropout(net, L.relu(net, L.batch_norm(net, L.fc(net, h, 128))), p=0.5)
+    else:
+        h = image
+        for _ in range(2):
+            h = L.relu(net, L.batch_norm(net, L.fc(net, h, 2048)))
+    logits = L.fc(net, h, 10)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Adam(1e-3).minimize(net, loss)
+    return net, image, logits, loss
+
+
 def mg_net(net_name):
     if net_name == "resnet":
         return mg_resnet()
+    if net_name in ADAM_NETS:
+        return mg_mnist_or_mlp(net_name)
     from minigraph.examples.train_digits import build_net
 
     net, h = build_net(seed=0, learning_rate=LEARNING_RATE, momentum=MOMENTUM)
@@ -282,6 +314,16 @@ def torch_model(net_name):
     from torch import nn
 
     torch.manual_seed(0)
+    if net_name == "mnist":
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                             nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
+                             nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.BatchNorm1d(128),
+                             nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10))
+    if net_name == "mlp":
+        return nn.Sequential(nn.Linear(784, 2048), nn.BatchNorm1d(2048), nn.ReLU(),
+                             nn.Linear(2048, 2048), nn.BatchNorm1d(2048), nn.ReLU(),
+                             nn.Linear(2048, 10))
     if net_name == "digits":
         return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                              nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64),
@@ -317,7 +359,10 @@ def torch_worker(args):
     torch.set_num_threads(args.threads)
     model = torch_model(args.net)
     x, y = (torch.from_numpy(a) for a in batch(args.net))
-    opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    if args.net in ADAM_NETS:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
 
     def step():
         opt.zero_grad(set_to_none=True)

@@ -50,7 +50,10 @@ class Step(NamedTuple):
     """One op of a compiled plan.
 
     inputs / outputs: (slot, Variable or list of them or None, ONE/LIST/UNBOUND);
-    writes: the persistables it writes (saved by the journal before it runs);
+    writes: the persistables it writes (noted by the journal before it runs);
+    untouched: the ids of those whose old arrays it leaves as they are (no copy);
+    spares: (in-place output slot, persistable) pairs it writes into spare arrays
+      (OpSchema.spares, CPU training steps);
     drops: Variables whose values a training step drops after it;
     thins: Variables whose values it replaces by stand-ins after it (read later
       only for their shapes);
@@ -60,6 +63,8 @@ class Step(NamedTuple):
     inputs: tuple
     outputs: tuple
     writes: tuple
+    untouched: frozenset
+    spares: tuple
     drops: tuple
     thins: tuple
     donors: tuple
@@ -187,6 +192,7 @@ class Executor:
             except BaseException:
                 journal.roll_back()
                 raise
+            journal.commit()
             plan.checked = signature
             if meter is not None:
                 rooms = meter.rooms([s.op for s in c.steps])
@@ -202,7 +208,12 @@ def _run_steps(c, kind, check, journal=None, meter=None):
     for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
         if journal is not None:
             if step.writes:
-                journal.save(step.writes)
+                first = journal.save(step.writes, step.untouched)
+                if step.spares:
+                    spares = {slot: journal.spare(var) for slot, var in step.spares
+                              if id(var) in first}
+                    if spares:
+                        ctx = ctx.with_spares(spares)
             if step.donors:
                 donated = handover.handed_over(step.donors)
                 if donated:
@@ -271,12 +282,13 @@ def _fetch(place, targets, check_errors):
 
 
 def _compile(plan, place):
-    made, external = set(), []
+    made, external, outside = set(), [], set()        # outside: the ids of external
     last_use, value_use = {}, {}
     for i, op in enumerate(plan.ops):
         for v in op.input_vars():
-            if id(v) not in made and all(v is not e for e in external):
+            if id(v) not in made and id(v) not in outside:
                 external.append(v)
+                outside.add(id(v))
         for v in op.input_vars() + op.output_vars():
             last_use[id(v)] = (i, v)
         for v in _value_vars(op):
@@ -288,11 +300,11 @@ def _compile(plan, place):
     stale = ()
     if plan.lean:
         for i, v in last_use.values():
-            if not (v.persistable or v.is_data or id(v) in keep or v in external):
+            if not (v.persistable or v.is_data or id(v) in keep or id(v) in outside):
                 drops[i].append(v)
                 if value_use.get(id(v), i) < i:      # later ops read only its shape
                     thins[value_use[id(v)]].append(v)
-        stale = tuple(v for v in plan.keep if id(v) in made and all(v is not e for e in external))
+        stale = tuple(v for v in plan.keep if id(v) in made and id(v) not in outside)
     steps = []
     for op, dropped, thinned in zip(plan.ops, drops, thins):
         ins = tuple((slot, v, UNBOUND if v is None else LIST if isinstance(v, list) else ONE)
@@ -300,9 +312,15 @@ def _compile(plan, place):
         outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
                      for slot, v in op.outputs.items() if v is not None)
         writes = tuple(v for v in op.output_vars() if v.persistable)
+        in_place = [(slot, op.outputs.get(slot)) for slot in op.schema.inplace]
+        spares = tuple((slot, v) for slot, v in in_place if v is not None and v.persistable) \
+            if op.schema.spares and place.kind == "cpu" else ()
+        changed = {id(v) for slot, v in in_place if v is not None} - {id(v) for _, v in spares}
+        untouched = frozenset(id(v) for v in writes if id(v) not in changed)
         donors = handover.donors(op, dropped + thinned) if plan.lean and place.kind == "cpu" \
             else ()
-        steps.append(Step(op, ins, outs, writes, tuple(dropped), tuple(thinned), donors))
+        steps.append(Step(op, ins, outs, writes, untouched, spares, tuple(dropped),
+                          tuple(thinned), donors))
     return Compiled(tuple(steps), tuple(external), stale, place)
 
 

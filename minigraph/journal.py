@@ -1,20 +1,29 @@
 """The journal that makes a training step all or nothing.
 
-Before the first op that writes a persistable runs, the step saves a copy of
-its value; if any op raises, every saved value is put back (into the same
-array object), so parameters, estimates, counters and optimizer state are
-exactly as before the step. The copies cost one read and write of the state
-the step updates; on the CPU they go into arrays kept with the plan, reused
-from step to step.
+Before the first op that writes a persistable runs, the step notes its value;
+if any op raises, every noted value is put back, so parameters, estimates,
+counters and optimizer state are exactly as before the step.
+
+Noting costs nothing where the op leaves the old array as it is: an op that
+writes the persistable without an in-place pair (kernels never write their
+inputs), and, on the CPU, an op whose schema declares `spares`, which writes the
+new values into a spare array the journal hands it (`spare`) - the old array
+then stays the value to put back. Only an op that changes the array in place
+gets a copy of it first. At commit the old arrays become the next step's spares
+(unless something else still refers to one), so an optimizer step writes each
+parameter and state once and copies nothing. Spares and copies live in
+`buffers`, kept with the plan from step to step.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
 
 class Journal:
-    """Copies of the persistables a step is about to write, to put back on failure.
-    `buffers` ({id(var): array}) keeps host copies from step to step."""
+    """The values of the persistables a step writes, to put back on failure (see the
+    module doc). `buffers` ({id(var): array}) keeps copies and spares between steps."""
 
     def __init__(self, place, buffers=None):
         self.place = place
@@ -22,13 +31,39 @@ class Journal:
         self.saved = []
         self._seen = set()
 
-    def save(self, variables):
-        """Keep a copy of each Variable's value (once per step)."""
+    def save(self, variables, untouched=()):
+        """Note each Variable's value (once per step): a copy, or for those whose id is
+        in `untouched` (their op leaves the array as it is) the array itself. Returns
+        the ids of the Variables noted now, their first write this step."""
+        first = set()
         for var in variables:
             value = var.value
             if id(var) not in self._seen and value is not None:
                 self._seen.add(id(var))
-                self.saved.append((var, value, self._copy(var, value)))
+                first.add(id(var))
+                copy = None if id(var) in untouched else self._copy(var, value)
+                self.saved.append((var, value, copy))
+        return first
+
+    def spare(self, var):
+        """An array of var's shape and dtype, no one else's, for an op to write var's
+        new values into (kept in `buffers`; its contents are undefined)."""
+        value = var.value
+        buf = self.buffers.pop(id(var), None)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            buf = np.empty_like(value)
+        return buf
+
+    def commit(self):
+        """The step succeeded: an old array that was put aside uncopied and is no
+        longer the value becomes the Variable's next spare, when nothing else refers
+        to it (a caller's reference keeps its values)."""
+        for entry in self.saved:           # entry[1] never bound to a name: see _refs
+            var, copy = entry[0], entry[2]
+            if copy is None and var.value is not entry[1] and type(entry[1]) is np.ndarray \
+                    and _refs(entry) <= _UNSHARED:
+                self.buffers[id(var)] = entry[1]
+        self.saved = []
 
     def _copy(self, var, value):
         if not isinstance(value, np.ndarray):
@@ -43,8 +78,18 @@ class Journal:
         """Give every saved Variable its saved value back, in the same array object
         where it can (numpy arrays), else by rebinding the copy."""
         for var, array, copy in reversed(self.saved):
-            if isinstance(array, np.ndarray):
+            if copy is None:
+                var.value = array
+            elif isinstance(array, np.ndarray):
                 np.copyto(array, copy)
                 var.value = array
             else:
                 var.value = copy
+
+
+def _refs(entry):
+    """The references to the array of a saved entry, counted here."""
+    return sys.getrefcount(entry[1])
+
+
+_UNSHARED = _refs((None, np.empty(1), None))      # held by its entry alone

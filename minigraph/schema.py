@@ -84,14 +84,18 @@ class KernelContext:
       The kernel must give the same bits as without it.
     room: bytes of work memory the kernel may take without raising the training
       step's peak (OpSchema.work_room; minigraph.work_room), or None: keep lean.
+    spares: {in-place output slot: an array of its input's shape and dtype} that a
+      kernel whose schema declares `spares` writes that output's new values into
+      instead of its input (a training step on the CPU offers them); empty: in place.
     comm: the process's communicator (minigraph.distributed), made on first use;
       only collective ops and sync_batch_norm ask for it.
     """
 
-    __slots__ = ("place", "donated", "room")
+    __slots__ = ("place", "donated", "room", "spares")
 
-    def __init__(self, place=None, donated=(), room=None):
+    def __init__(self, place=None, donated=(), room=None, spares=None):
         self.place, self.donated, self.room = place, donated, room
+        self.spares = spares or {}
 
     @property
     def comm(self):
@@ -101,7 +105,11 @@ class KernelContext:
 
     def with_donated(self, donated):
         """This context with `donated` input slots (a new object)."""
-        return KernelContext(self.place, donated, self.room)
+        return KernelContext(self.place, donated, self.room, self.spares)
+
+    def with_spares(self, spares):
+        """This context with `spares` for in-place outputs (a new object)."""
+        return KernelContext(self.place, self.donated, self.room, spares)
 
     def __repr__(self):
         return f"KernelContext(donated={self.donated!r}, room={self.room!r})"
@@ -168,6 +176,9 @@ class OpSchema:
       otherwise kernels never write their inputs.
     work_room: the CPU kernel's speed grows with its work arrays; a training
       step that has measured its memory op by op gives it `KernelContext.room`.
+    spares: the CPU kernel writes the new values of its in-place outputs into the
+      arrays `KernelContext.spares` offers (leaving the inputs as they were) and
+      returns those, so a training step needs no copy to undo it (minigraph.journal).
     """
 
     type: str
@@ -177,6 +188,7 @@ class OpSchema:
     inplace: dict = field(default_factory=dict)     # output slot -> input slot
     reuse: dict = field(default_factory=dict)       # output slot -> input slots (tuple)
     work_room: bool = False
+    spares: bool = False
     infer: Callable | None = None
     grad: Callable | None = None
     validate: Callable | None = None                # validate(op): cross-slot rules at build

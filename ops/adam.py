@@ -50,7 +50,7 @@ register(OpSchema(
     outputs=tuple(Slot(f"{s}_out") for s in SLOTS),
     attrs=(float_attr("beta1", 0.9, beta_range), float_attr("beta2", 0.999, beta_range),
            float_attr("epsilon", 1e-8, positive), decay_attr(), bool_attr("decoupled", False)),
-    inplace={f"{s}_out": s for s in SLOTS},
+    inplace={f"{s}_out": s for s in SLOTS}, spares=True,
     infer=infer_adam, no_export=UPDATE, doc=__doc__))
 
 

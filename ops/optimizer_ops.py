@@ -54,7 +54,8 @@ def decay_attr():
 
 register(OpSchema(
     type="sgd", inputs=(Slot("param"), Slot("grad"), Slot("learning_rate")),
-    outputs=(Slot("param_out"),), inplace={"param_out": "param"}, attrs=(decay_attr(),),
+    outputs=(Slot("param_out"),), inplace={"param_out": "param"}, spares=True,
+    attrs=(decay_attr(),),
     infer=lambda ins, attrs: {"param_out": check_update_inputs("sgd", ins)}, no_export=UPDATE,
     doc=__doc__))
 register(OpSchema(
@@ -63,7 +64,7 @@ register(OpSchema(
     outputs=(Slot("param_out"), Slot("velocity_out")),
     attrs=(float_attr("mu", 0.9, in_range(0.0, 1.0)), bool_attr("use_nesterov", False),
            decay_attr()),
-    inplace={"param_out": "param", "velocity_out": "velocity"},
+    inplace={"param_out": "param", "velocity_out": "velocity"}, spares=True,
     infer=lambda ins, attrs: dict.fromkeys(
         ("param_out", "velocity_out"), check_update_inputs("momentum", ins, ("velocity",))),
     no_export=UPDATE, doc=__doc__))

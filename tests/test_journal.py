@@ -198,3 +198,45 @@ def test_rewrites_drop_cached_plans():
         net.remove_op("backward", op)
     with pytest.raises(ValueError, match="section must be one of"):
         net.append_op(op, "nowhere")
+
+
+def test_a_failure_at_any_op_of_an_adam_step_changes_nothing():
+    """Adam, momentum and sgd write into spare arrays (OpSchema.spares): the old
+    arrays are what a failed step puts back, whichever op fails."""
+    net, _, _ = bn_net(mg.optimizer.Adam(mg.optimizer.lr.StepDecay(0.1, 1)))
+    net.train(feed=feed())
+    ops = [("backward", i) for i in range(len(net.section("backward")))] + \
+        [("update", i) for i in range(len(net.section("update")) + 1)]
+    for section, index in ops:
+        before = state(net)
+        anchor = net.var("fc.out", "train")
+        op = net.insert_op(section, index, mg.Operator("test_fail_if", x=anchor, out=anchor,
+                                                          armed=True))
+        ARMED["on"] = True
+        try:
+            with pytest.raises(RuntimeError, match="armed"):
+                net.train(feed=feed(3))
+        finally:
+            ARMED["on"] = False
+            net.remove_op(section, op)
+        assert_same(state(net), before)
+        net.train(feed=feed(4))                  # and a good step still trains
+
+
+def test_an_update_writes_a_spare_and_recycles_only_arrays_no_one_holds():
+    net, _, _ = bn_net(mg.optimizer.Adam(0.1))
+    net.train(feed=feed())
+    w = net.var("fc.w")
+    held = w.value                               # a caller keeps this array
+    kept = held.copy()
+    net.train(feed=feed(1))
+    assert w.value is not held                   # the new values went to another array
+    np.testing.assert_array_equal(held, kept)     # and this one keeps the old ones
+    for seed in (2, 3, 4):
+        net.train(feed=feed(seed))
+    np.testing.assert_array_equal(held, kept)     # never recycled while held
+    seen = set()
+    for seed in (5, 6, 7, 8):
+        net.train(feed=feed(seed))
+        seen.add(id(w.value))
+    assert len(seen) == 2                         # two arrays take turns: no copies

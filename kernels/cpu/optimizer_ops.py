@@ -1,13 +1,25 @@
-"""CPU kernels of sgd and momentum (ops/optimizer_ops.py): every new value computed
-first, then written into the parameter and state arrays in place.
+"""CPU kernels of sgd and momentum (ops/optimizer_ops.py). The native kernels
+(optim_native) make each update in one pass where they take the arrays; the numpy
+paths are their reference. New values go into the parameter and state arrays in
+place, or into the spare arrays a training step offers for them
+(KernelContext.spares), after every new value is computed.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels.cpu import optim_native
+from minigraph.kernels.cpu.blocks import get_num_threads
+
 
 def learning_rate(ins):
     return float(np.asarray(ins["learning_rate"]).reshape(()))
+
+
+def targets(ctx, ins, slots):
+    """Where the new values of in-place `slots` go: the spare array the context offers
+    for `<slot>_out`, else the input array itself."""
+    return tuple(ctx.spares.get(f"{slot}_out", ins[slot]) for slot in slots)
 
 
 def decayed_grad(op, ins):
@@ -18,23 +30,31 @@ def decayed_grad(op, ins):
 
 
 def sgd_cpu(op, ins, ctx):
-    """param -= learning_rate * (grad + weight_decay * param), in place; returns param."""
+    """param_out = param - learning_rate * (grad + weight_decay * param)."""
     param = ins["param"]
-    step = decayed_grad(op, ins) * param.dtype.type(learning_rate(ins))
-    param -= step
-    return {"param_out": param}
+    (out,) = targets(ctx, ins, ("param",))
+    lr = learning_rate(ins)
+    if not optim_native.update("sgd", param, ins["grad"], out=(out, None, None), lr=lr,
+                               wd=op.attrs["weight_decay"], threads=get_num_threads()):
+        np.subtract(param, decayed_grad(op, ins) * param.dtype.type(lr), out=out)
+    return {"param_out": out}
 
 
 def momentum_cpu(op, ins, ctx):
     """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
-    (velocity, or d + mu * velocity with use_nesterov); both in place; returns them."""
+    (velocity, or d + mu * velocity with use_nesterov)."""
     param, velocity = ins["param"], ins["velocity"]
-    grad = decayed_grad(op, ins)
-    mu = param.dtype.type(op.attrs["mu"])
-    lr = param.dtype.type(learning_rate(ins))
-    new_velocity = mu * velocity + grad
-    step = grad + mu * new_velocity if op.attrs["use_nesterov"] else new_velocity
-    step = lr * step
-    np.copyto(velocity, new_velocity)
-    param -= step
-    return {"param_out": param, "velocity_out": velocity}
+    po, vo = targets(ctx, ins, ("param", "velocity"))
+    a = op.attrs
+    lr = learning_rate(ins)
+    if not optim_native.update("momentum", param, ins["grad"], (velocity, None),
+                               (po, vo, None), lr=lr, wd=a["weight_decay"], mu=a["mu"],
+                               nesterov=a["use_nesterov"], threads=get_num_threads()):
+        grad = decayed_grad(op, ins)
+        mu = param.dtype.type(a["mu"])
+        new_velocity = mu * velocity + grad
+        step = grad + mu * new_velocity if a["use_nesterov"] else new_velocity
+        step = param.dtype.type(lr) * step
+        np.copyto(vo, new_velocity)
+        np.subtract(param, step, out=po)
+    return {"param_out": po, "velocity_out": vo}

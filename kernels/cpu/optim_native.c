@@ -1,0 +1,115 @@
+/* The native CPU kernels of the optimizer updates (sgd, momentum, adam): one pass
+ * over the parameter, its gradient and its state, in the parameter's dtype (float32
+ * or float64), in the order of operations of the numpy kernels they replace
+ * (kernels/cpu/optimizer_ops.py, adam.py; the contract is there). Each reads its
+ * inputs and writes its outputs through separate pointers, which may be the same
+ * arrays (an update in place) or other ones of the same size (an update written
+ * out of place). Built and loaded by native.py, launched by optim_native.py.
+ *
+ * Arrays of at least MIN_SPLIT values are split in contiguous ranges over up to
+ * `threads` threads; every value is computed by one thread in one way, so the
+ * results do not depend on the number of threads. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#define MAX_THREADS 64
+#define MIN_SPLIT 262144
+
+typedef struct {
+    int kind;                          /* 0 sgd, 1 momentum, 2 adam */
+    int f64;
+    const void *p, *g, *m, *v;         /* m: velocity for momentum, moment1 for adam */
+    void *p_out, *m_out, *v_out;
+    int64_t begin, end;
+    double lr, wd, mu, b1, b2, eps, c1, c2;   /* c1 = lr / (1 - b1^t), c2 = sqrt(1 - b2^t) */
+    int nesterov, decoupled;
+} job_t;
+
+#define UPDATE(T, SQRT)                                                                 \
+    static void update_##T(const job_t *j) {                                            \
+        const T *p = j->p, *g = j->g, *m = j->m, *v = j->v;                             \
+        T *po = j->p_out, *mo = j->m_out, *vo = j->v_out;                               \
+        const T lr = (T)j->lr, wd = (T)j->wd;                                           \
+        if (j->kind == 0) {                                                             \
+            for (int64_t i = j->begin; i < j->end; i++) {                               \
+                T d = wd != 0 ? g[i] + wd * p[i] : g[i];                                \
+                po[i] = p[i] - d * lr;                                                  \
+            }                                                                           \
+        } else if (j->kind == 1) {                                                      \
+            const T mu = (T)j->mu;                                                      \
+            for (int64_t i = j->begin; i < j->end; i++) {                               \
+                T d = wd != 0 ? g[i] + wd * p[i] : g[i];                                \
+                T nv = mu * m[i] + d;                                                   \
+                T step = j->nesterov ? d + mu * nv : nv;                                \
+                mo[i] = nv;                                                             \
+                po[i] = p[i] - lr * step;                                               \
+            }                                                                           \
+        } else {                                                                        \
+            const T b1c = (T)(1.0 - j->b1), b2 = (T)j->b2, b2c = (T)(1.0 - j->b2);      \
+            const T c1 = (T)j->c1, c2 = (T)j->c2, eps = (T)j->eps;                      \
+            const T shrink = (T)(1.0 - j->lr * j->wd);                                  \
+            for (int64_t i = j->begin; i < j->end; i++) {                               \
+                T gi = g[i], pi = p[i];                                                 \
+                if (j->decoupled) {                                                     \
+                    pi = pi * shrink;                                                   \
+                } else if (wd != 0) {                                                   \
+                    gi = gi + wd * pi;                                                  \
+                }                                                                       \
+                T nm = m[i] + b1c * (gi - m[i]);                                        \
+                T nv = v[i] * b2 + b2c * gi * gi;                                       \
+                T denom = SQRT(nv) / c2 + eps;                                          \
+                mo[i] = nm;                                                             \
+                vo[i] = nv;                                                             \
+                po[i] = pi - c1 * nm / denom;                                           \
+            }                                                                           \
+        }                                                                               \
+    }
+
+UPDATE(float, sqrtf)
+UPDATE(double, sqrt)
+
+static void *run(void *arg) {
+    const job_t *j = arg;
+    if (j->f64)
+        update_double(j);
+    else
+        update_float(j);
+    return 0;
+}
+
+/* The update of n values (see the file comment). kind: 0 sgd, 1 momentum, 2 adam;
+ * scalars: lr, wd, mu, b1, b2, eps, c1, c2 (those a kind does not use are ignored);
+ * flags: nesterov, decoupled. */
+int optim_update(int kind, int f64, const void *p, const void *g, const void *m,
+                 const void *v, void *p_out, void *m_out, void *v_out, int64_t n,
+                 const double *scalars, int nesterov, int decoupled, int threads) {
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int64_t parts = n >= MIN_SPLIT ? threads : 1;
+    if (parts < 1) parts = 1;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    int64_t chunk = (n + parts - 1) / parts;
+    chunk = (chunk + 15) / 16 * 16;
+    int started = 0;
+    for (int64_t t = 0; t < parts; t++) {
+        job_t *j = &jobs[t];
+        j->kind = kind; j->f64 = f64; j->p = p; j->g = g; j->m = m; j->v = v;
+        j->p_out = p_out; j->m_out = m_out; j->v_out = v_out;
+        j->begin = t * chunk < n ? t * chunk : n;
+        j->end = (t + 1) * chunk < n ? (t + 1) * chunk : n;
+        j->lr = scalars[0]; j->wd = scalars[1]; j->mu = scalars[2]; j->b1 = scalars[3];
+        j->b2 = scalars[4]; j->eps = scalars[5]; j->c1 = scalars[6]; j->c2 = scalars[7];
+        j->nesterov = nesterov; j->decoupled = decoupled;
+    }
+    for (int64_t t = 1; t < parts; t++) {
+        if (pthread_create(&ids[t], 0, run, &jobs[t]) != 0) break;
+        started = (int)t;
+    }
+    run(&jobs[0]);
+    for (int64_t t = started + 1; t < parts; t++)   /* threads that did not start */
+        run(&jobs[t]);
+    for (int t = 1; t <= started; t++)
+        pthread_join(ids[t], 0);
+    return 0;
+}
