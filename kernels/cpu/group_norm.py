@@ -1,14 +1,17 @@
 """CPU kernels of group_norm and instance_norm (ops/group_norm.py,
-ops/instance_norm.py) on batch norm's stable engine (batch_norm_stats).
+ops/instance_norm.py): the native kernels of norm_native where they are built,
+else batch norm's stable numpy engine (batch_norm_stats).
 
 x (N, C, *spatial) is NCHW-contiguous, so group g of sample n is one contiguous
-row of C/G * S values (S the spatial size): the statistics of the N G rows come
-from one read of x viewed as (1, N G, C/G S) - batch norm's per-channel
-reduction with the rows as its channels. Normalising, the affine and the
-gradient then work on the (1, N C, S) view with per-(sample, channel)
-constants, so each is one pass over x: y = (x - mean) invstd scale + bias,
-and dx = k_dy dy + k_x (x - mean) + k_c with the group sums of one
-`grad_sums` pass. instance_norm is group_norm with a group per channel.
+row of C/G * S values (S the spatial size). The native kernels normalise the
+N G rows with the affine index of channel c = (e / S) % C for value e. On the
+numpy engine the statistics of the rows come from one read of x viewed as (1,
+N G, C/G S) - batch norm's per-channel reduction with the rows as its
+channels; normalising, the affine and the gradient then work on the (1, N C,
+S) view with per-(sample, channel) constants, so each is one pass over x: y =
+(x - mean) invstd scale + bias, and dx = k_dy dy + k_x (x - mean) + k_c with
+the group sums of one `grad_sums` pass. instance_norm is group_norm with a
+group per channel. float16 works in float32.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import math
 
 import numpy as np
 
+from minigraph.kernels.cpu import norm_native
 from minigraph.kernels.cpu.batch_norm_stats import (
     as_work,
     centring_needed,
@@ -35,6 +39,11 @@ def forward(x, scale, bias, groups, eps):
     """(y, mean (N, G), variance (N, G)) of x; scale and bias (C,) or None."""
     n, c, g, cg, s = _sizes(x, groups)
     xw = as_work(x)
+    done = norm_native.forward(xw.reshape(n * g, cg * s), eps, scale, bias, post=s, size=c)
+    if done is not None:
+        y, stats = done
+        y, stats = y.astype(x.dtype, copy=False), stats.astype(x.dtype, copy=False)
+        return y.reshape(x.shape), stats[0].reshape(n, g), stats[1].reshape(n, g)
     _, mean, m2 = local_stats(xw.reshape(1, n * g, cg * s))
     var = m2 / max(cg * s, 1)
     invstd = 1.0 / np.sqrt(var + eps)
@@ -52,6 +61,13 @@ def backward(x, scale, mean, var, dy, groups, eps, need):
     """{dx, dscale, dbias} (those in `need`) from x, the saved statistics and dy."""
     n, c, g, cg, s = _sizes(x, groups)
     xw, dyw = as_work(x), as_work(dy)
+    out = norm_native.backward(xw.reshape(n * g, cg * s), dyw.reshape(n * g, cg * s),
+                               mean.reshape(n * g), var.reshape(n * g), eps, scale, post=s,
+                               size=c, want=need)
+    if out is not None:
+        if "dx" in out:
+            out["dx"] = out["dx"].reshape(x.shape)
+        return {k: v.astype(x.dtype, copy=False) for k, v in out.items()}
     mean = mean.astype(np.float64).reshape(-1)
     invstd = 1.0 / np.sqrt(var.astype(np.float64).reshape(-1) + eps)
     mean_nc, invstd_nc = np.repeat(mean, cg), np.repeat(invstd, cg)

@@ -1,11 +1,13 @@
-"""CPU kernels of layer_norm (ops/layer_norm.py) on batch norm's stable engine
-(batch_norm_stats).
+"""CPU kernels of layer_norm (ops/layer_norm.py): the native kernels of norm_native
+where they are built, else batch norm's stable numpy engine (batch_norm_stats).
 
 x is viewed as R rows of L values (the axes before begin_norm_axis, and those
-from it on): the rows' statistics come from one read of x viewed as (1, R, L),
-batch norm's per-channel reduction with the rows as its channels. The scale
-and bias hold one value per position of a row. dx = k_dy g + k_x (x - mean) +
-k_c per row, with g = dy * scale and the row sums of one `grad_sums` pass.
+from it on); the scale and bias hold one value per position of a row (the
+native kernels' affine index with post 1). On the numpy engine the rows'
+statistics come from one read of x viewed as (1, R, L), batch norm's
+per-channel reduction with the rows as its channels, and dx = k_dy g + k_x (x -
+mean) + k_c per row, with g = dy * scale and the row sums of one `grad_sums`
+pass. float16 works in float32.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import math
 
 import numpy as np
 
+from minigraph.kernels.cpu import norm_native
 from minigraph.kernels.cpu.batch_norm_stats import (
     as_work,
     centring_needed,
@@ -42,8 +45,18 @@ def layer_norm_cpu(op, ins, ctx):
     x, scale, bias = ins["x"], ins["scale"], ins["bias"]
     a = op.attrs
     begin = a["begin_norm_axis"]
-    r, length = rows(x, begin)
-    x3 = as_work(x).reshape(1, r, length)
+    shape = x.shape
+    stat_shape = shape[:begin]
+    r, length = math.prod(stat_shape), math.prod(shape[begin:])
+    xw = as_work(x)
+    done = norm_native.forward(xw.reshape(r, length), a["epsilon"], scale, bias)
+    if done is not None:
+        y, stats = done
+        if y.dtype != x.dtype:
+            y, stats = y.astype(x.dtype), stats.astype(x.dtype)
+        mean, var = stats.reshape((2, *stat_shape))
+        return {"y": y.reshape(shape), "mean": mean, "variance": var}
+    x3 = xw.reshape(1, r, length)
     _, mean, m2 = local_stats(x3)
     var = m2 / max(length, 1)
     y = normalized(x3, mean, 1.0 / np.sqrt(var + a["epsilon"])).reshape(r, length)
@@ -51,7 +64,6 @@ def layer_norm_cpu(op, ins, ctx):
         y *= scale.astype(y.dtype, copy=False)
     if bias is not None:
         y += bias.astype(y.dtype, copy=False)
-    stat_shape = x.shape[:begin]
     return {"y": y.reshape(x.shape).astype(x.dtype, copy=False),
             "mean": mean.reshape(stat_shape).astype(x.dtype),
             "variance": var.reshape(stat_shape).astype(x.dtype)}
@@ -62,7 +74,16 @@ def layer_norm_grad_cpu(op, ins, ctx):
     x, scale, dy = ins["x"], ins["scale"], ins["dy"]
     a = op.attrs
     r, length = rows(x, a["begin_norm_axis"])
-    x3, dy3 = as_work(x).reshape(1, r, length), as_work(dy).reshape(1, r, length)
+    xw, dyw = as_work(x), as_work(dy)
+    out = norm_native.backward(xw.reshape(r, length), dyw.reshape(r, length),
+                               ins["mean"].reshape(r), ins["variance"].reshape(r),
+                               a["epsilon"], scale,
+                               want=[s for s in ("dx", "dscale", "dbias") if op.wants(s)])
+    if out is not None:
+        if "dx" in out:
+            out["dx"] = out["dx"].reshape(x.shape)
+        return {k: v.astype(x.dtype, copy=False) for k, v in out.items()}
+    x3, dy3 = xw.reshape(1, r, length), dyw.reshape(1, r, length)
     mean = ins["mean"].astype(np.float64).reshape(-1)
     invstd = 1.0 / np.sqrt(ins["variance"].astype(np.float64).reshape(-1) + a["epsilon"])
     out = {}
