@@ -3,13 +3,22 @@ GPU pre-flight review's first run (the most basic and cheapest first):
 
     python benchmarks/gpu_check.py [--from STEP | --only STEP] [--timeout S] [--results PATH]
 
-Steps: env (versions; warns when nvcc's CUDA major is newer than the driver's),
-place (GPUPlace(0)), build (tests/gpu/test_kernel_build.py), load (every kernel
-entry point loaded on the device, with its registers), sanitizer
-(compute-sanitizer on launcher tests; skipped when not installed), tests (every
-test marked gpu), demo (`minigraph demo` on the GPU against the CPU), bench
-(benchmarks/bn_gpu.py, benchmarks/sync_bn_gpu.py) and findings (the review's findings
-1 and 6). gpu_steps() lists the exact commands.
+Steps, in order:
+  env        the environment and versions: nvidia-smi (compute mode Default), nvcc
+             (its CUDA major no newer than the driver's), g++, and what Python has:
+             pycuda and nccl4py against the pins of pyproject.toml's gpu extra
+             (pycuda older than 2025.1.2 with a CUDA 13 toolkit fails the step), the
+             driver, the compute capability, NCCL;
+  place      GPUPlace(0) in a fresh process, with no PyCUDA error at exit;
+  build      tests/gpu/test_kernel_build.py (every .cu compiles; PTX parameters match);
+  load       every kernel entry point loaded on the device, with its registers;
+  sanitizer  compute-sanitizer on small launcher tests (skipped when not installed);
+  tests      the suites: every test marked gpu, then those also marked mpi;
+  findings   the review's findings 1 (a place used from a worker thread) and 6 (no
+             out-of-thread event clean-up under the NCCL sync-BN script);
+  demo       `minigraph demo` on the GPU against the CPU;
+  bench      benchmarks/bn_gpu.py, benchmarks/sync_bn_gpu.py.
+gpu_steps() lists the exact commands.
 
 Each command runs in the repository root in its own process group with a hard
 timeout (--timeout seconds per step): a hang fails its step. After each step
@@ -21,13 +30,14 @@ prints the command that reruns it alone, e.g.
 `python benchmarks/gpu_check.py --only sanitizer`.
 
 Without a GPU (no nvidia-smi, no GPU listed, or pycuda.driver not importable) it
-prints one line, writes nothing and exits 1.
+prints one line saying so, writes nothing and exits 1 (no GPU: nothing was checked).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -45,6 +55,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the env step's verdict lives beside the probes it reads (loaded by path: no sys.path entry)
+_spec = importlib.util.spec_from_file_location("gpu_probes", Path(__file__).with_name(
+    "gpu_probes.py"))
+probes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(probes)
+check_env, required_versions = probes.check_env, probes.required_versions
 PY = sys.executable
 DEFAULT_RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 DEFAULT_TIMEOUT = 1800.0
@@ -278,22 +294,6 @@ def gpu_listing():
     return gpus, None
 
 
-def check_env(outputs):
-    """Warnings (never failures) from the env step: nvcc newer than the driver, and a
-    compute mode other than Default."""
-    notes = []
-    driver = re.search(r"CUDA Version\s*:\s*(\d+)\.(\d+)", outputs[0])
-    nvcc = re.search(r"release (\d+)\.(\d+)", outputs[2])
-    if driver and nvcc:
-        notes.append(f"driver CUDA {driver[1]}.{driver[2]}, nvcc CUDA {nvcc[1]}.{nvcc[2]}")
-        if int(nvcc[1]) > int(driver[1]):
-            notes.append(f"WARNING: nvcc's CUDA major {nvcc[1]} is newer than the driver's "
-                         f"{driver[1]}: kernels it builds will not load")
-    if "Default" not in outputs[1]:
-        notes.append("WARNING: compute mode is not Default (two ranks cannot share the GPU)")
-    return None, notes
-
-
 def pytest_check(forbidden=None):
     """check(outputs) for pytest steps: notes skips; a problem when a skip reason
     matches `forbidden` (a regex: the test could not do what the step is for)."""
@@ -369,18 +369,18 @@ def gpu_steps():
         Step("tests", "every test marked gpu; then those also marked mpi (sync BN, NCCL)", [
             [*pytest, "-m", "gpu and not mpi", "tests"], [*pytest, "-m", "gpu and mpi", "tests"]],
             check=pytest_check(), keep_lines=PYTEST_LINES),
+        Step("findings", "review findings 1 (place on a worker thread) and 6 (NCCL events)",
+             [[*probe, "thread"]] + ([nccl] if has_nccl else []), check=check_findings),
         Step("demo", f"minigraph demo, {DEMO_EPOCHS} epochs, GPU against CPU (seed 0)", [
             [*demo, "--device", "gpu", "--out", str(out / "demo-gpu")],
             [*demo, "--device", "cpu", "--out", str(out / "demo-cpu")]], check=check_demo),
         Step("bench", "batch norm and sync batch norm on the GPU against PyTorch/cuDNN",
              [[PY, "benchmarks/bn_gpu.py"], [PY, "benchmarks/sync_bn_gpu.py"]],
              keep_lines=FULL_LINES),
-        Step("findings", "review findings 1 (place on a worker thread) and 6 (NCCL events)",
-             [[*probe, "thread"]] + ([nccl] if has_nccl else []), check=check_findings),
     ]
 
 
-STEP_NAMES = ("env", "place", "build", "load", "sanitizer", "tests", "demo", "bench", "findings")
+STEP_NAMES = ("env", "place", "build", "load", "sanitizer", "tests", "findings", "demo", "bench")
 
 
 def parse_args(argv=None):

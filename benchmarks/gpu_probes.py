@@ -5,15 +5,21 @@
     python benchmarks/gpu_probes.py thread     # a GPUPlace made and used on a worker thread
 
 Exit status 0 when the probe passed. Needs a GPU (versions reports what it finds).
+check_env (with required_versions: the pins of pyproject.toml's gpu extra) judges
+the env step's output for gpu_check.py.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import platform
+import re
 import sys
 import threading
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def show(label, get):
@@ -115,6 +121,65 @@ def thread():
         return 1
     print("a place made and used on a worker thread: ok")
     return 0
+
+
+# ---- the env step's verdict (benchmarks/gpu_check.py) --------------------------------------
+
+def required_versions(pyproject=ROOT / "pyproject.toml"):
+    """{package: (extra or None, minimum version tuple or None)} of pyproject.toml's
+    gpu extra (read as text: no TOML parser needed)."""
+    text = Path(pyproject).read_text()
+    found = re.search(r"^gpu\s*=\s*\[(.*?)\]\s*$", text, re.M | re.S)
+    wanted = {}
+    for spec in re.findall(r'"([^"]+)"', found.group(1) if found else ""):
+        name = re.match(r"[A-Za-z0-9_.-]+", spec)[0]
+        extra = re.search(r"\[([^\]]+)\]", spec)
+        least = re.search(r">=\s*([\d.]+)", spec)
+        wanted[name.lower()] = (extra[1] if extra else None,
+                                version_tuple(least[1]) if least else None)
+    return wanted
+
+
+def version_tuple(text):
+    """(2025, 1, 2) of "2025.1.2" (the leading numbers; None when there are none)."""
+    numbers = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(n) for n in numbers[0].split(".")) if numbers else None
+
+
+def check_env(outputs):
+    """The env step's verdict: (problem or None, notes). A problem: pycuda older than
+    the gpu extra's pin with a CUDA 13 toolkit (it cannot build against CUDA 13's
+    headers). Warnings: nvcc newer than the driver, a compute mode other than
+    Default, pycuda or nccl4py below their pins, no usable NCCL (backend='auto' then
+    falls back to MPI)."""
+    notes, problem = [], None
+    driver = re.search(r"CUDA Version\s*:\s*(\d+)\.(\d+)", outputs[0])
+    nvcc = re.search(r"release (\d+)\.(\d+)", outputs[2])
+    if driver and nvcc:
+        notes.append(f"driver CUDA {driver[1]}.{driver[2]}, nvcc CUDA {nvcc[1]}.{nvcc[2]}")
+        if int(nvcc[1]) > int(driver[1]):
+            notes.append(f"WARNING: nvcc's CUDA major {nvcc[1]} is newer than the driver's "
+                         f"{driver[1]}: kernels it builds will not load")
+    if "Default" not in outputs[1]:
+        notes.append("WARNING: compute mode is not Default (two ranks cannot share the GPU)")
+    probe = outputs[4] if len(outputs) > 4 else ""
+    installed = dict(re.findall(r"^(pycuda|nccl4py): (\S+)", probe, re.M))
+    for name, (extra, least) in (required_versions() if probe else {}).items():
+        have = installed.get(name)
+        have_v = version_tuple(have) if have else None
+        pin = f"{name}{f'[{extra}]' if extra else ''}>={'.'.join(map(str, least or ()))}"
+        if have_v is None:
+            notes.append(f"WARNING: {name} is not installed (pip install '{pin}')")
+        elif least and have_v < least:
+            if name == "pycuda" and nvcc and int(nvcc[1]) >= 13:
+                problem = (f"pycuda {have} cannot build against CUDA {nvcc[1]}'s headers: "
+                           f"pip install '{pin}'")
+            else:
+                notes.append(f"WARNING: {name} {have} is older than the pin ({pin})")
+    if re.search(r"^NCCL \(nccl4py\): unavailable", probe, re.M):
+        notes.append("WARNING: no usable NCCL (backend='auto' uses MPI): install the nccl4py "
+                     "extra of the driver's CUDA major, nccl4py[cu12] or nccl4py[cu13]")
+    return problem, notes
 
 
 PROBES = {"versions": versions, "load": load, "thread": thread}

@@ -224,3 +224,68 @@ def test_loading_the_script_imports_neither_pycuda_nor_minigraph():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+# ---- the review's first-run order, and the pins ----------------------------------------------
+
+def test_the_steps_follow_the_reviews_first_run_order():
+    """Environment and versions, the place, the kernel build, every entry point loaded,
+    compute-sanitizer on small tests, the suites, the findings, then the benchmarks."""
+    assert gc.STEP_NAMES == ("env", "place", "build", "load", "sanitizer", "tests", "findings",
+                             "demo", "bench")
+    by_name = {s.name: s for s in gc.gpu_steps()}
+    env = [" ".join(map(str, c)) for c in by_name["env"].commands]
+    assert env[0] == "nvidia-smi" and env[2] == "nvcc --version"
+    assert env[-1].endswith("gpu_probes.py versions")
+    assert by_name["place"].commands[0][-1].endswith("mg.GPUPlace(0))")
+    assert by_name["build"].commands == [[*by_name["build"].commands[0][:-1],
+                                          "tests/gpu/test_kernel_build.py"]]
+    assert by_name["load"].commands[0][-1] == "load"
+    assert all("bench" in " ".join(c) for c in by_name["bench"].commands)
+    listed = [gc.__doc__.index(f"\n  {name} ") for name in gc.STEP_NAMES]   # the module doc
+    assert listed == sorted(listed)
+
+
+def test_the_gpu_extra_pins_pycuda_and_an_nccl4py_extra():
+    """Pre-flight review finding 2: PyCUDA builds against CUDA 13's headers only from
+    2025.1.2; nccl4py 0.6 without its cu12 / cu13 extra may leave libnccl out, and
+    backend='auto' then quietly falls back to MPI."""
+    pins = gc.required_versions()
+    assert pins["pycuda"][1] >= (2025, 1, 2)
+    assert pins["nccl4py"][0] in ("cu12", "cu13") and pins["nccl4py"][1] >= (0, 6)
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    for words in ("pycuda>=2025.1.2", "nccl4py[cu12]", "nccl4py[cu13]"):
+        assert words in text, words
+
+
+SMI = "| NVIDIA-SMI 580.65  Driver Version: 580.65  CUDA Version: 13.0 |"
+QUERY = "0, NVIDIA H100 80GB HBM3, 580.65, Default, 81559 MiB"
+
+
+def versions(pycuda="2025.1.2", nccl4py="0.6.0", nccl="2.28.3"):
+    return (f"python: 3.12.3\nnumpy: 2.1.0\npycuda: {pycuda}\nnccl4py: {nccl4py}\n"
+            f"NCCL (nccl4py): {nccl}\n")
+
+
+@pytest.mark.parametrize("pycuda,nvcc,fails", [("2024.1.2", "13.0", True),
+                                               ("2024.1.2", "12.6", False),
+                                               ("2025.1.2", "13.0", False)])
+def test_env_checks_pycuda_against_its_pin(pycuda, nvcc, fails):
+    problem, notes = gc.check_env([SMI, QUERY, f"Cuda compilation tools, release {nvcc}, V{nvcc}",
+                                   "g++ 12", versions(pycuda=pycuda)])
+    if fails:
+        assert "pycuda 2024.1.2 cannot build against CUDA 13" in problem
+        assert "pycuda>=2025.1.2" in problem
+    else:
+        assert problem is None
+        assert any("older than the pin" in n for n in notes) == (pycuda < "2025")
+
+
+def test_env_warns_about_a_missing_nccl():
+    problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
+                                   "g++ 12", versions(nccl="unavailable (OSError: libnccl.so.2)")])
+    assert problem is None
+    assert any("no usable NCCL" in n and "nccl4py[cu13]" in n for n in notes)
+    problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
+                                   "g++ 12", versions(nccl4py="unavailable (PackageNotFound)")])
+    assert any("nccl4py is not installed (pip install 'nccl4py[cu12]>=0.6')" in n for n in notes)

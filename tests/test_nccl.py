@@ -1,16 +1,17 @@
-"""minigraph.distributed.nccl against a recording fake of nccl4py.
+"""minigraph.distributed.nccl against a recording fake of nccl4py
+(tests/kernel_emulator/fake_nccl.py: every call bound with the signatures of the
+installed nccl4py, or of stand-ins with nccl4py 0.6's; it checks what NCCL
+would, and refuses two ranks of one communicator on one GPU). Ranks run in
+threads on fake GPUs (tests/kernel_emulator/fake_pycuda.py, which also leaks
+and warns, as PyCUDA does, about an event destroyed on a thread where its
+context is not current), so the context rule, the pooled outputs, the bucketed
+gradient average and the device merge of batch statistics are checked with
+real numbers; so are the watchdog's handling of its events and of errors
+(review finding 6) and the auto backend's choice with more ranks than GPUs
+(finding 3).
 
-The fake binds every call with inspect.signature of the installed nccl4py's
-own functions (so a renamed function or argument fails here), and checks
-what NCCL would: the communicator is made with its device's context current,
-every collective runs in that context on the default stream, and its buffers
-(read through __cuda_array_interface__) belong to that device. Two ranks run
-in two threads on two fake GPUs (tests/kernel_emulator/fake_pycuda.py), so
-the context rule, the pooled outputs, the bucketed gradient average and the
-device merge of batch statistics are checked with real numbers.
-
-Needs the nccl4py package (`pip install nccl4py 'cuda-bindings>=12.8,<13'`
-imports without a GPU; only libnccl is missing); skipped without it.
+The tests of nccl4py's own names need the package (`pip install nccl4py
+'cuda-bindings>=12.8,<13'` imports without a GPU; only libnccl is missing).
 """
 from __future__ import annotations
 
@@ -24,163 +25,30 @@ import types
 import numpy as np
 import pytest
 from kernel_emulator import fake_pycuda
+from kernel_emulator.fake_nccl import INSTALLED, REAL, HostComm, World, fake_nccl_core, on_ranks
 
 import minigraph as mg
-from minigraph.distributed import deadline
+from minigraph.distributed import deadline, world
 from minigraph.distributed import nccl as mg_nccl
-from minigraph.distributed.comm import Progress, merge_rows
+from minigraph.distributed.comm import CollectiveError, merge_rows
 from minigraph.kernels.cuda import collective
 from minigraph.schema import KernelContext
 
-# not installed, or installed without what it needs (cuda-bindings): skipped either way
-REAL = pytest.importorskip("nccl.core", reason="nccl4py is not installed or does not import",
-                           exc_type=ImportError)
+needs_nccl4py = pytest.mark.skipif(INSTALLED is None,
+                                   reason="nccl4py is not installed or does not import")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 
 
-def bound(real_fn, *args, **kwargs):
-    """The arguments as the installed nccl4py function binds them (TypeError if not)."""
-    return inspect.signature(real_fn).bind(*args, **kwargs).arguments
+class RankContext(KernelContext):
+    """A kernel context whose communicator is this rank's (ranks are threads here)."""
 
+    def __init__(self, comm):
+        super().__init__()
+        self._comm = comm
 
-class World:
-    """K ranks in threads: a rendezvous for the fake collectives, and a call log."""
-
-    def __init__(self, size, cuda):
-        self.size, self.cuda = size, cuda
-        self.slots = [None] * size
-        self.gate = threading.Barrier(size, timeout=60)
-        self.calls = []
-        self.lock = threading.Lock()
-
-    def exchange(self, rank, value):
-        self.slots[rank] = value
-        self.gate.wait()
-        values = list(self.slots)
-        self.gate.wait()
-        return values
-
-    def record(self, *call):
-        with self.lock:
-            self.calls.append((threading.current_thread().name, *call))
-
-
-def fake_nccl_core(world):
-    """A module with the names minigraph uses, each call checked against nccl4py's."""
-    cuda = world.cuda
-    mod = types.ModuleType("nccl.core")
-    mod.SUM = REAL.SUM
-
-    class UniqueId:
-        def __init__(self, raw):
-            self.raw = raw
-
-        @property
-        def as_bytes(self):
-            return self.raw
-
-        @staticmethod
-        def from_bytes(b):
-            bound(REAL.UniqueId.from_bytes, b)
-            return UniqueId(bytes(b))
-
-    def get_unique_id(*args, **kwargs):
-        bound(REAL.get_unique_id, *args, **kwargs)
-        world.record("get_unique_id")
-        return UniqueId(b"\x07" * 128)
-
-    class Communicator:
-        @classmethod
-        def init(cls, *args, **kwargs):
-            a = bound(REAL.Communicator.init, *args, **kwargs)
-            assert a["unique_id"].raw == b"\x07" * 128, "every rank joins with rank 0's id"
-            comm = cls()
-            comm.rank, comm.ctx = a["rank"], cuda.current("ncclCommInitRank")
-            world.record("init", a["nranks"], a["rank"], comm.ctx.device.index)
-            return comm
-
-        def _enqueue(self, kind, *bufs):
-            ctx = cuda.current(f"nccl {kind}")
-            assert ctx is self.ctx, f"{kind} with {ctx} current, communicator on {self.ctx}"
-            for b in bufs:
-                iface = b.__cuda_array_interface__
-                assert iface["version"] >= 3
-                assert cuda.owner(iface["data"][0]) is self.ctx, f"{kind}: buffer of another GPU"
-            world.record(kind, self.rank, tuple(b.shape for b in bufs))
-
-        def allreduce(self, *args, **kwargs):
-            a = bound(REAL.Communicator.allreduce, self, *args, **kwargs)
-            assert a["op"] == REAL.SUM and a.get("stream") is None
-            self._enqueue("allreduce", a["sendbuf"], a["recvbuf"])
-            values = world.exchange(self.rank, a["sendbuf"].get())
-            a["recvbuf"]._host()[...] = sum(values[1:], values[0])
-
-        def allgather(self, *args, **kwargs):
-            a = bound(REAL.Communicator.allgather, self, *args, **kwargs)
-            self._enqueue("allgather", a["sendbuf"], a["recvbuf"])
-            values = world.exchange(self.rank, a["sendbuf"].get())
-            a["recvbuf"]._host()[...] = np.stack(values)
-
-        def broadcast(self, *args, **kwargs):
-            a = bound(REAL.Communicator.broadcast, self, *args, **kwargs)
-            self._enqueue("broadcast", a["sendbuf"], a["recvbuf"])
-            values = world.exchange(self.rank, a["sendbuf"].get())
-            a["recvbuf"]._host()[...] = values[a["root"]]
-
-        def get_async_error(self, *args):
-            bound(REAL.Communicator.get_async_error, self, *args)
-            return 0
-
-        def get_last_error(self, *args):
-            bound(REAL.Communicator.get_last_error, self, *args)
-            return ""
-
-        def abort(self, *args):
-            bound(REAL.Communicator.abort, self, *args)
-            world.record("abort", self.rank)
-
-        def destroy(self, *args):
-            bound(REAL.Communicator.destroy, self, *args)
-            world.record("destroy", self.rank, cuda.current("destroy").device.index)
-
-    mod.UniqueId, mod.get_unique_id, mod.Communicator = UniqueId, get_unique_id, Communicator
-    return mod
-
-
-class HostComm:
-    """The MPI side NCCLComm bootstraps with (broadcast, barrier, host collectives, abort;
-    the call index and the deadline it shares)."""
-
-    def __init__(self, world, rank, timeout_s=60.0):
-        self.world, self.rank, self.size, self.local_rank = world, rank, world.size, rank
-        self.mpi_comm = self
-        self.aborted = threading.Event()
-        self.progress, self.timeout_s = Progress(), timeout_s
-
-    def broadcast(self, x, root=0, what=""):
-        self.world.record("host broadcast", self.rank, what)
-        return np.array(self.world.exchange(self.rank, np.array(x))[root])
-
-    def Barrier(self):
-        self.world.exchange(self.rank, None)
-
-    def _barrier(self):
-        self.world.record("host barrier", self.rank)
-        self.world.exchange(self.rank, None)
-
-    def _allreduce(self, x):
-        self.world.record("host allreduce", self.rank)
-        values = self.world.exchange(self.rank, np.array(x))
-        return sum(values[1:], values[0])
-
-    def _allgather(self, x):
-        self.world.record("host allgather", self.rank)
-        return np.stack(self.world.exchange(self.rank, np.array(x)))
-
-    def abort(self, code=1):
-        self.world.record("host abort", self.rank, code)
-        self.aborted.set()
-        self.world.cuda.released.set()
+    @property
+    def comm(self):
+        return self._comm
 
 
 @pytest.fixture
@@ -200,28 +68,7 @@ def setup(monkeypatch):
         yield cuda, world_of
 
 
-def on_ranks(world, fn):
-    """Run fn(rank) on one thread per rank; re-raise the first failure here."""
-    errors, results = [], [None] * world.size
-
-    def run(rank):
-        try:
-            results[rank] = fn(rank)
-        except BaseException as e:  # noqa: BLE001 - reported in the test's thread
-            errors.append(e)
-            world.gate.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}")
-               for r in range(world.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
-
-
+@needs_nccl4py
 def test_the_names_used_exist_in_nccl4py_and_are_required():
     for name in mg_nccl.NCCL_NAMES:
         assert hasattr(REAL, name), name
@@ -231,6 +78,7 @@ def test_the_names_used_exist_in_nccl4py_and_are_required():
     assert mg_nccl.nccl_available()
 
 
+@needs_nccl4py
 def test_nccl_available_needs_every_name(monkeypatch):
     partial = types.ModuleType("nccl.core")
     partial.SUM, partial.Communicator = REAL.SUM, REAL.Communicator
@@ -244,8 +92,6 @@ def test_nccl_available_needs_every_name(monkeypatch):
 def test_two_ranks_on_two_gpus(setup, monkeypatch):
     cuda, world_of = setup
     world = world_of(2)
-    tls = threading.local()
-    monkeypatch.setattr(collective, "communicator", lambda: tls.comm)
     rng = np.random.default_rng(0)
     offset = 1e6 + rng.standard_normal((14, 3, 2, 2))
     parts = np.split(offset, [5])
@@ -254,7 +100,8 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
         from minigraph.kernels.cuda import batch_norm_sync
 
         place = mg.GPUPlace(rank)
-        comm = tls.comm = mg_nccl.NCCLComm(place, HostComm(world, rank), timeout_s=60)
+        comm = mg_nccl.NCCLComm(place, HostComm(world, rank), timeout_s=60)
+        ctx = RankContext(comm)
         with place.activate():
             x = place.to_device(np.arange(5.0) * (rank + 1))
             got = {"sum": place.to_host(comm.allreduce(x)),
@@ -270,16 +117,16 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
             op = types.SimpleNamespace(type="c_allreduce_avg", inputs={"x": names},
                                        outputs={"out": [object() for _ in names]})
             before = world_calls(world, "allreduce", rank)
-            outs = collective.allreduce_avg_gpu(op, {"x": grads}, KernelContext())["out"]
+            outs = collective.allreduce_avg_gpu(op, {"x": grads}, ctx)["out"]
             got["avg_calls"] = world_calls(world, "allreduce", rank) - before
-            collective.allreduce_avg_gpu(op, {"x": grads}, KernelContext())          # warms the pool
+            collective.allreduce_avg_gpu(op, {"x": grads}, ctx)          # warms the pool
             allocs = cuda.counts["mem_alloc"]
-            collective.allreduce_avg_gpu(op, {"x": grads}, KernelContext())
+            collective.allreduce_avg_gpu(op, {"x": grads}, ctx)
             got["avg_allocs"] = cuda.counts["mem_alloc"] - allocs
             got["avg"] = [place.to_host(o) for o in outs]
             in_place = types.SimpleNamespace(type=op.type, inputs=op.inputs,
                                              outputs={"out": names})
-            same = collective.allreduce_avg_gpu(in_place, {"x": grads}, KernelContext())["out"]
+            same = collective.allreduce_avg_gpu(in_place, {"x": grads}, ctx)["out"]
             got["in_place"] = all(a is b for a, b in zip(same, grads, strict=True))
             got["avg_of_avg"] = place.to_host(grads[0])
         comm.barrier(what="save ckpt.npz")               # drain, synchronize, MPI barrier
@@ -354,3 +201,119 @@ def test_a_collective_that_never_finishes_aborts_the_job(setup, capfd, monkeypat
     assert "MINIGRAPH_COLLECTIVE_TIMEOUT" in err
     cuda.hang.clear()
     comm.close()
+
+
+# ---- the watchdog's events and errors (pre-flight review finding 6) ----------------------
+
+def test_the_watchdog_releases_each_event_in_its_context(setup):
+    """The place (and so its context) belongs to this thread; the watchdog's thread
+    waits for the events. PyCUDA destroys an event only where its context can be
+    made current: one dropped on the watchdog's thread outside the context leaks,
+    with a warning, one CUevent per collective."""
+    import gc
+    import warnings
+
+    cuda, world_of = setup
+    world = world_of(1)
+    place = mg.GPUPlace(0)
+    comm = mg_nccl.NCCLComm(place, HostComm(world, 0), timeout_s=60)
+    x = place.to_device(np.ones(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(5):
+            comm.allreduce(x, what=f"grads {k}")
+        comm.barrier(what="step")
+        comm.close()
+        gc.collect()
+    assert cuda.counts["event_create"] == 5
+    assert cuda.leaks == [], cuda.leaks
+    assert cuda.counts["event_destroy"] == 5
+    assert not [w for w in caught if "out-of-thread" in str(w.message)]
+
+
+def test_an_error_while_waiting_is_reported_at_once(setup, capfd):
+    """A sticky CUDA error raised by the watchdog's wait names the collective and
+    ends the job at once, not when the deadline passes with a misleading message;
+    the communicator is then broken."""
+    cuda, world_of = setup
+    world = world_of(1)
+    place = mg.GPUPlace(0)
+    host = HostComm(world, 0, timeout_s=60)
+    comm = mg_nccl.NCCLComm(place, host)
+    x = place.to_device(np.ones(3))
+    cuda.hang.set()                                 # the wait blocks until released...
+    comm.allreduce(x, what="c_allreduce_avg [fc.w@GRAD]")
+    cuda.fail()                                     # ...and then raises the sticky error
+    start = time.monotonic()
+    cuda.released.set()
+    assert host.aborted.wait(10), "the failed wait was not reported"
+    assert time.monotonic() - start < 5
+    err = capfd.readouterr().err
+    assert ("rank 0 of 1: NCCL allreduce of collective #0 'c_allreduce_avg [fc.w@GRAD]' failed: "
+            "FakeDriverError: cuEventSynchronize failed: an illegal memory access") in err, err
+    assert "did not finish" not in err
+    with pytest.raises(CollectiveError, match="illegal memory access"):
+        comm.barrier(what="after")
+    cuda.fail(None)
+    cuda.hang.clear()
+    comm.close()                                     # reported already: no second report
+
+
+def test_an_async_nccl_error_is_reported_with_the_collective(setup, capfd):
+    cuda, world_of = setup
+    world = world_of(1)
+    place = mg.GPUPlace(0)
+    host = HostComm(world, 0, timeout_s=60)
+    comm = mg_nccl.NCCLComm(place, host)
+    world.async_error = 6
+    comm.allreduce(place.to_device(np.ones(2)), what="loss")
+    assert host.aborted.wait(10)
+    assert "collective #0 'loss' failed: RuntimeError: NCCL async error 6: remote process " \
+           "exited" in capfd.readouterr().err
+    world.async_error = 0
+    comm.close()
+
+
+# ---- more ranks than GPUs (pre-flight review finding 3) ------------------------------------
+
+def test_the_fake_refuses_two_ranks_on_one_gpu(setup):
+    cuda, world_of = setup
+    world = world_of(2)
+
+    def rank_work(rank):
+        return mg_nccl.NCCLComm(mg.GPUPlace(0), HostComm(world, rank), timeout_s=60)
+    with pytest.raises(RuntimeError, match="Duplicate GPU detected : rank 1 and rank 0 both on "
+                                           "CUDA device 0"):
+        on_ranks(world, rank_work)
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl"])
+def test_more_ranks_than_gpus(monkeypatch, backend):
+    """init(backend='auto', place='gpu') with two ranks on a one-GPU host: every rank
+    gets GPU 0 (local_rank % 1), and NCCL refuses two ranks on one GPU - so auto
+    picks MPI (staged through the host), and an explicit 'nccl' is a clear error."""
+    from minigraph.distributed import mpi
+
+    cuda = fake_pycuda.FakeCuda(devices=1)
+    with cuda.install():
+        ranks = World(2, cuda)
+        pkg = types.ModuleType("nccl")
+        pkg.core = fake_nccl_core(ranks)
+        monkeypatch.setitem(sys.modules, "nccl", pkg)
+        monkeypatch.setitem(sys.modules, "nccl.core", pkg.core)
+        hosts = [HostComm(ranks, r) for r in range(2)]
+        mine = threading.local()
+        monkeypatch.setattr(mpi, "MPIComm", lambda place, check_order, timeout_s=None:
+                            hosts[mine.rank])
+
+        def rank_work(rank):
+            mine.rank = rank
+            return world._make(backend, "gpu", True, 60.0)
+        if backend == "auto":
+            comms = on_ranks(ranks, rank_work)
+            assert comms == hosts and all(c.place.device_id == 0 for c in comms)
+            assert not [c for c in ranks.calls if c[1] == "init"]
+        else:
+            with pytest.raises(RuntimeError, match=r"ranks 0 and 1 share GPU .*/0000:00:00.0 "
+                                                   r"\(NCCL refuses that"):
+                on_ranks(ranks, rank_work)

@@ -1,6 +1,16 @@
 """The PyCUDA backend of the loader: one DeviceState per CUDA context, kernels
 compiled with nvcc after checking the toolkit against the driver.
 
+A DeviceState is made with its context pushed: PyCUDA's DeviceMemoryPool binds
+to the context current when it is made (and raises with none), and
+`Context.get_device()` is static - it reads the current context - so building
+them for a place first used on a worker thread, or for a second GPU while the
+first one's context is current, would fail or give the wrong device.
+
+Each kernel module is compiled once per process and architecture (`cubin`:
+pycuda.compiler.compile, which runs `nvcc --preprocess` for its disk cache's
+key on every call) and loaded once per context (module_from_buffer).
+
 Imported by minigraph.device.backend() when the first kernel or array is asked for;
 pycuda itself is imported only when a PyCudaBackend is made.
 """
@@ -10,6 +20,7 @@ import re
 import shutil
 import subprocess
 import threading
+import weakref
 
 import numpy as np
 
@@ -19,6 +30,31 @@ from minigraph.kernels.cuda.launch import DeviceInfo, KernelResources
 
 ARRAY_MAKERS = 1024     # (shape, dtype) array makers kept per device
 GROUP_ALIGN = 256       # bytes: where each array of an empty_group starts (cudaMalloc's alignment)
+
+# pycuda.compiler.compile -> {(module, arch): the compiled module's bytes}, for this
+# process (keyed by the compiler too, so a stand-in pycuda never shares entries)
+_cubins = weakref.WeakKeyDictionary()
+_cubin_lock = threading.Lock()
+
+
+def cubin(module, arch, nvcc):
+    """The compiled bytes of kernel module `module` for `arch` (e.g. "sm_90"),
+    built once per process (PyCUDA's disk cache underneath) with the nvcc that
+    `nvcc()` returns - called only when it has to compile (the toolkit check);
+    no context needed."""
+    from pycuda.compiler import compile as nvcc_compile
+
+    built = _cubins.get(nvcc_compile)
+    found = built.get((module, arch)) if built is not None else None
+    if found is None:
+        with _cubin_lock:
+            built = _cubins.setdefault(nvcc_compile, {})
+            found = built.get((module, arch))
+            if found is None:
+                found = built[module, arch] = nvcc_compile(
+                    loader.read_source(module), nvcc=nvcc(), options=list(loader.NVCC_OPTIONS),
+                    arch=arch, include_dirs=[str(loader.kernel_dir())], no_extern_c=True)
+    return found
 
 
 class PyCudaBackend:
@@ -47,9 +83,13 @@ class PyCudaBackend:
                 if state is None:
                     from pycuda.tools import DeviceMemoryPool
 
-                    pool = DeviceMemoryPool()
-                    state = DeviceState(ctx, _device_info(self.drv, ctx.get_device()),
-                                        pool.allocate, ctx)
+                    ctx.push()              # the pool and get_device take the current context
+                    try:
+                        pool = DeviceMemoryPool()
+                        info = _device_info(self.drv, self.drv.Context.get_device())
+                    finally:
+                        self.drv.Context.pop()
+                    state = DeviceState(ctx, info, pool.allocate, ctx)
                     state.pool = pool
                     self._states[ctx] = state
         return state
@@ -84,12 +124,8 @@ class PyCudaBackend:
         with entered(state), self._compile_lock:
             mod = state.modules.get(module)
             if mod is None:
-                from pycuda.compiler import SourceModule
-
-                nvcc = self._checked_nvcc()
-                mod = state.modules[module] = SourceModule(
-                    loader.read_source(module), nvcc=nvcc, options=list(loader.NVCC_OPTIONS),
-                    arch=state.info.arch, include_dirs=[str(loader.kernel_dir())], no_extern_c=True)
+                image = cubin(module, state.info.arch, self._checked_nvcc)
+                mod = state.modules[module] = self.drv.module_from_buffer(image)
             fn = mod.get_function(name)
             fn.prepare(fmt)
         res = KernelResources(regs_per_thread=fn.num_regs, shared_bytes=fn.shared_size_bytes)

@@ -457,7 +457,10 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
   const long long hi = lo + chunk < rows ? lo + chunk : rows;
   Vals<A, 2 * W> st = zero_vals<A, 2 * W>();   // v[k]: sum dy, v[W + k]: sum dy (x - m)
   if (active) {
-    const Pack<T, W> mp = load_pack<T, W>(o.mean, cv);
+    // scalar loads: the plan's pack width checked x and dy only, not mean
+    A mp[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) mp[k] = A(o.mean[cv * W + k]);
     row_walk<UNROLL>(lo, hi, cv, Cv, [&](const auto& addr) {
       constexpr int K = sizeof(addr) / sizeof(addr[0]);
       Pack<T, W> xv[K], gv[K];
@@ -472,7 +475,7 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
         for (int k = 0; k < W; ++k) {
           const A g = A(gv[j].v[k]);
           st.v[k] += g;
-          st.v[W + k] += g * (A(xv[j].v[k]) - A(mp.v[k]));
+          st.v[W + k] += g * (A(xv[j].v[k]) - mp[k]);
         }
     });
   }

@@ -56,8 +56,9 @@ def merge_stats(rows):
     ranks, width = (int(d) for d in rows.shape)
     channels = (width - 1) // 2
     out = loader.empty((width,), np.float64)
-    bn.flat_launch("bn_merge_stats", max(channels, 1), 1, 1, loader.ptr(rows, "merge_stats: rows"),
-                 ranks, channels, loader.ptr(out))
+    # one thread per channel, no loop: at least `channels` threads, past one wave too
+    bn.flat_launch("bn_merge_stats", max(channels, 1), 1, max(channels, 1),
+                   loader.ptr(rows, "merge_stats: rows"), ranks, channels, loader.ptr(out))
     return out
 
 def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, momentum, eps,

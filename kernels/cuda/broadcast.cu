@@ -22,10 +22,10 @@ namespace mg {
 
 enum BinaryOp { ADD, SUBTRACT, MULTIPLY, DIVIDE };
 
+// out may be x or y (in place: the fused conv's residual): no __restrict__ here.
 template <typename T, int OP>
-__device__ void broadcast_op(const T* __restrict__ x, const T* __restrict__ y,
-                             T* __restrict__ out, long long total, const Dims n, const Dims xs,
-                             const Dims ys) {
+__device__ void broadcast_op(const T* x, const T* y, T* out, long long total, const Dims n,
+                             const Dims xs, const Dims ys) {
   const long long gt = global_tid(), nt = global_threads();
   if (gt >= total) return;
   Cursor c;

@@ -10,10 +10,10 @@
 
 namespace mg {
 
+// out may be x (in place: the fused conv's bias): no __restrict__ on either.
 template <typename T, int W>
-__device__ void add_broadcast(const T* __restrict__ x, const T* __restrict__ y,
-                              T* __restrict__ out, long long total, long long n,
-                              long long post) {
+__device__ void add_broadcast(const T* x, const T* __restrict__ y, T* out, long long total,
+                              long long n, long long post) {
   channel_elementwise<W>(total, n, post, [&](long long u, const auto& ch, bool uniform) {
     constexpr int K = sizeof(ch) / sizeof(ch[0]);
     Pack<T, K> v = load_pack<T, K>(x, u);

@@ -16,14 +16,15 @@
 // forms take one scalar, the _S2 forms two).
 // kernels/cuda/map.py derives the launch signatures from these macro uses (a .cu
 // made only of them needs no launcher of its own) and launches them.
+// out may be an operand (in place: the fused conv's relu, a mean's division):
+// no pointer here is __restrict__, so no load may take the read-only path.
 #pragma once
 #include "common.cuh"
 
 namespace mg {
 
 template <typename T, int W, class F>
-__device__ __forceinline__ void map_unary(const T* __restrict__ x, T* __restrict__ out,
-                                          long long total, const F& f) {
+__device__ __forceinline__ void map_unary(const T* x, T* out, long long total, const F& f) {
   flat_walk<W>(total, [&](long long u, auto width) {
     constexpr int K = decltype(width)::value;
     Pack<T, K> v = load_pack<T, K>(x, u);
@@ -34,8 +35,8 @@ __device__ __forceinline__ void map_unary(const T* __restrict__ x, T* __restrict
 }
 
 template <typename T, int W, class F>
-__device__ __forceinline__ void map_binary(const T* __restrict__ a, const T* __restrict__ b,
-                                           T* __restrict__ out, long long total, const F& f) {
+__device__ __forceinline__ void map_binary(const T* a, const T* b, T* out, long long total,
+                                           const F& f) {
   flat_walk<W>(total, [&](long long u, auto width) {
     constexpr int K = decltype(width)::value;
     Pack<T, K> va = load_pack<T, K>(a, u);

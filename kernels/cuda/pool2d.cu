@@ -6,7 +6,9 @@
 // the sum over the real elements divided by their count (padding excluded).
 // Grads gather, one thread per input element, in a fixed window order (no
 // atomics: deterministic for overlapping windows too): max sums dout over the
-// windows whose first maximum the element is; avg sums dout / count over the
+// windows whose first maximum the element is, read from a per-window argmax
+// pass (pool_argmax: each window scanned once, so a global max pool's
+// gradient costs O(H W), not O((H W)^2)); avg sums dout / count over the
 // windows that cover it.
 #include "common.cuh"
 
@@ -88,28 +90,43 @@ __device__ __forceinline__ Covering covering(int h, int w, const PoolGeometry& g
                   first_window(w, g.sw, g.pw, g.kw), ow_hi < g.Wo ? ow_hi : g.Wo - 1};
 }
 
-// Gather, one thread per input element: the sum, in window order, of dout over
-// the windows whose first maximum is this element. No atomics and no zero-fill:
-// the same bits on every run, overlapping windows included.
+// One thread per window: the flat index in its plane of the window's first
+// maximum (-1 when it is padding), for pool_max_grad.
 template <typename T>
-__device__ void pool_max_grad(const T* __restrict__ x, const T* __restrict__ dout,
+__device__ void pool_argmax(const T* __restrict__ x, int* __restrict__ where, long long planes,
+                            const PoolGeometry g) {
+  const long long per_plane = (long long)g.Ho * g.Wo, total = planes * per_plane;
+  const long long nt = global_threads();
+  for (long long e = global_tid(); e < total; e += nt) {
+    const long long plane = e / per_plane;
+    const int p = e % per_plane, oh = p / g.Wo, ow = p % g.Wo;
+    T best;
+    long long at;
+    window_max(x + plane * g.H * (long long)g.W, oh, ow, g, best, at);
+    where[e] = int(at);
+  }
+}
+
+// Gather, one thread per input element: the sum, in window order, of dout over
+// the windows whose first maximum (pool_argmax's `where`) is this element. No
+// atomics and no zero-fill: the same bits on every run, overlapping windows
+// included.
+template <typename T>
+__device__ void pool_max_grad(const int* __restrict__ where, const T* __restrict__ dout,
                               T* __restrict__ dx, long long planes, const PoolGeometry g) {
   const long long per_plane = (long long)g.H * g.W, total = planes * per_plane;
   const long long nt = global_threads();
   for (long long e = global_tid(); e < total; e += nt) {
     const long long plane = e / per_plane;
-    const long long p = e % per_plane;
+    const int p = e % per_plane;
     const int h = p / g.W, w = p % g.W;
-    const T* xp = x + plane * per_plane;
-    const T* dp = dout + plane * g.Ho * (long long)g.Wo;
+    const long long first = plane * g.Ho * (long long)g.Wo;
     const Covering cov = covering(h, w, g);
     double acc = 0.0;
     for (int oh = cov.oh_lo; oh <= cov.oh_hi; ++oh) {
       for (int ow = cov.ow_lo; ow <= cov.ow_hi; ++ow) {
-        T best;
-        long long where;
-        window_max(xp, oh, ow, g, best, where);
-        if (where == p) acc += double(dp[(long long)oh * g.Wo + ow]);
+        const long long o = first + (long long)oh * g.Wo + ow;
+        if (where[o] == p) acc += double(dout[o]);
       }
     }
     dx[e] = T(acc);
@@ -151,9 +168,12 @@ __device__ void pool_avg_grad(const T* __restrict__ dout, T* __restrict__ dx, lo
   extern "C" __global__ void pool_avg_##SFX(const T* x, T* out, MG_POOL_ARGS) {                 \
     mg::pool_forward<T, false>(x, out, planes, MG_POOL_GEOMETRY);                               \
   }                                                                                             \
-  extern "C" __global__ void pool_max_grad_##SFX(const T* x, const T* dout, T* dx,              \
+  extern "C" __global__ void pool_argmax_##SFX(const T* x, int* where, MG_POOL_ARGS) {          \
+    mg::pool_argmax<T>(x, where, planes, MG_POOL_GEOMETRY);                                     \
+  }                                                                                             \
+  extern "C" __global__ void pool_max_grad_##SFX(const int* where, const T* dout, T* dx,        \
                                                  MG_POOL_ARGS) {                                \
-    mg::pool_max_grad<T>(x, dout, dx, planes, MG_POOL_GEOMETRY);                                \
+    mg::pool_max_grad<T>(where, dout, dx, planes, MG_POOL_GEOMETRY);                            \
   }                                                                                             \
   extern "C" __global__ void pool_avg_grad_##SFX(const T* dout, T* dx, MG_POOL_ARGS) {          \
     mg::pool_avg_grad<T>(dout, dx, planes, MG_POOL_GEOMETRY);                                   \

@@ -1,7 +1,10 @@
 """Launchers for kernels/pool2d.cu: max / avg pooling of NCHW device arrays and
 their gradients (avg excludes padding; max grad goes to the first maximum).
 Both gradients gather per input element in a fixed order: deterministic, the
-same bits on every run, overlapping windows included."""
+same bits on every run, overlapping windows included. The max gradient first
+finds each window's first maximum once (pool_argmax, into scratch), so it
+costs O(windows x window size + inputs x windows covering each), never a
+rescan of every covering window per input element."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +16,7 @@ _GEOM = "i" * 10
 SIGNATURES = {}
 for _t in ("f32", "f64"):
     SIGNATURES.update({f"pool_max_{_t}": "PPq" + _GEOM, f"pool_avg_{_t}": "PPq" + _GEOM,
+                       f"pool_argmax_{_t}": "PPq" + _GEOM,
                        f"pool_max_grad_{_t}": "PPPq" + _GEOM,
                        f"pool_avg_grad_{_t}": "PPq" + _GEOM})
 
@@ -88,10 +92,17 @@ def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
         launch.check_array("pool2d_grad: dx", dx, x.shape, x.dtype)
     if dx.size == 0:
         return dx
-    name = f"pool_max_grad_{sfx}" if pool_type == "max" else f"pool_avg_grad_{sfx}"
-    inputs = (loader.ptr(x, "pool2d_grad: x"),) if pool_type == "max" else ()
-    _launch(name, dx.size, *inputs, loader.ptr(dout, "pool2d_grad: dout"),
-            loader.address(dx), planes, *geom)
+    dp = loader.ptr(dout, "pool2d_grad: dout")
+    if pool_type != "max":
+        _launch(f"pool_avg_grad_{sfx}", dx.size, dp, loader.address(dx), planes, *geom)
+        return dx
+    if geom[0] * geom[1] > np.iinfo(np.int32).max:
+        raise ValueError(f"pool2d_grad: a {geom[0]}x{geom[1]} plane has more elements than the "
+                         "int32 argmax of the max gradient can index")
+    where = loader.scratch(dout.size, np.int32)      # each window's first maximum
+    _launch(f"pool_argmax_{sfx}", dout.size, loader.ptr(x, "pool2d_grad: x"), where, planes,
+            *geom)
+    _launch(f"pool_max_grad_{sfx}", dx.size, where, dp, loader.address(dx), planes, *geom)
     return dx
 
 

@@ -16,7 +16,13 @@ Collectives are enqueued on the legacy default stream (`stream=None`), so
 every later kernel is ordered after them and the host does not wait. A
 watchdog (two daemon threads per communicator) waits for each collective's
 completion event (Event.synchronize: no polling) and checks NCCL's async
-error; past the deadline - the communicator's `timeout_s`, the same setting
+error. Each event is released with its context current on the watchdog's
+thread (PyCUDA cannot destroy an object of a context that another thread
+retained and that is not current: it warns and leaks it), and the timer
+thread never holds one. An error while waiting (a sticky CUDA error raised by
+the wait, NCCL's async error) is reported at once, naming the collective,
+and ends the job as a timeout does; past the deadline - the communicator's
+`timeout_s`, the same setting
 as MPI's: init(timeout=...) or MINIGRAPH_COLLECTIVE_TIMEOUT, 60 s by default
 - it reports the rank and the collective (#index and its `what=` label),
 aborts the NCCL communicator and ends the whole job through MPI_Abort, so a
@@ -38,7 +44,7 @@ import time
 
 import numpy as np
 
-from minigraph.distributed.comm import Communicator, is_host_array
+from minigraph.distributed.comm import CollectiveError, Communicator, is_host_array
 
 NCCL_NAMES = ("SUM", "Communicator", "UniqueId", "get_unique_id")
 
@@ -153,7 +159,10 @@ class NCCLComm(Communicator):
         if self._closed:
             return
         self._closed = True
-        self.watchdog.stop()
+        try:
+            self.watchdog.stop()
+        except CollectiveError:
+            return               # reported by failed(), which aborted the communicator
         try:
             with self.place.activate():
                 self.nccl.destroy()
@@ -162,10 +171,14 @@ class NCCLComm(Communicator):
 
     def failed(self, kind, where, why):
         """Report a collective that failed or timed out - this rank, the NCCL call
-        and the collective `where` = (index, label, ...) - then end the job."""
+        and the collective `where` = (index, label, ...) - then end the job (the
+        communicator is broken: every later collective raises the same error)."""
         call = f"collective #{where[0]} '{where[1]}'" if where else "a collective"
-        sys.stderr.write(f"minigraph.distributed: rank {self.rank} of {self.size}: NCCL {kind} "
-                         f"of {call} {why}. Aborting the job.\n")
+        message = (f"minigraph.distributed: rank {self.rank} of {self.size}: NCCL {kind} "
+                   f"of {call} {why}")
+        if self.progress.broken is None:
+            self.progress.broken = CollectiveError(message)
+        sys.stderr.write(message + ". Aborting the job.\n")
         sys.stderr.flush()
         self.abort(1)
 
@@ -181,28 +194,36 @@ class Watchdog:
 
     `add(kind, where)` records a completion event on the place's default stream
     (the caller holds the place's context) and queues it with the collective's
-    (index, label, ...) for the messages. The waiter thread blocks
-    on the events in order (Event.synchronize) and checks NCCL's async error
-    after each; the timer thread sleeps until the oldest pending event's
-    deadline and, if that event is still pending then, reports and aborts.
+    (index, label, ...) for the messages. The waiter thread blocks on the
+    events in order (Event.synchronize) and checks NCCL's async error after
+    each, then releases the event, all with the place's context current; an
+    exception there is reported through `comm.failed` (and `drain` raises it)
+    instead of ending the thread silently. The timer thread sleeps until the
+    oldest pending collective's deadline and, if it is still pending then,
+    reports and aborts; it keeps the collective's number, never its event.
     """
 
     def __init__(self, comm):
         self.comm = comm
-        self.pending = collections.deque()       # (event, deadline, kind, where), oldest first
+        self.pending = collections.deque()       # (event, deadline, kind, where, serial)
         self.lock = threading.Condition()
         self.wake_timer = threading.Event()
         self.stopped = False
+        self.error = None                         # set once a collective failed
         self.threads = []
+        self._serial = 0
 
     def add(self, kind, where=None):
         import pycuda.driver as drv
 
-        event = drv.Event()
+        event = drv.Event(drv.event_flags.DISABLE_TIMING)
         event.record()
         with self.lock:
             was_idle = not self.pending
-            self.pending.append((event, time.monotonic() + self.comm.timeout_s, kind, where))
+            self._serial += 1
+            self.pending.append((event, time.monotonic() + self.comm.timeout_s, kind, where,
+                                 self._serial))
+            del event
             self.lock.notify_all()
         if not self.threads:
             self._start()
@@ -220,54 +241,103 @@ class Watchdog:
             with self.lock:
                 while not self.pending and not self.stopped:
                     self.lock.wait()
-                if not self.pending:
+                if not self.pending or self.error is not None:
                     return
-                event, _, kind, where = self.pending[0]
-            with self.comm.place.activate():
-                event.synchronize()
+                _, _, kind, where, _ = self.pending[0]
+            why = None
+            try:
+                with self.comm.place.activate():
+                    try:
+                        self._wait_head()
+                    except Exception as e:  # a sticky CUDA error, NCCL's own: reported below
+                        # caught inside the context: the traceback holds the event
+                        why = f"failed: {type(e).__name__}: {e}"
+            except Exception as e:  # the context could not be made current
+                why = f"failed: {type(e).__name__}: {e}"
+            if why is not None:
+                self._fail(kind, where, why)
+                return
+
+    def _wait_head(self):
+        """Wait for the oldest pending collective, check NCCL's async error, and
+        release its event (the caller holds the place's context)."""
+        with self.lock:
+            if not self.pending:
+                return
+            event, serial = self.pending[0][0], self.pending[0][4]
+        try:
+            event.synchronize()
             status = self.comm.nccl.get_async_error()
             if int(status) != 0:
-                self.comm.failed(kind, where, f"failed: {self.comm.nccl.get_last_error()}")
+                raise RuntimeError(f"NCCL async error {status}: "
+                                   f"{self.comm.nccl.get_last_error()}")
             with self.lock:
-                self.pending.popleft()
+                if self.pending and self.pending[0][4] == serial:
+                    self.pending.popleft()
                 self.lock.notify_all()
+        finally:
+            del event           # here, with its context current
+
+    def _fail(self, kind, where, why):
+        """Record the failure, release every pending event in its context, wake the
+        waiters of drain, then report through the communicator (which ends the job)."""
+        with self.lock:
+            if self.error is not None:
+                return
+            self.error = why
+        try:
+            with self.comm.place.activate(), self.lock:
+                self.pending.clear()
+        finally:
+            with self.lock:
+                self.pending.clear()
+                self.lock.notify_all()
+            self.wake_timer.set()
+            self.comm.failed(kind, where, why)
 
     def _timer_loop(self):
-        while not self.stopped:
+        while not self.stopped and self.error is None:
             with self.lock:
-                head = self.pending[0] if self.pending else None
+                head = self.pending[0][1:] if self.pending else None   # never the event
             if head is None:
                 self.wake_timer.wait()
                 self.wake_timer.clear()
                 continue
-            remaining = head[1] - time.monotonic()
+            deadline, kind, where, serial = head
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 with self.lock:
-                    still = bool(self.pending) and self.pending[0] is head
+                    still = bool(self.pending) and self.pending[0][4] == serial
                 if still:
-                    self.comm.failed(head[2], head[3],
-                                     f"did not finish within {self.comm.timeout_s:g} s (the "
-                                     "deadline: init(timeout=...) or "
-                                     "MINIGRAPH_COLLECTIVE_TIMEOUT); another rank probably "
-                                     "died, stalls, or runs different ops")
+                    self._fail(kind, where,
+                               f"did not finish within {self.comm.timeout_s:g} s (the "
+                               "deadline: init(timeout=...) or "
+                               "MINIGRAPH_COLLECTIVE_TIMEOUT); another rank probably "
+                               "died, stalls, or runs different ops")
                     return
                 continue
             self.wake_timer.wait(remaining)
             self.wake_timer.clear()
 
     def drain(self):
-        """Block until every queued collective has completed."""
+        """Block until every queued collective has completed; CollectiveError
+        when one failed or timed out (already reported)."""
         with self.lock:
-            while self.pending:
+            while self.pending and self.error is None:
                 self.lock.wait()
+            if self.error is not None:
+                raise CollectiveError(f"NCCL collective failed: {self.error}")
 
     def stop(self):
-        """drain, then end both threads."""
-        self.drain()
-        with self.lock:
-            self.stopped = True
-            self.lock.notify_all()
-        self.wake_timer.set()
-        for t in self.threads:
-            t.join()
-        self.threads = []
+        """drain, then end both threads (also after a failure, which drain raises)."""
+        try:
+            self.drain()
+        finally:
+            with self.lock:
+                self.stopped = True
+                self.lock.notify_all()
+            self.wake_timer.set()
+            for t in self.threads:
+                if t is not threading.current_thread():
+                    t.join()
+            self.threads = []

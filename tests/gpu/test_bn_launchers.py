@@ -191,3 +191,56 @@ def test_bn_backward_skips_unwanted_outputs(device):
                                     np.ones(3, np.float32))]
     dx, dscale, dbias = launchers.backward(*args, 1e-5, need_dx=False, need_dscale=False)
     assert dx is None and dscale is None and dbias is not None
+
+
+# ---- pre-flight review findings 4 and 5 ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype,channels", [(np.float32, 8), (np.float64, 4)])
+def test_bn_backward_with_an_unaligned_mean(device, dtype, channels):
+    """x and dy aligned (16-byte packs across channels), mean a slice 1 element off
+    an aligned start: the channel-rows reductions (single device and sync) read it
+    by element. A 16-byte load of it would kill the context on a GPU, and fails
+    the emulator's alignment check."""
+    from minigraph.kernels.cuda import batch_norm_grad as launchers
+    from minigraph.kernels.cuda import batch_norm_sync
+
+    r = rng(8)
+    shape = (24, channels)
+    x, dy = r.normal(2, 3, shape).astype(dtype), r.normal(0, 1, shape).astype(dtype)
+    scale = r.uniform(0.5, 2, channels).astype(dtype)
+    mean, var = x.mean(0).astype(dtype), x.var(0).astype(dtype)
+    args = [device.put(a) for a in (x, dy, scale)]
+    dmean, dvar = device.put(mean, offset=1), device.put(var, offset=1)
+    dx, dscale, dbias = launchers.backward(*args, dmean, dvar, 1e-5, "NHWC")
+    want = batch_norm_grad(x, dy, scale, mean, var, 1e-5, "NHWC", False)
+    tol = TOL[dtype] * (100 if dtype == np.float32 else 1)
+    for got, ref in zip((dx, dscale, dbias), want, strict=True):
+        assert rel_err(device.get(got), ref) < tol
+    sums = device.get(batch_norm_sync.backward_sums(args[0], args[1], dmean, "NHWC"))
+    np.testing.assert_allclose(sums[1:channels + 1], dy.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sums[channels + 1:], (dy * (x - mean)).sum(0), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_merge_stats_merges_channels_past_one_wave_of_threads(device):
+    """bn_merge_stats is one thread per channel without a loop: its grid must cover
+    every channel, also beyond the threads one wave of the device holds."""
+    from minigraph.distributed.comm import merge_rows
+    from minigraph.kernels.cuda import batch_norm_sync, launch, loader
+    from minigraph.kernels.cuda.launch import KernelResources
+
+    with device.place.activate():
+        dev = loader.device()
+    threads = launch.block_threads(dev)
+    wave = dev.sm_count * launch.blocks_per_sm(dev, threads, KernelResources()) * threads
+    channels = wave + 3 * threads + 5
+    r = rng(9)
+    rows = np.zeros((3, 2 * channels + 1))
+    rows[:, 0] = (5, 0, 7)                                    # a rank without rows too
+    rows[:, 1:channels + 1] = r.normal(0, 1, (3, channels))
+    rows[:, channels + 1:] = r.uniform(0, 2, (3, channels))
+    rows[1, 1:] = 0
+    got = device.get(batch_norm_sync.merge_stats(device.put(rows)))
+    want = merge_rows(rows)
+    assert np.isfinite(got).all(), "channels past the first wave were never merged"
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

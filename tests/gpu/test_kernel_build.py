@@ -162,3 +162,84 @@ def test_benchmark_is_import_safe():
     assert done.returncode == 0, done.stderr
     done = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--runs" in done.stdout
+
+
+# ---- kernels launched in place (pre-flight review finding 9) -------------------------------
+
+def _top_level_split(text):
+    """`text` split at the commas outside (), <>, {} and []."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "(<{[" and 1 or 0
+        depth -= ch in ")>}]" and 1 or 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return parts + [text[start:].strip()]
+
+
+def _restrict_on_aliased(source, entry, pair):
+    """The parameters of the device function the entry point `entry` (in the
+    preprocessed `source`) calls that receive the arguments at positions `pair`
+    (in place: one buffer) and are declared __restrict__."""
+    found = re.search(rf'extern "C" (?:__global__ )?void {entry}\s*\(([^)]*)\)\s*\{{', source)
+    assert found, f"entry point {entry} not found"
+    depth, end = 1, found.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(source[end], 0)
+        end += 1
+    names = [p.split()[-1].lstrip("*&") for p in _top_level_split(found.group(1))]
+    call = re.search(r"mg::(\w+)\s*(?:<[^;]*?>)?\s*\((.*)\)\s*;", source[found.end():end - 1],
+                     re.S)
+    assert call, f"{entry}: no mg:: call in its body"
+    args = _top_level_split(call.group(2))
+    at = [i for i, a in enumerate(args) if a in {names[k] for k in pair}]
+    definition = re.search(rf"\bvoid\s+{call.group(1)}\s*\(([^)]*)\)\s*\{{", source)
+    assert definition, f"{entry}: the definition of {call.group(1)} not found"
+    params = _top_level_split(definition.group(1))
+    return [params[i] for i in at if "__restrict__" in params[i]]
+
+
+def test_kernels_launched_in_place_declare_no_restrict_on_the_shared_buffer(tmp_path):
+    """Launchers that write into an input (the fused conv's bias, residual and relu,
+    a mean's division, any map or broadcast with out=x) pass one buffer as two
+    arguments. A __restrict__ on either lets the compiler read it through the
+    read-only cache or reorder across them: nothing the kernels may rely on. The
+    emulator records every launch with two pointer arguments at one address; the
+    device functions behind those entry points must not declare them __restrict__."""
+    import kernel_emulator
+    import numpy as np
+    from kernel_emulator import to_device
+
+    from minigraph.kernels.cuda import activation, broadcast, elementwise
+    from minigraph.kernels.cuda import reduce as reductions
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ for the emulator")
+    kernel_emulator.aliased.clear()
+    rng = np.random.default_rng(0)
+    with kernel_emulator.emulated_gpu():
+        for dtype in (np.float32, np.float64):
+            x = to_device(rng.normal(size=(2, 4, 3, 8)).astype(dtype))
+            elementwise.add(x, to_device(rng.normal(size=4).astype(dtype)), axis=1, out=x)
+            broadcast.add(x, to_device(rng.normal(size=(2, 4, 3, 8)).astype(dtype)), out=x)
+            broadcast.add(x, to_device(rng.normal(size=(1, 4, 1, 8)).astype(dtype)), out=x)
+            broadcast.multiply(x, to_device(rng.normal(size=(4, 1, 1)).astype(dtype)), out=x)
+            activation.relu(x, out=x)
+            reductions.reduce(x, "mean", axis=(0, 2, 3))
+    assert {"relu_f32_w4", "relu_f64_w2"} <= {name for name, _ in kernel_emulator.aliased}
+    modules = {name: m for m, entries in loader.signature_table().items() for name in entries}
+    sources = {}
+    bad = []
+    for name, pair in sorted(kernel_emulator.aliased):
+        module = modules[name]
+        if module not in sources:
+            done = subprocess.run(
+                ["g++", "-std=c++17", "-E", "-P", "-I", str(KERNEL_DIR), "-include",
+                 str(pathlib.Path(kernel_emulator.__file__).parent / "emu.h"), "-x", "c++",
+                 str(KERNEL_DIR / f"{module}.cu")], capture_output=True, text=True, check=True)
+            sources[module] = done.stdout
+        restricted = _restrict_on_aliased(sources[module], name, pair)
+        if restricted:
+            bad.append(f"{module}.cu {name} (arguments {pair}, one buffer): {restricted}")
+    assert not bad, "in-place kernels with __restrict__ on the shared buffer:\n" + "\n".join(bad)

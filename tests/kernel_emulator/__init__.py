@@ -6,8 +6,15 @@ there) and plugs into minigraph.kernels.cuda.loader in place of PyCUDA, so the r
 launchers run unchanged on `EmuArray`s (host buffers shaped like GPUArrays,
 poisoned with NaN bytes and fenced with canaries that are checked after
 every launch). It checks the kernels' logic - indexing, reductions, the
-last-block merges, the launch plans - not their speed, their memory model or
-anything a real GPU would add (races between blocks, float contraction).
+last-block merges, the launch plans - and what the hardware and PyCUDA
+refuse: arguments are packed with PyCUDA's rules (struct: a float for an int
+parameter, or a value out of range, raises struct.error), grids and blocks
+must fit the hardware's limits, a block's static shared memory must fit in
+SHARED_LIMIT bytes (measured: the __shared__ variables a block changed), and
+every access must be aligned to its type (16 bytes for a pack). Not checked:
+speed, the memory model, anything else a real GPU would add (races between
+blocks, float contraction). Kernels launched with two pointer arguments at
+one address (in place) are recorded in `aliased`.
 `EmuPlace` is a GPU place on top of it (`emulated_gpu()` installs both), so
 the Executor runs the ops' GPU kernel bindings on it.
 """
@@ -19,6 +26,7 @@ import hashlib
 import math
 import pathlib
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -34,8 +42,12 @@ from minigraph.place import GPUPlace
 
 HERE = pathlib.Path(__file__).parent
 CXX = shutil.which("g++")
-CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-w",
-             "-Wl,--no-undefined")
+CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-w")
+KERNEL_FLAGS = ("-fsanitize=alignment",)       # the kernel module only: handled in runtime.cpp
+LINK_FLAGS = ("-shared", "-Wl,--no-undefined")
+SHARED_LIMIT = 48 * 1024      # bytes of static shared memory a block may have
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_BLOCK = (1024, 1024, 64)
 PAD = 64                      # canary bytes on each side of an array
 CANARY = 0xA5
 POISON = 0xFF                 # fresh arrays: NaN for floats, -1 for ints
@@ -47,10 +59,12 @@ C_TYPES = {"P": ("void*", ctypes.c_void_p), "q": ("long long", ctypes.c_longlong
 
 
 class EmulatorError(RuntimeError):
-    """A launch failed in the emulator (deadlock, out-of-bounds write)."""
+    """A launch failed in the emulator (deadlock, out-of-bounds write, misaligned
+    access, a grid, block or shared memory the hardware refuses)."""
 
 
 _live = weakref.WeakSet()
+aliased = set()           # (kernel name, (i, j)): pointer arguments i and j were one address
 
 
 class EmuArray:
@@ -119,9 +133,11 @@ def to_device(values, offset=0):
 _build_lock = threading.Lock()
 
 
-def _build(module, signatures):
-    """Compile kernels/<module>.cu with emu.h and call wrappers; the library path."""
-    kdir = loader.kernel_dir()
+def build(module, signatures, kdir=None):
+    """Compile <kdir>/<module>.cu (kdir: kernels/cuda) with emu.h and call wrappers
+    for `signatures` ({entry point: format}); the library's path (cached by
+    content)."""
+    kdir = pathlib.Path(kdir) if kdir is not None else loader.kernel_dir()
     sources = [kdir / f"{module}.cu", *sorted(kdir.glob("*.cuh")), HERE / "emu.h",
                HERE / "runtime.cpp"]
     wrappers = ["#include <stddef.h>"]
@@ -135,44 +151,138 @@ def _build(module, signatures):
     for p in sources:
         digest.update(p.read_bytes())
     digest.update(wrapper_src.encode())
-    digest.update(" ".join(CXX_FLAGS).encode())
+    digest.update(" ".join(CXX_FLAGS + KERNEL_FLAGS + LINK_FLAGS).encode())
     out_dir = pathlib.Path(tempfile.gettempdir()) / "minigraph-kernel-emulator"
     out_dir.mkdir(exist_ok=True)
     lib = out_dir / f"{module}-{digest.hexdigest()[:16]}.so"
     if not lib.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            wrapper_file = pathlib.Path(tmp) / "wrappers.cpp"
-            wrapper_file.write_text(wrapper_src)
-            target = pathlib.Path(tmp) / lib.name
-            cmd = [CXX, *CXX_FLAGS, "-I", str(kdir), "-I", str(HERE), "-x", "c++",
-                   "-include", str(HERE / "emu.h"), str(kdir / f"{module}.cu"),
-                   str(wrapper_file), str(HERE / "runtime.cpp"), "-o", str(target)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise EmulatorError(f"g++ failed on {module}.cu:\n{done.stderr[-4000:]}")
+            tmp = pathlib.Path(tmp)
+            (tmp / "wrappers.cpp").write_text(wrapper_src)
+            target = tmp / lib.name
+            include = ["-I", str(kdir), "-I", str(HERE)]
+            steps = [[CXX, *CXX_FLAGS, *KERNEL_FLAGS, *include, "-x", "c++", "-include",
+                      str(HERE / "emu.h"), "-c", str(kdir / f"{module}.cu"), "-o",
+                      str(tmp / "kernels.o")],
+                     [CXX, *CXX_FLAGS, *include, "-c", str(tmp / "wrappers.cpp"), "-o",
+                      str(tmp / "wrappers.o")],
+                     [CXX, *CXX_FLAGS, *include, "-c", str(HERE / "runtime.cpp"), "-o",
+                      str(tmp / "runtime.o")],
+                     [CXX, *LINK_FLAGS, str(tmp / "kernels.o"), str(tmp / "wrappers.o"),
+                      str(tmp / "runtime.o"), "-o", str(target)]]
+            for cmd in steps:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    raise EmulatorError(f"g++ failed on {module}.cu:\n{done.stderr[-4000:]}")
             shutil.move(str(target), lib)
     return lib
 
 
+def _shared_variables(lib_path):
+    """[(offset in the library, size)] of its __shared__ variables: the function
+    statics (mangled _ZZ...) in .bss (no initialiser: CUDA gives shared memory
+    none), as `objdump -t` lists them; and the offset of emu_launch."""
+    done = subprocess.run(["objdump", "-t", str(lib_path)], capture_output=True, text=True,
+                          check=True)
+    found, launch_at = [], None
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[-1].startswith("_ZZ") and parts[-3].startswith(".bss"):
+            found.append((int(parts[0], 16), int(parts[-2], 16)))
+        elif len(parts) >= 5 and parts[-1] == "emu_launch":
+            launch_at = int(parts[0], 16)
+    return found, launch_at
+
+
+def load(path):
+    """The library `build` made, loaded, with its __shared__ variables handed to
+    the runtime (emu_set_shared)."""
+    lib = ctypes.CDLL(str(path))
+    lib.emu_launch.restype = ctypes.c_int
+    lib.emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
+        ctypes.c_void_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int,
+        ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong)]
+    variables, launch_at = _shared_variables(path)
+    base = ctypes.cast(lib.emu_launch, ctypes.c_void_p).value - launch_at
+    addresses = (ctypes.c_ulonglong * max(len(variables), 1))(*(base + at for at, _ in variables))
+    sizes = (ctypes.c_ulonglong * max(len(variables), 1))(*(n for _, n in variables))
+    lib.emu_set_shared(len(variables), addresses, sizes)
+    return lib
+
+
 class EmuKernel:
+    """One entry point of a loaded library: `(grid, block, args)` runs it (see
+    the module doc for what a launch checks)."""
+
     def __init__(self, lib, name, fmt, seed):
         self.name, self.fmt = name, fmt
         self._lib = lib
         self._fn = ctypes.cast(getattr(lib, f"emu_wrap_{name}"), ctypes.c_void_p)
         self._seed = seed
+        self.shared_used = 0      # the most static shared memory a block of it touched
 
     def __call__(self, grid, block, args):
-        values = [C_TYPES[c][1](int(a) if c in "PqQiI" else float(a))
-                  for c, a in zip(self.fmt, args, strict=True)]
+        values = [C_TYPES[c][1](v) for c, v in zip(self.fmt, pack_args(self.name, self.fmt,
+                                                                       args))]
+        pointers = [(i, v.value) for i, (c, v) in enumerate(zip(self.fmt, values))
+                    if c == "P" and v.value]
+        for n, (i, p) in enumerate(pointers):
+            for j, q in pointers[n + 1:]:
+                if p == q:
+                    aliased.add((self.name, (i, j)))
+        check_geometry(self.name, grid, block)
         argv = (ctypes.c_void_p * len(values))(
             *(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
-        err = ctypes.create_string_buffer(512)
+        err = ctypes.create_string_buffer(1024)
+        used = ctypes.c_ulonglong(0)
         self._seed[0] += 1
-        rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err, len(err))
+        rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err, len(err),
+                                  SHARED_LIMIT, ctypes.byref(used))
+        self.shared_used = max(self.shared_used, used.value)
         if rc:
             raise EmulatorError(f"{self.name}: {err.value.decode()}")
         for a in list(_live):
             a.check()
+
+
+def pack_args(name, fmt, args):
+    """The values a kernel `name` with argument format `fmt` receives for `args`,
+    packed as PyCUDA packs them (its struct module: an int parameter takes an
+    int or an object with __index__ - a float raises - and must be in range;
+    a float parameter takes anything float() takes). struct.error names the
+    kernel and the argument."""
+    if len(args) != len(fmt):
+        raise TypeError(f"{name}: {len(fmt)} arguments ({fmt!r}), got {len(args)}")
+    try:
+        return list(struct.unpack(fmt, struct.pack(fmt, *args)))
+    except struct.error:
+        pass
+    for i, (c, a) in enumerate(zip(fmt, args)):      # which one: PyCUDA's error does not say
+        try:
+            struct.pack(c, a)
+        except struct.error as e:
+            raise struct.error(f"{name}: argument {i} ({c!r}) = {a!r} ({type(a).__name__}): "
+                               f"{e}") from None
+    raise AssertionError("unreachable: the arguments pack one by one but not together")
+
+
+def check_geometry(name, grid, block):
+    """EmulatorError unless `grid` and `block` (3-tuples of ints) are a launch the
+    hardware accepts (MAX_GRID, MAX_BLOCK, 1024 threads a block)."""
+    gx, gy, gz = grid
+    bx, by, bz = block
+    if (0 < gx <= MAX_GRID[0] and 0 < gy <= MAX_GRID[1] and 0 < gz <= MAX_GRID[2] and
+            0 < bx <= MAX_BLOCK[0] and 0 < by <= MAX_BLOCK[1] and 0 < bz <= MAX_BLOCK[2] and
+            bx * by * bz <= 1024 and
+            int is type(gx) is type(gy) is type(gz) is type(bx) is type(by) is type(bz)):
+        return
+    for what, dims, limits in (("grid", grid, MAX_GRID), ("block", block, MAX_BLOCK)):
+        if any(type(d) is not int or not 1 <= d <= m for d, m in zip(dims, limits)):
+            raise EmulatorError(f"{name}: {what} {tuple(dims)}: each of x, y, z must be an int "
+                                f"in [1, {list(limits)}]")
+    if math.prod(block) > 1024:
+        raise EmulatorError(f"{name}: block {tuple(block)} has {math.prod(block)} threads, more "
+                            "than 1024")
 
 
 class EmuBackend:
@@ -206,12 +316,8 @@ class EmuBackend:
     def _lib(self, module):
         if module not in self._libs:
             with _build_lock:
-                path = _build(module, loader.signature_table()[module])
-            lib = ctypes.CDLL(str(path))
-            lib.emu_launch.restype = ctypes.c_int
-            lib.emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
-                ctypes.c_void_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int]
-            self._libs[module] = lib
+                path = build(module, loader.signature_table()[module])
+            self._libs[module] = load(path)
         return self._libs[module]
 
     def kernel(self, module, name, fmt):

@@ -4,9 +4,13 @@
 // Each block runs as blockDim cooperative fibers (ucontext) on one OS thread;
 // a fiber gives up the processor only at __syncthreads() and warp shuffles,
 // in a shuffled order, so missing barriers and warp-level mistakes show up
-// as wrong results. Blocks run one after another in a shuffled order.
-// __shared__ variables become function statics (one block at a time), device
-// memory is host memory, atomics are plain read-modify-writes (one thread).
+// as wrong results. Blocks run one after another in an order shuffled per
+// launch. __shared__ variables become function statics (one block at a time),
+// poisoned with 0xFF bytes before every block (shared memory starts
+// uninitialised); device memory is host memory, atomics are plain
+// read-modify-writes (one thread). The module is compiled with
+// -fsanitize=alignment, so every misaligned access (a 16-byte pack at an
+// address that is not a multiple of 16) fails the launch, as on a GPU.
 #pragma once
 #include <math.h>
 #include <stdint.h>

@@ -1,5 +1,7 @@
 """Device memory and code of the fake PyCUDA (fake_pycuda.py): allocations that
-know their context, DeviceMemoryPool, GPUArray, SourceModule and its functions."""
+know their context, DeviceMemoryPool (bound to the context current when it is
+made), GPUArray, compile / module_from_buffer / SourceModule and their
+functions (arguments packed with PyCUDA's rules)."""
 from __future__ import annotations
 
 import math
@@ -40,10 +42,16 @@ class _Allocation:
             if self.pool is not None and self.pool.holding:
                 self.pool.held.setdefault(self.nbytes, []).append(self.reborn())
             else:
-                self.cuda.count("mem_free")
-                self.cuda._untrack(self)
+                self.free()
         except Exception:    # interpreter shutdown
             pass
+
+    def free(self):
+        """cuMemFree in the allocation's context (see FakeCuda.cleanup: leaked
+        when PyCUDA could not make that context current here)."""
+        if self.cuda.cleanup("device_allocation", self.ctx):
+            self.cuda.count("mem_free")
+            self.cuda._untrack(self)
 
     def reborn(self):
         """The same memory as a new held block (this object is being collected)."""
@@ -53,14 +61,22 @@ class _Allocation:
 
 
 class FakePool:
-    """DeviceMemoryPool: blocks of a size come back to the pool when freed."""
+    """DeviceMemoryPool: blocks of a size come back to the pool when freed. Made
+    with a context current (PyCUDA's allocator is context-dependent: without
+    one it raises), and allocating only with that context current (strict): a
+    pool used for another device would hand out that device's memory and free
+    it in its own context."""
 
     def __init__(self, cuda):
         self.cuda, self.held, self.holding = cuda, {}, True
+        self.ctx = cuda.current("DeviceMemoryPool")
 
     def allocate(self, nbytes):
         nbytes = max(int(nbytes), 1)
         ctx = self.cuda.current("pool.allocate")
+        if self.cuda.strict and ctx is not self.ctx:
+            raise FakeDriverError(f"DeviceMemoryPool of {self.ctx} allocating with {ctx} "
+                                  "current")
         blocks = self.held.get(nbytes)
         if blocks:
             block = blocks.pop()
@@ -69,18 +85,21 @@ class FakePool:
         self.cuda.count("mem_alloc")
         return _Allocation(self.cuda, nbytes, ctx, pooled=self)
 
-    def free_held(self):
-        self.cuda.current("pool.free_held")
-        self.held.clear()
-
-    def stop_holding(self):
-        ctx = self.cuda.current("pool.stop_holding")
-        self.cuda.log.append((threading.current_thread().name, "free_pool", ctx.device.index))
-        self.holding = False
+    def _free_held(self):
         for blocks in self.held.values():
             for b in blocks:
                 b.pool = None
+                b.free()
         self.held.clear()
+
+    def free_held(self):
+        self._free_held()
+
+    def stop_holding(self):
+        self.cuda.log.append((threading.current_thread().name, "free_pool",
+                              self.ctx.device.index))
+        self.holding = False
+        self._free_held()
 
 
 class FakeArray:
@@ -144,6 +163,7 @@ class FakeArray:
 
     def _check_owner(self, what):
         ctx = self.cuda.current(what)
+        self.cuda.check_sticky(what)
         if self.cuda.strict and self.gpudata is not None and self._memory()[0].ctx is not ctx:
             raise FakeDriverError(f"{what}: array of {self._memory()[0].ctx} used with {ctx} "
                                   "current")
@@ -195,20 +215,40 @@ def _c_strides(shape, itemsize):
 
 
 class FakeModule:
-    """SourceModule: compiled in the current context; functions launch only there."""
+    """A loaded module (module_from_buffer, or SourceModule = compile + load): loaded
+    in the current context; its functions launch only there. `compile` makes a
+    fake cubin naming the kernel module and the architecture, with no context
+    (PyCUDA's compile runs nvcc, and needs none when given `arch`)."""
 
-    def __init__(self, cuda, source, options):
+    def __init__(self, cuda, module, arch):
+        self.cuda, self.module, self.arch = cuda, module, arch
+        self.ctx = cuda.current("module_from_buffer (cuModuleLoadData)")
+        cuda.count("module_load")
+
+    @staticmethod
+    def compile(cuda, source, options):
         from minigraph.kernels.cuda import loader
 
-        self.cuda, self.options = cuda, options
-        self.ctx = cuda.current("SourceModule")
         cuda.count("compile")
         names = [m for m in loader.module_names() if loader.read_source(m) == source]
-        assert len(names) == 1, "SourceModule of an unknown source"
-        self.module = names[0]
+        assert len(names) == 1, "compile of an unknown source"
+        cuda.compiled[names[0]] += 1
+        return f"fake-cubin {names[0]} {options.get('arch')}".encode()
+
+    @staticmethod
+    def load(cuda, cubin):
+        kind, module, arch = bytes(cubin).decode().split()
+        assert kind == "fake-cubin", "module_from_buffer of something not a fake cubin"
+        return FakeModule(cuda, module, arch)
 
     def get_function(self, name):
         return FakeFunction(self, name)
+
+    def __del__(self):
+        try:
+            self.cuda.cleanup("module", self.ctx)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 class FakeFunction:
@@ -222,9 +262,14 @@ class FakeFunction:
         self.fmt = fmt
 
     def prepared_async_call(self, grid, block, stream, *args):
+        import kernel_emulator
+
         cuda = self.module.cuda
         ctx = cuda.current(f"launch {self.name}")
         cuda.count("launch")
+        kernel_emulator.pack_args(self.name, self.fmt, args)    # struct.error, as PyCUDA's
+        kernel_emulator.check_geometry(self.name, tuple(grid), tuple(block))
+        cuda.check_sticky(f"launch {self.name}")
         if cuda.strict:
             if ctx is not self.module.ctx:
                 raise FakeDriverError(f"launch {self.name}: module of {self.module.ctx} with "

@@ -3,17 +3,35 @@
 `FakeCuda(devices=2).install()` puts stand-ins for pycuda, pycuda.driver,
 pycuda.gpuarray, pycuda.tools and pycuda.compiler into sys.modules, so
 minigraph.GPUPlace and the loader's real PyCUDA backend run on it. It keeps
-what the driver keeps - a context stack per thread, primary-context retain
-counts, which context owns each allocation - and checks what the driver would
-reject: every allocation, copy, event and kernel launch needs a current
-context, a kernel runs only in the context its module was loaded in, every
-pointer it gets belongs to that context, and `check_clean()` fails like
-PyCUDA's exit check when a thread's context stack is not empty.
+what the driver and PyCUDA keep - a context stack per thread, primary-context
+retain counts, which context owns each allocation, event, module and memory
+pool, which thread owns each Context object - and checks what they would
+reject:
+
+- every allocation, copy, event, memory pool (DeviceMemoryPool binds to the
+  context current when it is made) and kernel launch needs a current context;
+  `Context.get_device()` is static and reads the current one;
+- a pool allocates only with its own context current, a kernel runs only in
+  the context its module was loaded in, every pointer it gets belongs to that
+  context;
+- a Context object belongs to the thread that retained it: an object of its
+  context (event, allocation, module) destroyed on another thread while the
+  context is not current there is not cleaned up - PyCUDA warns "... in
+  out-of-thread context could not be cleaned up" and leaks it (`leaks` lists
+  them) - and `detach()` from another thread releases nothing;
+- prepared_async_call packs its arguments as PyCUDA does (struct: a float for
+  an int parameter, or a value out of range, raises struct.error) and
+  refuses a grid or block the hardware would;
+- `fail(message)` makes a sticky error: every later synchronize, event wait,
+  launch and copy raises it, as after an illegal address;
+- `check_clean()` fails like PyCUDA's exit check when a thread's context
+  stack is not empty.
 
 Kernels either run on the CPU emulator (run_kernels=True: the real .cu files,
 so results can be checked) or do nothing (a fake launcher, for timing the
 host side). `counts` tallies driver calls (push, pop, mem_alloc, mem_free,
-htod, dtoh, launch, compile, ...); `log` records (thread, event, device).
+htod, dtoh, launch, compile, module_load, ...); `log` records (thread, event,
+device).
 """
 from __future__ import annotations
 
@@ -23,6 +41,7 @@ import itertools
 import sys
 import threading
 import types
+import warnings
 from collections import Counter
 
 from .fake_memory import FakeArray, FakeDriverError, FakeModule, FakePool
@@ -36,6 +55,7 @@ class FakeCuda:
         self.driver_version = driver_version
         self.run_kernels, self.strict, self.sm_count = run_kernels, strict, sm_count
         self.counts = Counter()
+        self.compiled = Counter()       # kernel module -> times compiled (pycuda.compiler)
         self.log = []
         self.devices = [FakeDevice(self, i) for i in range(devices)]
         self._tls = threading.local()
@@ -46,6 +66,8 @@ class FakeCuda:
         self.emu_lock = threading.Lock()
         self.hang = threading.Event()   # set: events never complete until released
         self.released = threading.Event()
+        self.sticky = None              # fail(): the message every later call raises
+        self.leaks = []                 # (thread, kind, device) PyCUDA could not clean up
 
     # ---- bookkeeping ---------------------------------------------------------------
     def count(self, what):
@@ -62,8 +84,35 @@ class FakeCuda:
         s = self.stack()
         if not s:
             raise FakeDriverError(f"{what}: no CUDA context is current on thread "
-                                  f"{threading.current_thread().name}")
+                                  f"{threading.current_thread().name} (explicit_context_"
+                                  "dependent: no currently active context?)")
         return s[-1]
+
+    def fail(self, message="an illegal memory access was encountered"):
+        """A sticky error from now on (None: clear it)."""
+        self.sticky = message
+
+    def check_sticky(self, what):
+        """FakeDriverError when a sticky error is set (see fail)."""
+        if self.sticky is not None:
+            raise FakeDriverError(f"{what} failed: {self.sticky}")
+
+    def cleanup(self, kind, ctx):
+        """True when PyCUDA can destroy an object of `ctx` on this thread (its
+        scoped_context_activation): `ctx` is current here, or this thread owns
+        it (PyCUDA pushes it around the clean-up). A dead context: False,
+        silently. Otherwise PyCUDA warns and leaks the object: False, the leak
+        recorded in `leaks` and counted as leak_<kind>."""
+        if ctx is None or not ctx.valid or ctx.device.retains <= 0:
+            return False
+        s = self.stack()
+        if (s and s[-1] is ctx) or ctx.owner is threading.current_thread():
+            return True
+        self.count(f"leak_{kind}")
+        self.leaks.append((threading.current_thread().name, kind, ctx.device.index))
+        warnings.warn(f"{kind} in out-of-thread context could not be cleaned up", UserWarning,
+                      stacklevel=2)
+        return False
 
     def _track(self, alloc):
         if self.strict:
@@ -90,11 +139,13 @@ class FakeCuda:
         for name, s in self._stacks.values():
             assert not s, f"thread {name}: the context stack was not empty: {s}"
         for d in self.devices:
-            assert d.ctx.retains == 0, f"{d.ctx} is still retained ({d.ctx.retains})"
+            assert d.retains == 0, f"GPU {d.index}'s primary context is still retained " \
+                                   f"({d.retains})"
 
     def memcpy_dtod(self, dest, src, nbytes):
         """A device-to-device copy on the current context (both ends its memory)."""
         ctx = self.current("memcpy_dtod")
+        self.check_sticky("memcpy_dtod")
         self.count("dtod")
         if self.strict and not (self.owner(dest) is ctx and self.owner(src) is ctx):
             raise FakeDriverError(f"memcpy_dtod {src:#x} -> {dest:#x} outside {ctx}")
@@ -169,9 +220,13 @@ class FakeCuda:
         drv.get_driver_version = lambda: cuda.driver_version
         drv.Device = _device_class(cuda)
         drv.Context = FakeContext
-        drv.Event = lambda flags=0: FakeEvent(cuda)
+        drv.Event = lambda flags=0: FakeEvent(cuda, flags)
+        drv.event_flags = types.SimpleNamespace(DEFAULT=0, BLOCKING_SYNC=1, DISABLE_TIMING=2,
+                                                INTERPROCESS=4)
         drv.memcpy_dtod_async = lambda dest, src, nbytes, stream=None: cuda.memcpy_dtod(
             int(dest), int(src), nbytes)
+        drv.module_from_buffer = lambda buffer, options=None, message_handler=None: \
+            FakeModule.load(cuda, buffer)
         drv.device_attribute = types.SimpleNamespace(
             MULTIPROCESSOR_COUNT="sm", MAX_THREADS_PER_BLOCK="tpb")
         FakeContext.cuda = cuda
@@ -183,23 +238,33 @@ class FakeCuda:
         tools.DeviceMemoryPool = lambda: FakePool(cuda)
         tools.clear_context_caches = lambda: cuda.count("clear_context_caches")
         comp = types.ModuleType("pycuda.compiler")
-        comp.SourceModule = lambda source, **kw: FakeModule(cuda, source, kw)
+        comp.SourceModule = lambda source, **kw: FakeModule.load(cuda, FakeModule.compile(
+            cuda, source, kw))
+        comp.compile = lambda source, **kw: FakeModule.compile(cuda, source, kw)
         pkg.driver, pkg.gpuarray, pkg.tools, pkg.compiler = drv, ga, tools, comp
         return {"pycuda": pkg, "pycuda.driver": drv, "pycuda.gpuarray": ga,
                 "pycuda.tools": tools, "pycuda.compiler": comp}
 
 
 class FakeContext:
-    """A primary context: retained, pushed and popped per thread like CUDA's."""
+    """A primary context as PyCUDA's Context object: retained (one object per
+    retain_primary_context call, owned by the thread that made it), pushed and
+    popped per thread like CUDA's."""
 
     cuda = None
 
     def __init__(self, device):
-        self.device, self.retains, self.valid = device, 0, True
+        self.device, self.valid = device, True
+        self.owner = threading.current_thread()
+
+    @property
+    def retains(self):
+        """The device's primary-context retain count."""
+        return self.device.retains
 
     def push(self):
         c = self.device.cuda
-        if not self.valid or self.retains <= 0:
+        if not self.valid or self.device.retains <= 0:
             raise FakeDriverError(f"push of {self}, which is not retained")
         c.stack().append(self)
         c.count("push")
@@ -210,7 +275,7 @@ class FakeContext:
         c = FakeContext.cuda
         s = c.stack()
         if not s:
-            raise FakeDriverError("Context.pop: the context stack is empty")
+            raise FakeDriverError("context::pop: cannot pop non-current context")
         ctx = s.pop()
         c.count("pop")
         c.log.append((threading.current_thread().name, "pop", ctx.device.index))
@@ -227,15 +292,26 @@ class FakeContext:
         ctx = c.current("Context.synchronize")
         c.count("synchronize")
         c.log.append((threading.current_thread().name, "synchronize", ctx.device.index))
+        c.check_sticky("cuCtxSynchronize")
 
-    def get_device(self):
-        return self.device
+    @staticmethod
+    def get_device():
+        """The device of the context current on this thread (PyCUDA's is static:
+        cuCtxGetDevice), whichever Context object it is called on."""
+        return FakeContext.cuda.current("Context.get_device (cuCtxGetDevice)").device
 
     def detach(self):
         c = self.device.cuda
+        if not self.valid:
+            raise FakeDriverError("context::detach: cannot detach from invalid context")
         if self in c.stack():
             raise FakeDriverError(f"detach of {self} while it is on this thread's stack")
-        self.retains -= 1
+        self.valid = False
+        if self.owner is not threading.current_thread():
+            c.count("leak_context")          # PyCUDA releases nothing from a foreign thread
+            c.log.append((threading.current_thread().name, "detach_leaked", self.device.index))
+            return
+        self.device.retains -= 1
         c.count("detach")
         c.log.append((threading.current_thread().name, "detach", self.device.index))
 
@@ -245,16 +321,15 @@ class FakeContext:
 
 class FakeDevice:
     def __init__(self, cuda, index):
-        self.cuda, self.index = cuda, index
-        self.ctx = FakeContext(self)
+        self.cuda, self.index, self.retains = cuda, index, 0
 
     def pci_bus_id(self):
         return f"0000:{self.index:02x}:00.0"
 
     def retain_primary_context(self):
-        self.ctx.retains += 1
+        self.retains += 1
         self.cuda.count("retain")
-        return self.ctx
+        return FakeContext(self)
 
     def name(self):
         return f"fake GPU {self.index}"
@@ -281,16 +356,25 @@ def _device_class(cuda):
 
 
 class FakeEvent:
-    def __init__(self, cuda):
-        self.cuda, self.ctx = cuda, None
+    """An Event: made in the current context (PyCUDA's are context-dependent),
+    recorded there, destroyed like PyCUDA's (see FakeCuda.cleanup); synchronize
+    waits while `hang` is set and raises a sticky error."""
+
+    def __init__(self, cuda, flags=0):
+        self.cuda, self.flags = cuda, flags
+        self.ctx = cuda.current("Event")
+        cuda.count("event_create")
 
     def record(self, stream=None):
-        self.ctx = self.cuda.current("Event.record")
+        ctx = self.cuda.current("Event.record")
+        if self.cuda.strict and ctx is not self.ctx:
+            raise FakeDriverError(f"Event.record: event of {self.ctx} with {ctx} current")
         self.cuda.count("event_record")
         return self
 
     def query(self):
         self.cuda.count("event_query")
+        self.cuda.check_sticky("cuEventQuery")
         return not self.cuda.hang.is_set()
 
     def synchronize(self):
@@ -299,4 +383,12 @@ class FakeEvent:
                               self.ctx.device.index))
         if self.cuda.hang.is_set():
             self.cuda.released.wait(60)
+        self.cuda.check_sticky("cuEventSynchronize")
         return self
+
+    def __del__(self):
+        try:
+            if self.cuda.cleanup("event", self.ctx):
+                self.cuda.count("event_destroy")
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,4 +1,8 @@
-// The fiber scheduler behind emu.h: emu_launch runs a kernel wrapper over a grid.
+// The fiber scheduler behind emu.h: emu_launch runs a kernel wrapper over a grid,
+// checking what the hardware would refuse: the launch's grid and block sizes, the
+// static shared memory a block touches, and the alignment of every access (the
+// kernel module is compiled with -fsanitize=alignment; the handler is below).
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <ucontext.h>
@@ -12,6 +16,22 @@
 namespace emu {
 FiberState* current = nullptr;
 dim3 grid_dim, block_dim, block_idx;
+
+// The first misaligned access of a launch (kernels keep running: x86 allows it).
+struct Misaligned {
+  bool seen;
+  const char* file;
+  unsigned line, col, align, kind;
+  uintptr_t addr;
+};
+Misaligned misaligned;
+
+// The module's __shared__ variables (function statics): their addresses and sizes,
+// set once by emu_set_shared. Poisoned before every block, as shared memory is
+// uninitialised on a GPU; those a block changed count as its static shared memory.
+std::vector<unsigned char*> shared_at;
+std::vector<size_t> shared_size;
+const unsigned char SHARED_POISON = 0xFF;
 
 namespace {
 struct Fiber {
@@ -79,6 +99,8 @@ bool runnable(const Fiber& f) {
 
 void syncthreads() { wait_on(1, block_barrier); }
 
+void abandon_fiber() { swapcontext(&running->ctx, &scheduler); }
+
 void warp_exchange(int warp, uint64_t bits, int src_lane, uint64_t* out) {
   Fiber* f = running;
   const unsigned parity = f->shuffle_seq++ & 1u;
@@ -89,17 +111,89 @@ void warp_exchange(int warp, uint64_t bits, int src_lane, uint64_t* out) {
 }
 }  // namespace emu
 
-// Run `fn(args)` for every thread of the grid. Returns 0, or 1 with a message
-// in `err` (deadlock: a barrier some threads never reach).
+// UBSan's record of a checked access (GCC's -fsanitize=alignment, handler version 1).
+struct UbsanLocation {
+  const char* file;
+  uint32_t line, column;
+};
+struct UbsanTypeMismatch {
+  UbsanLocation location;
+  const void* type;
+  unsigned char log_alignment;
+  unsigned char check_kind;     // 0 load, 1 store, others: a reference or member access
+};
+
+// A misaligned access: recorded, and the fiber never resumes (the access itself
+// may be an aligned SSE move that faults on x86); the launch then fails.
+extern "C" void __ubsan_handle_type_mismatch_v1(UbsanTypeMismatch* data, uintptr_t pointer) {
+  emu::Misaligned& m = emu::misaligned;
+  if (!m.seen)
+    m = emu::Misaligned{true, data->location.file, data->location.line, data->location.column,
+                        1u << data->log_alignment, data->check_kind, pointer};
+  emu::abandon_fiber();
+}
+
+// Tell the runtime where the module's __shared__ variables are (see emu::shared_at).
+extern "C" void emu_set_shared(int count, unsigned long long* addresses,
+                               unsigned long long* sizes) {
+  emu::shared_at.assign(count, nullptr);
+  emu::shared_size.assign(count, 0);
+  for (int i = 0; i < count; ++i) {
+    emu::shared_at[i] = reinterpret_cast<unsigned char*>(addresses[i]);
+    emu::shared_size[i] = sizes[i];
+  }
+}
+
+namespace {
+void poison_shared() {
+  for (size_t i = 0; i < emu::shared_at.size(); ++i)
+    memset(emu::shared_at[i], emu::SHARED_POISON, emu::shared_size[i]);
+}
+
+size_t shared_touched() {
+  size_t bytes = 0;
+  for (size_t i = 0; i < emu::shared_at.size(); ++i) {
+    const unsigned char* p = emu::shared_at[i];
+    for (size_t b = 0; b < emu::shared_size[i]; ++b)
+      if (p[b] != emu::SHARED_POISON) {
+        bytes += emu::shared_size[i];
+        break;
+      }
+  }
+  return bytes;
+}
+
+const char* const ACCESS_KINDS[] = {"a load", "a store", "a reference binding",
+                                    "a member access", "a member call"};   // UBSan's
+
+const char* access_kind(unsigned kind) { return kind < 5 ? ACCESS_KINDS[kind] : "an access"; }
+}  // namespace
+
+// Run `fn(args)` for every thread of the grid, blocks one after another in an
+// order shuffled by `seed`. Returns 0, or 1 with a message in `err`: a grid or
+// block the hardware refuses, more static shared memory than `shared_limit`
+// bytes, a misaligned access, or a deadlock (a barrier some threads never
+// reach). `*shared_used`: the most static shared memory one block touched.
 extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned gz,
                           unsigned bx, unsigned by, unsigned bz, void** args, unsigned seed,
-                          char* err, int errlen) {
+                          char* err, int errlen, unsigned long long shared_limit,
+                          unsigned long long* shared_used) {
   using namespace emu;
-  const unsigned threads = bx * by * bz;
-  if (threads == 0 || threads % 32 != 0 || threads > 1024) {
-    snprintf(err, errlen, "block of %u threads: must be a multiple of 32, at most 1024", threads);
+  const unsigned long long threads = 1ull * bx * by * bz;
+  *shared_used = 0;
+  if (gx == 0 || gy == 0 || gz == 0 || gx > 2147483647u || gy > 65535 || gz > 65535) {
+    snprintf(err, errlen, "grid (%u, %u, %u): the hardware allows x in [1, 2^31 - 1] and "
+             "y, z in [1, 65535]", gx, gy, gz);
     return 1;
   }
+  if (bx > 1024 || by > 1024 || bz > 64 || threads == 0 || threads % 32 != 0 ||
+      threads > 1024) {
+    snprintf(err, errlen, "block (%u, %u, %u) of %llu threads: the hardware allows x, y <= "
+             "1024, z <= 64 and 1024 threads; the kernels need a multiple of 32", bx, by, bz,
+             threads);
+    return 1;
+  }
+  misaligned.seen = false;
   wrapper = fn;
   wrapper_args = args;
   grid_dim = dim3{gx, gy, gz};
@@ -118,6 +212,7 @@ extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned
   for (unsigned i = 0; i < threads; ++i) order[i] = i;
   for (const dim3& b : blocks) {
     block_idx = b;
+    poison_shared();
     block_barrier = Barrier{0, 0, threads};
     warp_barriers.assign(warps, Barrier{0, 0, 32});
     shuffle_slots.assign(warps * 2 * 32, 0);
@@ -152,13 +247,30 @@ extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned
         current = &f.state;
         swapcontext(&scheduler, &f.ctx);
         progress = true;
+        if (misaligned.seen) break;          // the fiber was abandoned: the launch fails
         if (f.done) ++done;
       }
+      if (misaligned.seen) break;
       if (!progress && done < threads) {
-        snprintf(err, errlen, "deadlock in block (%u, %u, %u): %u of %u threads finished",
+        snprintf(err, errlen, "deadlock in block (%u, %u, %u): %u of %llu threads finished",
                  b.x, b.y, b.z, done, threads);
         return 1;
       }
+    }
+    if (misaligned.seen) {
+      const Misaligned& m = misaligned;
+      snprintf(err, errlen, "misaligned %u-byte access (%s) at %s:%u:%u in block (%u, %u, %u): "
+               "address %#llx is %llu bytes past a %u-byte boundary (a GPU kills the context)",
+               m.align, access_kind(m.kind), m.file, m.line, m.col, b.x, b.y, b.z,
+               (unsigned long long)m.addr, (unsigned long long)(m.addr % m.align), m.align);
+      return 1;
+    }
+    const size_t used = shared_touched();
+    if (used > *shared_used) *shared_used = used;
+    if (used > shared_limit) {
+      snprintf(err, errlen, "block (%u, %u, %u) uses %zu bytes of static shared memory, more "
+               "than the %llu a block may have", b.x, b.y, b.z, used, shared_limit);
+      return 1;
     }
   }
   return 0;

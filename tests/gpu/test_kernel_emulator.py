@@ -1,0 +1,181 @@
+"""The kernel emulator (tests/kernel_emulator) refuses what a GPU or PyCUDA refuses,
+so a kernel or launcher bug that a real device would show cannot pass the tests:
+
+- arguments are packed with PyCUDA's rules (a float for an int parameter, or a
+  value out of range, is struct.error naming the kernel and the argument);
+- grids and blocks beyond the hardware's limits are refused;
+- a misaligned access (a 16-byte pack off a 16-byte boundary) fails the launch;
+- a block's static shared memory is measured and limited, and starts poisoned
+  (shared memory is uninitialised on a GPU: nothing carries over between blocks);
+- blocks run in an order shuffled by the launch's seed.
+
+Probe kernels are compiled from a source written here; the real ones from kernels/cuda.
+"""
+from __future__ import annotations
+
+import shutil
+import struct
+
+import kernel_emulator
+import numpy as np
+import pytest
+from kernel_emulator import EmuArray, EmuKernel, EmulatorError, to_device
+
+from minigraph.kernels.cuda import loader
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
+
+PROBES = r"""
+extern "C" __global__ void probe_order(unsigned* order, unsigned* counter) {
+  if (threadIdx.x == 0) order[atomicAdd(counter, 1u)] = blockIdx.x;
+}
+extern "C" __global__ void probe_shared_read(float* out) {
+  __shared__ float cell[32];
+  if (blockIdx.x == 0) cell[threadIdx.x] = 1.0f;     // only block 0 writes it
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = cell[threadIdx.x];
+}
+extern "C" __global__ void probe_big_shared(float* out) {
+  __shared__ float big[16384];                        // 64 KiB: more than a block may have
+  big[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = big[threadIdx.x];
+}
+extern "C" __global__ void probe_load4(const float* in, float* out) {
+  struct alignas(16) F4 { float v[4]; };
+  out[threadIdx.x] = reinterpret_cast<const F4*>(in)[threadIdx.x].v[0];
+}
+"""
+SIGNATURES = {"probe_order": "PP", "probe_shared_read": "P", "probe_big_shared": "P",
+              "probe_load4": "PP"}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    kdir = tmp_path_factory.mktemp("probes")
+    (kdir / "probes.cu").write_text(PROBES)
+    lib = kernel_emulator.load(kernel_emulator.build("probes", SIGNATURES, kdir=kdir))
+    return lambda name, seed=1: EmuKernel(lib, name, SIGNATURES[name], [seed])
+
+
+# ---- argument packing (PyCUDA's struct rules) ---------------------------------------------
+
+@pytest.mark.parametrize("fmt,value,words", [
+    ("q", 8.0, "required argument is not an integer"),
+    ("i", 2**31, "out of range|requires"),
+    ("I", -1, "out of range|requires"),
+    ("i", np.float32(3), "required argument is not an integer"),
+    ("d", "1.0", "required argument is not a float")])
+def test_arguments_are_packed_with_pycudas_rules(fmt, value, words):
+    with pytest.raises(struct.error, match=rf"kern: argument 1 \({fmt!r}\) = .*({words})"):
+        kernel_emulator.pack_args("kern", "P" + fmt, (0, value))
+
+
+def test_what_pycuda_accepts_arrives_unchanged():
+    got = kernel_emulator.pack_args("kern", "PqiIdf", (16, np.int64(-3), np.int32(7), True,
+                                                       np.float32(0.5), 1))
+    assert got == [16, -3, 7, 1, 0.5, 1.0]
+    assert kernel_emulator.pack_args("kern", "f", (0.1,))[0] == float(np.float32(0.1))
+
+
+def test_a_launcher_passing_a_float_for_an_int_fails_like_pycuda(device_place):
+    if not isinstance(device_place, kernel_emulator.EmuPlace):
+        pytest.skip("the emulator's own check")
+    a, b = to_device(np.ones(8, np.float32)), EmuArray((8,), np.float32)
+    k = loader.kernel("elementwise", "copy_f32_w1", "PPq")
+    with pytest.raises(struct.error, match=r"copy_f32_w1: argument 2 \('q'\) = 8.0"):
+        k.launch((1, 1, 1), (32, 1, 1), a.gpudata, b.gpudata, 8.0)
+    k.launch((1, 1, 1), (32, 1, 1), a.gpudata, b.gpudata, 8)
+    np.testing.assert_array_equal(b.get(), np.ones(8))
+
+
+# ---- launch geometry -------------------------------------------------------------------
+
+@pytest.mark.parametrize("grid,block,words", [
+    ((1, 65536, 1), (32, 1, 1), r"grid \(1, 65536, 1\)"),
+    ((1, 1, 65536), (32, 1, 1), r"grid \(1, 1, 65536\)"),
+    ((2**31, 1, 1), (32, 1, 1), r"grid"),
+    ((1, 1, 1), (2048, 1, 1), r"block \(2048, 1, 1\)"),
+    ((1, 1, 1), (32, 1, 65), r"block \(32, 1, 65\)"),
+    ((1, 1, 1), (64, 32, 1), r"2048 threads, more than 1024")])
+def test_grids_and_blocks_beyond_the_hardware_are_refused(grid, block, words):
+    with pytest.raises(EmulatorError, match=words):
+        kernel_emulator.check_geometry("kern", grid, block)
+
+
+def test_the_runtime_refuses_a_block_that_is_not_whole_warps(probes):
+    out = EmuArray((48,), np.float32)
+    with pytest.raises(EmulatorError, match=r"block \(48, 1, 1\) of 48 threads"):
+        probes("probe_shared_read")((1, 1, 1), (48, 1, 1), (out.gpudata,))
+
+
+# ---- alignment -----------------------------------------------------------------------------
+
+def test_a_misaligned_vector_load_fails_the_launch(probes):
+    out = EmuArray((32,), np.float32)
+    k = probes("probe_load4")
+    aligned = to_device(np.arange(128, dtype=np.float32))
+    k((1, 1, 1), (32, 1, 1), (aligned.gpudata, out.gpudata))
+    np.testing.assert_array_equal(out.get(), np.arange(0, 128, 4))
+    shifted = to_device(np.arange(129, dtype=np.float32), offset=1)
+    with pytest.raises(EmulatorError, match=r"misaligned 16-byte access .* at .*probes.cu:\d+.* "
+                                            r"4 bytes past a 16-byte boundary"):
+        k((1, 1, 1), (32, 1, 1), (shifted.gpudata, out.gpudata))
+
+
+def test_a_real_pack_kernel_on_unaligned_data_fails(device_place):
+    if not isinstance(device_place, kernel_emulator.EmuPlace):
+        pytest.skip("the emulator's own check")
+    src = to_device(np.arange(8, dtype=np.float32), offset=1)
+    dst = EmuArray((8,), np.float32)
+    k = loader.kernel("elementwise", "copy_f32_w4", "PPq")
+    with pytest.raises(EmulatorError, match=r"copy_f32_w4: misaligned 16-byte access .* at "
+                                            r".*common.cuh"):
+        k.launch((1, 1, 1), (32, 1, 1), src.gpudata, dst.gpudata, 8)
+
+
+# ---- shared memory and block order ----------------------------------------------------------
+
+def test_shared_memory_starts_poisoned_in_every_block(probes):
+    out = EmuArray((8 * 32,), np.float32)
+    probes("probe_shared_read")((8, 1, 1), (32, 1, 1), (out.gpudata,))
+    got = out.get().reshape(8, 32)
+    np.testing.assert_array_equal(got[0], np.ones(32))         # block 0 wrote its own
+    assert np.isnan(got[1:]).all()                              # nothing carries over
+
+
+def test_static_shared_memory_is_measured_and_limited(probes, monkeypatch):
+    out = EmuArray((32,), np.float32)
+    with pytest.raises(EmulatorError, match=r"65536 bytes of static shared memory, more than "
+                                            r"the 49152"):
+        probes("probe_big_shared")((1, 1, 1), (32, 1, 1), (out.gpudata,))
+    small = probes("probe_shared_read")
+    small((1, 1, 1), (32, 1, 1), (out.gpudata,))
+    assert small.shared_used == 32 * 4
+    monkeypatch.setattr(kernel_emulator, "SHARED_LIMIT", 64)
+    with pytest.raises(EmulatorError, match="128 bytes of static shared memory"):
+        small((1, 1, 1), (32, 1, 1), (out.gpudata,))
+
+
+def test_a_real_reduction_reports_its_shared_memory(device_place):
+    if not isinstance(device_place, kernel_emulator.EmuPlace):
+        pytest.skip("the emulator's own measurement")
+    from minigraph import device
+    from minigraph.kernels.cuda import softmax
+
+    x = to_device(np.random.default_rng(0).normal(size=(4, 300)).astype(np.float32))
+    softmax.softmax(x)
+    used = {k.name: k._launch.shared_used for k in device.backend()._kernels.values()}
+    assert used and max(used.values()) > 0, used
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_blocks_run_in_an_order_shuffled_per_seed(probes, seed):
+    orders = []
+    for s in (seed, seed + 10):
+        order, counter = EmuArray((64,), np.uint32), to_device(np.zeros(1, np.uint32))
+        probes("probe_order", s)((64, 1, 1), (32, 1, 1), (order.gpudata, counter.gpudata))
+        got = order.get()
+        assert sorted(got) == list(range(64))
+        orders.append(got.tolist())
+    assert orders[0] != orders[1] and orders[0] != sorted(orders[0])
