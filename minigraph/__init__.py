@@ -8,8 +8,9 @@ forks into train and infer branches at its first mode-dependent op
 from minigraph import distributed, initializer, io, layers, optimizer, passes
 from minigraph import ops as _ops  # noqa: F401  (registers every op)
 from minigraph.backward import append_backward
+from minigraph.distributed.threads import set_num_threads
 from minigraph.executor import Executor
-from minigraph.kernels.cpu.blocks import get_num_threads, set_num_threads
+from minigraph.kernels.cpu.blocks import get_num_threads
 from minigraph.net import Net
 from minigraph.operator import Operator
 from minigraph.param_attr import ParamAttr
@@ -23,8 +24,9 @@ __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Op
 __version__ = "0.1.0"
 
 
-def __getattr__(name):              # mg.onnx: imported on first use; onnx itself only by export
-    if name == "onnx":
+def __getattr__(name):              # mg.onnx, mg.data: imported on first use
+    if name in ("onnx", "data"):
         import importlib
-        return importlib.import_module("minigraph.onnx_export")
+        return importlib.import_module("minigraph.onnx_export" if name == "onnx" else
+                                       "minigraph.data")
     raise AttributeError(f"module 'minigraph' has no attribute {name!r}")

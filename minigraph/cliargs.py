@@ -42,7 +42,10 @@ def out_folder_problem(out):
     """Why files cannot be written into the folder `out` (created if missing),
     or None when they can. Tries it: creates and removes a temporary file in
     `out`, or in its nearest existing ancestor when `out` does not exist yet
-    (permission bits do not stop root; an actual write does tell)."""
+    (permission bits do not stop root; an actual write does tell). An empty name
+    is a problem too (it would mean the current directory)."""
+    if not str(out).strip():
+        return f"must name a folder, got {str(out)!r}"
     path = Path(out)
     if path.exists() and not path.is_dir():
         return f"{str(path)!r} is a file, not a folder"

@@ -113,6 +113,17 @@ class Plan:
         return found
 
 
+def check_place(place, who):
+    """`place`, or CPUPlace() for None; a TypeError naming `who` for anything that is
+    not a place object (a string such as 'cpu' included)."""
+    if place is None:
+        return CPUPlace()
+    if getattr(place, "kind", None) not in ("cpu", "gpu") or not hasattr(place, "activate"):
+        raise TypeError(f"{who}: place must be a place object (mg.CPUPlace() or "
+                        f"mg.GPUPlace(i)), got {type(place).__name__} {place!r:.60}")
+    return place
+
+
 def prune(ops, targets):
     """The ops that contribute to `targets`, in their original order."""
     needed = {id(t) for t in targets}
@@ -131,7 +142,7 @@ class Executor:
     PLAN_CACHE = 32
 
     def __init__(self, place=None):
-        self.place = place if place is not None else CPUPlace()
+        self.place = check_place(place, "Executor")
         self._plans = {}                # (op ids, target ids) -> Plan, oldest first
 
     def run(self, ops, scope=None, feed=None, fetch=None):
@@ -168,10 +179,10 @@ class Executor:
     def run_plan(self, plan):
         """Run `plan` once and return the values of its targets as numpy arrays.
 
-        Mode "train" is all or nothing: if an op raises (or, on a GPU, a kernel
-        flagged an error on the device), every persistable it wrote is put back and
-        the error propagates. Device errors of other modes surface when their
-        targets are fetched."""
+        Mode "train" is all or nothing: if an op or a fetch raises (or, on a GPU, a
+        kernel flagged an error on the device), every persistable it wrote and the
+        kept gradients are put back and the error propagates. Device errors of other
+        modes surface when their targets are fetched."""
         place = self.place
         c = plan.compiled(place)
         signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
@@ -183,12 +194,12 @@ class Executor:
                 plan.checked = signature
                 return _fetch(place, plan.targets, check_errors=True)
             journal = Journal(place, plan.saved)
-            for var in c.stale:
-                var.value = None
+            journal.set_aside_values(c.stale)
             meter = work_room.Meter() if check and place.kind == "cpu" else None
             try:
                 _run_steps(c, place.kind, check, journal, meter)
                 place.check_errors()
+                fetched = _fetch(place, plan.targets, check_errors=False)
             except BaseException:
                 journal.roll_back()
                 raise
@@ -198,7 +209,7 @@ class Executor:
                 rooms = meter.rooms([s.op for s in c.steps])
                 c.roomy = tuple(c.plain if room is None else KernelContext(place, (), room)
                                 for room in rooms)
-            return _fetch(place, plan.targets, check_errors=False)
+            return fetched
 
 
 def _run_steps(c, kind, check, journal=None, meter=None):
@@ -271,14 +282,20 @@ def _value_of(op, slot, var):
 def _fetch(place, targets, check_errors):
     """The values of `targets` as numpy arrays, copied out once each; first, when
     there is anything to fetch and `check_errors`, the errors the place's kernels
-    flagged on the device (GPU kernels cannot raise inside a step)."""
+    flagged on the device (GPU kernels cannot raise inside a step). A persistable
+    comes back as a copy (the caller's: later steps change the net's array in
+    place); other values are the step's own new arrays."""
     for var in targets:
         if var.value is None:
             raise ValueError(f"fetch {var.name!r}: the variable has no value "
                              "(no op that ran produced it)")
     if targets and check_errors:
         place.check_errors()
-    return [place.to_host(var.value) for var in targets]
+    out = []
+    for var in targets:
+        host = place.to_host(var.value)
+        out.append(host.copy() if var.persistable and host is var.value else host)
+    return out
 
 
 def _compile(plan, place):

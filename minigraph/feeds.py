@@ -9,9 +9,54 @@ runs. The exporters resolve their feeds and fetches the same way
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from minigraph.scope import Variable
+from minigraph.validators import is_int
+
+DATA_KINDS = "biuf"          # bool, signed and unsigned ints, floats
+
+
+def data_declaration(name, shape, dtype):
+    """(shape as a tuple of ints, np.dtype) of a data input `name`, or a TypeError /
+    ValueError naming it: every size an int >= 0 or -1 (no float, str or bool),
+    and a numeric or bool dtype (not object, str, bytes, void or datetime)."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"data {name!r}: shape must be a tuple of ints, got {shape!r}")
+    shape = tuple(shape)
+    if not all(is_int(d) for d in shape):
+        raise TypeError(f"data {name!r}: shape must be a tuple of ints (-1 for a size each "
+                        f"feed gives), got {shape!r}")
+    shape = tuple(int(d) for d in shape)
+    if any(d < -1 for d in shape):
+        raise ValueError(f"data {name!r}: every size must be >= 0, or -1 for a size each feed "
+                         f"gives, got {shape}")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"data {name!r}: dtype must be a numeric or bool numpy dtype, got "
+                        f"{dtype!r} ({e})") from None
+    if dt.kind not in DATA_KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise TypeError(f"data {name!r}: dtype must be a numeric or bool numpy dtype "
+                        f"(float32, int64, ...), got {dt}")
+    return shape, dt
+
+
+def check_fetch_list(fetch, who):
+    """`fetch` as a list, or a TypeError naming `who`: a fetch list holds Variables or
+    names, and a lone name or Variable is not one (a str would be read per character)."""
+    if isinstance(fetch, (str, bytes, Variable, Mapping)) or not hasattr(fetch, "__iter__"):
+        hint = f" (fetch=[{fetch!r}])" if isinstance(fetch, str) else ""
+        raise TypeError(f"{who}: fetch must be a list of Variables or names, got "
+                        f"{type(fetch).__name__} {fetch!r:.60}{hint}")
+    return list(fetch)
+
+
+def fetch_targets(net, mode, fetch):
+    """The Variables `mode` computes for the fetch list `fetch` (see fetch_target)."""
+    return tuple(fetch_target(net, mode, f) for f in check_fetch_list(fetch, mode))
 
 
 def check_feed(var, value):
@@ -31,6 +76,8 @@ def check_feed(var, value):
 def feed_by_name(data_vars, feed):
     """{data name: value} of `feed`, whose keys may be names or the data Variables
     themselves; `data_vars` is the net's {name: data Variable}."""
+    if not isinstance(feed, Mapping):
+        raise TypeError(f"feed must be a dict {{data name: array}}, got {type(feed).__name__}")
     named = {}
     for key, value in feed.items():
         if isinstance(key, Variable):
@@ -56,9 +103,10 @@ def store_feeds(place, data_vars, needed, feed, mode):
                        f"need {', '.join(v.name for v in needed)}")
     for name, value in feed.items():
         var = data_vars[name]
-        stored = place.to_device(check_feed(var, value))
-        if stored is value:
-            stored = stored.copy()
+        checked = check_feed(var, value)
+        stored = place.to_device(checked)
+        if stored is checked and (checked is value or not checked.flags.owndata):
+            stored = np.array(checked, copy=True)       # the caller's memory (a view of it)
         var.value = stored
 
 
@@ -87,7 +135,7 @@ def fetch_target(net, mode, target):
 def scope_targets(scope, fetch):
     """The Variables of `fetch` (Variables, or names looked up in `scope`)."""
     found = []
-    for target in fetch:
+    for target in check_fetch_list(fetch, "Executor.run"):
         var = target if isinstance(target, Variable) else scope.find_var(target)
         if var is None:
             raise KeyError(f"fetch {target!r}: no such variable in the scope")

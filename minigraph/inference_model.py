@@ -33,6 +33,7 @@ from minigraph.model_format import (
     dump,
     encode_attr,
     field,
+    open_model_file,
     read_model,
     records_of,
     same_value,
@@ -46,6 +47,8 @@ from minigraph.schema import OpError, get_schema, registered_ops
 class InferenceNet(Net):
     """A Net rebuilt by load_inference: it infers; it has no loss, gradients
     or optimizer, so `train` is an error."""
+
+    infer_only = True
 
     def __init__(self, place, source):
         super().__init__(place=place, seed=0)
@@ -183,19 +186,21 @@ def _read_params(dirname, model, records, what):
                                   f"got {info['file']!r}")
     digest = field(info, "sha256", str, f"{what}: params")
     path = dirname / PARAMS_FILE
-    if not path.is_file():
-        raise InferenceModelError(f"{what}: missing {PARAMS_FILE}")
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
+    f = open_model_file(dirname, PARAMS_FILE, what)
+    try:
+        sha = hashlib.sha256()
         for chunk in iter(lambda: f.read(1 << 20), b""):
             sha.update(chunk)
-    if sha.hexdigest() != digest:
-        raise InferenceModelError(f"{what}: {PARAMS_FILE} is not the one {MODEL_FILE} was "
-                                  "saved with (its SHA-256 differs): damaged, or from another "
-                                  "save")
+        if sha.hexdigest() != digest:
+            raise InferenceModelError(f"{what}: {PARAMS_FILE} is not the one {MODEL_FILE} was "
+                                      "saved with (its SHA-256 differs): damaged, or from "
+                                      "another save")
+    except BaseException:
+        f.close()
+        raise
     wanted = {n: r for n, r in records.items() if r["persistable"]}
     pwhat = f"{what}: {PARAMS_FILE}"
-    with Archive(path, pwhat, CHECKPOINT_FORMAT) as archive:
+    with Archive(path, pwhat, CHECKPOINT_FORMAT, fileobj=f) as archive:
         problems = [f"missing {n!r}" for n in wanted if n not in archive.entries]
         problems += [f"unexpected {n!r}" for n in archive.entries if n not in wanted]
         for n, rec in wanted.items():

@@ -10,14 +10,16 @@ net before reading any data, and assign nothing unless everything fits.
 """
 from __future__ import annotations
 
-import math
+import os
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from minigraph import checkpoint_values
 from minigraph.files import atomic_write
 from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, CheckpointError, write_npz
+from minigraph.scope import host_array
 
 FORMAT = CHECKPOINT_FORMAT              # "minigraph-persistables/1"
 FORMAT_NAME, FORMAT_VERSION = FORMAT.split("/")[0], int(FORMAT.split("/")[1])
@@ -36,6 +38,7 @@ def save(net, path):
     file is left as it was, the temporary file is removed, and the error names
     `path`. Returns the path.
     """
+    _check_arguments("save", net, path)
     path = Path(path)
     if any(v.value is None for v in net.persistables()):
         net.initialize()
@@ -44,7 +47,7 @@ def save(net, path):
         if var.name == FORMAT_KEY:
             raise ValueError(f"save {str(path)!r}: the persistable name {FORMAT_KEY!r} is "
                              "reserved for the checkpoint's format entry")
-        arrays[var.name] = np.asarray(var.get())
+        arrays[var.name] = host_array(var)
     return atomic_write(path, lambda f: write_npz(f, arrays))
 
 
@@ -70,7 +73,17 @@ def load(net, path, strict=True):
     without counters) is set to 1, "already trained", with a warning, so the
     first training batch does not replace the loaded estimates; with
     strict=False only when another persistable of that layer is loaded.
+
+    Values are checked too (minigraph.checkpoint_values): every float value
+    finite, counters (integer scalars: batch counters, schedule and
+    GradientMerge steps) >= 0, batch-norm variance estimates >= 0, the
+    learning rate a finite number >= 0, a ReduceOnPlateau state one that its
+    step() can reach; a value that fails is a CheckpointError naming the
+    variable, and nothing is loaded.
     """
+    _check_arguments("load", net, path)
+    if not isinstance(strict, bool):
+        raise TypeError(f"load: strict must be True or False, got {strict!r}")
     what = f"load {str(path)!r}"
     with Archive(path, what, FORMAT) as archive:
         stored = archive.entries
@@ -92,8 +105,7 @@ def load(net, path, strict=True):
                          for name in unexpected]
         _refuse(what, problems)
         values = {name: archive.read(name) for name in expected if name in stored}
-    _refuse(what, [p for name, check in _checks(net).items() if name in values
-                   for p in [check(name, values[name])] if p])
+    _refuse(what, checkpoint_values.problems(net, values))
     if defaulted:
         warnings.warn(f"{what}: no batch counter for {', '.join(defaulted)}; setting it to 1 "
                       "(already trained) so the loaded estimates are updated with momentum, "
@@ -103,7 +115,7 @@ def load(net, path, strict=True):
     for name, value in values.items():
         expected[name].set(net.place.to_device(value))
     opt = getattr(net, "optimizer", None)
-    lr_var = getattr(opt, "lr_var", None)
+    lr_var = checkpoint_values.learning_rate_var(net)
     if lr_var is not None and lr_var.name in values and \
             not isinstance(getattr(type(opt), "learning_rate", None), property):
         opt.learning_rate = float(values[lr_var.name])      # optimizers that keep a copy
@@ -143,22 +155,15 @@ def _refuse(what, problems):
                               + "\n  ".join(problems))
 
 
-def _checks(net):
-    """{persistable name: check(name, value) -> complaint or None}: the values a
-    loader must validate beyond shape and dtype (the optimizer's learning rate)."""
-    checks = {}
-    lr_var = getattr(getattr(net, "optimizer", None), "lr_var", None)
-    if lr_var is not None:
-        checks[lr_var.name] = _learning_rate_check
-    return checks
+def _check_arguments(who, net, path):
+    from minigraph.net import Net
 
-
-def _learning_rate_check(name, value):
-    bad = [float(v) for v in np.ravel(value) if not (math.isfinite(float(v)) and v >= 0)]
-    if bad:
-        return (f"learning rate {name!r} holds {bad[0]!r}; a learning rate must be a finite "
-                "number >= 0")
-    return None
+    if not isinstance(net, Net):
+        raise TypeError(f"{who}: net must be a minigraph Net, got {type(net).__name__} "
+                        f"{net!r:.60}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{who}: path must be a str or os.PathLike (a file name), got "
+                        f"{type(path).__name__} {path!r:.60}")
 
 
 def _is_counter(var):

@@ -8,11 +8,13 @@ then canonicalises them as it does for any built op.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 
 import numpy as np
 
+from minigraph.files import NotRegularFile, open_regular
 from minigraph.npz import CheckpointError
 
 FORMAT_NAME = "minigraph-inference"
@@ -81,18 +83,20 @@ def same_value(a, b):
 def read_model(dirname, what):
     """The parsed model.json of `dirname` (a dict) after checking its size, that it
     is JSON, its format name, and a version this minigraph reads."""
-    path = dirname / MODEL_FILE
-    if not path.is_file():
-        raise InferenceModelError(f"{what}: missing {MODEL_FILE}")
-    if path.stat().st_size > MAX_MODEL_BYTES:
+    try:
+        with open_model_file(dirname, MODEL_FILE, what, MAX_MODEL_BYTES) as f:
+            data = f.read(MAX_MODEL_BYTES + 1)
+    except NotRegularFile as e:
+        if e.errno != errno.EFBIG:
+            raise
         raise InferenceModelError(f"{what}: {MODEL_FILE} is larger than "
-                                  f"{MAX_MODEL_BYTES >> 20} MiB; not a model file")
+                                  f"{MAX_MODEL_BYTES >> 20} MiB; not a model file") from None
 
     def no_constants(name):
         raise ValueError(f"{name} is not JSON")
 
     try:
-        model = json.loads(path.read_bytes().decode("utf-8"), parse_constant=no_constants)
+        model = json.loads(data.decode("utf-8"), parse_constant=no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InferenceModelError(f"{what}: {MODEL_FILE} is damaged (not valid JSON: {e})") \
             from None
@@ -108,6 +112,23 @@ def read_model(dirname, what):
     if version < 1:
         raise InferenceModelError(f"{what}: {MODEL_FILE} is damaged (format version {version})")
     return model
+
+
+def open_model_file(dirname, name, what, max_bytes=None):
+    """The file `name` of the model directory opened for reading (files.open_regular):
+    an InferenceModelError when it is missing or not a regular file; NotRegularFile
+    (errno EFBIG) when it holds more than `max_bytes`."""
+    try:
+        return open_regular(dirname / name, max_bytes)
+    except FileNotFoundError:
+        raise InferenceModelError(f"{what}: missing {name}") from None
+    except IsADirectoryError:
+        raise InferenceModelError(f"{what}: {name} is a folder, not a file") from None
+    except NotRegularFile as e:
+        if e.errno == errno.EFBIG:
+            raise
+        raise InferenceModelError(f"{what}: {name} is {e.strerror}: model files are read "
+                                  "from regular files only") from None
 
 
 def field(record, key, kind, where):

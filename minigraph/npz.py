@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minigraph.files import NotRegularFile, open_regular
+
 FORMAT_KEY = "__format__"
 CHECKPOINT_FORMAT = "minigraph-persistables/1"     # what minigraph.io writes
 MAX_HEADER = 10_000         # bytes of .npy header numpy itself accepts by default
 MAX_RATIO = 1100            # deflate cannot compress better than about 1032:1
 MAX_ENTRIES = 100_000
 MAX_FORMAT_BYTES = MAX_HEADER + 1024
+LOCAL_HEADER = 30           # bytes of a zip local file header before its name
 _CHUNK = 1 << 20
 
 
@@ -67,21 +70,40 @@ class Archive:
     (or string) dtype, and implies exactly the entry's uncompressed size.
     Any failure is a CheckpointError starting with `what` ("load 'ck.npz'").
     `entries` then maps array names to Entry; `read(name)` returns the data.
+
+    Only a regular file is read (a device, FIFO or socket is refused before
+    any read, and opening never blocks); `fileobj`, when given, is such a file
+    already open (read from its start; closed with the archive). Every entry's
+    data must lie inside the file, so no array is sized from a directory that
+    claims more data than the file holds.
     """
 
-    def __init__(self, path, what, expect):
+    def __init__(self, path, what, expect, fileobj=None):
         self.path, self.what = path, what
-        if os.path.isdir(path):
-            raise self.error("is a directory, not a checkpoint file")
-        if _is_npy(path):
-            raise self.error("not a minigraph checkpoint (a single array, not an .npz archive)")
         try:
-            self.zip = zipfile.ZipFile(path)
-        except FileNotFoundError:
+            self.file = fileobj if fileobj is not None else open_regular(path)
+        except IsADirectoryError:
+            raise self.error("is a directory, not a checkpoint file") from None
+        except NotRegularFile as e:
+            raise self.error(f"is {e.strerror}: checkpoints are read from regular files "
+                             "only") from None
+        try:
+            self._open(expect)
+        except BaseException:
+            self.file.close()
             raise
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError) as e:
-            raise self.error(f"damaged minigraph checkpoint: not a readable zip archive ({e})") \
-                from e
+
+    def _open(self, expect):
+        self.size = os.fstat(self.file.fileno()).st_size
+        self.file.seek(0)
+        if self.file.read(6) == b"\x93NUMPY":
+            raise self.error("not a minigraph checkpoint (a single array, not an .npz archive)")
+        self.file.seek(0)
+        try:
+            self.zip = zipfile.ZipFile(self.file)
+        except Exception as e:     # noqa: BLE001 - whatever zipfile makes of a bad directory
+            raise self.error(f"damaged minigraph checkpoint: not a readable zip archive "
+                             f"({type(e).__name__}: {e})") from e
         try:
             infos = self._directory()
             fmt = infos.pop(FORMAT_KEY, None)
@@ -102,7 +124,11 @@ class Archive:
         self.close()
 
     def close(self):
-        self.zip.close()
+        """Close the archive and its file."""
+        try:
+            self.zip.close()
+        finally:
+            self.file.close()
 
     def error(self, message):
         return CheckpointError(f"{self.what}: {message}")
@@ -116,7 +142,11 @@ class Archive:
         """The array `name` (C order, native byte order), read within the size its
         header declares; a damaged entry (bad CRC, truncated data) is a CheckpointError."""
         entry = self.entries[name]
-        array = np.empty(math.prod(entry.shape), dtype=entry.stored)
+        try:
+            array = np.empty(math.prod(entry.shape), dtype=entry.stored)
+        except MemoryError:
+            raise self.error(f"entry {name!r} needs {entry.nbytes} bytes of memory, which "
+                             "this process cannot allocate") from None
         view = memoryview(array).cast("B") if array.size else memoryview(b"")
         try:
             with self.zip.open(entry.info) as f:
@@ -132,8 +162,8 @@ class Archive:
                                              "header says")
         except CheckpointError:
             raise
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as e:
-            raise self.damaged(name, f"could not be read ({e})") from e
+        except Exception as e:     # noqa: BLE001 - zipfile's and zlib's errors, whichever
+            raise self.damaged(name, f"could not be read ({type(e).__name__}: {e})") from e
         order = "F" if entry.fortran_order else "C"
         array = array.reshape(entry.shape, order=order).astype(entry.dtype, copy=False)
         return array if array.flags.c_contiguous else np.array(array, order="C")
@@ -146,6 +176,7 @@ class Archive:
             raise self.error(f"damaged minigraph checkpoint: {len(infos)} entries (at most "
                              f"{MAX_ENTRIES})")
         named = {}
+        stored = 0
         for info in infos:
             raw = info.filename
             if not raw.endswith(".npy"):
@@ -168,6 +199,13 @@ class Archive:
             if info.file_size > MAX_RATIO * max(info.compress_size, 1):
                 raise self.damaged(name, f"claims to inflate {info.compress_size} bytes to "
                                          f"{info.file_size} (an absurd compression ratio)")
+            end = info.header_offset + LOCAL_HEADER + len(info.orig_filename.encode()) + \
+                info.compress_size
+            stored += info.compress_size
+            if end > self.size or stored > self.size:
+                raise self.damaged(name, f"claims {info.compress_size} bytes of data at offset "
+                                         f"{info.header_offset}, but the file holds only "
+                                         f"{self.size} bytes")
             named[name] = info
         return named
 
@@ -203,8 +241,7 @@ class Archive:
                 header_bytes = f.tell()
         except CheckpointError:
             raise
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, SyntaxError,
-                RuntimeError) as e:
+        except Exception as e:     # noqa: BLE001 - zipfile's and numpy's errors, whichever
             if "allow_pickle" in str(e):
                 raise self.damaged(name, "is an object array: object arrays are not allowed "
                                          "(minigraph never unpickles)") from None
@@ -226,11 +263,6 @@ class Archive:
                                      f"its header (shape {entry.shape}, {entry.dtype}) says "
                                      f"{entry.nbytes}")
         return entry
-
-
-def _is_npy(path):
-    with open(path, "rb") as f:
-        return f.read(6) == b"\x93NUMPY"
 
 
 def _read_exactly(f, n):

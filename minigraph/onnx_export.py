@@ -174,7 +174,7 @@ class Context:
 
     def shape(self, var):
         """The declared (build-time) shape of `var`; -1 marks an unknown dim."""
-        shape = var.get().shape if var.persistable else var.decl_shape
+        shape = var.value.shape if var.persistable and var.value is not None else var.decl_shape
         if shape is None:
             raise ExportError(f"{self.what}: the shape of {var.name!r} is not known at build "
                               "time; its rank is needed for the ONNX mapping")
@@ -182,7 +182,8 @@ class Context:
 
     def dtype(self, var):
         """The numpy dtype of `var`."""
-        return np.dtype(var.get().dtype if var.persistable else var.decl_dtype)
+        return np.dtype(var.value.dtype if var.persistable and var.value is not None
+                        else var.decl_dtype)
 
     def check_outputs(self, op):
         """ExportError when a later op or a fetch needs an output of `op` that its

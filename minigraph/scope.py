@@ -38,23 +38,28 @@ class Variable:
         copies: ops that later write the variable in place (a training step
         updating a parameter) never change the caller's array. Device arrays
         (a GPUArray of this variable's place) are stored as they are.
+
+        A persistable takes an array (numpy or device) or a numpy scalar of the
+        shape and dtype it holds (its value's, else its declaration's, where
+        known): None, a list or another shape or dtype is an error, and the
+        value stays as it was.
         """
+        if self.persistable:
+            _check_persistable_value(self, value)
         if _is_host_value(value):
             value = np.array(value, order="C", copy=True)
         self.value = value
 
     def get(self):
-        """The value as a numpy array (a host copy for device arrays)."""
+        """A copy of the value as a numpy array (a host copy for device arrays): the
+        caller's to keep and to write; later steps never change it and writing it
+        never changes the variable."""
         v = self.value
         if v is None:
             raise ValueError(f"variable {self.name!r} has no value yet")
         if isinstance(v, np.ndarray):
-            return v
-        if hasattr(v, "get"):            # a device array: copied out in its device's context
-            from minigraph import device
-
-            return device.to_host(v)
-        return np.asarray(v)
+            return v.copy()
+        return host_array(self)
 
     @property
     def shape(self):
@@ -78,6 +83,41 @@ class Variable:
 
 def _is_host_value(value):
     return isinstance(value, (np.ndarray, np.generic, int, float, complex, bool, list, tuple))
+
+
+def host_array(var):
+    """`var`'s value as a numpy array without a copy where it already is one (for the
+    runtime's own reads, e.g. a save; Variable.get gives callers a copy)."""
+    v = var.value
+    if v is None:
+        raise ValueError(f"variable {var.name!r} has no value yet")
+    if isinstance(v, np.ndarray):
+        return v
+    if hasattr(v, "get"):            # a device array: copied out in its device's context
+        from minigraph import device
+
+        return device.to_host(v)
+    return np.asarray(v)
+
+
+def _check_persistable_value(var, value):
+    """A TypeError or ValueError naming `var` unless `value` can be its value."""
+    where = f"Variable.set: persistable {var.name!r}"
+    if value is None or isinstance(value, (list, tuple, str, bytes, dict)):
+        raise TypeError(f"{where} takes an array, got {type(value).__name__} {value!r:.60}; "
+                        "pass a numpy array (np.asarray(...)) of its shape and dtype")
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        if isinstance(value, (int, float, bool, complex)):
+            value = np.asarray(value)
+        else:
+            raise TypeError(f"{where} takes an array, got {type(value).__name__}")
+    shape, dtype = var.shape, var.dtype
+    if shape is not None and (len(value.shape) != len(shape) or any(
+            d >= 0 and d != s for d, s in zip(shape, value.shape))):
+        raise ValueError(f"{where} holds shape {tuple(shape)}, got shape {tuple(value.shape)}")
+    if dtype is not None and np.dtype(value.dtype) != dtype:
+        raise TypeError(f"{where} holds {dtype}, got {np.dtype(value.dtype)} (convert with "
+                        f".astype({str(dtype)!r}))")
 
 
 MAX_NAME_LENGTH = 255

@@ -16,7 +16,7 @@ def _forward_loss(net, loss, feed):
 def _numeric_grad(net, loss, feed, param, eps=1e-6, samples=6, seed=0):
     """Central differences on a few entries of `param`."""
     rng = np.random.default_rng(seed)
-    value = param.get()
+    value = param.value                    # the live array (get() gives a copy)
     flat = value.reshape(-1)
     idx = rng.choice(flat.size, size=min(samples, flat.size), replace=False)
     out = []

@@ -427,3 +427,136 @@ def test_example_trains_on_two_ranks(tmp_path):
     assert code == 0, out
     assert "2 ranks, backend mpi" in out and "held-out accuracy" in out
     assert (tmp_path / "digits_sync.npz").exists()
+
+
+# ---- past one machine: no shared filesystem ------------------------------------------------
+
+def write_mnist_copy(folder, images, labels, gz):
+    """MNIST's two training IDX files (raw, or .gz) with these images and labels."""
+    import gzip
+
+    from minigraph.data.datasets import MNIST_FILES
+
+    folder.mkdir(parents=True)
+    for name, array in zip(MNIST_FILES["train"], (images, labels)):
+        payload = (bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, ">u4").tobytes()
+                   + array.tobytes())
+        if gz:
+            with gzip.open(folder / f"{name}.gz", "wb") as f:
+                f.write(payload)
+        else:
+            (folder / name).write_bytes(payload)
+
+
+@pytest.mark.mpi
+def test_two_ranks_that_share_no_directory_train_and_rank_0_writes_the_checkpoint(tmp_path):
+    """MPMD: each rank runs in its own directory with its own kernel cache and its own copy
+    of the data (raw on one, gzipped on the other); they train with the sharded loader,
+    rank 0 alone writes the checkpoint, in its directory, and it holds the trained net."""
+    from mpi_scripts import launch, mpmd_train
+
+    from minigraph.kernels.cpu import native
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (20, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, 20, dtype=np.uint8)
+    homes = [tmp_path / "host0", tmp_path / "host1"]
+    for k, home in enumerate(homes):
+        write_mnist_copy(home / "data", images, labels, gz=k == 1)
+    first = ["-n", "1", "-wdir", homes[0], "-env", "MINIGRAPH_CACHE", homes[0] / "cache",
+             sys.executable, launch.SCRIPTS / "mpmd_train.py", ":",
+             "-wdir", homes[1], "-env", "MINIGRAPH_CACHE", homes[1] / "cache"]
+    code, out, _ = run_ranks("mpmd_train.py", 1, timeout=120,
+                             launcher_args=[str(a) for a in first])
+    assert code == 0, out
+    assert sorted(re.findall(r"OK rank (\d+)", out)) == ["0", "1"], out
+    cwd = dict(re.findall(r"cwd rank (\d+): (.+)$", out, flags=re.M))
+    assert cwd == {"0": str(homes[0]), "1": str(homes[1])}
+    digests = set(re.findall(r"digest rank \d+: ([0-9a-f]{64})", out))
+    assert len(digests) == 1, out                              # the ranks agree
+    assert not (homes[1] / "ckpt.npz").exists()
+    assert {p.name for p in homes[0].iterdir()} - {"cache"} == {"data", "ckpt.npz"}
+    net, _ = mpmd_train.build(sync=True)
+    mg.io.load(net, homes[0] / "ckpt.npz")                    # strict: every persistable
+    assert {mpmd_train.digest(net)} == digests
+    if native.library("conv_native") is not None:             # each rank built its own
+        for home in homes:
+            assert any((home / "cache").rglob("*.so")), f"nothing built in {home / 'cache'}"
+
+
+# ---- before init: a rank that never arrives, settings that differ ------------------------
+
+INIT_WAIT = "not every rank reached init within the deadline"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["raise", "exit", "sleep"])
+def test_a_rank_that_fails_before_init_ends_the_job_by_the_deadline(mode):
+    """The others used to wait in init forever, and mpiexec printed nothing."""
+    code, out, seconds = run_ranks("before_init.py", 3, mode, timeout=60, env=SHORT)
+    assert code != 0, out
+    assert "OK rank" not in out
+    assert INIT_WAIT in out and re.search(r"rank [01] of 3 waited 3 s in init\(\)", out), out
+    assert seconds < DEADLINE_S + 20
+
+
+@pytest.mark.mpi
+def test_a_setting_only_one_rank_rejects_reaches_every_rank():
+    """MINIGRAPH_COLLECTIVE_TIMEOUT=abc on rank 1 only: every rank raises, naming it."""
+    code, out, seconds = run_ranks("before_init.py", 2, "timeout", timeout=60, env=SHORT)
+    assert code != 0, out
+    assert "OK rank" not in out
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} init raised ValueError after [\d.]+ s: .*rank 1: "
+                         r"MINIGRAPH_COLLECTIVE_TIMEOUT must be a number", out), out
+    assert seconds < DEADLINE_S + 20
+
+
+@pytest.mark.mpi
+def test_a_check_order_setting_that_differs_is_named():
+    """It used to give a false NetMismatchError and a raw ValueError."""
+    code, out, _ = run_ranks("before_init.py", 2, "order", timeout=60, env=SHORT)
+    assert code != 0, out
+    assert "OK rank" not in out
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} init raised ValueError after [\d.]+ s: .*"
+                         r"MINIGRAPH_CHECK_ORDER differs between ranks \(rank 0: on, rank 1: "
+                         r"off\)", out), out
+    assert "NetMismatchError" not in out
+
+
+@pytest.mark.mpi
+def test_ranks_that_agree_start_as_before():
+    check_ok("before_init.py", 2, "none", timeout=60, env=SHORT)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("order_check", ["1", "0"])
+def test_a_rank_that_calls_os_exit_mid_training_ends_the_job_non_zero(order_check):
+    """os._exit(0) on rank 1 under mpiexec's default cleanup used to end the job with
+    exit status 0."""
+    env = {**SHORT, "MINIGRAPH_CHECK_ORDER": order_check}
+    code, out, seconds = run_ranks("rank_fails.py", 2, "die", timeout=40, env=env)
+    assert code != 0, out
+    assert "got past" not in out
+    assert seconds < DEADLINE_S + 10
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode, want", [
+    ("activation", ["op #2 of section 'trunk' differs (rank 0: relu x=fc1.out -> ",
+                    "rank 1: sigmoid x=fc1.out"]),
+    ("dropout", ["differs", "dropout", "p=0.1", "p=0.5"]),
+    ("wiring", ["differs", "add x=relu"]),
+])
+def test_ranks_whose_ops_differ_get_an_error_naming_the_op(mode, want):
+    code, out, _ = run_ranks("op_differs.py", 2, mode, timeout=60, env=SHORT)
+    assert code != 0, out
+    assert "NetMismatchError" in out and "OK rank" not in out, out
+    for text in want:
+        assert text in out, out
+
+
+@pytest.mark.mpi
+def test_dropout_seeds_may_differ_between_ranks():
+    check_ok("op_differs.py", 2, "seed", timeout=60, env=SHORT)

@@ -156,3 +156,27 @@ def test_the_folded_net_is_infer_only_and_the_source_still_trains():
     assert folded.section("train") == () and folded.section("update") == ()
     net.train(feed={"x": np.ones((2, 4, 6, 6), np.float32)})
     assert int(net.var("bn1.num_batches").get()) == 1
+
+
+# ---- arguments, and a folded net that cannot train ----------------------------------------
+
+@pytest.mark.parametrize("fn", [mg.passes.fold_batch_norm, mg.passes.fuse_conv2d,
+                                mg.passes.optimize_for_inference,
+                                mg.passes.convert_sync_batchnorm])
+def test_a_pass_needs_a_net(fn):
+    """fold_batch_norm("net") raised an AttributeError."""
+    with pytest.raises(TypeError, match=f"{fn.__name__}: net must be a minigraph Net, got str"):
+        fn("net")
+
+
+def test_the_folded_net_refuses_to_train():
+    """The folded net's train() used to run its inference ops and return as if trained."""
+    net, out = conv_net()
+    folded = mg.passes.fold_batch_norm(net)
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    before = digest(folded)
+    with pytest.raises(RuntimeError, match="train: this net was made by fold_batch_norm"):
+        folded.train(feed={"x": x}, fetch=[out.name])
+    assert digest(folded) == before
+    (y,) = folded.infer(feed={"x": x}, fetch=[out.name])       # it still infers
+    assert y.shape[0] == 2

@@ -240,3 +240,139 @@ def test_an_update_writes_a_spare_and_recycles_only_arrays_no_one_holds():
         net.train(feed=feed(seed))
         seen.add(id(w.value))
     assert len(seen) == 2                         # two arrays take turns: no copies
+
+
+# ---- a second interrupt, a fetch that fails, and the previous step's gradients ------------
+
+def wide_net(layers=12):
+    """A net with many persistables (weights, biases, velocities, estimates)."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 6))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = x
+    for i in range(layers):
+        h = L.relu(net, L.batch_norm(net, L.fc(net, h, 6, name=f"fc{i}"), name=f"bn{i}"))
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, h, 3, name="head"), lbl))
+    mg.optimizer.Momentum(0.1, 0.9).minimize(net, loss)
+    return net, loss
+
+
+def wide_feed(seed=0):
+    r = np.random.default_rng(seed)
+    return {"x": r.standard_normal((8, 6)).astype(np.float32), "label": r.integers(0, 3, 8)}
+
+
+class _SignalOnCopy:
+    """Stands in for numpy inside minigraph.journal: once armed, every copy the journal
+    makes raises SIGINT first (a second Ctrl-C arriving while it rolls back)."""
+
+    def __init__(self, real):
+        self.real, self.armed, self.sent = real, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def copyto(self, *args, **kwargs):
+        if self.armed and self.sent < 3:
+            self.sent += 1
+            import signal
+            signal.raise_signal(signal.SIGINT)
+        return self.real.copyto(*args, **kwargs)
+
+
+def test_a_second_interrupt_during_rollback_cannot_split_it(monkeypatch):
+    """Ctrl-C in the last update op, then Ctrl-C again (three times) while the step
+    rolls back: train raises KeyboardInterrupt and every persistable is as before the
+    step (the `except KeyboardInterrupt: save()` pattern saves a whole state)."""
+    import signal
+
+    from minigraph import journal
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    net, _ = wide_net()
+    net.train(feed=wide_feed())
+    ops = net.section("update")
+    grad = ops[-1].inputs["grad"]
+    net.append_op(mg.Operator("test_call_back", x=grad, out=grad), "update")
+    before = state(net)
+    proxy = _SignalOnCopy(np)
+    monkeypatch.setattr(journal, "np", proxy)
+
+    def interrupt():
+        proxy.armed = True
+        raise KeyboardInterrupt
+
+    CALLBACK["fn"] = interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            net.train(feed=wide_feed(1))
+    finally:
+        CALLBACK["fn"] = None
+    monkeypatch.setattr(journal, "np", np)
+    assert len(before) > 60
+    assert_same(state(net), before)
+    assert proxy.sent == 3                      # the interrupts did arrive mid-rollback
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_deferred_signals_are_delivered_after_the_block():
+    import signal
+
+    from minigraph.journal import deferred_signals
+
+    got = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+    try:
+        with deferred_signals():
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGUSR1)
+            assert got == []
+        assert got == [signal.SIGUSR1]
+        with pytest.raises(KeyboardInterrupt):
+            with deferred_signals():
+                signal.raise_signal(signal.SIGINT)
+                done = True
+        assert done
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_deferred_signals_outside_the_main_thread_do_nothing():
+    from minigraph.journal import deferred_signals
+
+    ran = []
+
+    def work():
+        with deferred_signals():
+            ran.append(True)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert ran == [True]
+
+
+def test_a_fetch_that_fails_rolls_the_step_back():
+    """A fetch error used to come after the step had committed."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 6))
+    L.data(net, "unused", shape=(-1, 6))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, x, 3, name="fc"), lbl))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    before = state(net)
+    with pytest.raises(ValueError, match="fetch 'unused'"):
+        net.train(feed=wide_feed(), fetch=[loss, "unused"])
+    assert_same(state(net), before)
+
+
+def test_a_failed_step_keeps_the_previous_steps_gradients():
+    net, _, _ = bn_net()
+    net.train(feed=feed())
+    grads = {name: g.get() for name, g in net.grads.items()
+             if net.scope.find_var(name) is not None and net.scope.find_var(name).persistable}
+    assert grads
+    with pytest.raises(mg.OpError, match="label"):
+        net.train(feed=feed(1, bad_label=True))
+    for name, value in grads.items():
+        np.testing.assert_array_equal(net.grad(name).get(), value, err_msg=name)

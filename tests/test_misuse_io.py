@@ -3,6 +3,7 @@ entries whose sizes lie, names that are not names, and failed saves."""
 from __future__ import annotations
 
 import io as bytes_io
+import os
 import re
 import tracemalloc
 import zipfile
@@ -329,3 +330,140 @@ def test_a_full_disk_error_names_the_users_path(tmp_path, monkeypatch):
 def test_a_directory_is_not_a_checkpoint(tmp_path):
     with pytest.raises(io.CheckpointError, match="is a directory"):
         io.load(small_net(), tmp_path)
+
+
+# ---- directories that lie about sizes, unsupported zip features, special files ----------
+
+def handmade_zip(path, entries):
+    """A stored zip of (name, data, claimed size) entries, written by hand: an entry
+    whose claimed size differs from len(data) gets zip64 sizes saying the claim."""
+    import struct
+    import zlib
+
+    body, central = b"", b""
+    for name, data, claimed in entries:
+        raw = name.encode()
+        crc = zlib.crc32(data)
+        if claimed == len(data):
+            sizes, extra = struct.pack("<II", claimed, claimed), b""
+        else:
+            sizes = struct.pack("<II", 0xFFFFFFFF, 0xFFFFFFFF)
+            extra = struct.pack("<HHQQ", 1, 16, claimed, claimed)
+        offset = len(body)
+        body += (b"PK\x03\x04" + struct.pack("<HHHHHI", 45, 0, 0, 0, 0, crc) + sizes
+                 + struct.pack("<HH", len(raw), len(extra)) + raw + extra + data)
+        central += (b"PK\x01\x02" + struct.pack("<HHHHHHI", 45, 45, 0, 0, 0, 0, crc) + sizes
+                    + struct.pack("<HHHHHII", len(raw), len(extra), 0, 0, 0, 0, offset)
+                    + raw + extra)
+    end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, len(entries), len(entries),
+                                       len(central), len(body), 0)
+    path.write_bytes(body + central + end)
+    return path
+
+
+def zip_entry_claiming(path, name, claimed_data_bytes):
+    """A checkpoint whose entry `name` has a .npy header for a float32 array of
+    claimed_data_bytes, and a directory claiming that much data, while the file
+    holds only the header and 40 bytes."""
+    header = _header_for((claimed_data_bytes // 4,), np.float32)
+    fmt = npy_bytes(np.array(io.FORMAT))
+    return handmade_zip(path, [("__format__.npy", fmt, len(fmt)),
+                               (f"{name}.npy", header + bytes(40),
+                                len(header) + claimed_data_bytes)])
+
+
+def test_an_entry_claiming_a_terabyte_is_damaged_not_a_memory_error(tmp_path):
+    path = zip_entry_claiming(tmp_path / "tib.npz", "fc2.b", 1 << 40)
+    for call in (lambda: io.read_checkpoint(path), lambda: io.load(small_net(), path),
+                 lambda: io.load(small_net(), path, strict=False)):
+        with pytest.raises(io.CheckpointError) as err:
+            call()
+        msg = str(err.value)
+        assert "damaged minigraph checkpoint" in msg and str(path) in msg, msg
+
+
+def test_a_flipped_version_needed_byte_is_a_checkpoint_error(tmp_path):
+    net = small_net()
+    data = bytearray(io.save(net, tmp_path / "good.npz").read_bytes())
+    central = data.find(b"PK\x01\x02")
+    data[central + 6] = 0xFF                       # version needed to extract: 25.5
+    (tmp_path / "version.npz").write_bytes(bytes(data))
+    with pytest.raises(io.CheckpointError) as err:
+        io.load(net, tmp_path / "version.npz")
+    assert str(tmp_path / "version.npz") in str(err.value)
+
+
+def test_zip_features_minigraph_never_writes_are_checkpoint_errors(tmp_path):
+    net = small_net()
+    data = bytearray(io.save(net, tmp_path / "good.npz").read_bytes())
+    local = data.find(b"PK\x03\x04", data.find(b"PK\x03\x04") + 4)   # fc2.w's local header
+    central = data.find(b"PK\x01\x02", data.find(b"PK\x01\x02") + 4)
+    for bit in (0x20, 0x40):                       # patched data, strong encryption
+        patched = bytearray(data)
+        patched[local + 6] |= bit
+        patched[central + 8] |= bit
+        (tmp_path / "flag.npz").write_bytes(bytes(patched))
+        with pytest.raises(io.CheckpointError) as err:
+            io.load(net, tmp_path / "flag.npz")
+        assert str(tmp_path / "flag.npz") in str(err.value)
+
+
+LOAD_SPECIAL = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+import minigraph as mg
+net = mg.Net(seed=0)
+mg.layers.fc(net, mg.layers.data(net, "x", shape=(-1, 4)), size=10, name="fc2")
+try:
+    mg.io.load(net, sys.argv[1])
+except mg.io.CheckpointError as e:
+    print("CheckpointError:", e)
+"""
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_a_device_file_is_refused_without_reading_it(device):
+    """/dev/zero used to be read until the memory ran out."""
+    import subprocess
+    import sys
+
+    if not os.path.exists(device):
+        pytest.skip(f"no {device} here")
+    done = subprocess.run([sys.executable, "-c", LOAD_SPECIAL, device], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CheckpointError:" in done.stdout and "not a regular file" in done.stdout
+    assert device in done.stdout
+
+
+def test_a_fifo_is_refused_at_once(tmp_path):
+    """open() of a FIFO with no writer used to wait forever."""
+    import threading
+
+    fifo = tmp_path / "pipe.npz"
+    os.mkfifo(fifo)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(
+        pytest.raises(io.CheckpointError, io.load, small_net(), fifo).value), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        with open(fifo, "wb"):            # release the reader before failing
+            pass
+        t.join(10)
+        pytest.fail("io.load waited on a FIFO")
+    assert "not a regular file" in str(errors[0]) and str(fifo) in str(errors[0])
+
+
+def test_the_inference_loader_refuses_special_files_too(tmp_path):
+    import shutil
+
+    net = small_net()
+    x = net.data_vars["x"]
+    model = io.save_inference(net, tmp_path / "model", feeds=[x],
+                              fetches=[net.ops("infer")[-1].output_vars()[0]])
+    params = model / "params.npz"
+    shutil.move(params, tmp_path / "params.npz")
+    os.mkfifo(params)
+    with pytest.raises(io.InferenceModelError, match="not a regular file"):
+        io.load_inference(model)

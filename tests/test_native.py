@@ -26,7 +26,8 @@ def fresh(monkeypatch, tmp_path):
 def test_built_once_then_loaded_from_the_cache(fresh):
     assert native.library("conv_native") is not None
     built = sorted(fresh.iterdir())
-    assert [p.suffix for p in built] == [".so"] and built[0].name.startswith("conv_native-")
+    assert [p.name.split(".", 1)[1] for p in built] == ["so", "so.sha256"]
+    assert built[0].name.startswith("conv_native-")
     stamp = built[0].stat().st_mtime_ns
     native._load.cache_clear()
     assert native.library("conv_native") is not None
@@ -83,3 +84,198 @@ def test_unwritable_cache_builds_in_a_temporary_directory_removed_once_loaded(
 def test_cc_may_carry_arguments(fresh, monkeypatch):
     monkeypatch.setenv("CC", f"{shutil.which('gcc')} -Wall")
     assert native.library("conv_native") is not None
+
+
+# ---- a damaged, planted or unbuildable cache entry (run in fresh processes: a bad
+# library can kill the process that loads it, and a process loads a path only once) ----
+
+PROBE = """
+import sys
+import numpy as np
+from minigraph.kernels.cpu import conv_im2col, conv_native, native
+lib = native.library("conv_native")
+print("LOADED" if lib is not None else "NOT LOADED", "|", native.reason("conv_native"))
+if lib is not None:
+    g = conv_im2col.geometry((2, 3, 6, 6), (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    x = np.random.default_rng(0).standard_normal((2, 3, 6, 6)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    np.testing.assert_allclose(conv_native.forward(x, w, g, 1),
+                               conv_im2col.forward(x, w, g), rtol=1e-4, atol=1e-4)
+    print("CONV OK")
+"""
+
+
+def probe(cache, timeout=60, **env):
+    """Run PROBE in a fresh interpreter with MINIGRAPH_CACHE=cache: (returncode, output)."""
+    import subprocess
+    import sys
+
+    full = {**os.environ, "MINIGRAPH_CACHE": str(cache), **env}
+    full.pop("MINIGRAPH_NATIVE", None)
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          env=full, timeout=timeout)
+    return done.returncode, done.stdout + done.stderr
+
+
+def built_entry(cache):
+    """Build conv_native into `cache` in a fresh process; the library's path."""
+    code, out = probe(cache)
+    assert code == 0 and "CONV OK" in out, out
+    (lib,) = cache.glob("conv_native-*.so")
+    return lib
+
+
+def compile_library(tmp_path, source, name):
+    import subprocess
+
+    src = tmp_path / f"{name}.c"
+    src.write_text(source)
+    out = tmp_path / f"{name}.so"
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", str(src),
+                    "-o", str(out)], check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+@pytest.mark.parametrize("damage", ["truncated 1 KB", "truncated 24 KB", "empty", "garbage",
+                                    "no kernels"])
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path, damage):
+    """Every damaged entry is found before it is loaded (a truncated library killed
+    the process with SIGBUS, one without the kernels made every conv raise, empty
+    or garbage ones were never rebuilt): the process builds it anew and the
+    native conv runs."""
+    cache = tmp_path / "cache"
+    lib = built_entry(cache)
+    good = lib.read_bytes()
+    if damage.startswith("truncated"):
+        size = int(damage.split()[1]) * 1024
+        assert size < len(good)
+        lib.write_bytes(good[:size])
+    elif damage == "empty":
+        lib.write_bytes(b"")
+    elif damage == "garbage":
+        lib.write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    else:
+        other = compile_library(tmp_path, "int unrelated(void) { return 7; }\n", "other")
+        lib.write_bytes(other.read_bytes())
+    code, out = probe(cache)
+    assert code == 0, f"exit status {code}:\n{out}"
+    assert "LOADED" in out and "CONV OK" in out, out
+    assert lib.read_bytes() == good or len(lib.read_bytes()) == len(good)
+    code, out = probe(cache)                       # and the rebuilt entry is used as it is
+    assert code == 0 and "CONV OK" in out, out
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_the_library_is_fsynced_before_it_is_renamed_into_the_cache(fresh, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    assert native.library("conv_native") is not None
+    renames = [e for e in events if e[0] == "replace" and e[2].endswith(".so")]
+    assert renames, events
+    tmp = renames[0][1]
+    synced = [i for i, e in enumerate(events) if e == ("fsync", tmp)]
+    assert synced and synced[0] < events.index(renames[0]), events
+
+
+PLANTED = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen("%s", "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+int conv2d_forward_f32(void) { return 0; }
+int conv2d_filter_grad_f32(void) { return 0; }
+"""
+
+
+def plant(tmp_path, directory, filename):
+    """A library named `filename` in `directory` whose constructor writes a marker file."""
+    marker = tmp_path / "planted-code-ran"
+    lib = compile_library(tmp_path, PLANTED % marker, "planted")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / filename).write_bytes(lib.read_bytes())
+    return marker
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+@pytest.mark.parametrize("who", ["another user, mode 1777", "this user, mode 0777",
+                                 "this user, mode 0775"])
+def test_a_cache_directory_others_can_write_is_never_loaded_from(tmp_path, who):
+    """The entry's name is predictable: a library planted in a directory that another
+    user can write must not run, whatever its name and contents."""
+    filename = built_entry(tmp_path / "private").name
+    hostile = tmp_path / "shared"
+    marker = plant(tmp_path, hostile, filename)
+    for extra in (tmp_path / "private").iterdir():       # whatever else the entry needs
+        if extra.name != filename:
+            shutil.copy(extra, hostile / extra.name)
+    if who.startswith("another"):
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the directory to another user")
+        os.chown(hostile, 65534, 65534)
+        hostile.chmod(0o1777)
+    else:
+        hostile.chmod(int(who.split()[-1], 8))
+    code, out = probe(hostile)
+    assert code == 0, out
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert "NOT LOADED" in out and "other users" in out, out
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_an_entry_others_can_write_is_rebuilt_not_loaded(tmp_path):
+    cache = tmp_path / "cache"
+    lib = built_entry(cache)
+    marker = plant(tmp_path, cache, lib.name)
+    lib.chmod(0o666)
+    code, out = probe(cache)
+    assert code == 0 and "CONV OK" in out, out
+    assert not marker.exists()
+    assert lib.stat().st_mode & 0o022 == 0
+
+
+def test_a_hanging_compiler_falls_back_within_the_build_limit(tmp_path):
+    """$CC that never returns: the build gives up at MINIGRAPH_NATIVE_BUILD_TIMEOUT
+    (not 2 x 120 s), says on stderr what it is building meanwhile, and the numpy
+    kernels run."""
+    import time
+
+    hang = tmp_path / "cc"
+    hang.write_text("#!/bin/sh\nsleep 600\n")
+    hang.chmod(0o755)
+    start = time.monotonic()
+    code, out = probe(tmp_path / "cache", timeout=40, CC=str(hang),
+                      MINIGRAPH_NATIVE_BUILD_TIMEOUT="4")
+    assert time.monotonic() - start < 20
+    assert code == 0 and "NOT LOADED" in out, out
+    assert "building conv_native.c" in out and "4 s" in out, out
+
+
+def test_a_cc_that_cannot_be_split_falls_back_to_numpy(fresh, monkeypatch):
+    monkeypatch.setenv("CC", 'gcc "-O2')
+    assert native.library("conv_native") is None
+    assert "$CC" in native.reason("conv_native")
+    g = conv_cpu.geometry((1, 2, 4, 4), (2, 2, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    assert not conv_native.supports(g, np.float32)
+
+
+def test_the_build_limit_setting(monkeypatch):
+    monkeypatch.setenv("MINIGRAPH_NATIVE_BUILD_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match="MINIGRAPH_NATIVE_BUILD_TIMEOUT"):
+        native.build_timeout()
+    monkeypatch.setenv("MINIGRAPH_NATIVE_BUILD_TIMEOUT", "7.5")
+    assert native.build_timeout() == 7.5
+    monkeypatch.delenv("MINIGRAPH_NATIVE_BUILD_TIMEOUT")
+    assert native.build_timeout() == native.DEFAULT_BUILD_TIMEOUT_S

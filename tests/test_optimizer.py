@@ -232,3 +232,42 @@ def test_update_section_order():
     assert types == ["lr_schedule", "clip_by_global_norm"] + ["adam"] * 4
     names = {v.name for v in net.persistables()}
     assert {"fc1.w.moment1", "fc1.w.moment2", "fc1.w.beta1_pow", "learning_rate_0.step"} <= names
+
+
+# ---- arguments that used to be misread -------------------------------------------------
+
+@pytest.mark.parametrize("nesterov", ["no", 0, 1, None, "False"])
+def test_nesterov_must_be_a_bool(nesterov):
+    """Momentum(nesterov='no') turned Nesterov on."""
+    with pytest.raises(TypeError, match="Momentum: nesterov must be True or False"):
+        mg.optimizer.Momentum(0.1, nesterov=nesterov)
+
+
+def _unminimised(seed=0):
+    net = mg.Net(seed=seed)
+    x = layers.data(net, "x", shape=(-1, 4), dtype="float64")
+    y = layers.data(net, "y", shape=(-1,), dtype="int64")
+    logits = layers.fc(net, x, size=3, name="fc1")
+    return net, layers.mean(net, layers.softmax_with_cross_entropy(net, logits, y))
+
+
+def test_minimize_checks_the_net_and_the_loss():
+    """minimize(net, 3.0) and minimize("net", loss) raised AttributeErrors."""
+    net, loss = _unminimised()
+    other, other_loss = _unminimised()
+    for opt in (mg.optimizer.SGD(0.1), mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), 2)):
+        with pytest.raises(TypeError, match=r"minimize: loss must be a Variable .* got float"):
+            opt.minimize(net, 3.0)
+        with pytest.raises(TypeError, match="minimize: net must be a minigraph Net, got str"):
+            opt.minimize("net", loss)
+        with pytest.raises(ValueError, match="minimize: the loss 'mean.* belongs to another net"):
+            opt.minimize(net, other_loss)
+    assert net.optimizer is None and net.loss is None
+    mg.optimizer.SGD(0.1).minimize(net, loss)                  # and it still works
+
+
+def test_an_infer_only_net_cannot_be_minimised():
+    net, loss = _unminimised()
+    folded = mg.passes.fold_batch_norm(net)
+    with pytest.raises(ValueError, match="infer-only"):
+        mg.optimizer.SGD(0.1).minimize(folded, folded.var(loss.name))

@@ -50,8 +50,8 @@ def test_variable_value_shape_dtype_and_flags():
         v.get()
     v.declare((-1, 3), "float32")
     assert v.shape == (-1, 3) and v.dtype == np.float32
-    v.set(np.zeros((2, 3), np.float64))
-    assert v.shape == (2, 3) and v.dtype == np.float64
+    v.set(np.zeros((2, 3), np.float32))
+    assert v.shape == (2, 3) and v.dtype == np.float32
     assert isinstance(v.get(), np.ndarray)
     assert scope.new_var("e").persistable is False
 
@@ -127,3 +127,64 @@ def test_layer_names_are_checked_too():
         mg.layers.fc(net, x, size=3, name="../fc")
     with pytest.raises(ValueError, match="path separator"):
         mg.layers.data(net, "a/b", shape=(-1, 4))
+
+
+# ---- what a persistable takes, and what get() gives ------------------------------------
+
+def test_a_persistable_refuses_none_a_list_and_another_shape_or_dtype():
+    v = mg.Scope().new_var("w", persistable=True)
+    v.set(np.zeros((2, 3), np.float32))
+    before = v.value
+    for bad, kind, message in [
+            (None, TypeError, "takes an array, got NoneType"),
+            ([[0.0] * 3] * 2, TypeError, "takes an array, got list"),
+            (np.zeros((3, 2), np.float32), ValueError, r"holds shape \(2, 3\), got shape \(3, 2\)"),
+            (np.zeros(6, np.float32), ValueError, "holds shape"),
+            (np.zeros((2, 3), np.float64), TypeError, "holds float32, got float64"),
+            ("abc", TypeError, "takes an array")]:
+        with pytest.raises(kind, match=message):
+            v.set(bad)
+        assert v.value is before
+    v.set(np.ones((2, 3), np.float32))              # the right shape and dtype is fine
+    s = mg.Scope().new_var("lr", persistable=True)
+    s.set(np.float64(0.5))                           # a numpy scalar for a scalar
+    s.set(0.25)
+    assert s.get() == 0.25 and s.get().dtype == np.float64
+    fresh = mg.Scope().new_var("any", persistable=True)
+    fresh.set(np.arange(3))                          # nothing known yet: any array
+    temp = mg.Scope().new_var("t")
+    temp.set([1, 2, 3])                              # temporaries take host values as before
+    temp.set(None)
+
+
+def test_get_returns_a_copy_the_variable_never_changes():
+    """Keep-the-best-weights: `best = var.get()` must not follow later steps, and
+    writing into it must not change the variable."""
+    import minigraph.layers as L
+
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 4))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.batch_norm(net, L.fc(net, x, 3, name="fc"), name="bn")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, h, lbl))
+    mg.optimizer.Momentum(0.1, 0.9).minimize(net, loss)
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.standard_normal((8, 4)).astype(np.float32), "label": rng.integers(0, 3, 8)}
+    net.train(feed=feed)
+    w, mean = net.var("fc.w"), net.var("bn.estimated_mean")
+    best_w, best_mean = w.get(), mean.get()
+    kept_w, kept_mean = best_w.copy(), best_mean.copy()
+    (fetched_w, fetched_mean, _) = net.train(feed=feed, fetch=[w, mean, loss])
+    kept_fetch = fetched_mean.copy()
+    for _ in range(3):
+        net.train(feed=feed)
+    np.testing.assert_array_equal(best_w, kept_w)
+    np.testing.assert_array_equal(best_mean, kept_mean)     # estimates change in place
+    np.testing.assert_array_equal(fetched_mean, kept_fetch)
+    now = w.get()
+    best_w[...] = 7.0
+    fetched_w[...] = 7.0
+    np.testing.assert_array_equal(w.get(), now)
+    (inferred,) = net.infer(feed={"x": feed["x"]}, fetch=[mean])
+    inferred[...] = 5.0
+    assert not (mean.get() == 5.0).any()

@@ -5,18 +5,37 @@ or $CC) for this machine's own instruction set (-O3 -march=native), once: the
 shared library is kept in a cache directory ($MINIGRAPH_CACHE, else
 $XDG_CACHE_HOME/minigraph, else ~/.cache/minigraph) under a name that hashes
 the source, the flags, the compiler's version and this CPU's model and
-flags, so a changed kernel, compiler or machine builds anew. The library is
-written to a temporary file and renamed into place (processes that build at
-once each write their own). Where the cache cannot be written it is built in
-a temporary directory for this process only, removed once loaded.
+flags, so a changed kernel, compiler or machine builds anew.
 
-Where no compiler works, or MINIGRAPH_NATIVE=0, `library` returns None and
-`reason(name)` says why: callers then run their numpy kernels, which are the
-reference the native ones are tested against.
+Nothing unverified is loaded:
+  * the cache directory, and every directory above it, must be writable by no
+    other user (owned by this user or root, no group or other write bit; a
+    sticky directory such as /tmp is accepted above the cache directory only).
+    Otherwise `library` returns None and `reason` says why: the entry's name is
+    predictable, so anyone who can write there could plant code;
+  * a build is compiled into a temporary file, fsynced, loaded from that file
+    (so a library that does not load is never published), renamed into place,
+    and then its SHA-256 is written beside it (`<entry>.sha256`, also fsynced
+    and renamed). An entry is loaded only when it is a regular file of this
+    user's (or root's) that no one else can write and its bytes match that
+    digest, read from the same open file that is then loaded (/proc/self/fd).
+    An entry that fails (truncated, empty, garbage, another library, no
+    digest) is built again and replaced.
+
+The whole build (the compiler's version, then each flag set) must finish
+within MINIGRAPH_NATIVE_BUILD_TIMEOUT seconds (DEFAULT_BUILD_TIMEOUT_S); a
+compiler still running then is killed with its children. A build that takes
+longer than NOTICE_AFTER_S says on stderr what it is building. Where the
+cache cannot be written the library is built in a temporary directory for
+this process only, removed once loaded.
+
+Where no compiler works, $CC cannot be split into a command, the build runs
+out of time, the cache is unsafe, or MINIGRAPH_NATIVE=0, `library` returns
+None and `reason(name)` says why: callers then run their numpy kernels, which
+are the reference the native ones are tested against.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import importlib.resources
@@ -25,15 +44,22 @@ import pathlib
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
+import time
+
+from minigraph.kernels.cpu import native_cache as cache
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails
 # -ffp-contract=fast: ISO C mode would not fuse a * b + c into one multiply-add
 COMMON_FLAGS = ("-std=c11", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread",
                 "-fno-strict-aliasing")
-TIMEOUT_S = 120
+BUILD_TIMEOUT_ENV = "MINIGRAPH_NATIVE_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT_S = 60.0
+NOTICE_AFTER_S = 2.0
 
 _lock = threading.Lock()
 _reasons = {}
@@ -46,7 +72,8 @@ def enabled():
 
 def library(name):
     """The loaded ctypes library of kernels/cpu/<name>.c, built on first use, or None
-    (native kernels off, or no working compiler: reason(name) says which)."""
+    (native kernels off, no working compiler, the build ran out of time, or an
+    unsafe cache: reason(name) says which)."""
     return _load(name) if enabled() else None
 
 
@@ -58,92 +85,192 @@ def reason(name):
     return _reasons.get(name, "")
 
 
+def build_timeout():
+    """Seconds the whole build of one library may take: MINIGRAPH_NATIVE_BUILD_TIMEOUT,
+    else DEFAULT_BUILD_TIMEOUT_S; a ValueError naming the variable unless it is a
+    number > 0."""
+    text = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_BUILD_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{BUILD_TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 @functools.cache
 def _load(name):
     with _lock:
-        source = importlib.resources.files(__package__).joinpath(f"{name}.c").read_text()
-        compiler = shlex.split(os.environ.get("CC", "")) or [
-            found for found in (shutil.which("cc"), shutil.which("gcc")) if found][:1]
-        if not compiler:
-            _reasons[name] = "no C compiler (cc, gcc or $CC) on PATH"
+        try:
+            return _load_or_build(name)
+        except _Refused as e:
+            _reasons[name] = str(e)
             return None
-        errors = []
+
+
+class _Refused(Exception):
+    """Why this process runs `name` without its native library."""
+
+
+def _load_or_build(name):
+    source = importlib.resources.files(__package__).joinpath(f"{name}.c").read_text()
+    cc = os.environ.get("CC", "")
+    try:
+        compiler = shlex.split(cc) or [found for found in (shutil.which("cc"),
+                                                           shutil.which("gcc")) if found][:1]
+    except ValueError as e:
+        raise _Refused(f"$CC ({cc!r}) cannot be split into a command ({e})") from None
+    if not compiler:
+        raise _Refused("no C compiler (cc, gcc or $CC) on PATH")
+    try:
+        limit = build_timeout()
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+    try:
+        directory = cache.cache_dir()
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cache.check_private(directory)
+    except cache.UnsafeCache as e:
+        raise _Refused(f"not loading native kernels from the cache: {e}") from None
+    except OSError:
+        directory = None                  # no cache here: this process builds its own
+    deadline = time.monotonic() + limit
+    errors = []
+    with _Notice(name, compiler, limit):
+        try:
+            version = _compiler_version(compiler, deadline)
+        except subprocess.TimeoutExpired:
+            raise _Refused(f"building {name}.c: {' '.join(compiler)} --version did not finish "
+                           f"within the build limit of {limit:g} s ({BUILD_TIMEOUT_ENV})") \
+                from None
+        if directory is not None:
+            cache.remove_stale_temporaries(directory)
         for flags in FLAG_SETS:
+            key = hashlib.sha256("\0".join(
+                (source, *compiler, *flags, *COMMON_FLAGS, version,
+                 _cpu_identity())).encode()).hexdigest()[:20]
+            filename = f"{name}-{key}.so"
+            if directory is not None:
+                lib = cache.load_verified(directory / filename)
+                if lib is not None:
+                    return lib
             try:
-                path, temporary = _build(name, source, compiler, flags + COMMON_FLAGS)
-                try:
-                    return ctypes.CDLL(str(path))
-                finally:
-                    if temporary:            # loaded: the file is no longer needed
-                        shutil.rmtree(path.parent, ignore_errors=True)
+                return _build(source, compiler, flags + COMMON_FLAGS, directory, filename,
+                              deadline)
+            except subprocess.TimeoutExpired:
+                errors.append(f"{' '.join(flags)}: did not finish within the build limit of "
+                              f"{limit:g} s ({BUILD_TIMEOUT_ENV})")
+                break
             except (OSError, subprocess.SubprocessError) as err:
                 errors.append(f"{' '.join(flags)}: {str(err).strip()[:300]}")
-        _reasons[name] = (f"building {name}.c failed with {' '.join(compiler)}: "
-                          + "; ".join(errors))
-        return None
+    raise _Refused(f"building {name}.c failed with {' '.join(compiler)}: " + "; ".join(errors))
 
 
-def _build(name, source, compiler, flags):
-    """The path of the shared library of `source` built with `flags`, and whether it
-    lies in a temporary directory (to remove once loaded): the cached one, else a
-    fresh build renamed into the cache, else one in a temporary directory."""
-    key = hashlib.sha256("\0".join(
-        (source, *compiler, *flags, _compiler_version(compiler), _cpu_identity())).encode())
-    filename = f"{name}-{key.hexdigest()[:20]}.so"
-    try:
-        directory = _cache_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        target = directory / filename
-        if target.exists():
-            return target, False
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
-    except OSError:                       # no cache here: this process builds its own
+class _Notice:
+    """Says on stderr what is being built when the build takes longer than
+    NOTICE_AFTER_S (the first conv of a new machine waits for it)."""
+
+    def __init__(self, name, compiler, limit):
+        self.text = (f"minigraph: building the native CPU kernels {name}.c with "
+                     f"{' '.join(compiler)} (once per machine and compiler; at most "
+                     f"{limit:g} s, {BUILD_TIMEOUT_ENV}, then the numpy kernels run)\n")
+        self.timer = threading.Timer(NOTICE_AFTER_S, self._say)
+        self.timer.daemon = True
+
+    def _say(self):
+        try:
+            sys.stderr.write(self.text)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __enter__(self):
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+
+# ---- building ----------------------------------------------------------------------
+
+def _build(source, compiler, flags, directory, filename, deadline):
+    """Compile `source` with `flags` and return the loaded library: in `directory`
+    (published there as `filename` with its digest), or, when `directory` is None,
+    in a temporary directory removed once loaded."""
+    temporary = directory is None
+    if temporary:
         directory = pathlib.Path(tempfile.mkdtemp(prefix="minigraph-native-"))
-        target = directory / filename
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        os.close(fd)
-        try:
-            return _compile(source, compiler, flags, tmp, target), True
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
     os.close(fd)
-    return _compile(source, compiler, flags, tmp, target), False
-
-
-def _compile(source, compiler, flags, tmp, target):
-    """Build `source` into the file `tmp`, then rename it to `target`; `tmp` and the
-    source file beside it are gone afterwards, also on failure."""
     try:
-        src = pathlib.Path(tmp).with_suffix(".c")
-        src.write_text(source)
+        _compile(source, compiler, flags, tmp, deadline)
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            done = subprocess.run([*compiler, *flags, str(src), "-o", tmp],
-                                  capture_output=True, text=True, timeout=TIMEOUT_S)
+            os.fsync(fd)
+            data = cache.read_all(fd, os.fstat(fd).st_size)
+            if not data:
+                raise OSError(f"{compiler[0]} wrote no library")
+            lib = cache.dlopen(fd, tmp)
         finally:
-            src.unlink(missing_ok=True)
-        if done.returncode != 0:
-            raise OSError(done.stderr or f"{compiler[0]} exited with {done.returncode}")
-        os.replace(tmp, target)
-        return target
+            os.close(fd)
+        if not temporary:
+            target = directory / filename
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+            cache.write_digest(target, hashlib.sha256(data).hexdigest())
+            cache.fsync_dir(directory)
+        return lib
     finally:
         pathlib.Path(tmp).unlink(missing_ok=True)
+        if temporary:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
-def _cache_dir():
-    root = os.environ.get("MINIGRAPH_CACHE")
-    if root:
-        return pathlib.Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
-    return base / "minigraph"
-
-
-def _compiler_version(compiler):
+def _compile(source, compiler, flags, tmp, deadline):
+    """Build `source` into the file `tmp` before `deadline` (time.monotonic); the
+    source file beside it is gone afterwards, also on failure."""
+    src = pathlib.Path(tmp).with_suffix(".c")
+    src.write_text(source)
     try:
-        return subprocess.run([*compiler, "--version"], capture_output=True, text=True,
-                              timeout=TIMEOUT_S).stdout
-    except (OSError, subprocess.SubprocessError):
+        code, _, err = _run([*compiler, *flags, str(src), "-o", tmp], deadline)
+    finally:
+        src.unlink(missing_ok=True)
+    if code != 0:
+        raise OSError(err or f"{compiler[0]} exited with {code}")
+
+
+def _run(cmd, deadline):
+    """(returncode, stdout, stderr) of `cmd`, killed with its whole process group
+    (a compiler driver's children too) at `deadline`: then TimeoutExpired."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise subprocess.TimeoutExpired(cmd, 0)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=left)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+        raise
+    return proc.returncode, out, err
+
+
+def _compiler_version(compiler, deadline):
+    """The compiler's --version output ('' when it fails); TimeoutExpired at `deadline`."""
+    try:
+        return _run([*compiler, "--version"], deadline)[1]
+    except OSError:
         return ""
 
 

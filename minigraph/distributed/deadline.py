@@ -27,6 +27,8 @@ is then broken (every later collective raises the same error) and an
 uncaught error ends the job (world.init's excepthook calls MPI_Abort).
 
 Records travel as JSON (nothing is pickled).
+Starting and leaving (init's own deadline, the settings handshake, os._exit):
+minigraph/distributed/startup.py.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from minigraph.distributed.comm import Communicator, chan_merge, is_host_array
 from minigraph.distributed.deadline import Waiter, resolve_timeout
+from minigraph.distributed.startup import handshake
 
 # dtypes MPI has no reduction type for: reduced in a wider one, then cast back
 _WIDEN = {np.dtype("float16"): np.dtype("float32"), np.dtype("bool"): np.dtype("int32")}
@@ -48,6 +49,7 @@ class MPIComm(Communicator):
         self.waiter = Waiter(self)
         self._digest_out = np.empty(8, dtype=np.uint8)
         self._digest_in = np.empty(8 * self.size, dtype=np.uint8)
+        handshake(self)                  # the ranks' settings agree (startup.py)
 
     def _allreduce(self, x):
         host = self._to_host(x)
@@ -111,6 +113,12 @@ class MPIComm(Communicator):
         import pycuda.gpuarray as gpuarray
 
         return gpuarray.to_gpu(np.ascontiguousarray(host))
+
+
+def running():
+    """True while MPI is initialised and not finalized in this process."""
+    MPI = getattr(sys.modules.get("mpi4py"), "MPI", None)
+    return MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
 
 
 _stats_types = {}

@@ -25,6 +25,7 @@ def init(backend="auto", place=None, check_order=None, timeout=None):
     """Start (once) and return the communicator of this process.
 
     backend: "auto" picks NCCL on a GPU place when nccl4py is installed and
+      every rank has a GPU of its own (NCCL refuses two ranks on one GPU),
       MPI otherwise (a world of one process when started without mpiexec);
       "local" is a world of one process without MPI (also what "auto" falls
       back to when mpi4py is missing and no launcher started the process).
@@ -40,8 +41,16 @@ def init(backend="auto", place=None, check_order=None, timeout=None):
       every rank still alive raises CollectiveTimeoutError naming the ranks
       that did not arrive and the collective (minigraph/distributed/deadline.py).
 
+    init itself is under the deadline: a rank that never arrives (it raised,
+    exited or stalls before init) ends every other rank once the deadline has
+    passed, and a setting one rank rejects or that differs between ranks is a
+    ValueError on every rank (minigraph/distributed/startup.py).
+
     With more than one rank, an uncaught exception on any rank prints its
-    traceback and ends the whole job (MPI_Abort) with a non-zero status.
+    traceback and ends the whole job (MPI_Abort) with a non-zero status, and
+    os._exit(0) on a rank ends it with status 1 (it skips the exit check).
+    The first call sets this rank's threads to its share of the host's cores
+    unless they were set explicitly (minigraph/distributed/threads.py).
     Calling init again returns the same communicator (check_order and timeout,
     when given, replace the old settings); asking for a different backend or
     place then is an error.
@@ -59,15 +68,21 @@ def init(backend="auto", place=None, check_order=None, timeout=None):
             if comm is not None and timeout is not None:
                 comm.timeout_s = resolve_timeout(timeout)
         return _comm
-    if check_order is None:
-        check_order = _order_check_default()
-    _comm = _make(backend, place, bool(check_order), resolve_timeout(timeout))
+    from minigraph.distributed import startup
+    from minigraph.distributed.threads import apply_rank_threads
+
+    apply_rank_threads()                   # this rank's share of the host's cores
+    with startup.startup(timeout, check_order, _order_check_default) as settings:
+        comm = _make(backend, place, settings.check_order, settings.timeout_s)
+    _comm = comm
     if _comm.size > 1:
         from minigraph.distributed.deadline import watch_launcher
+        from minigraph.distributed.mpi import running
 
         _install_excepthook()
         watch_launcher()
         atexit.register(_at_exit)
+        startup.guard_exit(_comm.rank, _comm.size, running)
     return _comm
 
 
@@ -128,7 +143,39 @@ def _make(backend, place, check_order, timeout_s):
         if backend == "auto":
             return host                    # GPU place, no nccl4py: MPI staged through the host
         raise RuntimeError("init: backend='nccl' needs nccl4py (pip install 'minigraph[gpu]')")
+    shared = _shared_gpus(host)
+    if shared:
+        if backend == "auto":
+            return host                    # NCCL refuses two ranks on one GPU: MPI instead
+        raise RuntimeError(f"init: backend='nccl' needs a GPU of its own for every rank, but "
+                           f"{shared} (NCCL refuses that: 'Duplicate GPU detected'). Start at "
+                           "most as many ranks per host as it has GPUs, or use backend='mpi' "
+                           "(backend='auto' picks it)")
     return NCCLComm(host.place, host, check_order, timeout_s)
+
+
+_GPU_ID_BYTES = 128
+
+
+def _shared_gpus(host):
+    """'' when every rank's place is a GPU of its own, else which ranks share one
+    (more ranks on a host than it has GPUs, or places given so): each rank's
+    host name and PCI bus id, gathered over the MPI communicator `host`."""
+    import socket
+
+    import numpy as np
+
+    ident = f"{socket.gethostname()}/{host.place.device.pci_bus_id()}".encode()[:_GPU_ID_BYTES]
+    mine = np.zeros(_GPU_ID_BYTES, np.uint8)
+    mine[:len(ident)] = np.frombuffer(ident, np.uint8)
+    rows = np.asarray(host._allgather(mine)).reshape(host.size, _GPU_ID_BYTES)
+    owner, shared = {}, []
+    for rank, row in enumerate(rows):
+        gpu = row.tobytes().rstrip(b"\0").decode(errors="replace")
+        if gpu in owner:
+            shared.append(f"ranks {owner[gpu]} and {rank} share GPU {gpu}")
+        owner.setdefault(gpu, rank)
+    return "; ".join(shared)
 
 
 def _wants_gpu(place):

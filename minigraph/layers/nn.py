@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 
+from minigraph.feeds import data_declaration
 from minigraph.initializer import Constant, FanInUniform, KaimingUniform, Normal
 from minigraph.layers.base import (
     float_arg,
@@ -31,15 +32,7 @@ def data(net, name, shape, dtype="float32"):
         raise TypeError(f"data: name must be a non-empty str, got {name!r}")
     if net.name_taken(name):
         raise ValueError(f"data: the name {name!r} is already used in this net")
-    try:
-        shape = tuple(int(d) for d in shape)
-        dtype = np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"data {name!r}: shape must be a tuple of ints and dtype a numpy dtype "
-                        f"({e})") from e
-    if any(d < -1 for d in shape):
-        raise ValueError(f"data {name!r}: every size must be >= 0, or -1 for a size each feed "
-                         f"gives, got {shape}")
+    shape, dtype = data_declaration(name, shape, dtype)
     return net.add_data(name, shape, dtype)
 
 

@@ -38,6 +38,25 @@ def check_learning_rate(value, what="learning_rate"):
     return check_number(value, what)
 
 
+def check_minimize_args(net, loss, who):
+    """A TypeError or ValueError naming `who` unless `net` is a Net that can train and
+    `loss` is one of its Variables."""
+    from minigraph.net import Net
+    from minigraph.scope import Variable
+
+    if not isinstance(net, Net):
+        raise TypeError(f"{who}: net must be a minigraph Net, got {type(net).__name__} "
+                        f"{net!r:.60}")
+    if getattr(net, "infer_only", False):
+        raise ValueError(f"{who}: this net is infer-only (made by an inference pass or "
+                         "load_inference); minimise the net the layers built")
+    if not isinstance(loss, Variable):
+        raise TypeError(f"{who}: loss must be a Variable of the net (the scalar a layer such "
+                        f"as layers.mean returns), got {type(loss).__name__} {loss!r:.60}")
+    if not net.owns(loss):
+        raise ValueError(f"{who}: the loss {loss.name!r} belongs to another net")
+
+
 class ClipGradByGlobalNorm:
     """Scale every gradient by min(max_norm / (total_norm + 1e-6), 1), total_norm the L2
     norm of all the gradients together (torch.nn.utils.clip_grad_norm_), before
@@ -96,6 +115,7 @@ class Optimizer:
         """The first half of minimize: checks, then append_backward for the parameters'
         settings. Returns ([ParamSetting], [(parameter, gradient)]) in one order."""
         name = type(self).__name__
+        check_minimize_args(net, loss, f"{name}.minimize")
         if self.lr_var is not None:
             raise ValueError(f"{name}.minimize: this optimizer already minimises a net; make "
                              "one optimizer per net")
@@ -180,7 +200,9 @@ class Momentum(Optimizer):
                  grad_clip=None):
         super().__init__(learning_rate, weight_decay, grad_clip)
         self.momentum = check_number(momentum, "Momentum: momentum", high=1.0)
-        self.nesterov = bool(nesterov)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"Momentum: nesterov must be True or False, got {nesterov!r}")
+        self.nesterov = nesterov
 
     def update(self, net, param, grad, learning_rate, weight_decay):
         velocity = self.state(net, param, "velocity")

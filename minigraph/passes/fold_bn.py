@@ -48,7 +48,7 @@ def fold_batch_norm(net, verbose=False):
     folded (see the module doc); `net` and its persistables are untouched.
     The new net's `reports["fold_batch_norm"]` lists a FoldNote per batch norm;
     verbose=True also prints it. Fetch from the new net by name."""
-    folded, _ = clone_for_inference(net)
+    folded, _ = clone_for_inference(net, NAME)
     notes = []
     for bn in [op for op in folded.section("trunk") if op.schema.has_role("batch_norm")]:
         notes.append(_fold_one(folded, bn))

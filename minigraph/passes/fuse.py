@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from minigraph.operator import Operator
 from minigraph.passes.fold_bn import fold_batch_norm
+from minigraph.passes.infer_clone import check_net
 from minigraph.schema import op_for_role
 
 NAME = "fuse_conv2d"
@@ -42,7 +43,9 @@ def optimize_for_inference(net, verbose=False):
     folded into the convolutions and fc layers before them (fold_batch_norm), then
     conv2d chains fused (fuse_conv2d). `net` is untouched; the new net's `reports`
     hold both passes' notes. Fetch from it by name."""
+    check_net(net, "optimize_for_inference")
     fast = fold_batch_norm(net, verbose=verbose)
+    fast.made_by = "optimize_for_inference"
     fuse_conv2d(fast, verbose=verbose)
     return fast
 
@@ -52,6 +55,7 @@ def fuse_conv2d(net, verbose=False):
     clone_for_inference: every op in its trunk) in place, fusing each conv2d
     chain of the module doc into a fused_conv2d. Returns a FuseNote per fused
     chain, also kept as `net.reports["fuse_conv2d"]`."""
+    check_net(net, NAME)
     if any(net.section(s) for s in ("train", "infer", "backward", "update")):
         raise ValueError(f"{NAME}: needs an infer-only net (all ops in its trunk), such as "
                          "mg.passes.fold_batch_norm(net) returns")

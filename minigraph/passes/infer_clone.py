@@ -1,17 +1,42 @@
 """A net's inference graph as a new, independent Net (what inference passes rewrite)."""
 from __future__ import annotations
 
+from minigraph.net import Net
 from minigraph.operator import Operator
 
 
-def clone_for_inference(net):
-    """A new Net holding the ops `net.infer` runs (all in its trunk), with its own
-    copies of the data declarations, temporaries and persistables (values
-    copied), so rewriting it leaves `net` untouched. Returns (new net,
-    {id(old Variable): new Variable})."""
-    from minigraph.net import Net
+class InferOnlyNet(Net):
+    """A Net made by an inference pass: it infers; `train` is an error (it has no
+    loss, gradients or optimizer, and its batch norms may be folded away)."""
 
-    new = Net(place=net.place, seed=net.seed)
+    infer_only = True
+
+    def __init__(self, place, seed, made_by):
+        super().__init__(place=place, seed=seed)
+        self.made_by = made_by
+
+    def train(self, feed=None, fetch=None):
+        """Always an error: train the source net, then make this one again."""
+        raise RuntimeError(f"train: this net was made by {self.made_by} and can only infer (it "
+                           "has no loss, gradients or optimizer); train the net the layers "
+                           f"built, then call {self.made_by} again")
+
+
+def check_net(net, who):
+    """A TypeError naming `who` unless `net` is a minigraph Net."""
+    if not isinstance(net, Net):
+        raise TypeError(f"{who}: net must be a minigraph Net, got {type(net).__name__} "
+                        f"{net!r:.60}")
+
+
+def clone_for_inference(net, made_by="clone_for_inference"):
+    """A new infer-only Net (InferOnlyNet, `made_by` naming the pass in its errors)
+    holding the ops `net.infer` runs (all in its trunk), with its own copies of the
+    data declarations, temporaries and persistables (values copied), so
+    rewriting it leaves `net` untouched. Returns (new net, {id(old Variable): new
+    Variable})."""
+    check_net(net, made_by)
+    new = InferOnlyNet(net.place, net.seed, made_by)
     made = {}
 
     def twin(v):

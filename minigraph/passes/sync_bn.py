@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from minigraph.operator import Operator
+from minigraph.passes.infer_clone import check_net
 
 
 def convert_sync_batchnorm(net):
@@ -15,6 +16,7 @@ def convert_sync_batchnorm(net):
     the old op's position, so parameters, estimates, fetch targets and
     gradients stay where they were. Returns the number of ops rewritten.
     """
+    check_net(net, "convert_sync_batchnorm")
     count = 0
     for section in ("trunk", "train", "infer", "backward"):
         for op in net.section(section):

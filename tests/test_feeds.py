@@ -1,0 +1,89 @@
+"""Feeds and fetches as callers give them (minigraph/feeds.py): copies the net owns,
+and clear errors for what is not a feed or a fetch list."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import layers as L
+
+
+def small_net():
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 4))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    logits = L.fc(net, x, 3, name="fc")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, lbl))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    return net, logits, loss
+
+
+def test_ndarray_subclass_feeds_are_copied(tmp_path):
+    """Masked arrays and memmaps were kept by reference: the net's feed changed when
+    the caller's array did, and a kernel handed the feed could write the caller's file."""
+    net, logits, loss = small_net()
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((6, 4)).astype(np.float32)
+    mm = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32,
+                                   shape=(6, 4))
+    mm[...] = data
+    masked = np.ma.masked_array(data.copy(), mask=np.zeros_like(data, dtype=bool))
+    labels = rng.integers(0, 3, 6)
+    for given in (mm, masked):
+        net.train(feed={"x": given, "label": labels})
+        stored = net.var("x").value
+        assert type(stored) is np.ndarray
+        assert not np.shares_memory(stored, np.asarray(given))
+        before = stored.copy()
+        np.asarray(given)[...] = 42.0
+        np.testing.assert_array_equal(net.var("x").value, before)
+        np.asarray(given)[...] = data
+
+
+@pytest.mark.parametrize("fetch", ["fc.w", b"fc.w"])
+def test_a_fetch_that_is_not_a_list_is_an_error(fetch):
+    """fetch="name" used to be iterated per character."""
+    net, logits, loss = small_net()
+    feed = {"x": np.zeros((2, 4), np.float32), "label": np.zeros(2, np.int64)}
+    for call in (net.train, net.infer):
+        with pytest.raises(TypeError, match=r"fetch must be a list .* \(fetch=\['fc.w'\]\)"
+                           if isinstance(fetch, str) else "fetch must be a list"):
+            call(feed=feed, fetch=fetch)
+    with pytest.raises(TypeError, match="fetch must be a list"):
+        net.infer(feed=feed, fetch=logits)
+    with pytest.raises(TypeError, match="fetch must be a list"):
+        mg.Executor().run(net.ops("infer"), net.scopes["infer"], feed={"x": feed["x"]},
+                          fetch="fc.w")
+
+
+def test_a_feed_that_is_not_a_dict_is_an_error():
+    net, logits, loss = small_net()
+    with pytest.raises(TypeError, match="feed must be a dict"):
+        net.infer(feed=[np.zeros((2, 4), np.float32)], fetch=[logits])
+
+
+@pytest.mark.parametrize("shape", [(-1, 2.7), (-1, "4"), (-1, None), (True, 4), 4])
+def test_a_data_shape_must_hold_ints(shape):
+    """(-1, 2.7) silently became (-1, 2)."""
+    net = mg.Net()
+    with pytest.raises(TypeError, match="data 'x': shape must be"):
+        L.data(net, "x", shape=shape)
+    assert "x" not in net.data_vars
+
+
+@pytest.mark.parametrize("dtype", [object, str, "U5", "S3", "V8", "M8[s]"])
+def test_a_data_dtype_must_be_numeric(dtype):
+    net = mg.Net()
+    with pytest.raises(TypeError, match="data 'x': dtype must be"):
+        L.data(net, "x", shape=(-1, 4), dtype=dtype)
+    assert "x" not in net.data_vars
+    L.data(net, "x", shape=(-1, 4), dtype="float64")       # and the name is still free
+
+
+@pytest.mark.parametrize("place", ["cpu", 0, object()])
+def test_a_net_needs_a_place_object(place):
+    with pytest.raises(TypeError, match="Net: place must be"):
+        mg.Net(place=place)
+    with pytest.raises(TypeError, match="Executor: place must be"):
+        mg.Executor(place)
