@@ -13,8 +13,11 @@ digits per step, four ways, and prints a table of held-out accuracy and time:
   holding half of every global batch, with the gradients averaged
   (mg.distributed.data_parallel): the statistics are the whole batch's again.
 
-Each rank of the synced run uses one thread (two ranks on two cores). Needs
-scikit-learn (the digits) and, for the last row, mpi4py with an MPI.
+Every run takes its batches from the same minigraph.data.DataLoader (seed
+and epoch give the order); in the synced run the loader splits each global
+batch across the ranks itself, and each rank runs its share of the host's
+cores in threads (mg.distributed.init's default). Needs scikit-learn (the
+digits) and, for the last row, mpi4py with an MPI.
 """
 from __future__ import annotations
 
@@ -25,11 +28,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 import minigraph as mg
 from minigraph.examples.train_digits import load_digits_split
-from minigraph.examples.train_resnet_digits import build_net, train
+from minigraph.examples.train_resnet_digits import build_net, make_loader, train
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -49,20 +50,16 @@ def one_process(norm, batch_size, args):
 def synced_rank(args):
     """One rank of the synced run: its rows of every global batch, sync_batch_norm and
     averaged gradients; rank 0 prints (accuracy, seconds) as JSON."""
-    mg.set_num_threads(1)
     comm = mg.distributed.init()
     train_x, train_y, test_x, test_y = load_digits_split()
-    steps = len(train_x) // args.batch_size
-    net, h = build_net(comm.place, args.seed, args.epochs, steps, norm="sync_batch_norm")
+    loader = make_loader(train_x, train_y, args.batch_size, args.seed)   # train()'s batches
+    net, h = build_net(comm.place, args.seed, args.epochs, len(loader), norm="sync_batch_norm")
     mg.distributed.data_parallel(net, batch_size_from="label")
-    rng = np.random.default_rng(args.seed)          # train()'s order, on every rank
     start = time.perf_counter()
-    for _ in range(args.epochs):
-        order = rng.permutation(len(train_x))
-        for k in range(steps):
-            idx = np.array_split(order[k * args.batch_size:(k + 1) * args.batch_size],
-                                 comm.size)[comm.rank]
-            net.train(feed={"image": train_x[idx], "label": train_y[idx]}, fetch=[h["loss"]])
+    for epoch in range(args.epochs):
+        loader.set_epoch(epoch)
+        for feed in loader:                          # this rank's rows of each batch
+            net.train(feed=feed, fetch=[h["loss"]])
     seconds = time.perf_counter() - start
     if comm.rank == 0:
         print(json.dumps([held_out(net, h["logits"], test_x, test_y), seconds]))

@@ -5,10 +5,12 @@
 
 Every rank builds the digits net of examples/train_digits.py, turns its
 batch norms into sync_batch_norm and makes it data-parallel: parameters are
-broadcast from rank 0, each global batch is split across the ranks (uneven
+broadcast from rank 0, the loader (minigraph.data.DataLoader, after
+mg.distributed.init()) splits each global batch across the ranks (uneven
 splits are fine), batch statistics are those of the whole batch and the
 gradients are averaged. The result is the training of one process on the
-whole batch. Rank 0 prints the progress and writes the checkpoint.
+whole batch. Each rank runs its share of the host's cores in threads (init's
+default). Rank 0 prints the progress and writes the checkpoint.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import minigraph as mg
+from minigraph import data
 from minigraph.cliargs import Parser, fail, int_at_least, launcher_rank, out_folder_problem
 from minigraph.examples.train_digits import LEARNING_RATE, build_net, load_digits_split
 
@@ -82,20 +85,18 @@ def main(argv=None):
     say(f"{comm.size} ranks, backend {comm.backend}, global batch {args.batch_size} "
         f"(per rank {', '.join(map(str, split_sizes(args.batch_size, comm.size)))})")
 
-    rng = np.random.default_rng(args.seed)        # the same order on every rank
-    steps = len(train_x) // args.batch_size
+    loader = data.DataLoader(data.ArrayDataset(image=train_x, label=train_y), args.batch_size,
+                             shuffle=True, drop_last=True, seed=args.seed)   # this rank's rows
+    steps = len(loader)
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         net.optimizer.set_learning_rate(
             LEARNING_RATE * 0.5 * (1 + math.cos(math.pi * (epoch - 1) / args.epochs)))
-        order = rng.permutation(len(train_x))
+        loader.set_epoch(epoch - 1)
         total = 0.0
-        for k in range(steps):
-            idx = np.array_split(order[k * args.batch_size:(k + 1) * args.batch_size],
-                                 comm.size)[comm.rank]
-            (loss,) = net.train(feed={"image": train_x[idx], "label": train_y[idx]},
-                                fetch=[h["loss"]])
-            total += float(loss) * len(idx)
+        for feed in loader:
+            (loss,) = net.train(feed=feed, fetch=[h["loss"]])
+            total += float(loss) * len(feed["label"])
         mean_loss = comm.allreduce(np.array([total]), what="epoch loss")[0] / (
             steps * args.batch_size)
         (logits,) = net.infer(feed={"image": test_x}, fetch=[h["logits"]])
@@ -106,7 +107,8 @@ def main(argv=None):
     if comm.rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     path = mg.distributed.save(net, Path(args.out) / "digits_sync.npz")   # rank 0 writes
-    say(f"trained in {seconds:.1f} s on {comm.size} x {comm.place!r}; checkpoint {path}")
+    say(f"trained in {seconds:.1f} s ({seconds / args.epochs:.2f} s per epoch) on {comm.size} "
+        f"x {comm.place!r}, threads per rank: {mg.get_num_threads()}; checkpoint {path}")
     return 0
 
 

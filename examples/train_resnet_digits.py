@@ -8,9 +8,16 @@
 
 trained with AdamW (decoupled weight decay), a cosine learning-rate schedule
 with warm-up and gradient clipping by global norm, in a plain `net.train`
-loop; `net.infer` measures held-out accuracy after every epoch (the same
-fixed split as the plain demo). Run it with `minigraph demo --model resnet`
-or `python -m minigraph.examples.train_resnet_digits`.
+loop fed by a minigraph.data.DataLoader (shuffled by seed and epoch, batches
+made on a background thread); `net.infer` measures held-out accuracy after
+every epoch (the same fixed split as the plain demo). Run it with `minigraph
+demo --model resnet` or `python -m minigraph.examples.train_resnet_digits`.
+
+`--augment` adds batch augmentation to the loader: a random shift of up to a
+pixel (RandomCrop(8, padding=1)) and a random mirror (RandomHorizontalFlip(0.5)),
+the pipeline natural images such as CIFAR-10 want. It is off by default: on
+these centred 8x8 digits it lowers held-out accuracy in short runs (a
+mirrored 2 is no 2, and a pixel is an eighth of the image; docs/data.md).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import time
 import numpy as np
 
 import minigraph as mg
+from minigraph import data
 from minigraph import layers as L
 from minigraph.examples.train_digits import accuracy, load_digits_split
 
@@ -29,6 +37,8 @@ LEARNING_RATE = 0.01
 WEIGHT_DECAY = 1e-4
 WARMUP_EPOCHS = 1
 CLIP_NORM = 2.0
+CROP_PADDING = 1
+FLIP_P = 0.5
 
 
 NORMS = ("batch_norm", "group_norm", "sync_batch_norm")
@@ -88,29 +98,39 @@ def build_net(place=None, seed=0, epochs=DEFAULT_EPOCHS, steps_per_epoch=23,
     return net, {"image": image, "label": label, "logits": logits, "loss": loss}
 
 
+def make_loader(train_x, train_y, batch_size, seed, augment=False):
+    """The training loader: shuffled by (seed, epoch), whole batches only, with a
+    random shift (RandomCrop(8, padding=CROP_PADDING)) and a mirror (FLIP_P) of
+    each digit when `augment`; sharded across ranks after mg.distributed.init()."""
+    augmentation = data.transforms.Compose([
+        data.transforms.RandomCrop(train_x.shape[-1], padding=CROP_PADDING),
+        data.transforms.RandomHorizontalFlip(FLIP_P)]) if augment else None
+    return data.DataLoader(data.ArrayDataset(image=train_x, label=train_y), batch_size,
+                           shuffle=True, drop_last=True, seed=seed, transform=augmentation)
+
+
 def train(epochs=DEFAULT_EPOCHS, device="cpu", batch_size=DEFAULT_BATCH_SIZE, seed=0,
-          progress=True, place=None, log=print, norm="batch_norm"):
+          progress=True, place=None, log=print, norm="batch_norm", augment=False):
     """Train and evaluate after each epoch; returns (net, handles, history) with
-    history: loss and accuracy per epoch, seconds of training."""
+    history: loss and accuracy per epoch, seconds of training. augment: shift and
+    mirror the training digits at random (make_loader)."""
     from tqdm import tqdm
 
     if place is None:
         place = mg.GPUPlace(0) if device == "gpu" else mg.CPUPlace()
     train_x, train_y, test_x, test_y = load_digits_split()
-    steps = len(train_x) // batch_size               # whole batches only
+    loader = make_loader(train_x, train_y, batch_size, seed, augment)
+    steps = len(loader)                              # whole batches only
     net, h = build_net(place, seed, epochs, steps, norm)
-    rng = np.random.default_rng(seed)
     history = {"loss": [], "accuracy": [], "seconds": 0.0}
     start = time.perf_counter()
     bar = tqdm(total=epochs * steps, disable=not progress, unit="batch", leave=False,
                file=sys.stderr)
     for epoch in range(1, epochs + 1):
-        order = rng.permutation(len(train_x))
+        loader.set_epoch(epoch - 1)
         losses = []
-        for k in range(steps):
-            idx = order[k * batch_size:(k + 1) * batch_size]
-            (loss,) = net.train(feed={"image": train_x[idx], "label": train_y[idx]},
-                                fetch=[h["loss"]])
+        for feed in loader:
+            (loss,) = net.train(feed=feed, fetch=[h["loss"]])
             losses.append(float(loss))
             bar.update(1)
         acc = accuracy(net, h["logits"], test_x, test_y)
@@ -133,13 +153,15 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--augment", action="store_true",
+                        help="random shifts (RandomCrop) and mirrors (RandomHorizontalFlip)")
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"argument --epochs: must be >= 1, got {args.epochs}")
     if args.seed < 0:
         parser.error(f"argument --seed: must be >= 0, got {args.seed}")
     net, _, history = train(args.epochs, args.device, seed=args.seed,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, augment=args.augment)
     print(net.summary())
     print(f"held-out accuracy {100 * history['accuracy'][-1]:.1f}% after {args.epochs} epochs, "
           f"{history['seconds']:.1f} s of training")
