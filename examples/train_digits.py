@@ -4,8 +4,10 @@ conv(16, 3x3, pad 1) -> batch_norm -> relu -> max pool 2 -> fc(64) -> batch_norm
 -> relu -> fc(10), trained with momentum SGD (learning rate on a cosine decay)
 in a plain `net.train` loop; after every epoch `net.infer` measures the
 held-out accuracy. Writes a picture of the
-net (net.svg, drawn by Graphviz's dot or the pip-installed graphviz-pure) and
-a loss/accuracy plot.
+net (net.svg, one box per layer, or every op with `--level op`; drawn by
+Graphviz's dot or the pip-installed graphviz-pure) and a loss/accuracy plot;
+`--profile` also times training steps of the trained net, prints where the
+time goes and writes profile.svg (the layers coloured by their share).
 
 Run it with `minigraph demo` or `python -m minigraph.examples.train_digits`;
 `--model resnet` trains the residual net of train_resnet_digits instead.
@@ -24,12 +26,13 @@ from pathlib import Path
 import numpy as np
 
 import minigraph as mg
-from minigraph import layers
+from minigraph import data, layers
 from minigraph.cliargs import Parser, fail, int_at_least, out_folder_problem
 
 DEFAULT_EPOCHS = 6
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_OUT = "demo_out"
+PROFILE_STEPS = 10
 PROG = "python -m minigraph.examples.train_digits"
 LEARNING_RATE = 0.05
 HELD_OUT_FRACTION = 0.2
@@ -40,17 +43,9 @@ def load_digits_split(held_out=HELD_OUT_FRACTION):
     """(train_x, train_y, test_x, test_y): the 1797 digits bundled with
     scikit-learn (no download), scaled to [0, 1] float32 of shape (-1, 1, 8, 8)
     with int64 labels; a fixed split keeps `held_out` of each class apart."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    y = digits.target.astype(np.int64)
-    rng = np.random.default_rng(SPLIT_SEED)
-    test = np.zeros(len(y), dtype=bool)
-    for label in np.unique(y):
-        idx = rng.permutation(np.flatnonzero(y == label))
-        test[idx[:round(len(idx) * held_out)]] = True
-    return x[~test], y[~test], x[test], y[test]
+    train, test = (data.datasets.digits(split, held_out, SPLIT_SEED).arrays
+                   for split in ("train", "test"))
+    return train["image"], train["label"], test["image"], test["label"]
 
 
 def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, optimizer=None):
@@ -83,9 +78,11 @@ def accuracy(net, logits, x, y, batch_size=512):
 
 
 def train(epochs=DEFAULT_EPOCHS, device="cpu", out_dir=DEFAULT_OUT,
-          batch_size=DEFAULT_BATCH_SIZE, seed=0, progress=True, place=None, model="digits"):
+          batch_size=DEFAULT_BATCH_SIZE, seed=0, progress=True, place=None, model="digits",
+          level="layer", profile=False):
     """Train, evaluate after each epoch, write the picture, the plot and the
-    deployable models (write_outputs).
+    deployable models (write_outputs); level: the picture's, "layer" or "op";
+    profile=True: also profile training steps on a batch (write_profile).
 
     model: "digits" (this module's net) or "resnet" (the residual net of
     minigraph.examples.train_resnet_digits). device: "cpu" or "gpu"
@@ -104,7 +101,11 @@ def train(epochs=DEFAULT_EPOCHS, device="cpu", out_dir=DEFAULT_OUT,
                                                     seed=seed, progress=progress)
     else:
         net, h, history = train_loop(epochs, place, batch_size, seed, progress)
-    history["files"] = write_outputs(net, h, history, out)
+    feed = None
+    if profile:
+        train_x, train_y = load_digits_split()[:2]
+        feed = {h["image"]: train_x[:batch_size], h["label"]: train_y[:batch_size]}
+    history["files"] = write_outputs(net, h, history, out, level, feed)
     return history
 
 
@@ -114,8 +115,9 @@ def train_loop(epochs, place, batch_size, seed, progress):
 
     train_x, train_y, test_x, test_y = load_digits_split()
     net, h = build_net(place, seed)
-    rng = np.random.default_rng(seed)
-    steps = math.ceil(len(train_x) / batch_size)
+    loader = data.DataLoader(data.ArrayDataset(image=train_x, label=train_y), batch_size,
+                             shuffle=True, seed=seed)
+    steps = len(loader)
     history = {"loss": [], "accuracy": [], "seconds": 0.0}
     start = time.perf_counter()
     bar = tqdm(total=epochs * steps, disable=not progress, unit="batch", leave=False,
@@ -124,14 +126,12 @@ def train_loop(epochs, place, batch_size, seed, progress):
         # cosine decay over the run, one step per epoch
         net.optimizer.set_learning_rate(
             LEARNING_RATE * 0.5 * (1 + math.cos(math.pi * (epoch - 1) / epochs)))
-        order = rng.permutation(len(train_x))
+        loader.set_epoch(epoch - 1)
         losses = []
-        for k in range(steps):
-            idx = order[k * batch_size:(k + 1) * batch_size]
-            if len(idx) < 2:                      # batch norm needs two rows to train
+        for feed in loader:
+            if len(feed["label"]) < 2:            # batch norm needs two rows to train
                 continue
-            (loss,) = net.train(feed={"image": train_x[idx], "label": train_y[idx]},
-                                fetch=[h["loss"]])
+            (loss,) = net.train(feed=feed, fetch=[h["loss"]])
             losses.append(float(loss))
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
@@ -145,11 +145,14 @@ def train_loop(epochs, place, batch_size, seed, progress):
     return net, h, history
 
 
-def write_outputs(net, h, history, out):
-    """net.svg, training.png, and the deployable models of the trained net with its
-    batch norms folded: the inference model directory `model/` (mg.io) and
+def write_outputs(net, h, history, out, level="layer", profile_feed=None):
+    """net.svg (at `level`), training.png, profile.svg when `profile_feed` is given
+    (write_profile), and the deployable models of the trained net with its batch
+    norms folded: the inference model directory `model/` (mg.io) and
     `model.onnx` (when the onnx package is installed). Returns the paths."""
-    files = [write_picture(net, out), write_plot(history, out / "training.png")]
+    files = [write_picture(net, out, level), write_plot(history, out / "training.png")]
+    if profile_feed is not None:
+        files += write_profile(net, h, profile_feed, out)
     folded = mg.passes.fold_batch_norm(net)
     logits = h["logits"].name
     files.append(mg.io.save_inference(folded, out / "model", feeds=["image"], fetches=[logits]))
@@ -165,17 +168,31 @@ def write_outputs(net, h, history, out):
     return files
 
 
-def write_picture(net, out):
-    """net.svg in `out`, drawn by Graphviz's `dot` or, without it, by the
-    pip-installed graphviz-pure; net.dot (and a note saying why) only when
-    neither can render."""
+def write_picture(net, out, level="layer"):
+    """net.svg in `out` at `level` ("layer": a box per layer, "op": every op), drawn
+    by Graphviz's `dot` or, without it, by the pip-installed graphviz-pure; net.dot
+    (and a note saying why) only when neither can render."""
     try:
-        return net.render(out / "net.svg")
+        return net.render(out / "net.svg", level=level)
     except RuntimeError as e:
         path = out / "net.dot"
-        path.write_text(net.to_dot())
+        path.write_text(net.to_dot(level=level))
         print(f"note: could not draw net.svg, so wrote {path} instead ({e})")
         return path
+
+
+def write_profile(net, h, feed, out):
+    """Profile PROFILE_STEPS training steps of `net` on `feed` (the net is left as
+    it was): print the table of time per op type and per layer, and write
+    profile.svg, the layer view coloured by each layer's share of the step.
+    Returns [profile.svg], or [] (with a note) when nothing can render."""
+    table = net.profile(feed, steps=PROFILE_STEPS, fetch=[h["loss"]])
+    print(table)
+    try:
+        return [net.render(out / "profile.svg", level="layer", profile=table)]
+    except RuntimeError as e:
+        print(f"note: could not draw profile.svg ({e})")
+        return []
 
 
 def write_plot(history, path):
@@ -217,6 +234,12 @@ def add_arguments(parser):
                         help="digits: conv-bn-relu-pool-fc-bn-relu-fc with Momentum (default); "
                              "resnet: a residual CNN with add, concat, global pooling, dropout, "
                              "AdamW, a cosine schedule and clipping")
+    parser.add_argument("--level", choices=("layer", "op"), default="layer",
+                        help="net.svg shows one box per layer (default) or every op and "
+                             "variable (op)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"after training, time {PROFILE_STEPS} training steps: print the "
+                             "time per op type and per layer, write profile.svg")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -231,10 +254,21 @@ def check_arguments(args):
             problems.append((option, f"must be an integer >= {minimum}, got {value!r}"))
     if args.device not in ("cpu", "gpu"):
         problems.append(("--device", f"must be cpu or gpu, got {args.device!r}"))
+    rows = training_rows() if isinstance(args.batch_size, int) else None
+    if rows is not None and args.batch_size > rows:
+        problems.append(("--batch-size", f"must be at most the {rows} training images (one "
+                                         f"batch per epoch), got {args.batch_size}"))
     problem = out_folder_problem(args.out)
     if problem:
         problems.append(("--out", problem))
     return problems
+
+
+def training_rows():
+    """The number of training images (None without scikit-learn, which the demo needs)."""
+    if importlib.util.find_spec("sklearn") is None:
+        return None
+    return len(load_digits_split()[1])
 
 
 def run(args):
@@ -255,7 +289,9 @@ def run(args):
         return 1
     history = train(epochs=args.epochs, out_dir=args.out, batch_size=args.batch_size,
                     seed=args.seed, progress=not args.no_progress, place=place,
-                    model=getattr(args, "model", "digits"))
+                    model=getattr(args, "model", "digits"),
+                    level=getattr(args, "level", "layer"),
+                    profile=getattr(args, "profile", False))
     print(f"held-out accuracy {100 * history['accuracy'][-1]:.1f}% after {args.epochs} "
           f"epochs ({history['seconds']:.1f} s on {place!r})")
     print("wrote " + ", ".join(str(p) for p in history["files"]))

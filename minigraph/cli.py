@@ -1,12 +1,14 @@
 """The `minigraph` command.
 
     minigraph demo [--model digits|resnet] [--epochs N] [--device cpu|gpu] [--out DIR]
-                   [--seed S] [--batch-size B] [--no-progress]
+                   [--seed S] [--batch-size B] [--level layer|op] [--profile]
+                   [--no-progress]
 
 trains the digits example (see minigraph.examples.train_digits; --model resnet
 trains the residual net of train_resnet_digits), prints the loss and held-out
-accuracy per epoch, and writes net.svg, training.png, model/ (an inference
-model) and model.onnx.
+accuracy per epoch, and writes net.svg (one box per layer; --level op: every
+op), training.png, model/ (an inference model) and model.onnx; --profile also
+prints where a training step's time goes and writes profile.svg.
 A bad option value is one line on stderr naming the option, and exit code 2.
 """
 from __future__ import annotations

@@ -21,9 +21,8 @@ import threading
 import numpy as np
 
 from minigraph import feeds
-from minigraph.executor import Executor, Plan
+from minigraph.executor import Executor, Plan, check_place
 from minigraph.operator import Operator
-from minigraph.place import CPUPlace
 from minigraph.schema import OpDesc, get_schema
 from minigraph.scope import Scope, Variable
 
@@ -41,7 +40,7 @@ class Net:
     """
 
     def __init__(self, place=None, seed=None):
-        self.place = place if place is not None else CPUPlace()
+        self.place = check_place(place, "Net")
         self.seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
         self.scope = Scope()
         self.scopes = {b: self.scope.new_scope() for b in BRANCHES}
@@ -361,7 +360,7 @@ class Net:
             try:
                 feed = feeds.feed_by_name(self.data_vars, feed or {})
                 fetch = self.default_fetches if fetch is None else fetch
-                targets = tuple(feeds.fetch_target(self, mode, f) for f in fetch)
+                targets = feeds.fetch_targets(self, mode, fetch)
                 count = None
                 if mode == "train" and self._update_every is not None:
                     k, counter = self._update_every
@@ -396,16 +395,21 @@ class Net:
 
     # ---- pictures ----------------------------------------------------------
 
-    def to_dot(self, backward=False):
-        """DOT source of this net (needs no Graphviz binary); backward=True
-        also draws the grad and update ops."""
+    def to_dot(self, backward=False, level="op", profile=None):
+        """DOT source of this net (needs no Graphviz binary); level "op" or "layer",
+        backward=True adds the grad and update ops (minigraph.render.to_dot)."""
         from minigraph.render import to_dot
-        return to_dot(self, backward=backward)
+        return to_dot(self, backward=backward, level=level, profile=profile)
 
-    def render(self, path, backward=False, timeout=None):
+    def render(self, path, backward=False, timeout=None, level="op", profile=None):
         """Write the net's picture; .svg, .png or .pdf by suffix (minigraph.render.render)."""
         from minigraph.render import render
-        return render(self, path, backward=backward, timeout=timeout)
+        return render(self, path, backward, timeout, level=level, profile=profile)
+
+    def profile(self, feed, steps=10, mode="train", fetch=None, warmup=2):
+        """Time per op type and per layer over `steps` steps (minigraph.profile.profile)."""
+        from minigraph.profile import profile
+        return profile(self, feed, steps, mode, fetch, warmup)
 
 
 def _as_operator(op):

@@ -1,15 +1,25 @@
 """Pictures of a net: DOT source (no binary needed) and files rendered by Graphviz.
 
-The picture: ops are boxes (type in bold, attributes below, the mode
-attribute a schema declares (`is_infer`) in bold); variables are ovals, data doubly
+Two levels. `level="layer"` (minigraph.render_layers) draws one node per
+layer. `level="op"` (this module) draws every op and variable:
+
+ops are boxes (type in bold, attributes below, the mode attribute a schema
+declares (`is_infer`) in bold); an op with several input or output slots
+names them in small type along its edges, and each edge starts or ends at
+its slot, so edges carry no labels. Variables are ovals, data doubly
 outlined, persistables filled and bold (parameters blue, other persistables
 such as estimates and counters orange). The trunk and the two branches are
 clusters (`cluster_trunk`, `cluster_train`, `cluster_infer`); persistables
 and data sit outside every cluster, drawn once, with edges into both
 branches. An in-place output (`saved_mean` -> `estimated_mean`) is a dashed
-edge labelled with its slot; it is grey on infer copies (mode attribute
-True), which never write it. With backward=True the backward and update ops join the
-picture as a lighter nested cluster of the train branch.
+edge from its slot; it is grey on infer copies (mode attribute True), which
+never write it.
+
+backward=True draws the train path with each layer's gradient ops beside
+it (minigraph.render_backward).
+
+profile=table (net.profile's) fills each op the table timed with a colour
+for its share of the step and adds that share to its label.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ from minigraph import dot_runner
 from minigraph.files import atomic_write
 
 FORMATS = (".svg", ".png", ".pdf")
+LEVELS = ("op", "layer")
 
 PARAM_FILL = "#cfe2f3"
 PERSIST_FILL = "#fce5cd"
@@ -27,79 +38,59 @@ OP_FILL = "#e8eef7"
 GRAD_FILL = "#f3f3f3"
 ALIAS_COLOR = "#d9480f"
 IDLE_COLOR = "#999999"
+SLOT_COLOR = "#666666"
+HEAT = ((255, 255, 255), (244, 109, 67))     # no time -> the hottest node's share
+
+HEADER = ['  graph [rankdir=TB, fontname="Helvetica", fontsize=12, newrank=true, '
+          'nodesep=0.25, ranksep=0.3];',
+          '  node [fontname="Helvetica", fontsize=10, margin="0.08,0.03"];',
+          '  edge [fontname="Helvetica", fontsize=8, color="#555555", arrowsize=0.6];']
 
 
-def to_dot(net, backward=False):
+def to_dot(net, backward=False, level="op", profile=None):
     """DOT source of `net` (a str); needs no Graphviz binary.
 
-    Node ids are stable: `var:<scope>:<name>` (scope is root, train or infer)
-    and `op:<section>:<index>`. The forward net only, unless backward=True:
-    then the backward and update ops (and what only they use) are drawn too.
-    """
-    names = ("trunk", "train", "infer") + (("backward", "update") if backward else ())
-    sections = [(name, net.section(name)) for name in names]
-    ops = [(f"op:{name}:{i}", name, op) for name, section in sections
-           for i, op in enumerate(section)]
-    scope_names = {id(net.scope): "root"}
-    scope_names.update({id(s): b for b, s in net.scopes.items()})
+    level: "op" (every op and variable) or "layer" (one node per layer; see
+    minigraph.render_layers). backward: also draw the gradient and update ops.
+    profile: a table from net.profile() to colour the nodes by their share of
+    the step. Node ids are stable: `var:<scope>:<name>` (scope is root, train
+    or infer) and `op:<section>:<index>` in the op view; `layer:<name>`,
+    `data:<name>` (and `grad:<name>`, `state:<name>`) in the layer view."""
+    if level not in LEVELS:
+        raise ValueError(f"to_dot: level must be one of {', '.join(map(repr, LEVELS))}, got "
+                         f"{level!r}")
+    if profile is not None:
+        from minigraph.profile import check_table
 
-    def var_id(var):
-        return f"var:{scope_names.get(id(var.scope), f'scope{id(var.scope)}')}:{var.name}"
+        check_table(profile, net, "to_dot")
+    if level == "layer":
+        from minigraph.render_layers import layer_dot
 
-    # every variable the drawn ops touch, in first-seen order, and where it goes
-    variables = {}
-    producer = {}
-    for _, section, op in ops:
-        for var in op.input_vars() + op.output_vars():
-            variables.setdefault(var_id(var), var)
-        for var in op.output_vars():
-            producer.setdefault(var_id(var), section)
+        return layer_dot(net, backward=backward, profile=profile)
+    if backward:
+        from minigraph.render_backward import backward_dot
 
-    clusters = {"top": [], "trunk": [], "train": [], "infer": [], "backward": []}
-    for vid, var in variables.items():
-        clusters[_var_home(var, scope_names, producer.get(vid))].append(_var_node(vid, var))
-    for oid, section, op in ops:
-        home = "backward" if section in ("backward", "update") else section
-        clusters[home].append(_op_node(oid, op, light=home == "backward"))
-
-    lines = ["digraph minigraph {",
-             '  graph [rankdir=TB, fontname="Helvetica", fontsize=12, newrank=true];',
-             '  node [fontname="Helvetica", fontsize=10];',
-             '  edge [fontname="Helvetica", fontsize=8, color="#555555", arrowsize=0.7];']
-    lines += [f"  {n}" for n in clusters["top"]]
-    if clusters["trunk"]:
-        lines += _cluster("cluster_trunk", "trunk (shared)", clusters["trunk"], "#f7f7f7")
-    train = list(clusters["train"])
-    if clusters["backward"]:
-        train += _cluster("cluster_train_backward", "backward and updates",
-                          clusters["backward"], "#fbfbfb", style="dashed")
-    if train:
-        lines += _cluster("cluster_train", "train branch (is_infer=False)", train, "#eef6ee")
-    if clusters["infer"]:
-        lines += _cluster("cluster_infer", "infer branch (is_infer=True)", clusters["infer"],
-                          "#f6eef6")
-    for oid, section, op in ops:
-        lines += _op_edges(oid, op, var_id, light=section in ("backward", "update"))
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+        return backward_dot(net, profile)
+    return _forward_dot(net, profile)
 
 
-def render(net, path, backward=False, timeout=None):
+def render(net, path, backward=False, timeout=None, level="op", profile=None):
     """Write the picture of `net` to `path`: .svg, .png or .pdf by suffix.
 
-    Runs Graphviz's `dot` when it is on PATH, else the pip-installed
-    graphviz-pure (svg and png only; .pdf then needs `dot`, and says so). The
-    program gets `timeout` seconds (default 60, or MINIGRAPH_DOT_TIMEOUT);
-    one that hangs, fails or writes nothing is a RuntimeError and no file is
-    written (see minigraph.dot_runner). The file is written atomically (a
-    temporary file in the same directory, then renamed). Returns the path.
+    level, backward and profile as in to_dot. Runs Graphviz's `dot` when it is
+    on PATH, else the pip-installed graphviz-pure (svg and png only; .pdf then
+    needs `dot`, and says so). The program gets `timeout` seconds (default 60,
+    or MINIGRAPH_DOT_TIMEOUT); one that hangs, fails or writes nothing is a
+    RuntimeError and no file is written (see minigraph.dot_runner). The file is
+    written atomically (a temporary file in the same directory, then renamed).
+    Returns the path.
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"render: cannot tell the format of {str(path)!r} from its suffix "
                          f"{suffix or '(none)'!r}; use one of {', '.join(FORMATS)}")
-    source = to_dot(net, backward=backward)
+    source = to_dot(net, backward=backward, level=level, profile=profile)
     data = dot_runner.pipe(source, suffix[1:], timeout=timeout)
     return atomic_write(path, lambda f: f.write(data))
 
@@ -109,23 +100,86 @@ def missing_dot_message():
     return dot_runner.missing_program_message()
 
 
+# ---- the forward picture ----------------------------------------------------------
+
+class Ids:
+    """Stable node ids of a net's variables: `var:<scope>:<name>`."""
+
+    def __init__(self, net):
+        self.scopes = {id(net.scope): "root"}
+        self.scopes.update({id(s): b for b, s in net.scopes.items()})
+
+    def var(self, var):
+        """The node id of `var`."""
+        return f"var:{self.scopes.get(id(var.scope), f'scope{id(var.scope)}')}:{var.name}"
+
+    def scope(self, var):
+        """"root", "train" or "infer": the scope holding `var` (None for another)."""
+        return self.scopes.get(id(var.scope))
+
+
+def _forward_dot(net, profile):
+    ids = Ids(net)
+    ops = [(f"op:{name}:{i}", name, op) for name in ("trunk", "train", "infer")
+           for i, op in enumerate(net.section(name))]
+    edges = [e for oid, _, op in ops for e in forward_edges(oid, op, ids.var)]
+    used = used_slots(edges)
+    heat = Heat(profile)
+    clusters = {"top": [], "trunk": [], "train": [], "infer": []}
+    for vid, var in variables_of(ops, ids).items():
+        scope = ids.scope(var)
+        home = ("top" if var.persistable or var.is_data or scope is None
+                else "trunk" if scope == "root" else scope)
+        clusters[home].append(var_node(vid, var))
+    for oid, section, op in ops:
+        clusters[section].append(op_node(oid, op, used.get(oid), heat=heat))
+    lines = ["digraph minigraph {"] + HEADER + heat.legend()
+    lines += [f"  {n}" for n in clusters["top"]]
+    for name, title, fill in (("trunk", "trunk (shared)", "#f7f7f7"),
+                              ("train", "train branch (is_infer=False)", "#eef6ee"),
+                              ("infer", "infer branch (is_infer=True)", "#f6eef6")):
+        if clusters[name]:
+            lines += cluster(f"cluster_{name}", title, clusters[name], fill)
+    lines += [edge_line(e, used) for e in edges]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def forward_edges(oid, op, var_id):
+    """(tail, tail slot, head, head slot, attrs) of a forward op: each input to its
+    slot, each output slot to its variable; an in-place output is dashed (grey
+    where the op never writes it: a mode-dependent op's infer copy)."""
+    mode_attr = op.schema.mode_attr
+    alias = IDLE_COLOR if mode_attr and op.attrs[mode_attr] is True else ALIAS_COLOR
+    edges = [(var_id(v), None, oid, f"i_{slot}", ()) for slot in slots(op.inputs)
+             for v in as_list(op.inputs[slot])]
+    for slot in slots(op.outputs):
+        attrs = (("style=dashed", f'color="{alias}"', "constraint=false")
+                 if slot in op.schema.inplace else ())
+        edges += [(oid, f"o_{slot}", var_id(v), None, attrs)
+                  for v in as_list(op.outputs[slot])]
+    return edges
+
+
 # ---- nodes, clusters and edges --------------------------------------------------
 
-def _var_home(var, scope_names, produced_in):
-    if var.persistable or var.is_data:
-        return "top"
-    scope = scope_names.get(id(var.scope))
-    if scope == "root":
-        return "trunk"
-    if scope == "train" and produced_in in ("backward", "update"):
-        return "backward"
-    if scope in ("train", "infer"):
-        return scope
-    return "top"
+def variables_of(ops, ids):
+    """Every variable the ops touch, in first-seen order: {node id: Variable}."""
+    found = {}
+    for _, _, op in ops:
+        for var in op.input_vars() + op.output_vars():
+            found.setdefault(ids.var(var), var)
+    return found
 
 
-def _var_node(vid, var):
-    label = _html(var.name) + f'<br/><font point-size="8">{_html(_shape_text(var))}</font>'
+def var_node(vid, var, strip=None):
+    """A variable's oval: name (without the prefix `strip.`, inside the cluster of
+    the layer `strip`) and shape; filled and bold for persistables, doubly
+    outlined for data."""
+    name = var.name
+    if strip and name.startswith(strip + "."):      # inside its layer's cluster
+        name = name[len(strip) + 1:]
+    label = html(name) + f'<br/><font point-size="8">{html(shape_text(var))}</font>'
     if var.persistable:
         fill = PARAM_FILL if var.trainable else PERSIST_FILL
         style = f'style="filled,bold", fillcolor="{fill}", penwidth=2'
@@ -133,59 +187,145 @@ def _var_node(vid, var):
         style = f'style="filled", fillcolor="{DATA_FILL}", peripheries=2'
     else:
         style = 'style="solid"'
-    return f"{_q(vid)} [shape=oval, {style}, label=<{label}>];"
+    return f"{q(vid)} [shape=oval, {style}, label=<{label}>];"
 
 
-def _op_node(oid, op, light):
-    rows = [f"<b>{_html(op.type)}</b>"]
-    for name, value in op.attrs.items():
-        text = _html(f"{name}={_attr_text(value)}")
-        rows.append(f"<b>{text}</b>" if name == op.schema.mode_attr else text)
-    label = rows[0] + "".join(f'<br/><font point-size="8">{r}</font>' for r in rows[1:])
+def op_node(oid, op, used, light=False, heat=None, attrs=True):
+    """An op's box: its slots with edges named along it where there are several on a
+    side (inputs on top, outputs below; the other way round for a light gradient op,
+    whose gradients come from below), its type, its attributes (with attrs, and not
+    for light ops) and, with a profile, its share of the step."""
+    rows = [f"<b>{html(op.type)}</b>"]
+    for name, value in op.attrs.items() if attrs and not light else ():
+        text = html(f"{name}={_attr_text(value)}")
+        rows.append(f'<font point-size="8"><b>{text}</b></font>' if name == op.schema.mode_attr
+                    else f'<font point-size="8">{text}</font>')
+    share = heat.op_share(op) if heat is not None else None
+    if share is not None:
+        rows.append(f'<font point-size="8">{100 * share:.1f}% of the step</font>')
+    mode = op.schema.mode_attr
+    idle = mode is not None and op.attrs[mode] is True
+    ins, outs = _port_slots(op, used)
+    top = _port_row("i", ins, lambda s: SLOT_COLOR) if len(ins) > 1 else []
+    bottom = _port_row("o", outs, lambda s: (IDLE_COLOR if idle else ALIAS_COLOR)
+                       if s in op.schema.inplace else SLOT_COLOR) if len(outs) > 1 else []
     if light:
-        style = f'style="rounded,filled", fillcolor="{GRAD_FILL}", color="#aaaaaa", ' \
-                'fontcolor="#555555"'
-    else:
-        style = f'style="rounded,filled", fillcolor="{OP_FILL}"'
-    return f"{_q(oid)} [shape=box, {style}, label=<{label}>];"
+        top, bottom = bottom, top
+    body = top + [f"<tr><td>{r}</td></tr>" for r in rows] + bottom
+    label = ('<table border="0" cellborder="0" cellspacing="0" cellpadding="0">'
+             + "".join(body) + "</table>")
+    fill = heat.colour(share) if share is not None else GRAD_FILL if light else OP_FILL
+    extra = ', color="#aaaaaa"' if light else ""
+    return f'{q(oid)} [shape=box, style="rounded,filled", fillcolor="{fill}"{extra}, ' \
+           f"label=<{label}>];"
 
 
-def _cluster(name, label, body, fill, style="filled"):
+def _port_slots(op, used):
+    """The input and output slots of `op` that edges attach to, in the schema's order."""
+    used = used or set()
+    return ([s for s in slots(op.inputs) if f"i_{s}" in used],
+            [s for s in slots(op.outputs) if f"o_{s}" in used])
+
+
+def used_slots(edges):
+    """{op id: the ports (`i_<slot>`, `o_<slot>`) that the edges attach to}."""
+    used = {}
+    for tail, tail_port, head, head_port, _ in edges:
+        for node, port in ((tail, tail_port), (head, head_port)):
+            if port is not None:
+                used.setdefault(node, set()).add(port)
+    return used
+
+
+def edge_line(edge, used):
+    """An edge's DOT line: an end attaches to its slot where the op names its slots
+    on that side (more than one used), on the side it faces in a forward op."""
+    tail, tail_port, head, head_port, attrs = edge
+    back = "dir=back" in attrs
+
+    def end(node, port, compass):
+        ports = used.get(node, ())
+        if port is None or sum(p[0] == port[0] for p in ports) < 2:
+            return q(node)
+        return f"{q(node)}:{port}" + ("" if back or not node.startswith("op:") or
+                                      _light(node) else compass)
+
+    text = f"  {end(tail, tail_port, ':s')} -> {end(head, head_port, ':n')}"
+    return text + (f" [{', '.join(attrs)}];" if attrs else ";")
+
+
+def _light(oid):
+    return oid.startswith(("op:backward:", "op:update:"))
+
+
+def _port_row(prefix, slots, colour):
+    cells = "".join(f'<td port="{prefix}_{s}"><font point-size="7" color="{colour(s)}">'
+                    f'{html(s)}</font></td>' for s in slots)
+    return ['<tr><td><table border="0" cellborder="0" cellspacing="3" cellpadding="0"><tr>'
+            + cells + "</tr></table></td></tr>"]
+
+
+def cluster(name, label, body, fill, style="filled"):
+    """The lines of a DOT cluster `name` titled `label` holding `body` (lines)."""
     out = [f"  subgraph {name} {{",
-           f'    label=<<b>{_html(label)}</b>>; style="{style}"; fillcolor="{fill}"; '
+           f'    label=<<b>{html(label)}</b>>; style="{style}"; fillcolor="{fill}"; '
            'color="#bbbbbb";']
     out += [line if line.startswith("  ") else f"    {line}" for line in body]
     out.append("  }")
     return out
 
 
-def _op_edges(oid, op, var_id, light):
-    ins = [(s, v) for s, v in op.inputs.items() if v is not None]
-    outs = [(s, v) for s, v in op.outputs.items() if v is not None]
-    grey = ['color="#bbbbbb"'] if light else []
-    mode_attr = op.schema.mode_attr
-    alias_color = IDLE_COLOR if mode_attr and op.attrs[mode_attr] is True else ALIAS_COLOR
-    lines = []
-    for slot, bound in ins:
-        attrs = ([f'label="{slot}"'] if len(ins) > 1 else []) + grey
-        for var in bound if isinstance(bound, list) else [bound]:
-            lines.append(_edge(var_id(var), oid, attrs))
-    for slot, bound in outs:
-        if slot in op.schema.inplace:
-            attrs = ["style=dashed", f'color="{alias_color}"', f'fontcolor="{alias_color}"',
-                     f'label="{slot}"', "constraint=false"]
-        else:
-            attrs = ([f'label="{slot}"'] if len(outs) > 1 else []) + grey
-        for var in bound if isinstance(bound, list) else [bound]:
-            lines.append(_edge(oid, var_id(var), attrs))
-    return lines
+def slots(bound):
+    """The slots of an op's inputs or outputs (a dict) that are bound."""
+    return [s for s, v in bound.items() if v is not None and v != []]
 
 
-def _edge(tail, head, attrs):
-    return f"  {_q(tail)} -> {_q(head)}" + (f" [{', '.join(attrs)}];" if attrs else ";")
+def as_list(bound):
+    """A slot's Variables as a list (a duplicable slot holds one already)."""
+    return bound if isinstance(bound, list) else [bound]
 
 
-def _shape_text(var):
+class Heat:
+    """Fill colours from a profile table (net.profile): white for no time, HEAT[1]
+    for the share of the hottest op (layers=False) or layer (layers=True)."""
+
+    def __init__(self, profile, layers=False):
+        self.profile, self.layers = profile, layers
+        rows = () if profile is None else profile.by_layer if layers else profile.by_op
+        self.top = max((r.share for r in rows if r.name != "(executor)"), default=0.0)
+
+    def op_share(self, op):
+        """The share of the step `op` took, or None (no profile, or not timed)."""
+        return None if self.profile is None else self.profile.op_share(op)
+
+    def ops_share(self, ops):
+        """The share of the step `ops` took together, or None."""
+        return None if self.profile is None else self.profile.ops_share(ops)
+
+    def layer_share(self, name):
+        """The share of the step the layer `name` took, or None."""
+        return None if self.profile is None else self.profile.layer_share(name)
+
+    def colour(self, share):
+        """The fill for `share` (0..1 of the step)."""
+        t = 0.0 if self.top <= 0 else min(1.0, share / self.top)
+        return "#" + "".join(f"{round(a + (b - a) * t):02x}" for a, b in zip(*HEAT))
+
+    def legend(self, title=None):
+        """The graph's title line: `title` (DOT HTML) and, with a profile, what the
+        colours mean."""
+        parts = [title] if title else []
+        if self.profile is not None:
+            p = self.profile
+            parts.append(f"fill: share of a {html(p.mode)} step ({p.step_ms:.3g} ms, mean "
+                         f"of {p.steps}); the hottest {'layer' if self.layers else 'op'} "
+                         f"takes {100 * self.top:.0f}%")
+        return [f"  label=<{'<br/>'.join(parts)}>; labelloc=t;"] if parts else []
+
+
+def shape_text(var):
+    """A Variable's shape as `(N, 16, 8, 8)` (N: the batch), with its dtype when that
+    is not float32."""
     shape, dtype = var.shape, var.dtype
     text = "?" if shape is None else "(" + ", ".join(
         "N" if d < 0 else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
@@ -203,10 +343,12 @@ def _attr_text(value):
     return text if len(text) <= 32 else text[:29] + "..."
 
 
-def _html(text):
+def html(text):
+    """`text` escaped for a DOT HTML label."""
     return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
             .replace('"', "&quot;"))
 
 
-def _q(ident):
+def q(ident):
+    """`ident` as a quoted DOT id."""
     return '"' + ident.replace("\\", "\\\\").replace('"', '\\"') + '"'

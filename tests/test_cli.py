@@ -37,8 +37,9 @@ def test_demo_reaches_95_percent_and_writes_the_picture_and_plot(tmp_path, capsy
     assert float(epochs[-1][2]) >= 95.0, out
     assert float(epochs[-1][1]) < float(epochs[0][1])
     picture = (tmp_path / "net.svg").read_bytes()          # dot, or graphviz-pure without it
-    assert b"<svg" in picture[:2000] and b"cluster_infer" in picture
-    assert not (tmp_path / "net.dot").exists()
+    assert b"<svg" in picture[:2000] and b"cluster_fork" in picture   # the layer view
+    assert b"layer:bn1" in picture and b"cluster_infer" not in picture
+    assert not (tmp_path / "net.dot").exists() and not (tmp_path / "profile.svg").exists()
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -77,9 +78,25 @@ def test_without_dot_the_demo_command_still_writes_a_real_svg(tmp_path):
     assert res.returncode == 0, res.stderr
     svg = (tmp_path / "out" / "net.svg").read_bytes()
     assert svg.lstrip().startswith(b"<?xml") and b"<svg" in svg[:2000]
-    assert b"batch_norm" in svg and b"cluster_train" in svg
+    assert b"batch_norm" in svg and b"cluster_fork" in svg
     assert "net.svg" in res.stdout and "note:" not in res.stdout
     assert not (tmp_path / "out" / "net.dot").exists()
+
+
+def test_demo_profile_prints_the_table_and_writes_profile_svg_and_level_op(tmp_path, capsys):
+    rc = cli.main(["demo", "--epochs", "1", "--out", str(tmp_path), "--no-progress",
+                   "--profile", "--level", "op"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    table = out[out.index("profile of 10 train steps"):]
+    for name in ("mul_grad", "batch_norm", "(executor)", "fc1", "bn2", "ms/step", "share"):
+        assert name in table, name
+    assert re.search(r"^conv2d_grad +\d+\.\d{3} +\d+\.\d% +10 ", table, re.M), table
+    profile = (tmp_path / "profile.svg").read_bytes()
+    assert b"<svg" in profile[:2000] and b"of the step" in profile and b"layer:fc1" in profile
+    picture = (tmp_path / "net.svg").read_bytes()        # --level op: every op, both branches
+    assert b"cluster_infer" in picture and b"op:train:0" in picture
+    assert "profile.svg" in out.splitlines()[-1]
 
 
 def test_with_nothing_to_draw_with_the_demo_writes_dot_source_and_a_note(tmp_path, monkeypatch,
@@ -138,6 +155,7 @@ BAD_VALUES = [
     (["--batch-size", "1"], "argument --batch-size: must be an integer >= 2"),
     (["--device", "nonsense"], "argument --device: invalid choice: 'nonsense'"),
     (["--device"], "argument --device: expected one argument"),
+    (["--level", "ops"], "argument --level: invalid choice: 'ops'"),
 ]
 
 

@@ -1,40 +1,18 @@
-"""Pictures of a net: the DOT source and files rendered with Graphviz."""
+"""Pictures of a net: the op view's DOT source, files rendered with Graphviz (or
+graphviz-pure), levels and profiles as arguments."""
 from __future__ import annotations
 
 import re
 import shutil
 
+import numpy as np
 import pytest
+from dot_helpers import needs_dot, parse, path_without_dot, png_size, ports
 
 import minigraph as mg
 from minigraph import dot_runner
 from minigraph import render as render_mod
 from minigraph.examples.train_digits import build_net
-
-NODE = re.compile(r'^\s*("(?:[^"\\]|\\.)*") \[(.*)\];$')
-EDGE = re.compile(r'^\s*("(?:[^"\\]|\\.)*") -> ("(?:[^"\\]|\\.)*")(?: \[(.*)\])?;$')
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
-                               reason="the Graphviz 'dot' program is not installed")
-
-
-def parse(dot):
-    """(nodes, edges): nodes {id: (cluster path, attrs)}, a node declared twice
-    fails; edges [(tail, head, attrs)]."""
-    nodes, edges, clusters = {}, [], []
-    for line in dot.splitlines():
-        text = line.strip()
-        if text.startswith("subgraph "):
-            clusters.append(text.split()[1])
-        elif text == "}" and clusters:
-            clusters.pop()
-        elif (m := EDGE.match(line)) is not None:
-            edges.append((m[1].strip('"'), m[2].strip('"'), m[3] or ""))
-        elif (m := NODE.match(line)) is not None and not text.startswith(("graph", "node",
-                                                                           "edge")):
-            node = m[1].strip('"')
-            assert node not in nodes, f"node {node} declared twice"
-            nodes[node] = (tuple(clusters), m[2])
-    return nodes, edges
 
 
 @pytest.fixture(scope="module")
@@ -48,79 +26,141 @@ def op_id(net, branch, op):
 
 def test_dot_has_trunk_and_both_branch_clusters(net):
     dot = net.to_dot()
-    assert dot.startswith("digraph")
-    for name in ("cluster_trunk", "cluster_train", "cluster_infer"):
-        assert f"subgraph {name} {{" in dot
-    nodes, _ = parse(dot)
-    assert nodes["op:train:0"][0] == ("cluster_train",)
-    assert nodes["op:infer:0"][0] == ("cluster_infer",)
-    assert nodes["op:trunk:0"][0] == ("cluster_trunk",)
+    assert dot.startswith("digraph") and dot == net.to_dot(level="op")
+    g = parse(dot)
+    assert set(g.clusters) == {"cluster_trunk", "cluster_train", "cluster_infer"}
+    assert g.nodes["op:train:0"][0] == ("cluster_train",)
+    assert g.nodes["op:infer:0"][0] == ("cluster_infer",)
+    assert g.nodes["op:trunk:0"][0] == ("cluster_trunk",)
     # the branch temporaries share names, not nodes
-    assert nodes["var:train:bn1.y"][0] == ("cluster_train",)
-    assert nodes["var:infer:bn1.y"][0] == ("cluster_infer",)
+    assert g.nodes["var:train:bn1.y"][0] == ("cluster_train",)
+    assert g.nodes["var:infer:bn1.y"][0] == ("cluster_infer",)
+    ops = {n for n in g.nodes if n.startswith("op:")}
+    assert len(ops) == sum(len(net.section(s)) for s in ("trunk", "train", "infer"))
 
 
 def test_each_shared_persistable_is_one_node_outside_the_clusters_with_edges_into_both(net):
-    nodes, edges = parse(net.to_dot())
+    g = parse(net.to_dot())
     shared = {v.name for op in net.section("train") for v in op.input_vars() if v.persistable}
     assert {"bn1.scale", "bn1.estimated_mean", "bn2.num_batches", "fc1.w", "fc2.b"} <= shared
     for name in shared:
         node = f"var:root:{name}"
-        assert node in nodes
-        assert nodes[node][0] == (), f"{name} is drawn inside {nodes[node][0]}"
-        assert "filled" in nodes[node][1] and "bold" in nodes[node][1]
-        assert not any(n.endswith(f":{name}") for n in nodes if n != node)
-        heads = {h.split(":")[1] for t, h, _ in edges if t == node}
+        assert g.nodes[node][0] == (), f"{name} is drawn inside {g.nodes[node][0]}"
+        assert "filled" in g.nodes[node][1] and "bold" in g.nodes[node][1]
+        assert not any(n.endswith(f":{name}") for n in g.nodes if n != node)
+        heads = {e.head.split(":")[1] for e in g.edges if e.tail == node}
         assert {"train", "infer"} <= heads, f"{name} feeds only {heads}"
 
 
-def test_in_place_outputs_are_dashed_edges_labelled_with_the_slot(net):
-    _, edges = parse(net.to_dot())
+def test_edges_start_and_end_at_slots_and_carry_no_labels(net):
+    """No edge label can print over another ('x' + 'saved_mean' as 'xsaved_mean'): an
+    op with several slots on a side names them in its box, one port each."""
+    g = parse(net.to_dot())
+    assert not any("label=" in e.attrs for e in g.edges)
+    bn = op_id(net, "train", next(op for op in net.section("train") if op.type == "batch_norm"))
+    declared = ports(g.nodes[bn][1])
+    assert len(declared) == len(set(declared))                      # no port twice
+    assert declared == ["i_x", "i_estimated_mean", "i_estimated_var", "i_scale", "i_bias",
+                        "i_num_batches", "o_y", "o_batch_mean", "o_batch_var", "o_saved_mean",
+                        "o_saved_var", "o_saved_num_batches"]
+    into = {e.head_port: e.tail for e in g.edges if e.head == bn}
+    assert into["i_x"] == "var:root:conv1.out" and into["i_scale"] == "var:root:bn1.scale"
+    for node, (_, attrs) in g.nodes.items():       # every port an edge names is declared
+        used = {e.tail_port for e in g.edges if e.tail == node and e.tail_port}
+        used |= {e.head_port for e in g.edges if e.head == node and e.head_port}
+        assert used <= set(ports(attrs)), node
+    relu = op_id(net, "train", next(op for op in net.section("train") if op.type == "relu"))
+    assert ports(g.nodes[relu][1]) == []          # one slot a side: edges meet the box
+
+
+def test_in_place_outputs_are_dashed_edges_from_their_slot(net):
+    g = parse(net.to_dot())
     for branch in ("train", "infer"):
         bn = next(op for op in net.section(branch) if op.type == "batch_norm")
         oid = op_id(net, branch, bn)
         for slot, var in (("saved_mean", "estimated_mean"), ("saved_var", "estimated_var"),
                           ("saved_num_batches", "num_batches")):
-            alias = [a for t, h, a in edges if t == oid and h == f"var:root:bn1.{var}"]
+            alias = [e for e in g.edges if e.tail == oid and e.head == f"var:root:bn1.{var}"]
             assert len(alias) == 1
-            assert "style=dashed" in alias[0] and f'label="{slot}"' in alias[0]
-        # the inputs are ordinary solid edges
-        solid = [a for t, h, a in edges if t == "var:root:bn1.estimated_mean" and h == oid]
-        assert solid and "dashed" not in solid[0]
-    others = [a for _, _, a in edges if "dashed" in a]
-    assert len(others) == 2 * 2 * 3          # two batch norms, two branches, three pairs
+            assert "style=dashed" in alias[0].attrs and alias[0].tail_port == f"o_{slot}"
+            grey = render_mod.IDLE_COLOR in alias[0].attrs
+            assert grey == (branch == "infer")        # the infer copy never writes it
+        solid = [e for e in g.edges if e.tail == "var:root:bn1.estimated_mean" and e.head == oid]
+        assert solid and "dashed" not in solid[0].attrs
+    assert sum("dashed" in e.attrs for e in g.edges) == 2 * 2 * 3   # 2 bns, 2 branches, 3 pairs
 
 
 def test_is_infer_is_visible_on_mode_dependent_ops(net):
-    nodes, _ = parse(net.to_dot())
+    g = parse(net.to_dot())
     for branch, value in (("train", "False"), ("infer", "True")):
         bns = [op for op in net.section(branch) if op.type == "batch_norm"]
         assert len(bns) == 2
         for op in bns:
-            label = nodes[op_id(net, branch, op)][1]
-            assert f"is_infer={value}" in label
+            label = g.nodes[op_id(net, branch, op)][1]
+            assert f"<b>is_infer={value}</b>" in label
             assert "epsilon=1e-05" in label and "momentum=0.9" in label
-    conv = nodes["op:trunk:0"][1]
+    conv = g.nodes["op:trunk:0"][1]
     assert "conv2d" in conv and "strides=(1, 1)" in conv and "paddings=(1, 1)" in conv
-
-
-def test_backward_and_updates_are_an_option_inside_the_train_cluster(net):
-    plain = net.to_dot()
-    assert "_grad" not in plain and "velocity" not in plain
-    nodes, edges = parse(render_mod.to_dot(net, backward=True))
-    grads = [n for n in nodes if n.startswith(("op:backward:", "op:update:"))]
-    assert len(grads) == len(net.section("backward")) + len(net.section("update"))
-    assert all(nodes[n][0] == ("cluster_train", "cluster_train_backward") for n in grads)
-    assert nodes["var:root:fc1.w.velocity"][0] == ()
-    # sgd/momentum write the parameter in place: a dashed edge back to it
-    assert any(t.startswith("op:update:") and h == "var:root:fc1.w" and "dashed" in a
-               for t, h, a in edges)
 
 
 def test_dot_is_stable_across_builds(net):
     again = build_net(mg.CPUPlace(), seed=1)[0]
-    assert net.to_dot() == again.to_dot()
+    for level in ("op", "layer"):
+        for backward in (False, True):
+            assert net.to_dot(backward, level) == again.to_dot(backward, level)
 
+
+def test_a_bad_level_or_profile_is_an_error_naming_it(net, tmp_path):
+    with pytest.raises(ValueError, match=r"to_dot: level must be one of 'op', 'layer', got "
+                                         r"'layers'"):
+        net.to_dot(level="layers")
+    with pytest.raises(ValueError, match="level must be one of"):
+        net.render(tmp_path / "net.svg", level=None)
+    with pytest.raises(TypeError, match=r"to_dot: profile must be the table net.profile\(...\) "
+                                        "returns, got dict"):
+        net.to_dot(profile={"conv2d": 0.5})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_profile_colours_the_ops_it_timed_by_their_share(net):
+    x = np.random.default_rng(0).standard_normal((8, 1, 8, 8)).astype(np.float32)
+    table = net.profile({"image": x, "label": np.arange(8) % 10}, steps=2, warmup=1)
+    g = parse(net.to_dot(profile=table))
+    fills = {}
+    for node, (_, attrs) in g.nodes.items():
+        if node.startswith("op:"):
+            fills[node] = re.search(r'fillcolor="(#[0-9a-f]{6})"', attrs)[1]
+    for branch in ("trunk", "train"):
+        for i, op in enumerate(net.section(branch)):
+            share = table.op_share(op)
+            assert share is not None
+            label = g.nodes[f"op:{branch}:{i}"][1]
+            assert f"{100 * share:.1f}% of the step" in label
+            assert fills[f"op:{branch}:{i}"] == render_mod.Heat(table).colour(share)
+    assert all(fills[f"op:infer:{i}"] == render_mod.OP_FILL             # not timed
+               for i in range(len(net.section("infer"))))
+    hottest = max(table.by_op, key=lambda r: r.share)
+    assert render_mod.Heat(table).colour(hottest.share) == "#f46d43"
+    assert render_mod.Heat(table).colour(0.0) == "#ffffff"
+    assert "share of a train step" in net.to_dot(profile=table)
+    other = build_net(mg.CPUPlace(), seed=0)[0]
+    with pytest.raises(ValueError, match="measured on another net"):
+        other.to_dot(profile=table)
+
+
+def test_a_net_that_never_forks_has_no_branch_clusters():
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 3))
+    mg.layers.relu(net, mg.layers.fc(net, x, size=2))
+    g = parse(net.to_dot())
+    assert set(g.clusters) == {"cluster_trunk"}
+    assert {n for n in g.nodes if n.startswith("op:")} == {"op:trunk:0", "op:trunk:1",
+                                                            "op:trunk:2"}
+    assert ("var:root:x", "op:trunk:0", "i_x") in {(e.tail, e.head, e.head_port)
+                                                     for e in g.edges}
+
+
+# ---- files: formats, the fallback renderer, levels -----------------------------------
 
 @needs_dot
 def test_render_writes_svg_png_and_pdf(net, tmp_path):
@@ -133,6 +173,20 @@ def test_render_writes_svg_png_and_pdf(net, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net.pdf", "net.png", "net.svg"]
 
 
+@pytest.mark.parametrize("level, backward, most", [
+    ("layer", False, (1200, 1600)), ("layer", True, (1800, 1800)),
+    ("op", False, (3000, 3200)), ("op", True, (3000, 4000))])
+def test_each_level_renders_to_a_png_of_a_readable_size(net, tmp_path, monkeypatch, level,
+                                                        backward, most):
+    """With Graphviz's dot where it is installed, else with graphviz-pure; each of the
+    digits net's pictures stays within a few screens."""
+    if shutil.which("dot") is None:
+        path_without_dot(tmp_path, monkeypatch)
+    png = net.render(tmp_path / "net.png", backward=backward, level=level).read_bytes()
+    width, height = png_size(png)
+    assert 300 < width <= most[0] and 300 < height <= most[1], (width, height)
+
+
 def test_unknown_suffix_is_a_value_error_listing_the_formats(net, tmp_path):
     with pytest.raises(ValueError, match=r"\.svg, \.png, \.pdf"):
         net.render(tmp_path / "net.jpg")
@@ -141,18 +195,6 @@ def test_unknown_suffix_is_a_value_error_listing_the_formats(net, tmp_path):
 
 
 # ---- which program renders, and what happens when it misbehaves ----------------------
-
-def path_without_dot(tmp_path, monkeypatch, fake=None):
-    """PATH = one fresh folder holding only `fake` (a `dot` shell script body), if given."""
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    if fake is not None:
-        script = folder / "dot"
-        script.write_text("#!/bin/sh\nPATH=/usr/bin:/bin\n" + fake)
-        script.chmod(0o755)
-    monkeypatch.setenv("PATH", str(folder))
-    return folder
-
 
 def test_without_dot_the_fallback_writes_svg_and_png(net, tmp_path, monkeypatch):
     path_without_dot(tmp_path, monkeypatch)
@@ -236,14 +278,3 @@ def test_a_dot_that_cannot_start_is_an_error(net, tmp_path, monkeypatch):
     (folder / "dot").write_bytes(b"\x7fELF not really")
     with pytest.raises(RuntimeError, match="could not run dot"):
         net.render(tmp_path / "net.svg")
-
-
-def test_a_net_that_never_forks_has_no_branch_clusters():
-    net = mg.Net(seed=0)
-    x = mg.layers.data(net, "x", shape=(-1, 3))
-    mg.layers.relu(net, mg.layers.fc(net, x, size=2))
-    nodes, edges = parse(net.to_dot())
-    assert "subgraph cluster_train" not in net.to_dot()
-    assert {n for n in nodes if n.startswith("op:")} == {"op:trunk:0", "op:trunk:1",
-                                                          "op:trunk:2"}
-    assert ("var:root:x", "op:trunk:0", 'label="x"') in edges

@@ -1,0 +1,161 @@
+"""The layer view: one node per layer, the fork drawn once, in-place state, gradients."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from dot_helpers import parse
+
+import minigraph as mg
+from minigraph import render
+from minigraph.examples import train_digits, train_resnet_digits
+
+DIGITS_CHAIN = ["data:image", "conv1", "bn1", "relu_0", "pool2d_0", "fc1", "bn2", "relu_1",
+                "fc2", "softmax_with_cross_entropy_0", "mean_0"]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return train_digits.build_net(mg.CPUPlace(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0)[0]
+
+
+def layer_nodes(g):
+    return {n[len("layer:"):]: attrs for n, (_, attrs) in g.nodes.items()
+            if n.startswith("layer:")}
+
+
+def test_one_node_per_layer_with_its_name_shape_and_parameters(digits):
+    net = digits[0]
+    g = parse(net.to_dot(level="layer"))
+    nodes = layer_nodes(g)
+    assert list(nodes) == [rec.name for rec in net.layers]
+    for rec in net.layers:
+        label = nodes[rec.name]
+        assert label.count(f"<b>{rec.name}</b>") == 1 and rec.kind in label
+        assert sum(f"<b>{rec.name}</b>" in a for _, a in g.nodes.values()) == 1
+    assert "out (N, 16, 8, 8)" in nodes["conv1"] and "conv2d + elementwise_add" in nodes["conv1"]
+    assert "160 params: w (16, 1, 3, 3) · b (16,)" in nodes["conv1"]
+    assert "16,448 params: w (256, 64) · b (64,)" in nodes["fc1"]
+    assert "32 params: scale (16,) · bias (16,)" in nodes["bn1"]
+    assert "params" not in nodes["relu_0"] and "out (N, 64)" in nodes["relu_1"]
+    assert not any(n.startswith("op:") for n in g.nodes)          # no op drawn on its own
+
+
+def test_the_fork_is_drawn_once_with_the_mode_dependent_layers_marked(digits):
+    net = digits[0]
+    g = parse(net.to_dot(level="layer"))
+    assert set(g.clusters) == {"cluster_trunk", "cluster_fork"}
+    assert g.nodes["layer:conv1"][0] == ("cluster_trunk",)
+    nodes = layer_nodes(g)
+    for name in DIGITS_CHAIN[2:]:
+        assert g.nodes[f"layer:{name}"][0] == ("cluster_fork",)
+        marked = "differs per mode</b> (is_infer)" in nodes[name]
+        assert marked == name.startswith("bn"), name
+        assert ("penwidth=2" in nodes[name]) == marked
+    assert g.nodes["data:image"][0] == () and g.nodes["data:label"][0] == ()
+
+
+def test_edges_join_the_layers_that_read_each_others_outputs(digits):
+    net = digits[0]
+    g = parse(net.to_dot(level="layer"))
+    flow = [(e.tail.removeprefix("layer:"), e.head.removeprefix("layer:")) for e in g.edges
+            if not e.tail.startswith("state:") and not e.head.startswith("state:")]
+    assert sorted(flow) == sorted(list(zip(DIGITS_CHAIN, DIGITS_CHAIN[1:])) + [
+        ("data:label", "softmax_with_cross_entropy_0")])
+    assert not any(e.attrs and "label=" in e.attrs for e in g.edges)
+
+
+def test_persistables_written_in_place_are_a_state_box_beside_the_layer(digits):
+    net = digits[0]
+    g = parse(net.to_dot(level="layer"))
+    states = {n for n in g.nodes if n.startswith("state:")}
+    assert states == {"state:bn1", "state:bn2"}
+    label = g.nodes["state:bn1"][1]
+    for text in ("updated in place (train)", "estimated_mean (16,)", "estimated_var (16,)",
+                 "num_batches () int64"):
+        assert text in label
+    assert ("state:bn1", "layer:bn1") in g.ranks
+    read = [e for e in g.edges if e.tail == "state:bn1" and e.head == "layer:bn1"]
+    write = [e for e in g.edges if e.tail == "layer:bn1" and e.head == "state:bn1"]
+    assert len(read) == len(write) == 1
+    assert "style=dashed" in write[0].attrs and "dashed" not in read[0].attrs
+
+
+def test_the_residual_net_shows_its_shortcuts_shared_state_and_dropout(resnet):
+    g = parse(resnet.to_dot(level="layer"))
+    edges = {(e.tail, e.head) for e in g.edges}
+    assert ("layer:relu_0", "layer:block1.add") in edges          # the identity shortcut
+    assert ("layer:block1.b.bn", "layer:block1.add") in edges
+    assert ("layer:down.proj.bn", "layer:down.add") in edges       # the projection
+    assert {("layer:relu_2", "layer:mixed.1x1"), ("layer:relu_2", "layer:mixed.3x3"),
+            ("layer:mixed.1x1", "layer:concat_0"), ("layer:mixed.3x3", "layer:concat_0")} <= edges
+    nodes = layer_nodes(g)
+    assert len(nodes) == len(resnet.layers) == 30
+    assert "differs per mode" in nodes["drop"] and "step () int64" in g.nodes["state:drop"][1]
+    assert "2,304 params: w (16, 16, 3, 3)" in nodes["block1.a.conv"]
+
+
+def test_a_shared_parameter_is_named_on_the_layer_that_shares_it():
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 4))
+    h = mg.layers.fc(net, x, 4, name="a", param_attr="tied", bias_attr=False)
+    mg.layers.fc(net, h, 4, name="b", param_attr="tied", bias_attr=False)
+    nodes = layer_nodes(parse(net.to_dot(level="layer")))
+    assert "16 params: tied (4, 4)" in nodes["a"] and "shares tied" in nodes["b"]
+    assert "params" not in nodes["b"]
+
+
+def test_a_net_without_layer_records_is_drawn_from_its_output_names(digits):
+    folded = mg.passes.fold_batch_norm(digits[0])
+    assert folded.layers == []
+    g = parse(folded.to_dot(level="layer"))
+    assert {"layer:conv1", "layer:fc1", "layer:fc2", "layer:relu_0"} <= set(g.nodes)
+    assert "batch_norm" not in "".join(a for _, a in g.nodes.values())     # folded away
+    assert "differs per mode" not in "".join(a for _, a in g.nodes.values())
+    assert ">conv2d<" in g.nodes["layer:conv1"][1] and "params: w (16, 1, 3, 3)" in \
+        g.nodes["layer:conv1"][1]
+    assert "shares" not in "".join(a for _, a in g.nodes.values())
+
+
+def test_backward_adds_a_gradient_box_level_with_each_layer(digits):
+    net = digits[0]
+    g = parse(net.to_dot(level="layer", backward=True))
+    grads = {n for n in g.nodes if n.startswith("grad:")}
+    assert grads == {f"grad:{rec.name}" for rec in net.layers}
+    for node in grads:
+        assert g.nodes[node][0] == ("cluster_backward",)
+        assert (f"layer:{node[5:]}", node) in g.ranks
+    assert "batch_norm_grad, 2 × momentum" in g.nodes["grad:bn1"][1]
+    back = {(e.tail, e.head) for e in g.edges if "dir=back" in e.attrs}
+    assert ("grad:conv1", "grad:bn1") in back and len(back) == len(DIGITS_CHAIN) - 2
+
+
+def test_resnet_backward_has_an_optimizer_box(resnet):
+    g = parse(resnet.to_dot(level="layer", backward=True))
+    assert "lr_schedule, clip_by_global_norm" in g.nodes["grad:(optimizer)"][1]
+
+
+def test_a_profile_colours_each_layer_by_its_share(digits):
+    net, h = digits
+    x = np.random.default_rng(0).standard_normal((8, 1, 8, 8)).astype(np.float32)
+    table = net.profile({"image": x, "label": np.arange(8) % 10}, steps=2, warmup=1)
+    g = parse(net.to_dot(level="layer", profile=table))
+    heat = render.Heat(table, layers=True)
+    for rec in net.layers:
+        attrs = g.nodes[f"layer:{rec.name}"][1]
+        share = table.layer_share(rec.name)
+        assert f"{100 * share:.1f}% of the step" in attrs
+        assert re.search(r'fillcolor="(#[0-9a-f]{6})"', attrs)[1] == heat.colour(share)
+    hottest = max(table.by_layer[:-1], key=lambda r: r.share).name
+    assert 'fillcolor="#f46d43"' in g.nodes[f"layer:{hottest}"][1]
+    g = parse(net.to_dot(level="layer", backward=True, profile=table))
+    forward = [op for op in net.ops("train", update=False) if op in net.section("train")
+               and op.type == "batch_norm"][:1]
+    assert f"{100 * table.ops_share(forward):.1f}% of the step" in g.nodes["layer:bn1"][1]
+    assert "% of the step" in g.nodes["grad:bn1"][1]
