@@ -248,28 +248,14 @@ class Net:
     def building(self):
         """Everything built inside is undone if it raises: ops, variables,
         parameters, data declarations and names (layers build inside one)."""
-        before = self._snapshot()
+        from minigraph.net_undo import restore, snapshot
+
+        before = snapshot(self)
         try:
             yield
         except BaseException:
-            self._restore(before)
+            restore(self, before)
             raise
-
-    def _snapshot(self):
-        scopes = (self.scope, *self.scopes.values())
-        return ({s: len(ops) for s, ops in self._sections.items()},
-                [(s, dict(s.vars)) for s in scopes], dict(self._name_counts),
-                dict(self.data_vars), self.forked, dict(self._twins), len(self.layers))
-
-    def _restore(self, snap):
-        sizes, scopes, counts, data, forked, twins, layers = snap
-        for s, n in sizes.items():
-            del self._sections[s][n:]
-        for scope, vars_ in scopes:
-            scope.vars = vars_
-        self._name_counts, self.data_vars, self.forked, self._twins = counts, data, forked, twins
-        del self.layers[layers:]
-        self._changed()
 
     # ---- looking things up -------------------------------------------------
 
