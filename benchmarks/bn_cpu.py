@@ -215,7 +215,7 @@ def bench_overhead(repeat, count=100):
         run_us, kernel_us = t["run"] * 1e3 / count, t["kernels"] * 1e3 / count
         lines.append(f"executor overhead, {what}, {count} ops per run: {run_us:.1f} us per op "
                      f"in Executor.run, {kernel_us:.1f} us in the kernel, overhead "
-                     f"{run_us - kernel_us:.1f} us per op (target <= 15)")
+                     f"{run_us - kernel_us:.1f} us per op (target <= 10)")
         print(lines[-1])
     return lines
 

@@ -17,9 +17,11 @@ from minigraph.kernels.cpu.batch_norm_stats import (
     as_work,
     centring_needed,
     grad_sums,
+    grad_sums_and_input_grad,
     input_grad,
     local_stats,
     normalize,
+    stats_and_normalize,
 )
 from minigraph.schema import OpError
 
@@ -83,7 +85,8 @@ def forward_cpu(op, ins, combine=None):
     """The CPU forward of batch_norm. `combine(n, mean, m2) -> (n, mean, m2)`
     turns local statistics into global ones (sync_batch_norm). Everything is
     computed before the estimates and the counter (when the op keeps them) are
-    written, in place."""
+    written, in place. Without `combine`, training normalises each channel right
+    after its statistics where the native kernels run (stats_and_normalize)."""
     x = ins["x"]
     a = op.attrs
     layout = a["data_layout"]
@@ -93,8 +96,13 @@ def forward_cpu(op, ins, combine=None):
     counter = ins.get("num_batches")
     training = batch_statistics(op, ins)
     tracked = training and est_mean is not None
+    scale, bias = affine(ins, x3.shape[1])
+    yw = np.empty(xw.shape, xw.dtype)
+    fused = None
+    if training and combine is None:
+        fused = stats_and_normalize(x3, a["epsilon"], scale, bias, as_3d(yw, layout))
     if training:
-        n, mean, m2 = local_stats(x3)
+        n, mean, m2 = fused if fused is not None else local_stats(x3)
         if combine is not None:
             n, mean, m2 = combine(n, mean, m2)
         if n <= 1:
@@ -105,9 +113,8 @@ def forward_cpu(op, ins, combine=None):
     else:
         mean = est_mean.astype(np.float64)
         var = est_var.astype(np.float64)
-    invstd = 1.0 / np.sqrt(var + a["epsilon"])
-    yw = np.empty(xw.shape, xw.dtype)
-    normalize(x3, mean, invstd, *affine(ins, x3.shape[1]), as_3d(yw, layout))
+    if fused is None:
+        normalize(x3, mean, 1.0 / np.sqrt(var + a["epsilon"]), scale, bias, as_3d(yw, layout))
     out = {"y": yw.astype(x.dtype, copy=False), "batch_mean": mean.astype(x.dtype),
            "batch_var": var.astype(x.dtype), "saved_mean": est_mean, "saved_var": est_var,
            "saved_num_batches": counter}
@@ -122,7 +129,9 @@ def forward_cpu(op, ins, combine=None):
 def backward_cpu(op, ins, combine=None, donated=()):
     """The CPU grad kernel of batch_norm. `combine(n, s_dy, s_dyxmu) -> (n, s_dy, s_dyxmu)` sums
     over ranks (sync_batch_norm); n is then the global count. dx goes into dy's array
-    when dy is handed over (OpSchema.reuse) and already in its work dtype."""
+    when dy is handed over (OpSchema.reuse) and already in its work dtype. Without
+    `combine`, with batch statistics, each channel's dx is written right after its
+    sums where the native kernels run (grad_sums_and_input_grad)."""
     a = op.attrs
     x, dy = ins["x"], ins["dy"]
     layout = a["data_layout"]
@@ -131,22 +140,28 @@ def backward_cpu(op, ins, combine=None, donated=()):
     invstd = 1.0 / np.sqrt(ins["var"].astype(np.float64) + a["epsilon"])
     scale, _ = affine(ins, x3.shape[1])
     out = {}
+    into = "dy" in donated and dy.dtype == x3.dtype and dy.flags.c_contiguous
+    dx = None
+    if op.wants("dx"):
+        dx = dy3 if into else np.empty(x3.shape, x3.dtype)
+    fused = None
+    if dx is not None and combine is None and not a["use_global_est"]:
+        fused = grad_sums_and_input_grad(x3, dy3, mean, invstd, scale, dx)
     if not a["use_global_est"] or op.wants("dscale") or op.wants("dbias"):
-        n, s_dy, s_dyxmu = grad_sums(x3, dy3, mean, invstd)
+        n, s_dy, s_dyxmu = fused if fused is not None else grad_sums(x3, dy3, mean, invstd)
         if combine is not None and not a["use_global_est"]:
             n, s_dy, s_dyxmu = combine(n, s_dy, s_dyxmu)
         out["dbias"] = s_dy.astype(x.dtype)
         out["dscale"] = (s_dyxmu * invstd).astype(x.dtype)
-    if op.wants("dx"):
+    if dx is not None and fused is None:
         k_dy = scale * invstd
-        into = "dy" in donated and dy.dtype == x3.dtype and dy.flags.c_contiguous
-        dx = dy3 if into else np.empty(x3.shape, x3.dtype)
         if a["use_global_est"]:
             input_grad(x3, dy3, mean, k_dy, None, None, dx)
         else:
             k_x = -scale * invstd ** 3 * s_dyxmu / n
             k_c = -scale * invstd * s_dy / n
             input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd))
+    if dx is not None:
         out["dx"] = dy if into else dx.reshape(x.shape).astype(x.dtype, copy=False)
     return out
 

@@ -1,12 +1,17 @@
 """The numerics of batch norm on the CPU: statistics, normalisation and gradient sums.
 
-Plain functions on (rows, channels, inner) views of x (`as_3d`), run by the
-blocked, threaded engine of minigraph.kernels.cpu.blocks: every statistic reduces
-over axes 0 and 2 in one read of x. Statistics are stable on offset data:
-sums are taken of x minus a per-channel shift near the mean, and x is
-centred before it is scaled when |mean| > std. Arrays of at most
-SMALL_VALUES values take plain float64 numpy (less overhead). float16 works
-in float32 (`as_work`).
+Plain functions on (rows, channels, inner) views of x (`as_3d`). Each runs the
+native kernels of bn_native where they apply (float32/float64, C-contiguous,
+built), else the numpy engine here, the reference they are tested against: the
+blocked, threaded engine of minigraph.kernels.cpu.blocks, where every statistic
+reduces over axes 0 and 2 in one read of x. `stats_and_normalize` and
+`grad_sums_and_input_grad` fuse two passes (native kernels only).
+
+Statistics are stable on offset data: sums are taken of x minus a per-channel
+shift near the mean, and x is centred before it is scaled when |mean| > std
+(the native kernels always centre on the mean rounded to x's dtype). On the
+numpy engine, arrays of at most SMALL_VALUES values take plain float64 numpy
+(less overhead). float16 works in float32 (`as_work`).
 
 Not an op module: it registers nothing (ops/batch_norm.py and
 ops/sync_batch_norm.py hold the drivers and the registration).
@@ -17,6 +22,7 @@ import math
 
 import numpy as np
 
+from minigraph.kernels.cpu import bn_native
 from minigraph.kernels.cpu.blocks import plan_for, run_blocks
 
 SHIFT_VALUES = 256             # values per channel that pick the shift of the statistics
@@ -47,6 +53,9 @@ def local_stats(x3):
     enough as it is, and the subtraction is skipped). A shape with no values
     gives n = 0 and zeros (a rank holding no rows of a synced batch)."""
     x3 = as_work(x3)
+    done = bn_native.local_stats(x3)
+    if done is not None:
+        return done
     R, C, I = x3.shape
     n = R * I
     if n == 0:
@@ -88,6 +97,23 @@ def local_stats(x3):
     return n, mean, m2
 
 
+def stats_and_normalize(x3, eps, scale, bias, out3):
+    """The training forward in one pass per channel: (n, mean, M2) as `local_stats`
+    and out3 = (x - mean) / sqrt(M2 / n + eps) * scale + bias (float64 scale and bias),
+    each channel normalised while it is in cache; None (nothing written) where the
+    native kernels do not apply: then call local_stats and normalize."""
+    return bn_native.local_stats(as_work(x3), eps, scale, bias, out3)
+
+
+def grad_sums_and_input_grad(x3, dy3, mean, invstd, scale, out3):
+    """The training backward in one pass per channel: (n, Σdy, Σdy·(x−mean)) as
+    `grad_sums` and out3 = dx = scale invstd (dy - Σdy / n - (x - mean) invstd² Σdy·(x−mean)
+    / n) (float64 per-channel arguments; out3 may be dy3), each channel's dx written while
+    it is in cache; None (nothing written) where the native kernels do not apply: then
+    call grad_sums and input_grad."""
+    return bn_native.grad_sums(as_work(x3), as_work(dy3), mean, invstd, scale, out3)
+
+
 def centring_needed(mean, invstd):
     """Whether x must be centred before scaling: when |mean| > std in a channel,
     x * k + c would lose digits that (x - mean) * k + c keeps."""
@@ -100,6 +126,8 @@ def normalize(x3, mean, invstd, scale, bias, out3):
     otherwise x * k + c, one step fewer."""
     x3 = as_work(x3)
     k = invstd * scale
+    if bn_native.normalize(x3, mean, k, bias, out3):
+        return
     if x3.size <= SMALL_VALUES:
         out3[...] = (x3 - mean[:, None]) * k[:, None] + bias[:, None]
         return
@@ -135,6 +163,9 @@ def grad_sums(x3, dy3, mean, invstd=None):
     `invstd` is given and shows |mean| <= std in every channel: then
     Σdy·x − mean·Σdy is as accurate and one step cheaper."""
     x3, dy3 = as_work(x3), as_work(dy3)
+    done = bn_native.grad_sums(x3, dy3, mean)
+    if done is not None:
+        return done
     R, C, I = x3.shape
     n = R * I
     if n == 0:
@@ -170,6 +201,8 @@ def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
     k_dy*dy when k_x is None; out3 is C-contiguous in x's work dtype, and may be dy3. With
     centre=False (|mean| <= std) it is computed as k_dy*dy + k_x*x + c."""
     x3, dy3 = as_work(x3), as_work(dy3)
+    if bn_native.input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3):
+        return
     if x3.size <= SMALL_VALUES:
         dx = dy3 * k_dy[:, None]
         if k_x is not None:
