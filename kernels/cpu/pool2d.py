@@ -1,9 +1,13 @@
 """CPU kernels of pool2d (ops/pool2d.py): max and average pooling by window taps over a
 padded copy (padding -inf for max, not counted by the average), and their gradients.
+The max-pooling gradient runs the native kernel of pool_native where it applies;
+the numpy function here is its reference.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from minigraph.kernels.cpu import pool_native
 
 
 def out_hw(x_shape, attrs):
@@ -153,6 +157,10 @@ def pool2d_grad_cpu(op, ins, ctx):
         np.put_along_axis(dx, flat.argmax(axis=2)[..., None], d.reshape(n, c, 1), axis=2)
         return {"dx": dx.reshape(x.shape)}
     hw = out_hw(x.shape, a)
+    if a["pool_type"] == "max":
+        dx = pool_native.max_pool_grad(x, d, a, hw)
+        if dx is not None:
+            return {"dx": dx}
     ph, pw = a["paddings"]
     where = window_argmax(x, a, hw) if a["pool_type"] == "max" else None
     dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)   # after argmax's work

@@ -1,0 +1,140 @@
+/* The native CPU kernel of the max-pooling gradient (pool2d_grad with pool_type
+ * "max", not global): dout routed to each window's first max, on C-contiguous NCHW
+ * float32 or float64 arrays, with the semantics of the numpy kernel of
+ * kernels/cpu/pool2d.py, the reference:
+ * - taps are visited in row-major order, padding reading as -inf; a window's max is
+ *   its first tap, replaced by a later one only where that one is strictly greater
+ *   (so a NaN is chosen only as the first tap, and a window whose first max is
+ *   padding passes nothing on);
+ * - where windows overlap, each element's contributions are added in the order of
+ *   their taps (windows visited in reverse raster order), starting from 0.
+ * The forward stays on numpy: its vectorized passes beat one window at a time.
+ * Built and loaded by native.py, launched by pool_native.py.
+ *
+ * Planes (one image's channel) are split in contiguous ranges over up to
+ * `threads` threads started for the call; each plane is computed by one thread in
+ * one way, so results do not depend on the number of threads. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#define MAX_THREADS 64
+
+typedef struct {
+    const void *x, *dout;
+    void *dx;
+    int64_t begin, end;                /* planes */
+    int64_t h, w, ho, wo, kh, kw, sh, sw, ph, pw;
+    int f64;
+} job_t;
+
+/* One tap at offset o of a window inside the plane: the best value and its offset. */
+#define TAP(T, xr, o, best, off)                                                        \
+    {                                                                                   \
+        const T v = (xr)[o];                                                            \
+        const int64_t greater = -(int64_t)(v > best);                                   \
+        off = (off & ~greater) | ((int64_t)(o) & greater);                              \
+        best = v > best ? v : best;                                                     \
+    }
+
+/* The offset in the plane of the first strictly greatest tap of the window whose
+ * top-left tap is (r0, c0), or -1 where that is padding. Inside the plane: no bounds
+ * checks, and masks and selects instead of branches (which tap wins is data, and
+ * mispredicted branches cost more than the comparisons). */
+#define WINDOW(T)                                                                       \
+    static inline int64_t window_##T(const T *x, int64_t h, int64_t w, int64_t r0,      \
+                                     int64_t c0, int64_t kh, int64_t kw) {              \
+        if (r0 >= 0 && c0 >= 0 && r0 + kh <= h && c0 + kw <= w) {                       \
+            const T *xr = x + r0 * w + c0;                                              \
+            T best = xr[0];                                                             \
+            int64_t off = 0;                                                            \
+            if (kh == 2 && kw == 2) {                                                   \
+                TAP(T, xr, 1, best, off)                                                \
+                TAP(T, xr, w, best, off)                                                \
+                TAP(T, xr, w + 1, best, off)                                            \
+            } else {                                                                    \
+                for (int64_t i = 0; i < kh; i++)                                        \
+                    for (int64_t k = (i == 0); k < kw; k++)                             \
+                        TAP(T, xr, i * w + k, best, off)                                \
+            }                                                                           \
+            return r0 * w + c0 + off;                                                   \
+        }                                                                               \
+        T best = 0;                                                                     \
+        int64_t at = -1;                                                                \
+        for (int64_t i = 0; i < kh; i++)                                                \
+            for (int64_t k = 0; k < kw; k++) {                                          \
+                const int64_t r = r0 + i, c = c0 + k;                                   \
+                const int inside = r >= 0 && r < h && c >= 0 && c < w;                  \
+                const T v = inside ? x[r * w + c] : (T)-INFINITY;                       \
+                if ((i == 0 && k == 0) || v > best) {                                   \
+                    best = v;                                                           \
+                    at = inside ? r * w + c : -1;                                       \
+                }                                                                       \
+            }                                                                           \
+        return at;                                                                      \
+    }
+
+#define KERNELS(T)                                                                      \
+    WINDOW(T)                                                                           \
+    static void gradient_##T(const job_t *j) {                                          \
+        const int64_t h = j->h, w = j->w, ho = j->ho, wo = j->wo, kh = j->kh, kw = j->kw;\
+        const int64_t sh = j->sh, sw = j->sw, ph = j->ph, pw = j->pw;                   \
+        const int disjoint = sh >= kh && sw >= kw;                                      \
+        for (int64_t p = j->begin; p < j->end; p++) {                                   \
+            const T *x = (const T *)j->x + p * h * w;                                   \
+            const T *dout = (const T *)j->dout + p * ho * wo;                           \
+            T *dx = (T *)j->dx + p * h * w;                                             \
+            for (int64_t e = 0; e < h * w; e++) dx[e] = 0;                              \
+            for (int64_t oh = ho - 1; oh >= 0; oh--)                                    \
+                for (int64_t ow = wo - 1; ow >= 0; ow--) {                              \
+                    const int64_t at = window_##T(x, h, w, oh * sh - ph, ow * sw - pw, kh, kw);\
+                    if (at >= 0)                                                        \
+                        dx[at] = disjoint ? dout[oh * wo + ow] : dx[at] + dout[oh * wo + ow];\
+                }                                                                       \
+        }                                                                               \
+    }
+
+KERNELS(float)
+KERNELS(double)
+
+static void *run(void *arg) {
+    const job_t *j = arg;
+    if (j->f64)
+        gradient_double(j);
+    else
+        gradient_float(j);
+    return 0;
+}
+
+/* dx (planes, h, w) of max pooling over `planes` planes of h x w, from x and dout
+ * (planes, ho, wo) (see the file comment). geometry: ho, wo, kh, kw, sh, sw, ph, pw.
+ * Returns 0. */
+int max_pool_grad(int f64, const void *x, const void *dout, void *dx, int64_t planes,
+             int64_t h, int64_t w, const int64_t *geometry, int threads) {
+    job_t jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int64_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (parts > planes) parts = planes > 0 ? planes : 1;
+    const int64_t chunk = (planes + parts - 1) / parts;
+    for (int64_t t = 0; t < parts; t++) {
+        job_t *j = &jobs[t];
+        j->x = x; j->dout = dout; j->dx = dx;
+        j->begin = t * chunk < planes ? t * chunk : planes;
+        j->end = (t + 1) * chunk < planes ? (t + 1) * chunk : planes;
+        j->h = h; j->w = w;
+        j->ho = geometry[0]; j->wo = geometry[1]; j->kh = geometry[2]; j->kw = geometry[3];
+        j->sh = geometry[4]; j->sw = geometry[5]; j->ph = geometry[6]; j->pw = geometry[7];
+        j->f64 = f64;
+    }
+    int started = 0;
+    for (int64_t t = 1; t < parts; t++) {
+        if (pthread_create(&ids[t], 0, run, &jobs[t]) != 0) break;
+        started = (int)t;
+    }
+    run(&jobs[0]);
+    for (int64_t t = started + 1; t < parts; t++)   /* threads that did not start */
+        run(&jobs[t]);
+    for (int t = 1; t <= started; t++)
+        pthread_join(ids[t], 0);
+    return 0;
+}

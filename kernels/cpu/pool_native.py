@@ -1,0 +1,65 @@
+"""Launcher of the native CPU max-pooling gradient (pool_native.c, built by native.py):
+pool2d_grad with pool_type "max" (not global) on C-contiguous NCHW float32 or
+float64 arrays, with the numpy kernel's semantics (kernels/cpu/pool2d.py, the
+reference it is tested against; the C file says them in full).
+
+`max_pool_grad` returns None where the native kernel does not apply: it is off or
+not built (native.reason says why), or an array is not float32/float64 or not
+C-contiguous, or x and dout disagree in dtype. The caller then runs the numpy
+kernel. Threads: `minigraph.kernels.cpu.blocks.get_num_threads()`, fewer for small
+arrays (MIN_THREAD_VALUES values a thread); a plane is one thread's, so results do
+not depend on the count.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from minigraph.kernels.cpu import blocks, native
+
+# values a thread must have to be worth starting one for the call
+MIN_THREAD_VALUES = 1 << 16
+
+_P, _L = ctypes.c_void_p, ctypes.c_int64
+_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_kernel = None
+
+
+def _load():
+    """The typed C function max_pool_grad, or None where the library cannot be built."""
+    global _kernel
+    if _kernel is None:
+        lib = native.library("pool_native")
+        if lib is None:
+            return None
+        lib.max_pool_grad.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L,
+                                      ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.max_pool_grad.restype = ctypes.c_int
+        _kernel = lib.max_pool_grad
+    return _kernel
+
+
+def available():
+    """True when the native kernels are built and loaded (native.reason says why not)."""
+    return native.enabled() and _load() is not None
+
+
+def max_pool_grad(x, dout, attrs, hw):
+    """dx of max pooling: dout (N, C, Ho, Wo), hw = (Ho, Wo), routed to each window's
+    first max in x (N, C, H, W); attrs: the op's resolved ksize, strides, paddings.
+    None where the native kernel does not apply."""
+    dtype = x.dtype
+    if not (native.enabled() and dtype in _TYPES and _load() is not None
+            and dout.dtype == dtype and x.ndim == 4 and dout.shape == x.shape[:2] + tuple(hw)
+            and x.flags.c_contiguous and dout.flags.c_contiguous):
+        return None
+    dx = np.empty_like(x)
+    if dx.size:
+        n, c, h, w = x.shape
+        geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
+                                        *attrs["paddings"])
+        threads = max(1, min(blocks.get_num_threads(), x.size // MIN_THREAD_VALUES))
+        _kernel(int(dtype == np.float64), x.ctypes.data, dout.ctypes.data, dx.ctypes.data,
+                n * c, h, w, geometry, threads)
+    return dx

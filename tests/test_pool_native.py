@@ -1,0 +1,119 @@
+"""The native max-pooling gradient (kernels/cpu/pool_native.c) against the numpy kernel
+it replaces (kernels/cpu/pool2d.py, itself checked against float64 references and
+finite differences in test_pool2d.py): the same dx, bit for bit, on tiling, strided,
+overlapping and padded windows, ties, NaN and -inf, 1-3 threads; and where the
+native kernel does not apply, None."""
+import numpy as np
+import pytest
+
+from minigraph.kernels.cpu import blocks, native, pool_native
+from minigraph.kernels.cpu.pool2d import out_hw, pool2d_grad_cpu
+
+rng = np.random.default_rng(5)
+
+pytestmark = pytest.mark.skipif(not pool_native.available(),
+                                reason=f"native kernels not built: {native.reason('pool_native')}")
+
+# (x shape, ksize, strides, paddings): tiling 2x2, a remainder row and column left out,
+# overlapping 3x3 windows with padding, strided and padded, one-tap windows, windows
+# wider than tall, a window as large as the padded plane
+CASES = {
+    "2x2 tiling": ((4, 3, 8, 8), (2, 2), (2, 2), (0, 0)),
+    "2x2 odd plane": ((2, 3, 7, 9), (2, 2), (2, 2), (0, 0)),
+    "3x3 overlapping": ((2, 4, 6, 5), (3, 3), (1, 1), (1, 1)),
+    "3x3 stride 2 padded": ((3, 2, 9, 8), (3, 3), (2, 2), (1, 1)),
+    "1x1 stride 2": ((2, 2, 5, 5), (1, 1), (2, 2), (0, 0)),
+    "1x3": ((2, 3, 4, 10), (1, 3), (1, 2), (0, 1)),
+    "whole plane": ((1, 2, 3, 3), (5, 5), (1, 1), (1, 1)),
+}
+
+
+def attrs_of(ksize, strides, paddings):
+    return {"ksize": ksize, "strides": strides, "paddings": paddings, "pool_type": "max",
+            "global_pooling": False}
+
+
+def op_of(attrs):
+    return type("Op", (), {"attrs": attrs})()
+
+
+def numpy_grad(x, dout, attrs, monkeypatch):
+    """dx from the numpy kernel (the native kernel switched off)."""
+    with monkeypatch.context() as m:
+        m.setenv("MINIGRAPH_NATIVE", "0")
+        assert pool_native.max_pool_grad(x, dout, attrs, out_hw(x.shape, attrs)) is None
+        return pool2d_grad_cpu(op_of(attrs), {"x": x, "dout": dout}, None)["dx"]
+
+
+def inputs(shape, attrs, dtype, ties=False):
+    x = rng.integers(-2, 3, shape) if ties else rng.standard_normal(shape)
+    hw = out_hw(shape, attrs)
+    dout = rng.standard_normal(shape[:2] + hw)
+    return x.astype(dtype), dout.astype(dtype), hw
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_gradient_as_the_numpy_kernel(case, dtype, ties, threads, monkeypatch):
+    """Bit for bit the numpy kernel's dx; with ties (few distinct values) the first
+    max in row-major tap order takes the gradient."""
+    monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    shape, *geometry = CASES[case]
+    attrs = attrs_of(*geometry)
+    x, dout, hw = inputs(shape, attrs, dtype, ties)
+    got = pool_native.max_pool_grad(x, dout, attrs, hw)
+    assert got is not None and got.dtype == dtype and got.shape == x.shape
+    np.testing.assert_array_equal(got, numpy_grad(x, dout, attrs, monkeypatch))
+
+
+@pytest.mark.parametrize("case", ["2x2 tiling", "3x3 overlapping", "3x3 stride 2 padded"])
+def test_nan_and_infinities(case, monkeypatch):
+    """A NaN takes the gradient only as a window's first tap; a window of -inf whose
+    first tap is padding passes nothing on; +inf wins."""
+    shape, *geometry = CASES[case]
+    attrs = attrs_of(*geometry)
+    x, dout, hw = inputs(shape, attrs, np.float64)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, flat.size // 5, replace=False)] = np.nan
+    flat[rng.choice(flat.size, flat.size // 5, replace=False)] = -np.inf
+    flat[rng.choice(flat.size, flat.size // 10, replace=False)] = np.inf
+    x[0, 0] = -np.inf                                   # a whole plane of -inf
+    got = pool_native.max_pool_grad(x, dout, attrs, hw)
+    np.testing.assert_array_equal(got, numpy_grad(x, dout, attrs, monkeypatch))
+
+
+def test_what_the_kernel_does_not_take_returns_none(monkeypatch):
+    """float16, a non-contiguous x or dout, mixed dtypes, a dout of the wrong shape,
+    native kernels off: None, and the op kernel's numpy path gives the same dx."""
+    attrs = attrs_of((2, 2), (2, 2), (0, 0))
+    x, dout, hw = inputs((2, 3, 8, 8), attrs, np.float32)
+    assert pool_native.max_pool_grad(x.astype(np.float16), dout.astype(np.float16),
+                                     attrs, hw) is None
+    assert pool_native.max_pool_grad(x[:, ::2], dout[:, ::2], attrs, hw) is None
+    assert pool_native.max_pool_grad(x, np.asfortranarray(dout), attrs, hw) is None
+    assert pool_native.max_pool_grad(x, dout.astype(np.float64), attrs, hw) is None
+    assert pool_native.max_pool_grad(x, dout[:, :, :3], attrs, hw) is None
+    np.testing.assert_array_equal(
+        pool2d_grad_cpu(op_of(attrs), {"x": x[:, ::2], "dout": dout[:, ::2]}, None)["dx"],
+        numpy_grad(np.ascontiguousarray(x[:, ::2]), np.ascontiguousarray(dout[:, ::2]),
+                   attrs, monkeypatch))
+
+
+def test_the_op_kernel_runs_it(monkeypatch):
+    """pool2d_grad's CPU kernel takes the native path for a max pool."""
+    calls = []
+    real = pool_native.max_pool_grad
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(pool_native, "max_pool_grad", counted)
+    attrs = attrs_of((2, 2), (2, 2), (0, 0))
+    x, dout, _ = inputs((2, 3, 8, 8), attrs, np.float32)
+    dx = pool2d_grad_cpu(op_of(attrs), {"x": x, "dout": dout}, None)["dx"]
+    assert calls == [1]
+    np.testing.assert_array_equal(dx, numpy_grad(x, dout, attrs, monkeypatch))
