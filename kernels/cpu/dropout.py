@@ -1,10 +1,12 @@
 """CPU kernels of dropout (ops/dropout.py): counter-based Philox masks, the same bits
-as the GPU's (kernels/cuda/dropout.cu).
+as the GPU's (kernels/cuda/dropout.cu). The training forward runs the native kernel
+of dropout_native where it applies; the numpy path here is its reference.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels.cpu import dropout_native
 from minigraph.kernels.cpu.philox import philox_words, uniforms24
 from minigraph.schema import OpError
 
@@ -16,10 +18,14 @@ def scale_factor(p, dtype):
     return np.dtype(dtype).type(1.0 / (1.0 - p))
 
 
+def seed_of(seed, step):
+    """The 64-bit Philox key of a step: the op's seed, the step in the high word."""
+    return int(seed) + ((int(step) & 0xFFFFFFFF) << 32)
+
+
 def keep_mask(n, p, seed, step):
     """keep_i = u_i >= p for i < n (see the module docstring), a bool array."""
-    seed64 = int(seed) + ((int(step) & 0xFFFFFFFF) << 32)
-    return uniforms24(philox_words(n, STREAM, seed64)) >= p
+    return uniforms24(philox_words(n, STREAM, seed_of(seed, step))) >= p
 
 
 def dropout_cpu(op, ins, ctx):
@@ -34,6 +40,10 @@ def dropout_cpu(op, ins, ctx):
         keep = np.ones(x.shape, dtype=bool)
         out = x.copy()
     else:
+        done = dropout_native.forward(x, p, 1.0 / (1.0 - p), seed_of(a["seed"], step), STREAM)
+        if done is not None:
+            step[...] = step + 1
+            return {"out": done[0], "mask": done[1], "step_out": step}
         keep = keep_mask(x.size, p, a["seed"], step).reshape(x.shape)
         out = x * (keep.astype(x.dtype) * scale_factor(p, x.dtype))
     step[...] = step + 1

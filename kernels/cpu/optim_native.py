@@ -18,6 +18,7 @@ from minigraph.kernels.cpu import native
 
 KINDS = {"sgd": 0, "momentum": 1, "adam": 2}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def _lib():
@@ -35,8 +36,23 @@ def available():
     return _lib() is not None
 
 
-def _fits(arrays, dtype):
-    return all(a is None or (type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous)
+_char, _address = ctypes.c_char.from_buffer, ctypes.addressof
+_SCALARS = ctypes.c_double * 8
+
+
+def _ptr(a):
+    """The address of C-contiguous `a`'s data (None for None)."""
+    if a is None:
+        return None
+    try:
+        return _address(_char(a))
+    except TypeError:                       # read-only or empty: numpy's slower way
+        return a.ctypes.data
+
+
+def _fits(arrays, dtype, shape):
+    return all(a is None or (type(a) is np.ndarray and a.dtype == dtype and a.shape == shape
+                             and a.flags.c_contiguous)
                for a in arrays)
 
 
@@ -50,22 +66,17 @@ def update(kind, param, grad, state=(None, None), out=(None, None, None), lr=0.0
     corrections: adam's (lr / (1 - beta1^t), sqrt(1 - beta2^t)). Returns True when
     the native kernel ran, False when the caller must run its numpy kernel."""
     dtype = param.dtype
-    if dtype not in (np.float32, np.float64) or grad.shape != param.shape:
+    if dtype != _F32 and dtype != _F64:
         return False
-    arrays = (param, grad, *state, *out)
-    if not _fits(arrays, dtype) or any(a is not None and a.shape != param.shape
-                                       for a in arrays):
+    if not _fits((param, grad, *state, *out), dtype, param.shape):
         return False
     lib = _lib()
     if lib is None:
         return False
-    scalars = (ctypes.c_double * 8)(lr, wd, mu, betas[0], betas[1], eps, *corrections)
     m, v = state
     po, mo, vo = out
-    lib.optim_update(KINDS[kind], int(dtype == np.float64), param.ctypes.data,
-                     grad.ctypes.data, None if m is None else m.ctypes.data,
-                     None if v is None else v.ctypes.data, po.ctypes.data,
-                     None if mo is None else mo.ctypes.data,
-                     None if vo is None else vo.ctypes.data, param.size, scalars,
+    lib.optim_update(KINDS[kind], int(dtype == _F64), _ptr(param), _ptr(grad), _ptr(m),
+                     _ptr(v), _ptr(po), _ptr(mo), _ptr(vo), param.size,
+                     _SCALARS(lr, wd, mu, betas[0], betas[1], eps, *corrections),
                      int(bool(nesterov)), int(bool(decoupled)), int(threads))
     return True
