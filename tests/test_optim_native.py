@@ -98,3 +98,15 @@ def test_arrays_it_does_not_take_are_left_to_numpy():
     assert not optim_native.update("sgd", p.astype(np.float16), g.astype(np.float16),
                                    out=(p.astype(np.float16), None, None), lr=0.1)
     assert not optim_native.update("sgd", p, g[:5], out=(p, None, None), lr=0.1)
+
+
+def test_empty_and_read_only_inputs():
+    """No values: nothing to do, and no error. Read-only param and grad (a caller's
+    frozen arrays) are read through numpy's address; the update goes out of place."""
+    empty = np.zeros(0, np.float32)
+    assert optim_native.update("sgd", empty, empty.copy(), out=(empty, None, None), lr=0.1)
+    p, g, _, _ = arrays(np.float32, 10)
+    p.flags.writeable = g.flags.writeable = False
+    out = np.empty_like(p)
+    assert optim_native.update("sgd", p, g, out=(out, None, None), lr=0.5)
+    np.testing.assert_array_equal(out, p - g * np.float32(0.5))

@@ -46,7 +46,7 @@ def _ptr(a):
         return None
     try:
         return _address(_char(a))
-    except TypeError:                       # read-only or empty: numpy's slower way
+    except (TypeError, ValueError):         # read-only or empty: numpy's slower way
         return a.ctypes.data
 
 
