@@ -1,13 +1,14 @@
-"""The native max-pooling gradient (kernels/cpu/pool_native.c) against the numpy kernel
-it replaces (kernels/cpu/pool2d.py, itself checked against float64 references and
-finite differences in test_pool2d.py): the same dx, bit for bit, on tiling, strided,
-overlapping and padded windows, ties, NaN and -inf, 1-3 threads; and where the
-native kernel does not apply, None."""
+"""The native max-pooling kernels (kernels/cpu/pool_native.c) against the numpy kernels
+they replace (kernels/cpu/pool2d.py, themselves checked against float64 references
+and finite differences in test_pool2d.py): the gradient's dx, bit for bit, on tiling,
+strided, overlapping and padded windows, ties, NaN and -inf, 1-3 threads; the 2x2
+tiles' forward, bit for bit, with NaN and infinities, in blocks of rows and their
+remainders; and where the native kernels do not apply, None."""
 import numpy as np
 import pytest
 
 from minigraph.kernels.cpu import blocks, native, pool_native
-from minigraph.kernels.cpu.pool2d import out_hw, pool2d_grad_cpu
+from minigraph.kernels.cpu.pool2d import out_hw, pool2d_grad_cpu, tiled_max
 
 rng = np.random.default_rng(5)
 
@@ -117,3 +118,29 @@ def test_the_op_kernel_runs_it(monkeypatch):
     dx = pool2d_grad_cpu(op_of(attrs), {"x": x, "dout": dout}, None)["dx"]
     assert calls == [1]
     np.testing.assert_array_equal(dx, numpy_grad(x, dout, attrs, monkeypatch))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (64, 16, 8, 8)])
+def test_tiles_forward_is_the_numpy_kernels(shape, dtype):
+    """2x2 windows at stride 2: numpy's tiled max, NaN propagating, bit for bit; rows of
+    pairs fewer than, more than and not a multiple of the kernel's block."""
+    attrs = attrs_of((2, 2), (2, 2), (0, 0))
+    x = rng.standard_normal(shape).astype(dtype)
+    flat = x.reshape(-1)
+    for value, share in ((np.nan, 7), (np.inf, 9), (-np.inf, 9)):
+        flat[rng.choice(flat.size, max(1, flat.size // share), replace=False)] = value
+    got = pool_native.max_pool_tiles(x)
+    want = tiled_max(x, attrs, out_hw(shape, attrs))
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tiles_forward_declines_what_it_does_not_take(monkeypatch):
+    x = rng.standard_normal((2, 3, 4, 6)).astype(np.float32)
+    assert pool_native.max_pool_tiles(x[:, :, :3]) is None            # odd height
+    assert pool_native.max_pool_tiles(x[:, :, :, :5]) is None         # odd width
+    assert pool_native.max_pool_tiles(x.astype(np.float16)) is None
+    assert pool_native.max_pool_tiles(x[:, ::2]) is None              # not contiguous
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert pool_native.max_pool_tiles(x) is None

@@ -1,7 +1,7 @@
 """CPU kernels of pool2d (ops/pool2d.py): max and average pooling by window taps over a
 padded copy (padding -inf for max, not counted by the average), and their gradients.
-The max-pooling gradient runs the native kernel of pool_native where it applies;
-the numpy function here is its reference.
+The max-pooling gradient and 2x2 tiles' forward run the native kernels of
+pool_native where they apply; the numpy functions here are their reference.
 """
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ def _max_along(a):
 def window_max(x, attrs, hw):
     """The max of every window, padding as -inf."""
     if tiles(x, attrs, hw):
+        if attrs["ksize"] == (2, 2):
+            out = pool_native.max_pool_tiles(x)
+            if out is not None:
+                return out
         return tiled_max(x, attrs, hw)
     xp = pad_hw(x, attrs["paddings"], -np.inf)
     best = None

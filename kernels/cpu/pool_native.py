@@ -1,9 +1,10 @@
-"""Launcher of the native CPU max-pooling gradient (pool_native.c, built by native.py):
-pool2d_grad with pool_type "max" (not global) on C-contiguous NCHW float32 or
-float64 arrays, with the numpy kernel's semantics (kernels/cpu/pool2d.py, the
-reference it is tested against; the C file says them in full).
+"""Launchers of the native CPU max-pooling kernels (pool_native.c, built by native.py):
+pool2d_grad with pool_type "max" (not global), and the forward of 2x2 windows at
+stride 2 that tile the plane, on C-contiguous NCHW float32 or float64 arrays, with
+the numpy kernels' semantics (kernels/cpu/pool2d.py, the reference they are tested
+against; the C file says them in full).
 
-`max_pool_grad` returns None where the native kernel does not apply: it is off or
+Each returns None where the native kernel does not apply: it is off or
 not built (native.reason says why), or an array is not float32/float64 or not
 C-contiguous, or x and dout disagree in dtype. The caller then runs the numpy
 kernel. Threads: `minigraph.kernels.cpu.blocks.get_num_threads()`, fewer for small
@@ -26,21 +27,39 @@ MIN_THREAD_VALUES = 1 << 22
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_kernel = None
+_kernel = _tiles = None
 
 
 def _load():
-    """The typed C function max_pool_grad, or None where the library cannot be built."""
-    global _kernel
+    """The typed C function max_pool_grad (and max_pool_tiles), or None where the
+    library cannot be built."""
+    global _kernel, _tiles
     if _kernel is None:
         lib = native.library("pool_native")
         if lib is None:
             return None
+        lib.max_pool_tiles.argtypes = [ctypes.c_int, _P, _P, _L, _L]
+        lib.max_pool_tiles.restype = ctypes.c_int
+        _tiles = lib.max_pool_tiles
         lib.max_pool_grad.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L,
                                       ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.max_pool_grad.restype = ctypes.c_int
         _kernel = lib.max_pool_grad
     return _kernel
+
+
+def max_pool_tiles(x):
+    """The max of every 2x2 window of x (N, C, H, W), H and W even, at stride 2: (N, C,
+    H / 2, W / 2). None where the native kernel does not apply."""
+    if not (native.enabled() and x.dtype in _TYPES and x.ndim == 4 and x.flags.c_contiguous
+            and x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0 and _load() is not None):
+        return None
+    n, c, h, w = x.shape
+    out = np.empty((n, c, h // 2, w // 2), x.dtype)
+    if out.size and _tiles(int(x.dtype == np.float64), x.ctypes.data, out.ctypes.data,
+                           n * c * h // 2, w):
+        raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be allocated")
+    return out
 
 
 def available():
