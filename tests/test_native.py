@@ -2,6 +2,7 @@
 what runs where they cannot be built."""
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +61,15 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert not conv_native.supports(g, np.float32)
     monkeypatch.setenv("MINIGRAPH_NATIVE", "1")
     assert native.reason("conv_native") != "MINIGRAPH_NATIVE is off"
+
+
+def test_local_headers_are_part_of_the_source():
+    """A kernel's headers (native_pool.h) are put in its source: compiled from a
+    temporary file with no include path, and covered by the cache key."""
+    header = (Path(native.__file__).parent / "native_pool.h").read_text()
+    for name in ("conv_native", "norm_native", "bn_native"):
+        source = native.source_of(name)
+        assert '#include "native_pool.h"' not in source and header in source
 
 
 def test_the_key_names_this_cpu():

@@ -89,7 +89,8 @@ def test_the_wheel_maps_ops_kernels_and_examples_into_minigraph(wheel):
         assert f"minigraph/ops/{module.name}" in names
     for module in sorted((REPO / "minigraph").rglob("*.py")):   # every subpackage listed
         assert module.relative_to(REPO).as_posix() in names, module
-    sources = sorted((REPO / "kernels").rglob("*.cu*")) + sorted((REPO / "kernels").rglob("*.c"))
+    sources = (sorted((REPO / "kernels").rglob("*.cu*")) + sorted((REPO / "kernels").rglob("*.c"))
+               + sorted((REPO / "kernels").rglob("*.h")))
     assert any(source.suffix == ".c" for source in sources)
     for source in sources + sorted((REPO / "kernels").rglob("*.py")):
         assert f"minigraph/{source.relative_to(REPO).as_posix()}" in names, source

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_pool.h"
+
 #define MR 4
 #define NV 3
 #define GO 16
@@ -257,97 +259,11 @@ static void *filter_grad_job(void *p)
     return NULL;
 }
 
-/* Worker threads kept between calls (starting threads per call cost ~60 us):
- * each waits on a condition variable (no spinning, so they take no core from
- * anyone while idle) for the next generation of jobs, runs its job if it has
- * one, and reports. One call uses the pool at a time; a call that finds it
- * busy (another thread's conv) starts threads of its own. A forked child starts
- * with an empty pool. */
-static struct {
-    pthread_mutex_t busy, lock;
-    pthread_cond_t wake, done;
-    int64_t size, count, pending;          /* workers; jobs this generation; unfinished */
-    uint64_t generation, seen[MAX_THREADS];   /* seen: the last generation each worker saw */
-    void *(*fn)(void *);
-    job_t *jobs;
-    int fork_handler;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, NULL, 0};
-
-static void pool_after_fork(void)
-{
-    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t empty = PTHREAD_COND_INITIALIZER;
-    pool.busy = pool.lock = fresh;
-    pool.wake = pool.done = empty;
-    pool.size = pool.count = pool.pending = 0;
-}
-
-static void *pool_worker(void *arg)
-{
-    int64_t index = (int64_t)(intptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    for (;;) {
-        while (pool.generation == pool.seen[index]) pthread_cond_wait(&pool.wake, &pool.lock);
-        pool.seen[index] = pool.generation;
-        if (index >= pool.count) continue;
-        void *(*fn)(void *) = pool.fn;
-        job_t *job = &pool.jobs[index];
-        pthread_mutex_unlock(&pool.lock);
-        fn(job);
-        pthread_mutex_lock(&pool.lock);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
-    }
-    return NULL;
-}
-
-/* Per-call threads, for when the pool is busy: 0 on success. */
-static int run_jobs_on_new_threads(void *(*fn)(void *), job_t *jobs, int64_t threads)
-{
-    pthread_t tid[MAX_THREADS];
-    int64_t started = 1;
-    for (; started < threads; started++)
-        if (pthread_create(&tid[started], NULL, fn, &jobs[started])) break;
-    for (int64_t t = started; t < threads; t++) fn(&jobs[t]);   /* no thread: run here */
-    fn(&jobs[0]);
-    for (int64_t t = 1; t < started; t++) pthread_join(tid[t], NULL);
-    int failed = 0;
-    for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
-    return failed;
-}
-
-/* Runs fn on `threads` jobs (this thread runs the first, the pool's workers the
- * others); 0 on success. */
+/* Runs fn on `threads` jobs (native_pool.h: this thread runs the first, the pool's
+ * workers the others); 0 on success. */
 static int run_jobs(void *(*fn)(void *), job_t *jobs, int64_t threads)
 {
-    if (threads <= 1) {
-        fn(&jobs[0]);
-        return jobs[0].failed;
-    }
-    if (pthread_mutex_trylock(&pool.busy)) return run_jobs_on_new_threads(fn, jobs, threads);
-    pthread_mutex_lock(&pool.lock);
-    if (!pool.fork_handler) pool.fork_handler = !pthread_atfork(NULL, NULL, pool_after_fork);
-    while (pool.size < threads - 1 && pool.fork_handler) {      /* workers 1, 2, ... */
-        pthread_t tid;
-        pool.seen[pool.size + 1] = pool.generation;      /* its first jobs: the next ones */
-        if (pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)(pool.size + 1))) break;
-        pthread_detach(tid);
-        pool.size++;
-    }
-    int64_t pooled = threads - 1 < pool.size ? threads : pool.size + 1;
-    pool.fn = fn;
-    pool.jobs = jobs;
-    pool.count = pooled;
-    pool.pending = pooled - 1;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    for (int64_t t = pooled; t < threads; t++) fn(&jobs[t]);    /* no worker: run here */
-    fn(&jobs[0]);
-    pthread_mutex_lock(&pool.lock);
-    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
-    pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_unlock(&pool.busy);
+    pool_run(fn, jobs, sizeof(job_t), threads);
     int failed = 0;
     for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
     return failed;

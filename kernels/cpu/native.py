@@ -1,11 +1,12 @@
 """Building and loading the native CPU kernels (*.c beside their launchers).
 
-`library(name)` compiles kernels/cpu/<name>.c with the system C compiler (`cc`,
-or $CC) for this machine's own instruction set (-O3 -march=native), once: the
-shared library is kept in a cache directory ($MINIGRAPH_CACHE, else
-$XDG_CACHE_HOME/minigraph, else ~/.cache/minigraph) under a name that hashes
-the source, the flags, the compiler's version and this CPU's model and
-flags, so a changed kernel, compiler or machine builds anew.
+`library(name)` compiles kernels/cpu/<name>.c (with the headers of this folder
+it includes, `source_of`) with the system C compiler (`cc`, or $CC) for this
+machine's own instruction set (-O3 -march=native), once: the shared library is
+kept in a cache directory ($MINIGRAPH_CACHE, else $XDG_CACHE_HOME/minigraph,
+else ~/.cache/minigraph) under a name that hashes the source, the flags, the
+compiler's version and this CPU's model and flags, so a changed kernel, header,
+compiler or machine builds anew.
 
 Nothing unverified is loaded:
   * the cache directory, and every directory above it, must be writable by no
@@ -42,6 +43,7 @@ import importlib.resources
 import os
 import pathlib
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -59,6 +61,7 @@ FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=n
 # is not vectorized (the kernels never read errno; the results are the same)
 COMMON_FLAGS = ("-std=c11", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared",
                 "-pthread", "-fno-strict-aliasing")
+LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.h)"$', re.MULTILINE)
 BUILD_TIMEOUT_ENV = "MINIGRAPH_NATIVE_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT_S = 60.0
 NOTICE_AFTER_S = 2.0
@@ -117,8 +120,17 @@ class _Refused(Exception):
     """Why this process runs `name` without its native library."""
 
 
+def source_of(name):
+    """The C source of kernels/cpu/<name>.c with the headers of this folder it
+    includes (`#include "x.h"`) put in their place: what is compiled and what the
+    cache key covers, so a changed header builds anew and no include path is needed."""
+    files = importlib.resources.files(__package__)
+    return LOCAL_INCLUDE.sub(lambda m: files.joinpath(m.group(1)).read_text(),
+                             files.joinpath(f"{name}.c").read_text())
+
+
 def _load_or_build(name):
-    source = importlib.resources.files(__package__).joinpath(f"{name}.c").read_text()
+    source = source_of(name)
     cc = os.environ.get("CC", "")
     try:
         compiler = shlex.split(cc) or [found for found in (shutil.which("cc"),

@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_pool.h"
+
 #define MAX_THREADS 64
 #define BLOCK 1024          /* values summed in vectors of T before the sums go to double */
 #define TILE 2048           /* values per tile of a run whose sums go to per-index arrays */
@@ -285,7 +287,7 @@ typedef double vdu __attribute__((vector_size(32), aligned(8)));
 NORM_KIND(float, f32, vf, vfu)
 NORM_KIND(double, f64, vd, vdu)
 
-/* ---- the thread pool (as conv_native.c's) ---------------------------------------------- */
+/* ---- threads (native_pool.h) ---------------------------------------------------------- */
 
 typedef struct {
     norm_t *a;
@@ -300,93 +302,12 @@ static void *run_job(void *p)
     return NULL;
 }
 
-/* Worker threads kept between calls: each waits on a condition variable for the
- * next generation of jobs, runs its job if it has one, and reports. One call uses
- * the pool at a time; a call that finds it busy starts threads of its own. A
- * forked child starts with an empty pool. */
-static struct {
-    pthread_mutex_t busy, lock;
-    pthread_cond_t wake, done;
-    int64_t size, count, pending;          /* workers; jobs this generation; unfinished */
-    uint64_t generation, seen[MAX_THREADS];   /* seen: the last generation each worker saw */
-    job_t *jobs;
-    int fork_handler;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, 0};
-
-static void pool_after_fork(void)
-{
-    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t empty = PTHREAD_COND_INITIALIZER;
-    pool.busy = pool.lock = fresh;
-    pool.wake = pool.done = empty;
-    pool.size = pool.count = pool.pending = 0;
-}
-
-static void *pool_worker(void *arg)
-{
-    int64_t index = (int64_t)(intptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    for (;;) {
-        while (pool.generation == pool.seen[index]) pthread_cond_wait(&pool.wake, &pool.lock);
-        pool.seen[index] = pool.generation;
-        if (index >= pool.count) continue;
-        job_t *job = &pool.jobs[index];
-        pthread_mutex_unlock(&pool.lock);
-        run_job(job);
-        pthread_mutex_lock(&pool.lock);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
-    }
-    return NULL;
-}
-
-static void run_on_new_threads(job_t *jobs, int64_t threads)
-{
-    pthread_t tid[MAX_THREADS];
-    int64_t started = 1;
-    for (; started < threads; started++)
-        if (pthread_create(&tid[started], NULL, run_job, &jobs[started])) break;
-    for (int64_t t = started; t < threads; t++) run_job(&jobs[t]);   /* no thread: run here */
-    run_job(&jobs[0]);
-    for (int64_t t = 1; t < started; t++) pthread_join(tid[t], NULL);
-}
-
 /* fn(a, p) for every part p, on a->parts threads (this one runs part 0). */
 static void run_parts(norm_t *a, void (*fn)(norm_t *, int64_t))
 {
     job_t jobs[MAX_THREADS];
-    int64_t threads = a->parts;
-    for (int64_t t = 0; t < threads; t++) jobs[t] = (job_t){a, t, fn};
-    if (threads <= 1) {
-        run_job(&jobs[0]);
-        return;
-    }
-    if (pthread_mutex_trylock(&pool.busy)) {
-        run_on_new_threads(jobs, threads);
-        return;
-    }
-    pthread_mutex_lock(&pool.lock);
-    if (!pool.fork_handler) pool.fork_handler = !pthread_atfork(NULL, NULL, pool_after_fork);
-    while (pool.size < threads - 1 && pool.fork_handler) {      /* workers 1, 2, ... */
-        pthread_t tid;
-        pool.seen[pool.size + 1] = pool.generation;      /* its first jobs: the next ones */
-        if (pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)(pool.size + 1))) break;
-        pthread_detach(tid);
-        pool.size++;
-    }
-    int64_t pooled = threads - 1 < pool.size ? threads : pool.size + 1;
-    pool.jobs = jobs;
-    pool.count = pooled;
-    pool.pending = pooled - 1;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    for (int64_t t = pooled; t < threads; t++) run_job(&jobs[t]);    /* no worker: run here */
-    run_job(&jobs[0]);
-    pthread_mutex_lock(&pool.lock);
-    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
-    pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_unlock(&pool.busy);
+    for (int64_t t = 0; t < a->parts; t++) jobs[t] = (job_t){a, t, fn};
+    pool_run(run_job, jobs, sizeof(job_t), a->parts);
 }
 
 /* ---- the passes --------------------------------------------------------------------------- */

@@ -1,0 +1,106 @@
+/* The worker threads of the native kernels that split a pass over threads
+ * (conv_native.c, norm_native.c, bn_native.c include this; native.py puts it in
+ * their source, so each library has a pool of its own).
+ *
+ * pool_run(fn, jobs, size, threads) calls fn on each of `threads` jobs, an array of
+ * structs of `size` bytes: this thread runs job 0, workers kept between calls run
+ * the others (starting threads per call cost about as much as a small pass). A
+ * worker waits on a condition variable (no spinning, so it takes no core from anyone
+ * while idle) for the next generation of jobs, runs its job if it has one, and
+ * reports. One call uses the pool at a time; a call that finds it busy (another
+ * thread's pass) starts threads of its own, and a job no thread could be started for
+ * runs on the caller. A forked child starts with an empty pool. */
+#include <pthread.h>
+#include <stdint.h>
+
+#define POOL_MAX_THREADS 64
+
+typedef void *(*pool_fn)(void *);
+
+static struct {
+    pthread_mutex_t busy, lock;
+    pthread_cond_t wake, done;
+    int64_t size, count, pending;          /* workers; jobs this generation; unfinished */
+    uint64_t generation, seen[POOL_MAX_THREADS];   /* the last generation each worker saw */
+    pool_fn fn;
+    char *jobs;
+    size_t job_size;
+    int fork_handler;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, NULL, 0, 0};
+
+static void pool_after_fork(void)
+{
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t empty = PTHREAD_COND_INITIALIZER;
+    pool.busy = pool.lock = fresh;
+    pool.wake = pool.done = empty;
+    pool.size = pool.count = pool.pending = 0;
+}
+
+static void *pool_worker(void *arg)
+{
+    int64_t index = (int64_t)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.generation == pool.seen[index]) pthread_cond_wait(&pool.wake, &pool.lock);
+        pool.seen[index] = pool.generation;
+        if (index >= pool.count) continue;
+        pool_fn fn = pool.fn;
+        void *job = pool.jobs + (size_t)index * pool.job_size;
+        pthread_mutex_unlock(&pool.lock);
+        fn(job);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+static void pool_run_on_new_threads(pool_fn fn, char *jobs, size_t size, int64_t threads)
+{
+    pthread_t tid[POOL_MAX_THREADS];
+    int64_t started = 1;
+    for (; started < threads; started++)
+        if (pthread_create(&tid[started], NULL, fn, jobs + (size_t)started * size)) break;
+    for (int64_t t = started; t < threads; t++) fn(jobs + (size_t)t * size);  /* run here */
+    fn(jobs);
+    for (int64_t t = 1; t < started; t++) pthread_join(tid[t], NULL);
+}
+
+static void pool_run(pool_fn fn, void *jobs_, size_t size, int64_t threads)
+{
+    char *jobs = jobs_;
+    if (threads > POOL_MAX_THREADS) threads = POOL_MAX_THREADS;
+    if (threads <= 1) {
+        fn(jobs);
+        return;
+    }
+    if (pthread_mutex_trylock(&pool.busy)) {
+        pool_run_on_new_threads(fn, jobs, size, threads);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    if (!pool.fork_handler) pool.fork_handler = !pthread_atfork(NULL, NULL, pool_after_fork);
+    while (pool.size < threads - 1 && pool.fork_handler) {      /* workers 1, 2, ... */
+        pthread_t tid;
+        pool.seen[pool.size + 1] = pool.generation;      /* its first jobs: the next ones */
+        if (pthread_create(&tid, NULL, pool_worker, (void *)(intptr_t)(pool.size + 1))) break;
+        pthread_detach(tid);
+        pool.size++;
+    }
+    int64_t pooled = threads - 1 < pool.size ? threads : pool.size + 1;
+    pool.fn = fn;
+    pool.jobs = jobs;
+    pool.job_size = size;
+    pool.count = pooled;
+    pool.pending = pooled - 1;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    for (int64_t t = pooled; t < threads; t++) fn(jobs + (size_t)t * size);  /* no worker */
+    fn(jobs);
+    pthread_mutex_lock(&pool.lock);
+    while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.busy);
+}
