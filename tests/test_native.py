@@ -67,7 +67,8 @@ def test_local_headers_are_part_of_the_source():
     """A kernel's headers (native_pool.h) are put in its source: compiled from a
     temporary file with no include path, and covered by the cache key."""
     header = (Path(native.__file__).parent / "native_pool.h").read_text()
-    for name in ("conv_native", "norm_native", "bn_native"):
+    for name in ("conv_native", "norm_native", "bn_native", "optim_native", "pool_native",
+                 "dropout_native"):
         source = native.source_of(name)
         assert '#include "native_pool.h"' not in source and header in source
 

@@ -7,10 +7,11 @@
  * launched by dropout_native.py.
  *
  * Values are split in contiguous ranges of whole generator calls (four values)
- * over up to `threads` threads started for the call; each value is computed one
+ * over up to `threads` threads (native_pool.h); each value is computed one
  * way, so results do not depend on the number of threads. */
-#include <pthread.h>
 #include <stdint.h>
+
+#include "native_pool.h"
 
 #define MAX_THREADS 64
 
@@ -74,7 +75,6 @@ static void *run(void *arg) {
 int dropout_forward(int f64, const void *x, void *out, uint8_t *mask, int64_t n, double p,
                     double factor, uint64_t seed64, uint32_t stream, int threads) {
     job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
     const int64_t calls = (n + 3) / 4;
     int64_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (parts > calls) parts = calls > 0 ? calls : 1;
@@ -88,15 +88,6 @@ int dropout_forward(int f64, const void *x, void *out, uint8_t *mask, int64_t n,
         j->k0 = (uint32_t)seed64; j->k1 = (uint32_t)(seed64 >> 32);
         j->f64 = f64;
     }
-    int started = 0;
-    for (int64_t t = 1; t < parts; t++) {
-        if (pthread_create(&ids[t], 0, run, &jobs[t]) != 0) break;
-        started = (int)t;
-    }
-    run(&jobs[0]);
-    for (int64_t t = started + 1; t < parts; t++)   /* threads that did not start */
-        run(&jobs[t]);
-    for (int t = 1; t <= started; t++)
-        pthread_join(ids[t], 0);
+    pool_run(run, jobs, sizeof(job_t), parts);
     return 0;
 }

@@ -1,6 +1,6 @@
-/* The worker threads of the native kernels that split a pass over threads
- * (conv_native.c, norm_native.c, bn_native.c include this; native.py puts it in
- * their source, so each library has a pool of its own).
+/* The worker threads of the native kernels that split a pass over threads (each
+ * kernel's .c includes this; native.py puts it in the source, so each library has a
+ * pool of its own).
  *
  * pool_run(fn, jobs, size, threads) calls fn on each of `threads` jobs, an array of
  * structs of `size` bytes: this thread runs job 0, workers kept between calls run

@@ -7,11 +7,12 @@
  * out of place). Built and loaded by native.py, launched by optim_native.py.
  *
  * Arrays of at least MIN_SPLIT values are split in contiguous ranges over up to
- * `threads` threads; every value is computed by one thread in one way, so the
- * results do not depend on the number of threads. */
+ * `threads` threads (native_pool.h); every value is computed by one thread in one
+ * way, so the results do not depend on the number of threads. */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
+
+#include "native_pool.h"
 
 #define MAX_THREADS 64
 #define MIN_SPLIT 262144
@@ -103,13 +104,11 @@ int optim_update(int kind, int f64, const void *p, const void *g, const void *m,
                  const void *v, void *p_out, void *m_out, void *v_out, int64_t n,
                  const double *scalars, int nesterov, int decoupled, int threads) {
     job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
     int64_t parts = n >= MIN_SPLIT ? threads : 1;
     if (parts < 1) parts = 1;
     if (parts > MAX_THREADS) parts = MAX_THREADS;
     int64_t chunk = (n + parts - 1) / parts;
     chunk = (chunk + 15) / 16 * 16;
-    int started = 0;
     for (int64_t t = 0; t < parts; t++) {
         job_t *j = &jobs[t];
         j->kind = kind; j->f64 = f64; j->p = p; j->g = g; j->m = m; j->v = v;
@@ -120,14 +119,6 @@ int optim_update(int kind, int f64, const void *p, const void *g, const void *m,
         j->b2 = scalars[4]; j->eps = scalars[5]; j->c1 = scalars[6]; j->c2 = scalars[7];
         j->nesterov = nesterov; j->decoupled = decoupled;
     }
-    for (int64_t t = 1; t < parts; t++) {
-        if (pthread_create(&ids[t], 0, run, &jobs[t]) != 0) break;
-        started = (int)t;
-    }
-    run(&jobs[0]);
-    for (int64_t t = started + 1; t < parts; t++)   /* threads that did not start */
-        run(&jobs[t]);
-    for (int t = 1; t <= started; t++)
-        pthread_join(ids[t], 0);
+    pool_run(run, jobs, sizeof(job_t), parts);
     return 0;
 }

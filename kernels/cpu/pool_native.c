@@ -16,12 +16,13 @@
  * Built and loaded by native.py, launched by pool_native.py.
  *
  * Planes (one image's channel) are split in contiguous ranges over up to
- * `threads` threads started for the call; each plane is computed by one thread in
+ * `threads` threads (native_pool.h); each plane is computed by one thread in
  * one way, so results do not depend on the number of threads. */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "native_pool.h"
 
 #define MAX_THREADS 64
 
@@ -117,7 +118,6 @@ static void *run(void *arg) {
 int max_pool_grad(int f64, const void *x, const void *dout, void *dx, int64_t planes,
              int64_t h, int64_t w, const int64_t *geometry, int threads) {
     job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
     int64_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (parts > planes) parts = planes > 0 ? planes : 1;
     const int64_t chunk = (planes + parts - 1) / parts;
@@ -131,16 +131,7 @@ int max_pool_grad(int f64, const void *x, const void *dout, void *dx, int64_t pl
         j->sh = geometry[4]; j->sw = geometry[5]; j->ph = geometry[6]; j->pw = geometry[7];
         j->f64 = f64;
     }
-    int started = 0;
-    for (int64_t t = 1; t < parts; t++) {
-        if (pthread_create(&ids[t], 0, run, &jobs[t]) != 0) break;
-        started = (int)t;
-    }
-    run(&jobs[0]);
-    for (int64_t t = started + 1; t < parts; t++)   /* threads that did not start */
-        run(&jobs[t]);
-    for (int t = 1; t <= started; t++)
-        pthread_join(ids[t], 0);
+    pool_run(run, jobs, sizeof(job_t), parts);
     return 0;
 }
 

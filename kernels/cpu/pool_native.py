@@ -19,7 +19,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import blocks, native
 
-# values a thread must have to be worth starting one for the call. High: in a training
+# values a thread must have to be worth waking one for the call. High: in a training
 # step these run between BLAS calls, whose worker threads stay busy-waiting for a
 # while, and a thread started per call then waits for a core: one thread was faster
 # inside whole training steps
