@@ -110,3 +110,31 @@ def test_empty_and_read_only_inputs():
     out = np.empty_like(p)
     assert optim_native.update("sgd", p, g, out=(out, None, None), lr=0.5)
     np.testing.assert_array_equal(out, p - g * np.float32(0.5))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "adam"])
+def test_op_kernels_take_the_native_update_from_its_threshold(kind, monkeypatch):
+    """Parameters below MIN_VALUES take the numpy update (the C call's setup costs more);
+    from it on, the native one; both give the float64 reference's values."""
+    from types import SimpleNamespace
+
+    from minigraph.kernels.cpu import adam, optimizer_ops
+
+    calls = []
+    real = optim_native.update
+    monkeypatch.setattr(optim_native, "update", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kernel = {"sgd": optimizer_ops.sgd_cpu, "momentum": optimizer_ops.momentum_cpu,
+              "adam": adam.adam_cpu}[kind]
+    attrs = {"weight_decay": 0.01, "mu": 0.9, "use_nesterov": False, "beta1": 0.9,
+             "beta2": 0.999, "epsilon": 1e-8, "decoupled": False}
+    for n, native_ran in ((optim_native.MIN_VALUES[kind] - 1, False),
+                          (optim_native.MIN_VALUES[kind], True)):
+        p, g, m, v = arrays(np.float64, n)
+        ins = {"param": p, "grad": g, "velocity": m, "moment1": m, "moment2": v,
+               "learning_rate": np.array(0.1), "beta1_pow": np.array(0.9 ** 2),
+               "beta2_pow": np.array(0.999 ** 2)}
+        want = reference(kind, p, g, m, v, 0.1, 0.01)        # before the update in place
+        calls.clear()
+        got = kernel(SimpleNamespace(attrs=attrs), ins, SimpleNamespace(spares={}))
+        assert bool(calls) == native_ran
+        np.testing.assert_allclose(got["param_out"], want[0], rtol=1e-12, atol=1e-12)

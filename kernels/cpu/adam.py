@@ -1,6 +1,7 @@
 """CPU kernel of adam (ops/adam.py): one Adam/AdamW step. The native kernel
-(optim_native) makes it in one pass where it takes the arrays; the numpy path below
-is its reference. New values go into the state arrays in place, or into the spare
+(optim_native) makes it in one pass where it takes the arrays and the parameter is
+large enough to be worth the call (optim_native.worth_it); the numpy path below is
+its reference. New values go into the state arrays in place, or into the spare
 arrays a training step offers for them (KernelContext.spares), after every new
 value is computed.
 """
@@ -25,7 +26,7 @@ def adam_cpu(op, ins, ctx):
     dt = param.dtype.type
     lr, wd = learning_rate(ins), a["weight_decay"]
     new_b1p, new_b2p = float(b1p) * a["beta1"], float(b2p) * a["beta2"]
-    if not optim_native.update(
+    if not optim_native.worth_it("adam", param) or not optim_native.update(
             "adam", param, grad, (m, v), (po, mo, vo), lr=lr, wd=wd,
             betas=(a["beta1"], a["beta2"]), eps=a["epsilon"],
             corrections=(lr / (1.0 - new_b1p), math.sqrt(1.0 - new_b2p)),

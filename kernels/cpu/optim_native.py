@@ -17,6 +17,14 @@ import numpy as np
 from minigraph.kernels.cpu import native
 
 KINDS = {"sgd": 0, "momentum": 1, "adam": 2}
+# the values from which the op kernels take the native update: below, numpy's few
+# ufunc calls cost less than setting up the C call
+MIN_VALUES = {"sgd": 16384, "momentum": 16384, "adam": 4096}
+
+
+def worth_it(kind, param):
+    """Whether an op kernel should try the native `kind` update on `param` (its size)."""
+    return param.size >= MIN_VALUES[kind]
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 

@@ -1,5 +1,6 @@
 """CPU kernels of sgd and momentum (ops/optimizer_ops.py). The native kernels
-(optim_native) make each update in one pass where they take the arrays; the numpy
+(optim_native) make each update in one pass where they take the arrays and the
+parameter is large enough to be worth the call (optim_native.worth_it); the numpy
 paths are their reference. New values go into the parameter and state arrays in
 place, or into the spare arrays a training step offers for them
 (KernelContext.spares), after every new value is computed.
@@ -34,8 +35,9 @@ def sgd_cpu(op, ins, ctx):
     param = ins["param"]
     (out,) = targets(ctx, ins, ("param",))
     lr = learning_rate(ins)
-    if not optim_native.update("sgd", param, ins["grad"], out=(out, None, None), lr=lr,
-                               wd=op.attrs["weight_decay"], threads=get_num_threads()):
+    if not optim_native.worth_it("sgd", param) or not optim_native.update(
+            "sgd", param, ins["grad"], out=(out, None, None), lr=lr,
+            wd=op.attrs["weight_decay"], threads=get_num_threads()):
         np.subtract(param, decayed_grad(op, ins) * param.dtype.type(lr), out=out)
     return {"param_out": out}
 
@@ -47,9 +49,10 @@ def momentum_cpu(op, ins, ctx):
     po, vo = targets(ctx, ins, ("param", "velocity"))
     a = op.attrs
     lr = learning_rate(ins)
-    if not optim_native.update("momentum", param, ins["grad"], (velocity, None),
-                               (po, vo, None), lr=lr, wd=a["weight_decay"], mu=a["mu"],
-                               nesterov=a["use_nesterov"], threads=get_num_threads()):
+    if not optim_native.worth_it("momentum", param) or not optim_native.update(
+            "momentum", param, ins["grad"], (velocity, None), (po, vo, None), lr=lr,
+            wd=a["weight_decay"], mu=a["mu"], nesterov=a["use_nesterov"],
+            threads=get_num_threads()):
         grad = decayed_grad(op, ins)
         mu = param.dtype.type(a["mu"])
         new_velocity = mu * velocity + grad
