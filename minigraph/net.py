@@ -22,8 +22,8 @@ import numpy as np
 
 from minigraph import feeds
 from minigraph.executor import Executor, Plan, check_place
-from minigraph.operator import Operator
-from minigraph.schema import OpDesc, get_schema
+from minigraph.operator import Operator, as_operator
+from minigraph.schema import get_schema
 from minigraph.scope import Scope, Variable
 
 BRANCHES = ("train", "infer")
@@ -74,7 +74,7 @@ class Net:
         By default: the trunk before the fork, and the branch its mode
         attribute names for a mode-dependent op (which forks the net).
         Returns the Operator."""
-        op = _as_operator(op)
+        op = as_operator(op)
         mode_attr = op.schema.mode_attr
         if section is None:
             if mode_attr is not None:
@@ -95,7 +95,7 @@ class Net:
 
     def insert_op(self, section, index, op):
         """Insert an Operator (or OpDesc) at `index` of `section`; returns it."""
-        op = _as_operator(op)
+        op = as_operator(op)
         self._ops_of(section).insert(index, op)
         self._changed()
         return op
@@ -103,7 +103,7 @@ class Net:
     def replace_op(self, section, old, new):
         """Put `new` (an Operator or OpDesc) where the Operator `old` is in `section`."""
         ops = self._ops_of(section)
-        new = _as_operator(new)
+        new = as_operator(new)
         ops[self._index(section, ops, old)] = new
         self._changed()
         return new
@@ -397,10 +397,3 @@ class Net:
         from minigraph.profile import profile
         return profile(self, feed, steps, mode, fetch, warmup)
 
-
-def _as_operator(op):
-    if isinstance(op, OpDesc):
-        return Operator(op.type, **op.kwargs)
-    if not isinstance(op, Operator):
-        raise TypeError(f"expected an Operator or an OpDesc, got {type(op).__name__}")
-    return op

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from minigraph.schema import Meta, OpError, get_schema, meta_of
+from minigraph.schema import Meta, OpDesc, OpError, get_schema, meta_of
 from minigraph.scope import Variable
 
 
@@ -133,6 +133,16 @@ class Operator:
             return ", ".join(f"{k}={_name(v)}" for k, v in d.items() if v is not None)
         return (f"<Operator {self.type}({show(self.inputs)}) -> ({show(self.outputs)}) "
                 f"{dict(self._attrs)}>")
+
+
+def as_operator(op):
+    """`op` when it is an Operator, an Operator built from it when it is an OpDesc; a
+    TypeError otherwise."""
+    if isinstance(op, OpDesc):
+        return Operator(op.type, **op.kwargs)
+    if not isinstance(op, Operator):
+        raise TypeError(f"expected an Operator or an OpDesc, got {type(op).__name__}")
+    return op
 
 
 def _bind(op_type, slot, value, valid):

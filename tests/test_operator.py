@@ -76,3 +76,17 @@ def test_outputs_get_declared_shape_and_dtype_from_inference():
     z.declare((3,), "float32")
     with pytest.raises(mg.OpError, match="elementwise_add: input 'y' must have shape \\(4,\\)"):
         mg.Operator("elementwise_add", x=x, y=z, out=scope.new_var("o2"), axis=1)
+
+
+def test_as_operator_builds_from_an_op_desc_and_refuses_anything_else():
+    """Net.append_op / insert_op / replace_op take an Operator or an OpDesc."""
+    from minigraph.operator import as_operator
+    from minigraph.schema import OpDesc
+
+    x = mg.Variable("x")
+    op = mg.Operator("relu", x=x, out=mg.Variable("y"))
+    assert as_operator(op) is op
+    built = as_operator(OpDesc("relu", {"x": x, "out": mg.Variable("z")}))
+    assert isinstance(built, mg.Operator) and built.type == "relu"
+    with pytest.raises(TypeError, match="expected an Operator or an OpDesc, got str"):
+        as_operator("relu")
