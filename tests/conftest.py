@@ -1,4 +1,5 @@
-"""Shared fixtures: the GPU places every GPU test runs on, arrays on them, and the one
+"""Shared fixtures: the GPU places every GPU test runs on, arrays on them, a world of one
+(one_rank) or of none (no_comm) for the distributed tests, and the one
 sys.path entry that lets every test (tests/ and tests/gpu/) import helpers,
 references, kernel_emulator and mpi_scripts by name."""
 from __future__ import annotations
@@ -98,3 +99,23 @@ def cpu_engine(request, monkeypatch):
     elif not conv_native.available():
         pytest.skip(f"native kernels not built: {native.reason('conv_native')}")
     return request.param
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A world of one: a LocalComm as the current communicator."""
+    import minigraph as mg
+    from minigraph.distributed import world
+    from minigraph.distributed.comm import LocalComm
+
+    comm = LocalComm(mg.CPUPlace())
+    monkeypatch.setattr(world, "_comm", comm)
+    return comm
+
+
+@pytest.fixture
+def no_comm(monkeypatch):
+    """No communicator yet (before init)."""
+    from minigraph.distributed import world
+
+    monkeypatch.setattr(world, "_comm", None)
