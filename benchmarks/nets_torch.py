@@ -1,0 +1,86 @@
+"""The PyTorch side of benchmarks/nets_cpu.py: the same nets, batches and optimizers,
+timed and measured the same way, in a process of its own (nets_cpu.py runs this
+through its --worker pytorch mode; PyTorch is a benchmark-only dependency)."""
+from __future__ import annotations
+
+from nets_cpu import ADAM_NETS, LEARNING_RATE, MOMENTUM, STAGES, batch, median_ms
+from peak_memory import rss_peak
+
+
+def torch_model(net_name):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if net_name == "mnist":
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+                             nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
+                             nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.BatchNorm1d(128),
+                             nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10))
+    if net_name == "mlp":
+        return nn.Sequential(nn.Linear(784, 2048), nn.BatchNorm1d(2048), nn.ReLU(),
+                             nn.Linear(2048, 2048), nn.BatchNorm1d(2048), nn.ReLU(),
+                             nn.Linear(2048, 10))
+    if net_name == "digits":
+        return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64),
+                             nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+
+    def conv_bn(cin, cout, size, stride):
+        return [nn.Conv2d(cin, cout, size, stride, size // 2, bias=False), nn.BatchNorm2d(cout)]
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(*conv_bn(cin, cout, 3, stride), nn.ReLU(),
+                                      *conv_bn(cout, cout, 3, 1))
+            same = stride == 1 and cin == cout
+            self.short = nn.Identity() if same else nn.Sequential(*conv_bn(cin, cout, 1, stride))
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.short(x))
+
+    layers, cin = [*conv_bn(3, 16, 3, 1), nn.ReLU()], 16
+    for filters, stride in STAGES:
+        for block in range(2):
+            layers.append(Block(cin, filters, stride if block == 0 else 1))
+            cin = filters
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
+    return nn.Sequential(*layers)
+
+
+def torch_worker(args):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    model = torch_model(args.net)
+    x, y = (torch.from_numpy(a) for a in batch(args.net))
+    if args.net in ADAM_NETS:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    if args.what == "memory":
+        model.train()
+        for _ in range(args.warmup):
+            step()
+        opt.zero_grad(set_to_none=True)
+        return {"peak_mb": rss_peak(step, args.mem_steps)}
+    result = {"train": median_ms(step, args.repeat, args.warmup)}
+    model.eval()
+
+    def infer():
+        with torch.inference_mode():
+            model(x)
+
+    result["infer"] = median_ms(infer, args.repeat, args.warmup)
+    return result
