@@ -1,7 +1,7 @@
-/* The native CPU kernel of the max-pooling gradient (pool2d_grad with pool_type
- * "max", not global): dout routed to each window's first max, on C-contiguous NCHW
- * float32 or float64 arrays, with the semantics of the numpy kernel of
- * kernels/cpu/pool2d.py, the reference:
+/* The native CPU kernels of max pooling, on C-contiguous NCHW float32 or float64
+ * arrays, with the semantics of the numpy kernels of kernels/cpu/pool2d.py, the
+ * reference. The gradient (pool2d_grad with pool_type "max", not global): dout
+ * routed to each window's first max:
  * - taps are visited in row-major order, padding reading as -inf; a window's max is
  *   its first tap, replaced by a later one only where that one is strictly greater
  *   (so a NaN is chosen only as the first tap, and a window whose first max is
