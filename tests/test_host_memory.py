@@ -46,12 +46,15 @@ def run_script(**env):
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
 def test_steps_reuse_freed_memory():
-    """After warm-up a training step touches no fresh pages; without the tuning
-    each step faults in the pages of the arrays glibc gave back."""
+    """After warm-up a training step touches almost no fresh pages; without the tuning
+    each step faults in the pages of the arrays glibc gave back (over a thousand per
+    step here). "Almost": where the step's small buffers land depends on the process's
+    memory layout, and in some layouts (this test under pytest, not the same script run
+    by hand) about four pages a step are fresh, in others none."""
     tuned, faults = run_script()
-    assert tuned and faults < 2
+    assert tuned and faults < 16
     tuned, faults = run_script(MINIGRAPH_KEEP_FREED_MEMORY="0")
-    assert not tuned and faults > 20
+    assert not tuned and faults > 100
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
