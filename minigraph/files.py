@@ -79,7 +79,7 @@ def atomic_write(path, write):
     except BaseException:
         _remove(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return path
 
 
@@ -211,7 +211,8 @@ def _umask():
     return umask
 
 
-def _fsync_dir(directory):
+def fsync_dir(directory):
+    """fsync `directory` (so a rename in it is durable) where the platform allows."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 
+from minigraph.files import fsync_dir
 from minigraph.kernels.cpu import native_cache as cache
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails
@@ -236,7 +237,7 @@ def _build(source, compiler, flags, directory, filename, deadline):
             os.chmod(tmp, 0o755)
             os.replace(tmp, target)
             cache.write_digest(target, hashlib.sha256(data).hexdigest())
-            cache.fsync_dir(directory)
+            fsync_dir(directory)
         return lib
     finally:
         pathlib.Path(tmp).unlink(missing_ok=True)

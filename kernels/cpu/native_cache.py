@@ -158,20 +158,6 @@ def write_digest(target, digest):
         pathlib.Path(tmp).unlink(missing_ok=True)
 
 
-def fsync_dir(directory):
-    """fsync `directory` (so a rename in it is durable) where the platform allows."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def remove_stale_temporaries(directory):
     """Remove what builds killed mid-way left (temporary files older than STALE_TEMP_S)."""
     now = time.time()
