@@ -64,6 +64,8 @@ import subprocess
 import sys
 import time
 
+from timing import median_ms
+
 NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32)), "mnist": (64, (1, 28, 28)),
         "mlp": (128, (784,))}
 ADAM_NETS = ("mnist", "mlp")           # trained with Adam(1e-3); the others with Momentum
@@ -78,17 +80,6 @@ def batch(net_name, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((n,) + chw, dtype=np.float32),
             rng.integers(0, 10, size=n).astype(np.int64))
-
-
-def median_ms(fn, repeat, warmup):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 # ---- minigraph ------------------------------------------------------------------

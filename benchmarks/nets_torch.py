@@ -3,8 +3,9 @@ timed and measured the same way, in a process of its own (nets_cpu.py runs this
 through its --worker pytorch mode; PyTorch is a benchmark-only dependency)."""
 from __future__ import annotations
 
-from nets_cpu import ADAM_NETS, LEARNING_RATE, MOMENTUM, STAGES, batch, median_ms
+from nets_cpu import ADAM_NETS, LEARNING_RATE, MOMENTUM, STAGES, batch
 from peak_memory import rss_peak
+from timing import median_ms
 
 
 def torch_model(net_name):

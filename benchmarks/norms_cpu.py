@@ -31,9 +31,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+from timing import median_ms
 
 TIMED = [("layer_norm", (64, 768)), ("layer_norm", (32, 64, 56, 56)),
          ("group_norm", (32, 64, 56, 56)), ("instance_norm", (32, 64, 56, 56))]
@@ -47,17 +47,6 @@ PARITY = [("layer_norm", (6, 10), {}), ("layer_norm", (1, 3, 4, 5), {}),
           ("batch_norm", (6, 3, 4, 4), {"affine": False}),
           ("batch_norm", (6, 3, 4, 4), {"track_running_stats": False}),
           ("batch_norm", (9, 5), {"affine": False, "track_running_stats": False})]
-
-
-def median_ms(fn, repeat, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def inputs(shape, seed=0, dtype="float32"):
