@@ -244,3 +244,39 @@ def _analytic_grads(op, scope, in_vars, inputs, weights, wanted):
         result[slot] = [made[id(v)].get() if id(v) in made and made[id(v)].value is not None
                         else None for v in vs]
     return result
+
+
+def all_right_from_threads(check, threads=4, calls=50):
+    """True when check() is true on each of `calls` calls in each of `threads` threads
+    running at once, all joined within 60 s (a native kernel's worker pool is used by
+    one call at a time; the others start threads of their own)."""
+    import threading
+
+    wrong = []
+
+    def work():
+        for _ in range(calls):
+            if not check():
+                wrong.append(1)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=60)
+    return not any(t.is_alive() for t in workers) and not wrong
+
+
+def run_in_forked_child(target):
+    """(exit code, what it put on the queue) of target(queue) run in a forked child,
+    killed after 60 s (a child waiting on its parent's pool threads hangs until then)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=target, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+    return child.exitcode, queue.get(timeout=5) if child.exitcode == 0 else None

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import all_right_from_threads, run_in_forked_child
 from references import batch_norm_grad, batch_stats, bn_normalize
 
 from minigraph.kernels.cpu import batch_norm as bn_kernels
@@ -268,28 +269,18 @@ def test_wrong_shapes_are_an_error_naming_the_argument():
 def test_calls_from_several_threads_at_once(monkeypatch):
     """One call at a time uses the kernels' worker pool; the others start threads of
     their own: every result is right."""
-    import threading
-
     monkeypatch.setattr(bn_native, "MIN_THREAD_VALUES", 1)
     monkeypatch.setattr(blocks, "get_num_threads", lambda: 2)
     _, x, _, x3, _, scale, bias = inputs("NCHW 30x40x2x2", np.float32)
     want = np.empty_like(x3)
     bn_native.local_stats(x3, EPS, scale, bias, want)
-    wrong = []
 
-    def work():
+    def right():
         y = np.empty_like(x3)
-        for _ in range(50):
-            bn_native.local_stats(x3, EPS, scale, bias, y)
-            if not np.array_equal(y, want):
-                wrong.append(1)
+        bn_native.local_stats(x3, EPS, scale, bias, y)
+        return np.array_equal(y, want)
 
-    workers = [threading.Thread(target=work) for _ in range(4)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in workers) and not wrong
+    assert all_right_from_threads(right)
 
 
 def _forked_stats(queue):
@@ -302,22 +293,14 @@ def _forked_stats(queue):
 def test_a_forked_child_runs_threaded_kernels(monkeypatch):
     """The worker pool's threads are not in a forked child: it starts its own
     (the test fails by its timeout if the child waits on the parent's)."""
-    import multiprocessing
-
     monkeypatch.setattr(bn_native, "MIN_THREAD_VALUES", 1)
     monkeypatch.setattr(blocks, "get_num_threads", lambda: 3)
     bn_native.local_stats(rng.standard_normal((3, 6, 50)))
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_forked_stats, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    if child.is_alive():
-        child.kill()
-    assert child.exitcode == 0
+    code, got = run_in_forked_child(_forked_stats)
+    assert code == 0
     x = np.arange(60.0).reshape(2, 3, 10)
     want = batch_stats(x, "NCHW")
-    assert queue.get(timeout=5) == pytest.approx([*want[0], *(want[1] * 20)])
+    assert got == pytest.approx([*want[0], *(want[1] * 20)])
 
 
 # ---- the batch_norm kernels on both engines --------------------------------------------------

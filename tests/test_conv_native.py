@@ -3,6 +3,7 @@ the forward pass, the filter gradient and the input gradient on every geometry
 the launchers take, the epilogue, the thread counts, bad inputs."""
 import numpy as np
 import pytest
+from helpers import all_right_from_threads, run_in_forked_child
 from references import conv2d, conv2d_grad
 
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
@@ -195,25 +196,11 @@ def test_supports_float32_convs_of_one_group():
 def test_calls_from_several_threads_at_once():
     """One call at a time uses the kernels' worker pool; the others start threads of
     their own: every result is right."""
-    import threading
-
     x = rng.standard_normal((4, 8, 12, 12)).astype(np.float32)
     w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32)
     g = geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
     want = conv_native.forward(x, w, g, 1)
-    wrong = []
-
-    def work():
-        for _ in range(50):
-            if not np.array_equal(conv_native.forward(x, w, g, 2), want):
-                wrong.append(1)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads) and not wrong
+    assert all_right_from_threads(lambda: np.array_equal(conv_native.forward(x, w, g, 2), want))
 
 
 def _forked_conv(queue):
@@ -226,17 +213,9 @@ def _forked_conv(queue):
 def test_a_forked_child_runs_threaded_convs():
     """The worker pool's threads are not in a forked child: it starts its own
     (the test fails by its timeout if the child waits on the parent's)."""
-    import multiprocessing
-
     x = rng.standard_normal((4, 2, 6, 6)).astype(np.float32)
     w = rng.standard_normal((3, 2, 3, 3)).astype(np.float32)
     conv_native.forward(x, w, geometry(x.shape, w.shape, (1, 1), (0, 0), (1, 1)), 3)
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_forked_conv, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    if child.is_alive():
-        child.kill()
-    assert child.exitcode == 0
-    assert queue.get(timeout=5) == 4 * 3 * 4 * 4 * 18.0
+    code, got = run_in_forked_child(_forked_conv)
+    assert code == 0
+    assert got == 4 * 3 * 4 * 4 * 18.0

@@ -5,7 +5,7 @@ one value; determinism, bad arguments, threads and forks; and the ops on both
 engines (the native kernels and the numpy engine)."""
 import numpy as np
 import pytest
-from helpers import helper_test_op
+from helpers import all_right_from_threads, helper_test_op, run_in_forked_child
 from references import group_norm as gn_reference
 from references import instance_norm as in_reference
 from references import layer_norm as ln_reference
@@ -255,25 +255,12 @@ def test_other_dtypes_and_native_off_take_the_numpy_path(monkeypatch):
 def test_calls_from_several_threads_at_once(monkeypatch):
     """One call at a time uses the kernels' worker pool; the others start threads of
     their own: every result is right."""
-    import threading
-
     monkeypatch.setattr(norm_native, "MIN_THREAD_VALUES", 1)
     monkeypatch.setattr(blocks, "get_num_threads", lambda: 2)
     x, dy, scale, bias, post, size = inputs("layer 3x1000", np.float32)
     want = norm_native.forward(x, EPS, scale, bias)[0]
-    wrong = []
-
-    def work():
-        for _ in range(50):
-            if not np.array_equal(norm_native.forward(x, EPS, scale, bias)[0], want):
-                wrong.append(1)
-
-    workers = [threading.Thread(target=work) for _ in range(4)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in workers) and not wrong
+    assert all_right_from_threads(
+        lambda: np.array_equal(norm_native.forward(x, EPS, scale, bias)[0], want))
 
 
 def _forked_norm(queue):
@@ -286,21 +273,13 @@ def _forked_norm(queue):
 def test_a_forked_child_runs_threaded_kernels(monkeypatch):
     """The worker pool's threads are not in a forked child: it starts its own
     (the test fails by its timeout if the child waits on the parent's)."""
-    import multiprocessing
-
     monkeypatch.setattr(norm_native, "MIN_THREAD_VALUES", 1)
     monkeypatch.setattr(blocks, "get_num_threads", lambda: 3)
     norm_native.forward(rng.standard_normal((3, 50)), EPS)
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    child = context.Process(target=_forked_norm, args=(queue,))
-    child.start()
-    child.join(timeout=60)
-    if child.is_alive():
-        child.kill()
-    assert child.exitcode == 0
+    code, got = run_in_forked_child(_forked_norm)
+    assert code == 0
     var = np.arange(20.0).var()
-    assert queue.get(timeout=5) == pytest.approx([9.5, 29.5, var, var])
+    assert got == pytest.approx([9.5, 29.5, var, var])
 
 
 # ---- the ops on both engines ------------------------------------------------------------
