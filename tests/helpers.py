@@ -280,3 +280,22 @@ def run_in_forked_child(target):
     if child.is_alive():
         child.kill()
     return child.exitcode, queue.get(timeout=5) if child.exitcode == 0 else None
+
+
+def run_on_thread(fn, name="worker", timeout=120):
+    """fn() on a new thread called `name`; its result, or its exception raised here."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            out["error"] = e
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join(timeout)
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")

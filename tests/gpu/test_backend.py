@@ -13,10 +13,10 @@ pre-flight review found it would do on its first real run:
 from __future__ import annotations
 
 import shutil
-import threading
 
 import numpy as np
 import pytest
+from helpers import run_on_thread
 from kernel_emulator import fake_pycuda
 
 import minigraph as mg
@@ -32,29 +32,12 @@ def fake():
         yield cuda
 
 
-def on_worker(fn):
-    """fn() on a new thread; its result, or its exception raised here."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
-            out["error"] = e
-    t = threading.Thread(target=run, name="worker")
-    t.start()
-    t.join(120)
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
-
-
 def test_a_place_made_and_first_used_on_a_worker_thread(fake):
     def work():
         place = mg.GPUPlace(0)                     # nothing is current on this thread
         got = place.to_host(place.to_device(np.arange(4.0)))
         return got, list(fake.stack())
-    got, stack = on_worker(work)
+    got, stack = run_on_thread(work)
     np.testing.assert_array_equal(got, np.arange(4.0))
     assert stack == []
 
@@ -68,7 +51,7 @@ def test_a_place_made_on_the_main_thread_first_used_on_a_worker(fake):
         with place.activate():
             x = place.to_device(np.ones(5))
             return place.to_host(elementwise.add(x, x))
-    np.testing.assert_array_equal(on_worker(work), np.full(5, 2.0))
+    np.testing.assert_array_equal(run_on_thread(work), np.full(5, 2.0))
     assert fake.leaks == []
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import shutil
 import struct
-import threading
 
 import numpy as np
 import pytest
+from helpers import run_on_thread
 from kernel_emulator import fake_pycuda
 from kernel_emulator.fake_memory import FakeDriverError
 
@@ -36,22 +36,6 @@ def cuda():
         drv.init()
         fake.drv = drv
         yield fake
-
-
-def on_thread(fn):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - raised in the test's thread
-            out["error"] = e
-    t = threading.Thread(target=run, name="other")
-    t.start()
-    t.join(60)
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 def test_a_memory_pool_needs_a_context_and_allocates_only_in_it(cuda):
@@ -95,20 +79,20 @@ def test_objects_of_a_context_die_cleanly_only_where_it_can_be_made_current(cuda
         events.pop()                                     # not current, not the owner
 
     with pytest.warns(UserWarning, match="event in out-of-thread context could not be cleaned"):
-        on_thread(drop_out_of_context)
+        run_on_thread(drop_out_of_context, name="other")
     assert cuda.leaks == [("other", "event", 0)]
 
     def drop_in_context():
         ctx.push()
         events.pop()
         cuda.drv.Context.pop()
-    on_thread(drop_in_context)
+    run_on_thread(drop_in_context, name="other")
     events.pop()                                          # the owner thread: PyCUDA pushes it
     assert len(cuda.leaks) == 1 and cuda.counts["event_destroy"] == 2
 
     def detach_elsewhere():
         ctx.detach()
-    on_thread(detach_elsewhere)
+    run_on_thread(detach_elsewhere, name="other")
     assert cuda.devices[0].retains == 1                  # PyCUDA released nothing
     with pytest.raises(AssertionError, match="still retained"):
         cuda.check_clean()
