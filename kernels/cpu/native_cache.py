@@ -10,6 +10,7 @@ library is complete, fsynced and renamed into place.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -46,38 +47,39 @@ def load_verified(path):
     if expected is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with _trusted(path, MAX_LIBRARY_BYTES) as (fd, data):
+            if data is None or hashlib.sha256(data).hexdigest() != expected:
+                return None
+            return dlopen(fd, path)
     except OSError:
         return None
-    try:
-        st = os.fstat(fd)
-        if not _trusted_file(st) or st.st_size > MAX_LIBRARY_BYTES:
-            return None
-        data = read_all(fd, st.st_size)
-        if data is None or hashlib.sha256(data).hexdigest() != expected:
-            return None
-        return dlopen(fd, path)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def _read_digest(path):
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not _trusted_file(st) or st.st_size > 256:
-            return None
-        text = (read_all(fd, st.st_size) or b"").decode("ascii", "replace").split()
-    finally:
-        os.close(fd)
+    with _trusted(path, 256) as (_, data):
+        text = (data or b"").decode("ascii", "replace").split()
     if len(text) == 1 and len(text[0]) == 64 and all(c in "0123456789abcdef" for c in text[0]):
         return text[0]
     return None
+
+
+@contextlib.contextmanager
+def _trusted(path, limit):
+    """(fd, bytes) of `path` opened without following a symlink, read from the same
+    open file, while the block runs; bytes None (fd possibly None) when it cannot be
+    opened, is not a regular file this user (or root) owns that no one else can
+    write, is over `limit` bytes, or changed size while read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield None, None
+        return
+    try:
+        st = os.fstat(fd)
+        ok = _trusted_file(st) and st.st_size <= limit
+        yield fd, read_all(fd, st.st_size) if ok else None
+    finally:
+        os.close(fd)
 
 
 def read_all(fd, size):
