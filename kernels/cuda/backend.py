@@ -7,6 +7,13 @@ to the context current when it is made (and raises with none), and
 them for a place first used on a worker thread, or for a second GPU while the
 first one's context is current, would fail or give the wrong device.
 
+A pool never holds zero blocks while its context is not current: PyCUDA's pool
+binds the blocks it holds to the context current when it starts holding (when
+a block comes back to an empty pool), and throws from the freed array's C++
+destructor when there is none - which aborts the process. An array can be
+dropped on any thread, inside `activate` or not, so leaving a block of work
+(`pop`) puts one small block back into an empty pool first.
+
 Each kernel module is compiled once per process and architecture (`cubin`:
 pycuda.compiler.compile, which runs `nvcc --preprocess` for its disk cache's
 key on every call) and loaded once per context (module_from_buffer).
@@ -30,6 +37,8 @@ from minigraph.kernels.cuda.launch import DeviceInfo, KernelResources
 
 ARRAY_MAKERS = 1024     # (shape, dtype) array makers kept per device
 GROUP_ALIGN = 256       # bytes: where each array of an empty_group starts (cudaMalloc's alignment)
+HELD_BYTES = 5          # the block a pool keeps between blocks of work (no array asks for 5 bytes
+                        # but a 5-element uint8 or bool one)
 
 # pycuda.compiler.compile -> {(module, arch): the compiled module's bytes}, for this
 # process (keyed by the compiler too, so a stand-in pycuda never shares entries)
@@ -114,6 +123,10 @@ class PyCudaBackend:
         state.context.push()
 
     def pop(self, state):
+        pool = state.pool
+        if pool is not None and not pool.held_blocks:
+            keep = pool.allocate(HELD_BYTES)    # freed at once, into the pool, context current
+            del keep
         self.drv.Context.pop()
 
     def kernel(self, module, name, fmt):

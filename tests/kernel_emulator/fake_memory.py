@@ -40,6 +40,12 @@ class _Allocation:
     def __del__(self):
         try:
             if self.pool is not None and self.pool.holding:
+                if not self.pool.held_blocks and not self.cuda.stack():
+                    # PyCUDA's pool binds its held blocks to the current context when
+                    # it starts holding; with none, its C++ destructor throws: abort
+                    self.cuda.aborted(f"a block returned to an empty DeviceMemoryPool on "
+                                      f"thread {threading.current_thread().name} with no "
+                                      "current context")
                 self.pool.held.setdefault(self.nbytes, []).append(self.reborn())
             else:
                 self.free()
@@ -84,6 +90,11 @@ class FakePool:
             return block
         self.cuda.count("mem_alloc")
         return _Allocation(self.cuda, nbytes, ctx, pooled=self)
+
+    @property
+    def held_blocks(self):
+        """How many freed blocks the pool holds (PyCUDA's held_blocks)."""
+        return sum(map(len, self.held.values()))
 
     def _free_held(self):
         for blocks in self.held.values():

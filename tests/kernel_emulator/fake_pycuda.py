@@ -19,6 +19,10 @@ reject:
   context is not current there is not cleaned up - PyCUDA warns "... in
   out-of-thread context could not be cleaned up" and leaks it (`leaks` lists
   them) - and `detach()` from another thread releases nothing;
+- a block freed into a memory pool that holds none, with no context current on
+  the freeing thread, aborts the real process (the pool binds its held blocks
+  to the current context; its C++ destructor throws): `aborts` lists each, and
+  `install` fails its block on any;
 - prepared_async_call packs its arguments as PyCUDA does (struct: a float for
   an int parameter, or a value out of range, raises struct.error) and
   refuses a grid or block the hardware would;
@@ -68,6 +72,7 @@ class FakeCuda:
         self.released = threading.Event()
         self.sticky = None              # fail(): the message every later call raises
         self.leaks = []                 # (thread, kind, device) PyCUDA could not clean up
+        self.aborts = []                # what would have ended the real process
 
     # ---- bookkeeping ---------------------------------------------------------------
     def count(self, what):
@@ -96,6 +101,12 @@ class FakeCuda:
         """FakeDriverError when a sticky error is set (see fail)."""
         if self.sticky is not None:
             raise FakeDriverError(f"{what} failed: {self.sticky}")
+
+    def aborted(self, what):
+        """Record what would have aborted the process (a C++ exception thrown in a
+        destructor: std::terminate); `install` fails its block on any."""
+        self.count("abort")
+        self.aborts.append(what)
 
     def cleanup(self, kind, ctx):
         """True when PyCUDA can destroy an object of `ctx` on this thread (its
@@ -205,6 +216,8 @@ class FakeCuda:
             for k in [k for k in sys.modules if k == "pycuda" or k.startswith("pycuda.")]:
                 del sys.modules[k]
             sys.modules.update(saved)
+        if self.aborts:
+            raise AssertionError(f"the real process would have aborted: {self.aborts}")
 
     def _check_toolkit(self, driver_version, nvcc="nvcc"):
         self.count("check_toolkit")
