@@ -91,8 +91,8 @@ def copy_bandwidth(drv, gpuarray, timer, nbytes, runs, warmup):
 
 
 def bench_shape(shape, layout, env, args):
-    np, torch, gpuarray, batch_norm, timer = (env.np, env.torch, env.gpuarray, env.batch_norm,
-                                              env.timer)
+    np, torch, gpuarray, timer = env.np, env.torch, env.gpuarray, env.timer
+    batch_norm, batch_norm_grad = env.batch_norm, env.batch_norm_grad
     n_ch = shape[1] if layout == "NCHW" else shape[-1]
     nbytes = math.prod(shape) * 4
     sets = max(1, min(8, math.ceil(4 * env.l2_bytes / nbytes)))
@@ -123,7 +123,7 @@ def bench_shape(shape, layout, env, args):
 
     def mg_backward(i):
         j = i % sets
-        batch_norm.backward(xs[j], dys[j], scale, stats[j][0], stats[j][1], 1e-5, layout)
+        batch_norm_grad.backward(xs[j], dys[j], scale, stats[j][0], stats[j][1], 1e-5, layout)
 
     # PyTorch: logical NCHW, channels_last memory for NHWC (the same bytes)
     dev = torch.device("cuda", args.device)
@@ -180,7 +180,7 @@ def main(argv=None):
     import numpy as np
 
     import minigraph as mg
-    from minigraph.kernels.cuda import batch_norm
+    from minigraph.kernels.cuda import batch_norm, batch_norm_grad
 
     try:
         mg.GPUPlace(args.device)             # primary context, current from now on
@@ -199,6 +199,7 @@ def main(argv=None):
     copy_gbs, _ = copy_bandwidth(drv, gpuarray, timer, 1 << 30, args.runs, args.warmup)
     hold_copy_ms = timer.median_ms(lambda i: timer.hold(0, 1), args.runs, args.warmup)  # 1 copy
     env = SimpleNamespace(np=np, torch=torch, gpuarray=gpuarray, batch_norm=batch_norm,
+                          batch_norm_grad=batch_norm_grad,
                           timer=timer, l2_bytes=l2_bytes, hold_copy_ms=hold_copy_ms)
     rows = []
     for shape, layout in SHAPES:

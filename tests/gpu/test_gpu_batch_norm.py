@@ -363,6 +363,12 @@ def test_two_emulated_gpus_over_host_staged_mpi():
     check_ok("gpu_sync_bn_check.py", 2, "--place", "emulated", timeout=120)
 
 
+@pytest.mark.mpi
+def test_one_emulated_gpu_takes_the_synced_path_in_a_world_of_one():
+    prebuild_emulator()
+    check_ok("gpu_sync_bn_check.py", 1, "--place", "emulated", timeout=120)
+
+
 @pytest.mark.gpu
 @pytest.mark.mpi
 def test_two_ranks_sharing_the_gpu_over_host_staged_mpi(gpu_place):

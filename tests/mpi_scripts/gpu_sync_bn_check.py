@@ -177,16 +177,14 @@ def check_global_n_is_one(comm, place):
 
 
 def check_synced_path_in_a_world_of_one(comm, place):
-    """batch_norm's GPU binding with the communicator's allreduce (the path
-    sync_batch_norm takes on several ranks) equals batch_norm, in one process."""
+    """batch_norm's GPU forward and grad with the communicator's collectives (the
+    path sync_batch_norm takes on several ranks: one allreduce_stats forward, one
+    allreduce backward) equal plain batch_norm, in one process."""
     from minigraph.kernels.cuda import batch_norm_op as bn
 
-    def sums(v):
-        return comm.allreduce(v, what="world of one")
-
-    def run(op, fn):
+    def run(op, fn, collective):
         ins = {slot: None if v is None else v.value for slot, v in op.inputs.items()}
-        for slot, value in fn(op, ins, sums).items():
+        for slot, value in fn(op, ins, allreduce=collective).items():
             if op.outputs.get(slot) is not None:
                 op.outputs[slot].value = value
 
@@ -198,12 +196,13 @@ def check_synced_path_in_a_world_of_one(comm, place):
         x = rng.normal(3, 2, (5, 3, 4, 6)).astype(np.float32)
         dy = rng.standard_normal(x.shape).astype(np.float32)
         want = plain.step(x, dy)
-        before = comm.stats.get("allreduce", [0, 0])[0]
+        before = {k: comm.stats.get(k, [0, 0])[0] for k in ("allreduce_stats", "allreduce")}
         synced.x.set(place.to_device(x))
         synced.dy.set(place.to_device(dy))
-        run(synced.train_op, bn.batch_norm_gpu)
-        run(synced.grad_op, bn.batch_norm_grad_gpu)
-        assert comm.stats["allreduce"][0] - before == 2, "world of one: allreduce calls"
+        run(synced.train_op, bn.forward_gpu, bn.device_stats_merge(comm, "world of one"))
+        run(synced.grad_op, bn.backward_gpu, bn.device_allreduce(comm, "world of one"))
+        calls = {k: comm.stats.get(k, [0, 0])[0] - n for k, n in before.items()}
+        assert calls == {"allreduce_stats": 1, "allreduce": 1}, f"world of one: {calls}"
         values = synced.ex.run([], synced.scope, fetch=[getattr(synced, k) for k in names])
         got = dict(zip(names, values, strict=True), **synced.estimates())
         for k in want:
