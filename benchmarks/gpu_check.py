@@ -22,9 +22,10 @@ gpu_steps() lists the exact commands.
 
 Each command runs in the repository root in its own process group with a hard
 timeout (--timeout seconds per step): a hang fails its step. After each step
---results (default benchmarks/RESULTS.md) is rewritten atomically: machine, GPU,
-date, commit, then per step its status (ok / failed / skipped), wall time, commands
-and the tail of their output (bench: all of it). With --from or --only, earlier
+--results (default benchmarks/RESULTS.md) is rewritten atomically, naming no local
+paths (see scrub): machine, GPU, date, commit, then per step its status (ok /
+failed / skipped), wall time, commands and the tail of their output (bench: all
+of it). With --from or --only, earlier
 results of the other steps are kept. The run stops at the first failed step and
 prints the command that reruns it alone, e.g.
 `python benchmarks/gpu_check.py --only sanitizer`.
@@ -236,13 +237,23 @@ def write_results(path, header, results, order):
         if r["output"]:
             lines += ["", "````text", r["output"].rstrip("\n"), "````"]
     lines += ["", MARK + json.dumps(results) + " -->", ""]
+    text = scrub("\n".join(lines))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines))
+        f.write(text)
     os.chmod(tmp, 0o644)                    # mkstemp's file is private; a results file is not
     os.replace(tmp, path)
+
+
+def scrub(text, root=ROOT, prefix=None):
+    """`text` naming no local paths: the repository root reads ".", and a virtual
+    environment's prefix (sys.prefix, when it is one) "<venv>"."""
+    if prefix is None and sys.prefix != sys.base_prefix:
+        prefix = sys.prefix
+    text = text.replace(str(root), ".")
+    return text.replace(prefix, "<venv>") if prefix else text
 
 
 def now():
@@ -403,7 +414,7 @@ def main(argv=None):
     if reason:
         print(f"gpu_check: no GPU to check on this machine: {reason}", file=sys.stderr)
         return 1
-    header = {"machine": f"{platform.node()} ({platform.platform()}, {os.cpu_count()} CPUs)",
+    header = {"machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
               "GPU": "; ".join(re.sub(r"\s*\(UUID.*\)", "", g) for g in gpus),
               "date": now(), "commit": commit(),
               "command": shlex.join(["python", "benchmarks/gpu_check.py",

@@ -125,6 +125,17 @@ def test_only_runs_one_step_and_keeps_the_other_results(tmp_path, capsys):
     assert "| bad |" not in results.read_text()
 
 
+def test_results_name_no_local_paths(tmp_path):
+    steps = [gc.Step("where", "prints paths", [[sys.executable, "-c",
+                                                  f"print({str(gc.ROOT)!r} + '/tests')"]])]
+    results = tmp_path / "RESULTS.md"
+    assert gc.run_steps(steps, results, timeout=60) == 0
+    text = results.read_text()
+    assert str(gc.ROOT) not in text and "./tests" in text
+    assert gc.scrub("/env/bin/python /repo/x", root="/repo", prefix="/env") == \
+        "<venv>/bin/python ./x"
+
+
 def test_from_starts_at_the_step(tmp_path):
     steps, later = fake_steps(tmp_path)
     assert [s.name for s in gc.select(steps, start="bad")] == ["bad", "later"]
