@@ -15,12 +15,15 @@ rng = np.random.default_rng(5)
 pytestmark = pytest.mark.skipif(not pool_native.available(),
                                 reason=f"native kernels not built: {native.reason('pool_native')}")
 
-# (x shape, ksize, strides, paddings): tiling 2x2, a remainder row and column left out,
+# (x shape, ksize, strides, paddings): tiling 2x2 (float32: eight windows at a time and
+# the rest of a row, the rows of 19 and of 17 windows), a remainder row and column left out,
 # overlapping 3x3 windows with padding, strided and padded, one-tap windows, windows
 # wider than tall, a window as large as the padded plane
 CASES = {
     "2x2 tiling": ((4, 3, 8, 8), (2, 2), (2, 2), (0, 0)),
     "2x2 odd plane": ((2, 3, 7, 9), (2, 2), (2, 2), (0, 0)),
+    "2x2 rows of 19": ((2, 3, 6, 38), (2, 2), (2, 2), (0, 0)),
+    "2x2 odd plane of 17 wide": ((2, 2, 7, 35), (2, 2), (2, 2), (0, 0)),
     "3x3 overlapping": ((2, 4, 6, 5), (3, 3), (1, 1), (1, 1)),
     "3x3 stride 2 padded": ((3, 2, 9, 8), (3, 3), (2, 2), (1, 1)),
     "1x1 stride 2": ((2, 2, 5, 5), (1, 1), (2, 2), (0, 0)),
@@ -70,13 +73,15 @@ def test_same_gradient_as_the_numpy_kernel(case, dtype, ties, threads, monkeypat
     np.testing.assert_array_equal(got, numpy_grad(x, dout, attrs, monkeypatch))
 
 
-@pytest.mark.parametrize("case", ["2x2 tiling", "3x3 overlapping", "3x3 stride 2 padded"])
-def test_nan_and_infinities(case, monkeypatch):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", ["2x2 tiling", "2x2 rows of 19", "3x3 overlapping",
+                                  "3x3 stride 2 padded"])
+def test_nan_and_infinities(case, dtype, monkeypatch):
     """A NaN takes the gradient only as a window's first tap; a window of -inf whose
     first tap is padding passes nothing on; +inf wins."""
     shape, *geometry = CASES[case]
     attrs = attrs_of(*geometry)
-    x, dout, hw = inputs(shape, attrs, np.float64)
+    x, dout, hw = inputs(shape, attrs, dtype)
     flat = x.reshape(-1)
     flat[rng.choice(flat.size, flat.size // 5, replace=False)] = np.nan
     flat[rng.choice(flat.size, flat.size // 5, replace=False)] = -np.inf

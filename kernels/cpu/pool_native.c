@@ -7,7 +7,10 @@
  *   (so a NaN is chosen only as the first tap, and a window whose first max is
  *   padding passes nothing on);
  * - where windows overlap, each element's contributions are added in the order of
- *   their taps (windows visited in reverse raster order), starting from 0.
+ *   their taps (windows visited in reverse raster order), starting from 0;
+ * - float32 2x2 windows at stride 2 without padding (each element in one window at
+ *   most, the common pooling layer) go eight windows at a time (tiles8): the same
+ *   choice made with vector masks instead of one window at a time.
  * And the forward of 2x2 windows at stride 2 that tile the plane exactly (the
  * common pooling layer), as the numpy kernel's two passes: the max of each pair of
  * rows, then of each pair of neighbours in that row, NaN propagating (numpy's
@@ -25,6 +28,10 @@
 #include "native_pool.h"
 
 #define MAX_THREADS 64
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
 
 typedef struct {
     const void *x, *dout;
@@ -80,8 +87,75 @@ typedef struct {
         return at;                                                                      \
     }
 
+WINDOW(float)
+WINDOW(double)
+
+static v8 load8(const float *p) { return *(const v8u *)p; }
+static void store8(float *p, v8 v) { *(v8u *)p = v; }
+static v8 pick(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* Eight 2x2 windows side by side (stride 2) of rows top and bottom, float32: the
+ * four taps of each as vectors (the even and odd columns of its two rows), the
+ * first strictly greatest chosen as TAP does (masks, no branches), dout d written
+ * to its tap and zeros to the other three. */
+static inline void tiles8(const float *top, const float *bottom, const float *d, float *dtop,
+                          float *dbottom) {
+    v8 t0 = load8(top), t1 = load8(top + 8), b0 = load8(bottom), b1 = load8(bottom + 8);
+    v8 x00 = __builtin_shufflevector(t0, t1, 0, 2, 4, 6, 8, 10, 12, 14);
+    v8 x01 = __builtin_shufflevector(t0, t1, 1, 3, 5, 7, 9, 11, 13, 15);
+    v8 x10 = __builtin_shufflevector(b0, b1, 0, 2, 4, 6, 8, 10, 12, 14);
+    v8 x11 = __builtin_shufflevector(b0, b1, 1, 3, 5, 7, 9, 11, 13, 15);
+    v8i m1 = x01 > x00;
+    v8 best = pick(m1, x01, x00);
+    v8i m2 = x10 > best;
+    best = pick(m2, x10, best);
+    v8i m3 = x11 > best;
+    m2 &= ~m3;
+    m1 &= ~(m2 | m3);
+    v8i m0 = ~(m1 | m2 | m3), dv = (v8i)load8(d);
+    v8 d00 = (v8)(dv & m0), d01 = (v8)(dv & m1), d10 = (v8)(dv & m2), d11 = (v8)(dv & m3);
+    store8(dtop, __builtin_shufflevector(d00, d01, 0, 8, 1, 9, 2, 10, 3, 11));
+    store8(dtop + 8, __builtin_shufflevector(d00, d01, 4, 12, 5, 13, 6, 14, 7, 15));
+    store8(dbottom, __builtin_shufflevector(d10, d11, 0, 8, 1, 9, 2, 10, 3, 11));
+    store8(dbottom + 8, __builtin_shufflevector(d10, d11, 4, 12, 5, 13, 6, 14, 7, 15));
+}
+
+/* n windows side by side: tiles8 on each eight, the last n % 8 through zero-padded
+ * copies (so every window is chosen the same way). */
+static void row_tiles(const float *top, const float *bottom, const float *d, float *dtop,
+                      float *dbottom, int64_t n) {
+    int64_t q = 0;
+    for (; q + 8 <= n; q += 8)
+        tiles8(top + 2 * q, bottom + 2 * q, d + q, dtop + 2 * q, dbottom + 2 * q);
+    if (q < n) {
+        float t[16] = {0}, b[16] = {0}, dd[8] = {0}, ot[16], ob[16];
+        int64_t r = n - q;
+        for (int64_t i = 0; i < 2 * r; i++) t[i] = top[2 * q + i], b[i] = bottom[2 * q + i];
+        for (int64_t i = 0; i < r; i++) dd[i] = d[q + i];
+        tiles8(t, b, dd, ot, ob);
+        for (int64_t i = 0; i < 2 * r; i++) dtop[2 * q + i] = ot[i], dbottom[2 * q + i] = ob[i];
+    }
+}
+
+/* dx of one float32 plane for 2x2 windows at stride 2, no padding, 2 ho <= h and
+ * 2 wo <= w (each element in at most one window): row_tiles on each pair of rows;
+ * the rows and columns no window covers get zeros. */
+static void tiles_grad_float(const float *x, const float *dout, float *dx, int64_t h,
+                             int64_t w, int64_t ho, int64_t wo) {
+    for (int64_t oh = 0; oh < ho; oh++) {
+        float *dtop = dx + 2 * oh * w;
+        row_tiles(x + 2 * oh * w, x + (2 * oh + 1) * w, dout + oh * wo, dtop, dtop + w, wo);
+        for (int64_t c = 2 * wo; c < w; c++) dtop[c] = dtop[w + c] = 0;
+    }
+    for (int64_t e = 2 * ho * w; e < h * w; e++) dx[e] = 0;
+}
+
+static int tiles_2x2(const job_t *j) {
+    return j->kh == 2 && j->kw == 2 && j->sh == 2 && j->sw == 2 && j->ph == 0 && j->pw == 0
+           && 2 * j->ho <= j->h && 2 * j->wo <= j->w;
+}
+
 #define KERNELS(T)                                                                      \
-    WINDOW(T)                                                                           \
     static void gradient_##T(const job_t *j) {                                          \
         const int64_t h = j->h, w = j->w, ho = j->ho, wo = j->wo, kh = j->kh, kw = j->kw;\
         const int64_t sh = j->sh, sw = j->sw, ph = j->ph, pw = j->pw;                   \
@@ -105,10 +179,16 @@ KERNELS(double)
 
 static void *run(void *arg) {
     const job_t *j = arg;
-    if (j->f64)
+    if (j->f64) {
         gradient_double(j);
-    else
+    } else if (tiles_2x2(j)) {
+        for (int64_t p = j->begin; p < j->end; p++)
+            tiles_grad_float((const float *)j->x + p * j->h * j->w,
+                             (const float *)j->dout + p * j->ho * j->wo,
+                             (float *)j->dx + p * j->h * j->w, j->h, j->w, j->ho, j->wo);
+    } else {
         gradient_float(j);
+    }
     return 0;
 }
 
