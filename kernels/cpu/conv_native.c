@@ -56,6 +56,8 @@ typedef struct {
     int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
     int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
     int64_t *koff;
+    int64_t *vbase, *vout, *vlanes;   /* forward, per output vector: its buffer offset, where
+                                           its first output goes in a plane, how many it has */
     int64_t x0[MAX_PHASES], x1[MAX_PHASES], c0[MAX_PHASES];   /* per phase: the buffer
                                            columns [x0, x1) hold input columns c0, c0 + sw, .. */
 } conv_t;
@@ -99,6 +101,23 @@ static void setup(conv_t *a, const int64_t *d)
             }
 }
 
+/* The forward's per-vector tables (vbase, vout, vlanes in one block); 0 when
+ * memory ran out. */
+static int vector_tables(conv_t *a)
+{
+    a->vbase = malloc(3 * (a->nvec > 0 ? a->nvec : 1) * sizeof(int64_t));
+    if (!a->vbase) return 0;
+    a->vout = a->vbase + a->nvec;
+    a->vlanes = a->vout + a->nvec;
+    for (int64_t v = 0; v < a->nvec; v++) {
+        int64_t y = v / a->vpr, x0 = (v % a->vpr) * 8;
+        a->vbase[v] = y * a->sh * a->wb + x0;
+        a->vout[v] = (a->oy0 + a->osh * y) * a->out_w + a->ox0 + a->osw * x0;
+        a->vlanes[v] = a->wo - x0 < 8 ? a->wo - x0 : 8;
+    }
+    return 1;
+}
+
 /* Image `img` of x into buf, whose zeros were set once (the same places are
  * written for every image). */
 static void fill_buffer(const conv_t *a, int64_t img, float *buf)
@@ -128,10 +147,7 @@ static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV]
         int64_t oc = blk * MR + r;
         float bias = a->bias ? a->bias[oc] : 0.0f;
         for (int v = 0; v < nv; v++) {
-            int64_t vv = v0 + v, x0 = (vv % a->vpr) * 8;
-            int64_t at = (img * a->o + oc) * plane + (a->oy0 + a->osh * (vv / a->vpr)) * a->out_w
-                         + a->ox0 + a->osw * x0;
-            int64_t lanes = a->wo - x0 < 8 ? a->wo - x0 : 8;
+            int64_t at = (img * a->o + oc) * plane + a->vout[v0 + v], lanes = a->vlanes[v0 + v];
             v8 val = acc[r][v] + bias;
             if (lanes == 8 && a->osw == 1) {
                 if (a->residual) val += load(a->residual + at);
@@ -155,8 +171,7 @@ static inline __attribute__((always_inline)) void forward_tile(
     v8 acc[MR][NV];
     int64_t base[NV];
     for (int v = 0; v < NV; v++) {
-        int64_t vv = v0 + (v < nv ? v : 0);
-        base[v] = (vv / a->vpr) * a->sh * a->wb + (vv % a->vpr) * 8;
+        base[v] = a->vbase[v0 + (v < nv ? v : 0)];
         for (int r = 0; r < MR; r++) acc[r][v] = (v8){0};
     }
     for (int64_t k = 0; k < a->k; k++) {
@@ -285,6 +300,7 @@ int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
     conv_t a = {.x = x, .filter = filter, .bias = bias, .residual = residual, .out = out};
     setup(&a, dims);
     if (!a.koff) return 1;
+    if (!vector_tables(&a)) { free(a.koff); return 1; }
     threads = threads < 1 ? 1 : threads;
     a.slices = a.n >= threads ? 1 : (threads + a.n - 1) / a.n;   /* few images: split O */
     if (a.slices > a.nblk) a.slices = a.nblk;
@@ -294,6 +310,7 @@ int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
     job_t jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) jobs[t] = (job_t){.a = &a, .next = &next};
     int failed = run_jobs(forward_job, jobs, threads);
+    free(a.vbase);
     free(a.koff);
     return failed;
 }
