@@ -7,12 +7,13 @@ to the context current when it is made (and raises with none), and
 them for a place first used on a worker thread, or for a second GPU while the
 first one's context is current, would fail or give the wrong device.
 
-A pool never holds zero blocks while its context is not current: PyCUDA's pool
-binds the blocks it holds to the context current when it starts holding (when
-a block comes back to an empty pool), and throws from the freed array's C++
-destructor when there is none - which aborts the process. An array can be
-dropped on any thread, inside `activate` or not, so leaving a block of work
-(`pop`) puts one small block back into an empty pool first.
+A pool keeps a block between blocks of work: PyCUDA's pool binds the blocks it
+holds to the context current when it starts holding (when a block comes back
+to an empty pool), and throws from the freed array's C++ destructor when there
+is none - which aborts the process. An array can be dropped on any thread,
+inside `activate` or not, so leaving a block of work (`pop`) first puts one
+block of a size no float array has back into an empty pool; only an allocation
+of that size on another thread in between could take it out again.
 
 Each kernel module is compiled once per process and architecture (`cubin`:
 pycuda.compiler.compile, which runs `nvcc --preprocess` for its disk cache's
