@@ -22,10 +22,11 @@ other down many times over when they share a process on a few cores. Each
 framework gets `--threads` threads (mg.set_num_threads, which also limits BLAS
 through threadpoolctl; torch.set_num_threads). Results come back as JSON.
 
-Timings alternate: --rounds rounds (default 3), each a fresh minigraph process
-then a fresh PyTorch process; the table shows the median over rounds of each
-side's time, and the range of the rounds' ratios (this machine's speed drifts
-by 2x over minutes, so a lone pair of processes can be far off).
+Timings alternate: --rounds rounds (default 5), each a fresh process of either
+framework back to back, minigraph first in even rounds and PyTorch first in odd
+ones; the table shows the median over rounds of each side's time, the median of
+the rounds' ratios (the verdict) and their range (this machine's speed drifts by
+2x over minutes, so a lone pair of processes can be far off).
 
 - train: median wall time of one training step (forward, backward, update; the
   loss fetched / `.item()`), after warm-up steps.
@@ -273,11 +274,16 @@ def worker_result(framework, net, what, args):
 
 def timed_rounds(net, args):
     """(minigraph, pytorch, ratios): each framework's times, the median over
-    `args.rounds` rounds that each run minigraph then PyTorch in fresh processes
-    (so a slow spell of the machine lands on both sides of a round's ratio), and
-    every round's ratio per measurement."""
-    rounds = [(worker_result("minigraph", net, "time", args),
-               worker_result("pytorch", net, "time", args)) for _ in range(args.rounds)]
+    `args.rounds` rounds that each run both frameworks back to back in fresh
+    processes (so a slow spell of the machine lands on both sides of a round's
+    ratio; minigraph first in even rounds, PyTorch first in odd ones, so that
+    neither always runs on the later, warmer or colder, machine), and every
+    round's ratio per measurement."""
+    rounds = []
+    for i in range(args.rounds):
+        order = ("minigraph", "pytorch") if i % 2 == 0 else ("pytorch", "minigraph")
+        got = {fw: worker_result(fw, net, "time", args) for fw in order}
+        rounds.append((got["minigraph"], got["pytorch"]))
     mine = {**rounds[0][0], **{w: statistics.median(r[0][w] for r in rounds)
                                for w in ("train", "infer", "infer (net)")}}
     theirs = {w: statistics.median(r[1][w] for r in rounds) for w in ("train", "infer")}
@@ -289,8 +295,9 @@ def report(args):
     """Run every measurement, print the table and the notes under it; returns
     the same as markdown (a table and a list) for docs/performance.md."""
     setting = (f"threads: {args.threads} per framework, each measurement in its own process; "
-               f"medians of {args.repeat} steps after {args.warmup} warm-up steps, then the "
-               f"median over {args.rounds} rounds (minigraph, then PyTorch)")
+               f"medians of {args.repeat} steps after {args.warmup} warm-up steps; {args.rounds} "
+               "rounds of both frameworks back to back (minigraph first in every other round); "
+               "times: the median over rounds, ratio: the median of the rounds' ratios")
     print(f"{setting}; load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'net (batch)':<22} {'':<6} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
           f"{'per round':>11} {'target':>7}")
@@ -300,7 +307,7 @@ def report(args):
         n, chw = NETS[net]
         name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what, target in (("train", 1.0), ("infer", 0.8)):
-            r = mine[what] / theirs[what]
+            r = statistics.median(ratios[what])         # the rounds' paired ratios
             spread = f"{min(ratios[what]):.2f}-{max(ratios[what]):.2f}"
             verdict = "ok" if r <= target else "MISSED"
             print(f"{label:<22} {what:<6} {mine[what]:>12.2f} {theirs[what]:>11.2f} {r:>6.2f} "
@@ -376,7 +383,7 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=30, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mem-steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="fresh minigraph and PyTorch processes per timing, alternated")
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
     parser.add_argument("--no-write", action="store_true",
