@@ -16,13 +16,15 @@ pytestmark = pytest.mark.skipif(not pool_native.available(),
                                 reason=f"native kernels not built: {native.reason('pool_native')}")
 
 # (x shape, ksize, strides, paddings): tiling 2x2 (float32: eight windows at a time and
-# the rest of a row, the rows of 19 and of 17 windows), a remainder row and column left out,
+# the rest of a row, the rows of 19 and of 17 windows; planes 8 wide two rows of windows
+# at a time, and the odd row left), a remainder row and column left out,
 # overlapping 3x3 windows with padding, strided and padded, one-tap windows, windows
 # wider than tall, a window as large as the padded plane
 CASES = {
     "2x2 tiling": ((4, 3, 8, 8), (2, 2), (2, 2), (0, 0)),
     "2x2 odd plane": ((2, 3, 7, 9), (2, 2), (2, 2), (0, 0)),
     "2x2 rows of 19": ((2, 3, 6, 38), (2, 2), (2, 2), (0, 0)),
+    "2x2 8 wide, 3 rows of windows": ((2, 3, 7, 8), (2, 2), (2, 2), (0, 0)),
     "2x2 odd plane of 17 wide": ((2, 2, 7, 35), (2, 2), (2, 2), (0, 0)),
     "3x3 overlapping": ((2, 4, 6, 5), (3, 3), (1, 1), (1, 1)),
     "3x3 stride 2 padded": ((3, 2, 9, 8), (3, 3), (2, 2), (1, 1)),

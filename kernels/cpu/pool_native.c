@@ -94,13 +94,16 @@ static v8 load8(const float *p) { return *(const v8u *)p; }
 static void store8(float *p, v8 v) { *(v8u *)p = v; }
 static v8 pick(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
-/* Eight 2x2 windows side by side (stride 2) of rows top and bottom, float32: the
- * four taps of each as vectors (the even and odd columns of its two rows), the
- * first strictly greatest chosen as TAP does (masks, no branches), dout d written
- * to its tap and zeros to the other three. */
-static inline void tiles8(const float *top, const float *bottom, const float *d, float *dtop,
-                          float *dbottom) {
-    v8 t0 = load8(top), t1 = load8(top + 8), b0 = load8(bottom), b1 = load8(bottom + 8);
+/* Eight 2x2 windows (stride 2), float32: four whose top and bottom rows start at
+ * top0 and bottom0, four at top1 and bottom1 (8 floats on from top0 and bottom0
+ * within one row; or two rows of 4 windows each), dout d (8). The four taps of each
+ * as vectors (the even and odd columns of its two rows), the first strictly
+ * greatest chosen as TAP does (masks, no branches), d written to its tap and zeros
+ * to the other three, at dtop0 .. dbottom1 as the rows were read. */
+static inline void tiles8_at(const float *top0, const float *top1, const float *bottom0,
+                             const float *bottom1, const float *d, float *dtop0, float *dtop1,
+                             float *dbottom0, float *dbottom1) {
+    v8 t0 = load8(top0), t1 = load8(top1), b0 = load8(bottom0), b1 = load8(bottom1);
     v8 x00 = __builtin_shufflevector(t0, t1, 0, 2, 4, 6, 8, 10, 12, 14);
     v8 x01 = __builtin_shufflevector(t0, t1, 1, 3, 5, 7, 9, 11, 13, 15);
     v8 x10 = __builtin_shufflevector(b0, b1, 0, 2, 4, 6, 8, 10, 12, 14);
@@ -114,10 +117,16 @@ static inline void tiles8(const float *top, const float *bottom, const float *d,
     m1 &= ~(m2 | m3);
     v8i m0 = ~(m1 | m2 | m3), dv = (v8i)load8(d);
     v8 d00 = (v8)(dv & m0), d01 = (v8)(dv & m1), d10 = (v8)(dv & m2), d11 = (v8)(dv & m3);
-    store8(dtop, __builtin_shufflevector(d00, d01, 0, 8, 1, 9, 2, 10, 3, 11));
-    store8(dtop + 8, __builtin_shufflevector(d00, d01, 4, 12, 5, 13, 6, 14, 7, 15));
-    store8(dbottom, __builtin_shufflevector(d10, d11, 0, 8, 1, 9, 2, 10, 3, 11));
-    store8(dbottom + 8, __builtin_shufflevector(d10, d11, 4, 12, 5, 13, 6, 14, 7, 15));
+    store8(dtop0, __builtin_shufflevector(d00, d01, 0, 8, 1, 9, 2, 10, 3, 11));
+    store8(dtop1, __builtin_shufflevector(d00, d01, 4, 12, 5, 13, 6, 14, 7, 15));
+    store8(dbottom0, __builtin_shufflevector(d10, d11, 0, 8, 1, 9, 2, 10, 3, 11));
+    store8(dbottom1, __builtin_shufflevector(d10, d11, 4, 12, 5, 13, 6, 14, 7, 15));
+}
+
+/* Eight windows side by side in rows top and bottom. */
+static inline void tiles8(const float *top, const float *bottom, const float *d, float *dtop,
+                          float *dbottom) {
+    tiles8_at(top, top + 8, bottom, bottom + 8, d, dtop, dtop + 8, dbottom, dbottom + 8);
 }
 
 /* n windows side by side: tiles8 on each eight, the last n % 8 through zero-padded
@@ -138,11 +147,20 @@ static void row_tiles(const float *top, const float *bottom, const float *d, flo
 }
 
 /* dx of one float32 plane for 2x2 windows at stride 2, no padding, 2 ho <= h and
- * 2 wo <= w (each element in at most one window): row_tiles on each pair of rows;
- * the rows and columns no window covers get zeros. */
+ * 2 wo <= w (each element in at most one window): row_tiles on each pair of rows
+ * (planes 8 wide: two output rows of 4 windows at a time); the rows and columns no
+ * window covers get zeros. */
 static void tiles_grad_float(const float *x, const float *dout, float *dx, int64_t h,
                              int64_t w, int64_t ho, int64_t wo) {
-    for (int64_t oh = 0; oh < ho; oh++) {
+    int64_t oh = 0;
+    if (w == 8 && wo == 4)
+        for (; oh + 2 <= ho; oh += 2) {
+            const float *xr = x + 2 * oh * w;
+            float *dr = dx + 2 * oh * w;
+            tiles8_at(xr, xr + 2 * w, xr + w, xr + 3 * w, dout + oh * wo, dr, dr + 2 * w, dr + w,
+                      dr + 3 * w);
+        }
+    for (; oh < ho; oh++) {
         float *dtop = dx + 2 * oh * w;
         row_tiles(x + 2 * oh * w, x + (2 * oh + 1) * w, dout + oh * wo, dtop, dtop + w, wo);
         for (int64_t c = 2 * wo; c < w; c++) dtop[c] = dtop[w + c] = 0;
