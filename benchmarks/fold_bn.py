@@ -10,23 +10,12 @@ the largest difference between the two. One framework, one process.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from timing import median_ms
 
 import minigraph as mg
 from minigraph.examples.train_digits import build_net
-
-
-def median_ms(fn, repeat):
-    for _ in range(max(3, repeat // 10)):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def main(argv=None):
@@ -51,9 +40,11 @@ def main(argv=None):
         x = rng.random((batch, 1, 8, 8), dtype=np.float32)
         (a,) = net.infer(feed={"image": x}, fetch=[logits])
         (b,) = folded.infer(feed={"image": x}, fetch=[logits])
-        t_net = median_ms(lambda x=x: net.infer(feed={"image": x}, fetch=[logits]), args.repeat)
+        warmup = max(3, args.repeat // 10)
+        t_net = median_ms(lambda x=x: net.infer(feed={"image": x}, fetch=[logits]), args.repeat,
+                          warmup)
         t_fold = median_ms(lambda x=x: folded.infer(feed={"image": x}, fetch=[logits]),
-                           args.repeat)
+                           args.repeat, warmup)
         print(f"| {batch} | {t_net:.3f} | {t_fold:.3f} | {t_fold / t_net:.2f} | "
               f"{float(np.abs(a - b).max()):.1e} |")
 
