@@ -102,6 +102,19 @@ def get_num_threads():
     return _threads
 
 
+# values a native kernel's thread must have where it runs between BLAS calls (the
+# max-pool gradient, dropout): OpenBLAS's workers stay busy-waiting for a while after
+# a call, so a thread woken right after one waits for a core; one thread was faster
+# inside whole training steps
+BETWEEN_BLAS_VALUES = 1 << 22
+
+
+def threads_for(values, per_thread):
+    """The threads a pass over `values` values runs on: at most get_num_threads(), at
+    least 1, one per `per_thread` values."""
+    return max(1, min(get_num_threads(), values // per_thread))
+
+
 def run_blocks(body, plan):
     """Run body(blocks) on plan.workers threads (this one and pool threads) that share
     one iterator over plan.blocks, so a thread that starts late or is slowed down

@@ -88,7 +88,7 @@ def _kernel(name, what, x3, **arrays):
 def threads_for(values, channels, inner):
     """The threads a pass over `values` values runs on: at most get_num_threads(), one
     per MIN_THREAD_VALUES values, and (channels split, inner > 1) one per channel."""
-    threads = max(1, min(blocks.get_num_threads(), values // MIN_THREAD_VALUES))
+    threads = blocks.threads_for(values, MIN_THREAD_VALUES)
     return min(threads, channels) if inner > 1 else threads
 
 

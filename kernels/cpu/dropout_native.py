@@ -16,11 +16,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import blocks, native
 
-# values a thread must have to be worth waking one for the call. High: in a training
-# step these run between BLAS calls, whose worker threads stay busy-waiting for a
-# while, and a thread started per call then waits for a core: one thread was faster
-# inside whole training steps
-MIN_THREAD_VALUES = 1 << 22
+MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _kernel = None
@@ -58,7 +54,7 @@ def forward(x, p, factor, seed64, stream):
     out = np.empty_like(x)
     keep = np.empty(x.shape, np.uint8)
     if x.size:
-        threads = max(1, min(blocks.get_num_threads(), x.size // MIN_THREAD_VALUES))
+        threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
         _kernel(int(x.dtype == np.float64), x.ctypes.data, out.ctypes.data, keep.ctypes.data,
                 x.size, float(p), float(factor), int(seed64) & 0xFFFFFFFFFFFFFFFF,
                 int(stream), threads)

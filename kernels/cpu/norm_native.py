@@ -62,7 +62,7 @@ def kernels(dtype):
 
 def threads_for(values):
     """The threads a pass over `values` values runs on: at most get_num_threads()."""
-    return max(1, min(blocks.get_num_threads(), values // MIN_THREAD_VALUES))
+    return blocks.threads_for(values, MIN_THREAD_VALUES)
 
 
 def _ptr(a):

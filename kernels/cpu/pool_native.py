@@ -19,11 +19,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import blocks, native
 
-# values a thread must have to be worth waking one for the call. High: in a training
-# step these run between BLAS calls, whose worker threads stay busy-waiting for a
-# while, and a thread started per call then waits for a core: one thread was faster
-# inside whole training steps
-MIN_THREAD_VALUES = 1 << 22
+MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -81,7 +77,7 @@ def max_pool_grad(x, dout, attrs, hw):
         n, c, h, w = x.shape
         geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
                                         *attrs["paddings"])
-        threads = max(1, min(blocks.get_num_threads(), x.size // MIN_THREAD_VALUES))
+        threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
         _kernel(int(dtype == np.float64), x.ctypes.data, dout.ctypes.data, dx.ctypes.data,
                 n * c, h, w, geometry, threads)
     return dx
