@@ -290,3 +290,14 @@ def test_the_build_limit_setting(monkeypatch):
     assert native.build_timeout() == 7.5
     monkeypatch.delenv("MINIGRAPH_NATIVE_BUILD_TIMEOUT")
     assert native.build_timeout() == native.DEFAULT_BUILD_TIMEOUT_S
+
+
+def test_the_address_a_kernel_gets():
+    """None for None and for an array with no values; the data's address for a
+    writable and for a read-only array (numpy's way there)."""
+    a = np.arange(6.0)
+    assert native.address(None) is None and native.address(np.empty(0)) is None
+    assert native.address(a) == a.ctypes.data
+    a.flags.writeable = False
+    assert native.address(a) == a.ctypes.data
+    assert native.address(a[2:]) == a.ctypes.data + 16

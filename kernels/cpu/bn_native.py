@@ -36,7 +36,6 @@ _ARGTYPES = {"stats": [_P, _P, _L, _L, _L, _P, _P, _D, _P, _P, _L],
              "grad": [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _P, _L],
              "apply": [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _L]}
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
-_char, _address = ctypes.c_char.from_buffer, ctypes.addressof
 _kernels = None            # dtype -> {name: C function}, once the library is loaded
 
 
@@ -92,14 +91,7 @@ def threads_for(values, channels, inner):
     return min(threads, channels) if inner > 1 else threads
 
 
-def _ptr(a):
-    """The address of C-contiguous `a`'s data (None for None or no values)."""
-    if a is None or a.size == 0:
-        return None
-    try:
-        return _address(_char(a))
-    except TypeError:                       # read-only: numpy's slower way
-        return a.ctypes.data
+_ptr = native.address
 
 
 def _channels(v, c, what, name):

@@ -28,7 +28,6 @@ _P, _L, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _FORWARD = [_P] * 6 + [_L] * 4 + [_D, _L]
 _BACKWARD = [_P] * 8 + [_L] * 4 + [_D, _L]
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
-_char, _address = ctypes.c_char.from_buffer, ctypes.addressof
 _kernels = None            # dtype -> (forward, backward), once the library is loaded
 
 
@@ -65,14 +64,7 @@ def threads_for(values):
     return blocks.threads_for(values, MIN_THREAD_VALUES)
 
 
-def _ptr(a):
-    """The address of C-contiguous `a`'s data (None for None)."""
-    if a is None:
-        return None
-    try:
-        return _address(_char(a))
-    except TypeError:                       # read-only: numpy's slower way
-        return a.ctypes.data
+_ptr = native.address
 
 
 def _vector(a, dtype, size, name):
@@ -108,8 +100,8 @@ def forward(x2, eps, scale=None, bias=None, post=1, size=None, want_y=True):
     stats = np.empty((2, rows), dtype)
     values = rows * length
     if values:
-        at = _address(_char(stats))
-        if fns[0](_ptr(x2), None if y is None else _address(_char(y)), _ptr(scale), _ptr(bias),
+        at = _ptr(stats)
+        if fns[0](_ptr(x2), _ptr(y), _ptr(scale), _ptr(bias),
                   at, at + rows * dtype.itemsize, rows, length, post, size, eps,
                   1 if values < 2 * MIN_THREAD_VALUES else threads_for(values)):
             raise MemoryError("norm_native.forward: the kernel's buffers could not be allocated")

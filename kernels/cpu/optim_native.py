@@ -44,18 +44,8 @@ def available():
     return _lib() is not None
 
 
-_char, _address = ctypes.c_char.from_buffer, ctypes.addressof
 _SCALARS = ctypes.c_double * 8
-
-
-def _ptr(a):
-    """The address of C-contiguous `a`'s data (None for None)."""
-    if a is None:
-        return None
-    try:
-        return _address(_char(a))
-    except (TypeError, ValueError):         # read-only or empty: numpy's slower way
-        return a.ctypes.data
+_ptr = native.address
 
 
 def _fits(arrays, dtype, shape):
