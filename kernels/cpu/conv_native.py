@@ -61,8 +61,7 @@ def _dims(g, relu=False, out_shape=None, at=(0, 0), step=(1, 1)):
                      g.ho, g.wo, int(bool(relu)), out_h, out_w, *at, *step], dtype=np.int64)
 
 
-def _ptr(array):
-    return None if array is None else array.ctypes.data
+_ptr = native.address
 
 
 def _float32(array, shape, name):
