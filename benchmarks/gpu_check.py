@@ -261,16 +261,19 @@ def now():
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def commit():
-    """The checked-out commit (short), marked when tracked files have local changes."""
+def commit(root=ROOT):
+    """The checked-out commit (short), marked when tracked files other than the results
+    file (which every step rewrites) have local changes."""
     def git(*words):
         try:
-            return subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True,
+            return subprocess.run(["git", *words], cwd=root, capture_output=True, text=True,
                                   timeout=30).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + (" (with local changes)" if git("status", "--porcelain", "-uno") else "")
+    changed = git("status", "--porcelain", "-uno", "--", ".",
+                  ":(exclude)" + DEFAULT_RESULTS.relative_to(ROOT).as_posix())
+    return head + (" (with local changes)" if changed else "")
 
 
 def find_tool(name):

@@ -136,6 +136,24 @@ def test_results_name_no_local_paths(tmp_path):
         "<venv>/bin/python ./x"
 
 
+def test_the_commit_is_marked_for_local_changes_but_not_for_the_results_file(tmp_path):
+    def git(*words):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *words],
+                       cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    clean = gc.commit(tmp_path)
+    assert clean != "unknown" and "local changes" not in clean
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("a step wrote this\n")
+    assert gc.commit(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert gc.commit(tmp_path) == clean + " (with local changes)"
+
+
 def test_from_starts_at_the_step(tmp_path):
     steps, later = fake_steps(tmp_path)
     assert [s.name for s in gc.select(steps, start="bad")] == ["bad", "later"]
