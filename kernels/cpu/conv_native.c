@@ -29,7 +29,10 @@
  * padded to GO)) times one broadcast input value per tap, summed over every
  * output of a group of images (group_size). Each thread sums a fixed range
  * of images into its own K x O array; the calling thread adds those in
- * thread order (results depend on the number of threads only). */
+ * thread order (results depend on the number of threads only).
+ *
+ * conv_winograd.h, included at the end, adds Winograd's F(2x2, 3x3) for the
+ * forward passes of 3x3 convs of stride 1 (conv_native.py's winograd() picks). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -348,3 +351,5 @@ int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const i
     free(a.koff);
     return failed;
 }
+
+#include "conv_winograd.h"

@@ -1,7 +1,9 @@
 """Launchers of the native CPU conv kernels (conv_native.c, built by native.py):
 float32 NCHW convolutions of one group, any kernel size, stride, padding and
 dilation - the forward pass (with fused_conv2d's epilogue), the filter
-gradient, and the input gradient as forward passes over dout.
+gradient, and the input gradient as forward passes over dout. Forward passes
+that `winograd` takes run Winograd's F(2x2, 3x3) (conv_winograd.h), the others
+the direct kernel.
 
 `supports(g, dtype)` says whether they take a conv here; the conv ops call
 them where they do, else conv_im2col's numpy engine (the reference they are
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import numpy as np
 
@@ -23,6 +26,10 @@ MAX_PHASES = 64              # conv_native.c's bound on a buffer's column phases
 # threads as on 1 when each call started its threads
 MIN_THREAD_WORK = 2_000_000
 
+# a 3x3 conv of stride 1 with fewer input channels (a stem on RGB) stays direct
+WINOGRAD_MIN_CHANNELS = 8
+WINOGRAD_ENV = "MINIGRAPH_WINOGRAD"
+
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -31,6 +38,7 @@ def _lib():
     if lib is not None and not getattr(lib, "_typed", False):
         lib.conv2d_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv2d_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
+        lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib._typed = True
     return lib
 
@@ -92,12 +100,30 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     x = _float32(x, (g.n, g.c, g.h, g.w), "x")
     w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     bias = None if bias is None else _float32(bias, (g.o,), "bias")
-    if g.n and g.o and g.ho and g.wo:
+    if g.n and g.o and g.ho and g.wo and winograd(g, out.shape, at, step):
+        dims = np.array([g.n, g.c, g.h, g.w, g.o, g.ph, g.pw, g.ho, g.wo, int(bool(relu))],
+                        dtype=np.int64)
+        failed = _lib().conv2d_winograd_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
+                                            _ptr(out), _ptr(dims), _threads(g, threads))
+        if failed:
+            raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
+    elif g.n and g.o and g.ho and g.wo:
         dims = _dims(g, relu, out.shape, at, step)
         failed = _lib().conv2d_forward_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
                                            _ptr(out), _ptr(dims), _threads(g, threads))
         if failed:
             raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
+
+
+def winograd(g, out_shape=None, at=(0, 0), step=(1, 1)):
+    """True when forward passes take Winograd's F(2x2, 3x3) (conv_winograd.h): a 3x3
+    filter of stride 1 and dilation 1 with at least WINOGRAD_MIN_CHANNELS input
+    channels, its outputs filling out_shape (N, O, ho, wo), and not turned off
+    (MINIGRAPH_WINOGRAD=0)."""
+    return ((g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 1, 1, 1, 1)
+            and g.c >= WINOGRAD_MIN_CHANNELS and tuple(at) == (0, 0) and tuple(step) == (1, 1)
+            and (out_shape is None or tuple(out_shape[2:]) == (g.ho, g.wo))
+            and os.environ.get(WINOGRAD_ENV, "1") != "0")
 
 
 def filter_grad(x, d, g, threads):

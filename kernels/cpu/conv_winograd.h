@@ -1,0 +1,299 @@
+/* Winograd's F(2x2, 3x3) for conv_native.c (included there, so it shares its library
+ * and thread pool): float32 NCHW 3x3 convolutions of stride 1 and dilation 1, any
+ * padding, with fused_conv2d's epilogue. The contract is conv_native.py's.
+ *
+ * The outputs fall into tiles of 2x2, each computed from the 4x4 window of padded
+ * input above it: V = B' d B per input channel, M = sum over channels of U . V
+ * (elementwise, 16 products; U = G g G' is the filter's transform, made once per
+ * call), Y = A' M A. That is 16 multiplies per tile and channel pair where the
+ * direct conv makes 36. The 16 sums over channels are 16 small products of
+ * matrices, (tiles x C) times (C x O), one per position of the 4x4 transform.
+ *
+ * Each thread takes whole images from a shared counter. It copies the image into a
+ * zero-bordered buffer with the channels innermost (padded to CH_VEC, so a tile's
+ * values for 8 channels are one vector), then, per block of TB tiles: transforms
+ * the input (vectors of 8 channels), multiplies (TM tiles by 16 output channels in
+ * registers), transforms the outputs into a buffer of outputs, channels innermost;
+ * the epilogue (bias, residual, relu) runs as that buffer is turned into NCHW.
+ * Every output is summed by one thread in one order, so the results do not depend
+ * on the number of threads. */
+
+#define WG_TM 6          /* tiles per register block of the products */
+#define WG_TB 48         /* tiles per block (a multiple of WG_TM) */
+#define WG_OV 16         /* output channels per register block (two vectors) */
+
+typedef struct {
+    const float *x, *bias, *residual;
+    float *out, *u;                       /* u: [16][cp][op], the filter's transform */
+    int64_t n, c, h, w, o, ph, pw, ho, wo, relu;
+    int64_t cp, op, th, tw, tiles, hb, wb;
+} wg_t;
+
+typedef struct {
+    const wg_t *a;
+    int64_t *next;
+    int failed;
+} wg_job_t;
+
+/* U = G g G' for every (output, input) channel pair, into a->u (zeros past o, c):
+ * eight output channels at a time, one per lane. */
+static void wg_filter(wg_t *a, const float *filter)
+{
+    for (int64_t o0 = 0; o0 < a->o; o0 += 8)
+        for (int64_t ci = 0; ci < a->c; ci++) {
+            v8 g[9], t[4][3];
+            for (int k = 0; k < 9; k++)
+                for (int l = 0; l < 8; l++)
+                    g[k][l] = o0 + l < a->o ? filter[((o0 + l) * a->c + ci) * 9 + k] : 0.0f;
+            for (int j = 0; j < 3; j++) {                        /* G g */
+                t[0][j] = g[j];
+                t[1][j] = 0.5f * (g[j] + g[3 + j] + g[6 + j]);
+                t[2][j] = 0.5f * (g[j] - g[3 + j] + g[6 + j]);
+                t[3][j] = g[6 + j];
+            }
+            float *u = a->u + ci * a->op + o0;
+            int64_t step = a->cp * a->op;
+            for (int i = 0; i < 4; i++) {                        /* (G g) G' */
+                *(v8u *)(u + (4 * i + 0) * step) = t[i][0];
+                *(v8u *)(u + (4 * i + 1) * step) = 0.5f * (t[i][0] + t[i][1] + t[i][2]);
+                *(v8u *)(u + (4 * i + 2) * step) = 0.5f * (t[i][0] - t[i][1] + t[i][2]);
+                *(v8u *)(u + (4 * i + 3) * step) = t[i][2];
+            }
+        }
+}
+
+/* Lanes of a and b (0-7 a's, 8-15 b's), by the builtin this compiler has. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define WG_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define WG_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* r[0..7] transposed in place: r[j][i] = old r[i][j]. */
+static inline __attribute__((always_inline)) void wg_transpose8(v8 r[8])
+{
+    v8 t[8], s[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = WG_SHUFFLE(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[k + 1] = WG_SHUFFLE(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int h = 0; h < 2; h++) {
+            s[k + 2 * h] = WG_SHUFFLE(t[k + h], t[k + h + 2],
+                                                   0, 1, 8, 9, 4, 5, 12, 13);
+            s[k + 2 * h + 1] = WG_SHUFFLE(t[k + h], t[k + h + 2],
+                                                       2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int k = 0; k < 4; k++) {
+        r[k] = WG_SHUFFLE(s[k], s[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[k + 4] = WG_SHUFFLE(s[k], s[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* Image `img` into buf (hb x wb positions of cp channels), whose zeros were set
+ * once: blocks of 8 channels by 8 columns transposed in registers, the rest one
+ * value at a time. */
+static void wg_fill(const wg_t *a, int64_t img, float *buf)
+{
+    int64_t count = a->wb - a->pw < a->w ? a->wb - a->pw : a->w;    /* columns kept */
+    for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++) {
+        const float *from = a->x + (img * a->c * a->h + y) * a->w;
+        float *row = buf + ((a->ph + y) * a->wb + a->pw) * a->cp;
+        int64_t c0 = 0;
+        for (; c0 + 8 <= a->c; c0 += 8) {
+            int64_t x = 0;
+            for (; x + 8 <= count; x += 8) {
+                v8 r[8];
+                for (int k = 0; k < 8; k++) r[k] = load(from + (c0 + k) * a->h * a->w + x);
+                wg_transpose8(r);
+                for (int k = 0; k < 8; k++) *(v8u *)(row + (x + k) * a->cp + c0) = r[k];
+            }
+            for (; x < count; x++)
+                for (int k = 0; k < 8; k++)
+                    row[x * a->cp + c0 + k] = from[(c0 + k) * a->h * a->w + x];
+        }
+        for (; c0 < a->c; c0++)
+            for (int64_t x = 0; x < count; x++)
+                row[x * a->cp + c0] = from[c0 * a->h * a->w + x];
+    }
+}
+
+/* V of tiles t0 .. t0 + nb - 1: v[(xi TB + b) cp + ci]. */
+static void wg_input(const wg_t *a, const float *buf, int64_t t0, int64_t nb, float *v)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t ty = (t0 + b) / a->tw, tx = (t0 + b) % a->tw;
+        const float *p = buf + (2 * ty * a->wb + 2 * tx) * a->cp;
+        for (int64_t c8 = 0; c8 < a->cp; c8 += 8) {
+            v8 d[4][4], r[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) d[i][j] = load(p + (i * a->wb + j) * a->cp + c8);
+            for (int j = 0; j < 4; j++) {                        /* B' d */
+                r[0][j] = d[0][j] - d[2][j];
+                r[1][j] = d[1][j] + d[2][j];
+                r[2][j] = d[2][j] - d[1][j];
+                r[3][j] = d[1][j] - d[3][j];
+            }
+            float *q = v + b * a->cp + c8;
+            int64_t step = WG_TB * a->cp;
+            for (int i = 0; i < 4; i++) {                        /* (B' d) B */
+                *(v8u *)(q + (4 * i + 0) * step) = r[i][0] - r[i][2];
+                *(v8u *)(q + (4 * i + 1) * step) = r[i][1] + r[i][2];
+                *(v8u *)(q + (4 * i + 2) * step) = r[i][2] - r[i][1];
+                *(v8u *)(q + (4 * i + 3) * step) = r[i][1] - r[i][3];
+            }
+        }
+    }
+}
+
+/* m[(xi TB + b) op + oc] = sum over ci of v[(xi TB + b) cp + ci] u[(xi cp + ci) op + oc],
+ * for the tiles of the block rounded up to WG_TM (the rows past nb are not read). */
+static void wg_multiply(const wg_t *a, const float *v, int64_t nb, float *m)
+{
+    for (int64_t xi = 0; xi < 16; xi++)
+        for (int64_t o0 = 0; o0 < a->op; o0 += WG_OV)
+            for (int64_t b0 = 0; b0 < nb; b0 += WG_TM) {
+                v8 acc[WG_TM][2];
+                for (int r = 0; r < WG_TM; r++) acc[r][0] = acc[r][1] = (v8){0};
+                const float *vr = v + (xi * WG_TB + b0) * a->cp;
+                const float *ur = a->u + xi * a->cp * a->op + o0;
+                for (int64_t ci = 0; ci < a->c; ci++) {
+                    v8 u0 = load(ur + ci * a->op), u1 = load(ur + ci * a->op + 8);
+                    for (int r = 0; r < WG_TM; r++) {
+                        float s = vr[r * a->cp + ci];
+                        acc[r][0] += s * u0;
+                        acc[r][1] += s * u1;
+                    }
+                }
+                float *mr = m + (xi * WG_TB + b0) * a->op + o0;
+                for (int r = 0; r < WG_TM; r++) {
+                    *(v8u *)(mr + r * a->op) = acc[r][0];
+                    *(v8u *)(mr + r * a->op + 8) = acc[r][1];
+                }
+            }
+}
+
+/* Y = A' M A of the block's tiles into y (2 th x 2 tw positions of op channels). */
+static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, float *y)
+{
+    int64_t step = WG_TB * a->op, row = 2 * a->tw * a->op;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t ty = (t0 + b) / a->tw, tx = (t0 + b) % a->tw;
+        float *q = y + (2 * ty * 2 * a->tw + 2 * tx) * a->op;
+        for (int64_t o8 = 0; o8 < a->op; o8 += 8) {
+            const float *p = m + b * a->op + o8;
+            v8 s[2][4];
+            for (int j = 0; j < 4; j++) {                        /* A' M */
+                v8 m0 = load(p + j * step), m1 = load(p + (4 + j) * step);
+                v8 m2 = load(p + (8 + j) * step), m3 = load(p + (12 + j) * step);
+                s[0][j] = m0 + m1 + m2;
+                s[1][j] = m1 - m2 - m3;
+            }
+            for (int i = 0; i < 2; i++) {                        /* (A' M) A */
+                *(v8u *)(q + i * row + o8) = s[i][0] + s[i][1] + s[i][2];
+                *(v8u *)(q + i * row + a->op + o8) = s[i][1] - s[i][2] - s[i][3];
+            }
+        }
+    }
+}
+
+/* The epilogue of one value: s (+ residual at res) (then max(., 0)). */
+static inline float wg_finish(const wg_t *a, float s, const float *res)
+{
+    if (res) s += *res;
+    return a->relu && s < 0 ? 0.0f : s;
+}
+
+/* The outputs of image `img` from y (channels innermost) to out (NCHW), with the
+ * epilogue: blocks of 8 columns by 8 channels transposed in registers, the rest
+ * one value at a time. */
+static void wg_store(const wg_t *a, const float *y, int64_t img)
+{
+    int64_t plane = a->ho * a->wo, row = 2 * a->tw;
+    float *out = a->out + img * a->o * plane;
+    const float *res = a->residual ? a->residual + img * a->o * plane : NULL;
+    for (int64_t r = 0; r < a->ho; r++) {
+        const float *yr = y + r * row * a->op;
+        int64_t oc = 0;
+        for (; oc + 8 <= a->o; oc += 8) {
+            int64_t x = 0;
+            for (; x + 8 <= a->wo; x += 8) {
+                v8 v[8];
+                for (int k = 0; k < 8; k++) v[k] = load(yr + (x + k) * a->op + oc);
+                wg_transpose8(v);
+                for (int k = 0; k < 8; k++) {
+                    int64_t at = (oc + k) * plane + r * a->wo + x;
+                    v8 s = v[k] + (a->bias ? a->bias[oc + k] : 0.0f);
+                    if (res) s += load(res + at);
+                    if (a->relu) s = (v8)((v8i)s & ~(s < 0));    /* NaN stays NaN */
+                    *(v8u *)(out + at) = s;
+                }
+            }
+            for (; x < a->wo; x++)
+                for (int k = 0; k < 8; k++) {
+                    int64_t at = (oc + k) * plane + r * a->wo + x;
+                    float s = yr[x * a->op + oc + k] + (a->bias ? a->bias[oc + k] : 0.0f);
+                    out[at] = wg_finish(a, s, res ? res + at : NULL);
+                }
+        }
+        for (; oc < a->o; oc++)
+            for (int64_t x = 0; x < a->wo; x++) {
+                int64_t at = oc * plane + r * a->wo + x;
+                float s = yr[x * a->op + oc] + (a->bias ? a->bias[oc] : 0.0f);
+                out[at] = wg_finish(a, s, res ? res + at : NULL);
+            }
+    }
+}
+
+static void *wg_job(void *p)
+{
+    wg_job_t *job = p;
+    const wg_t *a = job->a;
+    int64_t buf_size = a->hb * a->wb * a->cp + 8, v_size = 16 * WG_TB * a->cp + 8;
+    int64_t m_size = 16 * WG_TB * a->op + 8, y_size = 4 * a->tiles * a->op + 8;
+    float *buf = calloc(buf_size + v_size + m_size + y_size, sizeof(float));
+    if (!buf) { job->failed = 1; return NULL; }
+    float *v = buf + buf_size, *m = v + v_size, *y = m + m_size;
+    for (int64_t img; (img = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->n;) {
+        wg_fill(a, img, buf);
+        for (int64_t t0 = 0; t0 < a->tiles; t0 += WG_TB) {
+            int64_t nb = a->tiles - t0 < WG_TB ? a->tiles - t0 : WG_TB;
+            wg_input(a, buf, t0, nb, v);
+            wg_multiply(a, v, nb, m);
+            wg_output(a, m, t0, nb, y);
+        }
+        wg_store(a, y, img);
+    }
+    free(buf);
+    return NULL;
+}
+
+/* dims: n c h w o ph pw ho wo relu (a 3x3 filter, stride and dilation 1; out is
+ * (N, O, ho, wo)). Returns 0, or 1 when memory ran out (out is then incomplete). */
+int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
+                        const float *residual, float *out, const int64_t *dims,
+                        int64_t threads)
+{
+    wg_t a = {.x = x, .bias = bias, .residual = residual, .out = out};
+    a.n = dims[0]; a.c = dims[1]; a.h = dims[2]; a.w = dims[3]; a.o = dims[4];
+    a.ph = dims[5]; a.pw = dims[6]; a.ho = dims[7]; a.wo = dims[8]; a.relu = dims[9];
+    a.cp = (a.c + 7) / 8 * 8;
+    a.op = (a.o + WG_OV - 1) / WG_OV * WG_OV;
+    a.th = (a.ho + 1) / 2;
+    a.tw = (a.wo + 1) / 2;
+    a.tiles = a.th * a.tw;
+    a.hb = 2 * a.th + 2;
+    a.wb = 2 * a.tw + 2;
+    a.u = calloc(16 * a.cp * a.op, sizeof(float));
+    if (!a.u) return 1;
+    wg_filter(&a, filter);
+    threads = clamp_threads(threads, a.n);
+    int64_t next = 0;
+    wg_job_t jobs[MAX_THREADS];
+    for (int64_t t = 0; t < threads; t++) jobs[t] = (wg_job_t){.a = &a, .next = &next};
+    pool_run(wg_job, jobs, sizeof(wg_job_t), threads);
+    int failed = 0;
+    for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
+    free(a.u);
+    return failed;
+}
