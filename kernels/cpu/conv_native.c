@@ -31,7 +31,7 @@
  * of images into its own K x O array; the calling thread adds those in
  * thread order (results depend on the number of threads only).
  *
- * conv_winograd.h, included at the end, adds Winograd's F(2x2, 3x3) for the
+ * conv_winograd.h, included at the end, adds Winograd's F(4x4, 3x3) for the
  * forward passes of 3x3 convs of stride 1 (conv_native.py's winograd() picks). */
 #include <pthread.h>
 #include <stdint.h>

@@ -2,7 +2,7 @@
 float32 NCHW convolutions of one group, any kernel size, stride, padding and
 dilation - the forward pass (with fused_conv2d's epilogue), the filter
 gradient, and the input gradient as forward passes over dout. Forward passes
-that `winograd` takes run Winograd's F(2x2, 3x3) (conv_winograd.h), the others
+that `winograd` takes run Winograd's F(4x4, 3x3) (conv_winograd.h), the others
 the direct kernel.
 
 `supports(g, dtype)` says whether they take a conv here; the conv ops call
@@ -116,7 +116,7 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
 
 
 def winograd(g, out_shape=None, at=(0, 0), step=(1, 1)):
-    """True when forward passes take Winograd's F(2x2, 3x3) (conv_winograd.h): a 3x3
+    """True when forward passes take Winograd's F(4x4, 3x3) (conv_winograd.h): a 3x3
     filter of stride 1 and dilation 1 with at least WINOGRAD_MIN_CHANNELS input
     channels, its outputs filling out_shape (N, O, ho, wo), and not turned off
     (MINIGRAPH_WINOGRAD=0)."""

@@ -1,32 +1,35 @@
-/* Winograd's F(2x2, 3x3) for conv_native.c (included there, so it shares its library
+/* Winograd's F(4x4, 3x3) for conv_native.c (included there, so it shares its library
  * and thread pool): float32 NCHW 3x3 convolutions of stride 1 and dilation 1, any
  * padding, with fused_conv2d's epilogue. The contract is conv_native.py's.
  *
- * The outputs fall into tiles of 2x2, each computed from the 4x4 window of padded
+ * The outputs fall into tiles of 4x4, each computed from the 6x6 window of padded
  * input above it: V = B' d B per input channel, M = sum over channels of U . V
- * (elementwise, 16 products; U = G g G' is the filter's transform, made once per
- * call), Y = A' M A. That is 16 multiplies per tile and channel pair where the
- * direct conv makes 36. The 16 sums over channels are 16 small products of
- * matrices, (tiles x C) times (C x O), one per position of the 4x4 transform.
+ * (elementwise, 36 products; U = G g G' is the filter's transform, made once per
+ * call), Y = A' M A (Lavin and Gray's matrices, points 0, +-1, +-2). That is 36
+ * multiplies per tile and channel pair where the direct conv makes 144. The 36
+ * sums over channels are 36 small products of matrices, (tiles x C) times
+ * (C x O), one per position of the 6x6 transform.
  *
- * Each thread takes whole images from a shared counter. It copies the image into a
- * zero-bordered buffer with the channels innermost (padded to CH_VEC, so a tile's
- * values for 8 channels are one vector), then, per block of TB tiles: transforms
- * the input (vectors of 8 channels), multiplies (TM tiles by 16 output channels in
- * registers), transforms the outputs into a buffer of outputs, channels innermost;
- * the epilogue (bias, residual, relu) runs as that buffer is turned into NCHW.
- * Every output is summed by one thread in one order, so the results do not depend
- * on the number of threads. */
+ * Each thread takes groups of images (enough that small images fill a block of
+ * tiles) from a shared counter. It copies each image into a zero-bordered buffer
+ * with the channels innermost (padded to 8, so a position's values for 8 channels
+ * are one vector), then, per block of WG_TB tiles: transforms the input (vectors of
+ * 8 channels), multiplies (WG_TM tiles by WG_OV output channels in registers),
+ * transforms the outputs into a buffer, channels innermost; the epilogue (bias,
+ * residual, relu) runs as that buffer is turned into NCHW. Every output is summed
+ * by one thread in one order, so the results do not depend on the number of
+ * threads. */
 
 #define WG_TM 6          /* tiles per register block of the products */
-#define WG_TB 48         /* tiles per block (a multiple of WG_TM) */
+#define WG_TB 24         /* tiles per block (a multiple of WG_TM) */
 #define WG_OV 16         /* output channels per register block (two vectors) */
 
 typedef struct {
     const float *x, *bias, *residual;
-    float *out, *u;                       /* u: [16][cp][op], the filter's transform */
+    float *out, *u;                       /* u: [36][cp][op], the filter's transform */
     int64_t n, c, h, w, o, ph, pw, ho, wo, relu;
-    int64_t cp, op, th, tw, tiles, hb, wb;
+    int64_t cp, op, th, tw, tiles, hb, wb, group, units;
+    int64_t buf_size, y_size;             /* per image of a group */
 } wg_t;
 
 typedef struct {
@@ -34,33 +37,6 @@ typedef struct {
     int64_t *next;
     int failed;
 } wg_job_t;
-
-/* U = G g G' for every (output, input) channel pair, into a->u (zeros past o, c):
- * eight output channels at a time, one per lane. */
-static void wg_filter(wg_t *a, const float *filter)
-{
-    for (int64_t o0 = 0; o0 < a->o; o0 += 8)
-        for (int64_t ci = 0; ci < a->c; ci++) {
-            v8 g[9], t[4][3];
-            for (int k = 0; k < 9; k++)
-                for (int l = 0; l < 8; l++)
-                    g[k][l] = o0 + l < a->o ? filter[((o0 + l) * a->c + ci) * 9 + k] : 0.0f;
-            for (int j = 0; j < 3; j++) {                        /* G g */
-                t[0][j] = g[j];
-                t[1][j] = 0.5f * (g[j] + g[3 + j] + g[6 + j]);
-                t[2][j] = 0.5f * (g[j] - g[3 + j] + g[6 + j]);
-                t[3][j] = g[6 + j];
-            }
-            float *u = a->u + ci * a->op + o0;
-            int64_t step = a->cp * a->op;
-            for (int i = 0; i < 4; i++) {                        /* (G g) G' */
-                *(v8u *)(u + (4 * i + 0) * step) = t[i][0];
-                *(v8u *)(u + (4 * i + 1) * step) = 0.5f * (t[i][0] + t[i][1] + t[i][2]);
-                *(v8u *)(u + (4 * i + 2) * step) = 0.5f * (t[i][0] - t[i][1] + t[i][2]);
-                *(v8u *)(u + (4 * i + 3) * step) = t[i][2];
-            }
-        }
-}
 
 /* Lanes of a and b (0-7 a's, 8-15 b's), by the builtin this compiler has. */
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
@@ -79,15 +55,77 @@ static inline __attribute__((always_inline)) void wg_transpose8(v8 r[8])
     }
     for (int k = 0; k < 8; k += 4)
         for (int h = 0; h < 2; h++) {
-            s[k + 2 * h] = WG_SHUFFLE(t[k + h], t[k + h + 2],
-                                                   0, 1, 8, 9, 4, 5, 12, 13);
-            s[k + 2 * h + 1] = WG_SHUFFLE(t[k + h], t[k + h + 2],
-                                                       2, 3, 10, 11, 6, 7, 14, 15);
+            s[k + 2 * h] = WG_SHUFFLE(t[k + h], t[k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            s[k + 2 * h + 1] = WG_SHUFFLE(t[k + h], t[k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
         }
     for (int k = 0; k < 4; k++) {
         r[k] = WG_SHUFFLE(s[k], s[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
         r[k + 4] = WG_SHUFFLE(s[k], s[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
     }
+}
+
+/* out = B' in (6 values): B' = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0;
+ * 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]. */
+static inline __attribute__((always_inline)) void wg_bt(const v8 d[6], v8 r[6])
+{
+    v8 a = d[3] + d[4], b = d[1] + d[2], c = d[4] - d[3], e = d[1] - d[2];
+    v8 f = d[4] - d[2], g = d[3] - d[1];
+    r[0] = 4.0f * d[0] - 5.0f * d[2] + d[4];
+    r[1] = a - 4.0f * b;
+    r[2] = c + 4.0f * e;
+    r[3] = f + 2.0f * g;
+    r[4] = f - 2.0f * g;
+    r[5] = 4.0f * d[1] - 5.0f * d[3] + d[5];
+}
+
+/* out = A' m (4 values of 6): A' = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0;
+ * 0 1 -1 8 -8 1]. */
+static inline __attribute__((always_inline)) void wg_at(const v8 m[6], v8 s[4])
+{
+    v8 p = m[1] + m[2], q = m[1] - m[2], r = m[3] + m[4], t = m[3] - m[4];
+    s[0] = m[0] + p + r;
+    s[1] = q + 2.0f * t;
+    s[2] = p + 4.0f * r;
+    s[3] = q + 8.0f * t + m[5];
+}
+
+/* g G' (6 values of 3): G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6;
+ * 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]. */
+static inline __attribute__((always_inline)) void wg_g(const v8 g[3], v8 t[6])
+{
+    t[0] = 0.25f * g[0];
+    t[1] = (-1.0f / 6) * (g[0] + g[1] + g[2]);
+    t[2] = (-1.0f / 6) * (g[0] - g[1] + g[2]);
+    t[3] = (1.0f / 24) * g[0] + (1.0f / 12) * g[1] + (1.0f / 6) * g[2];
+    t[4] = (1.0f / 24) * g[0] - (1.0f / 12) * g[1] + (1.0f / 6) * g[2];
+    t[5] = g[2];
+}
+
+/* U = G g G' for every (output, input) channel pair, into a->u (zeros past o, c):
+ * eight output channels at a time, one per lane. */
+static void wg_filter(wg_t *a, const float *filter)
+{
+    int64_t step = a->cp * a->op;
+    for (int64_t o0 = 0; o0 < a->o; o0 += 8)
+        for (int64_t ci = 0; ci < a->c; ci++) {
+            v8 g[3][3], t[6][3], row[3], out[6];
+            for (int i = 0; i < 3; i++)
+                for (int j = 0; j < 3; j++)
+                    for (int l = 0; l < 8; l++)
+                        g[i][j][l] = o0 + l < a->o
+                            ? filter[((o0 + l) * a->c + ci) * 9 + 3 * i + j] : 0.0f;
+            for (int j = 0; j < 3; j++) {                        /* G g, by columns */
+                v8 col[3] = {g[0][j], g[1][j], g[2][j]}, tc[6];
+                wg_g(col, tc);
+                for (int i = 0; i < 6; i++) t[i][j] = tc[i];
+            }
+            float *u = a->u + ci * a->op + o0;
+            for (int i = 0; i < 6; i++) {                        /* (G g) G' */
+                for (int j = 0; j < 3; j++) row[j] = t[i][j];
+                wg_g(row, out);
+                for (int j = 0; j < 6; j++) *(v8u *)(u + (6 * i + j) * step) = out[j];
+            }
+        }
 }
 
 /* Image `img` into buf (hb x wb positions of cp channels), whose zeros were set
@@ -118,29 +156,26 @@ static void wg_fill(const wg_t *a, int64_t img, float *buf)
     }
 }
 
-/* V of tiles t0 .. t0 + nb - 1: v[(xi TB + b) cp + ci]. */
-static void wg_input(const wg_t *a, const float *buf, int64_t t0, int64_t nb, float *v)
+/* V of the group's tiles t0 .. t0 + nb - 1 (tile t: image t / tiles of the group's
+ * buffers): v[(xi TB + b) cp + ci]. */
+static void wg_input(const wg_t *a, const float *bufs, int64_t t0, int64_t nb, float *v)
 {
+    int64_t step = WG_TB * a->cp;
     for (int64_t b = 0; b < nb; b++) {
-        int64_t ty = (t0 + b) / a->tw, tx = (t0 + b) % a->tw;
-        const float *p = buf + (2 * ty * a->wb + 2 * tx) * a->cp;
+        int64_t img = (t0 + b) / a->tiles, t = (t0 + b) % a->tiles;
+        int64_t ty = t / a->tw, tx = t % a->tw;
+        const float *p = bufs + img * a->buf_size + (4 * ty * a->wb + 4 * tx) * a->cp;
         for (int64_t c8 = 0; c8 < a->cp; c8 += 8) {
-            v8 d[4][4], r[4][4];
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 4; j++) d[i][j] = load(p + (i * a->wb + j) * a->cp + c8);
-            for (int j = 0; j < 4; j++) {                        /* B' d */
-                r[0][j] = d[0][j] - d[2][j];
-                r[1][j] = d[1][j] + d[2][j];
-                r[2][j] = d[2][j] - d[1][j];
-                r[3][j] = d[1][j] - d[3][j];
+            v8 d[6], r[6][6], col[6], out[6];
+            for (int i = 0; i < 6; i++) {                        /* B' d, by rows of d */
+                for (int j = 0; j < 6; j++) d[j] = load(p + (i * a->wb + j) * a->cp + c8);
+                wg_bt(d, r[i]);                                  /* r[i][j]: d's row i, B */
             }
             float *q = v + b * a->cp + c8;
-            int64_t step = WG_TB * a->cp;
-            for (int i = 0; i < 4; i++) {                        /* (B' d) B */
-                *(v8u *)(q + (4 * i + 0) * step) = r[i][0] - r[i][2];
-                *(v8u *)(q + (4 * i + 1) * step) = r[i][1] + r[i][2];
-                *(v8u *)(q + (4 * i + 2) * step) = r[i][2] - r[i][1];
-                *(v8u *)(q + (4 * i + 3) * step) = r[i][1] - r[i][3];
+            for (int j = 0; j < 6; j++) {                        /* B' (d B) */
+                for (int i = 0; i < 6; i++) col[i] = r[i][j];
+                wg_bt(col, out);
+                for (int i = 0; i < 6; i++) *(v8u *)(q + (6 * i + j) * step) = out[i];
             }
         }
     }
@@ -150,7 +185,7 @@ static void wg_input(const wg_t *a, const float *buf, int64_t t0, int64_t nb, fl
  * for the tiles of the block rounded up to WG_TM (the rows past nb are not read). */
 static void wg_multiply(const wg_t *a, const float *v, int64_t nb, float *m)
 {
-    for (int64_t xi = 0; xi < 16; xi++)
+    for (int64_t xi = 0; xi < 36; xi++)
         for (int64_t o0 = 0; o0 < a->op; o0 += WG_OV)
             for (int64_t b0 = 0; b0 < nb; b0 += WG_TM) {
                 v8 acc[WG_TM][2];
@@ -173,25 +208,26 @@ static void wg_multiply(const wg_t *a, const float *v, int64_t nb, float *m)
             }
 }
 
-/* Y = A' M A of the block's tiles into y (2 th x 2 tw positions of op channels). */
-static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, float *y)
+/* Y = A' M A of the block's tiles into the group's output buffers (4 th x 4 tw
+ * positions of op channels per image). */
+static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, float *ys)
 {
-    int64_t step = WG_TB * a->op, row = 2 * a->tw * a->op;
+    int64_t step = WG_TB * a->op, row = 4 * a->tw * a->op;
     for (int64_t b = 0; b < nb; b++) {
-        int64_t ty = (t0 + b) / a->tw, tx = (t0 + b) % a->tw;
-        float *q = y + (2 * ty * 2 * a->tw + 2 * tx) * a->op;
+        int64_t img = (t0 + b) / a->tiles, t = (t0 + b) % a->tiles;
+        int64_t ty = t / a->tw, tx = t % a->tw;
+        float *q = ys + img * a->y_size + (4 * ty * 4 * a->tw + 4 * tx) * a->op;
         for (int64_t o8 = 0; o8 < a->op; o8 += 8) {
             const float *p = m + b * a->op + o8;
-            v8 s[2][4];
-            for (int j = 0; j < 4; j++) {                        /* A' M */
-                v8 m0 = load(p + j * step), m1 = load(p + (4 + j) * step);
-                v8 m2 = load(p + (8 + j) * step), m3 = load(p + (12 + j) * step);
-                s[0][j] = m0 + m1 + m2;
-                s[1][j] = m1 - m2 - m3;
+            v8 s[4][6], col[6], out[4];
+            for (int j = 0; j < 6; j++) {                        /* A' M, by columns */
+                for (int i = 0; i < 6; i++) col[i] = load(p + (6 * i + j) * step);
+                wg_at(col, out);
+                for (int i = 0; i < 4; i++) s[i][j] = out[i];
             }
-            for (int i = 0; i < 2; i++) {                        /* (A' M) A */
-                *(v8u *)(q + i * row + o8) = s[i][0] + s[i][1] + s[i][2];
-                *(v8u *)(q + i * row + a->op + o8) = s[i][1] - s[i][2] - s[i][3];
+            for (int i = 0; i < 4; i++) {                        /* (A' M) A */
+                wg_at(s[i], out);
+                for (int j = 0; j < 4; j++) *(v8u *)(q + i * row + j * a->op + o8) = out[j];
             }
         }
     }
@@ -209,7 +245,7 @@ static inline float wg_finish(const wg_t *a, float s, const float *res)
  * one value at a time. */
 static void wg_store(const wg_t *a, const float *y, int64_t img)
 {
-    int64_t plane = a->ho * a->wo, row = 2 * a->tw;
+    int64_t plane = a->ho * a->wo, row = 4 * a->tw;
     float *out = a->out + img * a->o * plane;
     const float *res = a->residual ? a->residual + img * a->o * plane : NULL;
     for (int64_t r = 0; r < a->ho; r++) {
@@ -249,20 +285,22 @@ static void *wg_job(void *p)
 {
     wg_job_t *job = p;
     const wg_t *a = job->a;
-    int64_t buf_size = a->hb * a->wb * a->cp + 8, v_size = 16 * WG_TB * a->cp + 8;
-    int64_t m_size = 16 * WG_TB * a->op + 8, y_size = 4 * a->tiles * a->op + 8;
-    float *buf = calloc(buf_size + v_size + m_size + y_size, sizeof(float));
+    int64_t bufs = a->group * a->buf_size, v_size = 36 * WG_TB * a->cp + 8;
+    int64_t m_size = 36 * WG_TB * a->op + 8, ys = a->group * a->y_size;
+    float *buf = calloc(bufs + v_size + m_size + ys, sizeof(float));
     if (!buf) { job->failed = 1; return NULL; }
-    float *v = buf + buf_size, *m = v + v_size, *y = m + m_size;
-    for (int64_t img; (img = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->n;) {
-        wg_fill(a, img, buf);
-        for (int64_t t0 = 0; t0 < a->tiles; t0 += WG_TB) {
-            int64_t nb = a->tiles - t0 < WG_TB ? a->tiles - t0 : WG_TB;
+    float *v = buf + bufs, *m = v + v_size, *y = m + m_size;
+    for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
+        int64_t first = u * a->group;
+        int64_t count = a->n - first < a->group ? a->n - first : a->group;
+        for (int64_t g = 0; g < count; g++) wg_fill(a, first + g, buf + g * a->buf_size);
+        for (int64_t t0 = 0; t0 < count * a->tiles; t0 += WG_TB) {
+            int64_t nb = count * a->tiles - t0 < WG_TB ? count * a->tiles - t0 : WG_TB;
             wg_input(a, buf, t0, nb, v);
             wg_multiply(a, v, nb, m);
             wg_output(a, m, t0, nb, y);
         }
-        wg_store(a, y, img);
+        for (int64_t g = 0; g < count; g++) wg_store(a, y + g * a->y_size, first + g);
     }
     free(buf);
     return NULL;
@@ -279,15 +317,21 @@ int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
     a.ph = dims[5]; a.pw = dims[6]; a.ho = dims[7]; a.wo = dims[8]; a.relu = dims[9];
     a.cp = (a.c + 7) / 8 * 8;
     a.op = (a.o + WG_OV - 1) / WG_OV * WG_OV;
-    a.th = (a.ho + 1) / 2;
-    a.tw = (a.wo + 1) / 2;
+    a.th = (a.ho + 3) / 4;
+    a.tw = (a.wo + 3) / 4;
     a.tiles = a.th * a.tw;
-    a.hb = 2 * a.th + 2;
-    a.wb = 2 * a.tw + 2;
-    a.u = calloc(16 * a.cp * a.op, sizeof(float));
+    a.hb = 4 * a.th + 2;
+    a.wb = 4 * a.tw + 2;
+    a.buf_size = a.hb * a.wb * a.cp + 8;
+    a.y_size = 16 * a.tiles * a.op;
+    a.group = a.tiles < WG_TB ? WG_TB / a.tiles : 1;   /* small images share blocks */
+    if (a.group > (a.n + threads - 1) / threads) a.group = (a.n + threads - 1) / threads;
+    if (a.group < 1) a.group = 1;
+    a.units = (a.n + a.group - 1) / a.group;
+    a.u = calloc(36 * a.cp * a.op, sizeof(float));
     if (!a.u) return 1;
     wg_filter(&a, filter);
-    threads = clamp_threads(threads, a.n);
+    threads = clamp_threads(threads, a.units);
     int64_t next = 0;
     wg_job_t jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) jobs[t] = (wg_job_t){.a = &a, .next = &next};
