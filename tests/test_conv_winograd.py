@@ -34,7 +34,10 @@ SHAPES = [
 
 @pytest.fixture(autouse=True)
 def every_call_threaded(monkeypatch):
+    """Small test convs run on as many threads as asked, and through Winograd's kernel
+    whatever its scratch memory."""
     monkeypatch.setattr(conv_native, "MIN_THREAD_WORK", 1)
+    monkeypatch.setattr(conv_native, "WINOGRAD_MAX_SCRATCH", float("inf"))
     monkeypatch.delenv(conv_native.WINOGRAD_ENV, raising=False)
 
 
@@ -57,10 +60,10 @@ def close(got, want):
 def test_which_convs_take_it(monkeypatch):
     g = geometry((2, 16, 8, 8), 16, (1, 1))
     assert conv_native.winograd(g)
-    assert conv_native.winograd(g, (2, 16, 8, 8))
-    assert not conv_native.winograd(g, (2, 16, 9, 8))                   # a larger array
-    assert not conv_native.winograd(g, (2, 16, 8, 8), at=(1, 0))
-    assert not conv_native.winograd(g, (2, 16, 8, 8), step=(2, 2))      # a phase of dx
+    assert conv_native.winograd(g, 2, out_shape=(2, 16, 8, 8))
+    assert not conv_native.winograd(g, out_shape=(2, 16, 9, 8))         # a larger array
+    assert not conv_native.winograd(g, out_shape=(2, 16, 8, 8), at=(1, 0))
+    assert not conv_native.winograd(g, out_shape=(2, 16, 8, 8), step=(2, 2))  # a phase of dx
     assert not conv_native.winograd(geometry((2, 16, 8, 8), 16, (1, 1), stride=2))
     assert not conv_native.winograd(geometry((2, 16, 8, 8), 16, (2, 2), dilation=2))
     assert not conv_native.winograd(geometry((2, 16, 8, 8), 16, (2, 2), kernel=5))
@@ -68,6 +71,22 @@ def test_which_convs_take_it(monkeypatch):
     assert not conv_native.winograd(geometry((2, 3, 8, 8), 16, (1, 1)))     # RGB stem
     monkeypatch.setenv(conv_native.WINOGRAD_ENV, "0")
     assert not conv_native.winograd(g)
+
+
+def test_its_scratch_memory_stays_within_its_output(monkeypatch):
+    """The filter's transform (36 C O floats) and each thread's buffers, against the
+    output's bytes: a ResNet's first two stages take it, its last (64 channels on
+    8x8 images, a transform larger than the outputs) stays direct."""
+    monkeypatch.setattr(conv_native, "WINOGRAD_MAX_SCRATCH", 1.0)
+    lib = conv_native._lib()
+    stage = {c: geometry((32, c, 32 // (c // 16), 32 // (c // 16)), c, (1, 1)) for c in (16, 32, 64)}
+    for c, g in stage.items():
+        scratch = lib.conv2d_winograd_scratch(native.address(conv_native._winograd_dims(g)), 2)
+        assert scratch >= 4 * 36 * c * c
+        assert conv_native.winograd(g, 2) == (scratch <= 4 * g.n * g.o * g.ho * g.wo)
+    assert conv_native.winograd(stage[16], 2) and conv_native.winograd(stage[32], 2)
+    assert not conv_native.winograd(stage[64], 2)
+    assert not conv_native.winograd(geometry((1, 8, 1, 1), 3, (1, 1)))     # one output
 
 
 @pytest.mark.parametrize("x_shape, o, paddings", SHAPES)

@@ -29,6 +29,7 @@ MIN_THREAD_WORK = 2_000_000
 # a 3x3 conv of stride 1 with fewer input channels (a stem on RGB) stays direct
 WINOGRAD_MIN_CHANNELS = 8
 WINOGRAD_ENV = "MINIGRAPH_WINOGRAD"
+WINOGRAD_MAX_SCRATCH = 1.0      # its scratch memory at most this times its output's
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 
@@ -39,6 +40,8 @@ def _lib():
         lib.conv2d_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv2d_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
         lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
+        lib.conv2d_winograd_scratch.argtypes = [_P, _L]
+        lib.conv2d_winograd_scratch.restype = _L
         lib._typed = True
     return lib
 
@@ -100,30 +103,40 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     x = _float32(x, (g.n, g.c, g.h, g.w), "x")
     w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     bias = None if bias is None else _float32(bias, (g.o,), "bias")
-    if g.n and g.o and g.ho and g.wo and winograd(g, out.shape, at, step):
-        dims = np.array([g.n, g.c, g.h, g.w, g.o, g.ph, g.pw, g.ho, g.wo, int(bool(relu))],
-                        dtype=np.int64)
+    threads = _threads(g, threads)
+    if g.n and g.o and g.ho and g.wo and winograd(g, threads, out.shape, at, step):
         failed = _lib().conv2d_winograd_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
-                                            _ptr(out), _ptr(dims), _threads(g, threads))
+                                            _ptr(out), _ptr(_winograd_dims(g, relu)), threads)
         if failed:
             raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
     elif g.n and g.o and g.ho and g.wo:
         dims = _dims(g, relu, out.shape, at, step)
         failed = _lib().conv2d_forward_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
-                                           _ptr(out), _ptr(dims), _threads(g, threads))
+                                           _ptr(out), _ptr(dims), threads)
         if failed:
             raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
-def winograd(g, out_shape=None, at=(0, 0), step=(1, 1)):
-    """True when forward passes take Winograd's F(4x4, 3x3) (conv_winograd.h): a 3x3
-    filter of stride 1 and dilation 1 with at least WINOGRAD_MIN_CHANNELS input
-    channels, its outputs filling out_shape (N, O, ho, wo), and not turned off
-    (MINIGRAPH_WINOGRAD=0)."""
+def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1)):
+    """True when a forward pass on `threads` threads takes Winograd's F(4x4, 3x3)
+    (conv_winograd.h): a 3x3 filter of stride 1 and dilation 1 with at least
+    WINOGRAD_MIN_CHANNELS input channels, its outputs filling out_shape (N, O, ho,
+    wo), scratch memory (the filter's transform and each thread's buffers) no
+    larger than its output (WINOGRAD_MAX_SCRATCH), and not turned off (MINIGRAPH_WINOGRAD=0). The
+    scratch bound keeps a training step's peak memory that of the direct kernel:
+    a conv of many channels on small images (a ResNet's last stage) needs a
+    transform of the filter larger than its outputs, and stays direct."""
     return ((g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 1, 1, 1, 1)
             and g.c >= WINOGRAD_MIN_CHANNELS and tuple(at) == (0, 0) and tuple(step) == (1, 1)
             and (out_shape is None or tuple(out_shape[2:]) == (g.ho, g.wo))
-            and os.environ.get(WINOGRAD_ENV, "1") != "0")
+            and os.environ.get(WINOGRAD_ENV, "1") != "0" and available()
+            and _lib().conv2d_winograd_scratch(_ptr(_winograd_dims(g)), max(1, threads))
+            <= WINOGRAD_MAX_SCRATCH * 4 * g.n * g.o * g.ho * g.wo)
+
+
+def _winograd_dims(g, relu=False):
+    return np.array([g.n, g.c, g.h, g.w, g.o, g.ph, g.pw, g.ho, g.wo, int(bool(relu))],
+                    dtype=np.int64)
 
 
 def filter_grad(x, d, g, threads):

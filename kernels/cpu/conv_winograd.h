@@ -21,7 +21,7 @@
  * threads. */
 
 #define WG_TM 6          /* tiles per register block of the products */
-#define WG_TB 24         /* tiles per block (a multiple of WG_TM) */
+#define WG_TB 12         /* tiles per block (a multiple of WG_TM) */
 #define WG_OV 16         /* output channels per register block (two vectors) */
 
 typedef struct {
@@ -281,13 +281,41 @@ static void wg_store(const wg_t *a, const float *y, int64_t img)
     }
 }
 
+/* a's sizes from dims (n c h w o ph pw ho wo relu) for `threads` threads (clamped). */
+static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
+{
+    a->n = dims[0]; a->c = dims[1]; a->h = dims[2]; a->w = dims[3]; a->o = dims[4];
+    a->ph = dims[5]; a->pw = dims[6]; a->ho = dims[7]; a->wo = dims[8]; a->relu = dims[9];
+    a->cp = (a->c + 7) / 8 * 8;
+    a->op = (a->o + WG_OV - 1) / WG_OV * WG_OV;
+    a->th = (a->ho + 3) / 4;
+    a->tw = (a->wo + 3) / 4;
+    a->tiles = a->th * a->tw;
+    a->hb = 4 * a->th + 2;
+    a->wb = 4 * a->tw + 2;
+    a->buf_size = a->hb * a->wb * a->cp + 8;
+    a->y_size = 16 * a->tiles * a->op;
+    threads = threads < 1 ? 1 : threads;
+    a->group = a->tiles < WG_TB ? WG_TB / a->tiles : 1;   /* small images share blocks */
+    if (a->group > (a->n + threads - 1) / threads) a->group = (a->n + threads - 1) / threads;
+    if (a->group < 1) a->group = 1;
+    a->units = (a->n + a->group - 1) / a->group;
+    return clamp_threads(threads, a->units);
+}
+
+/* Floats of one thread's buffers. */
+static int64_t wg_thread_floats(const wg_t *a)
+{
+    return a->group * (a->buf_size + a->y_size) + 36 * WG_TB * (a->cp + a->op) + 16;
+}
+
 static void *wg_job(void *p)
 {
     wg_job_t *job = p;
     const wg_t *a = job->a;
     int64_t bufs = a->group * a->buf_size, v_size = 36 * WG_TB * a->cp + 8;
-    int64_t m_size = 36 * WG_TB * a->op + 8, ys = a->group * a->y_size;
-    float *buf = calloc(bufs + v_size + m_size + ys, sizeof(float));
+    int64_t m_size = 36 * WG_TB * a->op + 8;
+    float *buf = calloc(wg_thread_floats(a), sizeof(float));
     if (!buf) { job->failed = 1; return NULL; }
     float *v = buf + bufs, *m = v + v_size, *y = m + m_size;
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
@@ -306,6 +334,15 @@ static void *wg_job(void *p)
     return NULL;
 }
 
+/* Bytes conv2d_winograd_f32 allocates for dims on `threads` threads: the filter's
+ * transform and each thread's buffers. */
+int64_t conv2d_winograd_scratch(const int64_t *dims, int64_t threads)
+{
+    wg_t a;
+    threads = wg_setup(&a, dims, threads);
+    return (int64_t)sizeof(float) * (36 * a.cp * a.op + threads * wg_thread_floats(&a));
+}
+
 /* dims: n c h w o ph pw ho wo relu (a 3x3 filter, stride and dilation 1; out is
  * (N, O, ho, wo)). Returns 0, or 1 when memory ran out (out is then incomplete). */
 int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
@@ -313,25 +350,10 @@ int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
                         int64_t threads)
 {
     wg_t a = {.x = x, .bias = bias, .residual = residual, .out = out};
-    a.n = dims[0]; a.c = dims[1]; a.h = dims[2]; a.w = dims[3]; a.o = dims[4];
-    a.ph = dims[5]; a.pw = dims[6]; a.ho = dims[7]; a.wo = dims[8]; a.relu = dims[9];
-    a.cp = (a.c + 7) / 8 * 8;
-    a.op = (a.o + WG_OV - 1) / WG_OV * WG_OV;
-    a.th = (a.ho + 3) / 4;
-    a.tw = (a.wo + 3) / 4;
-    a.tiles = a.th * a.tw;
-    a.hb = 4 * a.th + 2;
-    a.wb = 4 * a.tw + 2;
-    a.buf_size = a.hb * a.wb * a.cp + 8;
-    a.y_size = 16 * a.tiles * a.op;
-    a.group = a.tiles < WG_TB ? WG_TB / a.tiles : 1;   /* small images share blocks */
-    if (a.group > (a.n + threads - 1) / threads) a.group = (a.n + threads - 1) / threads;
-    if (a.group < 1) a.group = 1;
-    a.units = (a.n + a.group - 1) / a.group;
+    threads = wg_setup(&a, dims, threads);
     a.u = calloc(36 * a.cp * a.op, sizeof(float));
     if (!a.u) return 1;
     wg_filter(&a, filter);
-    threads = clamp_threads(threads, a.units);
     int64_t next = 0;
     wg_job_t jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) jobs[t] = (wg_job_t){.a = &a, .next = &next};
