@@ -22,7 +22,7 @@ other down many times over when they share a process on a few cores. Each
 framework gets `--threads` threads (mg.set_num_threads, which also limits BLAS
 through threadpoolctl; torch.set_num_threads). Results come back as JSON.
 
-Timings alternate: --rounds rounds (default 5), each a fresh process of either
+Timings alternate: --rounds rounds (default 7), each a fresh process of either
 framework back to back, minigraph first in even rounds and PyTorch first in odd
 ones; the table shows the median over rounds of each side's time, the median of
 the rounds' ratios (the verdict) and their range (this machine's speed drifts by
@@ -383,7 +383,7 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=30, help="timed steps per case")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mem-steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=7,
                         help="fresh minigraph and PyTorch processes per timing, alternated")
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
     parser.add_argument("--no-write", action="store_true",
