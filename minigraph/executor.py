@@ -24,10 +24,11 @@ its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
 follows from it. This is the only check cache.
 
-A training step keeps the values it fetches, the persistables, the feeds and
-the gradients of the persistables (as PyTorch keeps `.grad`); the gradients
-it computes anew are dropped as it starts (zero_grad(set_to_none=True)).
-It is all or nothing (minigraph.journal). Inference keeps every value.
+A training step keeps the values it fetches, the persistables and the
+gradients of the persistables (as PyTorch keeps `.grad`); the gradients it
+computes anew are dropped as it starts (zero_grad(set_to_none=True)).
+It is all or nothing (minigraph.journal). Inference keeps every value. (Net
+lets go of the feeds, read-only views of the caller's arrays, after a run.)
 """
 from __future__ import annotations
 
@@ -284,7 +285,8 @@ def _fetch(place, targets, check_errors):
     there is anything to fetch and `check_errors`, the errors the place's kernels
     flagged on the device (GPU kernels cannot raise inside a step). A persistable
     comes back as a copy (the caller's: later steps change the net's array in
-    place); other values are the step's own new arrays."""
+    place), and so does a feed (a view of the caller's array); other values are the
+    step's own new arrays."""
     for var in targets:
         if var.value is None:
             raise ValueError(f"fetch {var.name!r}: the variable has no value "
@@ -294,7 +296,8 @@ def _fetch(place, targets, check_errors):
     out = []
     for var in targets:
         host = place.to_host(var.value)
-        out.append(host.copy() if var.persistable and host is var.value else host)
+        out.append(host.copy() if (var.persistable or var.is_data) and host is var.value
+                   else host)
     return out
 
 

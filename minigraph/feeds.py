@@ -94,9 +94,11 @@ def feed_by_name(data_vars, feed):
 
 
 def store_feeds(place, data_vars, needed, feed, mode):
-    """Check every value of `feed` ({name: value}) and store a copy of it on `place`
-    in its data Variable; a KeyError naming what `needed` (the data Variables the ops
-    read) lacks. The net never keeps (nor writes) the caller's array."""
+    """Check every value of `feed` ({name: value}) and store it on `place` in its data
+    Variable; a KeyError naming what `needed` (the data Variables the ops read) lacks.
+    On the CPU a C-contiguous array is stored as a read-only view (no copy: nothing
+    can write through it), any other as a read-only contiguous copy; Net releases
+    them when its run ends, so the net never keeps (nor writes) the caller's array."""
     missing = [v.name for v in needed if v.name not in feed]
     if missing:
         raise KeyError(f"{mode}: missing feed {', '.join(map(repr, missing))}; the ops run "
@@ -105,8 +107,10 @@ def store_feeds(place, data_vars, needed, feed, mode):
         var = data_vars[name]
         checked = check_feed(var, value)
         stored = place.to_device(checked)
-        if stored is checked and (checked is value or not checked.flags.owndata):
-            stored = np.array(checked, copy=True)       # the caller's memory (a view of it)
+        if stored is checked:                           # the caller's memory, on the CPU
+            stored = checked.view() if checked.flags.c_contiguous else \
+                np.ascontiguousarray(checked)
+            stored.flags.writeable = False
         var.value = stored
 
 

@@ -343,8 +343,10 @@ class Net:
             nested = self._running > 0
             kept = self._temporaries() if nested else None
             self._running += 1
+            fed = ()
             try:
                 feed = feeds.feed_by_name(self.data_vars, feed or {})
+                fed = [self.data_vars[name] for name in feed]
                 fetch = self.default_fetches if fetch is None else fetch
                 targets = feeds.fetch_targets(self, mode, fetch)
                 count = None
@@ -359,6 +361,8 @@ class Net:
                 return out
             finally:
                 self._running -= 1
+                for var in fed:                 # the caller's arrays: not kept past the run
+                    var.value = None
                 if kept is not None:
                     for var, value in kept:
                         var.value = value

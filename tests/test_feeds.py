@@ -1,11 +1,12 @@
-"""Feeds and fetches as callers give them (minigraph/feeds.py): copies the net owns,
-and clear errors for what is not a feed or a fetch list."""
+"""Feeds and fetches as callers give them (minigraph/feeds.py): read in place, never
+written or kept, and clear errors for what is not a feed or a fetch list."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import minigraph as mg
+from minigraph import feeds
 from minigraph import layers as L
 
 
@@ -19,9 +20,11 @@ def small_net():
     return net, logits, loss
 
 
-def test_ndarray_subclass_feeds_are_copied(tmp_path):
-    """Masked arrays and memmaps were kept by reference: the net's feed changed when
-    the caller's array did, and a kernel handed the feed could write the caller's file."""
+def test_feeds_are_read_in_place_and_never_written_or_kept(tmp_path):
+    """A C-contiguous feed is read through a read-only view (no copy), any other
+    through a read-only copy: no kernel can write the caller's array (or the file
+    under a memmap, or a masked array's data), and the net lets go of it when the run
+    ends. Masked arrays and memmaps come in as plain arrays."""
     net, logits, loss = small_net()
     rng = np.random.default_rng(0)
     data = rng.standard_normal((6, 4)).astype(np.float32)
@@ -29,16 +32,22 @@ def test_ndarray_subclass_feeds_are_copied(tmp_path):
                                    shape=(6, 4))
     mm[...] = data
     masked = np.ma.masked_array(data.copy(), mask=np.zeros_like(data, dtype=bool))
+    strided = np.repeat(data, 2, axis=1)[:, ::2]
     labels = rng.integers(0, 3, 6)
-    for given in (mm, masked):
-        net.train(feed={"x": given, "label": labels})
+    for given in (data, mm, masked, strided):
+        feeds.store_feeds(net.place, net.data_vars, (), {"x": given}, "train")
         stored = net.var("x").value
-        assert type(stored) is np.ndarray
-        assert not np.shares_memory(stored, np.asarray(given))
-        before = stored.copy()
-        np.asarray(given)[...] = 42.0
-        np.testing.assert_array_equal(net.var("x").value, before)
-        np.asarray(given)[...] = data
+        assert type(stored) is np.ndarray and not stored.flags.writeable
+        assert stored.flags.c_contiguous
+        assert np.shares_memory(stored, np.asarray(given)) == (given is not strided)
+        np.testing.assert_array_equal(stored, data)
+        with pytest.raises(ValueError, match="read-only"):
+            stored[...] = 0
+        (got,) = net.train(feed={"x": given, "label": labels}, fetch=["x"])
+        assert got.flags.writeable and not np.shares_memory(got, np.asarray(given))
+        assert net.var("x").value is None and net.var("label").value is None
+        np.testing.assert_array_equal(np.asarray(given), data)
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), data)
 
 
 @pytest.mark.parametrize("fetch", ["fc.w", b"fc.w"])

@@ -34,11 +34,11 @@ def feed(n=16, seed=0):
             "label": r.integers(0, 5, n)}
 
 
-def test_a_training_step_keeps_fetches_persistables_feeds_and_parameter_grads():
+def test_a_training_step_keeps_fetches_persistables_and_parameter_grads():
     net, pooled, logits, loss = small_net()
     (p,) = net.train(feed=feed(), fetch=[pooled])
     assert p.shape == (16, 8, 1, 1)                    # a fetched temporary
-    assert net.var("image").value is not None
+    assert net.var("image").value is None              # the caller's array: let go
     for param in net.parameters():                     # like PyTorch's .grad
         assert net.grad(param).value is not None, param.name
     with pytest.raises(ValueError, match="has no value"):
