@@ -121,11 +121,12 @@ def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1)):
     """True when a forward pass on `threads` threads takes Winograd's F(4x4, 3x3)
     (conv_winograd.h): a 3x3 filter of stride 1 and dilation 1 with at least
     WINOGRAD_MIN_CHANNELS input channels, its outputs filling out_shape (N, O, ho,
-    wo), scratch memory (the filter's transform and each thread's buffers) no
-    larger than its output (WINOGRAD_MAX_SCRATCH), and not turned off (MINIGRAPH_WINOGRAD=0). The
-    scratch bound keeps a training step's peak memory that of the direct kernel:
-    a conv of many channels on small images (a ResNet's last stage) needs a
-    transform of the filter larger than its outputs, and stays direct."""
+    wo), scratch memory (the filter's transform and each thread's buffers) at most
+    WINOGRAD_MAX_SCRATCH times its output's, and not turned off
+    (MINIGRAPH_WINOGRAD=0). The scratch bound keeps a training step's peak memory
+    that of the direct kernel: a conv of many channels on small images (a ResNet's
+    last stage) needs a transform of the filter larger than its outputs, and stays
+    direct."""
     return ((g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 1, 1, 1, 1)
             and g.c >= WINOGRAD_MIN_CHANNELS and tuple(at) == (0, 0) and tuple(step) == (1, 1)
             and (out_shape is None or tuple(out_shape[2:]) == (g.ho, g.wo))
