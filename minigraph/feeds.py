@@ -9,6 +9,7 @@ runs. The exporters resolve their feeds and fetches the same way
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -97,8 +98,8 @@ def store_feeds(place, data_vars, needed, feed, mode):
     """Check every value of `feed` ({name: value}) and store it on `place` in its data
     Variable; a KeyError naming what `needed` (the data Variables the ops read) lacks.
     On the CPU a C-contiguous array is stored as a read-only view (no copy: nothing
-    can write through it), any other as a read-only contiguous copy; Net releases
-    them when its run ends, so the net never keeps (nor writes) the caller's array."""
+    can write through it), any other as a read-only contiguous copy; `fed` releases
+    them when the run ends, so the net never keeps (nor writes) the caller's array."""
     missing = [v.name for v in needed if v.name not in feed]
     if missing:
         raise KeyError(f"{mode}: missing feed {', '.join(map(repr, missing))}; the ops run "
@@ -112,6 +113,19 @@ def store_feeds(place, data_vars, needed, feed, mode):
                 np.ascontiguousarray(checked)
             stored.flags.writeable = False
         var.value = stored
+
+
+@contextlib.contextmanager
+def fed(place, data_vars, needed, feed, mode):
+    """store_feeds for the length of a `with` block: afterwards the data Variables of
+    `feed` hold nothing (also when storing or the block failed), so the net keeps no
+    caller's array past a run."""
+    try:
+        store_feeds(place, data_vars, needed, feed, mode)
+        yield
+    finally:
+        for name in feed:
+            data_vars[name].value = None
 
 
 def fetch_target(net, mode, target):

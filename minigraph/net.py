@@ -343,10 +343,8 @@ class Net:
             nested = self._running > 0
             kept = self._temporaries() if nested else None
             self._running += 1
-            fed = ()
             try:
                 feed = feeds.feed_by_name(self.data_vars, feed or {})
-                fed = [self.data_vars[name] for name in feed]
                 fetch = self.default_fetches if fetch is None else fetch
                 targets = feeds.fetch_targets(self, mode, fetch)
                 count = None
@@ -354,15 +352,13 @@ class Net:
                     k, counter = self._update_every
                     count = int(counter.get())
                 plan = self.plan(mode, targets, count is None or (count + 1) % k == 0)
-                feeds.store_feeds(self.place, self.data_vars, plan.needed, feed, mode)
-                out = self.executor.run_plan(plan)
+                with feeds.fed(self.place, self.data_vars, plan.needed, feed, mode):
+                    out = self.executor.run_plan(plan)
                 if count is not None:
                     counter.set(self.place.to_device(np.array(count + 1, np.int64)))
                 return out
             finally:
                 self._running -= 1
-                for var in fed:                 # the caller's arrays: not kept past the run
-                    var.value = None
                 if kept is not None:
                     for var, value in kept:
                         var.value = value

@@ -50,6 +50,15 @@ def test_feeds_are_read_in_place_and_never_written_or_kept(tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), data)
 
 
+def test_a_run_that_fails_lets_go_of_the_feeds_it_stored():
+    """'x' is stored before 'label' fails its check: neither is kept."""
+    net, logits, loss = small_net()
+    x = np.zeros((6, 4), np.float32)
+    with pytest.raises(ValueError, match="feed 'label': expected shape"):
+        net.train(feed={"x": x, "label": np.zeros((6, 2), np.int64)})
+    assert net.var("x").value is None and net.var("label").value is None
+
+
 @pytest.mark.parametrize("fetch", ["fc.w", b"fc.w"])
 def test_a_fetch_that_is_not_a_list_is_an_error(fetch):
     """fetch="name" used to be iterated per character."""

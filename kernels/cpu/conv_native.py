@@ -103,18 +103,15 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     x = _float32(x, (g.n, g.c, g.h, g.w), "x")
     w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     bias = None if bias is None else _float32(bias, (g.o,), "bias")
+    if not (g.n and g.o and g.ho and g.wo):
+        return
     threads = _threads(g, threads)
-    if g.n and g.o and g.ho and g.wo and winograd(g, threads, out.shape, at, step):
-        failed = _lib().conv2d_winograd_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
-                                            _ptr(out), _ptr(_winograd_dims(g, relu)), threads)
-        if failed:
-            raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
-    elif g.n and g.o and g.ho and g.wo:
-        dims = _dims(g, relu, out.shape, at, step)
-        failed = _lib().conv2d_forward_f32(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual),
-                                           _ptr(out), _ptr(dims), threads)
-        if failed:
-            raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
+    if winograd(g, threads, out.shape, at, step):
+        kernel, dims = _lib().conv2d_winograd_f32, _winograd_dims(g, relu)
+    else:
+        kernel, dims = _lib().conv2d_forward_f32, _dims(g, relu, out.shape, at, step)
+    if kernel(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out), _ptr(dims), threads):
+        raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
 def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1)):
@@ -131,8 +128,14 @@ def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1)):
             and g.c >= WINOGRAD_MIN_CHANNELS and tuple(at) == (0, 0) and tuple(step) == (1, 1)
             and (out_shape is None or tuple(out_shape[2:]) == (g.ho, g.wo))
             and os.environ.get(WINOGRAD_ENV, "1") != "0" and available()
-            and _lib().conv2d_winograd_scratch(_ptr(_winograd_dims(g)), max(1, threads))
+            and _winograd_scratch(g, max(1, threads))
             <= WINOGRAD_MAX_SCRATCH * 4 * g.n * g.o * g.ho * g.wo)
+
+
+@functools.lru_cache(maxsize=1024)
+def _winograd_scratch(g, threads):
+    """Bytes of scratch conv2d_winograd_f32 allocates for `g` on `threads` threads."""
+    return _lib().conv2d_winograd_scratch(_ptr(_winograd_dims(g)), threads)
 
 
 def _winograd_dims(g, relu=False):
