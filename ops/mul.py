@@ -64,6 +64,11 @@ def infer_mul_grad(ins, attrs):
 def export_mul(ctx, op):
     """MatMul of x viewed as a matrix (Flatten, or a Reshape keeping the first
     x_num_col_dims dims) with y."""
+    return matmul_nodes(ctx, op, ctx.output(op.outputs["out"]))
+
+
+def matmul_nodes(ctx, op, name):
+    """The ONNX nodes of a mul or fused_fc op's product, its result named `name`."""
     x, n = op.inputs["x"], int(op.attrs["x_num_col_dims"])
     out = op.outputs["out"]
     rank, xs = len(ctx.shape(x)), ctx.value(x)
@@ -76,14 +81,14 @@ def export_mul(ctx, op):
             shape = ctx.const(out, "shape", np.array([0] * n + [-1], np.int64))
             nodes.append(ctx.node("Reshape", [xs, shape], [flat]))
         xs = flat
-    return nodes + [ctx.node("MatMul", [xs, ctx.value(op.inputs["y"])], [ctx.output(out)])]
+    return nodes + [ctx.node("MatMul", [xs, ctx.value(op.inputs["y"])], [name])]
 
 
 MUL = register(OpSchema(
     type="mul", inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
     attrs=(int_attr("x_num_col_dims", 1, positive),), infer=infer_mul,
     grad=grad_maker("mul_grad", keep=("x", "y"), wrt=("x", "y")), export=export_mul,
-    roles=("linear",), weight=("y", 1, -1), doc=__doc__))
+    roles=("linear", "matrix_product"), weight=("y", 1, -1), doc=__doc__))
 register(grad_schema(MUL, inputs=(Slot("x"), Slot("y"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                      infer=infer_mul_grad))

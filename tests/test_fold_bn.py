@@ -161,7 +161,7 @@ def test_the_folded_net_is_infer_only_and_the_source_still_trains():
 # ---- arguments, and a folded net that cannot train ----------------------------------------
 
 @pytest.mark.parametrize("fn", [mg.passes.fold_batch_norm, mg.passes.fuse_conv2d,
-                                mg.passes.optimize_for_inference,
+                                mg.passes.fuse_fc, mg.passes.optimize_for_inference,
                                 mg.passes.convert_sync_batchnorm])
 def test_a_pass_needs_a_net(fn):
     """fold_batch_norm("net") raised an AttributeError."""

@@ -281,6 +281,26 @@ def test_mul_with_several_row_dims(tmp_path, dtype):
     max_differences(net, path, [y, z], feed, ["x"], runtimes=runtimes)
 
 
+def test_optimize_for_inference_of_an_mlp_with_fused_fc(tmp_path):
+    """fused_fc exports as MatMul, Add of the bias and Relu (a Flatten first for x of
+    rank 3); the ONNX file equals net.infer to 1e-5."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 2, 6))
+    h = L.relu(net, L.batch_norm(net, L.fc(net, x, 8, name="a"), name="a_bn"))
+    h = L.relu(net, L.fc(net, h, 8, name="b", bias=False))
+    y = L.fc(net, h, 3, name="c")
+    fast = mg.passes.optimize_for_inference(net)
+    assert [op.type for op in fast.section("trunk")] == ["fused_fc"] * 3
+    path = mg.onnx.export(fast, tmp_path / "mlp.onnx", ["x"], [y.name])
+    types = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert types == ["Flatten", "MatMul", "Add", "Relu", "MatMul", "Relu", "MatMul", "Add"]
+    for n in (1, 5):
+        v = np.random.default_rng(n).standard_normal((n, 2, 6)).astype(np.float32)
+        (want,) = net.infer(feed={"x": v}, fetch=[y])
+        for runtime, (got,) in onnx_outputs(path, {"x": v}).items():
+            assert_close(got, want, f"{runtime}, N={n}")
+
+
 # ---- errors ----------------------------------------------------------------------------
 
 def test_an_op_without_an_exporter_is_an_error_naming_it_and_why(tmp_path):

@@ -1,8 +1,11 @@
-"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS.
+"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS; and
+of fused_fc (ops/fused_fc.py): the same product, then its bias and relu in place.
 """
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 
 def as_matrix(x, n):
@@ -28,3 +31,16 @@ def mul_grad_cpu(op, ins, ctx):
     if op.wants("dy"):
         out["dy"] = as_matrix(x, n).T @ d2
     return out
+
+
+def fused_fc_cpu(op, ins, ctx):
+    """out = act(flatten(x) @ y + bias), reshaped to x.shape[:n] + (M,): BLAS's
+    product, then the bias and relu (NaN stays NaN) in place on it."""
+    x, y, bias = ins["x"], ins["y"], ins.get("bias")
+    n = op.attrs["x_num_col_dims"]
+    out = as_matrix(x, n) @ y
+    if bias is not None:
+        out += bias
+    if op.attrs["activation"] == "relu":
+        np.maximum(out, 0, out=out)
+    return {"out": out.reshape(x.shape[:n] + (y.shape[1],))}

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from minigraph.kernels import present
-from minigraph.kernels.cuda import launch, loader, strided
+from minigraph.kernels.cuda import activation, elementwise, launch, loader, strided
 
 MODULE = "matmul"
 GEMM_FORMAT = "iiiPqPqPqi" + "qqqqqq" + "iqqi"
@@ -309,6 +309,16 @@ def mul_gpu(op, ins, ctx):
     """out = flatten(x) @ y on the device (tiled matrix product), shaped x.shape[:n] + (M,)."""
     x, y = ins["x"], ins["y"]
     return {"out": mul(x, y, op.attrs["x_num_col_dims"])}
+
+
+def fused_fc_gpu(op, ins, ctx):
+    """The mul launcher, then the bias and relu in place on its output."""
+    out = mul(ins["x"], ins["y"], op.attrs["x_num_col_dims"])
+    if ins.get("bias") is not None:
+        elementwise.add(out, ins["bias"], axis=-1, out=out)
+    if op.attrs["activation"] == "relu":
+        activation.relu(out, out=out)
+    return {"out": out}
 
 
 def mul_grad_gpu(op, ins, ctx):

@@ -6,11 +6,12 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
     convert_sync_batchnorm(net)   batch_norm -> sync_batch_norm, in place
     fold_batch_norm(net)          a new infer-only net with batch norms folded into conv/fc
     optimize_for_inference(net)   fold_batch_norm, then fuse_conv2d (conv+bias+residual+relu)
+                                  and fuse_fc (mul+bias+relu)
     data_parallel.rewrite(net)    gradient averaging (see minigraph.distributed.data_parallel)
 """
 from minigraph.passes.fold_bn import FoldNote, fold_batch_norm
-from minigraph.passes.fuse import FuseNote, fuse_conv2d, optimize_for_inference
+from minigraph.passes.fuse import FuseNote, fuse_conv2d, fuse_fc, optimize_for_inference
 from minigraph.passes.sync_bn import convert_sync_batchnorm
 
 __all__ = ["FoldNote", "FuseNote", "convert_sync_batchnorm", "fold_batch_norm", "fuse_conv2d",
-           "optimize_for_inference"]
+           "fuse_fc", "optimize_for_inference"]

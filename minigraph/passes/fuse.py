@@ -1,19 +1,28 @@
-"""Graph pass: fuse conv2d chains of an inference net into one fused_conv2d op each.
+"""Graph passes: fuse the conv2d and fc chains of an inference net into one op each.
+
+fuse_conv2d makes a fused_conv2d of each
 
     conv2d -> elementwise_add (a per-channel parameter, axis 1)   the layer's bias
            -> add (another value of the same shape)               a residual
            -> relu
 
-The ops are found by their declared roles ("conv", "bias_add", "add", "relu";
-the fused op is the one with the "fused_conv" role), never by type name.
+and fuse_fc a fused_fc of each
+
+    mul -> elementwise_add (a parameter, one value per column, on the last axis)
+        -> relu
+
+The ops are found by their declared roles ("conv", "matrix_product", "bias_add",
+"add", "relu"; the fused ops are the ones with the "fused_conv" and "fused_fc"
+roles), never by type name.
 
 Every step after the conv2d is optional; a chain stops where a value has
 another reader, is fetched by default, or the next op does not fit. The
 chain's last output Variable becomes the fused op's output, so what reads it
 is unchanged; the values inside a chain are no longer computed (fetch the
 net's outputs, not those). `optimize_for_inference(net)` = fold_batch_norm,
-which returns a new infer-only net, then this pass on it: with the batch
-norms folded into the convolutions, a ResNet block is two fused ops.
+which returns a new infer-only net, then these passes on it: with the batch
+norms folded into the convolutions and fc layers, a ResNet block is two fused
+ops, and a hidden fc layer with its batch norm and relu is one.
 """
 from __future__ import annotations
 
@@ -25,28 +34,33 @@ from minigraph.passes.infer_clone import check_net
 from minigraph.schema import op_for_role
 
 NAME = "fuse_conv2d"
+FC_NAME = "fuse_fc"
 
 
 @dataclass(frozen=True)
 class FuseNote:
-    """One fused chain: the op types it replaced and the Variable it computes."""
+    """One fused chain: the op types it replaced, the Variable it computes and the
+    fused op's type."""
 
     ops: tuple
     out: str
+    into: str = "fused_conv2d"
 
     def __str__(self):
-        return f"{' + '.join(self.ops)} -> fused_conv2d computing {self.out!r}"
+        return f"{' + '.join(self.ops)} -> {self.into} computing {self.out!r}"
 
 
 def optimize_for_inference(net, verbose=False):
     """A new infer-only Net equal to `net.infer` (to float rounding): batch norms
     folded into the convolutions and fc layers before them (fold_batch_norm), then
-    conv2d chains fused (fuse_conv2d). `net` is untouched; the new net's `reports`
-    hold both passes' notes. Fetch from it by name."""
+    conv2d chains fused (fuse_conv2d), then fc chains (fuse_fc). `net` is
+    untouched; the new net's `reports` hold the three passes' notes. Fetch from it
+    by name."""
     check_net(net, "optimize_for_inference")
     fast = fold_batch_norm(net, verbose=verbose)
     fast.made_by = "optimize_for_inference"
     fuse_conv2d(fast, verbose=verbose)
+    fuse_fc(fast, verbose=verbose)
     return fast
 
 
@@ -55,29 +69,62 @@ def fuse_conv2d(net, verbose=False):
     clone_for_inference: every op in its trunk) in place, fusing each conv2d
     chain of the module doc into a fused_conv2d. Returns a FuseNote per fused
     chain, also kept as `net.reports["fuse_conv2d"]`."""
-    check_net(net, NAME)
+    return _fuse(net, NAME, "conv", op_for_role("fused_conv"), _chain, verbose)
+
+
+def fuse_fc(net, verbose=False):
+    """Rewrite the trunk of an infer-only net in place as fuse_conv2d does, fusing
+    each mul chain of the module doc (an fc layer: its product, bias add and relu)
+    into a fused_fc. Returns a FuseNote per fused chain, also kept as
+    `net.reports["fuse_fc"]`."""
+    return _fuse(net, FC_NAME, "matrix_product", op_for_role("fused_fc"), _fc_chain, verbose)
+
+
+def _fuse(net, name, role, fused_type, chain_of, verbose):
+    """Replace each chain chain_of finds from an op of `role` with one `fused_type`."""
+    check_net(net, name)
     if any(net.section(s) for s in ("train", "infer", "backward", "update")):
-        raise ValueError(f"{NAME}: needs an infer-only net (all ops in its trunk), such as "
+        raise ValueError(f"{name}: needs an infer-only net (all ops in its trunk), such as "
                          "mg.passes.fold_batch_norm(net) returns")
     kept = {id(v) for v in net.default_fetches}
     notes = []
-    fused_type = op_for_role("fused_conv")
-    for conv in [op for op in net.section("trunk") if op.schema.has_role("conv")]:
-        chain, parts = _chain(net.section("trunk"), conv, kept)
+    for first in [op for op in net.section("trunk") if op.schema.has_role(role)]:
+        chain, parts = chain_of(net.section("trunk"), first, kept)
         if len(chain) == 1:
             continue
         out = chain[-1].outputs["out"]
-        fused = Operator(fused_type, x=conv.inputs["x"], filter=conv.inputs["filter"],
-                         out=out, **parts, **conv.attrs)
+        fused = Operator(fused_type, **{s: v for s, v in first.inputs.items() if v is not None},
+                         out=out, **parts, **first.attrs)
         net.replace_op("trunk", chain[-1], fused)
         for op in chain[:-1]:
             net.remove_op("trunk", op)
-        notes.append(FuseNote(tuple(op.type for op in chain), out.name))
-    net.mark_applied(NAME, notes)
+        notes.append(FuseNote(tuple(op.type for op in chain), out.name, fused_type))
+    net.mark_applied(name, notes)
     if verbose:
         for note in notes:
-            print(f"{NAME}: {note}")
+            print(f"{name}: {note}")
     return notes
+
+
+def _fc_chain(ops, mul, kept):
+    """([mul, ...the ops fused after it], fused_fc keyword arguments)."""
+    chain, parts = [mul], {}
+    v = mul.outputs["out"]
+    nxt = _only_reader(ops, v, kept)
+    columns = mul.inputs["y"].shape[1] if mul.inputs["y"].shape else None
+    if nxt is not None and nxt.schema.has_role("bias_add") and nxt.inputs["x"] is v:
+        b = nxt.inputs["y"]
+        rank = len(v.shape) if v.shape else 0
+        if (b.persistable and b.shape == (columns,) and b.dtype == v.dtype
+                and nxt.attrs["axis"] in (-1, rank - 1)):
+            parts["bias"] = b
+            chain.append(nxt)
+            v = nxt.outputs["out"]
+            nxt = _only_reader(ops, v, kept)
+    if nxt is not None and nxt.schema.has_role("relu"):
+        parts["activation"] = "relu"
+        chain.append(nxt)
+    return chain, parts
 
 
 def _chain(ops, conv, kept):

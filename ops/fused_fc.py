@@ -1,0 +1,94 @@
+"""fused_fc: an fc layer's product, its bias and relu as one op (inference).
+
+out = act(flatten(x) @ y + bias), act = relu or the identity: mul's x, y and
+x_num_col_dims, `bias` (one value per column of y, optional) and `activation`
+("relu" or "none"). mg.passes.fuse_fc builds it from mul -> elementwise_add
+(the layer's bias, on out's last axis) -> relu chains of an inference net: one
+op and one output array where there were three, the bias and relu applied in
+place on the product.
+
+It is an inference-only op: it has no gradient, and backward through it is an
+error (train the net with fc and fuse its inference copy).
+Kernels (beside mul's): kernels/cpu/mul.py (BLAS's product, then the bias and
+relu in place on it) and kernels/cuda/matmul.py (the mul launcher, then the
+bias and relu launchers in place on its output). In ONNX it is MatMul, then Add
+of the bias and Relu.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.kernels.cpu import mul as cpu
+from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
+from minigraph.kernels.cuda import matmul as cuda
+from minigraph.ops.mul import infer_mul, matmul_nodes
+from minigraph.schema import OpError, OpSchema, Slot, examples, kernel, register
+from minigraph.validators import (
+    check_same_dtype,
+    check_shape,
+    int_attr,
+    one_of,
+    positive,
+    str_attr,
+)
+
+TYPE = "fused_fc"
+
+
+def infer_fused(ins, attrs):
+    try:
+        out = infer_mul(ins, attrs)["out"]
+    except OpError as e:
+        raise OpError(str(e).replace("mul:", f"{TYPE}:", 1)) from None
+    bias = ins.get("bias")
+    if bias is not None:
+        check_same_dtype(TYPE, "bias", bias, "x", ins["x"])
+        check_shape(TYPE, "bias", bias, (out.shape[-1],), " (one value per column of 'y')")
+    return {"out": out}
+
+
+def no_grad(op, dout, make_grad):
+    raise OpError(f"{TYPE}: an inference-only op, it has no gradient; train the net with fc "
+                  "(mul, its bias add and relu) and fuse its inference copy "
+                  "(mg.passes.optimize_for_inference)")
+
+
+def export_fused(ctx, op):
+    """MatMul (mul's), then Add of the bias, then Relu."""
+    out = op.outputs["out"]
+    bias, relu = op.inputs["bias"], op.attrs["activation"] == "relu"
+    steps = ["matmul"] + (["bias"] if bias is not None else []) + (["relu"] if relu else [])
+    names = [ctx.temp(out, s) for s in steps[:-1]] + [ctx.output(out)]
+    nodes = matmul_nodes(ctx, op, names[0])
+    if bias is not None:
+        nodes.append(ctx.node("Add", [names[0], ctx.value(bias)], [names[1]]))
+    if relu:
+        nodes.append(ctx.node("Relu", [names[-2]], [names[-1]]))
+    return nodes
+
+
+register(OpSchema(
+    type=TYPE,
+    inputs=(Slot("x"), Slot("y"), Slot("bias", optional=True)),
+    outputs=(Slot("out"),),
+    attrs=(int_attr("x_num_col_dims", 1, positive),
+           str_attr("activation", "none", one_of("none", "relu"))),
+    infer=infer_fused, grad=no_grad, export=export_fused, roles=("fused_fc",), doc=__doc__))
+kernel(TYPE, "cpu", cpu.fused_fc_cpu)
+kernel(TYPE, "gpu", cuda.fused_fc_gpu, dtypes=GPU_FLOATS)
+
+
+def fused_fc_examples(ex):
+    """Cases the device tests run on every place against the CPU: (name, inputs,
+    attrs, grad sets); an inference op, so no gradients."""
+    return [("bias-relu-f32", {"x": ex.r(7, 3, 5), "y": ex.r(15, 9, seed=1),
+                               "bias": ex.r(9, seed=2)}, dict(activation="relu"), ()),
+            ("cols2-bias-f64", {"x": ex.r(2, 3, 4, dtype=np.float64),
+                                "y": ex.r(4, 6, dtype=np.float64, seed=1),
+                                "bias": ex.r(6, dtype=np.float64, seed=2)},
+             dict(x_num_col_dims=2), ()),
+            ("plain-relu-f32", {"x": ex.r(4, 8), "y": ex.r(8, 17, seed=1)},
+             dict(activation="relu"), ())]
+
+
+examples(TYPE, fused_fc_examples)

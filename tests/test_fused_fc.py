@@ -1,0 +1,169 @@
+"""fused_fc (mul + bias + relu, inference-only) and the pass that builds it: fuse_fc,
+part of optimize_for_inference."""
+import numpy as np
+import pytest
+from helpers import helper_test_op
+
+import minigraph as mg
+from minigraph import layers as L
+from minigraph.initializer import Normal
+
+rng = np.random.default_rng(0)
+
+
+def fused_reference(x, y, bias=None, activation="none", x_num_col_dims=1):
+    rows = int(np.prod(x.shape[:x_num_col_dims]))
+    out = x.reshape(rows, -1) @ y
+    if bias is not None:
+        out = out + bias
+    if activation == "relu":
+        out = np.maximum(out, 0.0)
+    return {"out": out.reshape(x.shape[:x_num_col_dims] + (y.shape[1],))}
+
+
+SHAPES = [((5, 7), (7, 3), 1), ((2, 3, 4), (12, 6), 1), ((2, 3, 4), (4, 5), 2),
+          ((1, 1), (1, 1), 1), ((64, 33), (33, 130), 1)]
+
+
+@pytest.mark.parametrize("x_shape, y_shape, cols", SHAPES)
+@pytest.mark.parametrize("bias, activation", [(True, "relu"), (True, "none"), (False, "relu"),
+                                              (False, "none")])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_fc_against_the_float64_reference(x_shape, y_shape, cols, bias, activation,
+                                                dtype, cpu_engine):
+    ins = {"x": rng.standard_normal(x_shape).astype(dtype),
+           "y": rng.standard_normal(y_shape).astype(dtype)}
+    if bias:
+        ins["bias"] = rng.standard_normal(y_shape[1]).astype(dtype)
+    tol = {} if dtype == "float64" else {"atol": 1e-5, "rtol": 1e-4}
+    out = helper_test_op("fused_fc", ins, {"x_num_col_dims": cols, "activation": activation},
+                         fused_reference, **tol)["out"]
+    if activation == "relu":
+        assert (out >= 0).all()
+
+
+def test_relu_keeps_nan_and_zeroes_minus_infinity():
+    x = np.array([[np.nan], [-np.inf], [2.0]], np.float32)
+    out = helper_test_op("fused_fc", {"x": x, "y": np.ones((1, 1), np.float32),
+                                      "bias": np.ones(1, np.float32)},
+                         {"activation": "relu"})["out"]
+    assert np.isnan(out[0, 0]) and out[1:, 0].tolist() == [0.0, 3.0]
+
+
+def build(x_shape, y_shape, bias_shape=None, dtype="float32", **attrs):
+    scope = mg.Scope()
+    slots = {}
+    for name, shape in (("x", x_shape), ("y", y_shape), ("bias", bias_shape)):
+        if shape is not None:
+            slots[name] = scope.new_var(name)
+            slots[name].declare(shape, dtype if name != "bias" else "float32")
+    return mg.Operator("fused_fc", out=scope.new_var("out"), **slots, **attrs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias_shape=(5,)), r"fused_fc: input 'bias' must have shape \(4,\) \(one value per "
+                            r"column of 'y'\)"),
+    (dict(y_shape=(7, 4)), r"fused_fc: input 'y' must have 6 rows"),
+    (dict(activation="gelu"), r"fused_fc: attribute 'activation' must be one of"),
+    (dict(x_num_col_dims=0), r"fused_fc: attribute 'x_num_col_dims'"),
+    (dict(bias_shape=(4,), dtype="float64"), r"fused_fc: input 'bias'.*float32.*float64"),
+])
+def test_fused_fc_bad_inputs_name_the_op_and_slot(kwargs, match):
+    args = dict(x_shape=(2, 6), y_shape=(6, 4))
+    args.update({k: kwargs.pop(k) for k in ("y_shape", "bias_shape", "dtype") if k in kwargs})
+    with pytest.raises(mg.OpError, match=match):
+        build(**args, **kwargs)
+
+
+def test_fused_fc_has_no_gradient():
+    op = build((2, 6), (6, 4), bias_shape=(4,))
+    with pytest.raises(mg.OpError, match="fused_fc: an inference-only op, it has no gradient"):
+        op.schema.grad(op, {"out": op.outputs["out"]}, lambda v: v)
+
+
+def mlp(seed=0, steps=3):
+    """784-wide input scaled down: fc-BN-ReLU twice, then an fc head, trained a little."""
+    net = mg.Net(seed=seed)
+    x = L.data(net, "x", shape=(-1, 12))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = x
+    for i in range(2):
+        h = L.relu(net, L.batch_norm(net, L.fc(net, h, 16, name=f"fc{i}"), name=f"bn{i}"))
+    logits = L.fc(net, h, 5, name="head")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Adam(1e-2).minimize(net, loss)
+    r = np.random.default_rng(seed)
+    for _ in range(steps):
+        net.train(feed={"x": r.standard_normal((8, 12)).astype(np.float32),
+                        "label": r.integers(0, 5, 8)})
+    return net, logits
+
+
+def test_optimize_for_inference_fuses_each_fc_layer():
+    net, logits = mlp()
+    x = np.random.default_rng(1).standard_normal((9, 12)).astype(np.float32)
+    (want,) = net.infer(feed={"x": x}, fetch=[logits])
+    fast = mg.passes.optimize_for_inference(net)
+    (got,) = fast.infer(feed={"x": x}, fetch=[logits.name])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    types = [op.type for op in fast.section("trunk")]
+    assert types[:3] == ["fused_fc"] * 3 and types[3:] == ["softmax_with_cross_entropy", "mean"]
+    assert [str(n) for n in fast.reports["fuse_fc"]] == [
+        "mul + elementwise_add + relu -> fused_fc computing 'relu_0.out'",
+        "mul + elementwise_add + relu -> fused_fc computing 'relu_1.out'",
+        "mul + elementwise_add -> fused_fc computing 'head.out'"]
+    assert fast.applied == ("fold_batch_norm", "fuse_conv2d", "fuse_fc")
+    assert "fused_fc" not in [op.type for op in net.ops("infer")]      # source untouched
+
+
+def test_a_value_read_twice_or_fetched_by_default_ends_the_chain():
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 6))
+    h = L.fc(net, x, 4, name="a")                       # a.out: read by relu and add
+    s = L.add(net, L.relu(net, h), h)
+    g = L.relu(net, L.fc(net, s, 4, name="b"))
+    c = L.relu(net, L.fc(net, g, 3, name="c", bias=False))
+    net.default_fetches = (s, net.var("b.out"), c)       # b.out: fetched
+    fast = mg.passes.fold_batch_norm(net)
+    mg.passes.fuse_fc(fast)
+    assert [op.type for op in fast.section("trunk")] == \
+        ["fused_fc", "relu", "add", "fused_fc", "relu", "fused_fc"]
+    assert [str(n) for n in fast.reports["fuse_fc"]] == [
+        "mul + elementwise_add -> fused_fc computing 'a.out'",
+        "mul + elementwise_add -> fused_fc computing 'b.out'",
+        "mul + relu -> fused_fc computing 'relu_2.out'"]
+    v = np.random.default_rng(2).standard_normal((3, 6)).astype(np.float32)
+    for got, want in zip(fast.infer(feed={"x": v}), net.infer(feed={"x": v})):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bias_add_on_another_axis_is_not_fused():
+    """mul with x_num_col_dims=2 makes (N, T, M); a bias of T values added on axis 1
+    (T = M here, so the shapes agree) is not the layer's bias: the product and
+    relu fuse, the add stays."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 3, 4))
+    w = net.create_parameter("w", (4, 3), "float32", Normal(0.0, 1.0))
+    b = net.create_parameter("b", (3,), "float32", Normal(0.0, 1.0))
+    m = net.append("mul", {"x": x, "y": w}, {"out": "m"}, {"x_num_col_dims": 2})["out"]
+    s = net.append("elementwise_add", {"x": m, "y": b}, {"out": "s"}, {"axis": 1})["out"]
+    r = L.relu(net, s)
+    r2 = L.relu(net, net.append("mul", {"x": x, "y": w}, {"out": "m2"},
+                                {"x_num_col_dims": 2})["out"])
+    net.default_fetches = (r, r2)
+    fast = mg.passes.fold_batch_norm(net)
+    mg.passes.fuse_fc(fast)
+    assert [op.type for op in fast.section("trunk")] == \
+        ["mul", "elementwise_add", "relu", "fused_fc"]
+    v = np.random.default_rng(3).standard_normal((2, 3, 4)).astype(np.float32)
+    for got, want in zip(fast.infer(feed={"x": v}), net.infer(feed={"x": v})):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fuse_fc_refuses_a_training_net_and_runs_once():
+    net, _ = mlp(steps=1)
+    with pytest.raises(ValueError, match="fuse_fc: needs an infer-only net"):
+        mg.passes.fuse_fc(net)
+    fast = mg.passes.optimize_for_inference(net)
+    with pytest.raises(ValueError, match="fuse_fc: already applied"):
+        mg.passes.fuse_fc(fast)
