@@ -4,13 +4,16 @@ out = act(flatten(x) @ y + bias), act = relu or the identity: mul's x, y and
 x_num_col_dims, `bias` (one value per column of y, optional) and `activation`
 ("relu" or "none"). mg.passes.fuse_fc builds it from mul -> elementwise_add
 (the layer's bias, on out's last axis) -> relu chains of an inference net: one
-op and one output array where there were three, the bias and relu applied in
-place on the product.
+op and one output array where there were three.
 
 It is an inference-only op: it has no gradient, and backward through it is an
-error (train the net with fc and fuse its inference copy).
-Kernels (beside mul's): kernels/cpu/mul.py (BLAS's product, then the bias and
-relu in place on it) and kernels/cuda/matmul.py (the mul launcher, then the
+error (train the net with fc and fuse its inference copy). Its weight is a
+parameter of an inference net, which no op writes: the CPU kernel packs it once
+and makes the array read-only (a new value, Variable.set, is a new array).
+Kernels (beside mul's): kernels/cpu/mul.py (fc_native.c's kernel, with the bias
+and relu added to each tile of outputs in registers, for float32 products of
+at least fc_native.MIN_WORK multiply-adds; else BLAS's product, then the bias
+and relu in place on it) and kernels/cuda/matmul.py (the mul launcher, then the
 bias and relu launchers in place on its output). In ONNX it is MatMul, then Add
 of the bias and Relu.
 """

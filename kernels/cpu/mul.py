@@ -1,11 +1,15 @@
 """CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS; and
-of fused_fc (ops/fused_fc.py): the same product, then its bias and relu in place.
+of fused_fc (ops/fused_fc.py): the same product with its bias and relu, by the
+native kernel on the weight packed once (fc_native.py) where it takes the
+product, else by BLAS with the bias and relu in place.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from minigraph.kernels.cpu import fc_native
 
 
 def as_matrix(x, n):
@@ -34,13 +38,17 @@ def mul_grad_cpu(op, ins, ctx):
 
 
 def fused_fc_cpu(op, ins, ctx):
-    """out = act(flatten(x) @ y + bias), reshaped to x.shape[:n] + (M,): BLAS's
-    product, then the bias and relu (NaN stays NaN) in place on it."""
+    """out = act(flatten(x) @ y + bias), reshaped to x.shape[:n] + (M,): the native
+    kernel where it takes the product (it makes y read-only), else BLAS's product,
+    then the bias and relu (NaN stays NaN) in place on it."""
     x, y, bias = ins["x"], ins["y"], ins.get("bias")
     n = op.attrs["x_num_col_dims"]
-    out = as_matrix(x, n) @ y
+    x2, relu = as_matrix(x, n), op.attrs["activation"] == "relu"
+    if fc_native.supports(x2, y):
+        return {"out": fc_native.forward(x2, y, bias, relu).reshape(x.shape[:n] + (y.shape[1],))}
+    out = x2 @ y
     if bias is not None:
         out += bias
-    if op.attrs["activation"] == "relu":
+    if relu:
         np.maximum(out, 0, out=out)
     return {"out": out.reshape(x.shape[:n] + (y.shape[1],))}

@@ -1,0 +1,217 @@
+/* Native CPU kernel of fused_fc (fc_native.py holds the contract): float32
+ * out = act(x @ w + bias), x (M, K) and w (K, N) row-major, act = relu or the
+ * identity, with w packed once.
+ *
+ * A packed weight holds ceil(N / FC_NR) panels, each the K rows of FC_NR
+ * consecutive columns (zeros past column N), so the FC_NR values a step of the
+ * inner loop reads are one 64-byte line. x's columns fall into blocks of at most
+ * FC_KC (of equal size); a register tile is FC_MR rows of x times a panel's rows of
+ * one block: FC_MR x FC_NR sums, two vectors per row, while the panel's block stays
+ * in cache for the next tile's rows. With FC_PACK_PANELS panels or more, x is first
+ * packed into blocks of FC_MR rows, the FC_MR values of a column side by side (its
+ * rows are read once per panel, and rows of a power-of-two length would fall into
+ * the same lines of L1); with fewer, the tiles read x's rows where they are.
+ *
+ * Threads take units of work (a group of panels; with few panels, also a chunk of
+ * the rows) from a shared counter. Each output is summed by one thread in one
+ * order, so the results do not depend on the number of threads. The bias and relu
+ * are added to a tile as it is written after its last block of x's columns. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_pool.h"
+
+#define FC_MR 6          /* rows of x per register tile */
+#define FC_NR 16         /* columns of w per panel and register tile (two vectors) */
+#define FC_KC 512        /* at most this many columns of x (rows of w) per block */
+#define FC_GROUP 8       /* at most this many panels a unit of work */
+#define FC_PACK_PANELS 8 /* x is packed for products of at least this many panels */
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
+
+typedef struct {
+    const float *x, *wp, *bias;
+    float *out, *xp;                       /* xp: x packed, or NULL */
+    int64_t m, k, n, relu, mp, panels, threads;    /* mp: M rounded up to FC_MR */
+    int64_t kc, group, chunks;             /* columns a block; a unit: group panels by
+                                              1 / chunks of the rows */
+    int64_t next_rows, packed_rows, next_unit;     /* the shared counters */
+} fc_t;
+
+typedef struct {
+    fc_t *a;
+} fc_job_t;
+
+int64_t fc_packed_size(int64_t k, int64_t n)
+{
+    return (n + FC_NR - 1) / FC_NR * k * FC_NR;
+}
+
+/* w (K, N) into wp (fc_packed_size(K, N) floats). */
+void fc_pack_weight_f32(const float *w, int64_t k, int64_t n, float *wp)
+{
+    for (int64_t j = 0; j * FC_NR < n; j++) {
+        int64_t n0 = j * FC_NR, cols = n - n0 < FC_NR ? n - n0 : FC_NR;
+        float *panel = wp + j * k * FC_NR;
+        for (int64_t r = 0; r < k; r++) {
+            memcpy(panel + r * FC_NR, w + r * n + n0, (size_t)cols * sizeof(float));
+            memset(panel + r * FC_NR + cols, 0, (size_t)(FC_NR - cols) * sizeof(float));
+        }
+    }
+}
+
+/* Rows [FC_MR i, FC_MR (i + 1)) of x, every block of columns, into xp. */
+static void pack_rows(const fc_t *a, int64_t i)
+{
+    const float *rows[FC_MR];
+    for (int r = 0; r < FC_MR; r++) {
+        int64_t row = i * FC_MR + r;
+        rows[r] = row < a->m ? a->x + row * a->k : NULL;
+    }
+    for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
+        int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
+        float *dst = a->xp + p0 * a->mp + i * kc * FC_MR;
+        for (int r = 0; r < FC_MR; r++) {
+            if (rows[r] == NULL) {
+                for (int64_t q = 0; q < kc; q++) dst[q * FC_MR + r] = 0.0f;
+            } else {
+                const float *src = rows[r] + p0;
+                for (int64_t q = 0; q < kc; q++) dst[q * FC_MR + r] = src[q];
+            }
+        }
+    }
+}
+
+static inline v8 finish(v8 v, const float *to, int first, const float *bias, int relu)
+{
+    if (!first) v += *(const v8u *)to;
+    if (bias != NULL) {
+        v += *(const v8u *)bias;
+        if (relu) v = (v8)((v8i)v & ~(v < 0));     /* NaN stays NaN */
+    }
+    return v;
+}
+
+/* The tile of rows FC_MR i.. and panel j over the block of columns p0 .. p0 + kc:
+ * added to out (first: written), then (last) the bias and relu. */
+static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
+{
+    const float *wb = a->wp + (j * a->k + p0) * FC_NR;
+    v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+    v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+#define FC_SUMS(STEP)                                                                  \
+    for (int64_t q = 0, at = 0; q < kc; q++, at += (STEP), wb += FC_NR) {              \
+        v8 b0 = *(const v8u *)wb, b1 = *(const v8u *)(wb + 8);                         \
+        c00 += x0[at] * b0; c01 += x0[at] * b1; c10 += x1[at] * b0; c11 += x1[at] * b1; \
+        c20 += x2[at] * b0; c21 += x2[at] * b1; c30 += x3[at] * b0; c31 += x3[at] * b1; \
+        c40 += x4[at] * b0; c41 += x4[at] * b1; c50 += x5[at] * b0; c51 += x5[at] * b1; \
+    }
+    if (a->xp != NULL) {                /* the block's FC_MR values of a column side by side */
+        const float *x0 = a->xp + p0 * a->mp + i * kc * FC_MR;
+        const float *x1 = x0 + 1, *x2 = x0 + 2, *x3 = x0 + 3, *x4 = x0 + 4, *x5 = x0 + 5;
+        FC_SUMS(FC_MR)
+    } else {                            /* x's rows; rows past M repeat row M - 1 */
+        const float *row[FC_MR];
+        for (int64_t r = 0; r < FC_MR; r++)
+            row[r] = a->x + (i * FC_MR + r < a->m ? i * FC_MR + r : a->m - 1) * a->k + p0;
+        const float *x0 = row[0], *x1 = row[1], *x2 = row[2], *x3 = row[3], *x4 = row[4];
+        const float *x5 = row[5];
+        FC_SUMS(1)
+    }
+#undef FC_SUMS
+    v8 acc[FC_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    int first = p0 == 0, last = p0 + kc == a->k;
+    int64_t rows = a->m - i * FC_MR < FC_MR ? a->m - i * FC_MR : FC_MR;
+    int64_t n0 = j * FC_NR, cols = a->n - n0 < FC_NR ? a->n - n0 : FC_NR;
+    const float *bias = NULL;
+    float zeros[FC_NR] = {0}, edge_bias[FC_NR];
+    if (last) bias = a->bias != NULL ? a->bias + n0 : zeros;
+    if (cols == FC_NR) {
+        for (int64_t r = 0; r < rows; r++) {
+            float *to = a->out + (i * FC_MR + r) * a->n + n0;
+            v8 lo = finish(acc[r][0], to, first, bias, (int)a->relu);
+            v8 hi = finish(acc[r][1], to + 8, first, bias == NULL ? NULL : bias + 8,
+                           (int)a->relu);
+            *(v8u *)to = lo;
+            *(v8u *)(to + 8) = hi;
+        }
+        return;
+    }
+    if (bias != NULL) {                 /* a panel past column N: through a buffer */
+        memcpy(edge_bias, bias, (size_t)cols * sizeof(float));
+        memset(edge_bias + cols, 0, (size_t)(FC_NR - cols) * sizeof(float));
+        bias = edge_bias;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *to = a->out + (i * FC_MR + r) * a->n + n0, row[FC_NR] = {0};
+        memcpy(row, to, (size_t)cols * sizeof(float));
+        *(v8u *)row = finish(acc[r][0], row, first, bias, (int)a->relu);
+        *(v8u *)(row + 8) = finish(acc[r][1], row + 8, first,
+                                   bias == NULL ? NULL : bias + 8, (int)a->relu);
+        memcpy(to, row, (size_t)cols * sizeof(float));
+    }
+}
+
+/* A thread packs blocks of x's rows while some are left and waits for the others'
+ * (a thread that starts late finds them done), then takes units of work (a group
+ * of panels, and all rows or, with few panels, a chunk of them) from a shared
+ * counter, so that a thread slowed down (by another process on its core) takes
+ * fewer; a unit's outputs stay in cache over the blocks of x's columns. */
+static void *multiply_job(void *arg)
+{
+    fc_t *a = ((fc_job_t *)arg)->a;
+    int64_t groups = (a->panels + a->group - 1) / a->group, blocks = a->mp / FC_MR, u;
+    if (a->xp != NULL) {        /* first the row blocks no thread took yet, then the wait */
+        while ((u = __atomic_fetch_add(&a->next_rows, 1, __ATOMIC_RELAXED)) < blocks) {
+            pack_rows(a, u);
+            __atomic_fetch_add(&a->packed_rows, 1, __ATOMIC_RELEASE);
+        }
+        while (__atomic_load_n(&a->packed_rows, __ATOMIC_ACQUIRE) < blocks)
+            ;
+    }
+    while ((u = __atomic_fetch_add(&a->next_unit, 1, __ATOMIC_RELAXED)) < groups * a->chunks) {
+        int64_t g = u / a->chunks, c = u % a->chunks;
+        int64_t j0 = g * a->group, j1 = j0 + a->group < a->panels ? j0 + a->group : a->panels;
+        int64_t i0 = blocks * c / a->chunks, i1 = blocks * (c + 1) / a->chunks;
+        for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
+            int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
+            for (int64_t j = j0; j < j1; j++)
+                for (int64_t i = i0; i < i1; i++) tile(a, i, j, p0, kc);
+        }
+    }
+    return NULL;
+}
+
+/* out (M, N) = act(x (M, K) @ w + bias) with wp = fc_pack_weight_f32(w), bias
+ * (N,) or NULL, relu 0 or 1, on `threads` threads (at most one a tile). M, N, K
+ * >= 1. Returns 0, or 1 when the packed copy of x could not be allocated (out is
+ * then untouched). */
+int fc_forward_f32(const float *x, const float *wp, const float *bias, float *out, int64_t m,
+                   int64_t k, int64_t n, int64_t relu, int64_t threads)
+{
+    fc_t a = {.x = x, .wp = wp, .bias = bias, .out = out, .m = m, .k = k, .n = n,
+              .relu = relu, .mp = (m + FC_MR - 1) / FC_MR * FC_MR,
+              .panels = (n + FC_NR - 1) / FC_NR, .threads = threads, .chunks = 1};
+    int64_t parts = (k + FC_KC - 1) / FC_KC;
+    a.kc = (k + parts - 1) / parts;
+    a.group = a.panels / (4 * a.threads);           /* four groups a thread at least */
+    if (a.group > FC_GROUP) a.group = FC_GROUP;
+    if (a.group < 1) a.group = 1;
+    if (a.panels < 4 * a.threads) a.chunks = (4 * a.threads + a.panels - 1) / a.panels;
+    if (a.chunks > a.mp / FC_MR) a.chunks = a.mp / FC_MR;
+    if (a.threads > a.mp / FC_MR * a.panels) a.threads = a.mp / FC_MR * a.panels;
+    if (a.threads < 1) a.threads = 1;
+    if (a.threads > POOL_MAX_THREADS) a.threads = POOL_MAX_THREADS;
+    fc_job_t jobs[POOL_MAX_THREADS];
+    for (int64_t t = 0; t < a.threads; t++) jobs[t] = (fc_job_t){&a};
+    if (a.panels >= FC_PACK_PANELS) {
+        a.xp = malloc((size_t)(a.mp * k) * sizeof(float));
+        if (a.xp == NULL) return 1;
+    }
+    pool_run(multiply_job, jobs, sizeof(fc_job_t), a.threads);
+    free(a.xp);
+    return 0;
+}

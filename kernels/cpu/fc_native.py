@@ -1,0 +1,97 @@
+"""Launcher of the native fused_fc kernel (fc_native.c, built by native.py):
+float32 out = act(x @ w + bias) for x (M, K) and w (K, N), act = relu or the
+identity, the bias and relu added to each tile of outputs as it is written.
+
+The kernel reads the weight packed into panels of columns (fc_native.c). A weight
+is packed once and the packed copy kept while the weight array lives: fused_fc is
+an inference op (its weight is a parameter of an inference net, which no op
+writes), so `forward` marks the array it packed read-only, and a write into it is
+an error instead of a stale result. A new value (Variable.set, a load) is a new
+array and is packed again at its first use. Each packed copy takes the weight's
+memory again (rounded up to whole panels).
+
+`supports(x, w)` says whether the kernel takes a product: float32, built (native.
+reason says why not) and at least MIN_WORK multiply-adds, the size from which
+OpenBLAS would run it on its threads. Those threads wait for the next product
+spinning on their cores, so a native kernel that starts right after one (the
+next layer's) finds a core taken: an inference net whose products all run here
+runs none of BLAS's. The op runs numpy's product otherwise, which is the
+reference this is tested against.
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import numpy as np
+
+from minigraph.kernels.cpu import blocks, native
+
+MIN_WORK = 1 << 18          # multiply-adds from which OpenBLAS wakes its threads
+MIN_THREAD_WORK = 1 << 20   # multiply-adds a thread must have to be worth waking
+
+_P, _L = ctypes.c_void_p, ctypes.c_int64
+_F32 = np.dtype(np.float32)
+_ptr = native.address
+_packed = {}                # id(weight array) -> (weakref to it, packed copy)
+
+
+def _lib():
+    lib = native.library("fc_native")
+    if lib is not None and not getattr(lib, "_typed", False):
+        lib.fc_packed_size.argtypes, lib.fc_packed_size.restype = [_L, _L], _L
+        lib.fc_pack_weight_f32.argtypes, lib.fc_pack_weight_f32.restype = [_P, _L, _L, _P], None
+        lib.fc_forward_f32.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L]
+        lib.fc_forward_f32.restype = ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def supports(x, w):
+    """True when forward takes x (M, K) @ w (K, N): both float32, K >= 1, at least
+    MIN_WORK multiply-adds, and the native kernels built."""
+    m, k = x.shape
+    return (x.dtype == _F32 and w.dtype == _F32 and k >= 1
+            and m * k * w.shape[1] >= MIN_WORK and _lib() is not None)
+
+
+def forward(x, w, bias=None, relu=False):
+    """out (M, N) float32 = act(x @ w + bias), act = max(., 0) (NaN stays NaN) where
+    relu, else the identity; x (M, K) and w (K, N) float32, bias (N,) or None, as
+    supports() takes them. Every output is summed by one thread in one order (the
+    same result on any number of threads). Marks `w` read-only (see the module doc)."""
+    x = np.ascontiguousarray(x)
+    m, k = x.shape
+    n = w.shape[1]
+    bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+    out = np.empty((m, n), dtype=np.float32)
+    if m == 0 or n == 0:
+        return out
+    threads = max(1, min(blocks.get_num_threads(), m * k * n // MIN_THREAD_WORK))
+    if _lib().fc_forward_f32(_ptr(x), _ptr(packed_weight(w)), _ptr(bias), _ptr(out), m, k, n,
+                             int(bool(relu)), threads):
+        raise MemoryError("fc_native.forward: the packed copy of x could not be allocated")
+    return out
+
+
+def packed_weight(w):
+    """w (K, N) float32 in fc_native.c's panels: packed on first use and kept until `w`
+    is freed; `w` is made read-only, so what was packed stays what it holds."""
+    found = _packed.get(id(w))
+    if found is not None and found[0]() is w and not w.flags.writeable:
+        return found[1]
+    k, n = w.shape
+    packed = _aligned(_lib().fc_packed_size(k, n))
+    w.flags.writeable = False
+    _lib().fc_pack_weight_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
+    key = id(w)
+    _packed[key] = (weakref.ref(w, lambda _, key=key: _packed.pop(key, None)), packed)
+    return packed
+
+
+def _aligned(size):
+    """An empty float32 vector of `size` values starting on a 64-byte line, so that
+    each row of a panel is one line."""
+    room = np.empty(size + 16, dtype=np.float32)
+    skip = (-room.ctypes.data % 64) // 4
+    return room[skip:skip + size]

@@ -1,0 +1,148 @@
+"""The native kernel of fused_fc (kernels/cpu/fc_native.c): its results against the
+float64 reference for every remainder of the register tile, blocks of x's columns,
+packed and unpacked x, bias and relu, any number of threads; and the packed copies
+of weights it keeps."""
+import gc
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph.kernels.cpu import blocks, fc_native, native
+
+rng = np.random.default_rng(5)
+
+pytestmark = pytest.mark.skipif(fc_native._lib() is None,
+                                reason=f"native kernels not built: {native.reason('fc_native')}")
+
+
+@pytest.fixture(autouse=True)
+def every_product_native(monkeypatch):
+    """Small test products run natively, on as many threads as asked."""
+    monkeypatch.setattr(fc_native, "MIN_WORK", 1)
+    monkeypatch.setattr(fc_native, "MIN_THREAD_WORK", 1)
+
+
+def reference(x, w, bias, relu):
+    out = x.astype(np.float64) @ w.astype(np.float64)
+    if bias is not None:
+        out += bias
+    return np.maximum(out, 0.0) if relu else out
+
+
+# rows: 1, a tile (6) and its remainders; columns: 1, a vector, a panel (16), past it,
+# and enough panels (8 and more) that x is packed; x's columns: 1, one block (512),
+# blocks split evenly (513, 784, 1100)
+SHAPES = [(1, 1, 1), (5, 3, 16), (6, 16, 17), (7, 40, 10), (13, 512, 33), (128, 513, 130),
+          (131, 784, 129), (2, 1100, 200), (12, 300, 256), (64, 77, 8)]
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("bias, relu", [(True, True), (True, False), (False, True),
+                                        (False, False)])
+def test_forward_against_the_float64_reference(m, k, n, bias, relu):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    assert fc_native.supports(x, w)
+    got = fc_native.forward(x, w, b, relu)
+    want = reference(x, w, b, relu)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * np.sqrt(k) * max(1, abs(want).max()))
+
+
+@pytest.mark.parametrize("m, k, n", [(128, 700, 300), (9, 64, 20), (50, 1030, 140)])
+def test_the_same_result_on_any_number_of_threads(m, k, n, monkeypatch):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        monkeypatch.setattr(blocks, "get_num_threads", lambda t=threads: t)
+        outs.append(fc_native.forward(x, w, b, True))
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+def test_nan_and_infinities():
+    x = np.ones((7, 20), np.float32)
+    x[2, 3] = np.nan
+    x[4, 5] = np.inf
+    w = np.ones((20, 30), np.float32)
+    w[:, 7] = -1.0
+    got = fc_native.forward(x, w, None, relu=True)
+    assert np.isnan(got[2]).all()                              # NaN stays NaN through relu
+    assert np.isinf(got[4, 0]) and got[4, 7] == 0.0            # -inf: relu gives 0
+    assert np.isfinite(got[[0, 1, 3, 5, 6]]).all()             # the other rows are untouched
+
+
+def test_a_weight_is_packed_once_and_made_read_only():
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 20)).astype(np.float32)
+    first = fc_native.forward(x, w)
+    assert not w.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        w[0, 0] = 1.0
+    ref, kept = fc_native._packed[id(w)]
+    assert ref() is w
+    np.testing.assert_array_equal(fc_native.forward(x, w), first)
+    assert fc_native._packed[id(w)][1] is kept              # the same packed copy
+
+
+def test_a_weight_made_writeable_again_is_packed_again():
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 5)).astype(np.float32)
+    fc_native.forward(x, w)
+    w.flags.writeable = True
+    w *= -2.0
+    np.testing.assert_allclose(fc_native.forward(x, w), reference(x, w, None, False),
+                               rtol=1e-5, atol=1e-5)
+    assert not w.flags.writeable
+
+
+def test_a_freed_weight_lets_go_of_its_packed_copy():
+    x = np.ones((2, 4), np.float32)
+    w = np.ones((4, 6), np.float32)
+    fc_native.forward(x, w)
+    key = id(w)
+    assert key in fc_native._packed
+    del w
+    gc.collect()
+    assert key not in fc_native._packed
+
+
+def test_a_new_value_of_the_parameter_is_used(monkeypatch):
+    """Variable.set gives the inference net's weight a new array: the next run packs it."""
+    monkeypatch.setattr(fc_native, "MIN_WORK", 1)
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 6))
+    y = mg.layers.relu(net, mg.layers.fc(net, x, 20, name="a"))
+    fast = mg.passes.optimize_for_inference(net)
+    assert [op.type for op in fast.section("trunk")] == ["fused_fc"]
+    v = rng.standard_normal((3, 6)).astype(np.float32)
+    (first,) = fast.infer(feed={"x": v}, fetch=[y.name])
+    w = fast.var("a.w")
+    w.set(-w.get())
+    (second,) = fast.infer(feed={"x": v}, fetch=[y.name])
+    b = fast.var("a.b").get()
+    np.testing.assert_allclose(second, np.maximum(v @ w.get() + b, 0), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(first, second)
+
+
+def test_supports():
+    x32, w32 = np.ones((64, 64), np.float32), np.ones((64, 64), np.float32)
+    assert fc_native.supports(x32, w32)
+    assert not fc_native.supports(x32.astype(np.float64), w32.astype(np.float64))
+    assert not fc_native.supports(np.ones((4, 0), np.float32), np.ones((0, 3), np.float32))
+
+
+def test_off_with_minigraph_native_0(monkeypatch):
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert not fc_native.supports(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32))
+
+
+def test_only_products_that_would_wake_blas_threads_by_default(monkeypatch):
+    monkeypatch.undo()
+    small = np.ones((8, 64), np.float32), np.ones((64, 64), np.float32)       # 32 K
+    large = np.ones((128, 2048), np.float32), np.ones((2048, 16), np.float32)  # 4 M
+    assert not fc_native.supports(*small) and fc_native.supports(*large)
