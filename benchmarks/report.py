@@ -150,13 +150,15 @@ def machine():
     return ", ".join(parts)
 
 
-def commit():
-    """The repository's short commit hash, '+ changes' where the tree differs; '' outside git."""
+def commit(repo=REPO):
+    """The repository's short commit hash, '+ uncommitted changes' where tracked files
+    other than docs/performance.md (which every run rewrites) differ; '' outside git."""
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10, check=True)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
+                                "--untracked-files=no", "--", ".",
+                                ":(exclude)" + DEFAULT_PATH.relative_to(REPO).as_posix()],
                                capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return ""

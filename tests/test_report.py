@@ -1,0 +1,38 @@
+"""benchmarks/report.py: the commit a section names is not marked changed by the file
+the benchmark scripts write (docs/performance.md), and is by any other change."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("report", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_commit_is_marked_for_changes_but_not_for_the_performance_file(tmp_path):
+    report = load_report()
+
+    def git(*words):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *words],
+                       cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "performance.md").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    clean = report.commit(tmp_path)
+    assert clean and "uncommitted" not in clean
+    (tmp_path / "docs" / "performance.md").write_text("a run wrote this\n")
+    assert report.commit(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert report.commit(tmp_path) == clean + " + uncommitted changes"
