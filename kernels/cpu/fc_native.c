@@ -178,8 +178,19 @@ static void *multiply_job(void *arg)
         int64_t i0 = blocks * c / a->chunks, i1 = blocks * (c + 1) / a->chunks;
         for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
             int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
-            for (int64_t j = j0; j < j1; j++)
-                for (int64_t i = i0; i < i1; i++) tile(a, i, j, p0, kc);
+            for (int64_t j = j0; j < j1; j++) {
+                /* the unit's next block of the weight, a share of it during each tile */
+                int64_t next_p0 = j + 1 < j1 ? p0 : p0 + kc, next_j = j + 1 < j1 ? j + 1 : j0;
+                int64_t lines = next_p0 < a->k ? (a->k - next_p0 < a->kc ? a->k - next_p0
+                                                                         : a->kc) : 0;
+                const float *next = a->wp + (next_j * a->k + next_p0) * FC_NR;
+                int64_t share = (lines + (i1 - i0) - 1) / (i1 - i0);
+                for (int64_t i = i0; i < i1; i++) {
+                    for (int64_t l = (i - i0) * share; l < (i - i0 + 1) * share && l < lines; l++)
+                        __builtin_prefetch(next + l * FC_NR, 0, 2);
+                    tile(a, i, j, p0, kc);
+                }
+            }
         }
     }
     return NULL;
