@@ -53,19 +53,13 @@ def no_grad(op, dout, make_grad):
 
 def export_fused(ctx, op):
     """Conv (the bias as its third input), then Add of the residual, then Relu."""
-    out = op.outputs["out"]
     ins = [ctx.value(op.inputs[s]) for s in ("x", "filter")]
     if op.inputs["bias"] is not None:
         ins.append(ctx.value(op.inputs["bias"]))
-    residual, relu = op.inputs["residual"], op.attrs["activation"] == "relu"
-    steps = ["conv"] + (["residual"] if residual is not None else []) + (["relu"] if relu else [])
-    names = [ctx.temp(out, s) for s in steps[:-1]] + [ctx.output(out)]
-    nodes = [conv_node(ctx, op, ins, names[0])]
-    if residual is not None:
-        nodes.append(ctx.node("Add", [names[0], ctx.value(residual)], [names[1]]))
-    if relu:
-        nodes.append(ctx.node("Relu", [names[-2]], [names[-1]]))
-    return nodes
+    residual = op.inputs["residual"]
+    return ctx.epilogue(op.outputs["out"], "conv", lambda name: [conv_node(ctx, op, ins, name)],
+                        [("residual", residual)] if residual is not None else [],
+                        op.attrs["activation"] == "relu")
 
 
 register(OpSchema(

@@ -58,16 +58,10 @@ def no_grad(op, dout, make_grad):
 
 def export_fused(ctx, op):
     """MatMul (mul's), then Add of the bias, then Relu."""
-    out = op.outputs["out"]
-    bias, relu = op.inputs["bias"], op.attrs["activation"] == "relu"
-    steps = ["matmul"] + (["bias"] if bias is not None else []) + (["relu"] if relu else [])
-    names = [ctx.temp(out, s) for s in steps[:-1]] + [ctx.output(out)]
-    nodes = matmul_nodes(ctx, op, names[0])
-    if bias is not None:
-        nodes.append(ctx.node("Add", [names[0], ctx.value(bias)], [names[1]]))
-    if relu:
-        nodes.append(ctx.node("Relu", [names[-2]], [names[-1]]))
-    return nodes
+    bias = op.inputs["bias"]
+    return ctx.epilogue(op.outputs["out"], "matmul", lambda name: matmul_nodes(ctx, op, name),
+                        [("bias", bias)] if bias is not None else [],
+                        op.attrs["activation"] == "relu")
 
 
 register(OpSchema(

@@ -69,7 +69,7 @@ def fuse_conv2d(net, verbose=False):
     clone_for_inference: every op in its trunk) in place, fusing each conv2d
     chain of the module doc into a fused_conv2d. Returns a FuseNote per fused
     chain, also kept as `net.reports["fuse_conv2d"]`."""
-    return _fuse(net, NAME, "conv", op_for_role("fused_conv"), _chain, verbose)
+    return _fuse(net, NAME, "conv", op_for_role("fused_conv"), _conv_chain, verbose)
 
 
 def fuse_fc(net, verbose=False):
@@ -108,36 +108,27 @@ def _fuse(net, name, role, fused_type, chain_of, verbose):
 
 def _fc_chain(ops, mul, kept):
     """([mul, ...the ops fused after it], fused_fc keyword arguments)."""
-    chain, parts = [mul], {}
-    v = mul.outputs["out"]
-    nxt = _only_reader(ops, v, kept)
-    columns = mul.inputs["y"].shape[1] if mul.inputs["y"].shape else None
-    if nxt is not None and nxt.schema.has_role("bias_add") and nxt.inputs["x"] is v:
-        b = nxt.inputs["y"]
-        rank = len(v.shape) if v.shape else 0
-        if (b.persistable and b.shape == (columns,) and b.dtype == v.dtype
-                and nxt.attrs["axis"] in (-1, rank - 1)):
-            parts["bias"] = b
-            chain.append(nxt)
-            v = nxt.outputs["out"]
-            nxt = _only_reader(ops, v, kept)
-    if nxt is not None and nxt.schema.has_role("relu"):
-        parts["activation"] = "relu"
-        chain.append(nxt)
-    return chain, parts
+    return _chain(ops, mul, kept, _is_fc_bias, residual=False)
 
 
-def _chain(ops, conv, kept):
+def _conv_chain(ops, conv, kept):
     """([conv, ...the ops fused after it], fused_conv2d keyword arguments)."""
-    chain, parts = [conv], {}
-    v = conv.outputs["out"]
+    return _chain(ops, conv, kept, _is_conv_bias, residual=True)
+
+
+def _chain(ops, first, kept, is_bias, residual):
+    """([first, then its bias add, a residual add (where `residual`) and relu, as far
+    as they fit], the fused op's keyword arguments)."""
+    chain, parts = [first], {}
+    v = first.outputs["out"]
     nxt = _only_reader(ops, v, kept)
-    if nxt is not None and _is_bias_add(nxt, v, conv):
+    if (nxt is not None and nxt.schema.has_role("bias_add") and nxt.inputs["x"] is v
+            and is_bias(nxt, v, first)):
         parts["bias"] = nxt.inputs["y"]
         chain.append(nxt)
         v = nxt.outputs["out"]
         nxt = _only_reader(ops, v, kept)
-    if nxt is not None and nxt.schema.has_role("add"):
+    if residual and nxt is not None and nxt.schema.has_role("add"):
         other = nxt.inputs["y"] if nxt.inputs["x"] is v else nxt.inputs["x"]
         if other is not v and _same_meta(other, v):
             parts["residual"] = other
@@ -158,13 +149,22 @@ def _only_reader(ops, v, kept):
     return readers[0] if len(readers) == 1 else None
 
 
-def _is_bias_add(op, v, conv):
-    if not op.schema.has_role("bias_add") or op.inputs["x"] is not v:
-        return False
-    b = op.inputs["y"]
+def _is_conv_bias(add, v, conv):
+    """The bias add `add` on conv's output `v` adds one parameter value per channel."""
+    b = add.inputs["y"]
     channels = conv.inputs["filter"].shape[0] if conv.inputs["filter"].shape else None
-    return (b.persistable and b.shape == (channels,) and op.attrs["axis"] == 1
+    return (b.persistable and b.shape == (channels,) and add.attrs["axis"] == 1
             and b.dtype == v.dtype)
+
+
+def _is_fc_bias(add, v, mul):
+    """The bias add `add` on mul's output `v` adds one parameter value per column, on
+    v's last axis."""
+    b = add.inputs["y"]
+    columns = mul.inputs["y"].shape[1] if mul.inputs["y"].shape else None
+    rank = len(v.shape) if v.shape else 0
+    return (b.persistable and b.shape == (columns,) and b.dtype == v.dtype
+            and add.attrs["axis"] in (-1, rank - 1))
 
 
 def _same_meta(a, b):
