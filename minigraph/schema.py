@@ -323,6 +323,16 @@ def registered_ops():
     return sorted(_SCHEMAS)
 
 
+def inference_only(op_type, train_with):
+    """The grad maker of an inference-only op: an OpError saying to train the net with
+    `train_with` and fuse its inference copy."""
+    def no_grad(op, dout, make_grad):
+        raise OpError(f"{op_type}: an inference-only op, it has no gradient; train the net "
+                      f"with {train_with} and fuse its inference copy "
+                      "(mg.passes.optimize_for_inference)")
+    return no_grad
+
+
 def grad_maker(grad_type, keep=("x",), dout=None, wrt=("x",), attrs=True):
     """The usual grad maker, declared in one line (Paddle's DefaultGradOpMaker).
 

@@ -144,6 +144,23 @@ def check_same_dtype(op_type, slot, meta, ref_slot, ref):
                             "they must match")
 
 
+def infer_as(op_type, base_type, infer, ins, attrs):
+    """infer(ins, attrs) of `base_type`, the op `op_type` extends (a fused op), with its
+    errors naming `op_type`."""
+    try:
+        return infer(ins, attrs)
+    except OpError as e:
+        raise OpError(str(e).replace(f"{base_type}:", f"{op_type}:", 1)) from None
+
+
+def check_extra_input(op_type, slot, meta, x, shape, why):
+    """An optional input added to an op's result (a fused op's bias or residual): x's
+    dtype and `shape`; `why` says what the shape is."""
+    if meta is not None:
+        check_same_dtype(op_type, slot, meta, "x", x)
+        check_shape(op_type, slot, meta, shape, why)
+
+
 def check_rank(op_type, slot, meta, ranks):
     if len(meta.shape) not in ranks:
         want = (f"{min(ranks)} to {max(ranks)}" if len(ranks) > 1 else str(ranks[0]))

@@ -24,31 +24,19 @@ from minigraph.kernels.cpu import conv2d as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import conv2d as cuda
 from minigraph.ops.conv2d import conv_attrs, conv_node, infer_conv, resolve
-from minigraph.schema import OpError, OpSchema, Slot, examples, kernel, register
-from minigraph.validators import check_same_dtype, check_shape, one_of, str_attr
+from minigraph.schema import OpSchema, Slot, examples, inference_only, kernel, register
+from minigraph.validators import check_extra_input, infer_as, one_of, str_attr
 
 TYPE = "fused_conv2d"
 
 
 def infer_fused(ins, attrs):
-    try:
-        out = infer_conv(ins, attrs)["out"]
-    except OpError as e:
-        raise OpError(str(e).replace("conv2d:", f"{TYPE}:", 1)) from None
-    bias, residual = ins.get("bias"), ins.get("residual")
-    if bias is not None:
-        check_same_dtype(TYPE, "bias", bias, "x", ins["x"])
-        check_shape(TYPE, "bias", bias, (out.shape[1],), " (one value per output channel)")
-    if residual is not None:
-        check_same_dtype(TYPE, "residual", residual, "x", ins["x"])
-        check_shape(TYPE, "residual", residual, out.shape, " (the convolution's output shape)")
+    out = infer_as(TYPE, "conv2d", infer_conv, ins, attrs)["out"]
+    check_extra_input(TYPE, "bias", ins.get("bias"), ins["x"], (out.shape[1],),
+                      " (one value per output channel)")
+    check_extra_input(TYPE, "residual", ins.get("residual"), ins["x"], out.shape,
+                      " (the convolution's output shape)")
     return {"out": out}
-
-
-def no_grad(op, dout, make_grad):
-    raise OpError(f"{TYPE}: an inference-only op, it has no gradient; train the net with "
-                  "conv2d (and its bias add and relu) and fuse its inference copy "
-                  "(mg.passes.optimize_for_inference)")
 
 
 def export_fused(ctx, op):
@@ -68,7 +56,8 @@ register(OpSchema(
             Slot("residual", optional=True)),
     outputs=(Slot("out"),),
     attrs=conv_attrs() + (str_attr("activation", "none", one_of("none", "relu")),),
-    infer=infer_fused, resolve_attrs=resolve, grad=no_grad, export=export_fused,
+    infer=infer_fused, resolve_attrs=resolve, export=export_fused,
+    grad=inference_only(TYPE, "conv2d (and its bias add and relu)"),
     roles=("fused_conv",), doc=__doc__))
 kernel(TYPE, "cpu", cpu.fused_conv2d_cpu)
 kernel(TYPE, "gpu", cuda.fused_conv2d_gpu, dtypes=GPU_FLOATS)

@@ -25,35 +25,17 @@ from minigraph.kernels.cpu import mul as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import matmul as cuda
 from minigraph.ops.mul import infer_mul, matmul_nodes
-from minigraph.schema import OpError, OpSchema, Slot, examples, kernel, register
-from minigraph.validators import (
-    check_same_dtype,
-    check_shape,
-    int_attr,
-    one_of,
-    positive,
-    str_attr,
-)
+from minigraph.schema import OpSchema, Slot, examples, inference_only, kernel, register
+from minigraph.validators import check_extra_input, infer_as, int_attr, one_of, positive, str_attr
 
 TYPE = "fused_fc"
 
 
 def infer_fused(ins, attrs):
-    try:
-        out = infer_mul(ins, attrs)["out"]
-    except OpError as e:
-        raise OpError(str(e).replace("mul:", f"{TYPE}:", 1)) from None
-    bias = ins.get("bias")
-    if bias is not None:
-        check_same_dtype(TYPE, "bias", bias, "x", ins["x"])
-        check_shape(TYPE, "bias", bias, (out.shape[-1],), " (one value per column of 'y')")
+    out = infer_as(TYPE, "mul", infer_mul, ins, attrs)["out"]
+    check_extra_input(TYPE, "bias", ins.get("bias"), ins["x"], (out.shape[-1],),
+                      " (one value per column of 'y')")
     return {"out": out}
-
-
-def no_grad(op, dout, make_grad):
-    raise OpError(f"{TYPE}: an inference-only op, it has no gradient; train the net with fc "
-                  "(mul, its bias add and relu) and fuse its inference copy "
-                  "(mg.passes.optimize_for_inference)")
 
 
 def export_fused(ctx, op):
@@ -70,7 +52,8 @@ register(OpSchema(
     outputs=(Slot("out"),),
     attrs=(int_attr("x_num_col_dims", 1, positive),
            str_attr("activation", "none", one_of("none", "relu"))),
-    infer=infer_fused, grad=no_grad, export=export_fused, roles=("fused_fc",), doc=__doc__))
+    infer=infer_fused, export=export_fused, roles=("fused_fc",), doc=__doc__,
+    grad=inference_only(TYPE, "fc (mul, its bias add and relu)")))
 kernel(TYPE, "cpu", cpu.fused_fc_cpu)
 kernel(TYPE, "gpu", cuda.fused_fc_gpu, dtypes=GPU_FLOATS)
 

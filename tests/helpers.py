@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import subprocess
 
 import numpy as np
 
@@ -79,6 +80,17 @@ def spying(op_type, make_spy, device="cpu"):
         yield
     finally:
         schema.kernels[device] = plain
+
+
+def committed_repo(path, files):
+    """A git repository at `path` holding `files` ({relative path: text}) in one commit."""
+    for name, text in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    for words in (("init", "-q"), ("add", "."), ("commit", "-q", "-m", "start")):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *words],
+                       cwd=path, check=True, capture_output=True, timeout=60)
+    return path
 
 
 def tiny_bn_net(sync, place=None, seed=0, optimizer=None):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import committed_repo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -137,15 +138,7 @@ def test_results_name_no_local_paths(tmp_path):
 
 
 def test_the_commit_is_marked_for_local_changes_but_not_for_the_results_file(tmp_path):
-    def git(*words):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *words],
-                       cwd=tmp_path, check=True, capture_output=True, timeout=60)
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "benchmarks" / "RESULTS.md").write_text("old\n")
-    (tmp_path / "code.py").write_text("x = 1\n")
-    git("init", "-q")
-    git("add", ".")
-    git("commit", "-q", "-m", "start")
+    committed_repo(tmp_path, {"benchmarks/RESULTS.md": "old\n", "code.py": "x = 1\n"})
     clean = gc.commit(tmp_path)
     assert clean != "unknown" and "local changes" not in clean
     (tmp_path / "benchmarks" / "RESULTS.md").write_text("a step wrote this\n")

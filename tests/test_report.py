@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import subprocess
 import sys
+
+from helpers import committed_repo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -20,16 +21,7 @@ def load_report():
 
 def test_the_commit_is_marked_for_changes_but_not_for_the_performance_file(tmp_path):
     report = load_report()
-
-    def git(*words):
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *words],
-                       cwd=tmp_path, check=True, capture_output=True, timeout=60)
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "performance.md").write_text("old\n")
-    (tmp_path / "code.py").write_text("x = 1\n")
-    git("init", "-q")
-    git("add", ".")
-    git("commit", "-q", "-m", "start")
+    committed_repo(tmp_path, {"docs/performance.md": "old\n", "code.py": "x = 1\n"})
     clean = report.commit(tmp_path)
     assert clean and "uncommitted" not in clean
     (tmp_path / "docs" / "performance.md").write_text("a run wrote this\n")

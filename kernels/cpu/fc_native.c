@@ -126,7 +126,8 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
     int first = p0 == 0, last = p0 + kc == a->k;
     int64_t rows = a->m - i * FC_MR < FC_MR ? a->m - i * FC_MR : FC_MR;
     int64_t n0 = j * FC_NR, cols = a->n - n0 < FC_NR ? a->n - n0 : FC_NR;
-    const float *bias = NULL;
+    const float *bias = NULL;       /* set on the last block only (zeros without one):
+                                       finish() adds it and applies relu where set */
     float zeros[FC_NR] = {0}, edge_bias[FC_NR];
     if (last) bias = a->bias != NULL ? a->bias + n0 : zeros;
     if (cols == FC_NR) {
