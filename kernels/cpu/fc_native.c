@@ -7,13 +7,16 @@
  * inner loop reads are one 64-byte line. x's columns fall into blocks of at most
  * FC_KC (of equal size); a register tile is FC_MR rows of x times a panel's rows of
  * one block: FC_MR x FC_NR sums, two vectors per row, while the panel's block stays
- * in cache for the next tile's rows. With FC_PACK_PANELS panels or more, x is first
- * packed into blocks of FC_MR rows, the FC_MR values of a column side by side (its
- * rows are read once per panel, and rows of a power-of-two length would fall into
- * the same lines of L1); with fewer, the tiles read x's rows where they are.
+ * in cache for the next tile's rows. Tiles of FC_MR rows cover x's rows, and the
+ * last ones have FC_MR4 rows where that wastes fewer (128 rows: 20 of 6 and 2 of 4,
+ * not 22 of 6). With FC_PACK_PANELS panels or more, x is first packed into blocks of
+ * a tile's rows, the values of a column side by side (its rows are read once per
+ * panel, and rows of a power-of-two length would fall into the same lines of L1);
+ * with fewer, the tiles read x's rows where they are.
  *
- * Threads take units of work (a group of panels; with few panels, also a chunk of
- * the rows) from a shared counter. Each output is summed by one thread in one
+ * Threads take units of work (a few panels, fewer as fewer are left so that the
+ * threads finish together; with few panels, a panel and a chunk of the rows) from
+ * a shared counter. Each output is summed by one thread in one
  * order, so the results do not depend on the number of threads. The bias and relu
  * are added to a tile as it is written after its last block of x's columns. */
 #include <stdint.h>
@@ -23,6 +26,7 @@
 #include "native_pool.h"
 
 #define FC_MR 6          /* rows of x per register tile */
+#define FC_MR4 4         /* rows of x per register tile of the last rows, where fewer */
 #define FC_NR 16         /* columns of w per panel and register tile (two vectors) */
 #define FC_KC 512        /* at most this many columns of x (rows of w) per block */
 #define FC_GROUP 8       /* at most this many panels a unit of work */
@@ -32,13 +36,22 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int v8i __attribute__((vector_size(32)));
 
+/* Keeps a step's two vectors of the weight in registers: without it, gcc reads them
+ * from memory again for each row of a tile of FC_MR4 rows. */
+#if defined(__AVX__)
+#define FC_IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+#else
+#define FC_IN_REGISTERS(a, b) ((void)0)
+#endif
+
 typedef struct {
     const float *x, *wp, *bias;
     float *out, *xp;                       /* xp: x packed, or NULL */
-    int64_t m, k, n, relu, mp, panels, threads;    /* mp: M rounded up to FC_MR */
-    int64_t kc, group, chunks;             /* columns a block; a unit: group panels by
-                                              1 / chunks of the rows */
-    int64_t next_rows, packed_rows, next_unit;     /* the shared counters */
+    int64_t m, k, n, relu, panels, threads;
+    int64_t tiles, tiles6, mp;             /* row tiles, those of FC_MR rows; their rows */
+    int64_t kc, group, chunks;             /* columns a block; a unit: at most group
+                                              panels, or a panel by 1 / chunks of the rows */
+    int64_t next_rows, packed_rows, next_unit, next_panel;     /* the shared counters */
 } fc_t;
 
 typedef struct {
@@ -63,25 +76,25 @@ void fc_pack_weight_f32(const float *w, int64_t k, int64_t n, float *wp)
     }
 }
 
-/* Rows [FC_MR i, FC_MR (i + 1)) of x, every block of columns, into xp. */
+/* The first row of row tile i and its number of rows (FC_MR or FC_MR4). */
+static inline int64_t tile_row(const fc_t *a, int64_t i)
+{
+    return i < a->tiles6 ? i * FC_MR : a->tiles6 * FC_MR + (i - a->tiles6) * FC_MR4;
+}
+
+/* The rows of tile i of x, every block of columns, into xp: in each block, the
+ * tile's values of a column side by side; rows past M repeat row M - 1. */
 static void pack_rows(const fc_t *a, int64_t i)
 {
-    const float *rows[FC_MR];
-    for (int r = 0; r < FC_MR; r++) {
-        int64_t row = i * FC_MR + r;
-        rows[r] = row < a->m ? a->x + row * a->k : NULL;
-    }
+    int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
+    const float *src[FC_MR];
+    for (int64_t r = 0; r < rows; r++)
+        src[r] = a->x + (row0 + r < a->m ? row0 + r : a->m - 1) * a->k;
     for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
         int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
-        float *dst = a->xp + p0 * a->mp + i * kc * FC_MR;
-        for (int r = 0; r < FC_MR; r++) {
-            if (rows[r] == NULL) {
-                for (int64_t q = 0; q < kc; q++) dst[q * FC_MR + r] = 0.0f;
-            } else {
-                const float *src = rows[r] + p0;
-                for (int64_t q = 0; q < kc; q++) dst[q * FC_MR + r] = src[q];
-            }
-        }
+        float *dst = a->xp + p0 * a->mp + row0 * kc;
+        for (int64_t q = p0; q < p0 + kc; q++)
+            for (int64_t r = 0; r < rows; r++) *dst++ = src[r][q];
     }
 }
 
@@ -95,9 +108,12 @@ static inline v8 finish(v8 v, const float *to, int first, const float *bias, int
     return v;
 }
 
-/* The tile of rows FC_MR i.. and panel j over the block of columns p0 .. p0 + kc:
- * added to out (first: written), then (last) the bias and relu. */
-static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
+/* The sums of the tile of ROWS rows from row0 (a constant: FC_MR or FC_MR4) by panel
+ * j over the block of columns p0 .. p0 + kc, into acc. */
+static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, int64_t row0,
+                                                            int64_t j, int64_t p0,
+                                                            int64_t kc, const int ROWS,
+                                                            v8 acc[FC_MR][2])
 {
     const float *wb = a->wp + (j * a->k + p0) * FC_NR;
     v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
@@ -105,26 +121,43 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
 #define FC_SUMS(STEP)                                                                  \
     for (int64_t q = 0, at = 0; q < kc; q++, at += (STEP), wb += FC_NR) {              \
         v8 b0 = *(const v8u *)wb, b1 = *(const v8u *)(wb + 8);                         \
+        FC_IN_REGISTERS(b0, b1);                                                        \
         c00 += x0[at] * b0; c01 += x0[at] * b1; c10 += x1[at] * b0; c11 += x1[at] * b1; \
         c20 += x2[at] * b0; c21 += x2[at] * b1; c30 += x3[at] * b0; c31 += x3[at] * b1; \
-        c40 += x4[at] * b0; c41 += x4[at] * b1; c50 += x5[at] * b0; c51 += x5[at] * b1; \
+        if (ROWS > FC_MR4) {                                                            \
+            c40 += x4[at] * b0; c41 += x4[at] * b1; c50 += x5[at] * b0; c51 += x5[at] * b1; \
+        }                                                                               \
     }
-    if (a->xp != NULL) {                /* the block's FC_MR values of a column side by side */
-        const float *x0 = a->xp + p0 * a->mp + i * kc * FC_MR;
+    if (a->xp != NULL) {                /* the block's ROWS values of a column side by side */
+        const float *x0 = a->xp + p0 * a->mp + row0 * kc;
         const float *x1 = x0 + 1, *x2 = x0 + 2, *x3 = x0 + 3, *x4 = x0 + 4, *x5 = x0 + 5;
-        FC_SUMS(FC_MR)
+        FC_SUMS(ROWS)
     } else {                            /* x's rows; rows past M repeat row M - 1 */
         const float *row[FC_MR];
         for (int64_t r = 0; r < FC_MR; r++)
-            row[r] = a->x + (i * FC_MR + r < a->m ? i * FC_MR + r : a->m - 1) * a->k + p0;
+            row[r] = a->x + (row0 + r < a->m ? row0 + r : a->m - 1) * a->k + p0;
         const float *x0 = row[0], *x1 = row[1], *x2 = row[2], *x3 = row[3], *x4 = row[4];
         const float *x5 = row[5];
         FC_SUMS(1)
     }
 #undef FC_SUMS
-    v8 acc[FC_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    v8 sums[FC_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41},
+                         {c50, c51}};
+    memcpy(acc, sums, sizeof(sums));
+}
+
+/* Row tile i by panel j over the block of columns p0 .. p0 + kc: added to out
+ * (first: written), then (last) the bias and relu. */
+static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
+{
+    v8 acc[FC_MR][2];
+    int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
+    if (rows == FC_MR)
+        tile_sums(a, row0, j, p0, kc, FC_MR, acc);
+    else
+        tile_sums(a, row0, j, p0, kc, FC_MR4, acc);
+    if (rows > a->m - row0) rows = a->m - row0;
     int first = p0 == 0, last = p0 + kc == a->k;
-    int64_t rows = a->m - i * FC_MR < FC_MR ? a->m - i * FC_MR : FC_MR;
     int64_t n0 = j * FC_NR, cols = a->n - n0 < FC_NR ? a->n - n0 : FC_NR;
     const float *bias = NULL;       /* set on the last block only (zeros without one):
                                        finish() adds it and applies relu where set */
@@ -132,7 +165,7 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
     if (last) bias = a->bias != NULL ? a->bias + n0 : zeros;
     if (cols == FC_NR) {
         for (int64_t r = 0; r < rows; r++) {
-            float *to = a->out + (i * FC_MR + r) * a->n + n0;
+            float *to = a->out + (row0 + r) * a->n + n0;
             v8 lo = finish(acc[r][0], to, first, bias, (int)a->relu);
             v8 hi = finish(acc[r][1], to + 8, first, bias == NULL ? NULL : bias + 8,
                            (int)a->relu);
@@ -147,7 +180,7 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
         bias = edge_bias;
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *to = a->out + (i * FC_MR + r) * a->n + n0, row[FC_NR] = {0};
+        float *to = a->out + (row0 + r) * a->n + n0, row[FC_NR] = {0};
         memcpy(row, to, (size_t)cols * sizeof(float));
         *(v8u *)row = finish(acc[r][0], row, first, bias, (int)a->relu);
         *(v8u *)(row + 8) = finish(acc[r][1], row + 8, first,
@@ -156,45 +189,65 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
     }
 }
 
-/* A thread packs blocks of x's rows while some are left and waits for the others'
- * (a thread that starts late finds them done), then takes units of work (a group
- * of panels, and all rows or, with few panels, a chunk of them) from a shared
- * counter, so that a thread slowed down (by another process on its core) takes
- * fewer; a unit's outputs stay in cache over the blocks of x's columns. */
-static void *multiply_job(void *arg)
+/* Row tiles i0 .. i1 by panels j0 .. j1, block by block of x's columns, so that the
+ * unit's outputs stay in cache over the blocks. */
+static void run_unit(const fc_t *a, int64_t j0, int64_t j1, int64_t i0, int64_t i1)
 {
-    fc_t *a = ((fc_job_t *)arg)->a;
-    int64_t groups = (a->panels + a->group - 1) / a->group, blocks = a->mp / FC_MR, u;
-    if (a->xp != NULL) {        /* first the row blocks no thread took yet, then the wait */
-        while ((u = __atomic_fetch_add(&a->next_rows, 1, __ATOMIC_RELAXED)) < blocks) {
-            pack_rows(a, u);
-            __atomic_fetch_add(&a->packed_rows, 1, __ATOMIC_RELEASE);
-        }
-        while (__atomic_load_n(&a->packed_rows, __ATOMIC_ACQUIRE) < blocks)
-            ;
-    }
-    while ((u = __atomic_fetch_add(&a->next_unit, 1, __ATOMIC_RELAXED)) < groups * a->chunks) {
-        int64_t g = u / a->chunks, c = u % a->chunks;
-        int64_t j0 = g * a->group, j1 = j0 + a->group < a->panels ? j0 + a->group : a->panels;
-        int64_t i0 = blocks * c / a->chunks, i1 = blocks * (c + 1) / a->chunks;
-        for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
-            int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
-            for (int64_t j = j0; j < j1; j++) {
-                /* the unit's next block of the weight, a share of it during each tile */
-                int64_t next_p0 = j + 1 < j1 ? p0 : p0 + kc, next_j = j + 1 < j1 ? j + 1 : j0;
-                int64_t lines = next_p0 < a->k ? (a->k - next_p0 < a->kc ? a->k - next_p0
-                                                                         : a->kc) : 0;
-                const float *next = a->wp + (next_j * a->k + next_p0) * FC_NR;
-                int64_t share = (lines + (i1 - i0) - 1) / (i1 - i0);
-                for (int64_t i = i0; i < i1; i++) {
-                    for (int64_t l = (i - i0) * share; l < (i - i0 + 1) * share && l < lines; l++)
-                        __builtin_prefetch(next + l * FC_NR, 0, 2);
-                    tile(a, i, j, p0, kc);
-                }
+    for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
+        int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
+        for (int64_t j = j0; j < j1; j++) {
+            /* the unit's next block of the weight, a share of it during each tile */
+            int64_t next_p0 = j + 1 < j1 ? p0 : p0 + kc, next_j = j + 1 < j1 ? j + 1 : j0;
+            int64_t lines = next_p0 < a->k ? (a->k - next_p0 < a->kc ? a->k - next_p0
+                                                                     : a->kc) : 0;
+            const float *next = a->wp + (next_j * a->k + next_p0) * FC_NR;
+            int64_t share = (lines + (i1 - i0) - 1) / (i1 - i0);
+            for (int64_t i = i0; i < i1; i++) {
+                for (int64_t l = (i - i0) * share; l < (i - i0 + 1) * share && l < lines; l++)
+                    __builtin_prefetch(next + l * FC_NR, 0, 2);
+                tile(a, i, j, p0, kc);
             }
         }
     }
-    return NULL;
+}
+
+/* A thread packs row tiles of x while some are left and waits for the others'
+ * (a thread that starts late finds them done), then takes units of work from a
+ * shared counter, so that a thread slowed down (by another process on its core)
+ * takes fewer: with few panels, a panel by a chunk of the rows; else all rows by a
+ * share of the panels left (at most a group, at least one), so that the last units
+ * are small and the threads finish close together. */
+static void *multiply_job(void *arg)
+{
+    fc_t *a = ((fc_job_t *)arg)->a;
+    int64_t u;
+    if (a->xp != NULL) {        /* first the row tiles no thread took yet, then the wait */
+        while ((u = __atomic_fetch_add(&a->next_rows, 1, __ATOMIC_RELAXED)) < a->tiles) {
+            pack_rows(a, u);
+            __atomic_fetch_add(&a->packed_rows, 1, __ATOMIC_RELEASE);
+        }
+        while (__atomic_load_n(&a->packed_rows, __ATOMIC_ACQUIRE) < a->tiles)
+            ;
+    }
+    if (a->chunks > 1) {
+        while ((u = __atomic_fetch_add(&a->next_unit, 1, __ATOMIC_RELAXED))
+               < a->panels * a->chunks) {
+            int64_t j = u / a->chunks, c = u % a->chunks;
+            run_unit(a, j, j + 1, a->tiles * c / a->chunks, a->tiles * (c + 1) / a->chunks);
+        }
+        return NULL;
+    }
+    int64_t j0 = __atomic_load_n(&a->next_panel, __ATOMIC_RELAXED), size;
+    for (;;) {
+        do {
+            if (j0 >= a->panels) return NULL;
+            size = (a->panels - j0) / (2 * a->threads);
+            size = size < 1 ? 1 : size > a->group ? a->group : size;
+        } while (!__atomic_compare_exchange_n(&a->next_panel, &j0, j0 + size, 0,
+                                              __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+        run_unit(a, j0, j0 + size, 0, a->tiles);
+        j0 = __atomic_load_n(&a->next_panel, __ATOMIC_RELAXED);
+    }
 }
 
 /* out (M, N) = act(x (M, K) @ w + bias) with wp = fc_pack_weight_f32(w), bias
@@ -205,16 +258,23 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
                    int64_t k, int64_t n, int64_t relu, int64_t threads)
 {
     fc_t a = {.x = x, .wp = wp, .bias = bias, .out = out, .m = m, .k = k, .n = n,
-              .relu = relu, .mp = (m + FC_MR - 1) / FC_MR * FC_MR,
-              .panels = (n + FC_NR - 1) / FC_NR, .threads = threads, .chunks = 1};
+              .relu = relu, .panels = (n + FC_NR - 1) / FC_NR, .threads = threads,
+              .chunks = 1};
+    /* M = FC_MR q + r: the last r rows in a tile of FC_MR4 where r is 3 or 4 (or M
+     * is), the last FC_MR + r in two where r is 1 or 2 */
+    int64_t r = m % FC_MR, tiles4 = r == 0 || r == 5 ? 0 : r >= 3 || m < FC_MR ? 1 : 2;
+    int64_t left = m - tiles4 * FC_MR4;
+    a.tiles6 = left > 0 ? (left + FC_MR - 1) / FC_MR : 0;
+    a.tiles = a.tiles6 + tiles4;
+    a.mp = a.tiles6 * FC_MR + tiles4 * FC_MR4;
     int64_t parts = (k + FC_KC - 1) / FC_KC;
     a.kc = (k + parts - 1) / parts;
-    a.group = a.panels / (4 * a.threads);           /* four groups a thread at least */
+    a.group = a.panels / (4 * a.threads);    /* at first, four units a thread at least */
     if (a.group > FC_GROUP) a.group = FC_GROUP;
     if (a.group < 1) a.group = 1;
     if (a.panels < 4 * a.threads) a.chunks = (4 * a.threads + a.panels - 1) / a.panels;
-    if (a.chunks > a.mp / FC_MR) a.chunks = a.mp / FC_MR;
-    if (a.threads > a.mp / FC_MR * a.panels) a.threads = a.mp / FC_MR * a.panels;
+    if (a.chunks > a.tiles) a.chunks = a.tiles;
+    if (a.threads > a.tiles * a.panels) a.threads = a.tiles * a.panels;
     if (a.threads < 1) a.threads = 1;
     if (a.threads > POOL_MAX_THREADS) a.threads = POOL_MAX_THREADS;
     fc_job_t jobs[POOL_MAX_THREADS];
