@@ -2,14 +2,19 @@
 which convs take it, and its results against the float64 reference and the direct
 kernel - every size of tile edge, padding, channel count, epilogue and thread count,
 the input gradient that runs through it, and what it does with NaN and infinities."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from references import conv2d, conv2d_grad
 
+from minigraph.kernels.cpu import conv2d as conv2d_kernels
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
 from minigraph.kernels.cpu import conv_native, native
 
 rng = np.random.default_rng(11)
+MAX_SCRATCH = conv_native.WINOGRAD_MAX_SCRATCH       # the bounds as shipped (the fixture
+MAX_SCRATCH_INFERENCE = conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE   # lifts the first)
 
 pytestmark = pytest.mark.skipif(not conv_native.available(),
                                 reason=f"native kernels not built: {native.reason('conv_native')}")
@@ -87,6 +92,31 @@ def test_its_scratch_memory_stays_within_its_output(monkeypatch):
     assert conv_native.winograd(stage[16], 2) and conv_native.winograd(stage[32], 2)
     assert not conv_native.winograd(stage[64], 2)
     assert not conv_native.winograd(geometry((1, 8, 1, 1), 3, (1, 1)))     # one output
+
+
+def test_fused_conv2d_takes_it_with_more_scratch(monkeypatch):
+    """fused_conv2d (inference nets only) bounds the scratch at MAX_SCRATCH_INFERENCE
+    times its output, conv2d at MAX_SCRATCH: the ResNet's last stage takes Winograd
+    in the first only, and a few 4x4 images with 256 channels (a filter transform
+    they do not pay back) in neither."""
+    monkeypatch.setattr(conv_native, "WINOGRAD_MAX_SCRATCH", MAX_SCRATCH)
+    last_stage = geometry((32, 64, 8, 8), 64, (1, 1))
+    few_small = geometry((8, 256, 4, 4), 256, (1, 1))
+    assert not conv_native.winograd(last_stage, 2)
+    assert conv_native.winograd(last_stage, 2, max_scratch=MAX_SCRATCH_INFERENCE)
+    assert not conv_native.winograd(few_small, 2, max_scratch=MAX_SCRATCH_INFERENCE)
+    asked, real = [], conv_native.winograd
+    monkeypatch.setattr(conv_native, "winograd", lambda *args: asked.append(args[-1])
+                        or real(*args))
+    x, w = data((4, 64, 8, 8), 64)
+    attrs = {"strides": (1, 1), "paddings": (1, 1), "dilations": (1, 1), "groups": 1,
+             "activation": "none"}
+    op = SimpleNamespace(type="fused_conv2d", attrs=attrs)
+    close(conv2d_kernels.fused_conv2d_cpu(op, {"x": x, "filter": w}, None)["out"],
+          conv2d(x, w, paddings=(1, 1)))
+    conv2d_kernels.conv2d_cpu(SimpleNamespace(type="conv2d", attrs=attrs),
+                              {"x": x, "filter": w}, None)
+    assert asked == [MAX_SCRATCH_INFERENCE, None]
 
 
 @pytest.mark.parametrize("x_shape, o, paddings", SHAPES)

@@ -51,11 +51,13 @@ def conv2d_grad_cpu(op, ins, ctx):
 
 def fused_conv2d_cpu(op, ins, ctx):
     """out = act(conv2d(x, filter) + bias + residual): the native kernel where it
-    takes the conv, else the im2col engine."""
+    takes the conv (Winograd's with a larger scratch bound than conv2d's: this op
+    runs in inference nets only), else the im2col engine."""
     x, w = ins["x"], ins["filter"]
     g = cpu_geometry(op, x, w)
     epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
                 "relu": op.attrs["activation"] == "relu"}
     if conv_native.supports(g, x.dtype):
-        return {"out": conv_native.forward(x, w, g, blocks.get_num_threads(), **epilogue)}
+        return {"out": conv_native.forward(x, w, g, blocks.get_num_threads(), **epilogue,
+                                           max_scratch=conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE)}
     return {"out": conv_im2col.forward(x, w, g, **epilogue)}

@@ -30,6 +30,7 @@ MIN_THREAD_WORK = 2_000_000
 WINOGRAD_MIN_CHANNELS = 8
 WINOGRAD_ENV = "MINIGRAPH_WINOGRAD"
 WINOGRAD_MAX_SCRATCH = 1.0      # its scratch memory at most this times its output's
+WINOGRAD_MAX_SCRATCH_INFERENCE = 16.0   # the same for fused_conv2d (see winograd())
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 
@@ -83,20 +84,22 @@ def _float32(array, shape, name):
     return array
 
 
-def forward(x, w, g, threads, bias=None, residual=None, relu=False):
+def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=None):
     """out (N, O, Ho, Wo) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0)),
     on `threads` threads; the epilogue runs on each tile of outputs in registers.
+    max_scratch: winograd()'s bound on the scratch memory (None: WINOGRAD_MAX_SCRATCH).
     The padding g.ph, g.pw goes before x's first row and column; rows and columns
     past x's end that the windows read are zeros (asymmetric padding: g.ho and
     g.wo need not be x's output size for symmetric padding)."""
     out = np.empty((g.n, g.o, g.ho, g.wo), dtype=np.float32)
     residual = None if residual is None else _float32(residual, out.shape, "residual")
-    _forward_into(out, x, w, g, threads, bias=bias, residual=residual, relu=relu)
+    _forward_into(out, x, w, g, threads, bias=bias, residual=residual, relu=relu,
+                  max_scratch=max_scratch)
     return out
 
 
 def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, at=(0, 0),
-                  step=(1, 1)):
+                  step=(1, 1), max_scratch=None):
     """forward's outputs into out (C-contiguous float32, (N, O, rows, cols)): output
     (y, x) at out[..., at[0] + step[0] y, at[1] + step[1] x], the caller having
     checked that these fit; residual (out's shape) read at the same places."""
@@ -106,7 +109,7 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     if not (g.n and g.o and g.ho and g.wo):
         return
     threads = _threads(g, threads)
-    if winograd(g, threads, out.shape, at, step):
+    if winograd(g, threads, out.shape, at, step, max_scratch):
         kernel, dims = _lib().conv2d_winograd_f32, _winograd_dims(g, relu)
     else:
         kernel, dims = _lib().conv2d_forward_f32, _dims(g, relu, out.shape, at, step)
@@ -114,22 +117,26 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
-def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1)):
+def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1), max_scratch=None):
     """True when a forward pass on `threads` threads takes Winograd's F(4x4, 3x3)
     (conv_winograd.h): a 3x3 filter of stride 1 and dilation 1 with at least
     WINOGRAD_MIN_CHANNELS input channels, its outputs filling out_shape (N, O, ho,
     wo), scratch memory (the filter's transform and each thread's buffers) at most
-    WINOGRAD_MAX_SCRATCH times its output's, and not turned off
-    (MINIGRAPH_WINOGRAD=0). The scratch bound keeps a training step's peak memory
-    that of the direct kernel: a conv of many channels on small images (a ResNet's
-    last stage) needs a transform of the filter larger than its outputs, and stays
-    direct."""
+    max_scratch (default WINOGRAD_MAX_SCRATCH) times its output's, and not turned
+    off (MINIGRAPH_WINOGRAD=0). The default bound keeps a training step's peak
+    memory that of the direct kernel: a conv of many channels on small images (a
+    ResNet's last stage) needs a transform of the filter larger than its outputs,
+    and stays direct. fused_conv2d, which no training step runs, passes
+    WINOGRAD_MAX_SCRATCH_INFERENCE: up to there Winograd was the faster (the
+    filter's transform, made at each call, is paid back by the images that use it;
+    past it, on few small images, the direct kernel can be several times faster)."""
     return ((g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) == (3, 3, 1, 1, 1, 1)
             and g.c >= WINOGRAD_MIN_CHANNELS and tuple(at) == (0, 0) and tuple(step) == (1, 1)
             and (out_shape is None or tuple(out_shape[2:]) == (g.ho, g.wo))
             and os.environ.get(WINOGRAD_ENV, "1") != "0" and available()
             and _winograd_scratch(g, max(1, threads))
-            <= WINOGRAD_MAX_SCRATCH * 4 * g.n * g.o * g.ho * g.wo)
+            <= (WINOGRAD_MAX_SCRATCH if max_scratch is None else max_scratch)
+            * 4 * g.n * g.o * g.ho * g.wo)
 
 
 @functools.lru_cache(maxsize=1024)
