@@ -88,6 +88,22 @@ def test_sum_of_one():
     helper_test_op("sum", {"x": [rng.standard_normal(4)]}, {}, sum_reference, grad_wrt=("x",))
 
 
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3, 4)])
+@pytest.mark.parametrize("count", [2, 4])
+def test_sum_is_a_new_array_added_in_order(shape, count):
+    """The kernel's output shares no memory with its inputs (0-d included) and adds
+    them left to right, as float32 rounding shows."""
+    from minigraph.kernels.cpu.elementwise import sum_cpu
+    xs = [rng.standard_normal(shape).astype(np.float32) * 10.0 ** (3 * i) for i in range(count)]
+    out = sum_cpu(None, {"x": xs}, None)["out"]
+    want = xs[0].copy()
+    for x in xs[1:]:
+        want = (want + x).astype(np.float32)
+    assert isinstance(out, np.ndarray) and out.shape == shape and out.dtype == np.float32
+    assert not any(np.shares_memory(out, x) for x in xs)
+    np.testing.assert_array_equal(out, want)
+
+
 def test_sum_bad_shapes():
     scope = mg.Scope()
     a, b = scope.new_var("a"), scope.new_var("b")

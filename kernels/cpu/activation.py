@@ -1,13 +1,14 @@
 """CPU kernels of the activations (ops/activation.py): relu, sigmoid, tanh, gelu,
 leaky_relu and their gradients. Outputs keep x's dtype; sigmoid, tanh, gelu and
-leaky_relu compute in float64 and cast back; relu and its gradient run on the
-blocked engine and write into a handed-over input (KernelContext.donated).
+leaky_relu compute in float64 and cast back; relu runs on the blocked engine, its
+gradient in C (relu_native) where it applies, and both write into a handed-over
+input (KernelContext.donated).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks
+from minigraph.kernels.cpu import blocks, relu_native
 from minigraph.kernels.cpu.erf import normal_cdf
 
 INV_SQRT_2PI = 0.3989422804014327        # 1 / sqrt(2 pi)
@@ -29,11 +30,15 @@ MASK_BLOCK_RANGE = (1 << 12, 1 << 16)
 
 def relu_grad_cpu(op, ins, ctx):
     """dx = dout where out > 0, else 0 (+0.0): the bits of dout ANDed with a mask of
-    all ones or zeros, the same values as np.where and many times faster. When dout
-    is handed over, dx is written into it, block by block through a small mask."""
+    all ones or zeros, the same values as np.where and many times faster: in one pass
+    in C (relu_native) where it applies, else in numpy. When dout is handed over, dx
+    is written into it (numpy: block by block through a small mask)."""
     out, d = ins["out"], ins["dout"]
     if d.dtype != out.dtype or d.shape != out.shape or d.dtype.itemsize not in _SAME_SIZE_INT:
         return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
+    dx = d if "dout" in ctx.donated else np.empty_like(d)
+    if relu_native.relu_grad(out, d, dx):
+        return {"dx": dx}
     ints = _SAME_SIZE_INT[d.dtype.itemsize]
     if "dout" in ctx.donated and d.flags.c_contiguous and out.flags.c_contiguous:
         flat_out, flat_d = out.reshape(-1), d.reshape(-1).view(ints)

@@ -49,10 +49,13 @@ def elementwise_add_grad_cpu(op, ins, ctx):
 
 
 def sum_cpu(op, ins, ctx):
-    """out = x[0] + x[1] + ... (a new array)."""
+    """out = x[0] + x[1] + ..., added in that order (a new array; the first two in
+    one pass, not a copy and an add)."""
     xs = ins["x"]
-    out = xs[0].copy()
-    for x in xs[1:]:
+    if len(xs) == 1:
+        return {"out": xs[0].copy()}
+    out = np.add(xs[0], xs[1], out=np.empty_like(xs[0]))
+    for x in xs[2:]:
         out += x
     return {"out": out}
 
