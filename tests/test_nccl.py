@@ -96,6 +96,8 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
     offset = 1e6 + rng.standard_normal((14, 3, 2, 2))
     parts = np.split(offset, [5])
 
+    warm = threading.Barrier(2, timeout=60)
+
     def rank_work(rank):
         from minigraph.kernels.cuda import batch_norm_sync
 
@@ -120,8 +122,13 @@ def test_two_ranks_on_two_gpus(setup, monkeypatch):
             outs = collective.allreduce_avg_gpu(op, {"x": grads}, ctx)["out"]
             got["avg_calls"] = world_calls(world, "allreduce", rank) - before
             collective.allreduce_avg_gpu(op, {"x": grads}, ctx)          # warms the pool
+            # both ranks' threads share the driver's tally: count between barriers,
+            # where only the two ranks' third calls run
+            warm.wait()
             allocs = cuda.counts["mem_alloc"]
+            warm.wait()
             collective.allreduce_avg_gpu(op, {"x": grads}, ctx)
+            warm.wait()
             got["avg_allocs"] = cuda.counts["mem_alloc"] - allocs
             got["avg"] = [place.to_host(o) for o in outs]
             in_place = types.SimpleNamespace(type=op.type, inputs=op.inputs,
