@@ -13,8 +13,6 @@
 
 #include "native_pool.h"
 
-#define MAX_THREADS 64
-
 typedef struct {
     const void *x;
     void *out;
@@ -74,16 +72,13 @@ static void *run(void *arg) {
  * file comment). Returns 0. */
 int dropout_forward(int f64, const void *x, void *out, uint8_t *mask, int64_t n, double p,
                     double factor, uint64_t seed64, uint32_t stream, int threads) {
-    job_t jobs[MAX_THREADS];
+    job_t jobs[POOL_MAX_THREADS];
     const int64_t calls = (n + 3) / 4;
-    int64_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (parts > calls) parts = calls > 0 ? calls : 1;
-    const int64_t chunk = (calls + parts - 1) / parts;
+    int64_t parts = pool_parts(threads, calls);
     for (int64_t t = 0; t < parts; t++) {
         job_t *j = &jobs[t];
         j->x = x; j->out = out; j->mask = mask; j->n = n;
-        j->begin = t * chunk < calls ? t * chunk : calls;
-        j->end = (t + 1) * chunk < calls ? (t + 1) * chunk : calls;
+        pool_share(calls, parts, t, &j->begin, &j->end);
         j->p = p; j->factor = factor; j->stream = stream;
         j->k0 = (uint32_t)seed64; j->k1 = (uint32_t)(seed64 >> 32);
         j->f64 = f64;

@@ -17,6 +17,23 @@
 
 typedef void *(*pool_fn)(void *);
 
+/* How many jobs `threads` threads make of `items` items: at least 1, at most the
+ * items and POOL_MAX_THREADS. */
+static inline int64_t pool_parts(int64_t threads, int64_t items)
+{
+    int64_t parts = threads < 1 ? 1 : threads > POOL_MAX_THREADS ? POOL_MAX_THREADS : threads;
+    return parts > items ? (items > 0 ? items : 1) : parts;
+}
+
+/* Job t's items [*begin, *end) of `items` split in `parts` contiguous ranges. */
+static inline void pool_share(int64_t items, int64_t parts, int64_t t, int64_t *begin,
+                              int64_t *end)
+{
+    int64_t chunk = (items + parts - 1) / parts;
+    *begin = t * chunk < items ? t * chunk : items;
+    *end = (t + 1) * chunk < items ? (t + 1) * chunk : items;
+}
+
 static struct {
     pthread_mutex_t busy, lock;
     pthread_cond_t wake, done;

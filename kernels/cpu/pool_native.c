@@ -27,8 +27,6 @@
 
 #include "native_pool.h"
 
-#define MAX_THREADS 64
-
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef int v8i __attribute__((vector_size(32)));
@@ -215,15 +213,12 @@ static void *run(void *arg) {
  * Returns 0. */
 int max_pool_grad(int f64, const void *x, const void *dout, void *dx, int64_t planes,
              int64_t h, int64_t w, const int64_t *geometry, int threads) {
-    job_t jobs[MAX_THREADS];
-    int64_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (parts > planes) parts = planes > 0 ? planes : 1;
-    const int64_t chunk = (planes + parts - 1) / parts;
+    job_t jobs[POOL_MAX_THREADS];
+    int64_t parts = pool_parts(threads, planes);
     for (int64_t t = 0; t < parts; t++) {
         job_t *j = &jobs[t];
         j->x = x; j->dout = dout; j->dx = dx;
-        j->begin = t * chunk < planes ? t * chunk : planes;
-        j->end = (t + 1) * chunk < planes ? (t + 1) * chunk : planes;
+        pool_share(planes, parts, t, &j->begin, &j->end);
         j->h = h; j->w = w;
         j->ho = geometry[0]; j->wo = geometry[1]; j->kh = geometry[2]; j->kw = geometry[3];
         j->sh = geometry[4]; j->sw = geometry[5]; j->ph = geometry[6]; j->pw = geometry[7];

@@ -11,8 +11,6 @@
 
 #include "native_pool.h"
 
-#define MAX_THREADS 64
-
 typedef struct {
     const void *out, *dout;
     void *dx;
@@ -47,15 +45,12 @@ static void *run(void *arg) {
 /* dx (n values) = dout where out > 0, else +0.0; float32 (f64 = 0) or float64
  * arrays; dx may be dout. Returns 0. */
 int relu_grad(int f64, const void *out, const void *dout, void *dx, int64_t n, int threads) {
-    job_t jobs[MAX_THREADS];
-    int64_t parts = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (parts > n) parts = n > 0 ? n : 1;
-    const int64_t chunk = (n + parts - 1) / parts;
+    job_t jobs[POOL_MAX_THREADS];
+    int64_t parts = pool_parts(threads, n);
     for (int64_t t = 0; t < parts; t++) {
         job_t *j = &jobs[t];
         j->out = out; j->dout = dout; j->dx = dx; j->f64 = f64;
-        j->begin = t * chunk < n ? t * chunk : n;
-        j->end = (t + 1) * chunk < n ? (t + 1) * chunk : n;
+        pool_share(n, parts, t, &j->begin, &j->end);
     }
     pool_run(run, jobs, sizeof(job_t), parts);
     return 0;
