@@ -19,13 +19,23 @@ from minigraph.kernels.cpu import blocks, native
 MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-         ctypes.c_double, ctypes.c_double, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int]
+_kernel = None
 
 
 def _load():
     """The typed C function dropout_forward, or None where the library cannot be built."""
-    return native.function("dropout_native", "dropout_forward", _ARGS)
+    global _kernel
+    if _kernel is None:
+        lib = native.library("dropout_native")
+        if lib is None:
+            return None
+        fn = lib.dropout_forward
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_uint64,
+                       ctypes.c_uint32, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _kernel = fn
+    return _kernel
 
 
 def available():
@@ -45,7 +55,7 @@ def forward(x, p, factor, seed64, stream):
     keep = np.empty(x.shape, np.uint8)
     if x.size:
         threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
-        _load()(int(x.dtype == np.float64), x.ctypes.data, out.ctypes.data, keep.ctypes.data,
+        _kernel(int(x.dtype == np.float64), x.ctypes.data, out.ctypes.data, keep.ctypes.data,
                 x.size, float(p), float(factor), int(seed64) & 0xFFFFFFFFFFFFFFFF,
                 int(stream), threads)
     return out, keep

@@ -84,19 +84,6 @@ def library(name):
     return _load(name) if enabled() else None
 
 
-def function(name, symbol, argtypes, restype=ctypes.c_int):
-    """C function `symbol` of library(name), typed with argtypes and restype, or None
-    where the library is not at hand (see library). The typing is done once per
-    loaded library."""
-    lib = library(name)
-    if lib is None:
-        return None
-    fn = getattr(lib, symbol)
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = list(argtypes), restype
-    return fn
-
-
 _char, _address = ctypes.c_char.from_buffer, ctypes.addressof
 
 

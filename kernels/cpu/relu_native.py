@@ -19,13 +19,22 @@ from minigraph.kernels.cpu import blocks, native
 MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-         ctypes.c_int]
+_kernel = None
 
 
 def _load():
     """The typed C function relu_grad, or None where the library cannot be built."""
-    return native.function("relu_native", "relu_grad", _ARGS)
+    global _kernel
+    if _kernel is None:
+        lib = native.library("relu_native")
+        if lib is None:
+            return None
+        fn = lib.relu_grad
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _kernel = fn
+    return _kernel
 
 
 def available():
@@ -42,6 +51,6 @@ def relu_grad(out, dout, dx):
             and _load() is not None):
         return False
     if out.size:
-        _load()(int(out.dtype == np.float64), out.ctypes.data, dout.ctypes.data,
+        _kernel(int(out.dtype == np.float64), out.ctypes.data, dout.ctypes.data,
                 dx.ctypes.data, out.size, blocks.threads_for(out.size, MIN_THREAD_VALUES))
     return True
