@@ -91,3 +91,13 @@ def test_the_op_kernel_takes_it(donated, monkeypatch):
     d = dout.copy()
     same_bits(activation.relu_grad_cpu(None, {"out": out, "dout": d},
                                        SimpleNamespace(donated=donated))["dx"], want)
+
+
+def test_a_handed_over_dout_that_is_not_contiguous_gets_a_new_dx():
+    out, dout = data((6, 10), np.float32)
+    out, d = out[:, ::2], dout.copy()[:, ::2]
+    kept = d.copy()
+    dx = activation.relu_grad_cpu(None, {"out": out, "dout": d},
+                                  SimpleNamespace(donated=("dout",)))["dx"]
+    assert not np.shares_memory(dx, d) and dx.flags.c_contiguous
+    same_bits(dx, reference(out, kept))

@@ -36,7 +36,7 @@ def relu_grad_cpu(op, ins, ctx):
     out, d = ins["out"], ins["dout"]
     if d.dtype != out.dtype or d.shape != out.shape or d.dtype.itemsize not in _SAME_SIZE_INT:
         return {"dx": np.where(out > 0, d, np.zeros((), dtype=d.dtype))}
-    dx = d if "dout" in ctx.donated else np.empty_like(d)
+    dx = d if "dout" in ctx.donated else np.empty(d.shape, dtype=d.dtype)
     if relu_native.relu_grad(out, d, dx):
         return {"dx": dx}
     ints = _SAME_SIZE_INT[d.dtype.itemsize]
@@ -49,7 +49,8 @@ def relu_grad_cpu(op, ins, ctx):
             block = flat_d[i:i + step]
             _and_mask(flat_out[i:i + step], block, mask[:block.size], block)
         return {"dx": d}
-    dx = np.empty(d.shape, dtype=d.dtype)
+    if dx is d:                         # handed over, but not contiguous
+        dx = np.empty(d.shape, dtype=d.dtype)
     bits = dx.view(ints)
     _and_mask(out, d.view(ints), bits, bits)
     return {"dx": dx}
