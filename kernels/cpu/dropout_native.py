@@ -26,15 +26,10 @@ def _load():
     """The typed C function dropout_forward, or None where the library cannot be built."""
     global _kernel
     if _kernel is None:
-        lib = native.library("dropout_native")
-        if lib is None:
-            return None
-        fn = lib.dropout_forward
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_double, ctypes.c_double, ctypes.c_uint64,
-                       ctypes.c_uint32, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _kernel = fn
+        _kernel = native.typed_function(
+            "dropout_native", "dropout_forward",
+            [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+             ctypes.c_double, ctypes.c_double, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int])
     return _kernel
 
 

@@ -84,6 +84,17 @@ def library(name):
     return _load(name) if enabled() else None
 
 
+def typed_function(name, symbol, argtypes, restype=ctypes.c_int):
+    """C function `symbol` of library(name) with argtypes and restype set, or None where
+    the library is not at hand (see library). Callers keep what it returns."""
+    lib = library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
 _char, _address = ctypes.c_char.from_buffer, ctypes.addressof
 
 

@@ -26,14 +26,10 @@ def _load():
     """The typed C function relu_grad, or None where the library cannot be built."""
     global _kernel
     if _kernel is None:
-        lib = native.library("relu_native")
-        if lib is None:
-            return None
-        fn = lib.relu_grad
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _kernel = fn
+        _kernel = native.typed_function(
+            "relu_native", "relu_grad",
+            [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+             ctypes.c_int])
     return _kernel
 
 
