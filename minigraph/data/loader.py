@@ -24,12 +24,11 @@ from __future__ import annotations
 import math
 import numbers
 import queue
-import re
 import threading
 
 import numpy as np
 
-from minigraph.data.transforms import Draw
+from minigraph.data.transforms import Draw, check_result, describe
 
 _ORDER_STREAM = 0              # transforms draw from stream 1 of the same seed
 _POLL_S = 0.1                  # how often a waiting thread looks whether it should stop
@@ -123,7 +122,8 @@ class DataLoader:
         feed = self.dataset[rows[lo:hi]]
         if self.transform is not None:
             draw = Draw(self.seed, epoch, index, slice(lo, hi), total)
-            feed = self.transform(feed, draw)
+            feed = check_result("DataLoader: transform", self.transform,
+                                self.transform(feed, draw))
         return feed
 
     def settings(self, epoch):
@@ -133,7 +133,7 @@ class DataLoader:
         return {"rows": len(self.dataset), "batch_size": self.batch_size, "batches": len(self),
                 "shuffle": self.shuffle, "drop_last": self.drop_last, "seed": self.seed,
                 "epoch": epoch, "dataset": _describe_dataset(self.dataset),
-                "transform": _describe(self.transform)}
+                "transform": describe(self.transform)}
 
     def check_ranks_agree(self, epoch, comm=None):
         """Raise SettingsMismatchError on every rank unless every rank's loader has the
@@ -169,12 +169,6 @@ class DataLoader:
         return (f"DataLoader({self.dataset!r}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, "
                 f"prefetch={self.prefetch})")
-
-
-def _describe(thing):
-    """repr(thing) without the memory addresses a default repr holds (they differ
-    between processes)."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(thing))
 
 
 def _describe_dataset(dataset):
