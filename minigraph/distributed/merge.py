@@ -16,9 +16,10 @@ broadcast; or loaded on every rank) is bit for bit the run that saved and went
 on. The file is the state of the whole job, independent of the world size: it
 resumes on any number of ranks, or in one process.
 
-`mg.io.save` of such a net on several ranks mid-accumulation, before the sums
-are averaged, is refused (`check_saveable`): the file would hold one rank's
-sums only.
+`mg.io.save` of such a net on several ranks mid-accumulation, when the ranks
+may hold different sums (they trained since distributed.save averaged them or
+broadcast_persistables gave every rank rank 0's), is refused
+(`check_saveable`): the file would hold one rank's sums only.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import weakref
 
 from minigraph.operator import Operator
 
-# net -> the GradientMerge step count at which its merged gradients were last averaged
+# net -> the GradientMerge step count at which its merged gradients were last made the
+# same on every rank (averaged, or broadcast)
 _AVERAGED_AT = weakref.WeakKeyDictionary()
 
 
@@ -71,6 +73,15 @@ def average_merged(net, comm):
         net.executor.run([Operator("c_allreduce_avg", x=sums, out=sums)])
         _AVERAGED_AT[net] = count
         return len(sums)
+
+
+def mark_same(net):
+    """Record that every rank now holds the same merged gradients (a broadcast of
+    every persistable made them rank 0's): a file written now is what every rank
+    holds."""
+    merge, sums = merged_gradients(net)
+    if merge is not None and sums:
+        _AVERAGED_AT[net] = int(merge.counter.get())
 
 
 def check_saveable(net, what):

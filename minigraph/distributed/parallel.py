@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph.distributed.merge import average_merged
+from minigraph.distributed.merge import average_merged, mark_same
 from minigraph.distributed.world import get_comm
 from minigraph.passes import data_parallel as dp_pass
 
@@ -49,6 +49,7 @@ def _broadcast(net, root, comm, who):
     check_same_net(net, comm, who)
     for var in net.persistables():
         var.set(comm.broadcast(var.value, root=root, what=f"broadcast {var.name}"))
+    mark_same(net)
 
 
 def check_same_persistables(net, comm, who="check_same_persistables"):

@@ -10,7 +10,8 @@ middle of an accumulation), then:
   * mg.distributed.save(net, argv[1]/ckpt.npz) averages the merged gradients
     over the ranks (every rank then holds the same sums) and rank 0 writes;
     the run goes on to STEPS ("saved").
-A new net (another seed) loads the file on rank 0 only, broadcast_persistables,
+A new net (another seed) loads the file on rank 0 only, broadcast_persistables
+(after which every rank holds the file's sums, and mg.io.save may write them),
 and trains the same steps ("resumed"): every persistable equals the saved
 run's bit for bit. A run that never saved ("straight") equals them to
 float32 rounding. One process on the whole batches (no data_parallel, plain
@@ -94,6 +95,9 @@ def main(folder, avg):
     if comm.rank == 0:
         mg.io.load(resumed, ckpt)
     mg.distributed.broadcast_persistables(resumed)
+    mg.io.save(resumed, mine)               # every rank holds the file's sums: allowed
+    again, first = mg.io.read_checkpoint(mine), mg.io.read_checkpoint(ckpt)
+    assert all(np.array_equal(again[name], value) for name, value in first.items())
     train(resumed, feeds, rows, range(STOP, STEPS))
 
     straight = build(avg, seed=3)
