@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph.files import open_regular
+from minigraph.files import NotRegularFile, open_regular
 
 # the IDX format's element types (big-endian)
 IDX_TYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
@@ -42,10 +42,11 @@ def open_file(who, path):
         return open_regular(path)
     except FileNotFoundError:
         raise
+    except NotRegularFile as e:
+        raise ValueError(f"{who}: cannot read {path}: {e.strerror} (a dataset file must be "
+                         "a regular file)") from None
     except OSError as e:
-        reason = e.strerror or str(e)
-        raise ValueError(f"{who}: cannot read {path}: {reason} (a dataset file must be a "
-                         "regular file)") from None
+        raise ValueError(f"{who}: cannot read {path}: {e.strerror or e}") from None
 
 
 def read_idx(path, who="read_idx"):

@@ -146,9 +146,9 @@ class RandomCrop(_KeyTransform):
         self.size = _size_pair(self.name, size)
         if isinstance(padding, bool) or not isinstance(padding, numbers.Integral) or padding < 0:
             raise ValueError(f"RandomCrop: padding must be an integer >= 0, got {padding!r}")
-        if not isinstance(fill, numbers.Real) or not np.isfinite(float(fill)):
+        if not isinstance(fill, numbers.Real) or not _finite(fill):
             raise ValueError(f"RandomCrop: fill must be a finite number (the padding's "
-                             f"value), got {fill!r}")
+                             f"value), got {fill!r:.40}")
         self.padding, self.fill = int(padding), fill
 
     def _apply(self, x, draw):
@@ -169,6 +169,13 @@ class RandomCrop(_KeyTransform):
     def __repr__(self):
         return (f"RandomCrop(size={self.size}, padding={self.padding}, fill={self.fill!r}, "
                 f"key={self.key!r})")
+
+
+def _finite(number):
+    try:
+        return bool(np.isfinite(float(number)))
+    except OverflowError:                # an int beyond float64
+        return False
 
 
 def _check_fits(what, value, dtype, key):
