@@ -347,7 +347,7 @@ class Net:
             kept = self._temporaries() if nested else None
             self._running += 1
             try:
-                feed = feeds.feed_by_name(self.data_vars, feed or {})
+                feed = feeds.feed_by_name(self.data_vars, feed, mode)
                 fetch = self.default_fetches if fetch is None else fetch
                 targets = feeds.fetch_targets(self, mode, fetch)
                 count = None

@@ -32,10 +32,15 @@ def save(net, path):
     Atomic: the data goes to a temporary file in the same directory, is
     flushed and fsynced, then renamed over `path`; if anything fails the old
     file is left as it was, the temporary file is removed, and the error names
-    `path`. Returns the path.
+    `path`. Returns the path. A data-parallel net on several ranks in the middle
+    of a GradientMerge accumulation (each rank holds its own merged gradients)
+    is a ValueError: mg.distributed.save averages them first.
     """
     _check_arguments("save", net, path)
     path = Path(path)
+    from minigraph.distributed.merge import check_saveable
+
+    check_saveable(net, f"save {str(path)!r}")
     if any(v.value is None for v in net.persistables()):
         net.initialize()
     arrays = {FORMAT_KEY: np.array(FORMAT)}

@@ -174,7 +174,7 @@ def profile(net, feed, steps=10, mode="train", fetch=None, warmup=2):
     if isinstance(fetch, (str, bytes)) or not isinstance(fetch, (list, tuple)):
         raise TypeError(f"profile: fetch must be a list of Variables or names, got "
                         f"{type(fetch).__name__}")
-    feed = feeds.feed_by_name(net.data_vars, feed)
+    feed = feeds.feed_by_name(net.data_vars, feed, "profile")
     run = net.train if mode == "train" else net.infer
     merge = getattr(net, "_update_every", None) if mode == "train" else None
     block = merge[0] if merge else 1    # GradientMerge: whole cycles, updates included
