@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from minigraph import feeds
+from minigraph import feeds, net_freeze
 from minigraph.executor import Executor, Plan, check_place
 from minigraph.operator import Operator, as_operator
 from minigraph.schema import get_schema
@@ -59,6 +59,8 @@ class Net:
         self._name_counts = {}
         self._plans = {}
         self._update_every = None        # (k, step counter): see update_every
+        self.trained = ()                # the parameters the optimizer updates (minimize)
+        self.frozen_at_minimize = ()     # the parameters frozen then (see net_freeze)
         self._lock = threading.RLock()
         self._running = 0
 
@@ -90,6 +92,7 @@ class Net:
         if mode_attr is not None and section in BRANCHES:
             self.forked = True
         ops.append(op)
+        _mark_value_rules(op)
         self._changed()
         return op
 
@@ -147,12 +150,14 @@ class Net:
 
     # ---- building ----------------------------------------------------------
 
-    def unique_name(self, prefix):
-        """`prefix_k` with the smallest k this net has not made nor seen used."""
+    def unique_name(self, prefix, take=True):
+        """`prefix_k` with the smallest k this net has not made nor seen used; with
+        take=False the name it would make, without making it."""
         k = self._name_counts.get(prefix, 0)
         while self.name_taken(f"{prefix}_{k}"):
             k += 1
-        self._name_counts[prefix] = k + 1
+        if take:
+            self._name_counts[prefix] = k + 1
         return f"{prefix}_{k}"
 
     def name_taken(self, name):
@@ -172,15 +177,18 @@ class Net:
         return var
 
     def create_parameter(self, name, shape, dtype, init, trainable=True, fan_in=None,
-                         fan_out=None):
+                         fan_out=None, part=None):
         """A persistable root-scope Variable, initialised at once by `init` (an
         initializer from minigraph.initializer); `initialize(force=True)` runs
-        the initialiser again."""
+        the initialiser again. `part`: the part of a checkpoint it belongs to
+        ("parameters", "estimates", "optimizer"; None: "parameters" when
+        trainable, else "estimates"; see minigraph.checkpoint_values.part_of)."""
         if trainable and self.loss is not None:
             raise ValueError(f"{name}: cannot add a trainable parameter after minimize() / "
                              "append_backward(): it would never be trained; build every layer "
                              "with parameters first")
         var = self.scope.new_var(name, persistable=True, trainable=trainable)
+        var.part = part
         var.declare(shape, dtype)
         seed = (self.seed + 7919 * len(self._sections["init"])) % (2 ** 31)
         desc = init.op(var, seed=seed, fan_in=fan_in, fan_out=fan_out)
@@ -202,6 +210,7 @@ class Net:
         if not self.forked:
             op = self._build(op_type, inputs, outputs, attrs, self.scope)
             self._sections["trunk"].append(op)
+            _mark_value_rules(op)
             self._changed()
             return op.outputs
         built = {}
@@ -217,6 +226,7 @@ class Net:
                     self._twins[id(t)], self._twins[id(i)] = i, t
         for b in BRANCHES:
             self._sections[b].append(built[b])
+            _mark_value_rules(built[b])
         self._changed()
         return built["train"].outputs
 
@@ -351,7 +361,8 @@ class Net:
                 if mode == "train" and self._update_every is not None:
                     k, counter = self._update_every
                     count = int(counter.get())
-                plan = self.plan(mode, targets, count is None or (count + 1) % k == 0)
+                frozen = net_freeze.frozen(self) if mode == "train" else ()
+                plan = self.plan(mode, targets, count is None or (count + 1) % k == 0, frozen)
                 with feeds.fed(self.place, self.data_vars, plan.needed, feed, mode):
                     out = self.executor.run_plan(plan)
                 if count is not None:
@@ -367,16 +378,22 @@ class Net:
         return [(v, v.value) for s in (self.scope, *self.scopes.values())
                 for v in s.vars.values() if not v.persistable]
 
-    def plan(self, mode, targets, update=True):
+    def plan(self, mode, targets, update=True, frozen=()):
         """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan),
-        without the update section when `update` is False; a training plan keeps the
-        persistables' gradients after each step (as PyTorch keeps .grad)."""
-        key = (mode, tuple(id(t) for t in targets), update)
+        without the update section when `update` is False, and without the updates
+        of the parameters whose ids are in `frozen` (minigraph.net_freeze); a
+        training plan keeps the persistables' gradients after each step (as
+        PyTorch keeps .grad)."""
+        key = (mode, tuple(id(t) for t in targets), update, frozen)
         plan = self._plans.get(key)
         if plan is None:
             keep = [g for name, g in self.grads.items() if mode == "train" and
                     getattr(self.scope.find_var(name), "persistable", False)]
-            plan = self._plans[key] = Plan(self.ops(mode, update), mode, targets, keep)
+            ops = self.ops(mode, update)
+            if frozen and update:
+                n = len(self._sections["update"])
+                ops = ops[:len(ops) - n] + net_freeze.without_frozen(ops[len(ops) - n:], frozen)
+            plan = self._plans[key] = Plan(ops, mode, targets, keep)
         return plan
 
     # ---- pictures ----------------------------------------------------------
@@ -397,3 +414,13 @@ class Net:
         from minigraph.profile import profile
         return profile(self, feed, steps, mode, fetch, warmup)
 
+
+def _mark_value_rules(op):
+    """Give the variance estimate an op with the "batch_norm" role updates the
+    variance rule, so Variable.set checks it as a checkpoint load does."""
+    if op.schema.has_role("batch_norm"):
+        var = op.inputs.get("estimated_var")
+        if var is not None and var.value_rule is None:
+            from minigraph.checkpoint_values import variance
+
+            var.value_rule = variance
