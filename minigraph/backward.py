@@ -33,7 +33,7 @@ def append_backward(net, loss, parameters=None):
         while grad_scope.find_local_var(name) is not None:
             k += 1
             name = f"{var.name}{GRAD_MARK}@{k}"
-        return grad_scope.new_var(name, reserved_ok=True)
+        return grad_scope.new_var(name)
 
     def make_grad(var):
         if id(var) not in wanted:

@@ -52,6 +52,7 @@ from minigraph.net import Net
 from minigraph.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
 from minigraph.operator import Operator
 from minigraph.schema import OpError, get_schema, registered_ops
+from minigraph.scope import check_reserved_name
 
 
 class InferenceNet(Net):
@@ -300,6 +301,7 @@ def _build(net, model, records, params, what):
             if rec["data"]:
                 variables[name] = net.add_data(name, rec["shape"], rec["dtype"])
             elif rec["persistable"]:
+                check_reserved_name(name)
                 var = net.scope.new_var(name, persistable=True, trainable=rec["trainable"])
                 var.set(net.place.to_device(params[name]))
                 variables[name] = var
@@ -369,6 +371,7 @@ def _variable(net, name, section, records, variables, key, where):
     if key == "inputs":
         raise InferenceModelError(f"{where}: reads {name!r} before any op computes it")
     scope = net.scope if section == "trunk" else net.scopes["infer"]
+    check_reserved_name(name)
     var = scope.new_var(name)
     var.declare(rec["shape"], rec["dtype"])
     variables[name] = var

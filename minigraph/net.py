@@ -24,7 +24,7 @@ from minigraph import feeds, net_freeze
 from minigraph.executor import Executor, Plan, check_place
 from minigraph.operator import Operator, as_operator
 from minigraph.schema import get_schema
-from minigraph.scope import Scope, Variable
+from minigraph.scope import Scope, Variable, check_reserved_name
 
 BRANCHES = ("train", "infer")
 SECTIONS = ("init", "trunk", "train", "infer", "backward", "update")
@@ -169,6 +169,7 @@ class Net:
 
     def add_data(self, name, shape, dtype="float32"):
         """Declare a fed input: a root-scope Variable checked against every feed."""
+        check_reserved_name(name, self.scope)
         var = self.scope.new_var(name)
         var.declare(shape, dtype)
         var.is_data = True
@@ -187,6 +188,7 @@ class Net:
             raise ValueError(f"{name}: cannot add a trainable parameter after minimize() / "
                              "append_backward(): it would never be trained; build every layer "
                              "with parameters first")
+        check_reserved_name(name, self.scope)
         var = self.scope.new_var(name, persistable=True, trainable=trainable)
         var.part = part
         var.declare(shape, dtype)
@@ -243,9 +245,12 @@ class Net:
                 if isinstance(target, Variable):
                     outs[slot] = target
                 elif isinstance(target, (list, tuple)):
-                    outs[slot] = [scope.new_var(t) for t in target]
-                    made += outs[slot]
+                    for t in target:
+                        check_reserved_name(t, scope)
+                        made.append(scope.new_var(t))
+                    outs[slot] = made[len(made) - len(target):]
                 else:
+                    check_reserved_name(target, scope)
                     outs[slot] = scope.new_var(target)
                     made.append(outs[slot])
             return Operator(op_type, **inputs, **outs, **attrs)

@@ -140,12 +140,14 @@ GRAD_MARK = "@GRAD"          # backward names d(loss)/d(x) `x@GRAD` (`x@GRAD@1`,
 
 
 def check_reserved_name(name, scope=None):
-    """Raise ValueError unless `name` may be given to a variable made by hand (a
-    layer's name, a ParamAttr's, a data input's, `Scope.new_var`): it must not hold
-    GRAD_MARK (the names of gradients, which backward makes), must not be a
-    `__dunder__` (the checkpoint files' own entries, `__format__`, `__manifest__`),
-    and must not lie in a namespace a Scope tree reserved (`adam_0.`, the state
-    of a net's optimizer; see Scope.reserve). The error gives the reason."""
+    """Raise ValueError unless `name` may be given to a variable of a net that is not
+    a gradient (a layer's output or parameter, a ParamAttr's name, a data input;
+    Net makes them through this check): it must not hold GRAD_MARK (the names of
+    gradients, which backward makes), must not be a `__dunder__` (the checkpoint
+    files' own entries, `__format__`, `__manifest__`), and must not lie in a
+    namespace `scope`'s tree reserved (`adam_0.`, the state of a net's optimizer;
+    see Scope.reserve, which Scope.new_var checks for every name). The error
+    gives the reason."""
     why = None
     if GRAD_MARK in name:
         why = (f"{GRAD_MARK!r} marks the gradients backward makes (d(loss)/d(x) is "
@@ -154,14 +156,18 @@ def check_reserved_name(name, scope=None):
         why = ("names of the form '__name__' are the checkpoint files' own entries "
                "('__format__', '__manifest__'), so it could not be saved")
     elif scope is not None:
-        for prefix, owner in _root(scope).reserved.items():
-            if name.startswith(prefix + "."):
-                why = (f"the names under '{prefix}.' are the state of {owner}, named after "
-                       "it so that checkpoints never mix it up with other state")
-                break
+        why = _reserved_prefix(name, scope)
     if why is not None:
         shown = name if len(name) <= 80 else name[:77] + "..."
         raise ValueError(f"variable name {shown!r} is reserved: {why}; pick another name")
+
+
+def _reserved_prefix(name, scope):
+    for prefix, owner in _root(scope).reserved.items():
+        if name.startswith(prefix + "."):
+            return (f"the names under '{prefix}.' are the state of {owner}, named after "
+                    "it so that checkpoints never mix it up with other state")
+    return None
 
 
 def _root(scope):
@@ -204,13 +210,14 @@ class Scope:
         self.kids = []
         self.reserved = {}              # prefix -> who owns the names under `prefix.`
 
-    def new_var(self, name, persistable=False, trainable=False, reserved_ok=False):
+    def new_var(self, name, persistable=False, trainable=False):
         """Create `name` here; creating a name twice in one scope is an error, and
-        so is a name that check_var_name rejects or, unless `reserved_ok` (backward
-        making a gradient), one check_reserved_name refuses (the error says why)."""
+        so is a name that check_var_name rejects or that lies in a namespace this
+        tree reserved (Scope.reserve); the error names the rule."""
         check_var_name(name)
-        if not reserved_ok:
-            check_reserved_name(name, self)
+        why = _reserved_prefix(name, self) if _root(self).reserved else None
+        if why is not None:
+            raise ValueError(f"variable name {name!r} is reserved: {why}; pick another name")
         if name in self.vars:
             raise ValueError(f"variable {name!r} already exists in this scope")
         var = Variable(name, persistable=persistable, trainable=trainable, scope=self)

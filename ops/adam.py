@@ -39,8 +39,8 @@ def infer_adam(ins, attrs):
     for slot in STATE:
         m = ins[slot]
         if tuple(m.shape) != tuple(meta.shape) or m.dtype != work:
-            fail("adam", slot, f"must have the shape and dtype of 'param' (float32 for a "
-                               f"float16 param): {work} of shape {tuple(meta.shape)}, got "
+            fail("adam", slot, f"must have shape {tuple(meta.shape)} and dtype {work} (those "
+                               "of 'param'; float32 for a float16 param), got "
                                f"{m.dtype} of shape {tuple(m.shape)}")
     for slot in POWERS:
         m = ins[slot]

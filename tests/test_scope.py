@@ -88,8 +88,9 @@ def test_a_training_step_never_rewrites_the_users_array():
 # ---- variable names ---------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fc_0.w", "x@GRAD", "x@GRAD@1", "bn1.num_batches",
-                                  "learning_rate_0", "learning_rate_0.step", "c1.w.velocity",
-                                  "a b", "ünïcode", "x" * 255, "...", ".hidden"])
+                                  "adam_0.learning_rate", "momentum_0.c1.w.velocity",
+                                  "learning_rate_0", "c1.w.velocity", "a b", "ünïcode",
+                                  "x" * 255, "...", ".hidden", "__x", "x__"])
 def test_names_the_project_uses_stay_valid(name):
     assert mg.Scope().new_var(name).name == name
 
