@@ -149,7 +149,7 @@ def match(net, sources, held, selected, strict, explicit, described=None):
         if src is not None:
             found.problems += _mismatch(name, var, src)
             found.take[name] = (var, src)
-        elif _is_counter(var) and (strict or _layer_loaded(name, sources)):
+        elif _is_counter(var) and (strict or _estimates_loaded(name, sources, ours)):
             found.defaulted.append(name)
         elif strict:
             found.problems.append(f"missing {name!r} (shape {var.shape}, {var.dtype})")
@@ -220,9 +220,12 @@ def _is_counter(var):
     return var.name.endswith(COUNTER_SUFFIX) and var.dtype == np.int64 and var.shape == ()
 
 
-def _layer_loaded(counter_name, sources):
+def _estimates_loaded(counter_name, sources, ours):
+    """Whether `sources` hold another estimate of the counter's layer (a file written
+    without counters), so the counter must say "already trained"."""
     layer = counter_name[:-len(COUNTER_SUFFIX)] + "."
-    return any(name.startswith(layer) for name in sources)
+    return any(name.startswith(layer) and name in ours and
+               part_of(ours[name]) == "estimates" for name in sources)
 
 
 def _some(names, at_most=8):

@@ -95,7 +95,7 @@ def variance(name, value):
     complaint = _finite(name, value)
     if complaint is None and (value < 0).any():
         at = _first(value < 0)
-        complaint = (f"variance estimate {name!r} holds {value[at]!r} at index {at}; a "
+        complaint = (f"variance estimate {name!r} holds {float(value[at])!r} at index {at}; a "
                      "variance must be >= 0")
     return complaint
 

@@ -233,7 +233,7 @@ def _mapping_arrays(source, what):
         array = np.asarray(value)
         if array.dtype.kind not in "biufc":
             problems.append(f"{key!r} holds {array.dtype}, not numbers")
-        arrays[key] = np.ascontiguousarray(array)
+        arrays[key] = np.asarray(array, order="C")
     _refuse(what, problems)
     return arrays
 

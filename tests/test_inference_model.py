@@ -324,3 +324,124 @@ def test_the_newer_layers_survive_the_file(tmp_path):
     (want,) = net.infer(feed={"image": v}, fetch=[out])
     (got,) = m.infer(feed={"image": v})
     assert got.shape == (4, 5, 2) and got.tobytes() == want.tobytes()
+
+
+# ---- a save that fails between its files, a tampered graph ------------------------------
+
+def outputs(d, x=None):
+    (y,) = mg.io.load_inference(d).infer(feed={"image": batch() if x is None else x})
+    return y
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_save_failing_between_its_files_leaves_the_previous_model(saved, tmp_path,
+                                                                    monkeypatch, error):
+    """params.npz used to be replaced before model.json: a save that failed (a full disk,
+    a kill) in between left the previous, good model unloadable."""
+    from minigraph import inference_model
+
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    want = outputs(d)
+    other, oh = trained(steps=2, seed=7)
+    new = outputs(mg.io.save_inference(other, tmp_path / "n", feeds=["image"],
+                                       fetches=[oh["logits"]]))
+    real = inference_model.atomic_write
+    for fail_at in (1, 2):
+        calls = []
+
+        def failing(path, write, fail_at=fail_at, calls=calls):
+            calls.append(path)
+            if len(calls) == fail_at:
+                write(open(os.devnull, "wb"))       # a part of the work was done
+                raise error
+            return real(path, write)
+
+        monkeypatch.setattr(inference_model, "atomic_write", failing)
+        with pytest.raises(type(error)):
+            mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+        monkeypatch.undo()
+        assert outputs(d).tobytes() == want.tobytes(), f"failed at write {fail_at}"
+    mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+    assert outputs(d).tobytes() == new.tobytes()
+
+
+def test_a_save_replaces_the_old_params_and_a_dead_saves_leftovers(saved, tmp_path):
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    old = params_path(d)
+    other, oh = trained(steps=2, seed=7)
+    fresh = d / "params-0123456789abcdef.npz"       # a save running now wrote it
+    stale = d / "params-fedcba9876543210.npz"       # a save killed long ago left it
+    for leftover in (fresh, stale):
+        leftover.write_bytes(b"partial")
+    os.utime(stale, (1, 1))
+    mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+    names = sorted(p.name for p in d.iterdir())
+    assert old.name not in names and stale.name not in names
+    assert names == sorted(["model.json", params_path(d).name, fresh.name])
+
+
+def test_a_save_whose_old_params_cannot_be_removed_still_completes(saved, tmp_path,
+                                                                  monkeypatch):
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    other, oh = trained(steps=2, seed=7)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "refused", str(path))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+    monkeypatch.undo()
+    (want,) = other.infer(feed={"image": batch()}, fetch=[oh["logits"]])
+    assert outputs(d).tobytes() == want.tobytes()
+
+
+def test_a_load_overtaken_by_a_save_reads_the_new_model(saved, tmp_path, monkeypatch):
+    from minigraph import inference_model
+
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    other, oh = trained(steps=2, seed=7)
+    real = inference_model.read_model
+    reads = []
+
+    def then_a_save(dirname, what):
+        model = real(dirname, what)
+        if what.startswith("load_inference"):
+            reads.append(model)
+            if len(reads) == 1:     # between reading model.json and opening its params
+                mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+        return model
+
+    monkeypatch.setattr(inference_model, "read_model", then_a_save)
+    got = outputs(d)
+    monkeypatch.undo()
+    (want,) = other.infer(feed={"image": batch()}, fetch=[oh["logits"]])
+    assert len(reads) == 2 and got.tobytes() == want.tobytes()
+
+
+def test_a_model_whose_op_writes_a_parameter_is_refused(model_dir):
+    """A tampered model.json whose op wrote fc2.b in place loaded, and every infer()
+    then doubled fc2.b."""
+    def double_the_bias(m):
+        m["ops"].insert(0, {"type": "scale", "inputs": {"x": "fc2.b"},
+                            "outputs": {"out": "fc2.b"}, "attrs": {"scale": 2.0}})
+
+    edit_model(model_dir, double_the_bias)
+    with pytest.raises(io.InferenceModelError, match="op 0 \\(scale\\) writes the persistable "
+                                                     "'fc2.b' \\(output slot 'out'\\); an "
+                                                     "inference model never changes"):
+        mg.io.load_inference(model_dir)
+
+
+def test_reserved_names_in_a_model_are_refused(model_dir):
+    def rename(m):
+        text = json.dumps(m).replace('"c1.out"', '"c1.out@GRAD"')
+        m.clear()
+        m.update(json.loads(text))
+
+    edit_model(model_dir, rename)
+    with pytest.raises(io.InferenceModelError, match="'c1.out@GRAD' is reserved"):
+        mg.io.load_inference(model_dir)

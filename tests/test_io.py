@@ -432,3 +432,24 @@ def test_load_and_save_check_their_arguments(tmp_path):
     with pytest.raises(TypeError, match="strict must be True or False"):
         io.load(net, path, strict="no")
     assert not (tmp_path / "x.npz").exists()
+
+
+@pytest.mark.parametrize("mode, metric", [("min", -np.inf), ("max", np.inf)])
+def test_a_plateau_state_with_an_infinite_best_round_trips(tmp_path, mode, metric):
+    """An infinite metric makes the best infinite: a state step() reaches, which io.save
+    wrote and io.load used to refuse as non-finite."""
+    plateau = mg.optimizer.lr.ReduceOnPlateau(0.1, mode=mode, patience=0)
+    net = schedule_net(plateau)
+    plateau.step(metric)
+    plateau.step(np.nan)                      # NaN never improves, and is never the best
+    state = net.var("sgd_0.learning_rate.plateau").get()
+    assert state[0] == 1 and state[1] == metric
+    path = io.save(net, tmp_path / "ck.npz")
+    twin_plateau = mg.optimizer.lr.ReduceOnPlateau(0.1, mode=mode, patience=0)
+    twin = schedule_net(twin_plateau, seed=1)
+    io.load(twin, path)
+    got = twin.var("sgd_0.learning_rate.plateau").get()
+    assert got.tobytes() == state.tobytes()
+    assert twin_plateau.step(0.0) == plateau.step(0.0)      # and they go on alike
+    with pytest.raises(ValueError, match="never NaN"):
+        twin.var("sgd_0.learning_rate.plateau").set(np.array([1, np.nan, 0, 0, 1]))
