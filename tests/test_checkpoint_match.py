@@ -64,16 +64,16 @@ def test_fine_tuning_keeps_the_new_optimizer_and_the_loss_falls(tmp_path):
     assert old.optimizer.learning_rate == 0.01
     net, loss = build(head="head2", classes=3, opt=mg.optimizer.Adam(1e-3))
     fresh = snapshot(net)
+    state = [n for n in fresh if n.endswith((".moment1", ".moment2", "_pow"))]
     missing, unexpected = io.load(net, path, strict=False)
+    assert net.optimizer.learning_rate == 1e-3
+    assert same(snapshot(net), fresh, state + [net.optimizer.lr_var.name, "head2.w", "head2.b"])
     assert missing == ["head2.w", "head2.b"] and unexpected == ["head.w", "head.b"]
     saved = snapshot(old)
     body = ["c1.w", "c1.b", "bn1.scale", "bn1.bias", "bn1.estimated_mean", "bn1.estimated_var",
             "bn1.num_batches", "fc1.w", "fc1.b"]
     assert same(snapshot(net), saved, body)
-    state = [v.name for v in net.persistables() if v.name.startswith("adam_0.")]
-    assert "adam_0.fc1.w.moment1" in state and "adam_0.learning_rate" in state
-    assert same(snapshot(net), fresh, state + ["head2.w", "head2.b"])
-    assert net.optimizer.learning_rate == 1e-3
+    assert "adam_0.fc1.w.moment1" in state and net.optimizer.lr_var.name == "adam_0.learning_rate"
     assert float(net.var("adam_0.fc1.w.beta1_pow").get()) == 1.0
     labels = LABELS.astype(np.int64) * 2           # the new head's task: classes 0 and 2
     first = float(net.train(feed=feed(labels), fetch=[loss])[0])
@@ -206,18 +206,19 @@ def test_another_optimizers_checkpoint_says_which_wrote_it(tmp_path):
 def test_a_gradient_merge_checkpoint_of_another_k_is_refused(tmp_path):
     a, path = trained(tmp_path, steps=3,
                       opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=4))
+    b, _ = build(opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=2))
+    before = snapshot(b)
+    with pytest.raises(io.CheckpointError, match="accumulated over k_steps=4, this net's "
+                                                 "accumulates over k_steps=2"):
+        io.load(b, path)
+    with pytest.raises(io.CheckpointError, match="accumulated over k_steps=4"):
+        io.load(b, path, strict=False, parts=io.PARTS)
+    assert same(snapshot(b), before, before)
     assert int(a.var("gradient_merge_0.step").get()) == 3
     with np.load(path) as npz:
         desc = json.loads(str(npz["__manifest__"]))["optimizer"]
     assert desc == {"type": "GradientMerge", "name": "gradient_merge_0", "k_steps": 4,
                     "avg": True, "inner": {"type": "SGD", "name": "sgd_0"}}
-    b, _ = build(opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=2))
-    before = snapshot(b)
-    for kwargs in ({}, {"strict": False, "parts": io.PARTS}):
-        with pytest.raises(io.CheckpointError, match="accumulated over k_steps=4, this net's "
-                                                     "accumulates over k_steps=2"):
-            io.load(b, path, **kwargs)
-    assert same(snapshot(b), before, before)
     io.load(b, path, parts=["parameters", "estimates"])        # the weights still load
     assert np.array_equal(b.var("fc1.w").get(), a.var("fc1.w").get())
     c, _ = build(opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=4))
@@ -357,3 +358,79 @@ def test_load_parameters_from_a_plain_savez_file(tmp_path):
         io.load_parameters(b, [1, 2])
     with pytest.raises(io.CheckpointError, match="'fc1.w' holds object, not numbers"):
         io.load_parameters(b, {"fc1.w": np.array([None])}, strict=False)
+
+
+# ---- version 1 files (written before optimizer state was named under its optimizer) ----
+
+FORMAT1 = __import__("pathlib").Path(__file__).parent / "data" / "format1"
+
+
+def format1_nets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("format1_nets", FORMAT1 / "nets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def legacy(net):
+    """{name now: version 1 name} of every persistable of `net`."""
+    renames = {new: old for opt in (net.optimizer, getattr(net.optimizer, "inner", None))
+               if opt is not None for new, old in opt.legacy_names.items()}
+    return {v.name: renames.get(v.name, v.name) for v in net.persistables()}
+
+
+@pytest.mark.parametrize("make, name", [("momentum_net", "momentum"), ("merge_net", "merge")])
+def test_a_version_1_checkpoint_resumes_exactly(make, name):
+    """The files were written by minigraph with format 1 (tests/data/format1/nets.py):
+    every array lands on its variable under today's name, and one more step gives
+    what that minigraph's next step gave."""
+    nets = format1_nets()
+    net = getattr(nets, make)()[0]
+    old_names = legacy(net)
+    assert old_names["fc1.w"] == "fc1.w" and any(
+        o.startswith("learning_rate_0") for n, o in old_names.items() if n != o)
+    assert sorted(io.load(net, FORMAT1 / f"{name}.npz")) == sorted(old_names)
+    with np.load(FORMAT1 / f"{name}.npz") as npz:
+        assert str(npz["__format__"]) == "minigraph-persistables/1"
+        for new, old in old_names.items():
+            assert net.var(new).get().tobytes() == npz[old].tobytes(), new
+    net.train(feed=nets.feed(3))
+    with np.load(FORMAT1 / f"{name}_next.npz") as npz:
+        for new, old in old_names.items():
+            assert net.var(new).get().tobytes() == npz[old].tobytes(), new
+    assert set(io.read_checkpoint(FORMAT1 / f"{name}.npz")) == set(old_names.values())
+
+
+def test_a_version_1_checkpoint_fine_tunes_without_touching_the_new_optimizer():
+    """The report's case on an old file: learning_rate_0 and the moments stay the new
+    optimizer's; the old optimizer's names are neither loaded nor unexpected."""
+    nets = format1_nets()
+    net = mg.Net(seed=1)
+    _, loss = nets.body(net)
+    mg.optimizer.Adam(1e-3).minimize(net, loss)
+    state = {n: v for n, v in snapshot(net).items() if n.startswith("adam_0.")}
+    assert io.load(net, FORMAT1 / "merge.npz", strict=False) == ([], [])
+    assert same(snapshot(net), state, state) and net.optimizer.learning_rate == 1e-3
+    with np.load(FORMAT1 / "merge.npz") as npz:
+        assert np.array_equal(net.var("fc1.w").get(), npz["fc1.w"])
+    with pytest.raises(io.CheckpointError, match="unexpected 'fc1.w.merged_grad'"):
+        io.load(net, FORMAT1 / "merge.npz")
+    other = nets.momentum_net()[0]
+    with pytest.raises(io.CheckpointError, match="missing 'momentum_0.fc1.w.velocity'"):
+        io.load(other, FORMAT1 / "merge.npz", parts=["optimizer"])
+
+
+def test_a_version_1_inference_model_loads(tmp_path):
+    import shutil
+
+    nets = format1_nets()
+    d = shutil.copytree(FORMAT1 / "model", tmp_path / "model")
+    assert sorted(p.name for p in d.iterdir()) == ["model.json", "params.npz"]
+    (got,) = mg.io.load_inference(d).infer(feed={"image": nets.feed(9)["image"]})
+    assert got.tobytes() == np.load(FORMAT1 / "model_out.npy").tobytes()
+    net, logits = nets.momentum_net()
+    mg.io.save_inference(net, d, feeds=["image"], fetches=[logits])    # replaces version 1
+    names = sorted(p.name for p in d.iterdir())
+    assert "params.npz" not in names and len(names) == 2

@@ -442,14 +442,15 @@ def test_a_plateau_state_with_an_infinite_best_round_trips(tmp_path, mode, metri
     net = schedule_net(plateau)
     plateau.step(metric)
     plateau.step(np.nan)                      # NaN never improves, and is never the best
-    state = net.var("sgd_0.learning_rate.plateau").get()
+    name = plateau.state_var.name             # sgd_0.learning_rate.plateau
+    state = net.var(name).get()
     assert state[0] == 1 and state[1] == metric
     path = io.save(net, tmp_path / "ck.npz")
     twin_plateau = mg.optimizer.lr.ReduceOnPlateau(0.1, mode=mode, patience=0)
     twin = schedule_net(twin_plateau, seed=1)
     io.load(twin, path)
-    got = twin.var("sgd_0.learning_rate.plateau").get()
+    got = twin.var(name).get()
     assert got.tobytes() == state.tobytes()
     assert twin_plateau.step(0.0) == plateau.step(0.0)      # and they go on alike
     with pytest.raises(ValueError, match="never NaN"):
-        twin.var("sgd_0.learning_rate.plateau").set(np.array([1, np.nan, 0, 0, 1]))
+        twin.var(name).set(np.array([1, np.nan, 0, 0, 1]))
