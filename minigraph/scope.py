@@ -58,7 +58,7 @@ class Variable:
         if _is_host_value(value):
             value = np.array(value, order="C", copy=True)
             if self.persistable:
-                from minigraph import checkpoint_values
+                from minigraph.io import checkpoint_values
 
                 complaint = checkpoint_values.check(self, value)
                 if complaint is not None:

@@ -13,7 +13,7 @@ import pytest
 
 import minigraph as mg
 from minigraph import io
-from minigraph.model_format import decode_attr, encode_attr
+from minigraph.io.model_format import decode_attr, encode_attr
 
 
 def trained(steps=3, seed=0, momentum=0.9):
@@ -113,7 +113,7 @@ def test_load_inference_infers_like_the_net(saved):
 
 def test_a_loaded_model_cannot_train(saved):
     m = mg.io.load_inference(saved[2])
-    with pytest.raises(RuntimeError, match="can only infer"):
+    with pytest.raises(RuntimeError, match=r"this is an inference net \(loaded from"):
         m.train(feed={"image": batch()})
 
 
@@ -338,7 +338,7 @@ def test_a_save_failing_between_its_files_leaves_the_previous_model(saved, tmp_p
                                                                     monkeypatch, error):
     """params.npz used to be replaced before model.json: a save that failed (a full disk,
     a kill) in between left the previous, good model unloadable."""
-    from minigraph import inference_model
+    from minigraph.io import inference_model
 
     net, h, _ = saved
     d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
@@ -399,7 +399,7 @@ def test_a_save_whose_old_params_cannot_be_removed_still_completes(saved, tmp_pa
 
 
 def test_a_load_overtaken_by_a_save_reads_the_new_model(saved, tmp_path, monkeypatch):
-    from minigraph import inference_model
+    from minigraph.io import inference_model
 
     net, h, _ = saved
     d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
@@ -445,3 +445,25 @@ def test_reserved_names_in_a_model_are_refused(model_dir):
     edit_model(model_dir, rename)
     with pytest.raises(io.InferenceModelError, match="'c1.out@GRAD' is reserved"):
         mg.io.load_inference(model_dir)
+
+
+def test_the_model_keeps_the_layer_each_op_belongs_to(saved, tmp_path):
+    net, h, _ = saved
+    fast = mg.passes.optimize_for_inference(net)
+    d = mg.io.save_inference(fast, tmp_path / "m", feeds=["image"], fetches=[h["logits"].name])
+    model = json.loads((d / "model.json").read_text())
+    assert [(op["type"], op["layer"]) for op in model["ops"]] == [
+        ("fused_conv2d", "c1"), ("pool2d", "pool2d_0"), ("fused_fc", "fc1"), ("fused_fc", "fc2")]
+    loaded = mg.io.load_inference(d)
+    assert [op.layer for op in loaded.ops("infer")] == ["c1", "pool2d_0", "fc1", "fc2"]
+    # a model written before ops named their layer loads, its layers read off its names
+    for op in model["ops"]:
+        del op["layer"]
+    (d / "model.json").write_text(json.dumps(model))
+    old = mg.io.load_inference(d)
+    assert [op.layer for op in old.ops("infer")] == [None] * 4
+    assert "layer:relu_0" in old.to_dot(level="layer")
+    model["ops"][0]["layer"] = 7
+    (d / "model.json").write_text(json.dumps(model))
+    with pytest.raises(io.InferenceModelError, match="'layer' must be str"):
+        mg.io.load_inference(d)

@@ -13,6 +13,7 @@ import pytest
 import minigraph as mg
 from minigraph import io
 from minigraph import layers as L
+from minigraph.io import checkpoint
 
 FEED = {"x": np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)}
 LAYERS = 12
@@ -67,7 +68,7 @@ def test_saves_from_a_checkpoint_thread_hold_whole_steps(tmp_path, monkeypatch):
     steps = 200
     want = history(steps)
     net = build()
-    slowly(monkeypatch, io, "host_array")
+    slowly(monkeypatch, checkpoint, "host_array")
     done = threading.Event()
 
     def train():

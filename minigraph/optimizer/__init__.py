@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph import checkpoint_values
 from minigraph.backward import append_backward
 from minigraph.initializer import Constant
+from minigraph.io import checkpoint_values
 from minigraph.optimizer import groups, lr
 from minigraph.optimizer.gradient_merge import GradientMerge
 from minigraph.schema import OpDesc

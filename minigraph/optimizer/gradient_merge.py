@@ -4,8 +4,9 @@
     opt.minimize(net, loss)
 
 Every train step adds each parameter's gradient into the persistable
-`gradient_merge_<i>.<param>.merged_grad`; on every k-th step the inner optimizer's update section
-runs with their mean (avg=True; the sum with avg=False), then the sums are zeroed.
+`gradient_merge_<i>.<param>.merged_grad`; on every k-th step the inner
+optimizer's update section runs with their mean (avg=True; the sum with
+avg=False), then the sums are zeroed.
 This is PyTorch's accumulation loop (loss / k, backward() on each micro-batch,
 optimizer.step() and zero_grad() every k-th): k steps of batch B train like one
 step of batch k·B for ops whose loss is a mean over rows. The inner optimizer's
@@ -37,6 +38,7 @@ class GradientMerge:
             raise TypeError(f"GradientMerge: avg must be True or False, got {avg!r}")
         self.inner, self.k_steps, self.avg = inner, int(k_steps), avg
         self.counter = None
+        self.merged = []               # the merged-gradient sums, after minimize
         self.name = None                # its name in the net (minimize): "gradient_merge_0"
         self.state_vars = []
         self.legacy_names = {}          # state name -> its name in version 1 checkpoints
@@ -80,6 +82,7 @@ class GradientMerge:
             net.append_op(OpDesc("fill_constant", dict(out=total, shape=tuple(total.shape),
                                                        dtype=str(total.dtype), value=0.0)),
                           "update")
+        self.merged = sums
         self.counter = self._state(net, "step", (), "int64", 0)
         net.update_every(self.k_steps, self.counter)
         net.optimizer = self

@@ -36,7 +36,7 @@ import numbers
 
 import numpy as np
 
-from minigraph import checkpoint_values
+from minigraph.io import checkpoint_values
 from minigraph.kernels.cpu.lr_schedule import schedule_value
 from minigraph.validators import check_number, is_int
 

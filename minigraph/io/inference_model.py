@@ -7,7 +7,7 @@
 The directory holds `model.json` (format "minigraph-inference", version 2:
 ops with their slots and attributes, variables, feeds, fetches; plain JSON,
 nothing executable) and `params-<hash>.npz` (the persistables the ops read, a
-minigraph checkpoint read with every check of minigraph.npz, named after the
+minigraph checkpoint read with every check of minigraph.io.npz, named after the
 first 16 hex digits of its SHA-256). The format is documented in
 docs/inference_format.md. A save writes the new params file beside the old
 one, then replaces model.json atomically (which names the params file and
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph import checkpoint_values
 from minigraph.executor import prune
 from minigraph.feeds import io_variables
-from minigraph.files import atomic_write
-from minigraph.model_format import (
+from minigraph.io import checkpoint_values
+from minigraph.io.files import atomic_write
+from minigraph.io.model_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MODEL_FILE,
@@ -48,16 +48,16 @@ from minigraph.model_format import (
     records_of,
     same_value,
 )
+from minigraph.io.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
 from minigraph.net import Net
-from minigraph.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
 from minigraph.operator import Operator
 from minigraph.schema import OpError, get_schema, registered_ops
 from minigraph.scope import check_reserved_name
 
 
 class InferenceNet(Net):
-    """A Net rebuilt by load_inference: it infers; it has no loss, gradients
-    or optimizer, so `train` is an error."""
+    """A Net rebuilt by load_inference: it infers its saved fetches; it has no
+    loss, gradients or optimizer, so `train` is an error."""
 
     infer_only = True
 
@@ -65,11 +65,17 @@ class InferenceNet(Net):
         super().__init__(place=place, seed=0)
         self.source = str(source)
 
+    @property
+    def origin(self):
+        """Where this inference net comes from, in words."""
+        return f"loaded from {self.source!r}"
+
     def train(self, feed=None, fetch=None):
         """Always an error: an inference model cannot be trained."""
-        raise RuntimeError(f"train: this net was loaded from the inference model "
-                           f"{self.source!r} and can only infer (it has no loss, gradients or "
-                           "optimizer); build the net with layers to train it")
+        outs = ", ".join(repr(v.name) for v in self.default_fetches) or "its outputs"
+        raise RuntimeError(f"train: this is an inference net ({self.origin}): it computes "
+                           f"{outs} and has no loss, gradients or optimizer; build the net "
+                           "with layers to train it")
 
 
 # ---- saving ------------------------------------------------------------------------
@@ -195,8 +201,11 @@ def _op_record(op, index, what):
         attrs[key] = encode_attr(value, where)
         if not same_value(decode_attr(attrs[key], where), value):
             raise InferenceModelError(f"{where}: {value!r} does not survive the model file")
-    return {"type": op.type, "inputs": {s: names(v) for s, v in op.inputs.items()},
-            "outputs": {s: names(v) for s, v in op.outputs.items()}, "attrs": attrs}
+    record = {"type": op.type, "inputs": {s: names(v) for s, v in op.inputs.items()},
+              "outputs": {s: names(v) for s, v in op.outputs.items()}, "attrs": attrs}
+    if op.layer is not None:
+        record["layer"] = op.layer
+    return record
 
 
 # ---- loading -----------------------------------------------------------------------
@@ -358,7 +367,10 @@ def _make_op(net, op, op_type, index, section, records, variables, what):
              for k, v in field(op, "attrs", dict, where).items()}
     if schema.mode_attr is not None:
         attrs[schema.mode_attr] = True
-    return Operator(op_type, **kwargs, **attrs)
+    built = Operator(op_type, **kwargs, **attrs)
+    if "layer" in op:                   # optional: models saved before it have none
+        built.layer = field(op, "layer", str, where)
+    return built
 
 
 def _variable(net, name, section, records, variables, key, where):

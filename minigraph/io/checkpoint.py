@@ -1,17 +1,15 @@
 """Saving and loading a net's persistables (parameters, estimates, counters,
 optimizer state) as one versioned .npz file, all of them or some parts;
-loading parameters from a plain mapping of arrays (`load_parameters`); the
-inference model directory (`save_inference` / `load_inference`, see
-minigraph.inference_model).
+loading parameters from a plain mapping of arrays (`load_parameters`).
 
 The file holds one array per persistable, named like the Variable, a
 `__format__` entry ("minigraph-persistables/2") and a `__manifest__` entry
 (JSON: the parts it holds and which array is in which, and the optimizer that
-wrote the optimizer state; minigraph.checkpoint_match). Version 1 files (no
+wrote the optimizer state; minigraph.io.checkpoint_match). Version 1 files (no
 manifest; optimizer state named without its optimizer) still load. Writes
 are atomic: the old file stays intact until the new one is complete. Loads
 check the whole file (its zip directory and every array's header, see
-minigraph.npz) against the net before reading any data, and assign nothing
+minigraph.io.npz) against the net before reading any data, and assign nothing
 unless everything fits; the assignment is all or nothing (under the net's
 lock, signals deferred), so a training step in another thread or a Ctrl-C
 never sees half a load. A save takes a copy of every array under the net's
@@ -26,26 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph import checkpoint_match, checkpoint_values
-from minigraph.checkpoint_match import MODEL_PARTS, Source
-from minigraph.files import atomic_write
-from minigraph.journal import deferred_signals
-from minigraph.npz import (
+from minigraph.io import checkpoint_match, checkpoint_values
+from minigraph.io.checkpoint_match import MODEL_PARTS, Source
+from minigraph.io.files import atomic_write
+from minigraph.io.npz import (
     CHECKPOINT_FORMAT,
     Archive,
     CheckpointError,
     header_arrays,
     write_npz,
 )
+from minigraph.journal import deferred_signals
 from minigraph.scope import host_array
 
 FORMAT = CHECKPOINT_FORMAT              # "minigraph-persistables/2"
 FORMAT_NAME, FORMAT_VERSION = FORMAT.split("/")[0], int(FORMAT.split("/")[1])
 PARTS = checkpoint_values.PARTS
 
-__all__ = ["FORMAT", "PARTS", "CheckpointError", "InferenceModelError", "atomic_write", "load",
-           "load_inference", "load_parameters", "read_checkpoint", "save", "save_inference",
-           "write_npz"]
 
 
 def save(net, path, parts=None):
@@ -60,12 +55,19 @@ def save(net, path, parts=None):
     step, whatever other threads run), then written atomically: to a temporary
     file in the same directory, flushed and fsynced, then renamed over `path`;
     if anything fails the old file is left as it was, the temporary file is
-    removed, and the error names `path`. Returns the path.
+    removed, and the error names `path`. Returns the path. Saving the optimizer
+    state of a data-parallel net on several ranks in the middle of a
+    GradientMerge accumulation (each rank holds its own merged gradients) is a
+    ValueError: mg.distributed.save averages them first.
     """
+    from minigraph.distributed.merge import check_saveable
+
     _check_arguments("save", net, path)
     chosen = checkpoint_match.selection(parts, True, "save")
     path = Path(path)
     with net._lock:
+        if "optimizer" in chosen:
+            check_saveable(net, f"save {str(path)!r}")
         if any(v.value is None for v in net.persistables()):
             net.initialize()
         arrays = header_arrays(FORMAT, checkpoint_match.manifest(net, chosen))
@@ -93,7 +95,7 @@ def load(net, path, strict=True, parts=None):
     refused. A selected part the file does not hold is an error naming what it
     cannot set, strict or not.
 
-    The file is checked before any data is read (see minigraph.npz): a damaged
+    The file is checked before any data is read (see minigraph.io.npz): a damaged
     file is "damaged minigraph checkpoint", a zip without the format entry
     "not a minigraph checkpoint". Then names, shapes and dtypes are checked
     against the net, and every problem is reported in one CheckpointError; then
@@ -113,7 +115,7 @@ def load(net, path, strict=True, parts=None):
     first training batch does not replace the loaded estimates; with
     strict=False only when another persistable of that layer is loaded.
 
-    Values are checked too (minigraph.checkpoint_values): every float value
+    Values are checked too (minigraph.io.checkpoint_values): every float value
     finite, counters >= 0, batch-norm variance estimates >= 0, the learning
     rate a finite number >= 0, a ReduceOnPlateau state one that its step() can
     reach; a value that fails is a CheckpointError naming the variable, and
@@ -292,9 +294,3 @@ def _check_arguments(who, net, path):
         raise TypeError(f"{who}: path must be a str or os.PathLike (a file name), got "
                         f"{type(path).__name__} {path!r:.60}")
 
-
-from minigraph.inference_model import (  # noqa: E402  (it builds on this module)
-    InferenceModelError,
-    load_inference,
-    save_inference,
-)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minigraph.files import NotRegularFile, open_regular
+from minigraph.io.files import NotRegularFile, open_regular
 
 FORMAT_KEY = "__format__"
 MANIFEST_KEY = "__manifest__"

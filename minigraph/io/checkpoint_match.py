@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minigraph.checkpoint_values import PARTS, part_of
+from minigraph.io.checkpoint_values import PARTS, part_of
 
 MODEL_PARTS = frozenset(("parameters", "estimates"))
 COUNTER_SUFFIX = ".num_batches"
