@@ -184,9 +184,7 @@ class Net:
                          fan_out=None, part=None):
         """A persistable root-scope Variable, initialised at once by `init` (an
         initializer from minigraph.initializer); `initialize(force=True)` runs
-        the initialiser again. `part`: the part of a checkpoint it belongs to
-        ("parameters", "estimates", "optimizer"; None: "parameters" when
-        trainable, else "estimates"; see minigraph.checkpoint_values.part_of)."""
+        the initialiser again. `part`: its part of a checkpoint (checkpoint_values.part_of)."""
         if trainable and self.loss is not None:
             raise ValueError(f"{name}: cannot add a trainable parameter after minimize() / "
                              "append_backward(): it would never be trained; build every layer "
@@ -397,10 +395,7 @@ class Net:
         if plan is None:
             keep = [g for name, g in self.grads.items() if mode == "train" and
                     getattr(self.scope.find_var(name), "persistable", False)]
-            ops = self.ops(mode, update)
-            if frozen and update:
-                n = len(self._sections["update"])
-                ops = ops[:len(ops) - n] + net_freeze.without_frozen(ops[len(ops) - n:], frozen)
+            ops = net_freeze.plan_ops(self, mode, update, frozen)
             plan = self._plans[key] = Plan(ops, mode, targets, keep)
         return plan
 
@@ -425,12 +420,7 @@ class Net:
         return profile(self, feed, steps, mode, fetch, warmup)
 
 
-def _mark_value_rules(op):
-    """Give the variance estimate an op with the "batch_norm" role updates the
-    variance rule, so Variable.set checks it as a checkpoint load does."""
-    if op.schema.has_role("batch_norm"):
-        var = op.inputs.get("estimated_var")
-        if var is not None and var.value_rule is None:
-            from minigraph.io.checkpoint_values import variance
 
-            var.value_rule = variance
+def _mark_value_rules(op):
+    from minigraph.io.checkpoint_values import mark_rules  # io imports net: not at the top
+    mark_rules(op)

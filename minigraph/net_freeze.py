@@ -35,6 +35,16 @@ def frozen(net):
     return tuple(sorted(id(p) for p in net.trained if not p.trainable))
 
 
+def plan_ops(net, mode, update, frozen_ids):
+    """The ops `net.train` / `net.infer` runs in `mode` (net.ops), without the update
+    section's ops of the frozen parameters (`without_frozen`)."""
+    ops = net.ops(mode, update)
+    if not (frozen_ids and update):
+        return ops
+    n = len(net.section("update"))
+    return ops[:len(ops) - n] + without_frozen(ops[len(ops) - n:], frozen_ids)
+
+
 def without_frozen(ops, frozen_ids):
     """The update-section `ops` without the update ops writing a parameter whose id
     is in `frozen_ids`, and each clipping op (schema role "clip_gradients", slots

@@ -66,8 +66,8 @@ def manifest(net, chosen):
     its state is saved, else None}."""
     parts = {p: [v.name for v in net.persistables() if part_of(v) == p]
              for p in PARTS if p in chosen}
-    opt = getattr(net, "optimizer", None)
-    described = opt.describe() if opt is not None and "optimizer" in chosen else None
+    describe = getattr(getattr(net, "optimizer", None), "describe", None)
+    described = describe() if describe is not None and "optimizer" in chosen else None
     return {"parts": parts, "optimizer": described}
 
 
@@ -100,8 +100,8 @@ class Match:
 
 def legacy_renames(net):
     """{version 1 name: name now} of the state of net's optimizers."""
-    return {old: new for opt in optimizers(net) for new, old in opt.legacy_names.items()
-            if old != new}
+    return {old: new for opt in optimizers(net)
+            for new, old in getattr(opt, "legacy_names", {}).items() if old != new}
 
 
 def checkpoint_sources(net, entries, version, manifest_):
@@ -170,7 +170,7 @@ def optimizer_problems(net, problems, described):
     GradientMerge of other k_steps; when there are other `problems`, a line saying
     which optimizer wrote the file (`described`) and which one the net has."""
     found = []
-    ours = {o.name: o for o in optimizers(net)}
+    ours = {getattr(o, "name", None): o for o in optimizers(net)}
     theirs = _described(described)
     for name, desc in theirs.items():
         opt = ours.get(name)

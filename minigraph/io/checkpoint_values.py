@@ -47,6 +47,16 @@ def check(var, value):
     return rule(var.name, value) if rule is not None else None
 
 
+def mark_rules(op):
+    """Give the variance estimate an op with the "batch_norm" role updates the
+    variance rule, so Variable.set checks it as a load does (Net calls it for
+    every op it takes)."""
+    if op.schema.has_role("batch_norm"):
+        var = op.inputs.get("estimated_var")
+        if var is not None and var.value_rule is None:
+            var.value_rule = variance
+
+
 def _by_dtype(value):
     if value.dtype.kind in "fc":
         return _finite
