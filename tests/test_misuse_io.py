@@ -471,3 +471,44 @@ def test_the_inference_loader_refuses_special_files_too(tmp_path):
     os.mkfifo(params)
     with pytest.raises(io.InferenceModelError, match="not a regular file"):
         io.load_inference(model)
+
+
+# ---- the version 2 manifest ------------------------------------------------------------
+
+def v2_file(path, manifest, arrays=None):
+    arrays = {"fc2.w": np.zeros((4, 10), np.float32), "fc2.b": np.zeros(10, np.float32)} \
+        if arrays is None else arrays
+    entries = {"__format__.npy": npy_bytes(np.array(io.FORMAT))}
+    if manifest is not None:
+        entries["__manifest__.npy"] = npy_bytes(manifest if isinstance(manifest, np.ndarray)
+                                                else np.array(manifest))
+    entries.update({f"{n}.npy": npy_bytes(a) for n, a in arrays.items()})
+    return write_zip(path, entries)
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ('{"parts": {"parameters": ["fc2.w", "fc2.b"]}, "optimizer": null}', None),
+    ("not json", "is not JSON"),
+    ('["fc2.w"]', "is not an object whose 'parts' map part names to lists"),
+    ('{"parts": {"parameters": "fc2.w"}}', "is not an object whose 'parts'"),
+    ('{"parts": {"parameters": ["fc2.w", "fc2.b", "ghost"]}}', "lists entries the file lacks: "
+                                                               "'ghost'"),
+    ('{"parts": {"parameters": ["fc2.w", "fc2.b"], "estimates": ["fc2.b"]}}',
+     "lists entries in two parts: 'fc2.b'"),
+    ('{"parts": {"parameters": ["fc2.w"]}}', "leaves entries out of every part: 'fc2.b'"),
+    (np.zeros(3, np.float32), "is not a string"),
+    (None, "is missing"),
+    ("x" * (1 << 20), "far too large"),
+])
+def test_a_damaged_manifest_is_refused_before_any_array_is_read(tmp_path, manifest, message):
+    path = v2_file(tmp_path / "ck.npz", manifest)
+    net = small_net()
+    before = values(net)
+    if message is None:
+        assert sorted(io.load(net, path)) == ["fc2.b", "fc2.w"]
+        return
+    with pytest.raises(io.CheckpointError) as err:
+        io.load(net, path, strict=False)
+    assert "damaged minigraph checkpoint: entry '__manifest__" in str(err.value)
+    assert re.search(message, str(err.value)), str(err.value)
+    assert unchanged(net, before)
