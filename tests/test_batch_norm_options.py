@@ -61,7 +61,6 @@ def test_the_op_says_which_parts_go_together():
     v["x"].declare((4, 3), "float32")
     base = dict(x=v["x"], y=v["y"], batch_mean=v["bm"], batch_var=v["bv"])
     cases = [
-        (dict(scale=v["s"]), r"'scale' and 'bias' go together \(the affine parameters\)"),
         (dict(estimated_mean=v["m"], saved_mean=v["m"]),
          r"'estimated_mean' and 'estimated_var' go together \(the running estimates\)"),
         (dict(estimated_mean=v["m"], estimated_var=v["var"]),
