@@ -197,8 +197,8 @@ def check_group_values(op, x, groups, layout):
     (a single sample whose groups hold one value each: nothing to normalise)."""
     n, _, _, cg, s = sizes(x, groups, layout)
     if n * cg * s == 1:
-        raise OpError(f"{op.type}: expected more than one value per group, got input 'x' of "
-                      f"shape {tuple(x.shape)} ({layout}, {groups} groups)")
+        raise OpError(f"{op.type}: input 'x' needs more than one value per group, got shape "
+                      f"{tuple(x.shape)} ({layout}) with {groups} groups")
 
 
 def group_norm_cpu(op, ins, ctx):
