@@ -201,6 +201,26 @@ def test_one_value_per_channel_is_the_cpu_error(device_place, monkeypatch, world
 
 
 @pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
+@pytest.mark.parametrize("momentum", [0.7, None])
+def test_pytorchs_estimate_rule_over_batches_is_the_cpus(device_place, monkeypatch, world_case,
+                                                         momentum):
+    """first_batch_sets_estimates=False through batch_norm, sync_batch_norm in a world of
+    one and its synchronized kernels: three batches, the estimates and counter as the CPU's."""
+    op_type, make_comm = OP_WORLDS[world_case]
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((6, 3, 2, 2)) + k).astype(np.float64) for k in range(3)]
+    dy = rng.standard_normal((6, 3, 2, 2))
+    results = []
+    for p in (mg.CPUPlace(), device_place):
+        monkeypatch.setattr(world, "_comm", make_comm(p))
+        bn = BN(p, op_type, 3, np.float64, momentum=momentum, first_batch=False)
+        results.append([bn.step(x, dy=dy) for x in batches])
+    for k, (want, got) in enumerate(zip(*results)):
+        for key in ("y", "mean", "var", "counter", "dx"):
+            assert_close(got[key], want[key], f"{world_case} batch {k}: {key}")
+
+
+@pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
 @pytest.mark.parametrize("shape", [(0, 3), (0, 3, 2, 2)])
 def test_an_empty_batch_gives_an_empty_output_and_changes_nothing(device_place, monkeypatch,
                                                                   world_case, shape):
