@@ -1,5 +1,5 @@
-"""Launchers for kernels/cuda/norm.cu (channels first; norm_nhwc.py has the channels-last
-ones and instance norm's running estimates, norm_op.py the op kernels).
+"""Launchers for kernels/cuda/norm.cu (channels first; norm_nhwc.py/.cu have the
+channels-last ones and instance norm's running estimates, norm_op.py the op kernels).
 
 Each op sees x (C-contiguous) as rows of contiguous values: layer_norm's
 prod(shape[:begin_norm_axis]) rows of L = prod(shape[begin_norm_axis:]),
@@ -38,15 +38,6 @@ for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
             f"norm_column_sums_{_t}_w{_w}": "PPqqqiPPPPPP",
         })
     SIGNATURES[f"norm_grad_finish_{_t}"] = "PPPdPqqqqdPPP"
-    SIGNATURES.update({               # channels last, and instance norm's estimates
-        f"norm_cl_stats_{_t}": "PqqqP",
-        f"norm_cl_finish_{_t}": "PqqqdPPP",
-        f"norm_cl_apply_{_t}": "PPqqqqqPPP",
-        f"norm_cl_grad_sums_{_t}": "PPPqqqqP",
-        f"norm_cl_grad_dx_{_t}": "PPPqqqqqPPP",
-        f"norm_estimates_{_t}": "PPqqqPPPdiPPI",
-        f"norm_estimates_commit_{_t}": "qPPPPPI",
-    })
 
 
 def _width(dtype, length, *pointers):

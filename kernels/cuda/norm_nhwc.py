@@ -1,6 +1,5 @@
-"""Launchers for kernels/cuda/norm.cu's channels-last kernels (group_norm and
-instance_norm of x (N, *spatial, C)) and for instance norm's running estimates
-(their signatures are in norm.py).
+"""Launchers for kernels/cuda/norm_nhwc.cu: group_norm and instance_norm of
+channels-last x (N, *spatial, C), and instance norm's running estimates.
 
   forward   3 launches: per-(sample, channel) Welford statistics over the spatial
             positions (a column reduction of each sample's (S, C) matrix, 2-D
@@ -23,18 +22,22 @@ from __future__ import annotations
 
 import math
 
-from minigraph.kernels.cuda import loader
+from minigraph.kernels.cuda import loader, norm
 from minigraph.kernels.cuda.batch_norm import estimate_rule
-from minigraph.kernels.cuda.norm import (
-    MODULE,
-    SIGNATURES,
-    _check_grad,
-    _flat,
-    _grad_outputs,
-    _param,
-    _scratch,
-    _zero_empty,
-)
+from minigraph.kernels.cuda.norm import _check_grad, _grad_outputs, _param, _scratch, _zero_empty
+
+MODULE = "norm_nhwc"
+SIGNATURES = {}
+for _t in ("f32", "f64"):
+    SIGNATURES.update({
+        f"norm_cl_stats_{_t}": "PqqqP",
+        f"norm_cl_finish_{_t}": "PqqqdPPP",
+        f"norm_cl_apply_{_t}": "PPqqqqqPPP",
+        f"norm_cl_grad_sums_{_t}": "PPPqqqqP",
+        f"norm_cl_grad_dx_{_t}": "PPPqqqqqPPP",
+        f"norm_estimates_{_t}": "PPqqqPPPdiPPI",
+        f"norm_estimates_commit_{_t}": "qPPPPPI",
+    })
 
 TX, TY = 32, 8                    # the column reductions' blocks: 32 channels x 8 rows
 MAX_GRID_Y = 65535
@@ -49,6 +52,10 @@ def sizes(what, shape, groups):
     if groups < 1 or c % groups:
         raise ValueError(f"{what}: groups {groups} must divide the {c} channels of x {shape}")
     return n, c, s
+
+
+def _flat(name, items):
+    return loader.flat_go(MODULE, name, SIGNATURES[name], items)
 
 
 def _columns(name, x, n, c):
@@ -100,7 +107,7 @@ def group_norm_nhwc_grad(x, scale, mean, variance, dy, groups=1, epsilon=1e-5, n
     sums, coef = _scratch(2 * n * c, 3 * rows, x.dtype)
     _columns(f"norm_cl_grad_sums_{sfx}", x, n, c)(xp, dyp, mp, n, s, c, cg, sums)
     dsp, dbp = loader.address(dscale), loader.address(dbias)
-    _flat(f"norm_grad_finish_{sfx}", max(rows, c if dsp or dbp else 0))(
+    norm._flat(f"norm_grad_finish_{sfx}", max(rows, c if dsp or dbp else 0))(
         sums, mp, vp, float(epsilon), sp, rows, cg, c, n, float(cg * s), dsp, dbp, coef)
     if need_dx:
         _flat(f"norm_cl_grad_dx_{sfx}", x.size)(xp, dyp, loader.address(dx), x.size, s, c, cg,
