@@ -83,7 +83,11 @@ class ClipGradByGlobalNorm:
 
 
 class Optimizer:
-    """Base: subclasses say which update op each (parameter, gradient) gets."""
+    """Base: subclasses say which update op each (parameter, gradient) gets.
+    `takes_momentum`: whether OneCycleLR(cycle_momentum=True) may drive its momentum
+    (Momentum's momentum, Adam's beta1)."""
+
+    takes_momentum = False
 
     def __init__(self, learning_rate, weight_decay=0.0, grad_clip=None):
         name = type(self).__name__
@@ -99,8 +103,12 @@ class Optimizer:
             raise TypeError(f"{name}: grad_clip must be a ClipGradByGlobalNorm or None, got "
                             f"{type(grad_clip).__name__}")
         self.grad_clip = grad_clip
+        if getattr(self.schedule, "cycle_momentum", False) and not self.takes_momentum:
+            raise ValueError(f"{name}: OneCycleLR(cycle_momentum=True) needs an optimizer with "
+                             "a momentum to cycle: Momentum, or Adam/AdamW (beta1)")
         self.lr_var = None
         self.step_var = None
+        self.momentum_var = None
         self._place = None
         self.name = None                # its name in the net (minimize): "adam_0"
         self.state_vars = []            # its persistables, in creation order
@@ -120,6 +128,16 @@ class Optimizer:
         if self.lr_var is None or self.lr_var.value is None:
             return self._initial
         return float(self.lr_var.get())
+
+    @property
+    def cycled_momentum(self):
+        """The momentum (or Adam's beta1) OneCycleLR(cycle_momentum=True) set for the
+        last update (its value for the first before any); None without cycling."""
+        if not getattr(self.schedule, "cycle_momentum", False):
+            return None
+        if self.momentum_var is None or self.momentum_var.value is None:
+            return self.schedule.momentum(0)
+        return float(self.momentum_var.get())
 
     def minimize(self, net, loss, parameters=None):
         """Append backward and the update section (schedule, learning-rate multipliers,
@@ -162,8 +180,14 @@ class Optimizer:
         elif self.schedule is not None:
             self.step_var = self.new_state(net, "learning_rate.step", (), "int64", 0,
                                            f"{legacy}.step")
+            cycled = {}
+            if getattr(self.schedule, "cycle_momentum", False):
+                self.momentum_var = self.new_state(
+                    net, "learning_rate.momentum", (), "float64", self.schedule.momentum(0),
+                    f"{legacy}.momentum")
+                cycled["momentum"] = self.momentum_var
             net.append_op(OpDesc("lr_schedule", dict(step=self.step_var, step_out=self.step_var,
-                                                      learning_rate=self.lr_var,
+                                                      learning_rate=self.lr_var, **cycled,
                                                       **self.schedule.attrs())), "update")
         rates = {1.0: self.lr_var}
         for setting, _ in updates:
@@ -233,7 +257,10 @@ class SGD(Optimizer):
 class Momentum(Optimizer):
     """d = grad + weight_decay * param; velocity = momentum * velocity + d;
     param -= learning_rate * velocity (PyTorch's convention; nesterov=True
-    steps along d + momentum * velocity)."""
+    steps along d + momentum * velocity). OneCycleLR(cycle_momentum=True) replaces
+    `momentum` by its cycled value, step by step."""
+
+    takes_momentum = True
 
     kind = "momentum"
 
@@ -247,18 +274,23 @@ class Momentum(Optimizer):
 
     def update(self, net, param, grad, learning_rate, weight_decay):
         velocity = self.state(net, param, "velocity")
+        cycled = {} if self.momentum_var is None else {"mu_value": self.momentum_var}
         return OpDesc("momentum", dict(param=param, grad=grad, velocity=velocity,
                                        learning_rate=learning_rate, param_out=param,
                                        velocity_out=velocity, mu=self.momentum,
-                                       use_nesterov=self.nesterov, weight_decay=weight_decay))
+                                       use_nesterov=self.nesterov, weight_decay=weight_decay,
+                                       **cycled))
 
 
 class Adam(Optimizer):
     """torch.optim.Adam: bias-corrected moments; weight_decay is L2 added to the grad.
     A float16 parameter keeps its moments in float32 and its update is computed in
-    float32 (epsilon = 1e-8 and the second moment underflow in float16)."""
+    float32 (epsilon = 1e-8 and the second moment underflow in float16).
+    OneCycleLR(cycle_momentum=True) replaces beta1 by its cycled value, step by step,
+    with torch's bias correction 1 - beta1 ** step."""
 
     decoupled = False
+    takes_momentum = True
     kind = "adam"
 
     def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
@@ -274,7 +306,9 @@ class Adam(Optimizer):
         m1, m2 = (self.state(net, param, s, dtype=work) for s in ("moment1", "moment2"))
         p1, p2 = (self.state(net, param, s, 1.0, (), "float64")
                   for s in ("beta1_pow", "beta2_pow"))
-        return OpDesc("adam", dict(
+        cycled = {} if self.momentum_var is None else {"beta1_value": self.momentum_var,
+                                                       "step": self.step_var}
+        return OpDesc("adam", dict(**cycled,
             param=param, grad=grad, moment1=m1, moment2=m2, beta1_pow=p1, beta2_pow=p2,
             learning_rate=learning_rate, param_out=param, moment1_out=m1, moment2_out=m2,
             beta1_pow_out=p1, beta2_pow_out=p2, beta1=self.beta1, beta2=self.beta2,
