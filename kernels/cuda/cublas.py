@@ -94,13 +94,13 @@ class Handle:
         made = ctypes.c_void_p()
         lib.call("cuBLAS", "cublasCreate_v2", ctypes.byref(made))
         self.value = made.value
-        self.workspace = loader.empty((WORKSPACE_BYTES,), np.uint8)
+        self.workspace = loader.empty((WORKSPACE_BYTES + 256,), np.uint8)
+        start = -(-int(self.workspace.gpudata) // 256) * 256     # cuBLAS wants 256-byte alignment
         version = ctypes.c_int()
         lib.call("cuBLAS", "cublasGetVersion_v2", self.value, ctypes.byref(version))
         lib.version = f"cuBLAS {version.value}"
         lib.call("cuBLAS", "cublasSetStream_v2", self.value, state.stream_handle)
-        lib.call("cuBLAS", "cublasSetWorkspace_v2", self.value, int(self.workspace.gpudata),
-                 WORKSPACE_BYTES)
+        lib.call("cuBLAS", "cublasSetWorkspace_v2", self.value, start, WORKSPACE_BYTES)
 
     def close(self):
         if self.value is not None:

@@ -195,12 +195,18 @@ class FakeCuda:
         place._contexts.clear()
         place._main_context = None
         from minigraph.kernels.cuda import backend as cuda_backend
+        from minigraph.kernels.cuda import libraries
 
         real_check, cuda_backend.check_toolkit = cuda_backend.check_toolkit, self._check_toolkit
         self.real_check_toolkit = real_check
+        no_blas, no_dnn = libraries.use("cublas", None), libraries.use("cudnn", None)
+        no_blas.__enter__()         # never a real cuBLAS / cuDNN on a fake driver (tests
+        no_dnn.__enter__()          # install the stand-ins of fake_libraries inside)
         try:
             yield self
         finally:
+            no_dnn.__exit__(None, None, None)
+            no_blas.__exit__(None, None, None)
             if place._contexts:
                 place.release_gpus()
             atexit.unregister(place.release_gpus)
