@@ -62,6 +62,7 @@ class DeviceState:
         self.pool = None
         self.stream = None
         self.libraries = {}
+        self.graphs = {}
 
     @property
     def stream_handle(self):

@@ -97,10 +97,12 @@ class PyCudaBackend:
                     try:
                         pool = DeviceMemoryPool()
                         info = _device_info(self.drv, self.drv.Context.get_device())
+                        stream = self.drv.Stream()      # the device's own (blocking) stream
                     finally:
                         self.drv.Context.pop()
                     state = DeviceState(ctx, info, pool.allocate, ctx)
                     state.pool = pool
+                    state.stream = stream
                     self._states[ctx] = state
         return state
 
@@ -144,10 +146,10 @@ class PyCudaBackend:
             fn.prepare(fmt)
         res = KernelResources(regs_per_thread=fn.num_regs, shared_bytes=fn.shared_size_bytes)
 
-        enqueue = fn.prepared_async_call
+        enqueue, stream = fn.prepared_async_call, state.stream
 
         def launch(grid, block, args):
-            enqueue(grid, block, None, *args)
+            enqueue(grid, block, stream, *args)
 
         found = state.kernels[(module, name)] = loader.Kernel(name, fmt, launch, res, state,
                                                               enqueue)
@@ -275,13 +277,13 @@ class PyCudaBackend:
 
     def copy(self, array):
         """A pooled copy of device `array` (any dtype; a device-to-device memcpy
-        enqueued on the current device's default stream)."""
+        enqueued on the current device's stream)."""
         state = current()
         with entered(state):
             out = self.empty(array.shape, array.dtype)
             if array.size:
                 self.drv.memcpy_dtod_async(out.gpudata, loader.ptr(array, "copy: source"),
-                                           array.nbytes)
+                                           array.nbytes, state.stream)
             return out
 
     def to_device(self, array):
@@ -299,6 +301,9 @@ class PyCudaBackend:
         state = self._states.pop(ctx, None)
         if state is None:
             return
+        from minigraph.kernels.cuda import libraries
+
+        libraries.release(state)
         state.kernels.clear()
         state.modules.clear()
         state.flags.clear()
@@ -306,6 +311,8 @@ class PyCudaBackend:
         state.tickets = None
         state.scratch.clear()
         state.arrays.clear()
+        state.graphs.clear()
+        state.stream = None
         if state.pool is not None:
             state.pool.stop_holding()
 

@@ -278,6 +278,7 @@ class FakeFunction:
         cuda = self.module.cuda
         ctx = cuda.current(f"launch {self.name}")
         cuda.count("launch")
+        cuda.check_stream(f"launch {self.name}", stream, ctx)
         kernel_emulator.pack_args(self.name, self.fmt, args)    # struct.error, as PyCUDA's
         kernel_emulator.check_geometry(self.name, tuple(grid), tuple(block))
         cuda.check_sticky(f"launch {self.name}")

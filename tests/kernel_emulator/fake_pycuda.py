@@ -153,10 +153,20 @@ class FakeCuda:
             assert d.retains == 0, f"GPU {d.index}'s primary context is still retained " \
                                    f"({d.retains})"
 
-    def memcpy_dtod(self, dest, src, nbytes):
+    def check_stream(self, what, stream, ctx):
+        """FakeDriverError for a stream of another context (CUDA_ERROR_INVALID_HANDLE);
+        counts the calls on the legacy default stream (None)."""
+        if stream is None:
+            self.count("legacy_stream")
+        elif self.strict and stream.ctx is not ctx:
+            raise FakeDriverError(f"{what}: stream of {stream.ctx} used with {ctx} current "
+                                  "(invalid handle)")
+
+    def memcpy_dtod(self, dest, src, nbytes, stream=None):
         """A device-to-device copy on the current context (both ends its memory)."""
         ctx = self.current("memcpy_dtod")
         self.check_sticky("memcpy_dtod")
+        self.check_stream("memcpy_dtod", stream, ctx)
         self.count("dtod")
         if self.strict and not (self.owner(dest) is ctx and self.owner(src) is ctx):
             raise FakeDriverError(f"memcpy_dtod {src:#x} -> {dest:#x} outside {ctx}")
@@ -240,10 +250,11 @@ class FakeCuda:
         drv.Device = _device_class(cuda)
         drv.Context = FakeContext
         drv.Event = lambda flags=0: FakeEvent(cuda, flags)
+        drv.Stream = lambda flags=0: FakeStream(cuda, flags)
         drv.event_flags = types.SimpleNamespace(DEFAULT=0, BLOCKING_SYNC=1, DISABLE_TIMING=2,
                                                 INTERPROCESS=4)
         drv.memcpy_dtod_async = lambda dest, src, nbytes, stream=None: cuda.memcpy_dtod(
-            int(dest), int(src), nbytes)
+            int(dest), int(src), nbytes, stream)
         drv.module_from_buffer = lambda buffer, options=None, message_handler=None: \
             FakeModule.load(cuda, buffer)
         drv.device_attribute = types.SimpleNamespace(
@@ -374,6 +385,26 @@ def _device_class(cuda):
     return Device
 
 
+class FakeStream:
+    """A Stream: made in the current context (its `ctx`), with an integer `handle`;
+    launches and copies on it need that context current."""
+
+    _handles = itertools.count(0x7000, 0x10)
+
+    def __init__(self, cuda, flags=0):
+        self.cuda, self.flags = cuda, flags
+        self.ctx = cuda.current("Stream (cuStreamCreate)")
+        self.handle = next(self._handles)
+        cuda.count("stream_create")
+
+    def synchronize(self):
+        self.cuda.count("stream_synchronize")
+        self.cuda.check_sticky("cuStreamSynchronize")
+
+    def is_done(self):
+        return True
+
+
 class FakeEvent:
     """An Event: made in the current context (PyCUDA's are context-dependent),
     recorded there, destroyed like PyCUDA's (see FakeCuda.cleanup); synchronize
@@ -388,6 +419,7 @@ class FakeEvent:
         ctx = self.cuda.current("Event.record")
         if self.cuda.strict and ctx is not self.ctx:
             raise FakeDriverError(f"Event.record: event of {self.ctx} with {ctx} current")
+        self.cuda.check_stream("Event.record", stream, ctx)
         self.cuda.count("event_record")
         return self
 
