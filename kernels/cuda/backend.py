@@ -197,12 +197,12 @@ class PyCudaBackend:
                 return self.gpuarray.empty(shape, dtype, allocator=state.allocate)
         else:
             cls, attributes, nbytes = model
-            new, allocate = cls.__new__, state.allocate
+            new = cls.__new__
 
-            def make():
+            def make():                 # state.allocate read each time: a capture swaps it
                 array = new(cls)
                 found = attributes.copy()
-                found["gpudata"] = allocate(nbytes)
+                found["gpudata"] = state.allocate(nbytes)
                 array.__dict__ = found
                 return array
         return self._keep(state, (shape, dtype), make)
@@ -232,7 +232,7 @@ class PyCudaBackend:
             return self._keep(state, ("group", shapes, dtype),
                               lambda: [make() for make in makers])
         cls, first, _ = models[0]
-        new, allocate, views, total = cls.__new__, state.allocate, [], 0
+        new, views, total = cls.__new__, [], 0
         for _, attributes, nbytes in models:
             views.append((attributes, total))
             total += -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
@@ -241,7 +241,7 @@ class PyCudaBackend:
         def make():
             owner = new(cls)
             found = first.copy()
-            found["gpudata"] = allocation = allocate(total)
+            found["gpudata"] = allocation = state.allocate(total)
             owner.__dict__ = found
             start, arrays = int(allocation), [owner]
             for attributes, offset in views:
@@ -285,6 +285,17 @@ class PyCudaBackend:
                 self.drv.memcpy_dtod_async(out.gpudata, loader.ptr(array, "copy: source"),
                                            array.nbytes, state.stream)
             return out
+
+    def copy_into(self, dest, src):
+        """Copy device array `src` into device array `dest` (same size) on the current
+        device's stream."""
+        state = current()
+        with entered(state):
+            if src.nbytes != dest.nbytes:
+                raise ValueError(f"copy_into: {src.nbytes} bytes into {dest.nbytes}")
+            if src.nbytes:
+                self.drv.memcpy_dtod_async(loader.address(dest), loader.address(src),
+                                           src.nbytes, state.stream)
 
     def to_device(self, array):
         """A pooled GPUArray copy of numpy `array` (C-contiguous) on the current device

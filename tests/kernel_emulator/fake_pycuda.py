@@ -73,6 +73,9 @@ class FakeCuda:
         self.sticky = None              # fail(): the message every later call raises
         self.leaks = []                 # (thread, kind, device) PyCUDA could not clean up
         self.aborts = []                # what would have ended the real process
+        self.captures = {}              # stream handle -> [work] while it is being captured
+        self.invalidated = {}           # stream handle -> why its capture was invalidated
+        self.graphs = {}                # graph or exec handle -> [work]
 
     # ---- bookkeeping ---------------------------------------------------------------
     def count(self, what):
@@ -153,6 +156,25 @@ class FakeCuda:
             assert d.retains == 0, f"GPU {d.index}'s primary context is still retained " \
                                    f"({d.retains})"
 
+    def enqueue(self, stream, work):
+        """Run `work()` now, or record it when `stream` (a FakeStream or a handle) is
+        being captured; returns True when recorded."""
+        handle = getattr(stream, "handle", stream)
+        if handle in self.captures:
+            self.captures[handle].append(work)
+            return True
+        work()
+        return False
+
+    def synchronous(self, what):
+        """A call that waits for the device (a host read, a copy on the legacy stream):
+        invalidates every capture under way in this context and fails, as CUDA's
+        cudaErrorStreamCaptureImplicit does."""
+        if self.captures:
+            for handle in self.captures:
+                self.invalidated.setdefault(handle, f"{what} during the capture")
+            raise FakeDriverError(f"{what}: operation not permitted when stream is capturing")
+
     def check_stream(self, what, stream, ctx):
         """FakeDriverError for a stream of another context (CUDA_ERROR_INVALID_HANDLE);
         counts the calls on the legacy default stream (None)."""
@@ -173,7 +195,7 @@ class FakeCuda:
         if self.run_kernels:
             import ctypes
 
-            ctypes.memmove(dest, src, nbytes)
+            self.enqueue(stream, lambda: ctypes.memmove(dest, src, nbytes))
 
     def emulator(self):
         if self._emu is None:
@@ -193,11 +215,12 @@ class FakeCuda:
 
         from minigraph import device, place
 
-        saved = {k: v for k, v in sys.modules.items() if k == "pycuda" or
-                 k.startswith("pycuda.")}
+        saved = {k: v for k, v in sys.modules.items() if k in ("pycuda", "cuda") or
+                 k.startswith(("pycuda.", "cuda."))}
         for k in saved:
             del sys.modules[k]
         sys.modules.update(self.modules())
+        sys.modules.update(self.bindings())
         old_backend = device.use_backend(None)
         old_places = dict(device.places)
         device.places.clear()
@@ -229,7 +252,8 @@ class FakeCuda:
             place._contexts.clear()
             place._contexts.update(old_ctx)
             place._main_context = old_main
-            for k in [k for k in sys.modules if k == "pycuda" or k.startswith("pycuda.")]:
+            for k in [k for k in sys.modules if k in ("pycuda", "cuda") or
+                      k.startswith(("pycuda.", "cuda."))]:
                 del sys.modules[k]
             sys.modules.update(saved)
         if self.aborts:
@@ -274,6 +298,65 @@ class FakeCuda:
         pkg.driver, pkg.gpuarray, pkg.tools, pkg.compiler = drv, ga, tools, comp
         return {"pycuda": pkg, "pycuda.driver": drv, "pycuda.gpuarray": ga,
                 "pycuda.tools": tools, "pycuda.compiler": comp}
+
+    def bindings(self):
+        """{name: module} of a fake cuda-bindings (`cuda.bindings.driver`): stream
+        capture, graphs, their launch - work enqueued on a capturing stream is
+        recorded, and replayed by cuGraphLaunch."""
+        cuda = self
+        cu = types.ModuleType("cuda.bindings.driver")
+        ok, invalid, illegal = "CUDA_SUCCESS", "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", \
+            "CUDA_ERROR_ILLEGAL_STATE"
+        cu.CUresult = types.SimpleNamespace(CUDA_SUCCESS=ok)
+        cu.CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_RELAXED=2)
+        cu.CUstream = int
+        cu.cuGetErrorName = lambda err: (ok, str(err).encode())
+        handles = itertools.count(0x9000)
+
+        def begin(stream, mode):
+            cuda.current("cuStreamBeginCapture")
+            cuda.count("capture_begin")
+            if stream in cuda.captures or mode != 2:
+                return (illegal,)
+            cuda.captures[stream] = []
+            return (ok,)
+
+        def end(stream):
+            work = cuda.captures.pop(stream, None)
+            why = cuda.invalidated.pop(stream, None)
+            if work is None:
+                return (illegal, None)
+            if why is not None:
+                return (invalid, None)
+            graph = next(handles)
+            cuda.graphs[graph] = work
+            return (ok, graph)
+
+        def instantiate(graph, flags):
+            if graph not in cuda.graphs:
+                return (illegal, None)
+            exe = next(handles)
+            cuda.graphs[exe] = cuda.graphs[graph]
+            return (ok, exe)
+
+        def launch(exe, stream):
+            cuda.current("cuGraphLaunch")
+            cuda.check_sticky("cuGraphLaunch")
+            cuda.count("graph_launch")
+            for work in cuda.graphs[exe]:
+                cuda.enqueue(stream, work)
+            return (ok,)
+
+        def destroy(handle):
+            cuda.graphs.pop(handle, None)
+            return (ok,)
+        cu.cuStreamBeginCapture, cu.cuStreamEndCapture = begin, end
+        cu.cuGraphInstantiate, cu.cuGraphLaunch = instantiate, launch
+        cu.cuGraphExecDestroy = cu.cuGraphDestroy = destroy
+        pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
+        pkg.__path__, bindings.__path__ = [], []
+        pkg.bindings, bindings.driver = bindings, cu
+        return {"cuda": pkg, "cuda.bindings": bindings, "cuda.bindings.driver": cu}
 
 
 class FakeContext:
@@ -322,6 +405,7 @@ class FakeContext:
         ctx = c.current("Context.synchronize")
         c.count("synchronize")
         c.log.append((threading.current_thread().name, "synchronize", ctx.device.index))
+        c.synchronous("cuCtxSynchronize")
         c.check_sticky("cuCtxSynchronize")
 
     @staticmethod
