@@ -254,7 +254,7 @@ def test_the_steps_follow_the_reviews_first_run_order():
     """Environment and versions, the place, the kernel build, every entry point loaded,
     compute-sanitizer on small tests, the suites, the findings, then the benchmarks."""
     assert gc.STEP_NAMES == ("env", "place", "build", "load", "sanitizer", "tests", "findings",
-                             "demo", "bench")
+                             "demo", "bench", "nets")
     by_name = {s.name: s for s in gc.gpu_steps()}
     env = [" ".join(map(str, c)) for c in by_name["env"].commands]
     assert env[0] == "nvidia-smi" and env[2] == "nvcc --version"
@@ -264,6 +264,7 @@ def test_the_steps_follow_the_reviews_first_run_order():
                                           "tests/gpu/test_kernel_build.py"]]
     assert by_name["load"].commands[0][-1] == "load"
     assert all("bench" in " ".join(c) for c in by_name["bench"].commands)
+    assert by_name["nets"].commands[0][1] == "benchmarks/nets_gpu.py"
     listed = [gc.__doc__.index(f"\n  {name} ") for name in gc.STEP_NAMES]   # the module doc
     assert listed == sorted(listed)
 

@@ -27,7 +27,7 @@ class _Allocation:
             self.addr = self.buf.ctypes.data + (-self.buf.ctypes.data) % ALIGN
         else:
             self.buf = None
-            self.addr = next(cuda._addresses) * ALIGN * 64
+            self.addr = cuda.reserve(self.nbytes)
         cuda._track(self)
 
     def __int__(self):

@@ -65,7 +65,7 @@ class FakeCuda:
         self._tls = threading.local()
         self._stacks = {}
         self._owners = []           # sorted (start, end, ctx)
-        self._addresses = itertools.count(1)
+        self._top = 1 << 20            # the next fake address (kernels that do nothing)
         self._emu = None
         self.emu_lock = threading.Lock()
         self.hang = threading.Event()   # set: events never complete until released
@@ -155,6 +155,13 @@ class FakeCuda:
         for d in self.devices:
             assert d.retains == 0, f"GPU {d.index}'s primary context is still retained " \
                                    f"({d.retains})"
+
+    def reserve(self, nbytes):
+        """A fresh device address range of `nbytes` (with a gap after it), for
+        allocations that hold no host buffer (run_kernels=False)."""
+        addr = self._top
+        self._top += -(-max(int(nbytes), 1) // 256) * 256 + 256 * 64
+        return addr
 
     def enqueue(self, stream, work):
         """Run `work()` now, or record it when `stream` (a FakeStream or a handle) is
