@@ -312,3 +312,19 @@ def test_env_warns_about_a_missing_nccl():
     problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
                                    "g++ 12", versions(nccl4py="unavailable (PackageNotFound)")])
     assert any("nccl4py is not installed (pip install 'nccl4py[cu12]>=0.6')" in n for n in notes)
+
+
+def test_env_says_which_gpu_library_is_missing_and_what_it_costs():
+    probe = versions() + (
+        "cuBLAS: unavailable (RuntimeError: not installed for a driver of CUDA 13 (pip install "
+        "nvidia-cublas); without it matrix products run on the hand-written scalar fp32 GEMM)\n"
+        "cuDNN: /x/nvidia/cudnn/lib/libcudnn.so.9 (CUDA 13; cuDNN 9.28.1)\n"
+        "CUDA graphs: unavailable (RuntimeError: cuda-bindings is not installed; without it "
+        "every step launches its kernels one by one)\n")
+    problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
+                                   "g++ 12", probe])
+    assert problem is None
+    blas = [n for n in notes if "no cuBLAS" in n]
+    assert blas and "hand-written scalar fp32 GEMM" in blas[0] and "nvidia-cublas" in blas[0]
+    assert not any("no cuDNN" in n for n in notes)
+    assert any("no CUDA graphs" in n and "one by one" in n for n in notes)

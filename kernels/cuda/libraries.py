@@ -201,7 +201,8 @@ def _try_load(name, declare, status_string, version_of):
         library.status_string = lambda code, f=functions: status_string(f, code)
         library.version = version_of(functions)
         return library
-    _why[name] = (f"not installed for a driver of CUDA {major} ({pip_hint(name, major)})"
+    driver = f" for a driver of CUDA {major}" if major is not None else ""
+    _why[name] = (f"not installed{driver} ({pip_hint(name, major)})"
                   if all("cannot open shared object" in t for t in tried) else
                   "; ".join(tried))
     return None
