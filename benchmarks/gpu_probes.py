@@ -191,7 +191,9 @@ def check_env(outputs):
         notes.append("WARNING: compute mode is not Default (two ranks cannot share the GPU)")
     probe = outputs[4] if len(outputs) > 4 else ""
     installed = dict(re.findall(r"^(pycuda|nccl4py): (\S+)", probe, re.M))
-    for name, (extra, least) in (required_versions() if probe else {}).items():
+    pins = {n: v for n, v in (required_versions() if probe else {}).items()
+            if n in ("pycuda", "nccl4py")}          # the libraries: their own lines below
+    for name, (extra, least) in pins.items():
         have = installed.get(name)
         have_v = version_tuple(have) if have else None
         pin = f"{name}{f'[{extra}]' if extra else ''}>={'.'.join(map(str, least or ()))}"
