@@ -171,9 +171,13 @@ def mg_worker(args):
     with place.activate():
         tracker = PeakBytes(device.current())
     results = {}
-    for name, n in args.cases:
-        for tf32 in (False, True):
-            results[f"{name}:{n}:{int(tf32)}"] = mg_case(place, tracker, name, n, tf32, args)
+    try:
+        for name, n in args.cases:
+            for tf32 in (False, True):
+                results[f"{name}:{n}:{int(tf32)}"] = mg_case(place, tracker, name, n, tf32,
+                                                             args)
+    finally:
+        mg.set_tf32(False)
     return results
 
 
