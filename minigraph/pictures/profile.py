@@ -225,6 +225,7 @@ class _Timer:
     profiled steps."""
 
     __slots__ = ("fn", "seconds", "calls", "sync")
+    timed = True            # a CUDA graph replay steps aside (minigraph/replay.py)
 
     def __init__(self, fn, sync):
         self.fn, self.sync, self.seconds, self.calls = fn, sync, 0.0, 0
