@@ -29,6 +29,7 @@ class Variable:
         self.is_data = False
         self.scope = scope
         self.param_attr = None          # the ParamAttr a layer made this parameter with
+                                        # (its initializer: the one it was made with)
 
     def set(self, value):
         """Store a copy of `value` as the new value.

@@ -110,7 +110,7 @@ def test_fused_conv2d_takes_it_with_more_scratch(monkeypatch):
                         or real(*args))
     x, w = data((4, 64, 8, 8), 64)
     attrs = {"strides": (1, 1), "paddings": (1, 1), "dilations": (1, 1), "groups": 1,
-             "activation": "none"}
+             "activation": "none", "data_layout": "NCHW"}
     op = SimpleNamespace(type="fused_conv2d", attrs=attrs)
     close(conv2d_kernels.fused_conv2d_cpu(op, {"x": x, "filter": w}, None)["out"],
           conv2d(x, w, paddings=(1, 1)))

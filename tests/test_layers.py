@@ -231,3 +231,22 @@ def test_feeds_take_data_variables_as_keys_and_fetches_refuse_other_nets():
     with pytest.raises(KeyError, match="feed 'image': this Variable is not a data variable of "
                                        "this net"):
         net.infer(feed={timg: feed["image"]}, fetch=[logits])
+
+
+@pytest.mark.parametrize("shape, call, message", [
+    ((-1, 0), lambda n, x: L.fc(n, x, 3),
+     r"fc: argument 'x' \('x', shape \(-1, 0\)\) has no features"),
+    ((-1, 4, 0, 2), lambda n, x: L.fc(n, x, 3), "fc: argument 'x' .* has no features"),
+    ((-1, 0, 5, 5), lambda n, x: L.conv2d(n, x, 4, 3),
+     r"conv2d: argument 'x' \('x', shape \(-1, 0, 5, 5\)\) has 0 channels"),
+    ((-1, 5, 5, 0), lambda n, x: L.conv2d(n, x, 4, 3, data_layout="NHWC"),
+     "conv2d: argument 'x' .* has 0 channels"),
+])
+def test_layers_on_empty_feature_axes_are_named_errors(shape, call, message):
+    """fc on (N, 0) and conv2d on 0 channels raised ZeroDivisionError (the initializer's
+    fan_in)."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape)
+    with pytest.raises(ValueError, match=message):
+        call(net, x)
+    assert not net.layers and len(net.section("init")) == 0
