@@ -146,52 +146,7 @@ static int wg_filter(wg_t *a, const float *filter)
     return 0;
 }
 
-/* Image `img` into buf (hb x wb positions of cp channels), whose zeros were set
- * once: blocks of 8 channels by 8 columns transposed in registers, the rest one
- * value at a time. */
-static void wg_fill(const wg_t *a, int64_t img, float *buf)
-{
-    int64_t count = a->wb - a->pw < a->w ? a->wb - a->pw : a->w;    /* columns kept */
-    for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++) {
-        const float *from = a->x + (img * a->c * a->h + y) * a->w;
-        float *row = buf + ((a->ph + y) * a->wb + a->pw) * a->cp;
-        int64_t c0 = 0;
-        for (; c0 + 8 <= a->c; c0 += 8) {
-            int64_t x = 0;
-            for (; x + 8 <= count; x += 8) {
-                v8 r[8];
-                for (int k = 0; k < 8; k++) r[k] = load(from + (c0 + k) * a->h * a->w + x);
-                wg_transpose8(r);
-                for (int k = 0; k < 8; k++) *(v8u *)(row + (x + k) * a->cp + c0) = r[k];
-            }
-            for (; x < count; x++)
-                for (int k = 0; k < 8; k++)
-                    row[x * a->cp + c0 + k] = from[(c0 + k) * a->h * a->w + x];
-        }
-        for (; c0 < a->c; c0++)
-            for (int64_t x = 0; x < count; x++)
-                row[x * a->cp + c0] = from[c0 * a->h * a->w + x];
-    }
-}
-
-/* Image `img` of channels-last x (rows x_row, images x_image floats apart) into buf
- * as wg_fill does: one run of pixels per row where C fills the padded channels, else
- * one pixel at a time. */
-static void wg_fill_nhwc(const wg_t *a, int64_t img, float *buf)
-{
-    int64_t count = a->wb - a->pw < a->w ? a->wb - a->pw : a->w;
-    for (int64_t y = 0; y < a->h && a->ph + y < a->hb && count > 0; y++) {
-        const float *from = a->x + img * a->x_image + y * a->x_row;
-        float *row = buf + ((a->ph + y) * a->wb + a->pw) * a->cp;
-        if (a->c == a->cp) {
-            memcpy(row, from, count * a->c * sizeof(float));
-            continue;
-        }
-        for (int64_t x = 0; x < count; x++)
-            memcpy(row + x * a->cp, from + x * a->c, a->c * sizeof(float));
-    }
-}
-
+#include "conv_winograd_io.h"
 #include "conv_winograd_range.h"
 
 /* V of the group's tiles t0 .. t0 + nb - 1 (tile t: image t / tiles of the group's
@@ -221,7 +176,8 @@ static void wg_input(const wg_t *a, const float *bufs, int64_t t0, int64_t nb, f
 
 /* m[(xi TB + b) op + oc] = sum over ci of v[(xi TB + b) cp + ci] u[(xi cp + ci) op + oc],
  * for the tiles of the block rounded up to WG_TM (the rows past nb are not read). */
-static void wg_multiply(const wg_t *a, const float *v, int64_t nb, float *m)
+static __attribute__((noinline)) void wg_multiply(const wg_t *a, const float *v, int64_t nb,
+                                                  float *m)
 {
     for (int64_t xi = 0; xi < 36; xi++)
         for (int64_t o0 = 0; o0 < a->op; o0 += WG_OV)
@@ -271,78 +227,6 @@ static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, flo
     }
 }
 
-/* The epilogue of one value: s (+ residual at res) (then max(., 0)). */
-static inline float wg_finish(const wg_t *a, float s, const float *res)
-{
-    if (res) s += *res;
-    return a->relu && s < 0 ? 0.0f : s;
-}
-
-/* The outputs of image `img` from y (channels innermost) to out (NCHW), with the
- * epilogue: blocks of 8 columns by 8 channels transposed in registers, the rest
- * one value at a time. */
-static void wg_store(const wg_t *a, const float *y, int64_t img)
-{
-    int64_t plane = a->ho * a->wo, row = 4 * a->tw;
-    float *out = a->out + img * a->o * plane;
-    const float *res = a->residual ? a->residual + img * a->o * plane : NULL;
-    for (int64_t r = 0; r < a->ho; r++) {
-        const float *yr = y + r * row * a->op;
-        int64_t oc = 0;
-        for (; oc + 8 <= a->o; oc += 8) {
-            int64_t x = 0;
-            for (; x + 8 <= a->wo; x += 8) {
-                v8 v[8];
-                for (int k = 0; k < 8; k++) v[k] = load(yr + (x + k) * a->op + oc);
-                wg_transpose8(v);
-                for (int k = 0; k < 8; k++) {
-                    int64_t at = (oc + k) * plane + r * a->wo + x;
-                    v8 s = v[k] + (a->bias ? a->bias[oc + k] : 0.0f);
-                    if (res) s += load(res + at);
-                    if (a->relu) s = (v8)((v8i)s & ~(s < 0));    /* NaN stays NaN */
-                    *(v8u *)(out + at) = s;
-                }
-            }
-            for (; x < a->wo; x++)
-                for (int k = 0; k < 8; k++) {
-                    int64_t at = (oc + k) * plane + r * a->wo + x;
-                    float s = yr[x * a->op + oc + k] + (a->bias ? a->bias[oc + k] : 0.0f);
-                    out[at] = wg_finish(a, s, res ? res + at : NULL);
-                }
-        }
-        for (; oc < a->o; oc++)
-            for (int64_t x = 0; x < a->wo; x++) {
-                int64_t at = oc * plane + r * a->wo + x;
-                float s = yr[x * a->op + oc] + (a->bias ? a->bias[oc] : 0.0f);
-                out[at] = wg_finish(a, s, res ? res + at : NULL);
-            }
-    }
-}
-
-/* The outputs of image `img` from y (channels innermost) to out (NHWC), with the
- * epilogue, eight channels at a time. */
-static void wg_store_nhwc(const wg_t *a, const float *y, int64_t img)
-{
-    int64_t row = 4 * a->tw, image = a->ho * a->wo * a->o;
-    float *out = a->out + img * image;
-    const float *res = a->residual ? a->residual + img * image : NULL;
-    for (int64_t r = 0; r < a->ho; r++)
-        for (int64_t x = 0; x < a->wo; x++) {
-            const float *src = y + (r * row + x) * a->op;
-            int64_t at = (r * a->wo + x) * a->o, oc = 0;
-            for (; oc + 8 <= a->o; oc += 8) {
-                v8 s = load(src + oc);
-                if (a->bias) s += load(a->bias + oc);
-                if (res) s += load(res + at + oc);
-                if (a->relu) s = (v8)((v8i)s & ~(s < 0));       /* NaN stays NaN */
-                *(v8u *)(out + at + oc) = s;
-            }
-            for (; oc < a->o; oc++)
-                out[at + oc] = wg_finish(a, src[oc] + (a->bias ? a->bias[oc] : 0.0f),
-                                         res ? res + at + oc : NULL);
-        }
-}
-
 /* a's sizes from dims (n c h w o ph pw ho wo relu nhwc x_row x_image range) for
  * `threads` threads (clamped). */
 static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
@@ -360,7 +244,7 @@ static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
     a->wb = 4 * a->tw + 2;
     a->buf_size = a->hb * a->wb * a->cp + 8;
     a->y_size = 16 * a->tiles * a->op;
-    a->mag_size = a->hb * a->wb;
+    a->mag_size = a->hb * a->wb + a->hb * 4 * a->tw + a->tiles * 16;  /* wg_fields' */
     threads = threads < 1 ? 1 : threads;
     a->group = a->tiles < WG_TB ? WG_TB / a->tiles : 1;   /* small images share blocks */
     if (a->group > (a->n + threads - 1) / threads) a->group = (a->n + threads - 1) / threads;
@@ -388,17 +272,23 @@ static void *wg_job(void *p)
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
         int64_t first = u * a->group;
         int64_t count = a->n - first < a->group ? a->n - first : a->group;
+        int check[WG_TB];                       /* a->group <= WG_TB */
         for (int64_t g = 0; g < count; g++) {
-            float *image = buf + g * a->buf_size;
-            (a->nhwc ? wg_fill_nhwc : wg_fill)(a, first + g, image);
-            wg_magnitudes(a, image, mags + g * a->mag_size);
+            float *image = buf + g * a->buf_size, *mag = mags + g * a->mag_size;
+            if (a->nhwc) {
+                wg_fill_nhwc(a, first + g, image);
+                wg_squares(a, image, mag);
+            } else {
+                wg_fill(a, first + g, image, mag);
+            }
+            check[g] = wg_fields(a, mag);
         }
         for (int64_t t0 = 0; t0 < count * a->tiles; t0 += WG_TB) {
             int64_t nb = count * a->tiles - t0 < WG_TB ? count * a->tiles - t0 : WG_TB;
             wg_input(a, buf, t0, nb, v);
             wg_multiply(a, v, nb, m);
             wg_output(a, m, t0, nb, y);
-            int64_t wide = wg_direct_tiles(a, buf, mags, t0, nb, y);
+            int64_t wide = wg_direct_tiles(a, buf, mags, check, t0, nb, y);
             if (wide < 0) { job->failed = 1; break; }
             direct += wide;
         }
