@@ -250,3 +250,46 @@ def test_layers_on_empty_feature_axes_are_named_errors(shape, call, message):
     with pytest.raises(ValueError, match=message):
         call(net, x)
     assert not net.layers and len(net.section("init")) == 0
+
+
+def test_channels_last_conv_and_pool_layers():
+    """data_layout="NHWC": x (N, H, W, C) -> (N, Ho, Wo, out); the filter keeps the
+    NCHW layout (out, in/groups, kh, kw) and the bias is added on the last axis; the
+    channels-last chain conv -> batch_norm -> relu -> pool has no transpose."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", (-1, 9, 8, 6))
+    h = L.conv2d(net, img, 4, (3, 1), stride=(2, 1), padding=(1, 0), groups=2, name="c",
+                 data_layout="NHWC")
+    assert h.shape == (-1, 5, 8, 4)
+    assert net.var("c.w").shape == (4, 3, 3, 1) and net.var("c.b").shape == (4,)
+    add = next(op for op in net.ops("train") if op.type == "elementwise_add")
+    assert add.attrs["axis"] == 3
+    h = L.relu(net, L.batch_norm(net, h, name="bn", data_layout="NHWC"))
+    p = L.pool2d(net, h, 2, pool_type="avg", data_layout="NHWC")
+    assert p.shape == (-1, 2, 4, 4)
+    g = L.pool2d(net, h, global_pooling=True, data_layout="NHWC")
+    assert g.shape == (-1, 1, 1, 4)
+    for mode in ("train", "infer"):
+        types = [op.type for op in net.ops(mode)]
+        assert types == ["conv2d", "elementwise_add", "batch_norm", "relu", "pool2d",
+                         "pool2d"], mode
+        assert {op.attrs["data_layout"] for op in net.ops(mode) if "data_layout" in op.attrs} \
+            == {"NHWC"}
+    (out,) = net.infer(feed={"image": np.ones((2, 9, 8, 6), np.float32)}, fetch=[p])
+    assert out.shape == (2, 2, 4, 4)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda n, x: L.conv2d(n, x, 4, 3, data_layout="NCWH"),
+     "conv2d: argument 'data_layout' must be 'NCHW' or 'NHWC', got 'NCWH'"),
+    (lambda n, x: L.pool2d(n, x, 2, data_layout=None),
+     "pool2d: argument 'data_layout' must be 'NCHW' or 'NHWC', got None"),
+    (lambda n, x: L.conv2d(n, L.flatten(n, x), 4, 3),
+     r"conv2d: argument 'x' \('flatten_0.out'\) must be NCHW \(rank 4\)"),
+    (lambda n, x: L.pool2d(n, L.flatten(n, x), 2, data_layout="NHWC"),
+     r"pool2d: argument 'x' .* must be NHWC \(rank 4\)"),
+])
+def test_bad_layouts_name_the_layer(call, message):
+    net, img, _ = image_net()
+    with pytest.raises(ValueError, match=message):
+        call(net, img)

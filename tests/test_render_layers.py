@@ -159,3 +159,24 @@ def test_a_profile_colours_each_layer_by_its_share(digits):
                and op.type == "batch_norm"][:1]
     assert f"{100 * table.ops_share(forward):.1f}% of the step" in g.nodes["layer:bn1"][1]
     assert "% of the step" in g.nodes["grad:bn1"][1]
+
+
+def test_channels_last_layers_say_so_with_their_shapes():
+    """A channels-last layer's output shape is (N, H, W, C) and its box says NHWC (also
+    in the folded and fused net, drawn from its op names); its filter keeps (out, in,
+    kh, kw); NCHW layers say nothing more."""
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "image", shape=(-1, 8, 6, 3))
+    h = mg.layers.conv2d(net, x, 4, 3, padding=1, name="c", data_layout="NHWC")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn", data_layout="NHWC"))
+    h = mg.layers.pool2d(net, h, 2, name="p", data_layout="NHWC")
+    mg.layers.conv2d(net, mg.layers.transpose(net, h, (0, 3, 1, 2)), 2, 1, name="nchw")
+    nodes = layer_nodes(parse(net.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and "w (4, 3, 3, 3) · b (4,)" in nodes["c"]
+    assert "out (N, 8, 6, 4) NHWC" in nodes["bn"] and "out (N, 4, 3, 4) NHWC" in nodes["p"]
+    assert "out (N, 2, 4, 3)<" in nodes["nchw"]
+    fast = mg.passes.optimize_for_inference(net)
+    nodes = layer_nodes(parse(fast.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["relu_0"] and ">fused_conv2d<" in nodes["relu_0"]
+    ops = parse(net.to_dot())
+    assert any("data_layout=NHWC" in a and "pool2d" in a for _, a in ops.nodes.values())
