@@ -183,7 +183,7 @@ def test_pool2d_nhwc_float32_equals_nchw(attrs, native, monkeypatch):
         xv, o, d, dx = (scope.new_var(n) for n in ("x", "out", "dout", "dx"))
         xv.set(xin)
         op = mg.Operator("pool2d", x=xv, out=o, data_layout=layout, **attrs)
-        (desc,) = op.schema.grad(op, {"out": d}, lambda v: dx if v is xv else None)
+        (desc,) = op.schema.grad(op, {"out": d}, lambda v, dx=dx, xv=xv: dx if v is xv else None)
         mg.Executor().run([op], scope)
         dout = np.arange(o.get().size, dtype=np.float32).reshape(o.get().shape)
         if layout == "NHWC":

@@ -120,7 +120,7 @@ def test_pool2d_nhwc_pools_each_channel_over_its_pixels():
     assert out.shape == (2, 3, 3, 3)
     np.testing.assert_array_equal(out[1, 1, 2], x[1, 1:4, 3:6].max(axis=(0, 1)))
     avg = ref.pool2d(x, "avg", 2, data_layout="NHWC")
-    np.testing.assert_allclose(avg[0, 2, 1], x[0, 4:6, 2:4].mean(axis=(0, 1)), rtol=1e-12)
+    np.testing.assert_allclose(avg[0, 1, 2], x[0, 2:4, 4:6].mean(axis=(0, 1)), rtol=1e-12)
     d = rng.standard_normal(out.shape)
     dx = ref.pool2d_grad(x, d, "max", 3, 2, 1, data_layout="NHWC")
     np.testing.assert_allclose(np.vdot(out, d), np.vdot(x, dx), rtol=1e-12)
