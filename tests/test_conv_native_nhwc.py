@@ -6,12 +6,22 @@ views and bad shapes."""
 import numpy as np
 import pytest
 from references import conv2d, conv2d_grad
-from test_conv_native import GEOMETRIES
+from test_conv_native import GEOMETRIES as NCHW_GEOMETRIES
 
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
 from minigraph.kernels.cpu import conv_im2col_nhwc, conv_native, conv_native_nhwc, native
 
 rng = np.random.default_rng(17)
+
+# conv_native's geometries, and few output channels (at most 4: dot products over the
+# window's channels) on 8 or more input channels, a multiple of 8 and not, strided,
+# dilated, padded, odd pixel counts (the last pixel alone)
+GEOMETRIES = NCHW_GEOMETRIES + [
+    ((2, 16, 7, 9), (1, 16, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((3, 11, 6, 5), (3, 11, 3, 3), (2, 1), (1, 0), (1, 1)),
+    ((1, 24, 9, 9), (4, 24, 3, 2), (1, 2), (2, 1), (2, 1)),
+    ((2, 8, 5, 5), (2, 8, 1, 1), (1, 1), (0, 0), (1, 1)),
+]
 
 pytestmark = pytest.mark.skipif(not conv_native.available(),
                                 reason=f"native kernels not built: {native.reason('conv_native')}")

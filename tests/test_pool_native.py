@@ -159,16 +159,24 @@ def nhwc(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
 
 
+# the cases, and channels enough for whole vectors (2x2 tiles: 8 channels at a time
+# and the rest one by one)
+NHWC_CASES = {**CASES,
+              "2x2 tiling, 19 channels": ((2, 19, 6, 8), (2, 2), (2, 2), (0, 0)),
+              "2x2 odd plane, 8 channels": ((3, 8, 7, 9), (2, 2), (2, 2), (0, 0)),
+              "3x3 overlapping, 11 channels": ((2, 11, 6, 5), (3, 3), (1, 1), (1, 1))}
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(NHWC_CASES))
 def test_nhwc_gradient_is_the_nchw_one(case, dtype, ties, threads, monkeypatch):
     """The NHWC kernel (vectorized over channels) gives the NCHW kernel's dx transposed,
     bit for bit, ties included; and the numpy NHWC kernel's."""
     monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
     monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
-    shape, *geometry = CASES[case]
+    shape, *geometry = NHWC_CASES[case]
     attrs = attrs_of(*geometry)
     x, dout, hw = inputs(shape, attrs, dtype, ties)
     want = pool_native.max_pool_grad(x, dout, attrs, hw)
@@ -184,9 +192,10 @@ def test_nhwc_gradient_is_the_nchw_one(case, dtype, ties, threads, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("case", ["2x2 tiling", "3x3 overlapping", "3x3 stride 2 padded"])
+@pytest.mark.parametrize("case", ["2x2 tiling", "3x3 overlapping", "3x3 stride 2 padded",
+                                  "2x2 tiling, 19 channels", "3x3 overlapping, 11 channels"])
 def test_nhwc_nan_and_infinities(case, dtype):
-    shape, *geometry = CASES[case]
+    shape, *geometry = NHWC_CASES[case]
     attrs = attrs_of(*geometry)
     x, dout, hw = inputs(shape, attrs, dtype)
     flat = x.reshape(-1)

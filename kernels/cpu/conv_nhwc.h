@@ -19,9 +19,14 @@
  * NP pixels repeats its first and does not store it; channels past O are not
  * stored. Outputs may go to every osh-th row and osw-th column of a larger array (a
  * phase of a strided conv's input gradient), and x may be a window of a larger
- * array (its rows and images `x_row`, `x_image` floats apart). Threads take (image,
- * slice of channel blocks) units from a shared counter; each output is summed by one
- * thread in one order, so results do not depend on the number of threads.
+ * array (its rows and images `x_row`, `x_image` floats apart). With at most ND output
+ * channels and at least 8 input channels (an RGB image's input gradient, a last
+ * 1-channel layer) a tile of NO channels would be mostly waste: each output is then a
+ * dot product over the window's channels instead, in vectors of 8 channels, two pixels
+ * at a time (the filter as [O][kh kw C]), the 8 partial sums added at the end.
+ * Threads take (image, slice of channel blocks, or of pixels for the dot products)
+ * units from a shared counter; each output is summed by one thread in one order, so
+ * results do not depend on the number of threads.
  *
  * Filter gradient: dfilter[o][(i kw + j) C + c] = sum over pixels of the window value
  * at tap (i, j), channel c times dout[pixel][o]: tiles of GK such k by GO output
@@ -33,13 +38,14 @@
 
 #define NP 6            /* output pixels per forward tile */
 #define NO 16           /* output channels per forward tile (two vectors) */
+#define ND 4            /* at most this many output channels: dot products */
 
 typedef struct {
     const float *x, *bias, *residual, *dout;
     float *out, *ft;                         /* ft: the filter in blocks of NO channels */
     int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
     int64_t out_h, out_w, oy0, ox0, osh, osw, x_row, x_image;
-    int64_t hb, wb, k, nblk, npix, slices, units, buf_size;
+    int64_t hb, wb, k, nblk, npix, slices, units, buf_size, dot;
     int64_t *pbase, *pout;                   /* per output pixel: its window's start in
                                                 the buffer, its place in an output image */
 } nhwc_t;
@@ -142,6 +148,51 @@ static inline __attribute__((always_inline)) void nhwc_tile(const nhwc_t *a, int
     nhwc_store(a, acc, np, blk, p0, img);
 }
 
+/* The epilogue of one output value s of channel oc at `at` in out. */
+static inline void nhwc_finish(const nhwc_t *a, float s, int64_t oc, int64_t at)
+{
+    s += (a->bias ? a->bias[oc] : 0.0f) + (a->residual ? a->residual[at] : 0.0f);
+    a->out[at] = a->relu && s < 0 ? 0.0f : s;
+}
+
+/* Pixels p0 .. p1 - 1 of image img as dot products (at most ND output channels; fd:
+ * the filter as [O][kh kw C]), two pixels at a time (the last one alone). */
+static void nhwc_dot(const nhwc_t *a, const float *buf, const float *fd, int64_t p0,
+                     int64_t p1, int64_t img)
+{
+    int64_t image = a->out_h * a->out_w * a->o, c8 = a->c / 8 * 8;
+    for (int64_t p = p0; p < p1; p += 2) {
+        const float *b0 = buf + a->pbase[p], *b1 = buf + a->pbase[p + 1 < p1 ? p + 1 : p];
+        v8 acc[2][ND];
+        float tail[2][ND];
+        for (int q = 0; q < ND; q++) acc[0][q] = acc[1][q] = (v8){0}, tail[0][q] = tail[1][q] = 0;
+        for (int64_t i = 0; i < a->kh; i++)
+            for (int64_t j = 0; j < a->kw; j++) {
+                int64_t off = (i * a->dh * a->wb + j * a->dw) * a->c;
+                const float *f = fd + (i * a->kw + j) * a->c;
+                for (int64_t c = 0; c < c8; c += 8) {
+                    v8 u0 = load(b0 + off + c), u1 = load(b1 + off + c);
+                    for (int q = 0; q < ND && q < a->o; q++) {
+                        v8 fv = load(f + q * a->k + c);
+                        acc[0][q] += u0 * fv;
+                        acc[1][q] += u1 * fv;
+                    }
+                }
+                for (int64_t c = c8; c < a->c; c++)
+                    for (int q = 0; q < ND && q < a->o; q++) {
+                        tail[0][q] += b0[off + c] * f[q * a->k + c];
+                        tail[1][q] += b1[off + c] * f[q * a->k + c];
+                    }
+            }
+        for (int r = 0; r < 2 && p + r < p1; r++)
+            for (int q = 0; q < a->o; q++) {
+                float s = tail[r][q];
+                for (int l = 0; l < 8; l++) s += acc[r][q][l];
+                nhwc_finish(a, s, q, img * image + a->pout[p + r] + q);
+            }
+    }
+}
+
 static void *nhwc_forward_job(void *p)
 {
     nhwc_job_t *job = p;
@@ -152,6 +203,10 @@ static void *nhwc_forward_job(void *p)
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
         int64_t img = u / a->slices, s = u % a->slices;
         if (img != shown) nhwc_fill(a, img, buf), shown = img;
+        if (a->dot) {
+            nhwc_dot(a, buf, a->ft, s * a->npix / a->slices, (s + 1) * a->npix / a->slices, img);
+            continue;
+        }
         for (int64_t blk = s * a->nblk / a->slices; blk < (s + 1) * a->nblk / a->slices; blk++) {
             const float *f = a->ft + blk * a->k * NO;
             int64_t p0 = 0;
@@ -179,6 +234,20 @@ static float *nhwc_filter_blocks(const nhwc_t *a, const float *filter)
     return ft;
 }
 
+/* The filter (O, C, kh, kw) as rows [O][kh kw C], for nhwc_dot. */
+static float *nhwc_filter_rows(const nhwc_t *a, const float *filter)
+{
+    float *fd = malloc((a->o * a->k + 8) * sizeof(float));
+    if (!fd) return NULL;
+    for (int64_t oc = 0; oc < a->o; oc++)
+        for (int64_t c = 0; c < a->c; c++)
+            for (int64_t i = 0; i < a->kh; i++)
+                for (int64_t j = 0; j < a->kw; j++)
+                    fd[oc * a->k + (i * a->kw + j) * a->c + c] =
+                        filter[((oc * a->c + c) * a->kh + i) * a->kw + j];
+    return fd;
+}
+
 /* dims: see nhwc_setup. Returns 0, or 1 when memory ran out (out is then incomplete). */
 int conv2d_nhwc_forward_f32(const float *x, const float *filter, const float *bias,
                             const float *residual, float *out, const int64_t *dims,
@@ -186,11 +255,14 @@ int conv2d_nhwc_forward_f32(const float *x, const float *filter, const float *bi
 {
     nhwc_t a = {.x = x, .bias = bias, .residual = residual, .out = out};
     if (!nhwc_setup(&a, dims)) return 1;
-    a.ft = nhwc_filter_blocks(&a, filter);
+    a.dot = a.o <= ND && a.c >= 8;
+    a.ft = a.dot ? nhwc_filter_rows(&a, filter) : nhwc_filter_blocks(&a, filter);
     if (!a.ft) { free(a.pbase); return 1; }
     threads = threads < 1 ? 1 : threads;
-    a.slices = a.n >= threads ? 1 : (threads + a.n - 1) / a.n;    /* few images: split O */
-    if (a.slices > a.nblk) a.slices = a.nblk;
+    a.slices = a.n >= threads ? 1 : (threads + a.n - 1) / a.n;  /* few images: split O or
+                                                                    the pixels */
+    int64_t parts = a.dot ? (a.npix + 1) / 2 : a.nblk;
+    if (a.slices > parts) a.slices = parts;
     a.units = a.n * a.slices;
     threads = clamp_threads(threads, a.units);
     int64_t next = 0;

@@ -6,8 +6,11 @@
  * - The gradient: windows visited in reverse raster order; per window, each channel's
  *   first strictly greatest tap (padding -inf: a window whose first max is padding
  *   passes nothing on), kept for all channels at once in `best` and `at`; its dout
- *   assigned (disjoint windows) or added (overlapping ones) to dx there. Images are
- *   split in contiguous ranges over the threads, so results do not depend on them.
+ *   assigned (disjoint windows) or added (overlapping ones) to dx there. float32 2x2
+ *   windows at stride 2 without padding (the common pooling layer) go eight channels
+ *   at a time (tiles8_nhwc): the four taps' vectors, the same choice made with vector
+ *   masks, d written to the chosen tap and zeros to the others. Images are split in
+ *   contiguous ranges over the threads, so results do not depend on them.
  * - The forward of 2x2 windows at stride 2 that tile the plane: the max of the two
  *   rows, then of the two neighbours, NaN propagating (numpy's maximum), per channel. */
 
@@ -62,8 +65,55 @@
 NHWC_GRADIENT(float)
 NHWC_GRADIENT(double)
 
+/* dx of one float32 NHWC image for 2x2 windows at stride 2, no padding (see the file
+ * comment); the rows and columns no window covers get zeros. */
+static void tiles_grad_nhwc_float(const float *x, const float *dout, float *dx, int64_t h,
+                                  int64_t w, int64_t c, int64_t ho, int64_t wo) {
+    for (int64_t e = 0; e < h * w * c; e++) dx[e] = 0;
+    for (int64_t oh = 0; oh < ho; oh++)
+        for (int64_t ow = 0; ow < wo; ow++) {
+            const int64_t t00 = (2 * oh * w + 2 * ow) * c, t01 = t00 + c, t10 = t00 + w * c;
+            const int64_t t11 = t10 + c;
+            const float *d = dout + (oh * wo + ow) * c;
+            int64_t ch = 0;
+            for (; ch + 8 <= c; ch += 8) {
+                v8 x00 = load8(x + t00 + ch), x01 = load8(x + t01 + ch);
+                v8 x10 = load8(x + t10 + ch), x11 = load8(x + t11 + ch);
+                v8i m1 = x01 > x00;
+                v8 best = pick(m1, x01, x00);
+                v8i m2 = x10 > best;
+                best = pick(m2, x10, best);
+                v8i m3 = x11 > best;
+                m2 &= ~m3;
+                m1 &= ~(m2 | m3);
+                v8i m0 = ~(m1 | m2 | m3), dv = (v8i)load8(d + ch);
+                store8(dx + t00 + ch, (v8)(dv & m0));
+                store8(dx + t01 + ch, (v8)(dv & m1));
+                store8(dx + t10 + ch, (v8)(dv & m2));
+                store8(dx + t11 + ch, (v8)(dv & m3));
+            }
+            for (; ch < c; ch++) {
+                const int64_t taps[4] = {t00, t01, t10, t11};
+                int64_t at = t00 + ch;
+                float best = x[at];
+                for (int k = 1; k < 4; k++)
+                    if (x[taps[k] + ch] > best) best = x[taps[k] + ch], at = taps[k] + ch;
+                dx[at] = d[ch];
+            }
+        }
+}
+
 static void *run_nhwc(void *arg) {
     job_t *j = arg;
+    if (!j->f64 && tiles_2x2(j)) {
+        for (int64_t p = j->begin; p < j->end; p++)
+            tiles_grad_nhwc_float((const float *)j->x + p * j->h * j->w * j->c,
+                                  (const float *)j->dout + p * j->ho * j->wo * j->c,
+                                  (float *)j->dx + p * j->h * j->w * j->c, j->h, j->w, j->c,
+                                  j->ho, j->wo);
+        j->failed = 0;
+        return 0;
+    }
     j->failed = j->f64 ? gradient_nhwc_double(j) : gradient_nhwc_float(j);
     return 0;
 }
