@@ -27,6 +27,6 @@ __version__ = "0.1.0"
 def __getattr__(name):              # mg.onnx, mg.data: imported on first use
     if name in ("onnx", "data"):
         import importlib
-        return importlib.import_module("minigraph.onnx_export" if name == "onnx" else
+        return importlib.import_module("minigraph.io.onnx_export" if name == "onnx" else
                                        "minigraph.data")
     raise AttributeError(f"module 'minigraph' has no attribute {name!r}")

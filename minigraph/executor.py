@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from minigraph import handover, host_memory, work_room
-from minigraph.feeds import check_feed, scope_targets
+from minigraph.feeds import check_feed, check_feed_mapping, scope_targets
 from minigraph.journal import Journal
 from minigraph.place import CPUPlace
 from minigraph.schema import KernelContext, OpError
@@ -155,7 +155,8 @@ class Executor:
         numpy arrays in the same order. The plan of the same ops and fetches is
         reused, so ops are checked again only when what they read from outside
         changes shape or dtype."""
-        feed, fetch = feed or {}, fetch or []
+        feed = check_feed_mapping(feed, "Executor.run")
+        fetch = [] if fetch is None else fetch
         if (feed or any(isinstance(f, str) for f in fetch)) and scope is None:
             raise ValueError("Executor.run: feeding or fetching by name needs a scope")
         targets = scope_targets(scope, fetch)

@@ -101,9 +101,12 @@ class Net:
         return op
 
     def replace_op(self, section, old, new):
-        """Put `new` (an Operator or OpDesc) where the Operator `old` is in `section`."""
+        """Put `new` (an Operator or OpDesc) where the Operator `old` is in `section`;
+        `new` belongs to `old`'s layer unless it names its own."""
         ops = self._ops_of(section)
         new = as_operator(new)
+        if new.layer is None:
+            new.layer = old.layer
         ops[self._index(section, ops, old)] = new
         self._changed()
         return new
@@ -301,7 +304,7 @@ class Net:
     def summary(self):
         """A table (str): per layer its name, op types, output shape and parameter
         count; then the trainable and non-trainable totals."""
-        from minigraph.summary import summary
+        from minigraph.pictures.summary import summary
         return summary(self)
 
     # ---- running -----------------------------------------------------------
@@ -344,7 +347,7 @@ class Net:
             kept = self._temporaries() if nested else None
             self._running += 1
             try:
-                feed = feeds.feed_by_name(self.data_vars, feed or {})
+                feed = feeds.feed_by_name(self.data_vars, feed, mode)
                 fetch = self.default_fetches if fetch is None else fetch
                 targets = feeds.fetch_targets(self, mode, fetch)
                 count = None
@@ -383,17 +386,19 @@ class Net:
 
     def to_dot(self, backward=False, level="op", profile=None):
         """DOT source of this net (needs no Graphviz binary); level "op" or "layer",
-        backward=True adds the grad and update ops (minigraph.render.to_dot)."""
-        from minigraph.render import to_dot
+        backward=True adds the grad and update ops (minigraph.pictures.render.to_dot)."""
+        from minigraph.pictures.render import to_dot
         return to_dot(self, backward=backward, level=level, profile=profile)
 
     def render(self, path, backward=False, timeout=None, level="op", profile=None):
-        """Write the net's picture; .svg, .png or .pdf by suffix (minigraph.render.render)."""
-        from minigraph.render import render
+        """Write the net's picture; .svg, .png or .pdf by suffix
+        (minigraph.pictures.render.render)."""
+        from minigraph.pictures.render import render
         return render(self, path, backward, timeout, level=level, profile=profile)
 
     def profile(self, feed, steps=10, mode="train", fetch=None, warmup=2):
-        """Time per op type and per layer over `steps` steps (minigraph.profile.profile)."""
-        from minigraph.profile import profile
+        """Time per op type and per layer over `steps` steps
+        (minigraph.pictures.profile.profile)."""
+        from minigraph.pictures.profile import profile
         return profile(self, feed, steps, mode, fetch, warmup)
 

@@ -152,7 +152,7 @@ class OpSchema:
       stored form (an int into a pair, a None stride into the window size).
     kernels: device -> (Kernel, ...), registered with `kernel`; `kernel_for`
       picks the first whose dtypes take the inputs.
-    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.onnx_export:
+    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.io.onnx_export:
       `ctx` names values and builds nodes); `no_export` says why an op has no
       exporter (a gradient, an update, a training-only op).
     examples(ex) -> [(name, inputs, attrs, grad sets)]: small cases the device

@@ -12,7 +12,7 @@ import pytest
 
 import minigraph as mg
 from minigraph import io
-from minigraph.model_format import decode_attr, encode_attr
+from minigraph.io.model_format import decode_attr, encode_attr
 
 
 def trained(steps=3, seed=0, momentum=0.9):
@@ -95,7 +95,7 @@ def test_load_inference_infers_like_the_net(saved):
 
 def test_a_loaded_model_cannot_train(saved):
     m = mg.io.load_inference(saved[2])
-    with pytest.raises(RuntimeError, match="can only infer"):
+    with pytest.raises(RuntimeError, match=r"this is an inference net \(loaded from"):
         m.train(feed={"image": batch()})
 
 
@@ -292,3 +292,25 @@ def test_the_newer_layers_survive_the_file(tmp_path):
     (want,) = net.infer(feed={"image": v}, fetch=[out])
     (got,) = m.infer(feed={"image": v})
     assert got.shape == (4, 5, 2) and got.tobytes() == want.tobytes()
+
+
+def test_the_model_keeps_the_layer_each_op_belongs_to(saved, tmp_path):
+    net, h, _ = saved
+    fast = mg.passes.optimize_for_inference(net)
+    d = mg.io.save_inference(fast, tmp_path / "m", feeds=["image"], fetches=[h["logits"].name])
+    model = json.loads((d / "model.json").read_text())
+    assert [(op["type"], op["layer"]) for op in model["ops"]] == [
+        ("fused_conv2d", "c1"), ("pool2d", "pool2d_0"), ("fused_fc", "fc1"), ("fused_fc", "fc2")]
+    loaded = mg.io.load_inference(d)
+    assert [op.layer for op in loaded.ops("infer")] == ["c1", "pool2d_0", "fc1", "fc2"]
+    # a model written before ops named their layer loads, its layers read off its names
+    for op in model["ops"]:
+        del op["layer"]
+    (d / "model.json").write_text(json.dumps(model))
+    old = mg.io.load_inference(d)
+    assert [op.layer for op in old.ops("infer")] == [None] * 4
+    assert "layer:relu_0" in old.to_dot(level="layer")
+    model["ops"][0]["layer"] = 7
+    (d / "model.json").write_text(json.dumps(model))
+    with pytest.raises(io.InferenceModelError, match="'layer' must be str"):
+        mg.io.load_inference(d)

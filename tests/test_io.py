@@ -104,7 +104,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
         f.write(b"PK\x03\x04 half a zip")
         raise OSError("disk full")
 
-    monkeypatch.setattr(io, "write_npz", half_then_fail)
+    monkeypatch.setattr(io.checkpoint, "write_npz", half_then_fail)
     with pytest.raises(OSError, match="disk full"):
         io.save(trained_net_b, path)
     assert path.read_bytes() == old

@@ -320,7 +320,7 @@ def test_a_full_disk_error_names_the_users_path(tmp_path, monkeypatch):
     def full(f, arrays):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(io, "write_npz", full)
+    monkeypatch.setattr(io.checkpoint, "write_npz", full)
     with pytest.raises(OSError) as err:
         io.save(small_net(), tmp_path / "ck.npz")
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "ck.npz")

@@ -35,6 +35,7 @@ class GradientMerge:
             raise TypeError(f"GradientMerge: avg must be True or False, got {avg!r}")
         self.inner, self.k_steps, self.avg = inner, int(k_steps), avg
         self.counter = None
+        self.merged = []               # the <param>.merged_grad sums, after minimize
 
     @property
     def learning_rate(self):
@@ -69,6 +70,7 @@ class GradientMerge:
             net.append_op(OpDesc("fill_constant", dict(out=total, shape=tuple(total.shape),
                                                        dtype=str(total.dtype), value=0.0)),
                           "update")
+        self.merged = sums
         self.counter = net.create_parameter(f"{net.unique_name('gradient_merge')}.step", (),
                                             "int64", Constant(0), trainable=False)
         net.update_every(self.k_steps, self.counter)

@@ -6,9 +6,10 @@ see minigraph.layers), optimizers name a parameter's state after the
 parameter (`conv1.w.velocity`) and backward names a gradient after its
 variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
 
-- a forward op (trunk, train, infer) belongs to the layer whose name is the
-  longest dotted prefix of its outputs' names (its non-persistable outputs
-  first);
+- a forward op (trunk, train, infer) belongs to the layer that built it
+  (`op.layer`: the layer API records it, rewrites and inference passes keep
+  it, inference models save it), else to the layer whose name is the longest
+  dotted prefix of its outputs' names (its non-persistable outputs first);
 - a backward op belongs to the layer of the variables whose gradients it reads
   (a grad op reads the gradients of its forward op's outputs), or, reading
   none (the loss gradient's fill), of those it writes;
@@ -37,9 +38,15 @@ class LayerMap:
     def __init__(self, net):
         self.records = {rec.name: rec for rec in net.layers}
         self.names = list(self.records)
+        for section in FORWARD:
+            for op in net.section(section):
+                if op.layer is not None and op.layer not in self.names:
+                    self.names.append(op.layer)
         self._names = sorted(self.names, key=len, reverse=True)
         for section in FORWARD:
             for op in net.section(section):
+                if op.layer is not None:
+                    continue
                 for var in op.output_vars():
                     base = var.name.split(GRAD_MARK, 1)[0]
                     if not var.persistable and "." in base and self.name_layer(base) is None:
@@ -91,6 +98,8 @@ class LayerMap:
             chosen = _grads(op.input_vars()) or _grads(op.output_vars())
         elif section == "update":
             chosen = [v for v in op.output_vars() if v.persistable]
+        elif op.layer is not None:
+            return op.layer
         else:
             outs = op.output_vars()
             chosen = [v for v in outs if not v.persistable] or outs

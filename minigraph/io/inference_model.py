@@ -7,7 +7,7 @@
 The directory holds `model.json` (format "minigraph-inference", version 1:
 ops with their slots and attributes, variables, feeds, fetches; plain JSON,
 nothing executable) and `params.npz` (the persistables the ops read, a
-minigraph checkpoint read with every check of minigraph.npz). The format is
+minigraph checkpoint read with every check of minigraph.io.npz). The format is
 documented in docs/inference_format.md. Each file is written atomically,
 params.npz first and model.json last; model.json records the SHA-256 of
 params.npz, so a reader never pairs a model with parameters of another save.
@@ -22,8 +22,8 @@ import numpy as np
 
 from minigraph.executor import prune
 from minigraph.feeds import io_variables
-from minigraph.files import atomic_write
-from minigraph.model_format import (
+from minigraph.io.files import atomic_write
+from minigraph.io.model_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MODEL_FILE,
@@ -38,15 +38,15 @@ from minigraph.model_format import (
     records_of,
     same_value,
 )
+from minigraph.io.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, write_npz
 from minigraph.net import Net
-from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, write_npz
 from minigraph.operator import Operator
 from minigraph.schema import OpError, get_schema, registered_ops
 
 
 class InferenceNet(Net):
-    """A Net rebuilt by load_inference: it infers; it has no loss, gradients
-    or optimizer, so `train` is an error."""
+    """A Net rebuilt by load_inference: it infers its saved fetches; it has no
+    loss, gradients or optimizer, so `train` is an error."""
 
     infer_only = True
 
@@ -54,11 +54,17 @@ class InferenceNet(Net):
         super().__init__(place=place, seed=0)
         self.source = str(source)
 
+    @property
+    def origin(self):
+        """Where this inference net comes from, in words."""
+        return f"loaded from {self.source!r}"
+
     def train(self, feed=None, fetch=None):
         """Always an error: an inference model cannot be trained."""
-        raise RuntimeError(f"train: this net was loaded from the inference model "
-                           f"{self.source!r} and can only infer (it has no loss, gradients or "
-                           "optimizer); build the net with layers to train it")
+        outs = ", ".join(repr(v.name) for v in self.default_fetches) or "its outputs"
+        raise RuntimeError(f"train: this is an inference net ({self.origin}): it computes "
+                           f"{outs} and has no loss, gradients or optimizer; build the net "
+                           "with layers to train it")
 
 
 # ---- saving ------------------------------------------------------------------------
@@ -146,8 +152,11 @@ def _op_record(op, index, what):
         attrs[key] = encode_attr(value, where)
         if not same_value(decode_attr(attrs[key], where), value):
             raise InferenceModelError(f"{where}: {value!r} does not survive the model file")
-    return {"type": op.type, "inputs": {s: names(v) for s, v in op.inputs.items()},
-            "outputs": {s: names(v) for s, v in op.outputs.items()}, "attrs": attrs}
+    record = {"type": op.type, "inputs": {s: names(v) for s, v in op.inputs.items()},
+              "outputs": {s: names(v) for s, v in op.outputs.items()}, "attrs": attrs}
+    if op.layer is not None:
+        record["layer"] = op.layer
+    return record
 
 
 # ---- loading -----------------------------------------------------------------------
@@ -277,7 +286,10 @@ def _make_op(net, op, op_type, index, section, records, variables, what):
              for k, v in field(op, "attrs", dict, where).items()}
     if schema.mode_attr is not None:
         attrs[schema.mode_attr] = True
-    return Operator(op_type, **kwargs, **attrs)
+    built = Operator(op_type, **kwargs, **attrs)
+    if "layer" in op:                   # optional: models saved before it have none
+        built.layer = field(op, "layer", str, where)
+    return built
 
 
 def _variable(net, name, section, records, variables, key, where):

@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from minigraph.files import NotRegularFile, open_regular
-from minigraph.npz import CheckpointError
+from minigraph.io.files import NotRegularFile, open_regular
+from minigraph.io.npz import CheckpointError
 
 FORMAT_NAME = "minigraph-inference"
 FORMAT_VERSION = 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minigraph.files import NotRegularFile, open_regular
+from minigraph.io.files import NotRegularFile, open_regular
 
 FORMAT_KEY = "__format__"
 CHECKPOINT_FORMAT = "minigraph-persistables/1"     # what minigraph.io writes

@@ -1,11 +1,10 @@
 """Saving and loading a net's persistables (parameters, estimates, counters,
-velocities, learning rates) as one versioned .npz file; the inference model
-directory (`save_inference` / `load_inference`, see minigraph.inference_model).
+velocities, learning rates) as one versioned .npz file.
 
 The file holds one array per persistable, named like the Variable, plus a
 `__format__` entry ("minigraph-persistables/1"). Writes are atomic: the old
 file stays intact until the new one is complete. Loads check the whole file
-(its zip directory and every array's header, see minigraph.npz) against the
+(its zip directory and every array's header, see minigraph.io.npz) against the
 net before reading any data, and assign nothing unless everything fits.
 """
 from __future__ import annotations
@@ -16,17 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph import checkpoint_values
-from minigraph.files import atomic_write
-from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, CheckpointError, write_npz
+from minigraph.io import checkpoint_values
+from minigraph.io.files import atomic_write
+from minigraph.io.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, CheckpointError, write_npz
 from minigraph.scope import host_array
 
 FORMAT = CHECKPOINT_FORMAT              # "minigraph-persistables/1"
 FORMAT_NAME, FORMAT_VERSION = FORMAT.split("/")[0], int(FORMAT.split("/")[1])
 COUNTER_SUFFIX = ".num_batches"
-
-__all__ = ["FORMAT", "CheckpointError", "InferenceModelError", "atomic_write", "load",
-           "load_inference", "read_checkpoint", "save", "save_inference", "write_npz"]
 
 
 def save(net, path):
@@ -36,10 +32,15 @@ def save(net, path):
     Atomic: the data goes to a temporary file in the same directory, is
     flushed and fsynced, then renamed over `path`; if anything fails the old
     file is left as it was, the temporary file is removed, and the error names
-    `path`. Returns the path.
+    `path`. Returns the path. A data-parallel net on several ranks in the middle
+    of a GradientMerge accumulation (each rank holds its own merged gradients)
+    is a ValueError: mg.distributed.save averages them first.
     """
     _check_arguments("save", net, path)
     path = Path(path)
+    from minigraph.distributed.merge import check_saveable
+
+    check_saveable(net, f"save {str(path)!r}")
     if any(v.value is None for v in net.persistables()):
         net.initialize()
     arrays = {FORMAT_KEY: np.array(FORMAT)}
@@ -54,7 +55,7 @@ def save(net, path):
 def load(net, path, strict=True):
     """Set the persistables of `net` from the checkpoint at `path`.
 
-    The file is checked before any data is read (see minigraph.npz): a
+    The file is checked before any data is read (see minigraph.io.npz): a
     damaged file is "damaged minigraph checkpoint", a zip without the format
     entry "not a minigraph checkpoint". Then names, shapes and dtypes are
     checked against the net, and every problem is reported in one
@@ -74,7 +75,7 @@ def load(net, path, strict=True):
     first training batch does not replace the loaded estimates; with
     strict=False only when another persistable of that layer is loaded.
 
-    Values are checked too (minigraph.checkpoint_values): every float value
+    Values are checked too (minigraph.io.checkpoint_values): every float value
     finite, counters (integer scalars: batch counters, schedule and
     GradientMerge steps) >= 0, batch-norm variance estimates >= 0, the
     learning rate a finite number >= 0, a ReduceOnPlateau state one that its
@@ -173,10 +174,3 @@ def _is_counter(var):
 def _layer_loaded(counter_name, stored):
     layer = counter_name[:-len(COUNTER_SUFFIX)] + "."
     return any(name.startswith(layer) for name in stored)
-
-
-from minigraph.inference_model import (  # noqa: E402  (it builds on this module)
-    InferenceModelError,
-    load_inference,
-    save_inference,
-)
