@@ -397,7 +397,8 @@ def test_conv2d_on_zero_channels_is_an_error_at_run_time_too():
         x, w, out = scope.new_var("x"), scope.new_var("w"), scope.new_var("out")
         x.declare(declared, "float32")
         w.declare((4, -1, 3, 3), "float32")
-        op = mg.Operator("conv2d", x=x, filter=w, out=out, data_layout=layout)
+        layout_attr = {} if layout == "NCHW" else {"data_layout": layout}
+        op = mg.Operator("conv2d", x=x, filter=w, out=out, **layout_attr)
         x.set(np.zeros(fed, np.float32))
         w.set(np.zeros((4, 0, 3, 3), np.float32))
         with pytest.raises(mg.OpError, match=r"conv2d: input 'x' has 0 channels \(shape "
