@@ -293,3 +293,25 @@ def test_bad_layouts_name_the_layer(call, message):
     net, img, _ = image_net()
     with pytest.raises(ValueError, match=message):
         call(net, img)
+
+
+def test_a_checkpoint_of_an_nchw_net_loads_into_its_channels_last_twin(tmp_path):
+    """The filter is (out, in/groups, kh, kw) in both layouts: the NCHW net's checkpoint
+    loads into the NHWC net (strictly: same names, shapes and dtypes), which then gives
+    the same logits on the transposed images."""
+    def build(layout, seed):
+        net = mg.Net(seed=seed)
+        img = L.data(net, "image", (-1, 3, 6, 6) if layout == "NCHW" else (-1, 6, 6, 3))
+        h = L.conv2d(net, img, 5, 3, padding=1, name="c", data_layout=layout)
+        h = L.relu(net, L.batch_norm(net, h, name="bn", data_layout=layout))
+        h = L.pool2d(net, h, global_pooling=True, pool_type="avg", data_layout=layout)
+        return net, L.fc(net, h, 2, name="head")
+
+    a, logits_a = build("NCHW", 1)
+    b, logits_b = build("NHWC", 2)
+    mg.io.save(a, tmp_path / "ck.npz")
+    mg.io.load(b, tmp_path / "ck.npz")
+    x = np.random.default_rng(0).standard_normal((3, 3, 6, 6)).astype(np.float32)
+    (want,) = a.infer(feed={"image": x}, fetch=[logits_a])
+    (got,) = b.infer(feed={"image": x.transpose(0, 2, 3, 1)}, fetch=[logits_b])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
