@@ -24,6 +24,10 @@ SIGNATURES = {f"{k}_nhwc_{t}": "PP" + "i" * 14 for k in ("im2col", "col2im")
               for t in ("f32", "f64")}
 
 
+def _pair(v):
+    return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
+
+
 def geometry(x_shape, w_shape, strides=1, paddings=0, dilations=1, groups=1):
     """conv2d.geometry's dict for a channels-last x (N, H, W, C)."""
     return conv2d.geometry(nchw_sizes("NHWC", x_shape), w_shape, strides, paddings,
@@ -52,7 +56,7 @@ def _plan(kind, x, w, strides, paddings, dilations, groups, make):
     """The plan `make(x, geometry)` of a launcher, once per device, kind, shapes, dtypes
     and attributes (unhashable attributes are normalised first)."""
     plans = loader.cached("conv2d_nhwc.plans", dict)
-    pairs = tuple(conv2d._pair(v) for v in (strides, paddings, dilations))
+    pairs = tuple(_pair(v) for v in (strides, paddings, dilations))
     key = (kind, tuple(x.shape), tuple(w.shape), x.dtype, w.dtype, pairs, int(groups))
     found = plans.get(key)
     if found is None:
