@@ -115,14 +115,27 @@ static inline __attribute__((always_inline)) void wg_g(const v8 g[3], v8 t[6])
  * outputs the direct convolution leaves finite). */
 static int wg_filter(wg_t *a, const float *filter)
 {
-    int64_t step = a->cp * a->op;
-    float most = 0.0f;
-    for (int64_t e = 0; e < a->o * a->c * 9; e++) {
+    int64_t step = a->cp * a->op, total = a->o * a->c * 9, e = 0;
+    const v8i magnitude = (v8i){0} + 0x7fffffff;
+    v8 most = {0};
+    v8i bad = {0};
+    for (; e + 8 <= total; e += 8) {                   /* |g|, eight at a time */
+        v8 v = (v8)((v8i)load(filter + e) & magnitude);
+        bad |= ~(v <= __FLT_MAX__);                    /* NaN or inf */
+        v8i more = v > most;
+        most = (v8)(((v8i)v & more) | ((v8i)most & ~more));
+    }
+    float largest = 0.0f;
+    for (int l = 0; l < 8; l++) {
+        if (bad[l]) return 1;
+        largest = most[l] > largest ? most[l] : largest;
+    }
+    for (; e < total; e++) {
         float v = __builtin_fabsf(filter[e]);
         if (!(v <= __FLT_MAX__)) return 1;
-        most = v > most ? v : most;
+        largest = v > largest ? v : largest;
     }
-    a->gmax = most;
+    a->gmax = largest;
     for (int64_t o0 = 0; o0 < a->o; o0 += 8)
         for (int64_t ci = 0; ci < a->c; ci++) {
             v8 g[3][3], t[6][3], row[3], out[6];
