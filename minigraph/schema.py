@@ -132,6 +132,8 @@ ROLES = {
                   "attributes, with optional bias and residual inputs and `activation`",
     "fused_fc": "matrix_product (+ bias + activation) in one op: its slots and "
                 "x_num_col_dims, with an optional bias input and `activation`",
+    "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "
+                      "them hold together; a subset is clipped by the same op with fewer",
 }
 
 

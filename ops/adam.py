@@ -9,6 +9,9 @@ same for beta2), g = grad, lr the learning rate, wd the weight decay:
 beta1_pow and beta2_pow are float64 scalars that start at 1 (torch keeps the
 step count and raises the betas to it in double; the running products agree
 to the last bits). Every output is its input Variable, updated in place.
+A float16 param takes float32 moments, and its update is computed in float32
+(in float16 epsilon = 1e-8 is 0 and small squared gradients underflow, so the
+first step divided by zero); the new param is rounded to float16.
 Kernels: kernels/cpu/adam.py, kernels/cuda/optimizer_ops.py.
 """
 from __future__ import annotations
@@ -31,14 +34,22 @@ def beta_range(v):
 
 
 def infer_adam(ins, attrs):
-    meta = check_update_inputs("adam", ins, STATE)
+    meta = check_update_inputs("adam", ins)
+    work = np.dtype(np.float32) if meta.dtype == np.float16 else meta.dtype
+    for slot in STATE:
+        m = ins[slot]
+        if tuple(m.shape) != tuple(meta.shape) or m.dtype != work:
+            fail("adam", slot, f"must have shape {tuple(meta.shape)} and dtype {work} (those "
+                               "of 'param'; float32 for a float16 param), got "
+                               f"{m.dtype} of shape {tuple(m.shape)}")
     for slot in POWERS:
         m = ins[slot]
         if tuple(m.shape) != () or m.dtype != np.float64:
             fail("adam", slot, f"must be a float64 scalar (shape ()), got {m.dtype} of shape "
                                f"{m.shape}")
     scalar = Meta((), np.dtype(np.float64))
-    return {"param_out": meta, "moment1_out": meta, "moment2_out": meta,
+    state = Meta(meta.shape, work)
+    return {"param_out": meta, "moment1_out": state, "moment2_out": state,
             "beta1_pow_out": scalar, "beta2_pow_out": scalar}
 
 

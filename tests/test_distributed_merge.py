@@ -38,8 +38,8 @@ def test_merged_sums_are_averaged_before_the_first_update_op(one_rank, kind):
     assert "c_allreduce_avg" not in [op.type for op in net.section("backward")]
     first = net.section("update")[0]
     assert first.type == "c_allreduce_avg"
-    assert {v.name for v in first.inputs["x"]} == {"c1.w.merged_grad", "c1.b.merged_grad",
-                                                   "fc1.w.merged_grad", "fc1.b.merged_grad"}
+    assert {v.name for v in first.inputs["x"]} == {
+        f"gradient_merge_0.{n}.merged_grad" for n in ("c1.w", "c1.b", "fc1.w", "fc1.b")}
     assert first.outputs["out"] == first.inputs["x"]
 
 
@@ -77,7 +77,8 @@ def test_merged_gradients_of_a_net_without_gradient_merge():
     merge = mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), 3)
     net, _, _ = tiny_bn_net(sync=False, optimizer=merge)
     assert dmerge.merged_gradients(net)[0] is merge
-    assert [v.name for v in merge.merged] == [f"{p.name}.merged_grad" for p in net.parameters()]
+    assert [v.name for v in merge.merged] == [f"gradient_merge_0.{p.name}.merged_grad"
+                                              for p in net.parameters()]
 
 
 @pytest.mark.mpi

@@ -231,7 +231,8 @@ def test_update_section_order():
     types = [op.type for op in net.section("update")]
     assert types == ["lr_schedule", "clip_by_global_norm"] + ["adam"] * 4
     names = {v.name for v in net.persistables()}
-    assert {"fc1.w.moment1", "fc1.w.moment2", "fc1.w.beta1_pow", "learning_rate_0.step"} <= names
+    assert {"adam_0.fc1.w.moment1", "adam_0.fc1.w.moment2", "adam_0.fc1.w.beta1_pow",
+            "adam_0.learning_rate", "adam_0.learning_rate.step"} <= names
 
 
 # ---- arguments that used to be misread -------------------------------------------------

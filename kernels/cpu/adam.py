@@ -3,7 +3,8 @@
 large enough to be worth the call (optim_native.worth_it); the numpy path below is
 its reference. New values go into the state arrays in place, or into the spare
 arrays a training step offers for them (KernelContext.spares), after every new
-value is computed.
+value is computed. A float16 parameter is updated in float32 (its moments are
+float32) and the result rounded to float16.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def adam_cpu(op, ins, ctx):
     b1p, b2p = ins["beta1_pow"], ins["beta2_pow"]
     po, mo, vo, b1o, b2o = targets(ctx, ins, ("param", "moment1", "moment2", "beta1_pow",
                                               "beta2_pow"))
+    if param.dtype == np.float16:
+        param, grad = param.astype(np.float32), grad.astype(np.float32)
     dt = param.dtype.type
     lr, wd = learning_rate(ins), a["weight_decay"]
     new_b1p, new_b2p = float(b1p) * a["beta1"], float(b2p) * a["beta2"]

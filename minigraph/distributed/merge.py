@@ -1,8 +1,8 @@
 """GradientMerge under data_parallel: merged gradients are per rank until they are averaged.
 
 Between two updates each rank of a data-parallel net adds its own gradients
-into `<param>.merged_grad`; the ranks' sums are averaged only on the step that
-updates (minigraph.passes.data_parallel). A checkpoint taken mid-accumulation
+into `gradient_merge_<i>.<param>.merged_grad`; the ranks' sums are averaged
+only on the step that updates (minigraph.passes.data_parallel). A checkpoint taken mid-accumulation
 must therefore not hold one rank's sums: loaded on rank 0 and broadcast, they
 would replace every other rank's, and the resumed run would drift from the
 uninterrupted one.

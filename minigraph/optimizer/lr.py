@@ -36,7 +36,7 @@ import numbers
 
 import numpy as np
 
-from minigraph.initializer import Constant
+from minigraph.io import checkpoint_values
 from minigraph.kernels.cpu.lr_schedule import schedule_value
 from minigraph.validators import check_number, is_int
 
@@ -215,16 +215,17 @@ class ReduceOnPlateau:
         self.epsilon = check_number(epsilon, f"{name}: epsilon")
         self.lr_var = self.state_var = self._place = None
 
-    def bind(self, net, lr_var):
-        """Called by the optimizer's minimize: the rate to set and the state persistable
-        `<lr name>.plateau` (whether a best exists, the best, bad steps, cooldown left,
-        steps taken; all 0 at the start)."""
+    def bind(self, net, lr_var, make_state):
+        """Called by the optimizer's minimize: the rate to set, and `make_state()` makes
+        the state persistable `<lr name>.plateau` (whether a best exists, the best, bad
+        steps, cooldown left, steps taken; all 0 at the start), which gets the rule
+        its values obey."""
         if self.lr_var is not None:
             raise ValueError("ReduceOnPlateau: this schedule already drives an optimizer; make "
                              "one per optimizer")
-        self.state_var = net.create_parameter(f"{lr_var.name}.plateau", (5,), "float64",
-                                              Constant(0.0), trainable=False)
-        self.lr_var, self._place = lr_var, net.place
+        state_var = make_state()
+        state_var.value_rule = checkpoint_values.plateau(self.cooldown)
+        self.state_var, self.lr_var, self._place = state_var, lr_var, net.place
 
     def _better(self, metric, best):
         t, rel = self.threshold, self.threshold_mode == "rel"

@@ -2,8 +2,9 @@
 view's per-layer clusters and the profile's time per layer.
 
 Layers name what they make after themselves (`conv1.out`, `conv1.w`, `bn1.y`;
-see minigraph.layers), optimizers name a parameter's state after the
-parameter (`conv1.w.velocity`) and backward names a gradient after its
+see minigraph.layers), optimizers name a parameter's state after
+themselves and the parameter (`momentum_0.conv1.w.velocity`, which points at
+no layer) and backward names a gradient after its
 variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
 
 - a forward op (trunk, train, infer) belongs to the layer that built it
@@ -13,7 +14,8 @@ variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
 - a backward op belongs to the layer of the variables whose gradients it reads
   (a grad op reads the gradients of its forward op's outputs), or, reading
   none (the loss gradient's fill), of those it writes;
-- an update op belongs to the layer of the persistables it writes.
+- an update op belongs to the layer of the persistables it writes (those
+  that point at a layer: the parameter, not its optimizer state).
 
 An op whose variables point at no layer, or at several (gradient clipping,
 learning-rate schedules), belongs to none (None). This needs no record of
@@ -104,6 +106,8 @@ class LayerMap:
             outs = op.output_vars()
             chosen = [v for v in outs if not v.persistable] or outs
         found = {self.var_layer(v) for v in chosen}
+        if section == "update":
+            found.discard(None)
         return found.pop() if len(found) == 1 else None
 
 
