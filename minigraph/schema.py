@@ -168,7 +168,9 @@ class OpSchema:
     roles: the jobs other modules look this op up for (`ROLES`, `ops_with_role`,
       `op_for_role`).
     weight: for a "linear" op, (weight slot, the weight's output-channel axis,
-      the output's channel axis; -1 for the last).
+      the output's channel axis; -1 for the last; or a function of the op's
+      attributes giving it, where a layout attribute moves it); `weight_axes(op)`
+      reads it for one op.
     sync_variant: the op type that computes the same over every rank's batch
       (convert_sync_batchnorm rewrites this op into it).
     presummed(op) -> output slots whose values are already sums over every
@@ -228,6 +230,12 @@ class OpSchema:
 
     def has_role(self, role):
         return role in self.roles
+
+    def weight_axes(self, op):
+        """(weight slot, the weight's output-channel axis, the output's channel axis) of
+        `op`, a "linear" op of this schema (see `weight`)."""
+        slot, w_axis, out_axis = self.weight
+        return slot, w_axis, out_axis(op.attrs) if callable(out_axis) else out_axis
 
     def kernel_for(self, device, ins):
         """The kernel function for `device` that takes the float dtypes of `ins`

@@ -213,3 +213,24 @@ def test_a_picture_shows_the_declared_batch_not_the_last_run(digits):
         text = net.to_dot(level=level)
         assert "(N, 16, 8, 8)" in text and "(N, 10)" in text
         assert not re.search(r"\((7|500), ", text), level
+
+
+def test_channels_last_layers_say_so_with_their_shapes():
+    """A channels-last layer's output shape is (N, H, W, C) and its box says NHWC (also
+    in the folded and fused net, drawn from its op names); its filter keeps (out, in,
+    kh, kw); NCHW layers say nothing more."""
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "image", shape=(-1, 8, 6, 3))
+    h = mg.layers.conv2d(net, x, 4, 3, padding=1, name="c", data_layout="NHWC")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn", data_layout="NHWC"))
+    h = mg.layers.pool2d(net, h, 2, name="p", data_layout="NHWC")
+    mg.layers.conv2d(net, mg.layers.transpose(net, h, (0, 3, 1, 2)), 2, 1, name="nchw")
+    nodes = layer_nodes(parse(net.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and "w (4, 3, 3, 3) · b (4,)" in nodes["c"]
+    assert "out (N, 8, 6, 4) NHWC" in nodes["bn"] and "out (N, 4, 3, 4) NHWC" in nodes["p"]
+    assert "out (N, 2, 4, 3)<" in nodes["nchw"]
+    fast = mg.passes.optimize_for_inference(net)
+    nodes = layer_nodes(parse(fast.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and ">fused_conv2d<" in nodes["c"]
+    ops = parse(net.to_dot())
+    assert any("data_layout=NHWC" in a and "pool2d" in a for _, a in ops.nodes.values())

@@ -83,7 +83,7 @@ def _fold_one(net, bn):
     why = _why_not(bn, x, readers, producer, bias_add, ops)
     if why:
         return FoldNote(label, False, reason=why)
-    w_slot, channel_axis, _ = producer.schema.weight
+    w_slot, channel_axis, _ = producer.schema.weight_axes(producer)
     w = producer.inputs[w_slot]
     channels = bn.inputs["estimated_mean"].shape[0]
     a = {s: np.full(channels, 1.0 if s == "scale" else 0.0) if bn.inputs[s] is None else
@@ -118,7 +118,7 @@ def _fold_one(net, bn):
 
 def _out_channel_axis(producer, out):
     """The axis of `out` (the output of a "linear" op) that holds its channels."""
-    axis = producer.schema.weight[2]
+    axis = producer.schema.weight_axes(producer)[2]
     return axis % len(out.shape)
 
 
@@ -146,7 +146,7 @@ def _why_not(bn, x, readers, producer, bias_add, ops):
         start = rank - 1 if bias_add.attrs["axis"] == -1 else bias_add.attrs["axis"]
         if start != _out_channel_axis(producer, x):
             return "the bias add does not add per output channel"
-    w = producer.inputs[producer.schema.weight[0]]
+    w = producer.inputs[producer.schema.weight_axes(producer)[0]]
     if not w.persistable or sum(w in op.input_vars() for op in ops) > 1:
         return f"the weight {w.name!r} is not a parameter of this layer alone"
     rank, layout = len(x.shape), bn.attrs["data_layout"]
