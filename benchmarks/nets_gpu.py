@@ -184,8 +184,8 @@ def mg_worker(args):
 def torch_case(name, n, tf32, args):
     import torch
     import torch.nn.functional as F
-    from nets_cpu import ADAM_NETS, LEARNING_RATE, MOMENTUM, batch
-    from nets_torch import torch_model
+    from nets_cpu import batch
+    from nets_torch import torch_model, torch_optimizer
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -193,8 +193,7 @@ def torch_case(name, n, tf32, args):
     dev = torch.device("cuda")
     model = torch_model(name).to(dev)
     xh, yh = (torch.from_numpy(a) for a in batch(name, n=n))
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if name in ADAM_NETS else
-           torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM))
+    opt = torch_optimizer(name, model)
 
     def step():
         opt.zero_grad(set_to_none=True)

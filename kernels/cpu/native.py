@@ -80,8 +80,26 @@ def enabled():
 def library(name):
     """The loaded ctypes library of kernels/cpu/<name>.c, built on first use, or None
     (native kernels off, no working compiler, the build ran out of time, or an
-    unsafe cache: reason(name) says which)."""
-    return _load(name) if enabled() else None
+    unsafe cache: reason(name) says which). The first library loaded also hands
+    OpenBLAS's threads over to the native pool (blas_threads.install), so that no
+    BLAS thread spins on a core a native kernel's thread needs."""
+    if not enabled():
+        return None
+    lib = _load(name)
+    if lib is not None and not _blas_pool_tried:
+        _give_blas_the_pool()
+    return lib
+
+
+_blas_pool_tried = False
+
+
+def _give_blas_the_pool():
+    global _blas_pool_tried
+    _blas_pool_tried = True
+    from minigraph.kernels.cpu import blas_threads
+
+    blas_threads.install()
 
 
 def typed_function(name, symbol, argtypes, restype=ctypes.c_int):
