@@ -29,7 +29,9 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
   model in eval mode under torch.inference_mode(). "infer (net)" is minigraph's
   unoptimised `net.infer`, for reference.
 - infer between: the same inference timed right after each of `--repeat` training
-  steps (a loop that evaluates mid-epoch); the second table gives each framework's
+  steps (a loop that evaluates mid-epoch), in blocks of 5 that alternate with
+  blocks of 5 inferences in a row ("infer", alone), so that a drift of the
+  machine's speed slows both alike; the second table gives each framework's
   between / alone per round (the time an inference takes must not depend on what
   the process did before it).
 - targets (minigraph / PyTorch, the median of the rounds' ratios): train <= 0.8,
@@ -66,7 +68,7 @@ import sys
 import time
 
 from nets_models import NETS, batch, mg_net, mg_optimized
-from timing import between_ms, median_ms
+from timing import alone_and_between_ms, median_ms
 
 TARGETS = {"train": 0.8, "infer": 0.6, "infer between": 0.6}   # minigraph / PyTorch
 BETWEEN_TARGET = 1.05          # minigraph's inference between training steps / alone
@@ -101,8 +103,8 @@ def mg_worker(args):
     def infer():
         fast.infer(feed={"image": x}, fetch=[name])
 
-    result["infer"] = median_ms(infer, args.repeat, args.warmup)
-    result["infer between"] = between_ms(step, infer, args.repeat, args.warmup)
+    result["infer"], result["infer between"] = alone_and_between_ms(step, infer, args.repeat,
+                                                                    args.warmup)
     result["infer (net)"] = median_ms(lambda: net.infer(feed={"image": x}, fetch=[logits]),
                                       args.repeat, args.warmup)
     result["ops"] = {"train": len(net.plan("train", (loss,)).ops),

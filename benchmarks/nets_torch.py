@@ -14,7 +14,7 @@ from nets_models import (
     batch,
 )
 from peak_memory import rss_peak
-from timing import between_ms, median_ms
+from timing import alone_and_between_ms, median_ms
 
 
 def torch_model(net_name):
@@ -116,6 +116,6 @@ def torch_worker(args):
         step()
         model.eval()
 
-    result["infer"] = median_ms(infer, args.repeat, args.warmup)
-    result["infer between"] = between_ms(train_step, infer, args.repeat, args.warmup)
+    result["infer"], result["infer between"] = alone_and_between_ms(train_step, infer,
+                                                                    args.repeat, args.warmup)
     return result

@@ -129,6 +129,18 @@ def address(a):
         return a.ctypes.data
 
 
+def vector_floats(name):
+    """The floats in one vector of library(name)'s kernels that use native_simd.h: 16
+    where it was built for AVX-512, 8 elsewhere; None where the library is not at hand
+    or does not use that header."""
+    lib = library(name)
+    fn = getattr(lib, "native_vector_floats", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int64
+    return int(fn())
+
+
 def reason(name):
     """Why library(name) returns None now (empty when it does not, or its build was
     not tried yet)."""

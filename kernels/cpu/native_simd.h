@@ -1,0 +1,78 @@
+/* The vector width of the native kernels that use it, from the build target (native.py
+ * builds with -march=native): VL floats a vector, 16 where the target has AVX-512
+ * (zmm registers, 32 of them), else 8 (AVX2's ymm, or whatever the compiler makes of
+ * 32-byte vectors elsewhere). `vf` is a vector of VL floats, `vfu` the same read or
+ * written at any float's address, `vfi` VL ints (comparison masks).
+ *
+ * vf_load_part / vf_store_part read and write the first `count` (< VL) lanes only: the
+ * ragged end of a row, without scalar loops (AVX-512 and AVX2 masked moves; a copy
+ * through a buffer elsewhere). Lanes past `count` read as zeros. */
+#ifndef NATIVE_SIMD_H
+#define NATIVE_SIMD_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int vfi __attribute__((vector_size(VL * 4)));
+
+/* VL, for the launchers and tests (native.vector_floats) */
+int64_t native_vector_floats(void) { return VL; }
+
+static inline vf vf_load(const float *p) { return *(const vfu *)p; }
+static inline void vf_store(float *p, vf v) { *(vfu *)p = v; }
+
+/* relu on a vector: max(v, 0), a NaN staying NaN (comparisons with NaN are false) */
+static inline vf vf_relu(vf v) { return (vf)((vfi)v & ~(v < 0)); }
+
+#if defined(__AVX512F__)
+static inline vf vf_load_part(const float *p, int64_t count)
+{
+    return (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), p);
+}
+
+static inline void vf_store_part(float *p, vf v, int64_t count)
+{
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << count) - 1), (__m512)v);
+}
+#elif defined(__AVX2__)
+static inline __m256i vf_lanes_below(int64_t count)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline vf vf_load_part(const float *p, int64_t count)
+{
+    return (vf)_mm256_maskload_ps(p, vf_lanes_below(count));
+}
+
+static inline void vf_store_part(float *p, vf v, int64_t count)
+{
+    _mm256_maskstore_ps(p, vf_lanes_below(count), (__m256)v);
+}
+#else
+static inline vf vf_load_part(const float *p, int64_t count)
+{
+    float lanes[VL] = {0};
+    memcpy(lanes, p, (size_t)count * sizeof(float));
+    return vf_load(lanes);
+}
+
+static inline void vf_store_part(float *p, vf v, int64_t count)
+{
+    float lanes[VL];
+    vf_store(lanes, v);
+    memcpy(p, lanes, (size_t)count * sizeof(float));
+}
+#endif
+#endif
