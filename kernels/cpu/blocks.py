@@ -102,13 +102,6 @@ def get_num_threads():
     return _threads
 
 
-# values a native kernel's thread must have where it runs between BLAS calls (the
-# max-pool gradient, dropout): OpenBLAS's workers stay busy-waiting for a while after
-# a call, so a thread woken right after one waits for a core; one thread was faster
-# inside whole training steps
-BETWEEN_BLAS_VALUES = 1 << 22
-
-
 def threads_for(values, per_thread):
     """The threads a pass over `values` values runs on: at most get_num_threads(), at
     least 1, one per `per_thread` values."""

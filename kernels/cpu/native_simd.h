@@ -6,7 +6,8 @@
  *
  * vf_load_part / vf_store_part read and write the first `count` (< VL) lanes only: the
  * ragged end of a row, without scalar loops (AVX-512 and AVX2 masked moves; a copy
- * through a buffer elsewhere). Lanes past `count` read as zeros. */
+ * through a buffer elsewhere). Lanes past `count` read as zeros. v8f and its
+ * v8f_load_part / v8f_store_part: the same for vectors of 8 floats, whatever VL is. */
 #ifndef NATIVE_SIMD_H
 #define NATIVE_SIMD_H
 #include <stdint.h>
@@ -34,6 +35,42 @@ static inline void vf_store(float *p, vf v) { *(vfu *)p = v; }
 /* relu on a vector: max(v, 0), a NaN staying NaN (comparisons with NaN are false) */
 static inline vf vf_relu(vf v) { return (vf)((vfi)v & ~(v < 0)); }
 
+/* The same for vectors of 8 floats whatever VL is (kernels whose tiles are 8 wide). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+
+#if defined(__AVX2__)
+static inline __m256i v8f_lanes_below(int64_t count)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline v8f v8f_load_part(const float *p, int64_t count)
+{
+    return (v8f)_mm256_maskload_ps(p, v8f_lanes_below(count));
+}
+
+static inline void v8f_store_part(float *p, v8f v, int64_t count)
+{
+    _mm256_maskstore_ps(p, v8f_lanes_below(count), (__m256)v);
+}
+#else
+static inline v8f v8f_load_part(const float *p, int64_t count)
+{
+    float lanes[8] = {0};
+    memcpy(lanes, p, (size_t)count * sizeof(float));
+    return *(const v8fu *)lanes;
+}
+
+static inline void v8f_store_part(float *p, v8f v, int64_t count)
+{
+    float lanes[8];
+    *(v8fu *)lanes = v;
+    memcpy(p, lanes, (size_t)count * sizeof(float));
+}
+#endif
+
 #if defined(__AVX512F__)
 static inline vf vf_load_part(const float *p, int64_t count)
 {
@@ -45,20 +82,14 @@ static inline void vf_store_part(float *p, vf v, int64_t count)
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << count) - 1), (__m512)v);
 }
 #elif defined(__AVX2__)
-static inline __m256i vf_lanes_below(int64_t count)
-{
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count),
-                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 static inline vf vf_load_part(const float *p, int64_t count)
 {
-    return (vf)_mm256_maskload_ps(p, vf_lanes_below(count));
+    return (vf)v8f_load_part(p, count);
 }
 
 static inline void vf_store_part(float *p, vf v, int64_t count)
 {
-    _mm256_maskstore_ps(p, vf_lanes_below(count), (__m256)v);
+    v8f_store_part(p, (v8f)v, count);
 }
 #else
 static inline vf vf_load_part(const float *p, int64_t count)
