@@ -26,10 +26,12 @@
  * output is summed by one thread in one order, so results do not depend on
  * them.
  *
- * The filter gradient tile is GO output channels (two vectors) by GK taps:
- * per output, dout's GO values (dout transposed per image to (outputs, O
- * padded to GO)) times one broadcast input value per tap, summed over every
- * output of a group of images (group_size). Each thread sums a fixed range
+ * The filter gradient tile is GV vectors of VL output channels (native_simd.h:
+ * 16 floats with AVX-512, else 8) by GK taps, or one vector by 2 GK taps where O
+ * <= VL: per output, dout's values (dout transposed per image to (outputs, O padded
+ * to a whole tile), eight by eight through vector transposes) times one broadcast
+ * input value per tap, summed over every output of a group of images
+ * (group_size). Each thread sums a fixed range
  * of images into its own K x O array; the calling thread adds those in
  * thread order (results depend on the number of threads only).
  *
@@ -41,11 +43,14 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 
 #define MR 4
 #define NV 3
-#define GO 16
-#define GK 6
+/* a filter-gradient tile: GV vectors of VL output channels by GK taps (24 of AVX-512's
+ * 32 registers, 12 of AVX2's 16), or one vector by 2 GK taps where O <= VL */
+#define GV 2
+#define GK (VL == 16 ? 12 : 6)
 #define GROUP_OUTPUTS 256
 #define MAX_THREADS 64
 #define MAX_PHASES 64      /* conv_native.py's supports() keeps to it */
@@ -233,50 +238,95 @@ static int64_t group_size(const conv_t *a)
     return g < 1 ? 1 : g;
 }
 
+/* Output channels of the filter gradient's tiles: VL where O <= VL (one vector), else
+ * GV vectors; its sums have O rounded up to a whole tile. */
+static int64_t fg_channels(const conv_t *a) { return a->o <= VL ? VL : GV * VL; }
+
+static int64_t fg_padded(const conv_t *a)
+{
+    int64_t t = fg_channels(a);
+    return (a->o + t - 1) / t * t;
+}
+
+/* dout of one image (O, plane) into dt (plane, opad): eight channels by eight outputs
+ * at a time through vector transposes, the rest one by one (columns past O stay
+ * zero). */
+static void fg_transpose(const float *d, float *dt, int64_t o, int64_t plane, int64_t opad)
+{
+    int64_t oc = 0;
+    for (; oc + 8 <= o; oc += 8) {
+        int64_t q = 0;
+        for (; q + 8 <= plane; q += 8) {
+            v8f r[8];
+            for (int i = 0; i < 8; i++) r[i] = *(const v8fu *)(d + (oc + i) * plane + q);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) *(v8fu *)(dt + (q + i) * opad + oc) = r[i];
+        }
+        for (; q < plane; q++)
+            for (int64_t i = 0; i < 8; i++) dt[q * opad + oc + i] = d[(oc + i) * plane + q];
+    }
+    for (; oc < o; oc++)
+        for (int64_t q = 0; q < plane; q++) dt[q * opad + oc] = d[oc * plane + q];
+}
+
+/* The sums of one tile, VO vectors of output channels from o0 by KT taps from k0, over
+ * the m images of a group (buffers buf, transposed dout dt), added to dw (K x opad). */
+static inline __attribute__((always_inline)) void fg_tile(
+    const conv_t *a, const float *buf, const float *dt, int64_t m, int64_t dsize,
+    int64_t opad, int64_t o0, int64_t k0, float *dw, const int VO, const int KT)
+{
+    vf acc[GV][2 * GK];
+    int64_t off[2 * GK];
+    for (int t = 0; t < KT; t++) {
+        off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
+        for (int v = 0; v < VO; v++) acc[v][t] = (vf){0};
+    }
+    const int64_t ho = a->ho, wo = a->wo, row_step = a->sh * a->wb, buf_size = a->buf_size;
+    for (int64_t g = 0; g < m; g++)
+        for (int64_t y = 0; y < ho; y++) {
+            const float *drow = dt + g * dsize + y * wo * opad + o0;
+            const float *brow = buf + g * buf_size + y * row_step;
+            for (int64_t x = 0; x < wo; x++) {
+                vf dv[GV];
+                for (int v = 0; v < VO; v++) dv[v] = vf_load(drow + x * opad + VL * v);
+                for (int t = 0; t < KT; t++) {
+                    float b = brow[off[t] + x];
+                    for (int v = 0; v < VO; v++) acc[v][t] += dv[v] * b;
+                }
+            }
+        }
+    for (int t = 0; t < KT && k0 + t < a->k; t++)
+        for (int v = 0; v < VO; v++) {
+            float *dst = dw + (k0 + t) * opad + o0 + VL * v;
+            vf_store(dst, vf_load(dst) + acc[v][t]);
+        }
+}
+
 static void *filter_grad_job(void *p)
 {
     job_t *job = p;
     const conv_t *a = job->a;
-    int64_t plane = a->ho * a->wo, opad = (a->o + GO - 1) / GO * GO, dsize = plane * opad;
+    int64_t plane = a->ho * a->wo, opad = fg_padded(a), dsize = plane * opad;
     int64_t group = group_size(a);
     if (group > job->last - job->first) group = job->last - job->first;
     float *buf = calloc(group * a->buf_size, sizeof(float));
     float *dt = calloc(group * dsize, sizeof(float));      /* columns past O: zeros */
     if (!buf || !dt) { job->failed = 1; free(buf); free(dt); return NULL; }
+    int one = a->o <= VL;                 /* tiles of one vector by 2 GK taps */
+    int64_t kt = one ? 2 * GK : GK, ot = fg_channels(a);
     for (int64_t img0 = job->first; img0 < job->last; img0 += group) {
         int64_t m = job->last - img0 < group ? job->last - img0 : group;
         for (int64_t g = 0; g < m; g++) {
             fill_buffer(a, img0 + g, buf + g * a->buf_size);
-            const float *d = a->dout + (img0 + g) * a->o * plane;
-            for (int64_t q = 0; q < plane; q++)
-                for (int64_t oc = 0; oc < a->o; oc++) dt[g * dsize + q * opad + oc] = d[oc * plane + q];
+            fg_transpose(a->dout + (img0 + g) * a->o * plane, dt + g * dsize, a->o, plane,
+                         opad);
         }
-        for (int64_t o0 = 0; o0 < opad; o0 += GO)
-            for (int64_t k0 = 0; k0 < a->k; k0 += GK) {
-                v8 acc[GO / 8][GK];
-                int64_t off[GK];
-                for (int t = 0; t < GK; t++) {
-                    off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
-                    for (int v = 0; v < GO / 8; v++) acc[v][t] = (v8){0};
-                }
-                for (int64_t g = 0; g < m; g++)
-                    for (int64_t y = 0; y < a->ho; y++) {
-                        const float *drow = dt + g * dsize + y * a->wo * opad + o0;
-                        const float *brow = buf + g * a->buf_size + y * a->sh * a->wb;
-                        for (int64_t x = 0; x < a->wo; x++) {
-                            v8 dv[GO / 8];
-                            for (int v = 0; v < GO / 8; v++) dv[v] = load(drow + x * opad + 8 * v);
-                            for (int t = 0; t < GK; t++) {
-                                float b = brow[off[t] + x];
-                                for (int v = 0; v < GO / 8; v++) acc[v][t] += dv[v] * b;
-                            }
-                        }
-                    }
-                for (int t = 0; t < GK && k0 + t < a->k; t++)
-                    for (int v = 0; v < GO / 8; v++) {
-                        float *dst = job->dw + (k0 + t) * opad + o0 + 8 * v;
-                        *(v8u *)dst = load(dst) + acc[v][t];
-                    }
+        for (int64_t o0 = 0; o0 < opad; o0 += ot)
+            for (int64_t k0 = 0; k0 < a->k; k0 += kt) {
+                if (one)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, 1, 2 * GK);
+                else
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, GV, GK);
             }
     }
     free(buf);
@@ -335,7 +385,7 @@ int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const i
     setup(&a, dims);
     if (!a.koff) return 1;
     threads = clamp_threads(threads, a.n);
-    int64_t opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
+    int64_t opad = fg_padded(&a), size = opad * a.k;
     float *sums = calloc(threads * size, sizeof(float));
     job_t jobs[MAX_THREADS];
     int failed = !sums;

@@ -46,32 +46,6 @@ typedef struct {
     int failed;
 } wg_job_t;
 
-/* Lanes of a and b (0-7 a's, 8-15 b's), by the builtin this compiler has. */
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define WG_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define WG_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
-
-/* r[0..7] transposed in place: r[j][i] = old r[i][j]. */
-static inline __attribute__((always_inline)) void wg_transpose8(v8 r[8])
-{
-    v8 t[8], s[8];
-    for (int k = 0; k < 8; k += 2) {
-        t[k] = WG_SHUFFLE(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        t[k + 1] = WG_SHUFFLE(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int k = 0; k < 8; k += 4)
-        for (int h = 0; h < 2; h++) {
-            s[k + 2 * h] = WG_SHUFFLE(t[k + h], t[k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-            s[k + 2 * h + 1] = WG_SHUFFLE(t[k + h], t[k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-        }
-    for (int k = 0; k < 4; k++) {
-        r[k] = WG_SHUFFLE(s[k], s[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-        r[k + 4] = WG_SHUFFLE(s[k], s[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    }
-}
-
 /* out = B' in (6 values): B' = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0;
  * 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]. */
 static inline __attribute__((always_inline)) void wg_bt(const v8 d[6], v8 r[6])

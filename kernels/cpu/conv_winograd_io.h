@@ -27,7 +27,7 @@ static void wg_fill(const wg_t *a, int64_t img, float *buf, float *sq)
                     s += r[k] * r[k];
                 }
                 *(v8u *)(sums + x) = load(sums + x) + s;
-                wg_transpose8(r);
+                transpose8(r);
                 for (int k = 0; k < 8; k++) *(v8u *)(row + (x + k) * a->cp + c0) = r[k];
             }
             for (; x < count; x++)
@@ -87,7 +87,7 @@ static void wg_store(const wg_t *a, const float *y, int64_t img)
             for (; x + 8 <= a->wo; x += 8) {
                 v8 v[8];
                 for (int k = 0; k < 8; k++) v[k] = load(yr + (x + k) * a->op + oc);
-                wg_transpose8(v);
+                transpose8(v);
                 for (int k = 0; k < 8; k++) {
                     int64_t at = (oc + k) * plane + r * a->wo + x;
                     v8 s = v[k] + (a->bias ? a->bias[oc + k] : 0.0f);

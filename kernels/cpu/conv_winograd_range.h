@@ -57,7 +57,7 @@ static void wg_squares(const wg_t *a, const float *buf, float *sq)
                 s[k] += v * v;
             }
         }
-        wg_transpose8(s);
+        transpose8(s);
         *(v8u *)(sq + q) = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
     }
     for (; q < total; q++) {

@@ -39,6 +39,33 @@ static inline vf vf_relu(vf v) { return (vf)((vfi)v & ~(v < 0)); }
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
+/* Lanes of a and b (0-7 a's, 8-15 b's), by the builtin this compiler has. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define V8_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int v8fi __attribute__((vector_size(32)));
+#define V8_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8fi){__VA_ARGS__})
+#endif
+
+/* r[0..7] transposed in place: r[j][i] = old r[i][j]. */
+static inline __attribute__((always_inline)) void transpose8(v8f r[8])
+{
+    v8f t[8], s[8];
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = V8_SHUFFLE(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[k + 1] = V8_SHUFFLE(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int h = 0; h < 2; h++) {
+            s[k + 2 * h] = V8_SHUFFLE(t[k + h], t[k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            s[k + 2 * h + 1] = V8_SHUFFLE(t[k + h], t[k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int k = 0; k < 4; k++) {
+        r[k] = V8_SHUFFLE(s[k], s[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[k + 4] = V8_SHUFFLE(s[k], s[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
 #if defined(__AVX2__)
 static inline __m256i v8f_lanes_below(int64_t count)
 {
