@@ -135,13 +135,16 @@ static void fill_buffer(const conv_t *a, int64_t img, float *buf)
     for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++)
         for (int64_t q = 0; q < a->phases; q++) {
             int64_t x0 = a->x0[q], count = a->x1[q] - x0;
+            const int64_t sw = a->sw;   /* a local: a field could alias dst's stores */
             for (int64_t ci = 0; ci < a->c && count > 0; ci++) {
                 float *dst = buf + ((q * a->c + ci) * a->hb + a->ph + y) * a->wb + x0;
                 const float *from = a->x + ((img * a->c + ci) * a->h + y) * a->w + a->c0[q];
-                if (a->sw == 1) {
+                if (sw == 1) {
                     memcpy(dst, from, count * sizeof(float));
+                } else if (sw == 2) {               /* a constant stride: vectorized */
+                    for (int64_t x = 0; x < count; x++) dst[x] = from[2 * x];
                 } else {
-                    for (int64_t x = 0; x < count; x++) dst[x] = from[a->sw * x];
+                    for (int64_t x = 0; x < count; x++) dst[x] = from[sw * x];
                 }
             }
         }
@@ -168,6 +171,12 @@ static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV]
             if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
                 if (a->relu) val = (v8)((v8i)val & ~(val < 0));
                 for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
+                continue;
+            }
+            if (a->osw == 1) {                     /* a row's last outputs: masked moves */
+                if (a->residual) val += v8f_load_part(a->residual + at, lanes);
+                if (a->relu) val = (v8)((v8i)val & ~(val < 0));
+                v8f_store_part(a->out + at, val, lanes);
                 continue;
             }
             for (int64_t l = 0; l < lanes; l++) {
