@@ -74,7 +74,7 @@ def test_local_headers_are_part_of_the_source():
 
 
 def test_the_key_names_this_cpu():
-    identity = native._cpu_identity()
+    identity = native.cpu_identity()
     assert identity and len(identity.splitlines()) >= 2
 
 

@@ -231,7 +231,7 @@ def _load_or_build(name):
         for flags in FLAG_SETS:
             key = hashlib.sha256("\0".join(
                 (source, *compiler, *flags, *COMMON_FLAGS, version,
-                 _cpu_identity())).encode()).hexdigest()[:20]
+                 cpu_identity())).encode()).hexdigest()[:20]
             filename = f"{name}-{key}.so"
             if directory is not None:
                 lib = cache.load_verified(directory / filename)
@@ -354,9 +354,9 @@ def _compiler_version(compiler, deadline):
         return ""
 
 
-def _cpu_identity():
+def cpu_identity():
     """This CPU's model and instruction-set flags (a library built for -march=native
-    must not load on another CPU sharing the cache)."""
+    must not load on another CPU sharing the cache; choices.py keys its file by it)."""
     lines = [platform.machine(), platform.processor()]
     try:
         with open("/proc/cpuinfo") as info:
