@@ -132,17 +132,23 @@ def test_the_op_kernel_runs_it(monkeypatch):
     np.testing.assert_array_equal(dx, numpy_grad(x, dout, attrs, monkeypatch))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (64, 16, 8, 8)])
-def test_tiles_forward_is_the_numpy_kernels(shape, dtype):
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (64, 16, 8, 8),
+                                   (2, 3, 4, 36), (4, 3, 28, 28), (2, 4, 14, 14)])
+def test_tiles_forward_is_the_numpy_kernels(shape, dtype, threads, monkeypatch):
     """2x2 windows at stride 2: numpy's tiled max, NaN propagating, bit for bit; rows of
-    pairs fewer than, more than and not a multiple of the kernel's block."""
+    pairs fewer than, more than and not a multiple of the kernel's block (float64);
+    rows of fewer than 8 windows, of 8 and more, and of 8 and a remainder (float32:
+    eight at a time, the rest through masked loads), on one thread and on three."""
+    monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
     attrs = attrs_of((2, 2), (2, 2), (0, 0))
     x = rng.standard_normal(shape).astype(dtype)
     flat = x.reshape(-1)
     for value, share in ((np.nan, 7), (np.inf, 9), (-np.inf, 9)):
         flat[rng.choice(flat.size, max(1, flat.size // share), replace=False)] = value
-    got = pool_native.max_pool_tiles(x)
+    with blocks.num_threads(threads):
+        got = pool_native.max_pool_tiles(x)
     want = tiled_max(x, attrs, out_hw(shape, attrs))
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)

@@ -35,7 +35,7 @@ def _load():
         lib = native.library("pool_native")
         if lib is None:
             return None
-        lib.max_pool_tiles.argtypes = [ctypes.c_int, _P, _P, _L, _L]
+        lib.max_pool_tiles.argtypes = [ctypes.c_int, _P, _P, _L, _L, ctypes.c_int]
         lib.max_pool_tiles.restype = ctypes.c_int
         lib.max_pool_tiles_nhwc.argtypes = [ctypes.c_int, _P, _P, _L, _L, _L]
         lib.max_pool_tiles_nhwc.restype = ctypes.c_int
@@ -69,7 +69,8 @@ def max_pool_tiles(x, layout="NCHW"):
         return out
     n, c = x.shape[:2]
     out = np.empty((n, c, h // 2, w // 2), x.dtype)
-    if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w):
+    threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
+    if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w, threads):
         raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be allocated")
     return out
 
