@@ -1,7 +1,8 @@
 """Why an inference slowed down between training steps, measured again on each run:
 the wide MLP's optimized inference net (all native fused_fc products) alone, right
-after a training step, and after a training step and a 150 ms pause, with the CPU
-time every thread of the process spent meanwhile.
+after a training step, after a training step and a 150 ms pause, and after
+writing 256 MiB of memory (no computation, no threads: caches emptied), with the
+CPU time every thread of the process spent meanwhile.
 
     python benchmarks/between_steps.py [--threads 2] [--rounds 15] [--no-write]
 
@@ -32,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
          "MINIGRAPH_NATIVE=0": {"MINIGRAPH_NATIVE": "0"}}
-CASES = ("alone", "after a training step", "after a step and 150 ms")
+CASES = ("alone", "after a training step", "after a step and 150 ms",
+         "after writing 256 MiB")
+FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches emptied
 
 
 def thread_cpu_ns():
@@ -48,7 +51,7 @@ def thread_cpu_ns():
 
 
 def worker(args):
-    import numpy  # noqa: F401  (OpenBLAS starts its workers as numpy loads)
+    import numpy  # (OpenBLAS starts its workers as numpy loads)
 
     blas = set(thread_cpu_ns()) - {os.getpid()}
     from nets_models import batch, mg_net, mg_optimized
@@ -72,8 +75,10 @@ def worker(args):
 
     for _ in range(3):
         infer()
+    flush = numpy.ones(FLUSH_FLOATS, numpy.float32)
     before = {"alone": lambda: None, "after a training step": step,
-              "after a step and 150 ms": lambda: (step(), time.sleep(0.15))}
+              "after a step and 150 ms": lambda: (step(), time.sleep(0.15)),
+              "after writing 256 MiB": lambda: flush.fill(1.0)}
     got = {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
