@@ -9,10 +9,12 @@ CPU time every thread of the process spent meanwhile.
 Each mode runs in a fresh process (this script with --worker): minigraph as it is
 (OpenBLAS's parallel work on minigraph's own pool: kernels/cpu/blas_threads.py),
 with MINIGRAPH_BLAS_POOL=0 (OpenBLAS's own worker threads, as before that pool),
-and with MINIGRAPH_NATIVE=0 (every kernel on numpy; the inference's products on
-BLAS too). In each, the threads OpenBLAS started when numpy loaded are noted before
-minigraph is imported; then --rounds rounds each time 5 inferences of every case,
-the cases in turn (so that a drift of the machine's speed slows them alike). A
+the same with OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS's workers sleep as soon as a
+call ends instead of spinning for 2^28 cycles), and with MINIGRAPH_NATIVE=0 (every
+kernel on numpy; the inference's products on BLAS too). In each, the threads
+OpenBLAS started when numpy loaded are noted before minigraph is imported; then
+--rounds rounds each time 5 inferences of every case, the cases in turn (so that a
+drift of the machine's speed slows them alike). A
 thread's CPU time is the first field of /proc/self/task/<tid>/schedstat
 (nanoseconds; Linux). The table: the median wall time of an inference, and the
 median CPU time of OpenBLAS's own workers, of the calling thread and of every other
@@ -32,6 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
+         "MINIGRAPH_BLAS_POOL=0 OPENBLAS_THREAD_TIMEOUT=4": {
+             "MINIGRAPH_BLAS_POOL": "0", "OPENBLAS_THREAD_TIMEOUT": "4"},
          "MINIGRAPH_NATIVE=0": {"MINIGRAPH_NATIVE": "0"}}
 CASES = ("alone", "after a training step", "after a step and 150 ms",
          "after writing 256 MiB")
@@ -111,7 +115,8 @@ def main(argv=None):
     header = ("mode", "inference", "wall ms", "OpenBLAS's workers, CPU ms",
               "calling thread, CPU ms", "other threads, CPU ms")
     rows = []
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    load = os.getloadavg()[0]
+    print(f"load average before: {load:.2f}")
     for mode, env in MODES.items():
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads",
                str(args.threads), "--rounds", str(args.rounds)]
@@ -124,7 +129,8 @@ def main(argv=None):
     text = "\n\n".join([machine_line(
         f"The wide MLP's optimized inference (128x784), {args.threads} threads, each mode in "
         f"its own process; medians over {args.rounds} rounds of 5 inferences per case, the "
-        "cases in turn; CPU time per thread from /proc/self/task/*/schedstat."),
+        "cases in turn; CPU time per thread from /proc/self/task/*/schedstat; load average "
+        f"{load:.2f} before."),
         markdown_table(header, rows)])
     write_section("between_steps", text, enabled=not args.no_write)
 

@@ -27,7 +27,7 @@
  * them.
  *
  * The filter gradient tile is GV vectors of VL output channels (native_simd.h:
- * 16 floats with AVX-512, else 8) by GK taps, or one vector by 2 GK taps where O
+ * 16 floats with AVX-512, else 8) by GK taps, or one vector by GK1 taps where O
  * <= VL: per output, dout's values (dout transposed per image to (outputs, O padded
  * to a whole tile), eight by eight through vector transposes) times one broadcast
  * input value per tap, summed over every output of a group of images
@@ -47,10 +47,11 @@
 
 #define MR 4
 #define NV 3
-/* a filter-gradient tile: GV vectors of VL output channels by GK taps (24 of AVX-512's
- * 32 registers, 12 of AVX2's 16), or one vector by 2 GK taps where O <= VL */
+/* a filter-gradient tile: GV vectors of VL output channels by GK taps (18 of AVX-512's
+ * 32 registers, 12 of AVX2's 16), or one vector by GK1 taps where O <= VL (24, 12) */
 #define GV 2
-#define GK (VL == 16 ? 12 : 6)
+#define GK (VL == 16 ? 9 : 6)
+#define GK1 (VL == 16 ? 24 : 12)
 #define GROUP_OUTPUTS 256
 #define MAX_THREADS 64
 #define MAX_PHASES 64      /* conv_native.py's supports() keeps to it */
@@ -279,16 +280,22 @@ static void fg_transpose(const float *d, float *dt, int64_t o, int64_t plane, in
 }
 
 /* The sums of one tile, VO vectors of output channels from o0 by KT taps from k0, over
- * the m images of a group (buffers buf, transposed dout dt), added to dw (K x opad). */
+ * the m images of a group (buffers buf, transposed dout dt), added to dw (K x opad).
+ * T3: the taps come in threes of adjacent buffer offsets (3 taps across, stride and
+ * dilation 1 across, k0 a multiple of 3), so a third of the offsets are kept and the
+ * rest are constant displacements from them (24 offsets would not fit in registers). */
 static inline __attribute__((always_inline)) void fg_tile(
     const conv_t *a, const float *buf, const float *dt, int64_t m, int64_t dsize,
-    int64_t opad, int64_t o0, int64_t k0, float *dw, const int VO, const int KT)
+    int64_t opad, int64_t o0, int64_t k0, float *dw, const int VO, const int KT, const int T3)
 {
-    vf acc[GV][2 * GK];
-    int64_t off[2 * GK];
-    for (int t = 0; t < KT; t++) {
+    vf acc[GV][GK1];
+    int64_t off[GK1];
+#pragma GCC unroll 32
+    for (int t = 0; t < KT; t += T3 ? 3 : 1) {
         off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
-        for (int v = 0; v < VO; v++) acc[v][t] = (vf){0};
+#pragma GCC unroll 2
+        for (int v = 0; v < VO; v++) acc[v][t] = acc[v][t + (T3 ? 1 : 0)] =
+            acc[v][t + (T3 ? 2 : 0)] = (vf){0};
     }
     const int64_t ho = a->ho, wo = a->wo, row_step = a->sh * a->wb, buf_size = a->buf_size;
     for (int64_t g = 0; g < m; g++)
@@ -297,9 +304,12 @@ static inline __attribute__((always_inline)) void fg_tile(
             const float *brow = buf + g * buf_size + y * row_step;
             for (int64_t x = 0; x < wo; x++) {
                 vf dv[GV];
+#pragma GCC unroll 2
                 for (int v = 0; v < VO; v++) dv[v] = vf_load(drow + x * opad + VL * v);
+#pragma GCC unroll 32                       /* the whole tile in registers */
                 for (int t = 0; t < KT; t++) {
-                    float b = brow[off[t] + x];
+                    float b = T3 ? brow[off[t - t % 3] + t % 3 + x] : brow[off[t] + x];
+#pragma GCC unroll 2
                     for (int v = 0; v < VO; v++) acc[v][t] += dv[v] * b;
                 }
             }
@@ -321,8 +331,9 @@ static void *filter_grad_job(void *p)
     float *buf = calloc(group * a->buf_size, sizeof(float));
     float *dt = calloc(group * dsize, sizeof(float));      /* columns past O: zeros */
     if (!buf || !dt) { job->failed = 1; free(buf); free(dt); return NULL; }
-    int one = a->o <= VL;                 /* tiles of one vector by 2 GK taps */
-    int64_t kt = one ? 2 * GK : GK, ot = fg_channels(a);
+    int one = a->o <= VL;                 /* tiles of one vector by GK1 taps */
+    int64_t kt = one ? GK1 : GK, ot = fg_channels(a);
+    int threes = a->kw == 3 && a->dw == 1 && a->sw == 1;   /* GK, GK1: multiples of 3 */
     for (int64_t img0 = job->first; img0 < job->last; img0 += group) {
         int64_t m = job->last - img0 < group ? job->last - img0 : group;
         for (int64_t g = 0; g < m; g++) {
@@ -332,10 +343,14 @@ static void *filter_grad_job(void *p)
         }
         for (int64_t o0 = 0; o0 < opad; o0 += ot)
             for (int64_t k0 = 0; k0 < a->k; k0 += kt) {
-                if (one)
-                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, 1, 2 * GK);
+                if (one && threes)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, 1, GK1, 1);
+                else if (one)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, 1, GK1, 0);
+                else if (threes)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, GV, GK, 1);
                 else
-                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, GV, GK);
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, GV, GK, 0);
             }
     }
     free(buf);

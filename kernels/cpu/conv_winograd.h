@@ -171,12 +171,14 @@ static inline __attribute__((always_inline)) void wg_block(const wg_t *a, const 
                                                            int64_t b0, const int VO)
 {
     vf acc[WG_TM][2];
+#pragma GCC unroll 12
     for (int r = 0; r < WG_TM; r++) acc[r][0] = acc[r][1] = (vf){0};
     const int64_t cp = a->cp, op = a->op, c = a->c;
     const float *vr = v + (xi * WG_TB + b0) * cp;
     const float *ur = a->u + xi * cp * op + o0;
     for (int64_t ci = 0; ci < c; ci++) {
         vf u0 = vf_load(ur + ci * op), u1 = VO > 1 ? vf_load(ur + ci * op + VL) : u0;
+#pragma GCC unroll 12                       /* the whole block in registers */
         for (int r = 0; r < WG_TM; r++) {
             float s = vr[r * cp + ci];
             acc[r][0] += s * u0;
