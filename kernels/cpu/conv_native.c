@@ -15,8 +15,10 @@
  * koff = ((q C + ci) hb + i dh) wb + s, with q = j dw % sw and s = j dw / sw;
  * output row y starts at y sh wb.
  *
- * The forward tile is MR output channels by NV vectors of eight outputs
- * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
+ * The forward tile is MR output channels by NV vectors of VL outputs (native_simd.h:
+ * 16 with AVX-512, else 8; vector v: row v / vpr, columns VL (v % vpr) ..; with
+ * AVX-512 and rows of at most 8 outputs, rows 2v and 2v + 1, 8 lanes each, two
+ * loads of the buffer a vector): one broadcast filter
  * value times NV loaded vectors per tap, the filter read in place (O rows
  * of C kh kw; a last block short of MR repeats row O - 1 and does not store
  * it). Outputs past wo in a vector are computed on the buffer's zeros and
@@ -66,9 +68,12 @@ typedef struct {
     int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
     int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
     int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
+    int64_t pair, vw, pair_base, pair_out;  /* forward: vectors of two rows of 8 (pair), each
+                                           row part vw lanes; the second row's offsets */
     int64_t *koff;
     int64_t *vbase, *vout, *vlanes;   /* forward, per output vector: its buffer offset, where
-                                           its first output goes in a plane, how many it has */
+                                           its first output goes in a plane, how many it has
+                                           (in each row, for pairs) */
     int64_t x0[MAX_PHASES], x1[MAX_PHASES], c0[MAX_PHASES];   /* per phase: the buffer
                                            columns [x0, x1) hold input columns c0, c0 + sw, .. */
 } conv_t;
@@ -81,16 +86,21 @@ static void setup(conv_t *a, const int64_t *d)
     a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
     a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->out_h = d[16];
     a->out_w = d[17]; a->oy0 = d[18]; a->ox0 = d[19]; a->osh = d[20]; a->osw = d[21];
-    a->vpr = (a->wo + 7) / 8;
-    a->nvec = a->ho * a->vpr;
-    a->hb = (a->ho - 1) * a->sh + (a->kh - 1) * a->dh + 1;     /* the rows read */
+    a->pair = VL == 16 && a->wo <= 8;      /* rows of 8: two in a vector of 16 */
+    a->vw = a->pair ? 8 : VL;
+    a->vpr = (a->wo + a->vw - 1) / a->vw;
+    a->nvec = a->pair ? (a->ho + 1) / 2 : a->ho * a->vpr;
+    int64_t rows = a->pair ? a->ho + a->ho % 2 : a->ho;        /* the rows vectors cover */
+    a->hb = (rows - 1) * a->sh + (a->kh - 1) * a->dh + 1;      /* the rows read */
     a->k = a->c * a->kh * a->kw;
     a->nblk = (a->o + MR - 1) / MR;
     /* phase q holds padded column sw x + q at x; tap j reads phase (j dw) % sw
      * shifted by (j dw) / sw */
     int64_t reach = (a->kw - 1) * a->dw;
     a->phases = a->sw < reach + 1 ? a->sw : reach + 1;
-    a->wb = 8 * a->vpr + reach / a->sw;
+    a->wb = a->vw * a->vpr + reach / a->sw;
+    a->pair_base = a->sh * a->wb;
+    a->pair_out = a->osh * a->out_w;
     a->buf_size = a->phases * a->c * a->hb * a->wb + 8;
     a->koff = malloc(a->k * sizeof(int64_t));
     if (!a->koff) return;
@@ -121,10 +131,10 @@ static int vector_tables(conv_t *a)
     a->vout = a->vbase + a->nvec;
     a->vlanes = a->vout + a->nvec;
     for (int64_t v = 0; v < a->nvec; v++) {
-        int64_t y = v / a->vpr, x0 = (v % a->vpr) * 8;
+        int64_t y = a->pair ? 2 * v : v / a->vpr, x0 = a->pair ? 0 : (v % a->vpr) * a->vw;
         a->vbase[v] = y * a->sh * a->wb + x0;
         a->vout[v] = (a->oy0 + a->osh * y) * a->out_w + a->ox0 + a->osw * x0;
-        a->vlanes[v] = a->wo - x0 < 8 ? a->wo - x0 : 8;
+        a->vlanes[v] = a->wo - x0 < a->vw ? a->wo - x0 : a->vw;
     }
     return 1;
 }
@@ -151,9 +161,71 @@ static void fill_buffer(const conv_t *a, int64_t img, float *buf)
         }
 }
 
+/* One output vector's epilogue of 8 lanes: val (+ residual) (then max(., 0)) to the
+ * `lanes` outputs from `at` (every osw-th). */
+static inline void store8(const conv_t *a, int64_t at, v8 val, int64_t lanes)
+{
+    if (lanes == 8 && a->osw == 1) {
+        if (a->residual) val += load(a->residual + at);
+        if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
+        *(v8u *)(a->out + at) = val;
+        return;
+    }
+    if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
+        if (a->relu) val = (v8)((v8i)val & ~(val < 0));
+        for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
+        return;
+    }
+    if (a->osw == 1) {                     /* a row's last outputs: masked moves */
+        if (a->residual) val += v8f_load_part(a->residual + at, lanes);
+        if (a->relu) val = (v8)((v8i)val & ~(val < 0));
+        v8f_store_part(a->out + at, val, lanes);
+        return;
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        int64_t to = at + a->osw * l;
+        float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
+        a->out[to] = a->relu && s < 0 ? 0.0f : s;
+    }
+}
+
+/* The same for a vector of VL lanes in one row. */
+static inline void store_row(const conv_t *a, int64_t at, vf val, int64_t lanes)
+{
+#if VL == 8
+    store8(a, at, val, lanes);
+#else
+    if (a->osw == 1) {
+        if (a->residual) val += lanes == VL ? vf_load(a->residual + at)
+                                            : vf_load_part(a->residual + at, lanes);
+        if (a->relu) val = vf_relu(val);
+        if (lanes == VL)
+            vf_store(a->out + at, val);
+        else
+            vf_store_part(a->out + at, val, lanes);
+        return;
+    }
+    if (!a->residual && a->osw < (1 << 20)) {    /* a phase of dx: every osw-th output */
+        if (a->relu) val = vf_relu(val);
+        __m512i index = _mm512_mullo_epi32(_mm512_set1_epi32((int)a->osw),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                             11, 12, 13, 14, 15));
+        _mm512_mask_i32scatter_ps(a->out + at, (__mmask16)((1u << lanes) - 1), index,
+                                  (__m512)val, 4);
+        return;
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        int64_t to = at + a->osw * l;
+        float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
+        a->out[to] = a->relu && s < 0 ? 0.0f : s;
+    }
+#endif
+}
+
 /* The epilogue of a forward tile: acc (+ bias) (+ residual) (then max(., 0)) to
- * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1. */
-static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV], int nv,
+ * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1 (a pair's halves to
+ * its two rows). */
+static __attribute__((noinline)) void store_tile(const conv_t *a, vf acc[MR][NV], int nv,
                                                  int64_t blk, int64_t v0, int64_t img)
 {
     int64_t plane = a->out_h * a->out_w;
@@ -162,51 +234,66 @@ static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV]
         float bias = a->bias ? a->bias[oc] : 0.0f;
         for (int v = 0; v < nv; v++) {
             int64_t at = (img * a->o + oc) * plane + a->vout[v0 + v], lanes = a->vlanes[v0 + v];
-            v8 val = acc[r][v] + bias;
-            if (lanes == 8 && a->osw == 1) {
-                if (a->residual) val += load(a->residual + at);
-                if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
-                *(v8u *)(a->out + at) = val;
+            vf val = acc[r][v] + bias;
+#if VL == 16
+            if (a->pair) {
+                store8(a, at, __builtin_shufflevector(val, val, 0, 1, 2, 3, 4, 5, 6, 7), lanes);
+                if (2 * (v0 + v) + 1 < a->ho)
+                    store8(a, at + a->pair_out,
+                           __builtin_shufflevector(val, val, 8, 9, 10, 11, 12, 13, 14, 15),
+                           lanes);
                 continue;
             }
-            if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
-                if (a->relu) val = (v8)((v8i)val & ~(val < 0));
-                for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
-                continue;
-            }
-            if (a->osw == 1) {                     /* a row's last outputs: masked moves */
-                if (a->residual) val += v8f_load_part(a->residual + at, lanes);
-                if (a->relu) val = (v8)((v8i)val & ~(val < 0));
-                v8f_store_part(a->out + at, val, lanes);
-                continue;
-            }
-            for (int64_t l = 0; l < lanes; l++) {
-                int64_t to = at + a->osw * l;
-                float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
-                a->out[to] = a->relu && s < 0 ? 0.0f : s;
-            }
+#endif
+            store_row(a, at, val, lanes);
         }
     }
 }
 
+/* A vector of the buffer: VL values from p, or (PAIR) 8 from p and 8 from p + step. */
+static inline vf load_vector(const float *p, int64_t step, const int PAIR)
+{
+#if VL == 16
+    if (PAIR)
+        return __builtin_shufflevector(load(p), load(p + step), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                       10, 11, 12, 13, 14, 15);
+#endif
+    (void)step;
+    (void)PAIR;
+    return vf_load(p);
+}
+
 static inline __attribute__((always_inline)) void forward_tile(
     const conv_t *a, int nv, const float *buf, const float *const f[MR], int64_t blk, int64_t v0,
-    int64_t img)
+    int64_t img, const int PAIR)
 {
-    v8 acc[MR][NV];
+    vf acc[MR][NV];
     int64_t base[NV];
+    const int64_t step = a->pair_base, k_all = a->k;
+    const int64_t *koff = a->koff;
     for (int v = 0; v < NV; v++) {
         base[v] = a->vbase[v0 + (v < nv ? v : 0)];
-        for (int r = 0; r < MR; r++) acc[r][v] = (v8){0};
+        for (int r = 0; r < MR; r++) acc[r][v] = (vf){0};
     }
-    for (int64_t k = 0; k < a->k; k++) {
-        const float *b = buf + a->koff[k];
-        v8 bv[NV];
-        for (int v = 0; v < nv; v++) bv[v] = load(b + base[v]);
+    for (int64_t k = 0; k < k_all; k++) {
+        const float *b = buf + koff[k];
+        vf bv[NV];
+        for (int v = 0; v < nv; v++) bv[v] = load_vector(b + base[v], step, PAIR);
         for (int r = 0; r < MR; r++)
             for (int v = 0; v < nv; v++) acc[r][v] += f[r][k] * bv[v];
     }
     store_tile(a, acc, nv, blk, v0, img);
+}
+
+/* The block's output vectors, NV at a time. */
+static inline __attribute__((always_inline)) void forward_block(
+    const conv_t *a, const float *buf, const float *const f[MR], int64_t blk, int64_t img,
+    const int PAIR)
+{
+    int64_t v = 0;
+    for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, f, blk, v, img, PAIR);
+    if (a->nvec - v == 2) forward_tile(a, 2, buf, f, blk, v, img, PAIR);
+    if (a->nvec - v == 1) forward_tile(a, 1, buf, f, blk, v, img, PAIR);
 }
 
 typedef struct {
@@ -230,10 +317,10 @@ static void *forward_job(void *p)
             const float *wp[MR];          /* the block's filter rows; past O: the last */
             for (int r = 0; r < MR; r++)
                 wp[r] = a->filter + (blk * MR + r < a->o ? blk * MR + r : a->o - 1) * a->k;
-            int64_t v = 0;
-            for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, wp, blk, v, img);
-            if (a->nvec - v == 2) forward_tile(a, 2, buf, wp, blk, v, img);
-            if (a->nvec - v == 1) forward_tile(a, 1, buf, wp, blk, v, img);
+            if (a->pair)
+                forward_block(a, buf, wp, blk, img, 1);
+            else
+                forward_block(a, buf, wp, blk, img, 0);
         }
     }
     free(buf);
