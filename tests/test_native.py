@@ -317,9 +317,12 @@ def test_the_vector_width_follows_the_build_target(fresh, monkeypatch):
     told otherwise (CC="cc -mno-avx512f") builds AVX2's, under a key of its own."""
     want = 16 if _cpu_has("avx512f") else 8
     assert native.vector_floats("fc_native") == want
+    first = native.build_key("fc_native")
+    assert first and first in next(fresh.glob("fc_native-*.so")).name
     if want == 16:
         native._load.cache_clear()
         cc = (os.environ.get("CC") or "cc").split()
         monkeypatch.setenv("CC", " ".join(cc + ["-mno-avx512f"]))
         assert native.vector_floats("fc_native") == 8
         assert len(list(fresh.glob("fc_native-*.so"))) == 2
+        assert native.build_key("fc_native") != first       # kernel choices made anew

@@ -16,8 +16,9 @@ tolerances.
 Choices are kept in memory and in one file per machine beside the native kernels
 (native_cache.cache_dir()): `choices-<digest>.json`, the digest of this CPU's model
 and instruction-set flags (native.cpu_identity()), which the file also holds. Keys
-name the kernels' vector width and the threads, so a build for another instruction
-set (CC="cc -mno-avx512f") or another thread count chooses anew. The file is
+name the threads and the kernels' build (native.build_key: their source, flags and
+compiler), so another thread count, a changed kernel or a build for another
+instruction set (CC="cc -mno-avx512f") chooses anew. The file is
 written atomically (a temporary file, fsynced, renamed), is JSON (never unpickled),
 and is read defensively: only a regular file of this user's that no one else can
 write, at most MAX_FILE_BYTES, of the expected format, for this CPU, whose entries

@@ -151,5 +151,5 @@ def choose(kind, op, g, threads, options, extra=""):
         return options[default]()
     key = (f"{op.attrs['data_layout']}|{g.n}x{g.c}x{g.h}x{g.w}|{g.o}x{g.kh}x{g.kw}"
            f"|s{g.sh}x{g.sw}|p{g.ph}x{g.pw}|d{g.dh}x{g.dw}|{extra}|t{threads}"
-           f"|v{native.vector_floats('conv_native')}")
+           f"|b{native.build_key('conv_native')}")
     return choices.choose(kind, key, options, default)

@@ -56,9 +56,9 @@ def fused_fc_cpu(op, ins, ctx):
         return out
 
     if fc_native.supports(x2, y):
-        (m, k), width = x2.shape, native.vector_floats("fc_native")
+        (m, k), build = x2.shape, native.build_key("fc_native")
         key = (f"{m}x{k}x{y.shape[1]}|bias{int(bias is not None)}|relu{int(relu)}"
-               f"|t{blocks.get_num_threads()}|v{width}")
+               f"|t{blocks.get_num_threads()}|b{build}")
         out = choices.choose("fc", key, {"native": lambda: fc_native.forward(x2, y, bias, relu),
                                          "blas": blas}, "native")
     else:

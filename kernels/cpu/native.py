@@ -70,6 +70,7 @@ NOTICE_AFTER_S = 2.0
 
 _lock = threading.Lock()
 _reasons = {}
+_keys = {}
 
 
 def enabled():
@@ -127,6 +128,12 @@ def address(a):
         return _address(_char(a))
     except TypeError:                       # read-only
         return a.ctypes.data
+
+
+def build_key(name):
+    """The cache key of library(name) as loaded (its source, headers, flags, compiler
+    and CPU: a changed kernel has another), or None where it is not at hand."""
+    return _keys.get(name) if library(name) is not None else None
 
 
 def vector_floats(name):
@@ -233,6 +240,7 @@ def _load_or_build(name):
                 (source, *compiler, *flags, *COMMON_FLAGS, version,
                  cpu_identity())).encode()).hexdigest()[:20]
             filename = f"{name}-{key}.so"
+            _keys[name] = key
             if directory is not None:
                 lib = cache.load_verified(directory / filename)
                 if lib is not None:
