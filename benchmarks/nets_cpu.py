@@ -229,7 +229,8 @@ def report(args):
                "rounds of both frameworks back to back (minigraph first in every other round); "
                "times: the median over rounds, ratio: the median of the rounds' ratios; "
                "infer between: each inference right after a training step")
-    print(f"{setting}; load average before: {os.getloadavg()[0]:.2f}")
+    setting += f"; load average before: {os.getloadavg()[0]:.2f}"
+    print(setting)
     print(f"{'net (batch)':<22} {'':<13} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
           f"{'per round':>11} {'target':>7}")
     rows, table, steady, notes = {}, [], [], []
