@@ -14,7 +14,7 @@ with a mask too, a pair must pass both (torch 2.13 combines them). scale: None f
 1 / sqrt(d). A query row with no key left has out 0 and gradient 0 (torch's).
 Outputs: out, lse (N, H, Tq) = the row's log-sum-exp of its scores (-inf for an
 empty row; saved for the gradient), dropout_step (int64 scalar, the step the mask
-was drawn with) and step_out (the step input, += 1 in place).
+was drawn with; -1 when none was) and step_out (the step input, += 1 in place).
 
 Dropout (train, dropout_p > 0): the weights are dropped after the softmax and the
 kept ones scaled by 1 / (1 - p), as torch's dropout on attn_weight: pair (n, h, i, j)

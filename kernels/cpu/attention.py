@@ -20,6 +20,7 @@ from minigraph.kernels.cpu.philox import philox_words, uniforms24
 
 STREAM = 3               # dropout uses 2; fill.cu's initialisers 0 and 1
 BLOCK_SCORES = 1 << 18   # scores (all heads together) the numpy engine holds at once
+NO_STEP = -1             # dropout_step when no mask was drawn
 
 
 # ---- the problem, as the kernels see it -------------------------------------------------
@@ -184,11 +185,12 @@ def attention_cpu(op, ins, ctx):
     result = {"out": out}
     if op.wants("lse"):
         result["lse"] = lse
+    if op.wants("dropout_step"):
+        result["dropout_step"] = np.array(int(step) if dropout is not None else NO_STEP,
+                                          np.int64)
     if dropout is not None:
-        result["dropout_step"] = np.array(int(step), np.int64)
         step[...] = step + 1
-        result["step_out"] = step
-    elif step is not None:
+    if step is not None:
         result["step_out"] = step
     return result
 
