@@ -313,7 +313,7 @@ def test_mismatched_inputs_are_named_when_the_layer_is_built(shapes, match):
     ((5, 6), "bool", r"input 'attn_mask' with shape \(5, 6\) does not broadcast to .* its Tk "
                      r"axis has 6, the attention 7"),
     ((4, 7), "bool", r"its Tq axis has 4, the attention 5"),
-    ((3, 2, 5, 7), "float32", r"its N axis has 3"),
+    ((3, 3, 5, 7), "float32", r"its N axis has 3"),
     ((5, 7), "int64", r"input 'attn_mask' must be bool .* or a float mask of input 'q''s dtype "
                       r"float32, got dtype int64"),
     ((5, 7), "float64", r"got dtype float64"),
