@@ -6,7 +6,8 @@ offset is 0 (training, and passes without a cache). With a KV cache's `length` (
 scalar, the positions filled, on the host) the offset follows the cache
 (ops/kv_cache.py): advances=True (the first layer built with the cache) takes
 offset = length and raises length by T through length_out; otherwise
-offset = length - T. Positions past w's P rows are an error naming 'x' (and the cache).
+offset = length - T; capacity (0: none) is the cache's, and a pass past it is an
+error naming the cache. Positions past w's P rows are an error naming 'x'.
 position_embedding_grad(w (shape only), dout) -> dx = dout, dw = the sum over the
 batch of dout in rows 0 .. T, zeros elsewhere (the train branch binds no length).
 In ONNX: Slice(w, 0, T) + Add (the exported model is stateless: offset 0).
@@ -38,6 +39,8 @@ from minigraph.validators import (
     check_same_dtype,
     dims_equal,
     fail,
+    int_attr,
+    non_negative,
     str_attr,
 )
 
@@ -104,7 +107,8 @@ def export_position_embedding(ctx, op):
 SCHEMA = register(OpSchema(
     type=TYPE, inputs=(Slot("x"), Slot("w"), Slot("length", optional=True)),
     outputs=(Slot("out"), Slot("length_out", optional=True)),
-    attrs=(bool_attr("advances", False), str_attr("cache", "")),
+    attrs=(bool_attr("advances", False), str_attr("cache", ""),
+           int_attr("capacity", 0, non_negative)),
     inplace={"length_out": "length"}, infer=infer_position_embedding,
     validate=validate_position_embedding, grad=grad_position_embedding,
     export=export_position_embedding, doc=__doc__))
@@ -123,7 +127,7 @@ def position_embedding_examples(ex):
             ("cached-f64", {"x": ex.r(2, 2, 4, dtype=np.float64),
                             "w": ex.r(6, 4, dtype=np.float64, seed=1),
                             "length": np.array(3, np.int64)},
-             dict(advances=True, cache="c"), ())]
+             dict(advances=True, cache="c", capacity=6), ())]
 
 
 examples(TYPE, position_embedding_examples)

@@ -21,13 +21,16 @@ def cache_offset(op_type, length, count, attrs):
     pass would run past its capacity (attrs: advances, cache, capacity; capacity 0:
     none)."""
     filled = host_int(length)
-    name, capacity = attrs["cache"], attrs.get("capacity", 0)
+    name, capacity = attrs["cache"], attrs["capacity"]
     if attrs["advances"]:
         if capacity and filled + count > capacity:
             raise OpError(f"{op_type}: the KV cache {name!r} is full: it holds {capacity} "
                           f"positions, {filled} are filled and this pass adds {count}; reset "
                           "it (KVCache.reset()) or build it with a larger capacity")
         return filled, filled + count
+    if capacity and filled > capacity:
+        raise OpError(f"{op_type}: the KV cache {name!r} holds {filled} positions, more than "
+                      f"its capacity {capacity}")
     if filled < count:
         raise OpError(f"{op_type}: the KV cache {name!r} holds {filled} positions, fewer than "
                       f"this pass's {count}: the layer that advances it (the first built "

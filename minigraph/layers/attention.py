@@ -210,8 +210,9 @@ def position_embedding(net, x, max_positions, kv_cache=None, param_attr=None, na
     infer = None
     if cache is not None:
         length, advances = cache.attach(net, kind)
-        infer = {"inputs": {"length": length}, "attrs": {"advances": advances,
-                                                         "cache": cache.name},
+        infer = {"inputs": {"length": length},
+                 "attrs": {"advances": advances, "cache": cache.name,
+                           "capacity": cache.capacity},
                  "outputs": {"length_out": length}}
     return net.append("position_embedding", {"x": x, "w": w}, {"out": f"{name}.out"},
                       infer=infer)["out"]
