@@ -32,16 +32,14 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "vector_math.h"
 
 #define ATT_BR 64                /* query rows per block */
 #define ATT_BC 64                /* keys per block */
 #define ATT_ALIGN 64
 
-typedef float vf __attribute__((vector_size(32)));
-typedef float vfu __attribute__((vector_size(32), aligned(4)));
 typedef double vd __attribute__((vector_size(32)));
 typedef double vdu __attribute__((vector_size(32), aligned(8)));
-typedef int32_t vi __attribute__((vector_size(32)));
 
 /* Indices into the strides array the launcher passes (elements, not bytes): batch,
  * head and row strides of each tensor (its last axis is contiguous), then the mask's
@@ -113,39 +111,6 @@ static void keep_factors(const att_t *a, uint64_t first, int64_t count, double *
         part = 0;
         call++;
     }
-}
-
-/* exp of 8 floats (Cephes' expf: n = round(x / ln 2), a degree-5 polynomial of the
- * rest, 2^n from the exponent bits); below -87.3 (and -inf) it is 0, above 88.7 inf.
- * Relative error within 2 ulp. */
-static inline vf select_vf(vi take, vf a, vf b)      /* take ? a : b, lane by lane */
-{
-    return (vf)(((vi)a & take) | ((vi)b & ~take));
-}
-
-static inline vf exp_vf(vf x)
-{
-    const vf zero = {0};
-    const vf hi = zero + 88.72283f, lo = zero - 87.33654f;
-    const vi dead = (vi)(x < lo);
-    x = select_vf((vi)(x > hi), hi, x);
-    x = select_vf(dead, lo, x);
-    const vf fx = x * 1.44269504088896341f + 0.5f;
-    vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-    fl = select_vf((vi)(fl > fx), fl - 1.0f, fl);       /* floor */
-    const vi ni = __builtin_convertvector(fl, vi);
-    x = x - fl * 0.693359375f + fl * 2.12194440e-4f;
-    const vf z = x * x;
-    vf y = zero + 1.9875691500E-4f;
-    y = y * x + 1.3981999507E-3f;
-    y = y * x + 8.3334519073E-3f;
-    y = y * x + 4.1665795894E-2f;
-    y = y * x + 1.6666665459E-1f;
-    y = y * x + 5.0000001201E-1f;
-    y = y * z + x + 1.0f;
-    const vi bits = (ni + 127) << 23;
-    const vf r = y * (vf)bits;
-    return (vf)((vi)r & ~dead);
 }
 
 #define DEFINE_KERNELS(T, S, V, VU, VW)                                                    \
