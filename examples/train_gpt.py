@@ -59,14 +59,14 @@ class Config:
     epochs: int = 6
     steps_per_epoch: int = 0          # 0: every window of the training text
     eval_windows: int = 64
-    sample_chars: int = 160
+    sample_chars: int = 120           # at most context - len(PROMPT): the cache's room
     temperature: float = 0.8
     top_k: int = 20
     seed: int = 0
     threads: int = 2
 
 
-DEMO = Config(batch_size=16, steps_per_epoch=40, eval_windows=48, sample_chars=120)
+DEMO = Config(batch_size=16, steps_per_epoch=40, eval_windows=48)
 
 
 # ---- the text ---------------------------------------------------------------------------
@@ -231,7 +231,8 @@ def train(cfg=Config(), out_dir="gpt_out", progress=True, place=None, level="lay
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.3f}")
         held = held_out_loss(net, h, held_set, cfg.eval_windows, cache)
-        ids = generate(net, h["tokens"], h["logits"], prompt, cfg.sample_chars,
+        ids = generate(net, h["tokens"], h["logits"], prompt,
+                       min(cfg.sample_chars, cfg.context - prompt.shape[1]),
                        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed + epoch,
                        kv_cache=cache)
         sample = vocab.decode(ids[0])

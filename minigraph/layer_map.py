@@ -8,7 +8,8 @@ variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
 
 - a forward op (trunk, train, infer) belongs to the layer whose name is the
   longest dotted prefix of its outputs' names (its non-persistable outputs
-  first);
+  first; an output that is also an input - state updated in place, such as a
+  KV cache's - says nothing);
 - a backward op belongs to the layer of the variables whose gradients it reads
   (a grad op reads the gradients of its forward op's outputs), or, reading
   none (the loss gradient's fill), of those it writes;
@@ -40,7 +41,7 @@ class LayerMap:
         self._names = sorted(self.names, key=len, reverse=True)
         for section in FORWARD:
             for op in net.section(section):
-                for var in op.output_vars():
+                for var in _made_by(op):
                     base = var.name.split(GRAD_MARK, 1)[0]
                     if not var.persistable and "." in base and self.name_layer(base) is None:
                         self.names.append(base.rsplit(".", 1)[0])
@@ -92,10 +93,16 @@ class LayerMap:
         elif section == "update":
             chosen = [v for v in op.output_vars() if v.persistable]
         else:
-            outs = op.output_vars()
+            outs = _made_by(op) or op.output_vars()
             chosen = [v for v in outs if not v.persistable] or outs
         found = {self.var_layer(v) for v in chosen}
         return found.pop() if len(found) == 1 else None
+
+
+def _made_by(op):
+    """op's outputs that are not also its inputs (state it updates in place)."""
+    ins = {id(v) for v in op.input_vars()}
+    return [v for v in op.output_vars() if id(v) not in ins]
 
 
 def _grads(variables):
