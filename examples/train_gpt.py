@@ -287,9 +287,15 @@ def add_arguments(parser):
 
 def run_demo(args):
     """`minigraph demo --model gpt`: DEMO's shorter run with the demo's --epochs, --seed,
-    --out, --level and --no-progress (the digits' --batch-size is not used here)."""
+    --device, --out, --level and --no-progress (the digits' --batch-size and --profile
+    are not used here)."""
     cfg = Config(**{**DEMO.__dict__, "epochs": args.epochs, "seed": args.seed})
-    return _report(train(cfg, args.out, progress=not args.no_progress,
+    try:
+        place = mg.GPUPlace(0) if getattr(args, "device", "cpu") == "gpu" else None
+    except mg.GPUError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return _report(train(cfg, args.out, progress=not args.no_progress, place=place,
                          level=getattr(args, "level", "layer")))
 
 
