@@ -333,3 +333,20 @@ def test_generation_without_a_cache_crops_to_the_context():
     out = generate(net, tok, logits, rng.integers(0, 11, (1, 10)), 12, temperature=0,
                    context=16)
     assert out.shape == (1, 22)
+
+
+def test_inference_models_of_a_cached_net_are_refused_by_name(tmp_path):
+    """A KV cache lives in the net that built it: an inference model or an inference
+    pass of its infer branch would read state nothing there computes (ONNX export is
+    stateless and works; tests/test_onnx_attention.py)."""
+    net, tok, logits, _ = gpt(cache=L.KVCache(16))
+    with pytest.raises(mg.io.InferenceModelError, match=r"op 'position_embedding' keeps state "
+                                                        r"of the infer branch in "
+                                                        r"'kv_cache_0.length'"):
+        mg.io.save_inference(net, tmp_path / "m", feeds=["tok"], fetches=[logits])
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match=r"fold_batch_norm: op .position_embedding. "
+                                         r"keeps state .* without kv_cache"):
+        mg.passes.optimize_for_inference(net)
+    plain, _, plain_logits, _ = gpt()
+    mg.io.save_inference(plain, tmp_path / "m", feeds=["tok"], fetches=[plain_logits])

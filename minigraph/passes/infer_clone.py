@@ -1,6 +1,7 @@
 """A net's inference graph as a new, independent Net (what inference passes rewrite)."""
 from __future__ import annotations
 
+from minigraph.feeds import check_no_infer_state
 from minigraph.net import Net
 from minigraph.operator import Operator
 
@@ -36,6 +37,7 @@ def clone_for_inference(net, made_by="clone_for_inference"):
     rewriting it leaves `net` untouched. Returns (new net, {id(old Variable): new
     Variable})."""
     check_net(net, made_by)
+    check_no_infer_state(net.ops("infer"), made_by)
     new = InferOnlyNet(net.place, net.seed, made_by)
     made = {}
 
