@@ -174,18 +174,17 @@ def make_optimizer(cfg, updates):
 
 # ---- training ------------------------------------------------------------------------------
 
-def held_out_loss(net, h, dataset, count, cache):
-    """The mean loss over the first `count` windows of `dataset` (the infer branch: no
-    dropout; the cache emptied before each full pass)."""
+def held_out_loss(net, h, loader, count, cache):
+    """The mean loss over the first `count` windows the held-out `loader` gives (the
+    infer branch: no dropout; the cache emptied before each full pass)."""
     total, seen = 0.0, 0
-    arrays = dataset.arrays
-    for start in range(0, min(count, len(dataset)), 16):
-        stop = min(start + 16, count, len(dataset))
+    for feed in loader:
+        if seen >= count:
+            break
         cache.reset()
-        (loss,) = net.infer(feed={"tokens": arrays["tokens"][start:stop],
-                                  "targets": arrays["targets"][start:stop]}, fetch=[h["loss"]])
-        total += float(loss) * (stop - start)
-        seen += stop - start
+        (loss,) = net.infer(feed=feed, fetch=[h["loss"]])
+        total += float(loss) * len(feed["tokens"])
+        seen += len(feed["tokens"])
     return total / seen
 
 
@@ -201,6 +200,7 @@ def train(cfg=Config(), out_dir="gpt_out", progress=True, place=None, level="lay
     train_set, held_set = windows(train_ids, cfg.context), windows(held_ids, cfg.context)
     loader = data.DataLoader(train_set, cfg.batch_size, shuffle=True, drop_last=True,
                              seed=cfg.seed)
+    held_loader = data.DataLoader(held_set, 16)
     steps = min(len(loader), cfg.steps_per_epoch) if cfg.steps_per_epoch else len(loader)
     cache = layers.KVCache(cfg.context)
     net, h = build_gpt(len(vocab), cfg, place=place, cache=cache)
@@ -230,7 +230,7 @@ def train(cfg=Config(), out_dir="gpt_out", progress=True, place=None, level="lay
             losses.append(float(loss))
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.3f}")
-        held = held_out_loss(net, h, held_set, cfg.eval_windows, cache)
+        held = held_out_loss(net, h, held_loader, cfg.eval_windows, cache)
         ids = generate(net, h["tokens"], h["logits"], prompt,
                        min(cfg.sample_chars, cfg.context - prompt.shape[1]),
                        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed + epoch,
