@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels.cpu.binary import reduce_to
+from minigraph.kernels.cpu.mul import weight_grad
 
 
 def _t(a, flag):
@@ -44,7 +45,7 @@ def matmul_grad_cpu(op, ins, ctx):
         if op.wants("dx"):
             out["dx"] = np.ascontiguousarray((d2 @ ys.T).reshape(x.shape), dtype=x.dtype)
         if op.wants("dy"):
-            g = rows.T @ d2
+            g = weight_grad(rows, d2)
             out["dy"] = np.ascontiguousarray(g.T if a["transpose_y"] else g, dtype=y.dtype)
         return out
     out = {}
