@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from minigraph import handover, host_memory, work_room
-from minigraph.feeds import check_feed, scope_targets
+from minigraph.feeds import check_feed, check_feed_mapping, scope_targets
 from minigraph.journal import Journal
 from minigraph.place import CPUPlace
 from minigraph.schema import KernelContext, OpError
@@ -81,6 +81,7 @@ class Compiled:
         self.kernels = [None] * len(steps)
         self.plain = KernelContext(place)
         self.roomy = None               # per step, the context with its work room
+        self.replay = None              # GPU: the plan's CUDA graph (minigraph.replay)
 
 
 class Plan:
@@ -155,7 +156,8 @@ class Executor:
         numpy arrays in the same order. The plan of the same ops and fetches is
         reused, so ops are checked again only when what they read from outside
         changes shape or dtype."""
-        feed, fetch = feed or {}, fetch or []
+        feed = check_feed_mapping(feed, "Executor.run")
+        fetch = [] if fetch is None else fetch
         if (feed or any(isinstance(f, str) for f in fetch)) and scope is None:
             raise ValueError("Executor.run: feeding or fetching by name needs a scope")
         targets = scope_targets(scope, fetch)
@@ -190,6 +192,13 @@ class Executor:
                           for v in c.external)
         check = signature != plan.checked
         with place.activate():          # a GPU's context, once for the whole run
+            if place.kind == "gpu" and not check:
+                from minigraph import replay
+
+                fetched = replay.run(plan, c, place, signature)
+                if fetched is not None:
+                    plan.checked = signature
+                    return fetched
             if not plan.lean:
                 _run_steps(c, place.kind, check)
                 plan.checked = signature

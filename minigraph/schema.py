@@ -132,6 +132,8 @@ ROLES = {
                   "attributes, with optional bias and residual inputs and `activation`",
     "fused_fc": "matrix_product (+ bias + activation) in one op: its slots and "
                 "x_num_col_dims, with an optional bias input and `activation`",
+    "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "
+                      "them hold together; a subset is clipped by the same op with fewer",
 }
 
 
@@ -152,7 +154,7 @@ class OpSchema:
       stored form (an int into a pair, a None stride into the window size).
     kernels: device -> (Kernel, ...), registered with `kernel`; `kernel_for`
       picks the first whose dtypes take the inputs.
-    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.onnx_export:
+    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.io.onnx_export:
       `ctx` names values and builds nodes); `no_export` says why an op has no
       exporter (a gradient, an update, a training-only op).
     examples(ex) -> [(name, inputs, attrs, grad sets)]: small cases the device

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph import onnx_export
+from minigraph.io import onnx_export
 from minigraph.kernels.cpu import pool2d as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import pool2d as cuda

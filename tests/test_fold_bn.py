@@ -175,8 +175,52 @@ def test_the_folded_net_refuses_to_train():
     folded = mg.passes.fold_batch_norm(net)
     x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
     before = digest(folded)
-    with pytest.raises(RuntimeError, match="train: this net was made by fold_batch_norm"):
+    with pytest.raises(RuntimeError, match=r"train: this is an inference net \(made by fold_batch_norm\): it computes "
+                                             "'relu_0.out'"):
         folded.train(feed={"x": x}, fetch=[out.name])
     assert digest(folded) == before
     (y,) = folded.infer(feed={"x": x}, fetch=[out.name])       # it still infers
     assert y.shape[0] == 2
+
+
+def test_an_inference_net_computes_the_predictions_not_the_loss():
+    """fold_batch_norm kept the loss ops and the label input: fast.train() then said the
+    net had no loss while its op list held softmax_with_cross_entropy and mean."""
+    net = mg.Net(seed=3)
+    x = L.data(net, "x", shape=(-1, 6))
+    target = L.data(net, "target", shape=(-1, 2))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.relu(net, L.batch_norm(net, L.fc(net, x, 4, name="f1"), name="bn1"))
+    pred = L.fc(net, h, 2, name="head")
+    loss = L.add(net, L.mse_loss(net, pred, target),
+                 L.mean(net, L.softmax_with_cross_entropy(net, pred, label)))
+    L.accuracy(net, pred, label)
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    folded = mg.passes.fold_batch_norm(net)
+    assert [v.name for v in folded.default_fetches] == ["head.out"]
+    assert list(folded.data_vars) == ["x"]                     # no target, no label
+    types = [op.type for op in folded.ops("infer")]
+    assert "softmax_with_cross_entropy" not in types and "accuracy" not in types
+    xb = rng.standard_normal((5, 6)).astype(np.float32)
+    (want,) = net.infer(feed={"x": xb}, fetch=[pred])
+    (got,) = folded.infer(feed={"x": xb})                      # the default fetches
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # fetches chosen by name or Variable: pruned to them
+    mid = mg.passes.optimize_for_inference(net, fetches=["bn1.y"])
+    assert [v.name for v in mid.default_fetches] == ["bn1.y"]
+    assert "head.w" not in [v.name for v in mid.persistables()]
+    with pytest.raises(TypeError, match="optimize_for_inference: fetches must be a list"):
+        mg.passes.optimize_for_inference(net, fetches="head.out")
+    with pytest.raises(KeyError, match="fetch 'nothing'"):
+        mg.passes.fold_batch_norm(net, fetches=["nothing"])
+
+
+def test_a_net_without_a_loss_keeps_its_final_outputs():
+    net, out = conv_net()
+    folded = mg.passes.fold_batch_norm(net)
+    assert [v.name for v in folded.default_fetches] == [out.name]
+    empty = mg.Net(seed=0)
+    L.data(empty, "x", shape=(-1, 3))
+    with pytest.raises(ValueError, match="cannot tell what the inference net computes; pass "
+                                         "fetches="):
+        mg.passes.fold_batch_norm(empty)

@@ -3,6 +3,7 @@ per-parameter learning-rate multipliers and weight decays against a numpy AdamW 
 SGD run alongside, every bad element of `parameters` named, the second-optimizer
 message, and ParamAttr's sharing, freezing and initialiser."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -99,10 +100,14 @@ def test_a_group_multiplies_the_schedule_and_param_attr_multiplies_the_group():
 
 
 def test_plain_variables_and_groups_mix_and_leaving_one_out_freezes_it():
+    """A parameter left out is not trained, and a warning names it."""
     net, loss = build()
     before = net.var("head.b").get().copy()
-    mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[
-        net.var("fc1.w"), {"params": net.var("fc1.b")}, net.var("head.w")])
+    with pytest.warns(UserWarning, match="the trainable parameter 'head.b' is in no element "
+                                         "of parameters and will not be trained") as seen:
+        mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[
+            net.var("fc1.w"), {"params": net.var("fc1.b")}, net.var("head.w")])
+    assert len(seen) == 1 and seen[0].filename == __file__      # points at the caller
     net.train(feed=FEED)
     np.testing.assert_array_equal(net.var("head.b").get(), before)
     assert [op.inputs["param"].name for op in net.section("update")] == \
@@ -150,7 +155,8 @@ def test_a_frozen_parameter_in_a_group_is_an_error():
 
 def test_a_second_optimizer_is_told_to_use_groups():
     net, loss = build()
-    mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[net.var("fc1.w")])
+    with pytest.warns(UserWarning, match="'fc1.b', 'head.w', 'head.b' are in no element"):
+        mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[net.var("fc1.w")])
     with pytest.raises(ValueError, match="Adam.minimize: this net is already minimised by a "
                                          "SGD; a net has one optimizer: give it parameter "
                                          "groups instead"):
@@ -251,3 +257,11 @@ def test_param_attr_arguments_are_checked_by_the_layer():
                                         "\\(the parameter's name\\) or None, got int"):
         L.fc(net, x, 2, bias_attr=3)
     assert net.parameters() == []
+
+
+def test_every_parameter_listed_or_frozen_warns_nothing():
+    net, loss = build(head_attr=mg.ParamAttr(trainable=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[
+            {"params": [net.var("fc1.w"), net.var("fc1.b")]}, net.var("head.b")])

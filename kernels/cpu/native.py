@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 
-from minigraph.files import fsync_dir
+from minigraph.io.files import fsync_dir
 from minigraph.kernels.cpu import native_cache as cache
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails

@@ -71,8 +71,8 @@ def ptr(array, name="array"):
 
 class Kernel:
     """One compiled entry point of one device: `launch(grid, block, *args)`
-    enqueues it on that device's default stream (asynchronous: nothing waits
-    for it), with the device's context current. `launch` (the backend's) takes
+    enqueues it on that device's stream (DeviceState.stream; asynchronous:
+    nothing waits for it), with the device's context current. `launch` (the backend's) takes
     (grid, block, args); `enqueue`, when the backend has one, takes (grid, block,
     stream, *args) and is what `launch` calls (PyCUDA's prepared_async_call)."""
 
@@ -116,7 +116,7 @@ class Kernel:
         def go(*args):
             stack = getattr(thread_state, "stack", None)
             if stack and stack[-1] is state:
-                enqueue(grid, block, None, *args)
+                enqueue(grid, block, state.stream, *args)
             else:
                 with entered(state):
                     run(grid, block, args)

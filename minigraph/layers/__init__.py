@@ -14,6 +14,7 @@ from minigraph.layers.attention import (
     scaled_dot_product_attention,
 )
 from minigraph.layers.base import LayerRecord, layer
+from minigraph.layers.channel_norm import group_norm, instance_norm
 from minigraph.layers.loss import (
     accuracy,
     argmax,
@@ -41,7 +42,7 @@ from minigraph.layers.math import (
     subtract,
 )
 from minigraph.layers.nn import conv2d, data, dropout, embedding, fc, linear, pool2d
-from minigraph.layers.norm import batch_norm, group_norm, instance_norm, layer_norm
+from minigraph.layers.norm import batch_norm, layer_norm
 from minigraph.layers.tensor import add, concat, flatten, multiply, reshape, transpose
 
 __all__ = ["KVCache", "LayerRecord", "abs", "accuracy", "add", "argmax", "batch_norm",

@@ -2,11 +2,14 @@
 net.summary(), and the argument checks whose errors name the layer and the argument.
 
 A layer is a function `layer(net, inputs..., name=None, ...)` decorated with
-`@layer("kind")`: the decorator checks the net and the name (an unnamed
+`@layer("kind")` (`@layer("kind", role="loss")` for a loss, "metric" for a
+metric: the inference passes leave those out): the decorator checks the net
+and the name (an unnamed
 layer gets `kind_k`, skipping names already used), builds inside
 `net.building()` (a layer that raises leaves no op, variable, parameter or
 name behind, so a retry with the same name works), and records what the
-layer built (`net.layers`). Write a new layer with `net.append(op_type,
+layer built (`net.layers`), and names the layer on each op it built
+(`Operator.layer`). Write a new layer with `net.append(op_type,
 inputs, outputs, attrs)` and `net.create_parameter(...)` inside such a
 function (see docs/adding_an_op.md).
 """
@@ -26,7 +29,8 @@ from minigraph.validators import check_number, is_int
 @dataclass(frozen=True)
 class LayerRecord:
     """What one layer call built: its name and kind, the types of the ops it
-    appended (train path), its output's shape, and the persistables it created;
+    appended (train path), its output's shape, the persistables it created and
+    its role ("loss", "metric" or None);
     `trainable` / `non_trainable` count their values by their current flags (a
     parameter frozen after the build counts as non-trainable)."""
 
@@ -35,6 +39,7 @@ class LayerRecord:
     op_types: tuple
     output_shape: tuple | None
     made: tuple
+    role: str | None = None
 
     @property
     def trainable(self):
@@ -45,8 +50,14 @@ class LayerRecord:
         return sum(_size(v) for v in self.made if not v.trainable)
 
 
-def layer(kind):
-    """Decorator for layer functions (see the module doc)."""
+LAYER_ROLES = (None, "loss", "metric")
+
+
+def layer(kind, role=None):
+    """Decorator for layer functions (see the module doc); role: one of LAYER_ROLES."""
+    if role not in LAYER_ROLES:
+        raise ValueError(f"layer {kind!r}: role must be one of {LAYER_ROLES}, got {role!r}")
+
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(net, *args, name=None, **kwargs):
@@ -57,16 +68,20 @@ def layer(kind):
                                 f"{type(net).__name__}")
             with net.building():
                 name = _layer_name(net, kind, name)
-                ops_before = len(net.section("trunk")) + len(net.section("train"))
+                before = {s: len(net.section(s)) for s in ("trunk", "train", "infer")}
                 vars_before = set(net.scope.vars)
                 out = fn(net, *args, name=name, **kwargs)
-                ops = (net.section("trunk") + net.section("train"))[ops_before:]
+                built = {s: net.section(s)[n:] for s, n in before.items()}
+                for op in built["trunk"] + built["train"] + built["infer"]:
+                    if op.layer is None:        # a layer called inside this one named its own
+                        op.layer = name
+                ops = built["trunk"] + built["train"]
                 made = [v for n, v in net.scope.vars.items()
                         if n not in vars_before and v.persistable]
                 net.layers.append(LayerRecord(
                     name, kind, tuple(op.type for op in ops),
                     tuple(out.shape) if isinstance(out, Variable) and out.shape is not None
-                    else None, tuple(made)))
+                    else None, tuple(made), role))
             return out
         return wrapper
     return deco

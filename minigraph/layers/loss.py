@@ -19,7 +19,7 @@ def _labels(net, kind, label):
     return label
 
 
-@layer("softmax_with_cross_entropy")
+@layer("softmax_with_cross_entropy", role="loss")
 def softmax_with_cross_entropy(net, logits, label, label_smoothing=0.0, name=None):
     """Per-row cross entropy of softmax(logits) against int64 class labels; shape (N,).
     label_smoothing eps in [0, 1] mixes the target with the uniform one: (1 - eps)
@@ -59,7 +59,7 @@ def _op(net, op_type, ins, name, suffix, attrs=None):
     return net.append(op_type, ins, {"out": f"{name}.{suffix}"}, attrs)["out"]
 
 
-@layer("mse_loss")
+@layer("mse_loss", role="loss")
 def mse_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
     """(input - label)^2, reduced (torch's F.mse_loss)."""
     _pair(net, "mse_loss", input, label, reduction)
@@ -68,7 +68,7 @@ def mse_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
                     reduction, name)
 
 
-@layer("l1_loss")
+@layer("l1_loss", role="loss")
 def l1_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
     """|input - label|, reduced (torch's F.l1_loss)."""
     _pair(net, "l1_loss", input, label, reduction)
@@ -77,7 +77,7 @@ def l1_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
                     reduction, name)
 
 
-@layer("huber_loss")
+@layer("huber_loss", role="loss")
 def huber_loss(net, input, label, delta=1.0, reduction="mean", name=None):  # noqa: A002
     """0.5 d^2 where |d| <= delta, else delta (|d| - 0.5 delta), d = input - label,
     reduced (torch's F.huber_loss): computed as 0.5 c^2 + delta (|d| - |c|) with
@@ -97,7 +97,7 @@ def huber_loss(net, input, label, delta=1.0, reduction="mean", name=None):  # no
                                            "elementwise"), reduction, name)
 
 
-@layer("binary_cross_entropy_with_logits")
+@layer("binary_cross_entropy_with_logits", role="loss")
 def binary_cross_entropy_with_logits(net, logit, label, reduction="mean", name=None):
     """Binary cross entropy of sigmoid(logit) against float labels in [0, 1], in its
     stable form, reduced (torch's F.binary_cross_entropy_with_logits)."""
@@ -122,7 +122,7 @@ def argmax(net, x, axis=-1, name=None):
     return net.append("argmax", {"x": x}, {"out": f"{name}.out"}, {"axis": axis})["out"]
 
 
-@layer("accuracy")
+@layer("accuracy", role="metric")
 def accuracy(net, logits, label, name=None):
     """The fraction of rows whose argmax(logits) equals the label: a float32 scalar."""
     tensor(net, "accuracy", "logits", logits, float_only=True)

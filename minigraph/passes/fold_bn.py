@@ -43,12 +43,21 @@ class FoldNote:
         return f"{self.batch_norm}: kept ({self.reason})"
 
 
-def fold_batch_norm(net, verbose=False):
-    """A new infer-only Net equal to `net.infer` with every foldable batch norm
-    folded (see the module doc); `net` and its persistables are untouched.
-    The new net's `reports["fold_batch_norm"]` lists a FoldNote per batch norm;
-    verbose=True also prints it. Fetch from the new net by name."""
-    folded, _ = clone_for_inference(net, NAME)
+def fold_batch_norm(net, fetches=None, verbose=False):
+    """A new infer-only Net equal to `net.infer` for `fetches` with every foldable
+    batch norm folded (see the module doc); `net` and its persistables are
+    untouched. fetches: Variables of `net` or names, what the new net computes
+    (its default fetches); by default the net's predictions, without its loss,
+    labels and metrics (minigraph.passes.infer_clone.inference_outputs). The new
+    net's `reports["fold_batch_norm"]` lists a FoldNote per batch norm;
+    verbose=True also prints it. Fetch from the new net by name, or fetch nothing
+    to get its default fetches."""
+    return fold(net, fetches, verbose, NAME)
+
+
+def fold(net, fetches, verbose, made_by):
+    """fold_batch_norm for the pass `made_by` (named in the new net's errors)."""
+    folded, _ = clone_for_inference(net, made_by, fetches)
     notes = []
     for bn in [op for op in folded.section("trunk") if op.schema.has_role("batch_norm")]:
         notes.append(_fold_one(folded, bn))
@@ -99,8 +108,10 @@ def _fold_one(net, bn):
         if b is None:                   # affine=False: the folded bias gets a Variable
             b = net.scope.new_var(f"{label}.folded_bias", persistable=True, trainable=False)
         b.set(net.place.to_device(b_new))
-        net.replace_op("trunk", bn, Operator(op_for_role("bias_add"), x=x, y=b, out=y,
-                                             axis=_out_channel_axis(producer, x)))
+        add = Operator(op_for_role("bias_add"), x=x, y=b, out=y,
+                       axis=_out_channel_axis(producer, x))
+        add.layer = producer.layer              # the layer's bias now
+        net.replace_op("trunk", bn, add)
     return FoldNote(label, True, into=f"the {producer.type} computing {x.name!r}" +
                     (" and its bias add" if bias_add else " (as a new bias add)"))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minigraph.operator import Operator
-from minigraph.passes.fold_bn import fold_batch_norm
+from minigraph.passes.fold_bn import fold
 from minigraph.passes.infer_clone import check_net
 from minigraph.schema import op_for_role
 
@@ -50,15 +50,15 @@ class FuseNote:
         return f"{' + '.join(self.ops)} -> {self.into} computing {self.out!r}"
 
 
-def optimize_for_inference(net, verbose=False):
-    """A new infer-only Net equal to `net.infer` (to float rounding): batch norms
+def optimize_for_inference(net, fetches=None, verbose=False):
+    """A new infer-only Net equal to `net.infer` for `fetches` (to float rounding;
+    fetches as in fold_batch_norm, by default the net's predictions): batch norms
     folded into the convolutions and fc layers before them (fold_batch_norm), then
     conv2d chains fused (fuse_conv2d), then fc chains (fuse_fc). `net` is
     untouched; the new net's `reports` hold the three passes' notes. Fetch from it
-    by name."""
+    by name, or fetch nothing to get its default fetches."""
     check_net(net, "optimize_for_inference")
-    fast = fold_batch_norm(net, verbose=verbose)
-    fast.made_by = "optimize_for_inference"
+    fast = fold(net, fetches, verbose, "optimize_for_inference")
     fuse_conv2d(fast, verbose=verbose)
     fuse_fc(fast, verbose=verbose)
     return fast
@@ -95,6 +95,7 @@ def _fuse(net, name, role, fused_type, chain_of, verbose):
         out = chain[-1].outputs["out"]
         fused = Operator(fused_type, **{s: v for s, v in first.inputs.items() if v is not None},
                          out=out, **parts, **first.attrs)
+        fused.layer = first.layer           # the conv's or fc's layer, not its relu's
         net.replace_op("trunk", chain[-1], fused)
         for op in chain[:-1]:
             net.remove_op("trunk", op)

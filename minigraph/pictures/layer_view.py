@@ -1,6 +1,6 @@
 """The layer view of a net: one node per layer (`net.render(path, level="layer")`).
 
-Each layer (minigraph.layer_map: the name the layer API gave) is one box
+Each layer (minigraph.pictures.layer_map: the name the layer API gave) is one box
 `layer:<name>`: its name and kind, the ops it is made of when they are more
 than its kind, its output shape, its parameter count and the persistables it
 made (`w (16, 1, 3, 3)`), and the parameters it shares with a layer that made
@@ -29,8 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from minigraph.layer_map import FORWARD, LayerMap
-from minigraph.render import (
+from minigraph.pictures.dot import (
     ALIAS_COLOR,
     DATA_FILL,
     GRAD_FILL,
@@ -39,10 +38,13 @@ from minigraph.render import (
     PERSIST_FILL,
     Heat,
     cluster,
+    dims_text,
     html,
+    inference_title,
     q,
     shape_text,
 )
+from minigraph.pictures.layer_map import FORWARD, LayerMap
 
 MODE_FILL = "#f3e8f7"
 MODE_COLOR = "#8e44ad"
@@ -74,23 +76,28 @@ def layer_dot(net, backward=False, profile=None):
                 if not var.persistable:
                     producer[id(var)] = unit
     heat = Heat(profile, layers=True)
+    inference = inference_title(net)
     trunk, fork, top, states = [], [], [], []
     for unit in order:
         parts = units[unit]
-        node, state = _unit_node(lmap, unit, parts, heat, backward)
+        node, state = _unit_node(lmap, unit, parts, heat, backward, bool(inference))
         (trunk if set(parts) == {"trunk"} else fork).append(node)
         if state:
             (trunk if set(parts) == {"trunk"} else fork).append(state[0])
             states += state[1:]
     fed = {s[len("data:"):] for s, _ in edges if s.startswith("data:")}
     top += [_data_node(var) for name, var in net.data_vars.items() if name in fed]
+    what = f"layer view of an {inference[0].lower()}{inference[1:]}" if inference \
+        else "layer view"
     lines = ["digraph minigraph {"] + HEADER + heat.legend(
-        '<b>layer view</b> (for every op and variable, draw level="op")')
+        f'<b>{what}</b> (for every op and variable, draw level="op")')
     lines += [f"  {n}" for n in top]
-    if trunk:
+    if inference:
+        lines += cluster("cluster_inference", "the layers infer runs", trunk + fork, "#f6eef6")
+    elif trunk:
         lines += cluster("cluster_trunk", "trunk (run once, shared by train and infer)",
                          trunk, "#f7f7f7")
-    if fork:
+    if fork and not inference:
         lines += cluster("cluster_fork", "after the fork: a train copy and an infer copy of "
                          "each layer, sharing its parameters", fork, "#eef6ee")
     if backward:
@@ -101,10 +108,12 @@ def layer_dot(net, backward=False, profile=None):
     return "\n".join(lines) + "\n"
 
 
-def _unit_node(lmap, unit, parts, heat, backward):
-    """(node line, [state node line, its edges...] or []) of one layer (or op of none)."""
-    train_ops = parts.get("trunk", []) + parts.get("train", [])
-    any_ops = train_ops or parts.get("infer", [])
+def _unit_node(lmap, unit, parts, heat, backward, inference=False):
+    """(node line, [state node line, its edges...] or []) of one layer (or op of none);
+    in an inference net nothing differs per mode and nothing is written in place."""
+    trunk = parts.get("trunk", [])
+    train_ops = [] if inference else trunk + parts.get("train", [])
+    any_ops = trunk + parts.get("infer", []) if inference else train_ops or parts.get("infer", [])
     rec = lmap.records.get(unit)
     if unit.startswith("op:"):
         title, kind = html(any_ops[0].type), "op of no layer"
@@ -131,12 +140,14 @@ def _unit_node(lmap, unit, parts, heat, backward):
     if shared:
         rows.append(_small("shares " + ", ".join(dict.fromkeys(v.name for v in shared)),
                            PARAM_TEXT))
-    modes = {op.schema.mode_attr for op in any_ops if op.schema.mode_attr}
-    marked = bool(modes) or set(parts) in ({"train"}, {"infer"})
+    modes = set() if inference else {op.schema.mode_attr for op in any_ops
+                                     if op.schema.mode_attr}
+    one_mode = not inference and set(parts) in ({"train"}, {"infer"})
+    marked = bool(modes) or one_mode
     if modes:
         rows.append(f'<font point-size="8" color="{MODE_COLOR}"><b>differs per mode</b> '
                     f'({html(", ".join(sorted(modes)))})</font>')
-    if set(parts) in ({"train"}, {"infer"}):
+    if one_mode:
         rows.append(f'<font point-size="8" color="{MODE_COLOR}"><b>{next(iter(parts))} '
                     "only</b></font>")
     share = _share(heat, unit, any_ops, backward)
@@ -213,14 +224,11 @@ def _listed(bound):
 
 def _output_shape(rec, ops):
     if rec is not None and rec.output_shape is not None:
-        shape = rec.output_shape
-    else:
-        outs = [v for v in ops[-1].output_vars() if not v.persistable] if ops else []
-        if not outs or outs[0].shape is None:
-            return ""
-        shape = outs[0].shape
-    return "(" + ", ".join("N" if d < 0 else str(d) for d in shape) + (
-        "," if len(shape) == 1 else "") + ")"
+        return dims_text(rec.output_shape)
+    outs = [v for v in ops[-1].output_vars() if not v.persistable] if ops else []
+    if not outs or outs[0].shape is None:
+        return ""
+    return dims_text(outs[0].decl_shape if outs[0].decl_shape is not None else outs[0].shape)
 
 
 def _short(var, unit):

@@ -1,5 +1,7 @@
 """The values a checkpoint may hold: what `minigraph.io.load` checks once names,
-shapes and dtypes fit, before it assigns anything.
+shapes and dtypes fit, before it assigns anything, and what `Variable.set` checks
+on a persistable (`check`); and the part of a checkpoint each persistable
+belongs to (`part_of`).
 
   * every floating-point value is finite (weights, estimates, optimizer state):
     a NaN estimate made every later step fail with a misleading error about
@@ -12,14 +14,55 @@ shapes and dtypes fit, before it assigns anything.
   * the learning rate is a finite number >= 0;
   * a ReduceOnPlateau state (`<lr>.plateau`: whether a best exists, the best,
     bad steps, cooldown left, steps taken) is one its step() can reach: a flag
-    of 0 or 1, whole numbers >= 0, and cooldown left at most the schedule's
+    of 0 or 1, a best that is not NaN (an infinite metric makes an infinite
+    best), whole numbers >= 0, and cooldown left at most the schedule's
     cooldown.
+
+The rules beyond "finite" and "counter" are the Variable's `value_rule`, set by
+whoever makes it (`variance`, `learning_rate`, `plateau(cooldown)`); `problems`
+also finds the variance estimates of a net's batch-norm ops by their role.
 """
 from __future__ import annotations
 
 import numpy as np
 
 SECTIONS = ("init", "trunk", "train", "infer", "backward", "update")
+PARTS = ("parameters", "estimates", "optimizer")
+
+
+def part_of(var):
+    """The part of a checkpoint the persistable `var` belongs to: its `part` when
+    its maker set one (layers' parameters: "parameters"; optimizers' state:
+    "optimizer"), else "parameters" when it is trainable or was made from a
+    ParamAttr, else "estimates" (running estimates, counters, dropout's step)."""
+    if var.part is not None:
+        return var.part
+    return "parameters" if var.trainable or var.param_attr is not None else "estimates"
+
+
+def check(var, value):
+    """The complaint (str naming `var`) about `value` (a numpy array) as the value of
+    the persistable `var`, or None: its value_rule, else the rule of its dtype."""
+    rule = var.value_rule or _by_dtype(value)
+    return rule(var.name, value) if rule is not None else None
+
+
+def mark_rules(op):
+    """Give the variance estimate an op with the "batch_norm" role updates the
+    variance rule, so Variable.set checks it as a load does (Net calls it for
+    every op it takes)."""
+    if op.schema.has_role("batch_norm"):
+        var = op.inputs.get("estimated_var")
+        if var is not None and var.value_rule is None:
+            var.value_rule = variance
+
+
+def _by_dtype(value):
+    if value.dtype.kind in "fc":
+        return _finite
+    if value.dtype.kind in "iu" and value.shape == ():
+        return _counter
+    return None
 
 
 def learning_rate_var(net):
@@ -31,27 +74,18 @@ def learning_rate_var(net):
 def problems(net, values):
     """The complaints ([str], each naming the variable) about `values` ({name: numpy
     array}, a checkpoint's arrays for `net`'s persistables)."""
-    special = {}
+    special = {v.name: v.value_rule for v in net.persistables() if v.value_rule is not None}
     lr_var = learning_rate_var(net)
     if lr_var is not None:
-        special[lr_var.name] = _learning_rate
-    opt = getattr(net, "optimizer", None)
-    schedule = getattr(getattr(opt, "inner", opt), "schedule", None)
-    state_var = getattr(schedule, "state_var", None)
-    if state_var is not None:
-        special[state_var.name] = lambda name, v: _plateau(name, v, schedule.cooldown)
-    variances = {op.inputs["estimated_var"].name for section in SECTIONS
-                 for op in net.section(section)
-                 if op.schema.has_role("batch_norm") and op.inputs.get("estimated_var")}
+        special.setdefault(lr_var.name, learning_rate)
+    for section in SECTIONS:
+        for op in net.section(section):
+            if op.schema.has_role("batch_norm") and op.inputs.get("estimated_var"):
+                special.setdefault(op.inputs["estimated_var"].name, variance)
     found = []
     for name, value in values.items():
-        check = special.get(name)
-        if check is None:
-            if value.dtype.kind in "fc":
-                check = _variance if name in variances else _finite
-            elif value.dtype.kind in "iu" and value.shape == ():
-                check = _counter
-        complaint = check(name, value) if check is not None else None
+        rule = special.get(name) or _by_dtype(value)
+        complaint = rule(name, value) if rule is not None else None
         if complaint:
             found.append(complaint)
     return found
@@ -66,11 +100,12 @@ def _finite(name, value):
             f"the first at index {_first(bad)}); a checkpoint's values must be finite")
 
 
-def _variance(name, value):
+def variance(name, value):
+    """The rule of a variance estimate: finite and >= 0."""
     complaint = _finite(name, value)
     if complaint is None and (value < 0).any():
         at = _first(value < 0)
-        complaint = (f"variance estimate {name!r} holds {value[at]!r} at index {at}; a "
+        complaint = (f"variance estimate {name!r} holds {float(value[at])!r} at index {at}; a "
                      "variance must be >= 0")
     return complaint
 
@@ -82,7 +117,8 @@ def _counter(name, value):
     return None
 
 
-def _learning_rate(name, value):
+def learning_rate(name, value):
+    """The rule of a learning rate: a finite number >= 0."""
     bad = [float(v) for v in np.ravel(value) if not (np.isfinite(v) and v >= 0)]
     if bad:
         return (f"learning rate {name!r} holds {bad[0]!r}; a learning rate must be a finite "
@@ -90,13 +126,19 @@ def _learning_rate(name, value):
     return None
 
 
+def plateau(cooldown):
+    """The rule of a ReduceOnPlateau state whose schedule has `cooldown`."""
+    return lambda name, value: _plateau(name, value, cooldown)
+
+
 def _plateau(name, value, cooldown):
     v = np.ravel(value).astype(np.float64)
     if v.size != 5:
         return f"ReduceOnPlateau state {name!r} holds {v.size} values, not 5"
-    if not np.isfinite(v).all():
+    counts = np.delete(v, 1)
+    if np.isnan(v[1]) or not np.isfinite(counts).all():
         return f"ReduceOnPlateau state {name!r} holds non-finite values ({v.tolist()}); " \
-               "every value must be finite"
+               "every value must be finite but the best, which may be infinite, never NaN"
     has_best, _, bad, cooling, steps = v.tolist()
     why = None
     if has_best not in (0.0, 1.0):

@@ -4,7 +4,7 @@ Each layer is a cluster (`cluster_layer_<k>`, k its place in LayerMap.names;
 a trunk layer's title says so) holding its forward ops, variables and
 persistables, inside `cluster_forward`. Beside it, in `cluster_backward`, a
 lighter cluster (`cluster_layer_<k>_grad`) holds the gradient ops of that
-layer (minigraph.layer_map) and the updates of its parameters, each level with
+layer (minigraph.pictures.layer_map) and the updates of its parameters, each level with
 the forward op it differentiates (`rank=same`). Gradients flow upwards from op to
 op: a gradient variable is an edge from the slot that computes it to the slot
 that reads it, not a node, unless nothing reads it. An update writing its
@@ -16,8 +16,7 @@ attributes are the forward picture's.
 """
 from __future__ import annotations
 
-from minigraph.layer_map import GRAD_MARK, LayerMap
-from minigraph.render import (
+from minigraph.pictures.dot import (
     ALIAS_COLOR,
     HEADER,
     Heat,
@@ -33,6 +32,7 @@ from minigraph.render import (
     var_node,
     variables_of,
 )
+from minigraph.pictures.layer_map import GRAD_MARK, LayerMap
 
 
 def backward_dot(net, profile=None):

@@ -124,10 +124,12 @@ def open_regular(path, max_bytes=None):
             raise NotRegularFile(errno.EFBIG, f"{st.st_size} bytes, more than the "
                                  f"{max_bytes} this file may hold", os.fsdecode(path))
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
+    # outside the try: once the file object exists it owns fd, and a Ctrl-C arriving
+    # as it is made must not close fd a second time (another open may reuse its number)
+    return os.fdopen(fd, "rb")
 
 
 class NotRegularFile(OSError):

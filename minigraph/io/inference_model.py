@@ -4,49 +4,60 @@
     m = load_inference("model_dir")          # a Net, from the directory alone
     (p,) = m.infer(feed={"image": x})        # fetch=None: the saved fetches
 
-The directory holds `model.json` (format "minigraph-inference", version 1:
+The directory holds `model.json` (format "minigraph-inference", version 2:
 ops with their slots and attributes, variables, feeds, fetches; plain JSON,
-nothing executable) and `params.npz` (the persistables the ops read, a
-minigraph checkpoint read with every check of minigraph.npz). The format is
-documented in docs/inference_format.md. Each file is written atomically,
-params.npz first and model.json last; model.json records the SHA-256 of
-params.npz, so a reader never pairs a model with parameters of another save.
+nothing executable) and `params-<hash>.npz` (the persistables the ops read, a
+minigraph checkpoint read with every check of minigraph.io.npz, named after the
+first 16 hex digits of its SHA-256). The format is documented in
+docs/inference_format.md. A save writes the new params file beside the old
+one, then replaces model.json atomically (which names the params file and
+records its SHA-256), then removes the params file the old model.json named:
+until the new model.json is in place the old model stays complete and
+loadable, so a save that fails or is killed between its files leaves the
+previous model as it was. Version 1 directories (`params.npz`) still load.
 """
 from __future__ import annotations
 
 import hashlib
 import io as _bytes_io
+import os
+import time
 from pathlib import Path
 
 import numpy as np
 
 from minigraph.executor import prune
 from minigraph.feeds import check_no_infer_state, io_variables
-from minigraph.files import atomic_write
-from minigraph.model_format import (
+from minigraph.io import checkpoint_values
+from minigraph.io.files import atomic_write
+from minigraph.io.model_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MODEL_FILE,
     PARAMS_FILE,
+    PARAMS_PATTERN,
     InferenceModelError,
     decode_attr,
     dump,
     encode_attr,
     field,
     open_model_file,
+    params_file,
+    params_name,
     read_model,
     records_of,
     same_value,
 )
+from minigraph.io.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
 from minigraph.net import Net
-from minigraph.npz import CHECKPOINT_FORMAT, FORMAT_KEY, Archive, write_npz
 from minigraph.operator import Operator
 from minigraph.schema import OpError, get_schema, registered_ops
+from minigraph.scope import check_reserved_name
 
 
 class InferenceNet(Net):
-    """A Net rebuilt by load_inference: it infers; it has no loss, gradients
-    or optimizer, so `train` is an error."""
+    """A Net rebuilt by load_inference: it infers its saved fetches; it has no
+    loss, gradients or optimizer, so `train` is an error."""
 
     infer_only = True
 
@@ -54,11 +65,17 @@ class InferenceNet(Net):
         super().__init__(place=place, seed=0)
         self.source = str(source)
 
+    @property
+    def origin(self):
+        """Where this inference net comes from, in words."""
+        return f"loaded from {self.source!r}"
+
     def train(self, feed=None, fetch=None):
         """Always an error: an inference model cannot be trained."""
-        raise RuntimeError(f"train: this net was loaded from the inference model "
-                           f"{self.source!r} and can only infer (it has no loss, gradients or "
-                           "optimizer); build the net with layers to train it")
+        outs = ", ".join(repr(v.name) for v in self.default_fetches) or "its outputs"
+        raise RuntimeError(f"train: this is an inference net ({self.origin}): it computes "
+                           f"{outs} and has no loss, gradients or optimizer; build the net "
+                           "with layers to train it")
 
 
 # ---- saving ------------------------------------------------------------------------
@@ -87,18 +104,24 @@ def save_inference(net, dirname, feeds, fetches):
                                   f"{'is' if len(absent) == 1 else 'are'} not among the feeds")
     variables = _unique([*feed_vars, *(v for op in ops for v in op.input_vars() +
                                        op.output_vars()), *fetch_vars])
-    if any(v.persistable and v.value is None for v in variables):
-        net.initialize()
     names = {}
     for var in variables:
         if names.setdefault(var.name, var) is not var:
             raise InferenceModelError(f"{what}: two different variables are named "
                                       f"{var.name!r}; the model file names each once")
-    params = {FORMAT_KEY: np.array(CHECKPOINT_FORMAT)}
-    params.update({v.name: np.asarray(v.get()) for v in variables if v.persistable})
+    persist = [v for v in variables if v.persistable]
+    parts = {p: [v.name for v in persist if checkpoint_values.part_of(v) == p]
+             for p in checkpoint_values.PARTS}
+    params = header_arrays(CHECKPOINT_FORMAT, {"parts": {p: n for p, n in parts.items() if n},
+                                               "optimizer": None})
+    with net._lock:                     # the values of one whole step
+        if any(v.value is None for v in persist):
+            net.initialize()
+        params.update({v.name: np.asarray(v.get()) for v in persist})
     blob = _bytes_io.BytesIO()
     write_npz(blob, params)
     data = blob.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
     model = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -106,13 +129,45 @@ def save_inference(net, dirname, feeds, fetches):
         "fetches": [v.name for v in fetch_vars],
         "variables": [_var_record(v) for v in variables],
         "ops": [_op_record(op, i, what) for i, op in enumerate(ops)],
-        "params": {"file": PARAMS_FILE, "sha256": hashlib.sha256(data).hexdigest()},
+        "params": {"file": params_name(digest), "sha256": digest},
     }
     text = dump(model)
     dirname.mkdir(parents=True, exist_ok=True)
-    atomic_write(dirname / PARAMS_FILE, lambda f: f.write(data))
+    previous = _named_params(dirname)
+    atomic_write(dirname / params_name(digest), lambda f: f.write(data))
     atomic_write(dirname / MODEL_FILE, lambda f: f.write(text.encode("utf-8")))
+    _remove_old_params(dirname, params_name(digest), previous)
     return dirname
+
+
+STALE_SECONDS = 600     # a params file no model.json names, this old, is a dead save's
+
+
+def _named_params(dirname):
+    """The params file the model.json in `dirname` names, or None (none, unreadable)."""
+    try:
+        return params_file(read_model(dirname, "save_inference"), "save_inference")[0]
+    except (InferenceModelError, OSError):
+        return None
+
+
+def _remove_old_params(dirname, keep, previous):
+    """Remove the params file the replaced model.json named (`previous`), and params
+    files no model.json names that are older than STALE_SECONDS (left by a save
+    killed between its files; a save still running wrote its own moments ago)."""
+    try:
+        names = os.listdir(dirname)
+    except OSError:
+        return
+    for name in names:
+        if name == keep or not (name == PARAMS_FILE or PARAMS_PATTERN.fullmatch(name)):
+            continue
+        path = dirname / name
+        try:
+            if name == previous or time.time() - os.stat(path).st_mtime > STALE_SECONDS:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _unique(variables):
@@ -147,8 +202,11 @@ def _op_record(op, index, what):
         attrs[key] = encode_attr(value, where)
         if not same_value(decode_attr(attrs[key], where), value):
             raise InferenceModelError(f"{where}: {value!r} does not survive the model file")
-    return {"type": op.type, "inputs": {s: names(v) for s, v in op.inputs.items()},
-            "outputs": {s: names(v) for s, v in op.outputs.items()}, "attrs": attrs}
+    record = {"type": op.type, "inputs": {s: names(v) for s, v in op.inputs.items()},
+              "outputs": {s: names(v) for s, v in op.outputs.items()}, "attrs": attrs}
+    if op.layer is not None:
+        record["layer"] = op.layer
+    return record
 
 
 # ---- loading -----------------------------------------------------------------------
@@ -162,10 +220,12 @@ def load_inference(dirname, place=None):
     mode-dependent op (schema.mode_attr, e.g. batch_norm) form the trunk,
     that op and the rest the infer branch, with the mode attribute True.
     A newer format version, a missing or damaged file (JSON that does not
-    parse or lacks a key, parameters that are missing, damaged or do not
-    match), or an op type this minigraph does not know is an
-    InferenceModelError (a CheckpointError) saying which. A missing
-    directory is a FileNotFoundError.
+    parse or lacks a key, parameters that are missing, damaged, do not match
+    or hold values a checkpoint may not), an op type this minigraph does not
+    know, or an op that would write a persistable (a parameter or estimate)
+    is an InferenceModelError (a CheckpointError) saying which. A missing
+    directory is a FileNotFoundError. A save replacing the model meanwhile
+    is read again (the new model), never half.
     """
     dirname = Path(dirname)
     what = f"load_inference {str(dirname)!r}"
@@ -173,35 +233,42 @@ def load_inference(dirname, place=None):
         if dirname.exists():
             raise InferenceModelError(f"{what}: not a directory")
         raise FileNotFoundError(2, "no such inference model directory", str(dirname))
-    model = read_model(dirname, what)
-    records = records_of(model, what)
-    params = _read_params(dirname, model, records, what)
+    for attempt in range(_RETRIES):
+        model = read_model(dirname, what)
+        records = records_of(model, what)
+        name, digest = params_file(model, what)
+        try:
+            f = open_model_file(dirname, name, what)
+        except InferenceModelError:
+            if attempt + 1 < _RETRIES and not (dirname / name).exists():
+                continue        # a save replaced model.json and removed this file: read again
+            raise
+        params = _read_params(dirname, name, digest, f, records, what)
+        break
     net = InferenceNet(place, dirname)
     return _build(net, model, records, params, what)
 
 
-def _read_params(dirname, model, records, what):
-    info = field(model, "params", dict, what)
-    if field(info, "file", str, f"{what}: params") != PARAMS_FILE:
-        raise InferenceModelError(f"{what}: the params file must be {PARAMS_FILE!r}, "
-                                  f"got {info['file']!r}")
-    digest = field(info, "sha256", str, f"{what}: params")
-    path = dirname / PARAMS_FILE
-    f = open_model_file(dirname, PARAMS_FILE, what)
+_RETRIES = 3
+
+
+def _read_params(dirname, name, digest, f, records, what):
+    """The arrays of the params file `name` (open as `f`) after checking its SHA-256
+    against `digest` and its entries against the persistable records."""
     try:
         sha = hashlib.sha256()
         for chunk in iter(lambda: f.read(1 << 20), b""):
             sha.update(chunk)
         if sha.hexdigest() != digest:
-            raise InferenceModelError(f"{what}: {PARAMS_FILE} is not the one {MODEL_FILE} was "
+            raise InferenceModelError(f"{what}: {name} is not the one {MODEL_FILE} was "
                                       "saved with (its SHA-256 differs): damaged, or from "
                                       "another save")
     except BaseException:
         f.close()
         raise
     wanted = {n: r for n, r in records.items() if r["persistable"]}
-    pwhat = f"{what}: {PARAMS_FILE}"
-    with Archive(path, pwhat, CHECKPOINT_FORMAT, fileobj=f) as archive:
+    pwhat = f"{what}: {name}"
+    with Archive(dirname / name, pwhat, CHECKPOINT_FORMAT, fileobj=f) as archive:
         problems = [f"missing {n!r}" for n in wanted if n not in archive.entries]
         problems += [f"unexpected {n!r}" for n in archive.entries if n not in wanted]
         for n, rec in wanted.items():
@@ -216,6 +283,23 @@ def _read_params(dirname, model, records, what):
         return {n: archive.read(n) for n in wanted}
 
 
+def _check_writes(net, what):
+    """An InferenceModelError unless no op writes a persistable: only the in-place
+    outputs of mode-dependent ops bind one, and in inference mode (which the
+    loader sets) they write nothing."""
+    for i, op in enumerate(net.ops("infer")):
+        for slot, bound in op.outputs.items():
+            for var in bound if isinstance(bound, list) else [bound]:
+                if var is None or not var.persistable:
+                    continue
+                if op.schema.mode_attr is not None and slot in op.schema.inplace:
+                    continue
+                raise InferenceModelError(
+                    f"{what}: op {i} ({op.type}) writes the persistable {var.name!r} (output "
+                    f"slot {slot!r}); an inference model never changes its parameters or "
+                    "estimates, so this model.json was not written by save_inference")
+
+
 def _build(net, model, records, params, what):
     ops = field(model, "ops", list, what)
     types = [field(op, "type", str, f"{what}: op {i}") for i, op in enumerate(ops)]
@@ -227,6 +311,7 @@ def _build(net, model, records, params, what):
             if rec["data"]:
                 variables[name] = net.add_data(name, rec["shape"], rec["dtype"])
             elif rec["persistable"]:
+                check_reserved_name(name)
                 var = net.scope.new_var(name, persistable=True, trainable=rec["trainable"])
                 var.set(net.place.to_device(params[name]))
                 variables[name] = var
@@ -246,6 +331,11 @@ def _build(net, model, records, params, what):
         if name not in net.data_vars:
             raise InferenceModelError(f"{what}: feed {name!r} is not a data variable of the "
                                       "model")
+    _check_writes(net, what)
+    bad = checkpoint_values.problems(net, params)
+    if bad:
+        raise InferenceModelError(f"{what}: the params file holds values a model may not: "
+                                  + "; ".join(bad))
     net.default_fetches = fetches
     return net
 
@@ -278,7 +368,10 @@ def _make_op(net, op, op_type, index, section, records, variables, what):
              for k, v in field(op, "attrs", dict, where).items()}
     if schema.mode_attr is not None:
         attrs[schema.mode_attr] = True
-    return Operator(op_type, **kwargs, **attrs)
+    built = Operator(op_type, **kwargs, **attrs)
+    if "layer" in op:                   # optional: models saved before it have none
+        built.layer = field(op, "layer", str, where)
+    return built
 
 
 def _variable(net, name, section, records, variables, key, where):
@@ -291,6 +384,7 @@ def _variable(net, name, section, records, variables, key, where):
     if key == "inputs":
         raise InferenceModelError(f"{where}: reads {name!r} before any op computes it")
     scope = net.scope if section == "trunk" else net.scopes["infer"]
+    check_reserved_name(name)
     var = scope.new_var(name)
     var.declare(rec["shape"], rec["dtype"])
     variables[name] = var

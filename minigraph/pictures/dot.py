@@ -1,35 +1,8 @@
-"""Pictures of a net: DOT source (no binary needed) and files rendered by Graphviz.
-
-Two levels. `level="layer"` (minigraph.render_layers) draws one node per
-layer. `level="op"` (this module) draws every op and variable:
-
-ops are boxes (type in bold, attributes below, the mode attribute a schema
-declares (`is_infer`) in bold); an op with several input or output slots
-names them in small type along its edges, and each edge starts or ends at
-its slot, so edges carry no labels. Variables are ovals, data doubly
-outlined, persistables filled and bold (parameters blue, other persistables
-such as estimates and counters orange). The trunk and the two branches are
-clusters (`cluster_trunk`, `cluster_train`, `cluster_infer`); persistables
-and data sit outside every cluster, drawn once, with edges into both
-branches. An in-place output (`saved_mean` -> `estimated_mean`) is a dashed
-edge from its slot; it is grey on infer copies (mode attribute True), which
-never write it.
-
-backward=True draws the train path with each layer's gradient ops beside
-it (minigraph.render_backward).
-
-profile=table (net.profile's) fills each op the table timed with a colour
-for its share of the step and adds that share to its label.
+"""The building blocks of every picture of a net: DOT nodes for ops and variables,
+edges attached to op slots, clusters, the profile's heat colours, shape and
+attribute text, and the graph header (fonts with fallbacks, see FONT).
 """
 from __future__ import annotations
-
-from pathlib import Path
-
-from minigraph import dot_runner
-from minigraph.files import atomic_write
-
-FORMATS = (".svg", ".png", ".pdf")
-LEVELS = ("op", "layer")
 
 PARAM_FILL = "#cfe2f3"
 PERSIST_FILL = "#fce5cd"
@@ -41,66 +14,33 @@ IDLE_COLOR = "#999999"
 SLOT_COLOR = "#666666"
 HEAT = ((255, 255, 255), (244, 109, 67))     # no time -> the hottest node's share
 
-HEADER = ['  graph [rankdir=TB, fontname="Helvetica", fontsize=12, newrank=true, '
+# Graphviz sizes every box for its label as set in FONT, the widest of the fonts a
+# viewer may pick from FONT_FAMILY (DejaVu Sans = Bitstream Vera Sans; Liberation
+# Sans = Arial's metrics; Helvetica is close to Arial), so a label fits whichever of
+# them the viewer has. SVG files name the whole list (svg_fonts); PNG and PDF files
+# carry the face they were drawn in (raster_source).
+FONT = "DejaVu Sans"
+FONT_FAMILY = "DejaVu Sans,Bitstream Vera Sans,Liberation Sans,Arial,Helvetica,sans-serif"
+RASTER_FONT = "Helvetica"
+HEADER = [f'  graph [rankdir=TB, fontname="{FONT}", fontsize=12, newrank=true, '
           'nodesep=0.25, ranksep=0.3];',
-          '  node [fontname="Helvetica", fontsize=10, margin="0.08,0.03"];',
-          '  edge [fontname="Helvetica", fontsize=8, color="#555555", arrowsize=0.6];']
+          f'  node [fontname="{FONT}", fontsize=10, margin="0.08,0.03"];',
+          f'  edge [fontname="{FONT}", fontsize=8, color="#555555", arrowsize=0.6];']
 
 
-def to_dot(net, backward=False, level="op", profile=None):
-    """DOT source of `net` (a str); needs no Graphviz binary.
-
-    level: "op" (every op and variable) or "layer" (one node per layer; see
-    minigraph.render_layers). backward: also draw the gradient and update ops.
-    profile: a table from net.profile() to colour the nodes by their share of
-    the step. Node ids are stable: `var:<scope>:<name>` (scope is root, train
-    or infer) and `op:<section>:<index>` in the op view; `layer:<name>`,
-    `data:<name>` (and `grad:<name>`, `state:<name>`) in the layer view."""
-    if level not in LEVELS:
-        raise ValueError(f"to_dot: level must be one of {', '.join(map(repr, LEVELS))}, got "
-                         f"{level!r}")
-    if profile is not None:
-        from minigraph.profile import check_table
-
-        check_table(profile, net, "to_dot")
-    if level == "layer":
-        from minigraph.render_layers import layer_dot
-
-        return layer_dot(net, backward=backward, profile=profile)
-    if backward:
-        from minigraph.render_backward import backward_dot
-
-        return backward_dot(net, profile)
-    return _forward_dot(net, profile)
+def raster_source(source):
+    """DOT source for a PNG or PDF, which carry the font Graphviz drew with: set in
+    RASTER_FONT, a face both Graphviz (through fontconfig) and graphviz-pure (its
+    Arial-compatible face) have, where graphviz-pure would draw FONT in a serif."""
+    return source.replace(f'fontname="{FONT}"', f'fontname="{RASTER_FONT}"')
 
 
-def render(net, path, backward=False, timeout=None, level="op", profile=None):
-    """Write the picture of `net` to `path`: .svg, .png or .pdf by suffix.
-
-    level, backward and profile as in to_dot. Runs Graphviz's `dot` when it is
-    on PATH, else the pip-installed graphviz-pure (svg and png only; .pdf then
-    needs `dot`, and says so). The program gets `timeout` seconds (default 60,
-    or MINIGRAPH_DOT_TIMEOUT); one that hangs, fails or writes nothing is a
-    RuntimeError and no file is written (see minigraph.dot_runner). The file is
-    written atomically (a temporary file in the same directory, then renamed).
-    Returns the path.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"render: cannot tell the format of {str(path)!r} from its suffix "
-                         f"{suffix or '(none)'!r}; use one of {', '.join(FORMATS)}")
-    source = to_dot(net, backward=backward, level=level, profile=profile)
-    data = dot_runner.pipe(source, suffix[1:], timeout=timeout)
-    return atomic_write(path, lambda f: f.write(data))
+def svg_fonts(svg):
+    """SVG bytes from Graphviz with FONT replaced by FONT_FAMILY in every
+    font-family, so a viewer without FONT falls back to a font no wider."""
+    return svg.replace(f'font-family="{FONT}"'.encode(), f'font-family="{FONT_FAMILY}"'.encode())
 
 
-def missing_dot_message():
-    """What to tell someone whose machine can render nothing (no `dot`, no graphviz-pure)."""
-    return dot_runner.missing_program_message()
-
-
-# ---- the forward picture ----------------------------------------------------------
 
 class Ids:
     """Stable node ids of a net's variables: `var:<scope>:<name>`."""
@@ -118,33 +58,6 @@ class Ids:
         return self.scopes.get(id(var.scope))
 
 
-def _forward_dot(net, profile):
-    ids = Ids(net)
-    ops = [(f"op:{name}:{i}", name, op) for name in ("trunk", "train", "infer")
-           for i, op in enumerate(net.section(name))]
-    edges = [e for oid, _, op in ops for e in forward_edges(oid, op, ids.var)]
-    used = used_slots(edges)
-    heat = Heat(profile)
-    clusters = {"top": [], "trunk": [], "train": [], "infer": []}
-    for vid, var in variables_of(ops, ids).items():
-        scope = ids.scope(var)
-        home = ("top" if var.persistable or var.is_data or scope is None
-                else "trunk" if scope == "root" else scope)
-        clusters[home].append(var_node(vid, var))
-    for oid, section, op in ops:
-        clusters[section].append(op_node(oid, op, used.get(oid), heat=heat))
-    lines = ["digraph minigraph {"] + HEADER + heat.legend()
-    lines += [f"  {n}" for n in clusters["top"]]
-    for name, title, fill in (("trunk", "trunk (shared)", "#f7f7f7"),
-                              ("train", "train branch (is_infer=False)", "#eef6ee"),
-                              ("infer", "infer branch (is_infer=True)", "#f6eef6")):
-        if clusters[name]:
-            lines += cluster(f"cluster_{name}", title, clusters[name], fill)
-    lines += [edge_line(e, used) for e in edges]
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
 def forward_edges(oid, op, var_id):
     """(tail, tail slot, head, head slot, attrs) of a forward op: each input to its
     slot, each output slot to its variable; an in-place output is dashed (grey
@@ -160,8 +73,6 @@ def forward_edges(oid, op, var_id):
                   for v in as_list(op.outputs[slot])]
     return edges
 
-
-# ---- nodes, clusters and edges --------------------------------------------------
 
 def variables_of(ops, ids):
     """Every variable the ops touch, in first-seen order: {node id: Variable}."""
@@ -317,21 +228,32 @@ class Heat:
         parts = [title] if title else []
         if self.profile is not None:
             p = self.profile
-            parts.append(f"fill: share of a {html(p.mode)} step ({p.step_ms:.3g} ms, mean "
-                         f"of {p.steps}); the hottest {'layer' if self.layers else 'op'} "
-                         f"takes {100 * self.top:.0f}%")
+            parts.append(f"fill: share of a timed {html(p.mode)} step ({p.timed_step_ms:.3g} "
+                         f"ms with its kernels timed, mean of {p.steps}; {p.step_ms:.3g} ms "
+                         f"untimed); the hottest {'layer' if self.layers else 'op'} takes "
+                         f"{100 * self.top:.0f}%")
         return [f"  label=<{'<br/>'.join(parts)}>; labelloc=t;"] if parts else []
 
 
 def shape_text(var):
-    """A Variable's shape as `(N, 16, 8, 8)` (N: the batch), with its dtype when that
-    is not float32."""
-    shape, dtype = var.shape, var.dtype
-    text = "?" if shape is None else "(" + ", ".join(
-        "N" if d < 0 else str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
-    if dtype is not None and str(dtype) != "float32":
-        text += f" {dtype}"
+    """A Variable's shape as `(N, 16, 8, 8)` (see dims_text), with its dtype when that
+    is not float32. The declared shape (data declarations, shape inference) wins
+    over the value a run left: a picture shows what the net is, not the batch it
+    ran last."""
+    shape = var.decl_shape if var.decl_shape is not None else var.shape
+    text = dims_text(shape)
+    if var.dtype is not None and str(var.dtype) != "float32":
+        text += f" {var.dtype}"
     return text
+
+
+def dims_text(shape):
+    """`shape` as `(N, 16, 8, 8)`: N for a size each feed gives (-1, such as the
+    batch); "?" when unknown (None)."""
+    if shape is None:
+        return "?"
+    return "(" + ", ".join("N" if d < 0 else str(d) for d in shape) + (
+        "," if len(shape) == 1 else "") + ")"
 
 
 def _attr_text(value):
@@ -352,3 +274,12 @@ def html(text):
 def q(ident):
     """`ident` as a quoted DOT id."""
     return '"' + ident.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def inference_title(net):
+    """"inference net (made by optimize_for_inference)" and the like for a net that
+    only infers (`net.infer_only`), as DOT HTML; "" for a net that trains."""
+    if not getattr(net, "infer_only", False):
+        return ""
+    origin = getattr(net, "origin", "")
+    return html(f"inference net ({origin})" if origin else "inference net")

@@ -21,7 +21,7 @@ import numpy as np
 
 from minigraph.executor import prune
 from minigraph.feeds import io_variables
-from minigraph.files import atomic_write
+from minigraph.io.files import atomic_write
 
 OPSETS = range(13, 25)
 DEFAULT_OPSET = 17

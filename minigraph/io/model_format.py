@@ -11,16 +11,18 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
 
 import numpy as np
 
-from minigraph.files import NotRegularFile, open_regular
-from minigraph.npz import CheckpointError
+from minigraph.io.files import NotRegularFile, open_regular
+from minigraph.io.npz import CheckpointError
 
 FORMAT_NAME = "minigraph-inference"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MODEL_FILE = "model.json"
-PARAMS_FILE = "params.npz"
+PARAMS_FILE = "params.npz"                 # version 1: the one params file's name
+PARAMS_PATTERN = re.compile(r"params-([0-9a-f]{16})\.npz")   # version 2: params-<sha256[:16]>
 MAX_MODEL_BYTES = 64 << 20
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -173,3 +175,25 @@ def records_of(model, what):
                                       "declared twice)")
         records[name] = rec
     return records
+
+
+def params_name(digest):
+    """The name of the params file whose SHA-256 is `digest` (version 2)."""
+    return f"params-{digest[:16]}.npz"
+
+
+def params_file(model, what):
+    """The params file model.json names, checked: "params.npz" in version 1, in
+    version 2 `params-<the first 16 hex digits of its SHA-256>.npz`; and the
+    recorded SHA-256 (64 hex digits). Returns (name, digest)."""
+    info = field(model, "params", dict, what)
+    name = field(info, "file", str, f"{what}: params")
+    digest = field(info, "sha256", str, f"{what}: params")
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise InferenceModelError(f"{what}: {MODEL_FILE} is damaged (params sha256 "
+                                  f"{digest!r:.80} is not 64 hex digits)")
+    want = PARAMS_FILE if model["version"] == 1 else params_name(digest)
+    if name != want:
+        raise InferenceModelError(f"{what}: the params file must be {want!r} (format version "
+                                  f"{model['version']}), got {name!r:.80}")
+    return name, digest

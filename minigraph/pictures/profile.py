@@ -17,7 +17,7 @@ copies of the persistables a step writes, handing values over and releasing
 them, fetching, and the timers) is the row `(executor)`; shares are of the
 timed step, so they add up to 1. With GradientMerge(k) the steps come in
 whole cycles of k. Each op belongs to a layer as
-minigraph.layer_map says; ops of no layer are `(optimizer)` in the update
+minigraph.pictures.layer_map says; ops of no layer are `(optimizer)` in the update
 section and `(no layer)` elsewhere.
 
 Profiling a training net does not train it: every persistable (parameters,
@@ -32,7 +32,7 @@ import weakref
 from typing import NamedTuple
 
 from minigraph import feeds
-from minigraph.layer_map import LayerMap
+from minigraph.pictures.layer_map import LayerMap
 
 MODES = ("train", "infer")
 EXECUTOR = "(executor)"
@@ -159,9 +159,7 @@ def profile(net, feed, steps=10, mode="train", fetch=None, warmup=2):
     default fetches in inference). Training steps are real steps, then every
     persistable is put back, so the net is as it was. Arguments are checked
     first: a bad one is an error naming it, and nothing has run."""
-    from minigraph.net import Net
-
-    if not isinstance(net, Net):
+    if not all(hasattr(net, a) for a in ("plan", "train", "infer", "section", "data_vars")):
         raise TypeError(f"profile: net must be a Net, got {type(net).__name__}")
     if mode not in MODES:
         raise ValueError(f"profile: mode must be 'train' or 'infer', got {mode!r}")
@@ -176,7 +174,7 @@ def profile(net, feed, steps=10, mode="train", fetch=None, warmup=2):
     if isinstance(fetch, (str, bytes)) or not isinstance(fetch, (list, tuple)):
         raise TypeError(f"profile: fetch must be a list of Variables or names, got "
                         f"{type(fetch).__name__}")
-    feed = feeds.feed_by_name(net.data_vars, feed)
+    feed = feeds.feed_by_name(net.data_vars, feed, "profile")
     run = net.train if mode == "train" else net.infer
     merge = getattr(net, "_update_every", None) if mode == "train" else None
     block = merge[0] if merge else 1    # GradientMerge: whole cycles, updates included
@@ -227,6 +225,7 @@ class _Timer:
     profiled steps."""
 
     __slots__ = ("fn", "seconds", "calls", "sync")
+    timed = True            # a CUDA graph replay steps aside (minigraph/replay.py)
 
     def __init__(self, fn, sync):
         self.fn, self.sync, self.seconds, self.calls = fn, sync, 0.0, 0

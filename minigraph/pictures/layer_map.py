@@ -2,18 +2,20 @@
 view's per-layer clusters and the profile's time per layer.
 
 Layers name what they make after themselves (`conv1.out`, `conv1.w`, `bn1.y`;
-see minigraph.layers), optimizers name a parameter's state after the
-parameter (`conv1.w.velocity`) and backward names a gradient after its
+see minigraph.layers), optimizers name a parameter's state after
+themselves and the parameter (`momentum_0.conv1.w.velocity`, which points at
+no layer) and backward names a gradient after its
 variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
 
-- a forward op (trunk, train, infer) belongs to the layer whose name is the
-  longest dotted prefix of its outputs' names (its non-persistable outputs
-  first; an output that is also an input - state updated in place, such as a
-  KV cache's - says nothing);
+- a forward op (trunk, train, infer) belongs to the layer that built it
+  (`op.layer`: the layer API records it, rewrites and inference passes keep
+  it, inference models save it), else to the layer whose name is the longest
+  dotted prefix of its outputs' names (its non-persistable outputs first);
 - a backward op belongs to the layer of the variables whose gradients it reads
   (a grad op reads the gradients of its forward op's outputs), or, reading
   none (the loss gradient's fill), of those it writes;
-- an update op belongs to the layer of the persistables it writes.
+- an update op belongs to the layer of the persistables it writes (those
+  that point at a layer: the parameter, not its optimizer state).
 
 An op whose variables point at no layer, or at several (gradient clipping,
 learning-rate schedules), belongs to none (None). This needs no record of
@@ -38,10 +40,16 @@ class LayerMap:
     def __init__(self, net):
         self.records = {rec.name: rec for rec in net.layers}
         self.names = list(self.records)
+        for section in FORWARD:
+            for op in net.section(section):
+                if op.layer is not None and op.layer not in self.names:
+                    self.names.append(op.layer)
         self._names = sorted(self.names, key=len, reverse=True)
         for section in FORWARD:
             for op in net.section(section):
-                for var in _made_by(op):
+                if op.layer is not None:
+                    continue
+                for var in op.output_vars():
                     base = var.name.split(GRAD_MARK, 1)[0]
                     if not var.persistable and "." in base and self.name_layer(base) is None:
                         self.names.append(base.rsplit(".", 1)[0])
@@ -92,17 +100,15 @@ class LayerMap:
             chosen = _grads(op.input_vars()) or _grads(op.output_vars())
         elif section == "update":
             chosen = [v for v in op.output_vars() if v.persistable]
+        elif op.layer is not None:
+            return op.layer
         else:
-            outs = _made_by(op) or op.output_vars()
+            outs = op.output_vars()
             chosen = [v for v in outs if not v.persistable] or outs
         found = {self.var_layer(v) for v in chosen}
+        if section == "update":
+            found.discard(None)
         return found.pop() if len(found) == 1 else None
-
-
-def _made_by(op):
-    """op's outputs that are not also its inputs (state it updates in place)."""
-    ins = {id(v) for v in op.input_vars()}
-    return [v for v in op.output_vars() if id(v) not in ins]
 
 
 def _grads(variables):

@@ -2,29 +2,36 @@
 read defensively.
 
 A file is a zip archive of `.npy` entries plus a `__format__` entry naming
-its format and version. Reading never trusts the file: the zip directory and
-each entry's .npy header (dtype, shape) are read and checked first, with
-`allow_pickle=False` everywhere; an entry is decompressed only once its
-header says what the caller expects, and never past the size that header
-implies. Object arrays (which would need unpickling) are refused.
+its format and version, and from version 2 on a `__manifest__` entry (a JSON
+string: {"parts": {part: [entry names]}, ...}, each entry in exactly one
+part). Reading never trusts the file: the zip directory and each entry's .npy
+header (dtype, shape) are read and checked first, with `allow_pickle=False`
+everywhere; an entry is decompressed only once its header says what the
+caller expects, and never past the size that header implies. Object arrays
+(which would need unpickling) are refused. A plain `np.savez` file (no
+`__format__`) is read the same way by an Archive that expects no format.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import zipfile
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from minigraph.files import NotRegularFile, open_regular
+from minigraph.io.files import NotRegularFile, open_regular
 
 FORMAT_KEY = "__format__"
-CHECKPOINT_FORMAT = "minigraph-persistables/1"     # what minigraph.io writes
+MANIFEST_KEY = "__manifest__"
+CHECKPOINT_FORMAT = "minigraph-persistables/2"     # what minigraph.io writes
 MAX_HEADER = 10_000         # bytes of .npy header numpy itself accepts by default
 MAX_RATIO = 1100            # deflate cannot compress better than about 1032:1
 MAX_ENTRIES = 100_000
 MAX_FORMAT_BYTES = MAX_HEADER + 1024
+MAX_NAME_BYTES = 255 * 4    # a variable name's characters as a numpy str (UTF-32)
 LOCAL_HEADER = 30           # bytes of a zip local file header before its name
 _CHUNK = 1 << 20
 
@@ -60,16 +67,28 @@ def write_npz(f, arrays):
                 np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
 
+def header_arrays(fmt, manifest):
+    """The `__format__` and `__manifest__` entries (as arrays) of a file of format
+    `fmt` ("name/version") whose manifest is the dict `manifest`."""
+    return {FORMAT_KEY: np.array(fmt),
+            MANIFEST_KEY: np.array(json.dumps(manifest, separators=(",", ":")))}
+
+
 class Archive:
     """An .npz file opened for checked reading.
 
     Opening reads the zip directory and every .npy header, and checks: the
     file is a readable zip; entries are unique, unencrypted, stored or
-    deflated `.npy` files of sane compression; `__format__` holds `expect`
-    (a "name/version" string); every header parses, holds a plain numeric
-    (or string) dtype, and implies exactly the entry's uncompressed size.
-    Any failure is a CheckpointError starting with `what` ("load 'ck.npz'").
-    `entries` then maps array names to Entry; `read(name)` returns the data.
+    deflated `.npy` files of sane compression; `__format__` holds `expect`'s
+    format name and a version from 1 to `expect`'s ("name/version"; the
+    version read is `version`); from version 2 on, `__manifest__` is a JSON
+    object whose "parts" list every entry once (`manifest`; None before);
+    every header parses, holds a plain numeric (or string) dtype, and implies
+    exactly the entry's uncompressed size. With expect=None any file passes
+    the format checks (`format` is its `__format__`, or None: a plain
+    np.savez file). Any failure is a CheckpointError starting with `what`
+    ("load 'ck.npz'"). `entries` then maps array names to Entry (not the
+    format and manifest); `read(name)` returns the data.
 
     Only a regular file is read (a device, FIFO or socket is refused before
     any read, and opening never blocks); `fileobj`, when given, is such a file
@@ -107,11 +126,21 @@ class Archive:
         try:
             infos = self._directory()
             fmt = infos.pop(FORMAT_KEY, None)
-            if fmt is None:
+            manifest = infos.pop(MANIFEST_KEY, None)
+            self.format, self.version, self.manifest = None, None, None
+            if fmt is None and expect is not None:
                 raise self.error(f"not a minigraph checkpoint (no {FORMAT_KEY!r} entry; "
                                  f"expected {expect!r})")
-            self.format = self._read_format(fmt)
-            self._check_format(expect)
+            if fmt is not None:
+                self.format = self._read_string(FORMAT_KEY, fmt, MAX_FORMAT_BYTES)
+            if expect is not None:
+                self._check_format(expect)
+                if self.version >= 2 and manifest is None:
+                    raise self.damaged(MANIFEST_KEY, "is missing (every version 2 file has one)")
+            if manifest is not None:
+                limit = MAX_FORMAT_BYTES + 4 * (MAX_NAME_BYTES + 8) * len(infos)
+                self.manifest = self._read_manifest(
+                    self._read_string(MANIFEST_KEY, manifest, limit), infos)
             self.entries = {name: self._header(name, info) for name, info in infos.items()}
         except BaseException:
             self.zip.close()
@@ -209,23 +238,53 @@ class Archive:
             named[name] = info
         return named
 
-    def _read_format(self, info):
-        if info.file_size > MAX_FORMAT_BYTES:
-            raise self.damaged(FORMAT_KEY, f"is {info.file_size} bytes, far too large")
-        entry = self._header(FORMAT_KEY, info)
+    def _read_string(self, key, info, limit):
+        if info.file_size > limit:
+            raise self.damaged(key, f"is {info.file_size} bytes, far too large")
+        entry = self._header(key, info)
         if entry.dtype.kind != "U" or entry.shape != ():
-            raise self.error(f"not a minigraph checkpoint ({FORMAT_KEY!r} is not a string)")
-        self.entries = {FORMAT_KEY: entry}
-        return str(self.read(FORMAT_KEY)[()])
+            if key == FORMAT_KEY:
+                raise self.error(f"not a minigraph checkpoint ({FORMAT_KEY!r} is not a string)")
+            raise self.damaged(key, "is not a string")
+        self.entries = {key: entry}
+        return str(self.read(key)[()])
 
     def _check_format(self, expect):
         name, _, version = self.format.partition("/")
         want_name, _, want_version = expect.partition("/")
         if name != want_name:
             raise self.error(f"unknown format {self.format!r}; expected {expect!r}")
-        if version != want_version:
+        newest = int(want_version)
+        if not (version.isdigit() and version.isascii()) or not 1 <= int(version) <= newest:
+            newer = version.isdigit() and version.isascii() and int(version) > newest
             raise self.error(f"format version {version!r} is not one this minigraph reads (it "
-                             f"reads version {want_version}, {expect!r})")
+                             f"reads versions 1 to {newest} of {want_name!r})"
+                             + ("; it was written by a newer minigraph: upgrade to load it"
+                                if newer else ""))
+        self.version = int(version)
+
+    def _read_manifest(self, text, infos):
+        try:
+            manifest = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise self.damaged(MANIFEST_KEY, f"is not JSON ({e})") from None
+        parts = manifest.get("parts") if isinstance(manifest, dict) else None
+        if not isinstance(parts, dict) or not all(
+                isinstance(names, list) and all(isinstance(n, str) for n in names)
+                for names in parts.values()):
+            raise self.damaged(MANIFEST_KEY, "is not an object whose 'parts' map part names "
+                                             "to lists of entry names")
+        listed = [n for names in parts.values() for n in names]
+        unknown = sorted(set(listed) - set(infos))
+        twice = sorted(n for n, k in Counter(listed).items() if k > 1)
+        unlisted = sorted(set(infos) - set(listed))
+        for names, problem in ((unknown, "lists entries the file lacks"),
+                               (twice, "lists entries in two parts"),
+                               (unlisted, "leaves entries out of every part")):
+            if names:
+                raise self.damaged(MANIFEST_KEY, f"{problem}: {', '.join(map(repr, names[:5]))}"
+                                                 + (" ..." if len(names) > 5 else ""))
+        return manifest
 
     def _header(self, name, info):
         try:
