@@ -241,7 +241,7 @@ def report(args):
         notes.append(line)
         if args.check:
             return worst <= EQUAL_RTOL, None
-        for context in args.contexts:
+        for context in args.contexts if "step" in args.parts else ():
             path = weights_file(tmp, config("step", context))
             rounds = alternating(args, "step", path, context=context)
             mine = statistics.median(m["train"] for m, _ in rounds)
@@ -252,7 +252,7 @@ def report(args):
                          f"{peer:.1f}", f"{r:.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}",
                          f"<= 1.0 {'ok' if r <= 1.0 else 'MISSED'}"))
             print(" | ".join(rows[-1]), flush=True)
-        for t, n in args.attention:
+        for t, n in args.attention if "attention" in args.parts else ():
             rounds = alternating(args, "attention", "", context=t, batch=n)
             mine = statistics.median(m["ms"] for m, _ in rounds)
             peer = statistics.median(p["ms"] for _, p in rounds)
@@ -268,14 +268,15 @@ def report(args):
                          f"peak MiB {mm:.1f} vs {pm:.1f}",
                          f"{target} {'ok' if met else 'MISSED'}" if target else ""))
             print(" | ".join(rows[-1]), flush=True)
-        gen = run_worker("minigraph", "generation", args)
-        speedup = gen["uncached"] / gen["cached"]
-        line = (f"generation, {args.new_tokens} new tokens after a {PROMPT}-token prompt (batch "
-                f"1): {gen['cached']:.2f} ms a token with the KV cache, {gen['uncached']:.2f} ms "
-                f"with a full pass a token: {speedup:.1f}x (target >= 10 "
-                f"{'ok' if speedup >= 10 else 'MISSED'})")
-        print(line, flush=True)
-        notes.append(line)
+        if "generation" in args.parts:
+            gen = run_worker("minigraph", "generation", args)
+            speedup = gen["uncached"] / gen["cached"]
+            line = (f"generation, {args.new_tokens} new tokens after a {PROMPT}-token prompt "
+                    f"(batch 1): {gen['cached']:.2f} ms a token with the KV cache, "
+                    f"{gen['uncached']:.2f} ms with a full pass a token: {speedup:.1f}x "
+                    f"(target >= 10 {'ok' if speedup >= 10 else 'MISSED'})")
+            print(line, flush=True)
+            notes.append(line)
     setting = (f"{args.threads} threads per framework, each in its own process; step times: "
                f"medians of {args.repeat} steps after {args.warmup}, over {args.rounds} "
                "alternating rounds; ratio: the median of the rounds' ratios")
@@ -295,6 +296,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    p.add_argument("--parts", nargs="+", choices=("step", "attention", "generation"),
+                   default=["step", "attention", "generation"],
+                   help="what to measure after the equality check (default: all; a run "
+                        "with fewer does not write docs/performance.md)")
     p.add_argument("--no-write", action="store_true",
                    help="print only; do not replace the 'gpt_torch' section of "
                         "docs/performance.md")
@@ -318,7 +323,8 @@ def main(argv=None):
     if section is not None:
         from report import write_section
 
-        write_section("gpt_torch", section, enabled=not (args.no_write or args.quick))
+        whole = len(args.parts) == 3
+        write_section("gpt_torch", section, enabled=not (args.no_write or args.quick) and whole)
     return 0 if ok else 1
 
 

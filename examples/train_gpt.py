@@ -33,7 +33,7 @@ import numpy as np
 
 import minigraph as mg
 from minigraph import data, layers
-from minigraph.cliargs import Parser, fail, int_at_least, out_folder_problem
+from minigraph.cli import Parser, fail, int_at_least, out_folder_problem
 from minigraph.generation import generate
 
 PROG = "python -m minigraph.examples.train_gpt"

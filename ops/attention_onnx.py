@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from minigraph import onnx_export
+from minigraph.io import onnx_export
 
 ATTENTION_OPSET = 23
 

@@ -345,7 +345,7 @@ def test_inference_models_of_a_cached_net_are_refused_by_name(tmp_path):
                                                         r"'kv_cache_0.length'"):
         mg.io.save_inference(net, tmp_path / "m", feeds=["tok"], fetches=[logits])
     assert not (tmp_path / "m").exists()
-    with pytest.raises(ValueError, match=r"fold_batch_norm: op .position_embedding. "
+    with pytest.raises(ValueError, match=r"optimize_for_inference: op .position_embedding. "
                                          r"keeps state .* without kv_cache"):
         mg.passes.optimize_for_inference(net)
     plain, _, plain_logits, _ = gpt()
