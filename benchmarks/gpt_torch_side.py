@@ -104,7 +104,7 @@ def recipe(torch, model, cfg, updates):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-        return loss
+        return loss.detach()
     return step
 
 

@@ -56,7 +56,7 @@ typedef struct {
     int64_t offset;
     double scale, p, factor;
     uint64_t seed64;
-    uint32_t stream;
+    uint32_t stream, threshold;          /* keep a pair when (word >> 8) >= threshold */
     int64_t next;                        /* the next unit (shared counter) */
     int64_t units;
     int failed;
@@ -80,37 +80,59 @@ static void *aligned_zeros(size_t bytes)
     return p;
 }
 
-static void philox(uint64_t call, uint32_t stream, uint32_t k0, uint32_t k1, uint32_t w[4])
+#define PHX_LANES 8              /* Philox calls computed side by side */
+
+typedef uint64_t vu64 __attribute__((vector_size(32)));
+
+/* The words of Philox4x32-10 calls call0 .. call0 + PHX_LANES - 1 (counter (call low,
+ * call high, stream, 0), key (k0, k1)), in order: w[4 l + k] is word k of call0 + l. The
+ * calls run side by side in 64-bit lanes holding 32-bit words, so each round's products
+ * are vector multiplies. */
+static void philox_lanes(uint64_t call0, uint32_t stream, uint32_t k0, uint32_t k1,
+                         uint32_t *w)
 {
-    uint32_t c0 = (uint32_t)call, c1 = (uint32_t)(call >> 32), c2 = stream, c3 = 0;
-    for (int r = 0; r < 10; r++) {
-        const uint64_t p0 = (uint64_t)c0 * 0xD2511F53u, p1 = (uint64_t)c2 * 0xCD9E8D57u;
-        const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
-        c1 = (uint32_t)p1;
-        c3 = (uint32_t)p0;
-        c0 = n0;
-        c2 = n2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
+    const vu64 zero = {0};
+    const vu64 low = zero + 0xFFFFFFFFu, m0 = zero + 0xD2511F53u, m1 = zero + 0xCD9E8D57u;
+    vu64 c0[2], c1[2], c2[2], c3[2];
+    for (int h = 0; h < 2; h++) {
+        for (int l = 0; l < 4; l++) {
+            const uint64_t call = call0 + (uint64_t)(4 * h + l);
+            c0[h][l] = call & 0xFFFFFFFFu;
+            c1[h][l] = call >> 32;
+        }
+        c2[h] = zero + stream;
+        c3[h] = zero;
     }
-    w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
+    vu64 key0 = zero + k0, key1 = zero + k1;
+    for (int r = 0; r < 10; r++) {
+        for (int h = 0; h < 2; h++) {
+            const vu64 p0 = c0[h] * m0, p1 = c2[h] * m1;
+            const vu64 n0 = (p1 >> 32) ^ c1[h] ^ key0, n2 = (p0 >> 32) ^ c3[h] ^ key1;
+            c1[h] = p1 & low;
+            c3[h] = p0 & low;
+            c0[h] = n0;
+            c2[h] = n2;
+        }
+        key0 = (key0 + 0x9E3779B9u) & low;
+        key1 = (key1 + 0xBB67AE85u) & low;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 4; l++) {
+            uint32_t *out = w + 4 * (4 * h + l);
+            out[0] = (uint32_t)c0[h][l];
+            out[1] = (uint32_t)c1[h][l];
+            out[2] = (uint32_t)c2[h][l];
+            out[3] = (uint32_t)c3[h][l];
+        }
 }
 
-/* z[0..count) = the dropout factors (factor or 0) of pairs first, first + 1, ... */
-static void keep_factors(const att_t *a, uint64_t first, int64_t count, double *z)
+/* The keys a query row i sees of the block j0 .. j0 + kc: those before the returned
+ * count (the causal rule; a mask may drop more). */
+static inline int64_t row_keys(const att_t *a, int64_t i, int64_t j0, int64_t kc)
 {
-    uint32_t w[4];
-    const uint32_t k0 = (uint32_t)a->seed64, k1 = (uint32_t)(a->seed64 >> 32);
-    uint64_t call = first >> 2;
-    int64_t j = 0;
-    int part = (int)(first & 3);
-    while (j < count) {
-        philox(call, a->stream, k0, k1, w);
-        for (; part < 4 && j < count; part++, j++)
-            z[j] = (double)(w[part] >> 8) * (1.0 / 16777216.0) >= a->p ? a->factor : 0.0;
-        part = 0;
-        call++;
-    }
+    if (!a->causal) return kc;
+    const int64_t lim = i + a->offset - j0 + 1;
+    return lim < 0 ? 0 : lim < kc ? lim : kc;
 }
 
 #define DEFINE_KERNELS(T, S, V, VU, VW)                                                    \
@@ -183,6 +205,20 @@ static void pack_keys_##S(const att_t *a, int64_t n, int64_t h, int64_t j0, int6
     }                                                                                     \
 }                                                                                         \
                                                                                           \
+/* z[0 .. count) = the dropout factors (factor, or 0 where dropped) of the pairs        \
+ * first, first + 1, ... (count <= ATT_BC). */                                            \
+static void keep_factors_##S(const att_t *a, uint64_t first, int64_t count, T *z)         \
+{                                                                                         \
+    uint32_t words[4 * PHX_LANES * ((ATT_BC + 3 + 4 * PHX_LANES - 1) / (4 * PHX_LANES))]; \
+    const uint32_t k0 = (uint32_t)a->seed64, k1 = (uint32_t)(a->seed64 >> 32);            \
+    const int64_t skip = (int64_t)(first & 3), calls = (skip + count + 3) / 4;             \
+    for (int64_t c = 0; c < calls; c += PHX_LANES)                                        \
+        philox_lanes((first >> 2) + (uint64_t)c, a->stream, k0, k1, words + 4 * c);       \
+    const T factor = (T)a->factor;                                                        \
+    const uint32_t *w = words + skip;                                                     \
+    for (int64_t j = 0; j < count; j++) z[j] = (w[j] >> 8) >= a->threshold ? factor : (T)0; \
+}                                                                                         \
+                                                                                          \
 /* The scores s (rows x ATT_BC) of query rows i0.. against keys j0 .. j0 + kc: scaled,   \
  * the mask added or applied, the causal rule, -inf past the keys. s holds q k^T. */     \
 static void finish_scores_##S(const att_t *a, int64_t n, int64_t h, int64_t i0,           \
@@ -193,11 +229,7 @@ static void finish_scores_##S(const att_t *a, int64_t n, int64_t h, int64_t i0, 
     for (int64_t r = 0; r < rows; r++) {                                                  \
         T *row = s + r * ATT_BC;                                                          \
         const int64_t i = i0 + r;                                                         \
-        int64_t last = kc;                       /* keys j0 + c, c < last, may pass */    \
-        if (a->causal) {                                                                  \
-            int64_t lim = i + a->offset - j0 + 1;                                         \
-            last = lim < 0 ? 0 : lim < kc ? lim : kc;                                     \
-        }                                                                                 \
+        const int64_t last = row_keys(a, i, j0, kc);      /* keys j0 + c, c < last, pass */ \
         for (int64_t c = 0; c < ATT_BC; c++) row[c] *= scale;                             \
         if (a->mask_kind == 1) {                                                          \
             const uint8_t *m = (const uint8_t *)a->mask + n * ms[0] + h * ms[1] + i * ms[2] \
@@ -221,7 +253,7 @@ static int64_t keys_seen_##S(const att_t *a, int64_t i0, int64_t rows)          
     return end < 0 ? 0 : end < a->tk ? end : a->tk;                                       \
 }                                                                                         \
                                                                                           \
-static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, double *z, int64_t unit) \
+static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, T *z, int64_t unit)    \
 {                                                                                         \
     const int64_t *st = a->st;                                                            \
     const int64_t hh = unit / a->qblocks, n = hh / a->h, h = hh % a->h;                   \
@@ -252,9 +284,10 @@ static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, double *z, int6
                 T *orow = o + r * a->dvp;                                                 \
                 for (int64_t c = 0; c < a->dvp; c++) orow[c] *= alpha;                    \
             }                                                                             \
-            if (a->p > 0) {                                                               \
-                keep_factors(a, (uint64_t)((hh * a->tq + i0 + r) * a->tk + j0), kc, z);   \
-                for (int64_t c = 0; c < kc; c++) row[c] *= (T)z[c];                       \
+            if (a->p > 0) {                    /* past `last`, the row is 0 already */   \
+                const int64_t last = row_keys(a, i0 + r, j0, kc);                         \
+                keep_factors_##S(a, (uint64_t)((hh * a->tq + i0 + r) * a->tk + j0), last, z); \
+                for (int64_t c = 0; c < last; c++) row[c] *= z[c];                        \
             }                                                                             \
         }                                                                                 \
         mm_##S(rows, kc, a->dvp, s, ATT_BC, 1, vp, a->dvp, o, a->dvp, 1);                 \
@@ -283,7 +316,7 @@ static void *forward_job_##S(void *arg)                                         
     T *vp = aligned_zeros(sizeof(T) * a->dvp * ATT_BC);                                   \
     T *s = aligned_zeros(sizeof(T) * ATT_BR * ATT_BC);                                    \
     T *o = aligned_zeros(sizeof(T) * ATT_BR * a->dvp);                                    \
-    double *z = aligned_zeros(sizeof(double) * ATT_BC);                                   \
+    T *z = aligned_zeros(sizeof(T) * ATT_BC);                                             \
     if (!kt || !vp || !s || !o || !z) {                                                   \
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);                                \
     } else {                                                                              \
@@ -321,7 +354,7 @@ static void pack_rows_##S(const att_t *a, T **buf, int64_t hh)                  
                                                                                           \
 /* Backward of head hh over key blocks kb0 .. kb1 (its rows packed by pack_rows);       \
  * dq_acc (tq x dp) gets scale dS k. */                                                   \
-static void backward_unit_##S(att_t *a, T **buf, double *z, int64_t hh, int64_t kb0,      \
+static void backward_unit_##S(att_t *a, T **buf, T *z, int64_t hh, int64_t kb0,           \
                               int64_t kb1, T *dq_acc)                                     \
 {                                                                                         \
     const int64_t *st = a->st;                                                            \
@@ -354,13 +387,16 @@ static void backward_unit_##S(att_t *a, T **buf, double *z, int64_t hh, int64_t 
                     continue;                                                             \
                 }                                                                         \
                 exp_row_##S(prow, l);                                                     \
-                if (a->p > 0) {                                                           \
-                    keep_factors(a, (uint64_t)((hh * a->tq + i0 + r) * a->tk + j0), kc, z); \
-                    for (int64_t c = 0; c < kc; c++) {                                    \
-                        const T zz = (T)z[c], pp = prow[c];                               \
+                if (a->p > 0) {                    /* past `last`, P is 0 already */     \
+                    const int64_t last = row_keys(a, i0 + r, j0, kc);                     \
+                    keep_factors_##S(a, (uint64_t)((hh * a->tq + i0 + r) * a->tk + j0), last, \
+                                     z);                                                  \
+                    for (int64_t c = 0; c < last; c++) {                                  \
+                        const T zz = z[c], pp = prow[c];                                  \
                         drow[c] = pp * (drow[c] * zz - dd);          /* dS */             \
                         prow[c] = pp * zz;                           /* P' */             \
                     }                                                                     \
+                    for (int64_t c = last; c < ATT_BC; c++) drow[c] = 0;                  \
                 } else {                                                                  \
                     for (int64_t c = 0; c < ATT_BC; c++)                                  \
                         drow[c] = prow[c] * (drow[c] - dd);                               \
@@ -406,7 +442,7 @@ static void *backward_job_##S(void *arg)                                        
     T *buf[10];                                                                           \
     int ok = 1;                                                                           \
     for (int b = 0; b < 10; b++) ok &= (buf[b] = aligned_zeros(sizeof(T) * sizes[b])) != NULL; \
-    double *z = aligned_zeros(sizeof(double) * ATT_BC);                                   \
+    T *z = aligned_zeros(sizeof(T) * ATT_BC);                                             \
     T *dq_local = NULL;                                                                   \
     if (a->dq && !a->split) ok &= (dq_local = aligned_zeros(sizeof(T) * a->tq * dp)) != NULL; \
     if (!ok || !z) {                                                                      \
@@ -498,6 +534,7 @@ static void setup(att_t *a, int f64, const int64_t *dims, const int64_t *strides
     a->scale = scale;
     a->p = p;
     a->factor = p > 0 ? 1.0 / (1.0 - p) : 1.0;
+    a->threshold = (uint32_t)ceil(p * 16777216.0);  /* (w >> 8) / 2^24 >= p, exactly */
     a->seed64 = seed64;
     a->stream = stream;
 }
