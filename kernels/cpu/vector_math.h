@@ -13,32 +13,28 @@ static inline vf select_vf(vi take, vf a, vf b)      /* take ? a : b, lane by la
     return (vf)(((vi)a & take) | ((vi)b & ~take));
 }
 
-/* exp of 8 floats (Cephes' expf: n = round(x / ln 2), a degree-5 polynomial of the
- * rest, 2^n from the exponent bits); below -87.3 (and -inf) it is 0, above 88.7 the
- * largest float's neighbourhood (88.7 is clamped). Relative error within 2 ulp. */
+/* exp of 8 floats x <= 88 (larger x: undefined; every caller's are <= 0): n =
+ * round(x / ln 2) by adding and subtracting 1.5 * 2^23 (no conversions), a degree-5
+ * polynomial (Cephes' expf's) of the rest, 2^n added to the exponent bits. Below
+ * -87.3 (and -inf) it is 0. Relative error within 2 ulp. */
 static inline vf exp_vf(vf x)
 {
     const vf zero = {0};
-    const vf hi = zero + 88.72283f, lo = zero - 87.33654f;
-    const vi dead = (vi)(x < lo);
-    x = select_vf((vi)(x > hi), hi, x);
-    x = select_vf(dead, lo, x);
-    const vf fx = x * 1.44269504088896341f + 0.5f;
-    vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-    fl = select_vf((vi)(fl > fx), fl - 1.0f, fl);       /* floor */
-    const vi ni = __builtin_convertvector(fl, vi);
-    x = x - fl * 0.693359375f + fl * 2.12194440e-4f;
-    const vf z = x * x;
+    const vf magic = zero + 12582912.0f;              /* 1.5 * 2^23 */
+    const vi dead = (vi)(x < -87.33654f);
+    const vf shifted = x * 1.44269504088896341f + magic;
+    const vf n = shifted - magic;                     /* round(x / ln 2) */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    const vf r2 = r * r;
     vf y = zero + 1.9875691500E-4f;
-    y = y * x + 1.3981999507E-3f;
-    y = y * x + 8.3334519073E-3f;
-    y = y * x + 4.1665795894E-2f;
-    y = y * x + 1.6666665459E-1f;
-    y = y * x + 5.0000001201E-1f;
-    y = y * z + x + 1.0f;
-    const vi bits = (ni + 127) << 23;
-    const vf r = y * (vf)bits;
-    return (vf)((vi)r & ~dead);
+    y = y * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * r2 + r + 1.0f;
+    const vi scaled = (vi)y + (((vi)shifted - (vi)magic) << 23);
+    return (vf)(scaled & ~dead);
 }
 
 static inline int any_vi(vi m)                      /* any lane true */
