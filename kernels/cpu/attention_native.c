@@ -3,7 +3,8 @@
  * float64, built and loaded by native.py.
  *
  * Forward (FlashAttention's): a unit of work is one head and ATT_BR query rows. Its
- * keys are packed (K transposed, V row by row, both zero-padded to whole vectors) and
+ * keys are packed (a single row, a cached pass's token, reads them in place instead;
+ * K transposed, V row by row, both zero-padded to whole vectors) and
  * visited ATT_BC at a time: the block's scores S = scale q k^T (+ the mask; -inf where
  * a bool mask, the causal rule or the end of the keys excludes a pair), the rows'
  * running maximum m and sum l of exp(S - m) (the online softmax: earlier sums and
@@ -39,6 +40,7 @@
 #define ATT_ALIGN 64
 
 typedef double vd __attribute__((vector_size(32)));
+typedef int64_t vl __attribute__((vector_size(32)));
 typedef double vdu __attribute__((vector_size(32), aligned(8)));
 
 /* Indices into the strides array the launcher passes (elements, not bytes): batch,
@@ -135,7 +137,22 @@ static inline int64_t row_keys(const att_t *a, int64_t i, int64_t j0, int64_t kc
     return lim < 0 ? 0 : lim < kc ? lim : kc;
 }
 
-#define DEFINE_KERNELS(T, S, V, VU, VW)                                                    \
+#define DEFINE_KERNELS(T, S, V, VU, VW, VI)                                                \
+/* The largest of the ATT_BC values of a row and `top`, VW lanes at a time. */           \
+static inline T row_max_##S(const T *row, T top)                                          \
+{                                                                                         \
+    V m = *(const VU *)row;                                                               \
+    for (int64_t c = VW; c < ATT_BC; c += VW) {                                           \
+        const V x = *(const VU *)(row + c);                                               \
+        const VI bigger = (VI)(x > m);                                                    \
+        m = (V)(((VI)x & bigger) | ((VI)m & ~bigger));                                    \
+    }                                                                                     \
+    T lanes[VW];                                                                          \
+    memcpy(lanes, &m, sizeof lanes);                                                      \
+    for (int i = 0; i < VW; i++) top = lanes[i] > top ? lanes[i] : top;                  \
+    return top;                                                                           \
+}                                                                                         \
+                                                                                          \
 /* C[r][x] (+)= sum_t A[r*ars + t*acs] * B[t*bs + x] for r < R, t < K, x < X (X a      \
  * multiple of 2*VW; B's rows and C's rows vector-aligned or not). */                     \
 static void mm_##S(int64_t R, int64_t K, int64_t X, const T *A, int64_t ars, int64_t acs, \
@@ -253,6 +270,54 @@ static int64_t keys_seen_##S(const att_t *a, int64_t i0, int64_t rows)          
     return end < 0 ? 0 : end < a->tk ? end : a->tk;                                       \
 }                                                                                         \
                                                                                           \
+/* sum of x[t] y[t] for t < n: VW lanes at a time, then the lanes and the rest. */        \
+static inline T dot_##S(const T *x, const T *y, int64_t n)                                \
+{                                                                                         \
+    V acc = {0};                                                                          \
+    int64_t t = 0;                                                                        \
+    for (; t + VW <= n; t += VW) acc += *(const VU *)(x + t) * *(const VU *)(y + t);      \
+    T lanes[VW], sum = 0;                                                                 \
+    memcpy(lanes, &acc, sizeof lanes);                                                    \
+    for (int i = 0; i < VW; i++) sum += lanes[i];                                         \
+    for (; t < n; t++) sum += x[t] * y[t];                                                \
+    return sum;                                                                           \
+}                                                                                         \
+                                                                                          \
+/* One query row against the keys j0 .. j0 + kc of head (n, h), read where they are (a  \
+ * cached pass's new token: packing the keys would cost more than the products). */      \
+static void row_scores_##S(const att_t *a, int64_t n, int64_t h, const T *q, int64_t j0,  \
+                           int64_t kc, T *s)                                              \
+{                                                                                         \
+    const int64_t *st = a->st;                                                            \
+    const T *k = (const T *)a->k + n * st[S_K] + h * st[S_K + 1] + j0 * st[S_K + 2];      \
+    for (int64_t c = 0; c < kc; c++) s[c] = dot_##S(q, k + c * st[S_K + 2], a->hd);       \
+}                                                                                         \
+                                                                                          \
+/* o[0 .. dvp) += sum over c < kc of p[c] v[j0 + c] (one query row, v read in place;     \
+ * two vectors of o at a time stay in registers over the keys). */                        \
+static void row_values_##S(const att_t *a, int64_t n, int64_t h, const T *p, int64_t j0,  \
+                           int64_t kc, T *o)                                              \
+{                                                                                         \
+    const int64_t *st = a->st, width = a->vd, rs = st[S_V + 2];                           \
+    const T *v = (const T *)a->v + n * st[S_V] + h * st[S_V + 1] + j0 * rs;               \
+    int64_t e = 0;                                                                        \
+    for (; e + 2 * VW <= width; e += 2 * VW) {                                            \
+        V acc0 = *(VU *)(o + e), acc1 = *(VU *)(o + e + VW);                              \
+        for (int64_t c = 0; c < kc; c++) {                                                \
+            const T *vr = v + c * rs + e;                                                 \
+            acc0 += p[c] * *(const VU *)vr;                                               \
+            acc1 += p[c] * *(const VU *)(vr + VW);                                        \
+        }                                                                                 \
+        *(VU *)(o + e) = acc0;                                                            \
+        *(VU *)(o + e + VW) = acc1;                                                       \
+    }                                                                                     \
+    for (; e < width; e++) {                                                              \
+        T acc = o[e];                                                                     \
+        for (int64_t c = 0; c < kc; c++) acc += p[c] * v[c * rs + e];                     \
+        o[e] = acc;                                                                       \
+    }                                                                                     \
+}                                                                                         \
+                                                                                          \
 static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, T *z, int64_t unit)    \
 {                                                                                         \
     const int64_t *st = a->st;                                                            \
@@ -266,12 +331,16 @@ static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, T *z, int64_t u
     const int64_t seen = keys_seen_##S(a, i0, rows);                                      \
     for (int64_t j0 = 0; j0 < seen; j0 += ATT_BC) {                                       \
         const int64_t kc = a->tk - j0 < ATT_BC ? a->tk - j0 : ATT_BC;                     \
-        pack_keys_##S(a, n, h, j0, kc, kt, NULL, NULL, vp);                               \
-        mm_##S(rows, a->hd, ATT_BC, q, st[S_Q + 2], 1, kt, ATT_BC, s, ATT_BC, 0);          \
+        if (rows == 1) {                      /* a cached pass's token: no packing */    \
+            row_scores_##S(a, n, h, q, j0, kc, s);                                        \
+        } else {                                                                          \
+            pack_keys_##S(a, n, h, j0, kc, kt, NULL, NULL, vp);                           \
+            mm_##S(rows, a->hd, ATT_BC, q, st[S_Q + 2], 1, kt, ATT_BC, s, ATT_BC, 0);      \
+        }                                                                                 \
         finish_scores_##S(a, n, h, i0, rows, j0, kc, s);                                  \
         for (int64_t r = 0; r < rows; r++) {                                              \
-            T *row = s + r * ATT_BC, top = m[r];                                          \
-            for (int64_t c = 0; c < ATT_BC; c++) top = row[c] > top ? row[c] : top;       \
+            T *row = s + r * ATT_BC;                                                      \
+            const T top = row_max_##S(row, m[r]);                                         \
             if (top == (T)-INFINITY) {                 /* nothing here for this row */   \
                 memset(row, 0, sizeof(T) * ATT_BC);                                       \
                 continue;                                                                 \
@@ -290,7 +359,10 @@ static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, T *z, int64_t u
                 for (int64_t c = 0; c < last; c++) row[c] *= z[c];                        \
             }                                                                             \
         }                                                                                 \
-        mm_##S(rows, kc, a->dvp, s, ATT_BC, 1, vp, a->dvp, o, a->dvp, 1);                 \
+        if (rows == 1)                                                                    \
+            row_values_##S(a, n, h, s, j0, kc, o);                                        \
+        else                                                                              \
+            mm_##S(rows, kc, a->dvp, s, ATT_BC, 1, vp, a->dvp, o, a->dvp, 1);             \
     }                                                                                     \
     T *out = (T *)a->out + n * st[S_O] + h * st[S_O + 1] + i0 * st[S_O + 2];              \
     T *lse = a->lse ? (T *)a->lse + hh * a->tq + i0 : NULL;                               \
@@ -510,8 +582,8 @@ static void write_dq_##S(const att_t *a, int64_t hh, const T *acc)              
 
 DEFINE_WRITE_DQ(float, f32)
 DEFINE_WRITE_DQ(double, f64)
-DEFINE_KERNELS(float, f32, vf, vfu, 8)
-DEFINE_KERNELS(double, f64, vd, vdu, 4)
+DEFINE_KERNELS(float, f32, vf, vfu, 8, vi)
+DEFINE_KERNELS(double, f64, vd, vdu, 4, vl)
 
 static void setup(att_t *a, int f64, const int64_t *dims, const int64_t *strides, int mask_kind,
                   int causal, int64_t offset, double scale, double p, uint64_t seed64,
@@ -620,4 +692,31 @@ int attention_backward(int f64, const void *q, const void *k, const void *v, con
     }
     for (int64_t t = 0; t < parts; t++) free(jobs[t].dq_sum);
     return failed | a.failed;
+}
+
+/* attention_forward with its arguments in two arrays (one foreign call converts two
+ * pointers, not seventeen values: a cached pass's attention is a few microseconds of
+ * work). ints: f64, q, k, v, mask, mask_kind, out, lse, causal, offset, seed64,
+ * stream, threads, then the 6 dims and the S_COUNT strides; reals: scale, p. */
+int attention_forward_packed(const int64_t *ints, const double *reals)
+{
+    return attention_forward((int)ints[0], (const void *)ints[1], (const void *)ints[2],
+                             (const void *)ints[3], (const void *)ints[4], (int)ints[5],
+                             (void *)ints[6], (void *)ints[7], ints + 13, ints + 19,
+                             (int)ints[8], ints[9], reals[0], reals[1], (uint64_t)ints[10],
+                             (uint32_t)ints[11], (int)ints[12]);
+}
+
+/* attention_backward likewise. ints: f64, q, k, v, mask, mask_kind, o, lse, dout, dq, dk,
+ * dv, ds, causal, offset, seed64, stream, threads, then the 6 dims and the S_COUNT
+ * strides; reals: scale, p. */
+int attention_backward_packed(const int64_t *ints, const double *reals)
+{
+    return attention_backward((int)ints[0], (const void *)ints[1], (const void *)ints[2],
+                              (const void *)ints[3], (const void *)ints[4], (int)ints[5],
+                              (const void *)ints[6], (const void *)ints[7],
+                              (const void *)ints[8], (void *)ints[9], (void *)ints[10],
+                              (void *)ints[11], (void *)ints[12], ints + 18, ints + 24,
+                              (int)ints[13], ints[14], reals[0], reals[1],
+                              (uint64_t)ints[15], (uint32_t)ints[16], (int)ints[17]);
 }

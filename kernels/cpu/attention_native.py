@@ -21,23 +21,35 @@ STREAM = 3                  # kernels/cpu/attention.py's
 MIN_THREAD_SCORES = 1 << 14  # scores a thread must have to be worth waking
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_P, _L, _D, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+_P = ctypes.c_void_p
 _kernels = {}
 
 
 def _load(symbol):
+    """The typed C function `symbol` (attention_forward_packed or _backward_packed: their
+    arguments in an int64 and a float64 array), or None where it cannot be built."""
     if symbol not in _kernels:
-        head = [_I, _P, _P, _P, _P, _I]
-        tail = [_P, _P, _I, _L, _D, _D, ctypes.c_uint64, ctypes.c_uint32, _I]
-        args = head + ([_P, _P] if symbol == "attention_forward"
-                       else [_P, _P, _P, _P, _P, _P, _P]) + tail
-        _kernels[symbol] = native.typed_function("attention_native", symbol, args)
+        _kernels[symbol] = native.typed_function("attention_native", symbol, [_P, _P])
     return _kernels[symbol]
+
+
+def _ptr(a):
+    """The address of `a`'s first value (0 for None)."""
+    if a is None:
+        return 0
+    return native.address(a) if a.flags.c_contiguous else a.ctypes.data
+
+
+def _call(symbol, ints, reals):
+    """Call `symbol` with its packed arguments; a seed past 2**63 wraps to int64."""
+    ints = np.array([i - (1 << 64) if i >= 1 << 63 else i for i in ints], np.int64)
+    reals = np.array(reals, np.float64)
+    return _load(symbol)(native.address(ints), native.address(reals))
 
 
 def available():
     """True when the native kernels are built and loaded (native.reason says why not)."""
-    return native.enabled() and _load("attention_forward") is not None
+    return native.enabled() and _load("attention_forward_packed") is not None
 
 
 def _rows(a):
@@ -92,7 +104,7 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     views q4, k4, v4 with mask m4 (rank 4, broadcastable, or None), causal `offset`
     (None: not causal), `scale` and `dropout` ((p, seed64) or None); `heads` the op's
     packed_heads. None where the native kernel does not apply."""
-    if not _applies(q4, k4, v4) or _load("attention_forward") is None:
+    if not _applies(q4, k4, v4) or _load("attention_forward_packed") is None:
         return None
     n, h, tq, d = q4.shape
     tk, dv = k4.shape[2], v4.shape[3]
@@ -102,17 +114,14 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     q4, k4, v4 = _rows(q4), _rows(k4), _rows(v4)
     out, o4 = _empty_like_layout((n, h, tq, dv), q4.dtype, heads)
     lse = np.empty((n, h, tq), q4.dtype) if want_lse else None
-    strides = (ctypes.c_int64 * 28)(*(_strides(q4) + _strides(k4) + _strides(v4)
-                                      + _strides(o4) + [0] * 12 + mstrides))
-    dims = (ctypes.c_int64 * 6)(n, h, tq, tk, d, dv)
     p, seed64 = dropout if dropout is not None else (0.0, 0)
     units = n * h * -(-tq // 64)
-    failed = _load("attention_forward")(
-        int(q4.dtype == np.float64), q4.ctypes.data, k4.ctypes.data, v4.ctypes.data,
-        None if mask is None else mask.ctypes.data, kind, o4.ctypes.data,
-        None if lse is None else lse.ctypes.data, dims, strides, int(offset is not None),
-        int(offset or 0), float(scale), float(p), int(seed64) & 0xFFFFFFFFFFFFFFFF, STREAM,
-        _threads(units, n * h * tq * tk))
+    failed = _call("attention_forward_packed", [
+        int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind,
+        _ptr(out), _ptr(lse), int(offset is not None), int(offset or 0),
+        int(seed64) & 0xFFFFFFFFFFFFFFFF, STREAM, _threads(units, n * h * tq * tk),
+        n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+        *[0] * 12, *mstrides], [float(scale), float(p)])
     if failed:
         raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
                           "could not be allocated")
@@ -123,7 +132,7 @@ def backward(q4, k4, v4, m4, o4, lse, do4, offset, scale, dropout, heads, wants)
     """{dq, dk, dv (in the op's layout), dmask (summed to m4's shape)} for the names in
     `wants`, from the forward's o4 and lse and the gradient do4 (views as forward's).
     None where the native kernel does not apply."""
-    if not _applies(q4, k4, v4) or _load("attention_backward") is None:
+    if not _applies(q4, k4, v4) or _load("attention_backward_packed") is None:
         return None
     if o4.dtype != q4.dtype or do4.dtype != q4.dtype or lse.dtype != q4.dtype:
         return None
@@ -141,22 +150,17 @@ def backward(q4, k4, v4, m4, o4, lse, do4, offset, scale, dropout, heads, wants)
             made[name], views[name] = _empty_like_layout(shape, q4.dtype, heads)
     ds = np.zeros((n, h, tq, tk), q4.dtype) if "dmask" in wants else None
     zeros = [0, 0, 0]
-    strides = (ctypes.c_int64 * 28)(*(
-        _strides(q4) + _strides(k4) + _strides(v4) + _strides(o4) + _strides(do4)
-        + sum((_strides(views[s]) if s in views else zeros for s in ("dq", "dk", "dv")), [])
-        + mstrides))
-    dims = (ctypes.c_int64 * 6)(n, h, tq, tk, d, dv)
+    grads = [s for name in ("dq", "dk", "dv")
+             for s in (_strides(views[name]) if name in views else zeros)]
     p, seed64 = dropout if dropout is not None else (0.0, 0)
-
-    def at(name):
-        return views[name].ctypes.data if name in views else None
-
-    failed = _load("attention_backward")(
-        int(q4.dtype == np.float64), q4.ctypes.data, k4.ctypes.data, v4.ctypes.data,
-        None if mask is None else mask.ctypes.data, kind, o4.ctypes.data, lse.ctypes.data,
-        do4.ctypes.data, at("dq"), at("dk"), at("dv"), None if ds is None else ds.ctypes.data,
-        dims, strides, int(offset is not None), int(offset or 0), float(scale), float(p),
-        int(seed64) & 0xFFFFFFFFFFFFFFFF, STREAM, _threads(n * h * -(-tk // 64), n * h * tq * tk))
+    failed = _call("attention_backward_packed", [
+        int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(o4),
+        _ptr(lse), _ptr(do4), *(_ptr(made[name]) if name in made else 0
+                                for name in ("dq", "dk", "dv")),
+        _ptr(ds), int(offset is not None), int(offset or 0), int(seed64) & 0xFFFFFFFFFFFFFFFF,
+        STREAM, _threads(n * h * -(-tk // 64), n * h * tq * tk), n, h, tq, tk, d, dv,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(do4), *grads,
+        *mstrides], [float(scale), float(p)])
     if failed:
         raise MemoryError("scaled_dot_product_attention_grad: the native kernel's scratch "
                           "memory could not be allocated")
