@@ -25,7 +25,9 @@ reject:
   `install` fails its block on any;
 - prepared_async_call packs its arguments as PyCUDA does (struct: a float for
   an int parameter, or a value out of range, raises struct.error) and
-  refuses a grid or block the hardware would;
+  refuses a grid or block the hardware would, and dynamic shared memory past
+  48 KiB unless the function's MAX_DYNAMIC_SHARED_SIZE_BYTES attribute
+  (Function.set_attribute, at most the device's 227 KiB opt-in) allows it;
 - `fail(message)` makes a sticky error: every later synchronize, event wait,
   launch and copy raises it, as after an illegal address;
 - `check_clean()` fails like PyCUDA's exit check when a thread's context
@@ -241,7 +243,10 @@ class FakeCuda:
         drv.module_from_buffer = lambda buffer, options=None, message_handler=None: \
             FakeModule.load(cuda, buffer)
         drv.device_attribute = types.SimpleNamespace(
-            MULTIPROCESSOR_COUNT="sm", MAX_THREADS_PER_BLOCK="tpb")
+            MULTIPROCESSOR_COUNT="sm", MAX_THREADS_PER_BLOCK="tpb",
+            MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="optin")
+        drv.function_attribute = types.SimpleNamespace(
+            MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic_shared")
         FakeContext.cuda = cuda
         ga = types.ModuleType("pycuda.gpuarray")
         ga.GPUArray = FakeArray
@@ -351,7 +356,7 @@ class FakeDevice:
         return (9, 0)
 
     def get_attributes(self):
-        return {"sm": self.cuda.sm_count, "tpb": 1024}
+        return {"sm": self.cuda.sm_count, "tpb": 1024, "optin": 227 * 1024}
 
     def total_memory(self):
         return 2**30
