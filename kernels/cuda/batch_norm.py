@@ -207,15 +207,21 @@ def reduce_plan(name_stem, x, aligned, pre, channels, post):
         dev = loader.device()
         sfx = loader.suffix(x.dtype)
         itemsize = np.dtype(x.dtype).itemsize
-        planner = launch.reduce_plan if post > 1 else \
-            lambda pre, c, post, size, al, dev, *res: bn_rows.reduce_plan(pre, c, size, al, dev, *res)
-        plan = planner(pre, channels, post, itemsize, aligned, dev)
+        plan = _reduce_plan(pre, channels, post, itemsize, aligned, dev)
         # size the grid with the resources of the kernel the plan picked
         k = kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
-        plan = planner(pre, channels, post, itemsize, aligned, dev, k.resources)
+        plan = _reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
         k = kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
         found = plans[key] = (plan, k.prepared(plan.grid, plan.block))
     return found
+
+
+def _reduce_plan(pre, channels, post, itemsize, aligned, dev, res=None):
+    """launch.reduce_plan for planar tensors (post > 1), bn_rows.reduce_plan for rows."""
+    res = launch.KernelResources() if res is None else res
+    if post > 1:
+        return launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, res)
+    return bn_rows.reduce_plan(pre, channels, itemsize, aligned, dev, res)
 
 
 _TRAIN_PARAMS = ("scale", "bias", "estimated_mean", "estimated_var")

@@ -40,9 +40,10 @@ def pack_width(channels, itemsize, aligned):
     return vec if aligned and channels % vec == 0 else 1
 
 
-def reduce_plan(rows, channels, itemsize, aligned, dev, res=launch.KernelResources()):
+def reduce_plan(rows, channels, itemsize, aligned, dev, res=None):
     """The launch.ReducePlan ("rows") of a per-channel reduction of a (rows, channels)
     tensor (see the module doc for how TX is chosen)."""
+    res = launch.KernelResources() if res is None else res
     width = pack_width(channels, itemsize, aligned)
     cv = channels // width
     threads = launch.block_threads(dev, launch.ROW_THREADS)
