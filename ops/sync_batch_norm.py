@@ -14,7 +14,10 @@ Communication (float64, O(C) bytes per rank whatever the number of ranks):
             through sums of squares: offset data (|mean|/std = 1e6) keeps its
             variance to ~1e-6 relative, and every rank gets the same bits.
   backward: ONE allreduce of (n, Σdy, Σdy·(x−μ)); dscale and dbias are then the
-            whole batch's gradients, identical on every rank.
+            whole batch's gradients, identical on every rank. With the grad op's
+            `average_ranks` (set by data_parallel) they are divided by the world
+            size in the same kernel (the data-parallel average of a presummed
+            gradient), instead of by a c_avg_presummed op after it.
 The infer copy and use_global_est make no collective. In a world of one
 rank nothing is communicated.
 
@@ -33,6 +36,10 @@ from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import batch_norm_op as cuda
 from minigraph.ops.batch_norm import batch_norm_examples, bn_grad_schema, bn_schema
 from minigraph.schema import examples, kernel, register
+from minigraph.validators import bool_attr
+
+# the grad op's attribute that divides its presummed dscale and dbias by the world size
+AVERAGE_RANKS = bool_attr("average_ranks", False)
 
 
 def presummed_grads(op):
@@ -42,7 +49,8 @@ def presummed_grads(op):
 
 
 register(bn_schema("sync_batch_norm"))
-register(bn_grad_schema("sync_batch_norm", presummed=presummed_grads))
+register(bn_grad_schema("sync_batch_norm", extra_attrs=(AVERAGE_RANKS,),
+                        presummed=presummed_grads, presummed_average="average_ranks"))
 kernel("sync_batch_norm", "cpu", cpu.sync_batch_norm_cpu)
 kernel("sync_batch_norm_grad", "cpu", cpu.sync_batch_norm_grad_cpu)
 kernel("sync_batch_norm", "gpu", cuda.sync_batch_norm_gpu, dtypes=GPU_FLOATS)
