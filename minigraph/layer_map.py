@@ -8,10 +8,13 @@ variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
 
 - a forward op (trunk, train, infer) belongs to the layer whose name is the
   longest dotted prefix of its outputs' names (its non-persistable outputs
-  first);
-- a backward op belongs to the layer of the variables whose gradients it reads
-  (a grad op reads the gradients of its forward op's outputs), or, reading
-  none (the loss gradient's fill), of those it writes;
+  first); when they name several layers (an op a pass fused from two layers'
+  ops: batch_norm_relu writes the relu's output and the batch norm's
+  statistics), to the layer of the persistables it reads, if they name one;
+- a backward op belongs to the layer of its forward op (the train-path op whose
+  outputs' gradients it reads), else to the layer of the variables whose
+  gradients it reads, or, reading none (the loss gradient's fill), of those it
+  writes;
 - an update op belongs to the layer of the persistables it writes.
 
 An op whose variables point at no layer, or at several (gradient clipping,
@@ -88,6 +91,9 @@ class LayerMap:
 
     def _owner(self, op, section):
         if section == "backward":
+            forward = self.forward_of(op)
+            if forward is not None and self._layer.get(id(forward)) is not None:
+                return self._layer[id(forward)]
             chosen = _grads(op.input_vars()) or _grads(op.output_vars())
         elif section == "update":
             chosen = [v for v in op.output_vars() if v.persistable]
@@ -95,6 +101,8 @@ class LayerMap:
             outs = op.output_vars()
             chosen = [v for v in outs if not v.persistable] or outs
         found = {self.var_layer(v) for v in chosen}
+        if len(found) > 1 and section != "update":
+            found = {self.var_layer(v) for v in op.input_vars() if v.persistable} or found
         return found.pop() if len(found) == 1 else None
 
 
