@@ -17,7 +17,7 @@ from minigraph.examples.train_digits import build_net
 
 @pytest.fixture(scope="module")
 def net():
-    return build_net(mg.CPUPlace(), seed=0)[0]
+    return build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 def op_id(net, branch, op):
@@ -104,7 +104,7 @@ def test_is_infer_is_visible_on_mode_dependent_ops(net):
 
 
 def test_dot_is_stable_across_builds(net):
-    again = build_net(mg.CPUPlace(), seed=1)[0]
+    again = build_net(mg.CPUPlace(), seed=1, fuse=False)[0]
     for level in ("op", "layer"):
         for backward in (False, True):
             assert net.to_dot(backward, level) == again.to_dot(backward, level)
@@ -143,7 +143,7 @@ def test_a_profile_colours_the_ops_it_timed_by_their_share(net):
     assert render_mod.Heat(table).colour(hottest.share) == "#f46d43"
     assert render_mod.Heat(table).colour(0.0) == "#ffffff"
     assert "share of a train step" in net.to_dot(profile=table)
-    other = build_net(mg.CPUPlace(), seed=0)[0]
+    other = build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
     with pytest.raises(ValueError, match="measured on another net"):
         other.to_dot(profile=table)
 
