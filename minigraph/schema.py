@@ -177,6 +177,11 @@ class OpSchema:
       presummed outputs by the world size (data parallelism's average folded into
       the kernel: sync_batch_norm_grad's `average_ranks`); data_parallel sets it
       instead of adding a c_avg_presummed op.
+    collectives(op, comm) -> [(kind, what, shape, dtype)]: the collectives the
+      op's kernels make on `comm`, in order (kind: "allreduce", ...; what: the
+      label they pass), or None when that cannot be told before the op runs; a
+      step announces them to the communicator, whose order check then verifies
+      the whole step in one exchange (Communicator.begin_step).
     replication: "always" when the outputs are identical on every rank (an
       op that averages presummed values), "inputs" when they are whenever
       every input is (a sum), None otherwise.
@@ -213,6 +218,7 @@ class OpSchema:
     sync_variant: str | None = None
     presummed: Callable | None = None
     presummed_average: str | None = None
+    collectives: Callable | None = None
     replication: str | None = None
     doc: str = ""
 

@@ -36,7 +36,12 @@ from minigraph.ops.batch_norm import (
     export_batch_norm,
     grad_bn,
 )
-from minigraph.ops.sync_batch_norm import AVERAGE_RANKS, presummed_grads
+from minigraph.ops.sync_batch_norm import (
+    AVERAGE_RANKS,
+    backward_collectives,
+    forward_collectives,
+    presummed_grads,
+)
 from minigraph.schema import Slot, examples, kernel, register
 
 ROLES = ("batch_norm", "batch_norm_relu")
@@ -59,10 +64,10 @@ register(bn_schema("batch_norm_relu", sync_variant="sync_batch_norm_relu", roles
 register(bn_grad_schema("batch_norm_relu", extra_inputs=(Slot("y"),),
                         sync_variant="sync_batch_norm_relu_grad"))
 register(bn_schema("sync_batch_norm_relu", roles=ROLES, export=export_batch_norm_relu,
-                   grad=grad_bn_relu, doc=__doc__))
+                   grad=grad_bn_relu, doc=__doc__, collectives=forward_collectives))
 register(bn_grad_schema("sync_batch_norm_relu", extra_inputs=(Slot("y"),),
                         extra_attrs=(AVERAGE_RANKS,), presummed=presummed_grads,
-                        presummed_average="average_ranks"))
+                        presummed_average="average_ranks", collectives=backward_collectives))
 kernel("batch_norm_relu", "cpu", cpu.batch_norm_relu_cpu)
 kernel("batch_norm_relu_grad", "cpu", cpu.batch_norm_relu_grad_cpu)
 kernel("sync_batch_norm_relu", "cpu", cpu.sync_batch_norm_relu_cpu)

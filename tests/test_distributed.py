@@ -112,8 +112,9 @@ def test_data_parallel_ops(one_rank):
     mg.distributed.data_parallel(net, batch_size_from="label")
     types = [op.type for op in net.section("backward")]
     assert types[1] == "c_scale_by_batch_share"            # right after the d(loss) seed
-    grad_at = types.index("sync_batch_norm_grad")
-    assert types[grad_at + 1] == "c_avg_presummed"
+    (grad,) = [op for op in net.section("backward") if op.type == "sync_batch_norm_grad"]
+    assert grad.attrs["average_ranks"]          # 1/K of its presummed dscale and dbias, in it
+    assert "c_avg_presummed" not in types
     assert types[-1] == "c_allreduce_avg"                   # last before the updates
     (avg,) = [op for op in net.section("backward") if op.type == "c_allreduce_avg"]
     averaged = {v.name for v in avg.inputs["x"]}

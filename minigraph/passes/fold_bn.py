@@ -12,8 +12,8 @@ x, the batch norm disappears into that layer's weight and bias:
 The new bias is added by the layer's bias add (or one takes the batch
 norm's place). A batch_norm_relu (role "batch_norm_relu") folds the same way and
 leaves a relu op computing its output from the folded layer's. A batch norm that
-cannot be folded stays, and the report says why. The source net is not touched: the pass works on a copy of its
-inference graph (minigraph.passes.infer_clone).
+cannot be folded stays, and the report says why. The source net is not touched:
+the pass works on a copy of its inference graph (minigraph.passes.infer_clone).
 """
 from __future__ import annotations
 
