@@ -204,6 +204,14 @@ class FakeArray:
             out._host()[...] = self._host()
         return out
 
+    def fill(self, value):
+        """Every element = value (GPUArray.fill, on the device)."""
+        self._check_owner("fill")
+        self.cuda.count("launch")
+        if self.size and self.cuda.run_kernels:
+            self._host()[...] = value
+        return self
+
     def __mul__(self, factor):
         out = self.copy()
         if self.size and self.cuda.run_kernels:
