@@ -229,6 +229,7 @@ class EmuKernel:
         self._seed = seed
         self.shared_used = 0      # the most static shared memory a block of it touched
         self.max_dynamic = None   # the function attribute, once set (None: the default)
+        self.launches = 0         # launches that ran
 
     def allow_shared(self, nbytes):
         """Let launches ask for up to `nbytes` of dynamic shared memory (the function
@@ -264,6 +265,7 @@ class EmuKernel:
         err = ctypes.create_string_buffer(1024)
         used = ctypes.c_ulonglong(0)
         self._seed[0] += 1
+        self.launches += 1
         limit = SHARED_LIMIT if self.max_dynamic is None else OPTIN_LIMIT
         rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err, len(err),
                                   limit, shared, ctypes.byref(used))
