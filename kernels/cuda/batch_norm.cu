@@ -152,6 +152,7 @@ __device__ void finish_rows_stats(const T* x, const T* partial, long long rows, 
   const long long C = o.C;
   double a = 0.0;
   if (active)
+#pragma unroll 4
     for (int i = j; i < splits; i += slices) {
       const long long n_i = rows - i * chunk < chunk ? rows - i * chunk : chunk;
       a += double(n_i) * double(load_cg(partial + i * 2 * C + c));
@@ -167,6 +168,7 @@ __device__ void finish_rows_stats(const T* x, const T* partial, long long rows, 
   const double mean = mean_of[cl];
   double b = 0.0;
   if (active)
+#pragma unroll 4
     for (int i = j; i < splits; i += slices) {
       const long long n_i = rows - i * chunk < chunk ? rows - i * chunk : chunk;
       const double d = double(load_cg(partial + i * 2 * C + c)) - mean;
@@ -380,6 +382,7 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
   const long long c = (long long)blockIdx.x * width + cl;
   double a = 0.0, b = 0.0;
   if (c < o.C && j < slices)
+#pragma unroll 4
     for (int i = j; i < splits; i += slices) {
       a += double(load_cg(partial + i * 2 * o.C + c));
       b += double(load_cg(partial + i * 2 * o.C + o.C + c));

@@ -3,13 +3,14 @@ GPU: the reduction plan of batch_norm.cu's rows kernels and the launchers of
 kernels/cuda/bn_rows.cu's elementwise passes.
 
 Reductions (statistics; gradient sums): grid (channel groups, splits), blocks
-(TX, TY). TX - the 16-byte packs of channels a group spans - is as wide as a
-warp when that leaves few splits, and halved (down to a 32-byte sector per warp
-row) until the groups x splits that fill the device have at most TARGET_SPLITS
-splits: each group's last block then finishes its channels from few partials,
-stored channel-contiguous, in parallel (batch_norm.cu's finish_rows_stats). With
-32 channel packs per group and a few hundred splits that finish was the tail of
-the pass.
+(TX, TY). Each group's last block finishes its channels from the splits' partials,
+stored channel-contiguous, in parallel (batch_norm.cu's finish_rows_stats): its
+threads take (channel, every J-th split), J = TY / W. TX - the 16-byte packs of
+channels a group spans - is as wide as a warp when each of those threads then
+reads at most FINISH_LOADS partials, and halved (down to ROW_BYTES a warp row)
+until it does: narrower groups make more groups and fewer splits for the blocks
+that fill the device. With 32 channel packs per group and a few hundred splits
+that finish was serial and the tail of the pass.
 
 Elementwise passes (normalize, infer, dx): grid (ceil(Cv / TX), row blocks); each
 thread keeps one column of W channels for all its rows, its coefficients in
@@ -22,7 +23,8 @@ import math
 from minigraph.kernels.cuda import launch, loader
 
 MODULE = "bn_rows"
-TARGET_SPLITS = 16          # splits per channel group the reduction plan aims below
+FINISH_LOADS = 8            # partials a finishing thread reads, at most, where TX allows
+ROW_BYTES = 64              # bytes of a row a warp reads together, at least (HBM's access)
 SIGNATURES = {}
 for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
     for _w in _ws:
@@ -48,12 +50,12 @@ def reduce_plan(rows, channels, itemsize, aligned, dev, res=None):
     cv = channels // width
     threads = launch.block_threads(dev, launch.ROW_THREADS)
     tx = min(32, 1 << max(0, math.ceil(math.log2(max(cv, 1)))))
-    narrowest = min(tx, max(1, 32 // (width * itemsize)))
+    narrowest = min(tx, max(1, ROW_BYTES // (width * itemsize)))
     while True:
         ty = threads // tx
         groups = math.ceil(cv / tx)
         chunk, splits = launch._splits(rows, groups, dev, threads, ty, res, 1)
-        if splits <= TARGET_SPLITS or tx <= narrowest:
+        if math.ceil(splits / (ty // width)) <= FINISH_LOADS or tx <= narrowest:
             break
         tx //= 2
     return launch.ReducePlan("rows", width, (groups, splits, 1), (tx, ty, 1), chunk, splits,

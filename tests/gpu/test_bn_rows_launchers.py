@@ -94,13 +94,14 @@ def test_offset_rows_keep_their_variance(device, force_splits):
 @pytest.mark.parametrize("rows,channels,itemsize", [(100352, 256, 4), (50176, 128, 4),
                                                     (1024, 4096, 4), (4096, 64, 8),
                                                     (256, 3, 4)])
-def test_the_reduction_plan_keeps_few_splits_per_group(rows, channels, itemsize):
+def test_the_reduction_plan_keeps_the_finish_short(rows, channels, itemsize):
     """32x56x56x256 used to run 2 groups x ~250 splits, each group's last block merging
-    them serially: now TX narrows until the device fills with at most TARGET_SPLITS
-    splits a group (or a warp row is one 32-byte sector)."""
+    them serially: now TX narrows until each finishing thread reads at most FINISH_LOADS
+    partials (or a warp row is ROW_BYTES)."""
     plan = bn_rows.reduce_plan(rows, channels, itemsize, True, H200)
     tx, ty, _ = plan.block
     assert plan.kind == "rows" and tx * ty == launch.ROW_THREADS
-    assert plan.splits <= bn_rows.TARGET_SPLITS or tx * plan.width * itemsize <= 32
+    loads = math.ceil(plan.splits / (ty // plan.width))
+    assert loads <= bn_rows.FINISH_LOADS or tx * plan.width * itemsize <= bn_rows.ROW_BYTES
     assert plan.groups == math.ceil(channels // plan.width / tx)
     assert plan.chunk * plan.splits >= rows > plan.chunk * (plan.splits - 1)
