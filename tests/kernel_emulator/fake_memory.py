@@ -291,7 +291,6 @@ class FakeFunction:
     def set_attribute(self, attribute, value):
         cuda = self.module.cuda
         cuda.current(f"cuFuncSetAttribute {self.name}")
-        cuda.count("set_attribute")
         if attribute != "max_dynamic_shared":
             raise FakeDriverError(f"cuFuncSetAttribute {self.name}: attribute {attribute!r} "
                                   "is not settable here (CUDA_ERROR_INVALID_VALUE)")
@@ -300,6 +299,7 @@ class FakeFunction:
                                   f"MAX_DYNAMIC_SHARED_SIZE_BYTES={value!r} with "
                                   f"{self.shared_size_bytes} static bytes is more than the "
                                   f"device's opt-in {self.OPTIN} (CUDA_ERROR_INVALID_VALUE)")
+        cuda.count("set_attribute")
         self.max_dynamic = value
 
     def prepared_async_call(self, grid, block, stream, *args, shared_size=0):
