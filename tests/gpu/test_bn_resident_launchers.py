@@ -36,7 +36,8 @@ def used_kernels(device):
 def train_and_backward(device, shape, dtype, relu=False, offset=0, steps=2, in_place=False):
     """forward_train (the estimates and counter over `steps`), then backward, against the
     references; returns the names of the kernels the emulator ran."""
-    from minigraph.kernels.cuda import batch_norm, batch_norm_grad as grads
+    from minigraph.kernels.cuda import batch_norm
+    from minigraph.kernels.cuda import batch_norm_grad as grads
 
     channels = shape[1]
     scale, bias, mean0, var0 = params(channels, dtype)

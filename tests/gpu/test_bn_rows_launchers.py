@@ -30,7 +30,8 @@ def params(channels, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("relu", [False, True], ids=["bn", "bn_relu"])
 def test_rows_passes_match_the_references(device, force_splits, layout, shape, dtype, relu):
-    from minigraph.kernels.cuda import batch_norm, batch_norm_grad as grads
+    from minigraph.kernels.cuda import batch_norm
+    from minigraph.kernels.cuda import batch_norm_grad as grads
 
     channels = shape[1] if layout == "NCHW" else shape[-1]
     scale, bias, em, ev = params(channels, dtype)
