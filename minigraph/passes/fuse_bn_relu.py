@@ -55,7 +55,7 @@ def fuse_batch_norm_relu(net, verbose=False):
     checked before anything is rewritten."""
     check_net(net, NAME)
     plain, sync = _fused_types()
-    kept = {id(v) for v in net.default_fetches}
+    kept = {id(v) for f in net.default_fetches for v in (f, net.twin(f)) if v is not None}
     pairs = []
     for section in SECTIONS:
         for bn in [op for op in net.section(section) if op.schema.has_role("batch_norm")
