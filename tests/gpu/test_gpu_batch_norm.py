@@ -79,6 +79,11 @@ SHAPES = {
     "offset-1e4-f32": ("NCHW", (3, 2, 17, 13), F32, {}, dict(offset=1e4)),
     "offset-1e4-nhwc-f32": ("NHWC", (601, 3), F32, {}, dict(offset=1e4, counter=5)),
     "offset-1e4-f64": ("NHWC", (4, 9, 5), F64, {}, dict(offset=1e4)),
+    # one launch per pass, 68 KiB of shared memory (the function attribute)
+    "resident-68k-f32": ("NCHW", (64, 8, 7, 7), F32, {}, dict(counter=2)),
+    # more channel groups than CTAs: the next group double-buffered
+    "resident-double-f64": ("NCHW", (128, 32, 7, 7), F64, {}, {}),
+    "rows-wide-f32": ("NCHW", (40, 64), F32, {}, {}),
 }
 MODES = {"train": {}, "use_global_est": dict(use_global_est=True), "is_infer": dict(is_infer=True)}
 GRADS = (("x", "scale", "bias"), ("x",), ("scale", "bias"))
@@ -100,15 +105,16 @@ OP_WORLDS = {"batch_norm": ("batch_norm", LocalComm),
              "sync_batch_norm-2-ranks": ("sync_batch_norm", LoneRankComm)}
 
 
+@pytest.mark.parametrize("op_type", ["batch_norm", "batch_norm_relu"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("case", sorted(SHAPES))
-def test_batch_norm_matches_the_cpu(device_place, force_splits, case, mode):
+def test_batch_norm_matches_the_cpu(device_place, force_splits, case, mode, op_type):
     layout, shape, dtype, attrs, kw = SHAPES[case]
     ins = bn_inputs(shape, layout, dtype, **kw)
     attrs = dict(attrs, data_layout=layout, **MODES[mode])
     grad_sets = GRADS if mode == "train" else GRADS[:1]
-    want, want_grads = run_op(mg.CPUPlace(), "batch_norm", ins, attrs, grad_sets, ("y",))
-    got, got_grads = run_op(device_place, "batch_norm", ins, attrs, grad_sets, ("y",))
+    want, want_grads = run_op(mg.CPUPlace(), op_type, ins, attrs, grad_sets, ("y",))
+    got, got_grads = run_op(device_place, op_type, ins, attrs, grad_sets, ("y",))
     assert set(got) == set(want)
     loosen = 10.0 if kw.get("offset") else 1.0
     for slot in want:
