@@ -24,10 +24,9 @@ its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
 follows from it. This is the only check cache.
 
-A step whose ops make collectives (OpSchema.collectives: sync batch norm, the
-data-parallel averages) announces them to the communicator first
-(Communicator.begin_step), so that the cross-rank order check verifies the whole
-step in one exchange instead of one before every collective.
+A step whose ops make collectives (OpSchema.collectives) announces them to the
+communicator first (Communicator.begin_step): the order check verifies them in one
+exchange.
 
 A training step keeps the values it fetches, the persistables and the
 gradients of the persistables (as PyTorch keeps `.grad`); the gradients it
@@ -229,13 +228,12 @@ class Executor:
 
 
 def _announce_collectives(c):
-    """Tell the communicator the collectives this step's ops make (None, and nothing
-    made, when they make none); returns the communicator."""
-    if not c.collective_ops:
-        return None
-    from minigraph.distributed.world import get_comm
+    """Announce the step's collectives; the communicator, or None when there are none."""
+    from minigraph.distributed import world
 
-    comm = get_comm()
+    if not c.collective_ops or not world.is_initialized():   # its first use checks per call
+        return None
+    comm = world.get_comm()
     calls = []
     for op in c.collective_ops:
         made = op.schema.collectives(op, comm)
