@@ -17,7 +17,11 @@ Steps, in order:
   findings   the review's findings 1 (a place used from a worker thread) and 6 (no
              out-of-thread event clean-up under the NCCL sync-BN script);
   demo       `minigraph demo` on the GPU against the CPU;
-  bench      benchmarks/bn_gpu.py, benchmarks/sync_bn_gpu.py.
+  bench      benchmarks/bn_gpu.py, benchmarks/sync_bn_gpu.py;
+  nets       benchmarks/nets_gpu.py: whole nets, train and infer, against PyTorch eager on
+             the same GPU (TF32 off, then on), peak device memory, the costliest ops of a
+             ResNet step; its tables go into RESULTS.md as markdown (and into
+             docs/performance.md).
 gpu_steps() lists the exact commands.
 
 Each command runs in the repository root in its own process group with a hard
@@ -89,6 +93,7 @@ class Step:
     skip: Callable[[], str | None] | None = None
     check: Callable[[list], tuple] | None = None
     keep_lines: int = TAIL_LINES
+    markdown: Callable[[list], list] | None = None
 
 
 def run_command(command, timeout):
@@ -156,6 +161,8 @@ def run_step(step, timeout):
         problem, notes = step.check(outputs)
         result["notes"] += notes + ([f"problem: {problem}"] if problem else [])
         failed = bool(problem)
+    if step.markdown and not failed:
+        result["markdown"] = step.markdown(outputs)
     result.update(status="failed" if failed else "ok", seconds=round(time.monotonic() - start, 1))
     return result
 
@@ -234,6 +241,8 @@ def write_results(path, header, results, order):
         lines += [f"- `{c['command']}`: exit {c['rc']} ({c['seconds']} s)" if c["rc"] is not None
                   else f"- `{c['command']}`: timed out" for c in r["commands"]]
         lines += [f"- {note}" for note in r["notes"]]
+        if r.get("markdown"):
+            lines += [""] + r["markdown"]
         if r["output"]:
             lines += ["", "````text", r["output"].rstrip("\n"), "````"]
     lines += ["", MARK + json.dumps(results) + " -->", ""]
@@ -344,6 +353,21 @@ def check_findings(outputs):
     return None, [] if outputs[1:] else ["finding 6 not checked: no nccl4py or mpiexec"]
 
 
+NETS_BUDGET_S = 200          # nets_gpu.py starts no round after this (gpu_check: 8 min in all)
+
+
+def nets_tables(outputs):
+    """The markdown nets_gpu.py printed (its tables and the profile), from the line that
+    opens the first table's title to the last table row."""
+    lines = outputs[0].splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("TF32 off on both")),
+                 None)
+    if first is None:
+        return []
+    last = max(i for i, line in enumerate(lines) if line.startswith("|"))
+    return lines[first:last + 1]
+
+
 def gpu_steps():
     """The steps of the check, in order (see the module doc)."""
     pytest, probe = [PY, "-m", "pytest", "-q", "-rfEs"], [PY, "benchmarks/gpu_probes.py"]
@@ -391,10 +415,14 @@ def gpu_steps():
         Step("bench", "batch norm and sync batch norm on the GPU against PyTorch/cuDNN",
              [[PY, "benchmarks/bn_gpu.py"], [PY, "benchmarks/sync_bn_gpu.py"]],
              keep_lines=FULL_LINES),
+        Step("nets", "whole nets, train and infer, against PyTorch eager on the same GPU",
+             [[PY, "benchmarks/nets_gpu.py", "--budget-s", str(NETS_BUDGET_S)]],
+             keep_lines=FULL_LINES, markdown=nets_tables),
     ]
 
 
-STEP_NAMES = ("env", "place", "build", "load", "sanitizer", "tests", "findings", "demo", "bench")
+STEP_NAMES = ("env", "place", "build", "load", "sanitizer", "tests", "findings", "demo", "bench",
+              "nets")
 
 
 def parse_args(argv=None):

@@ -27,7 +27,7 @@ def show(label, get):
     try:
         print(f"{label}: {get()}")
     except Exception as e:  # anything a missing or broken library raises
-        print(f"{label}: unavailable ({type(e).__name__}: {str(e)[:200]})")
+        print(f"{label}: unavailable ({type(e).__name__}: {str(e)[:400]})")
 
 
 def cuda_device():
@@ -58,6 +58,29 @@ def torch_versions():
             f", GPU available: {gpu}")
 
 
+def gpu_library(name):
+    """Where GPU library `name` (cublas / cudnn) loads from, or why it does not and
+    what that costs (minigraph.kernels.cuda.libraries)."""
+    from minigraph.kernels.cuda import cublas, cudnn, libraries
+
+    lib = (cublas if name == "cublas" else cudnn).library()
+    if lib is None:
+        raise RuntimeError(f"{libraries.why(name)}; without it {libraries.COST[name]}")
+    dists = [f"{d} {libraries.distribution_version(d)}" for _, _, d in libraries.WHEELS[name]
+             if libraries.distribution_version(d)]
+    return f"{lib.path} (CUDA {lib.cuda_major}; {lib.version}; {', '.join(dists) or 'no wheel'})"
+
+
+def graph_capture():
+    """Whether compiled plans can be replayed as CUDA graphs (cuda-bindings)."""
+    from minigraph.kernels.cuda import graphs
+
+    why = graphs.unavailable()
+    if why is not None:
+        raise RuntimeError(f"{why}; without it every step launches its kernels one by one")
+    return f"cuda-bindings {importlib.metadata.version('cuda-bindings')}"
+
+
 def versions():
     """Print the versions of everything the GPU code and the benchmarks use."""
     show("python", platform.python_version)
@@ -65,6 +88,9 @@ def versions():
         show(name, lambda name=name: importlib.metadata.version(name))
     show("pycuda device", cuda_device)
     show("NCCL (nccl4py)", nccl_version)
+    show("cuBLAS", lambda: gpu_library("cublas"))
+    show("cuDNN", lambda: gpu_library("cudnn"))
+    show("CUDA graphs", graph_capture)
     show("torch build", torch_versions)
     return 0
 
@@ -151,7 +177,8 @@ def check_env(outputs):
     the gpu extra's pin with a CUDA 13 toolkit (it cannot build against CUDA 13's
     headers). Warnings: nvcc newer than the driver, a compute mode other than
     Default, pycuda or nccl4py below their pins, no usable NCCL (backend='auto' then
-    falls back to MPI)."""
+    falls back to MPI), no cuBLAS, cuDNN or cuda-bindings (each line says what running
+    without it costs)."""
     notes, problem = [], None
     driver = re.search(r"CUDA Version\s*:\s*(\d+)\.(\d+)", outputs[0])
     nvcc = re.search(r"release (\d+)\.(\d+)", outputs[2])
@@ -164,7 +191,9 @@ def check_env(outputs):
         notes.append("WARNING: compute mode is not Default (two ranks cannot share the GPU)")
     probe = outputs[4] if len(outputs) > 4 else ""
     installed = dict(re.findall(r"^(pycuda|nccl4py): (\S+)", probe, re.M))
-    for name, (extra, least) in (required_versions() if probe else {}).items():
+    pins = {n: v for n, v in (required_versions() if probe else {}).items()
+            if n in ("pycuda", "nccl4py")}          # the libraries: their own lines below
+    for name, (extra, least) in pins.items():
         have = installed.get(name)
         have_v = version_tuple(have) if have else None
         pin = f"{name}{f'[{extra}]' if extra else ''}>={'.'.join(map(str, least or ()))}"
@@ -176,6 +205,12 @@ def check_env(outputs):
                            f"pip install '{pin}'")
             else:
                 notes.append(f"WARNING: {name} {have} is older than the pin ({pin})")
+    for label, hint in (("cuBLAS", "nvidia-cublas (CUDA 13 drivers) or nvidia-cublas-cu12"),
+                        ("cuDNN", "nvidia-cudnn-cu13 or nvidia-cudnn-cu12"),
+                        ("CUDA graphs", "cuda-bindings")):
+        missing = re.search(rf"^{label}: unavailable \(\w+: (.*)\)$", probe, re.M)
+        if missing:
+            notes.append(f"WARNING: no {label} ({missing[1]}); pip install {hint}")
     if re.search(r"^NCCL \(nccl4py\): unavailable", probe, re.M):
         notes.append("WARNING: no usable NCCL (backend='auto' uses MPI): install the nccl4py "
                      "extra of the driver's CUDA major, nccl4py[cu12] or nccl4py[cu13]")

@@ -77,10 +77,12 @@ LEARNING_RATE, MOMENTUM = 0.1, 0.9
 STAGES = ((16, 1), (32, 2), (64, 2))
 
 
-def batch(net_name, seed=0):
+def batch(net_name, seed=0, n=None):
+    """(images, labels) of `net_name`'s input at its batch size (or `n`), seeded."""
     import numpy as np
 
-    n, chw = NETS[net_name]
+    default, chw = NETS[net_name]
+    n = default if n is None else n
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((n,) + chw, dtype=np.float32),
             rng.integers(0, 10, size=n).astype(np.int64))
@@ -88,12 +90,13 @@ def batch(net_name, seed=0):
 
 # ---- minigraph ------------------------------------------------------------------
 
-def mg_resnet(seed=0):
-    """(net, image, logits, loss): the CIFAR-sized ResNet built with the layer API."""
+def mg_resnet(seed=0, place=None):
+    """(net, image, logits, loss): the CIFAR-sized ResNet built with the layer API
+    (on `place`, the CPU by default)."""
     import minigraph as mg
     from minigraph import layers
 
-    net = mg.Net(seed=seed)
+    net = mg.Net(place=place, seed=seed)
     image = layers.data(net, "image", shape=(-1, 3, 32, 32))
     label = layers.data(net, "label", shape=(-1,), dtype="int64")
 
@@ -118,12 +121,13 @@ def mg_resnet(seed=0):
     return net, image, logits, loss
 
 
-def mg_mnist_or_mlp(net_name, seed=0):
-    """(net, image, logits, loss): the MNIST CNN or the wide MLP, minimised with Adam."""
+def mg_mnist_or_mlp(net_name, seed=0, place=None):
+    """(net, image, logits, loss): the MNIST CNN or the wide MLP, minimised with Adam
+    (on `place`, the CPU by default)."""
     import minigraph as mg
     from minigraph import layers as L
 
-    net = mg.Net(seed=seed)
+    net = mg.Net(place=place, seed=seed)
     image = L.data(net, "image", shape=(-1,) + NETS[net_name][1])
     label = L.data(net, "label", shape=(-1,), dtype="int64")
     if net_name == "mnist":
@@ -153,14 +157,15 @@ def fuse_batch_norm_relu(net):
         mg.passes.fuse_batch_norm_relu(net)
 
 
-def mg_net(net_name):
+def mg_net(net_name, place=None):
+    """(net, image, logits, loss) of `net_name` on `place` (the CPU by default)."""
     if net_name == "resnet":
-        return mg_resnet()
+        return mg_resnet(place=place)
     if net_name in ADAM_NETS:
-        return mg_mnist_or_mlp(net_name)
+        return mg_mnist_or_mlp(net_name, place=place)
     from minigraph.examples.train_digits import build_net
 
-    net, h = build_net(seed=0, learning_rate=LEARNING_RATE, momentum=MOMENTUM)
+    net, h = build_net(place=place, seed=0, learning_rate=LEARNING_RATE, momentum=MOMENTUM)
     return net, h["image"], h["logits"], h["loss"]
 
 

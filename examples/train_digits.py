@@ -27,7 +27,7 @@ import numpy as np
 
 import minigraph as mg
 from minigraph import data, layers
-from minigraph.cliargs import Parser, fail, int_at_least, out_folder_problem
+from minigraph.cli import Parser, fail, int_at_least, out_folder_problem
 
 DEFAULT_EPOCHS = 6
 DEFAULT_BATCH_SIZE = 32
@@ -167,7 +167,7 @@ def write_outputs(net, h, history, out, level="layer", profile_feed=None):
     except ImportError as e:
         print(f"note: no model.onnx ({e})")
     count = sum(note.folded for note in folded.reports["fold_batch_norm"])
-    print(f"deployable: {count} batch norms folded into the layers before them "
+    print(f"deployable: {count} batch norms folded and the loss left out "
           f"({len(net.ops('infer'))} -> {len(folded.ops('infer'))} inference ops). Open "
           "model.onnx in Netron "
           f"(https://netron.app) or run it with onnxruntime; load {out / 'model'} with "
@@ -230,8 +230,9 @@ def add_arguments(parser):
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="where to run: cpu (default) or gpu (GPU 0)")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"folder for net.svg and training.png, created if missing "
-                             f"(default {DEFAULT_OUT})")
+                        help=f"folder for what the demo writes, created if missing (default "
+                             f"{DEFAULT_OUT}): net.svg, training.png, model/ (an inference "
+                             "model), model.onnx, and profile.svg with --profile")
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the "
                         "parameters and the batch order, >= 0 (default 0)")
     parser.add_argument("--batch-size", type=int_at_least(2, " (batch norm needs two rows)"),

@@ -23,7 +23,7 @@ import numpy as np
 
 import minigraph as mg
 from minigraph import data
-from minigraph.cliargs import Parser, fail, int_at_least, launcher_rank, out_folder_problem
+from minigraph.cli import Parser, fail, int_at_least, launcher_rank, out_folder_problem
 from minigraph.examples.train_digits import LEARNING_RATE, build_net, load_digits_split
 
 PROG = "train_digits_sync.py"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from minigraph.schema import OpDesc, op_for_role
+from minigraph.scope import GRAD_MARK
 
 
 def append_backward(net, loss, parameters=None):
@@ -27,11 +28,11 @@ def append_backward(net, loss, parameters=None):
     pending = {}                         # id(var) -> [grad contributions]
 
     def new_grad_var(var):
-        name = f"{var.name}@GRAD"
+        name = f"{var.name}{GRAD_MARK}"
         k = 0
         while grad_scope.find_local_var(name) is not None:
             k += 1
-            name = f"{var.name}@GRAD@{k}"
+            name = f"{var.name}{GRAD_MARK}@{k}"
         return grad_scope.new_var(name)
 
     def make_grad(var):

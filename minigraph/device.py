@@ -40,7 +40,12 @@ class DeviceState:
     scratch and the backend's array makers ({(shape, dtype): make()}, see
     kernels/cuda/backend.py's PyCudaBackend.empty; `empty` calls them directly inside
     `activate`). `context` is the backend's handle (a PyCUDA Context; None for
-    emulated devices)."""
+    emulated devices); `stream` the stream every launch, copy, library call and
+    NCCL call of this device goes on (a PyCUDA Stream the device owns, made with
+    its context; None: the legacy default stream, as on the emulator);
+    `libraries` the cuBLAS / cuDNN handles made for this context
+    (kernels/cuda/libraries.py: {name: handle, or None where the library is
+    not used})."""
 
     def __init__(self, key, info, allocate, context=None):
         self.key = key
@@ -55,6 +60,14 @@ class DeviceState:
         self.scratch = {}
         self.arrays = {}
         self.pool = None
+        self.stream = None
+        self.libraries = {}
+        self.graphs = {}
+
+    @property
+    def stream_handle(self):
+        """The integer handle of `stream` (0: the legacy default stream)."""
+        return 0 if self.stream is None else int(self.stream.handle)
 
 
 thread_state = threading.local()   # .stack: the DeviceStates entered on this thread
@@ -132,6 +145,30 @@ def is_entered(state):
     """True when `state` is the innermost device entered on this thread."""
     stack = getattr(thread_state, "stack", None)
     return bool(stack) and stack[-1] is state
+
+
+# ---- numerics -----------------------------------------------------------------------
+
+_tf32 = False
+
+
+def set_tf32(enabled):
+    """Let float32 matrix products and convolutions on a GPU use TF32 tensor cores
+    (cuBLAS's CUBLAS_COMPUTE_32F_FAST_TF32, cuDNN's tensor-op math) - False by
+    default: float32 results then equal the CPU's within the tests' tolerances.
+    TF32 rounds each operand to a 10-bit mantissa before the multiply (sums stay
+    float32): expect relative errors of about 1e-3 in products and convolutions
+    against float32's 1e-6. Applies to products and convolutions planned after
+    the call (plans are keyed by it); float64 is never affected, nor are the
+    hand-written kernels (they never use tensor cores). Returns the old setting."""
+    global _tf32
+    old, _tf32 = _tf32, bool(enabled)
+    return old
+
+
+def tf32_enabled():
+    """Whether set_tf32(True) is in force."""
+    return _tf32
 
 
 # ---- the backend in use ----------------------------------------------------------------

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from minigraph import handover, host_memory, work_room
-from minigraph.feeds import check_feed, scope_targets
+from minigraph.feeds import check_feed, check_feed_mapping, scope_targets
 from minigraph.journal import Journal
 from minigraph.place import CPUPlace
 from minigraph.schema import KernelContext, OpError
@@ -86,6 +86,7 @@ class Compiled:
         self.kernels = [None] * len(steps)
         self.plain = KernelContext(place)
         self.roomy = None               # per step, the context with its work room
+        self.replay = None              # GPU: the plan's CUDA graph (minigraph.replay)
 
 
 class Plan:
@@ -160,7 +161,8 @@ class Executor:
         numpy arrays in the same order. The plan of the same ops and fetches is
         reused, so ops are checked again only when what they read from outside
         changes shape or dtype."""
-        feed, fetch = feed or {}, fetch or []
+        feed = check_feed_mapping(feed, "Executor.run")
+        fetch = [] if fetch is None else fetch
         if (feed or any(isinstance(f, str) for f in fetch)) and scope is None:
             raise ValueError("Executor.run: feeding or fetching by name needs a scope")
         targets = scope_targets(scope, fetch)
@@ -204,6 +206,13 @@ class Executor:
     def _run_compiled(self, plan, c, signature, check):
         place = self.place
         with place.activate():          # a GPU's context, once for the whole run
+            if place.kind == "gpu" and not check:
+                from minigraph import replay
+
+                fetched = replay.run(plan, c, place, signature)
+                if fetched is not None:
+                    plan.checked = signature
+                    return fetched
             if not plan.lean:
                 _run_steps(c, place.kind, check)
                 plan.checked = signature

@@ -74,11 +74,26 @@ def check_feed(var, value):
     return value
 
 
-def feed_by_name(data_vars, feed):
-    """{data name: value} of `feed`, whose keys may be names or the data Variables
-    themselves; `data_vars` is the net's {name: data Variable}."""
+def check_feed_mapping(feed, who):
+    """`feed` ({} for None) when it is a mapping; else a TypeError naming `who` that
+    says what a feed is (an array, a list of pairs, 0 or a string is not one)."""
+    if feed is None:
+        return {}
     if not isinstance(feed, Mapping):
-        raise TypeError(f"feed must be a dict {{data name: array}}, got {type(feed).__name__}")
+        if isinstance(feed, np.ndarray):
+            got = f"an array ({feed.dtype}, shape {feed.shape})"
+        else:
+            got = f"{type(feed).__name__} {' '.join(repr(feed).split())[:40]}"
+        raise TypeError(f"{who}: feed must be a dict {{data name or data Variable: array}}, "
+                        f"e.g. feed={{'image': x, 'label': y}}; got {got}")
+    return feed
+
+
+def feed_by_name(data_vars, feed, who="feed"):
+    """{data name: value} of `feed`, whose keys may be names or the data Variables
+    themselves; `data_vars` is the net's {name: data Variable}. None is no feed;
+    anything but a mapping is a TypeError naming `who` (check_feed_mapping)."""
+    feed = check_feed_mapping(feed, who)
     named = {}
     for key, value in feed.items():
         if isinstance(key, Variable):

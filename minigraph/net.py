@@ -20,11 +20,11 @@ import threading
 
 import numpy as np
 
-from minigraph import feeds
+from minigraph import feeds, net_freeze
 from minigraph.executor import Executor, Plan, check_place
 from minigraph.operator import Operator, as_operator
 from minigraph.schema import get_schema
-from minigraph.scope import Scope, Variable
+from minigraph.scope import Scope, Variable, check_reserved_name
 
 BRANCHES = ("train", "infer")
 SECTIONS = ("init", "trunk", "train", "infer", "backward", "update")
@@ -59,6 +59,8 @@ class Net:
         self._name_counts = {}
         self._plans = {}
         self._update_every = None        # (k, step counter): see update_every
+        self.trained = ()                # the parameters the optimizer updates (minimize)
+        self.frozen_at_minimize = ()     # the parameters frozen then (see net_freeze)
         self._lock = threading.RLock()
         self._running = 0
 
@@ -90,6 +92,7 @@ class Net:
         if mode_attr is not None and section in BRANCHES:
             self.forked = True
         ops.append(op)
+        _mark_value_rules(op)
         self._changed()
         return op
 
@@ -101,9 +104,12 @@ class Net:
         return op
 
     def replace_op(self, section, old, new):
-        """Put `new` (an Operator or OpDesc) where the Operator `old` is in `section`."""
+        """Put `new` (an Operator or OpDesc) where the Operator `old` is in `section`;
+        `new` belongs to `old`'s layer unless it names its own."""
         ops = self._ops_of(section)
         new = as_operator(new)
+        if new.layer is None:
+            new.layer = old.layer
         ops[self._index(section, ops, old)] = new
         self._changed()
         return new
@@ -147,12 +153,14 @@ class Net:
 
     # ---- building ----------------------------------------------------------
 
-    def unique_name(self, prefix):
-        """`prefix_k` with the smallest k this net has not made nor seen used."""
+    def unique_name(self, prefix, take=True):
+        """`prefix_k` with the smallest k this net has not made nor seen used; with
+        take=False the name it would make, without making it."""
         k = self._name_counts.get(prefix, 0)
         while self.name_taken(f"{prefix}_{k}"):
             k += 1
-        self._name_counts[prefix] = k + 1
+        if take:
+            self._name_counts[prefix] = k + 1
         return f"{prefix}_{k}"
 
     def name_taken(self, name):
@@ -164,6 +172,7 @@ class Net:
 
     def add_data(self, name, shape, dtype="float32"):
         """Declare a fed input: a root-scope Variable checked against every feed."""
+        check_reserved_name(name, self.scope)
         var = self.scope.new_var(name)
         var.declare(shape, dtype)
         var.is_data = True
@@ -172,15 +181,17 @@ class Net:
         return var
 
     def create_parameter(self, name, shape, dtype, init, trainable=True, fan_in=None,
-                         fan_out=None):
+                         fan_out=None, part=None):
         """A persistable root-scope Variable, initialised at once by `init` (an
         initializer from minigraph.initializer); `initialize(force=True)` runs
-        the initialiser again."""
+        the initialiser again. `part`: its part of a checkpoint (checkpoint_values.part_of)."""
         if trainable and self.loss is not None:
             raise ValueError(f"{name}: cannot add a trainable parameter after minimize() / "
                              "append_backward(): it would never be trained; build every layer "
                              "with parameters first")
+        check_reserved_name(name, self.scope)
         var = self.scope.new_var(name, persistable=True, trainable=trainable)
+        var.part = part
         var.declare(shape, dtype)
         seed = (self.seed + 7919 * len(self._sections["init"])) % (2 ** 31)
         desc = init.op(var, seed=seed, fan_in=fan_in, fan_out=fan_out)
@@ -202,6 +213,7 @@ class Net:
         if not self.forked:
             op = self._build(op_type, inputs, outputs, attrs, self.scope)
             self._sections["trunk"].append(op)
+            _mark_value_rules(op)
             self._changed()
             return op.outputs
         built = {}
@@ -217,6 +229,7 @@ class Net:
                     self._twins[id(t)], self._twins[id(i)] = i, t
         for b in BRANCHES:
             self._sections[b].append(built[b])
+            _mark_value_rules(built[b])
         self._changed()
         return built["train"].outputs
 
@@ -233,9 +246,12 @@ class Net:
                 if isinstance(target, Variable):
                     outs[slot] = target
                 elif isinstance(target, (list, tuple)):
-                    outs[slot] = [scope.new_var(t) for t in target]
-                    made += outs[slot]
+                    for t in target:
+                        check_reserved_name(t, scope)
+                        made.append(scope.new_var(t))
+                    outs[slot] = made[len(made) - len(target):]
                 else:
+                    check_reserved_name(target, scope)
                     outs[slot] = scope.new_var(target)
                     made.append(outs[slot])
             return Operator(op_type, **inputs, **outs, **attrs)
@@ -301,7 +317,7 @@ class Net:
     def summary(self):
         """A table (str): per layer its name, op types, output shape and parameter
         count; then the trainable and non-trainable totals."""
-        from minigraph.summary import summary
+        from minigraph.pictures.summary import summary
         return summary(self)
 
     # ---- running -----------------------------------------------------------
@@ -344,14 +360,15 @@ class Net:
             kept = self._temporaries() if nested else None
             self._running += 1
             try:
-                feed = feeds.feed_by_name(self.data_vars, feed or {})
+                feed = feeds.feed_by_name(self.data_vars, feed, mode)
                 fetch = self.default_fetches if fetch is None else fetch
                 targets = feeds.fetch_targets(self, mode, fetch)
                 count = None
                 if mode == "train" and self._update_every is not None:
                     k, counter = self._update_every
                     count = int(counter.get())
-                plan = self.plan(mode, targets, count is None or (count + 1) % k == 0)
+                frozen = net_freeze.frozen(self) if mode == "train" else ()
+                plan = self.plan(mode, targets, count is None or (count + 1) % k == 0, frozen)
                 with feeds.fed(self.place, self.data_vars, plan.needed, feed, mode):
                     out = self.executor.run_plan(plan)
                 if count is not None:
@@ -367,33 +384,43 @@ class Net:
         return [(v, v.value) for s in (self.scope, *self.scopes.values())
                 for v in s.vars.values() if not v.persistable]
 
-    def plan(self, mode, targets, update=True):
+    def plan(self, mode, targets, update=True, frozen=()):
         """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan),
-        without the update section when `update` is False; a training plan keeps the
-        persistables' gradients after each step (as PyTorch keeps .grad)."""
-        key = (mode, tuple(id(t) for t in targets), update)
+        without the update section when `update` is False, and without the updates
+        of the parameters whose ids are in `frozen` (minigraph.net_freeze); a
+        training plan keeps the persistables' gradients after each step (as
+        PyTorch keeps .grad)."""
+        key = (mode, tuple(id(t) for t in targets), update, frozen)
         plan = self._plans.get(key)
         if plan is None:
             keep = [g for name, g in self.grads.items() if mode == "train" and
                     getattr(self.scope.find_var(name), "persistable", False)]
-            plan = self._plans[key] = Plan(self.ops(mode, update), mode, targets, keep)
+            ops = net_freeze.plan_ops(self, mode, update, frozen)
+            plan = self._plans[key] = Plan(ops, mode, targets, keep)
         return plan
 
     # ---- pictures ----------------------------------------------------------
 
     def to_dot(self, backward=False, level="op", profile=None):
         """DOT source of this net (needs no Graphviz binary); level "op" or "layer",
-        backward=True adds the grad and update ops (minigraph.render.to_dot)."""
-        from minigraph.render import to_dot
+        backward=True adds the grad and update ops (minigraph.pictures.render.to_dot)."""
+        from minigraph.pictures.render import to_dot
         return to_dot(self, backward=backward, level=level, profile=profile)
 
     def render(self, path, backward=False, timeout=None, level="op", profile=None):
-        """Write the net's picture; .svg, .png or .pdf by suffix (minigraph.render.render)."""
-        from minigraph.render import render
+        """Write the net's picture; .svg, .png or .pdf by suffix
+        (minigraph.pictures.render.render)."""
+        from minigraph.pictures.render import render
         return render(self, path, backward, timeout, level=level, profile=profile)
 
     def profile(self, feed, steps=10, mode="train", fetch=None, warmup=2):
-        """Time per op type and per layer over `steps` steps (minigraph.profile.profile)."""
-        from minigraph.profile import profile
+        """Time per op type and per layer over `steps` steps
+        (minigraph.pictures.profile.profile)."""
+        from minigraph.pictures.profile import profile
         return profile(self, feed, steps, mode, fetch, warmup)
 
+
+
+def _mark_value_rules(op):
+    from minigraph.io.checkpoint_values import mark_rules  # io imports net: not at the top
+    mark_rules(op)

@@ -48,12 +48,17 @@ class Operator:
     a bad attribute type or value, and an in-place pair bound to two
     different Variables are errors. When the inputs' shapes are known, the
     outputs get their declared shape and dtype from the schema's inference.
+
+    `layer` names the layer that built the op (set by the layer API, kept by
+    the Net's rewrites and by the inference passes, saved in an inference
+    model); None for an op no layer built.
     """
 
     def __init__(self, type, **kwargs):
         schema = get_schema(type)
         self.type = type
         self.schema = schema
+        self.layer = None
         self.inputs = {}
         self.outputs = {}
         attrs = {}

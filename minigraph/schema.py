@@ -134,6 +134,8 @@ ROLES = {
                   "attributes, with optional bias and residual inputs and `activation`",
     "fused_fc": "matrix_product (+ bias + activation) in one op: its slots and "
                 "x_num_col_dims, with an optional bias input and `activation`",
+    "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "
+                      "them hold together; a subset is clipped by the same op with fewer",
 }
 
 
@@ -154,7 +156,7 @@ class OpSchema:
       stored form (an int into a pair, a None stride into the window size).
     kernels: device -> (Kernel, ...), registered with `kernel`; `kernel_for`
       picks the first whose dtypes take the inputs.
-    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.onnx_export:
+    export(ctx, op) -> [NodeProto]: the op's ONNX nodes (minigraph.io.onnx_export:
       `ctx` names values and builds nodes); `no_export` says why an op has no
       exporter (a gradient, an update, a training-only op).
     examples(ex) -> [(name, inputs, attrs, grad sets)]: small cases the device
@@ -168,7 +170,9 @@ class OpSchema:
     roles: the jobs other modules look this op up for (`ROLES`, `ops_with_role`,
       `op_for_role`).
     weight: for a "linear" op, (weight slot, the weight's output-channel axis,
-      the output's channel axis; -1 for the last).
+      the output's channel axis; -1 for the last; or a function of the op's
+      attributes giving it, where a layout attribute moves it); `weight_axes(op)`
+      reads it for one op.
     sync_variant: the op type that computes the same over every rank's batch
       (convert_sync_batchnorm rewrites this op into it).
     presummed(op) -> output slots whose values are already sums over every
@@ -239,6 +243,12 @@ class OpSchema:
 
     def has_role(self, role):
         return role in self.roles
+
+    def weight_axes(self, op):
+        """(weight slot, the weight's output-channel axis, the output's channel axis) of
+        `op`, a "linear" op of this schema (see `weight`)."""
+        slot, w_axis, out_axis = self.weight
+        return slot, w_axis, out_axis(op.attrs) if callable(out_axis) else out_axis
 
     def kernel_for(self, device, ins):
         """The kernel function for `device` that takes the float dtypes of `ins`

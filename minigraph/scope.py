@@ -17,7 +17,7 @@ class Variable:
     """
 
     __slots__ = ("name", "persistable", "trainable", "value", "decl_shape",
-                 "decl_dtype", "is_data", "scope", "param_attr")
+                 "decl_dtype", "is_data", "scope", "param_attr", "part", "value_rule")
 
     def __init__(self, name, persistable=False, trainable=False, scope=None):
         self.name = name
@@ -29,6 +29,13 @@ class Variable:
         self.is_data = False
         self.scope = scope
         self.param_attr = None          # the ParamAttr a layer made this parameter with
+                                        # (its initializer: the one it was made with)
+        # which part of a checkpoint a persistable belongs to ("parameters", "estimates",
+        # "optimizer"; None: by its trainable flag, see minigraph.checkpoint_values.part_of)
+        self.part = None
+        # what its values must satisfy beyond the persistables' common rules (a function
+        # (name, array) -> complaint or None; minigraph.checkpoint_values)
+        self.value_rule = None
 
     def set(self, value):
         """Store a copy of `value` as the new value.
@@ -42,12 +49,21 @@ class Variable:
         A persistable takes an array (numpy or device) or a numpy scalar of the
         shape and dtype it holds (its value's, else its declaration's, where
         known): None, a list or another shape or dtype is an error, and the
-        value stays as it was.
+        value stays as it was. A host value must also pass the checks a
+        checkpoint's values pass (minigraph.checkpoint_values: finite floats,
+        counters >= 0, variance estimates >= 0, a learning rate >= 0, ...); a
+        device array is stored as it is.
         """
         if self.persistable:
             _check_persistable_value(self, value)
         if _is_host_value(value):
             value = np.array(value, order="C", copy=True)
+            if self.persistable:
+                from minigraph.io import checkpoint_values
+
+                complaint = checkpoint_values.check(self, value)
+                if complaint is not None:
+                    raise ValueError(f"Variable.set: {complaint}; the value stays as it was")
         self.value = value
 
     def get(self):
@@ -121,6 +137,44 @@ def _check_persistable_value(var, value):
 
 
 MAX_NAME_LENGTH = 255
+GRAD_MARK = "@GRAD"          # backward names d(loss)/d(x) `x@GRAD` (`x@GRAD@1`, ...)
+
+
+def check_reserved_name(name, scope=None):
+    """Raise ValueError unless `name` may be given to a variable of a net that is not
+    a gradient (a layer's output or parameter, a ParamAttr's name, a data input;
+    Net makes them through this check): it must not hold GRAD_MARK (the names of
+    gradients, which backward makes), must not be a `__dunder__` (the checkpoint
+    files' own entries, `__format__`, `__manifest__`), and must not lie in a
+    namespace `scope`'s tree reserved (`adam_0.`, the state of a net's optimizer;
+    see Scope.reserve, which Scope.new_var checks for every name). The error
+    gives the reason."""
+    why = None
+    if GRAD_MARK in name:
+        why = (f"{GRAD_MARK!r} marks the gradients backward makes (d(loss)/d(x) is "
+               f"'x{GRAD_MARK}'), so a variable of that name would receive one")
+    elif name.startswith("__") and name.endswith("__"):
+        why = ("names of the form '__name__' are the checkpoint files' own entries "
+               "('__format__', '__manifest__'), so it could not be saved")
+    elif scope is not None:
+        why = _reserved_prefix(name, scope)
+    if why is not None:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise ValueError(f"variable name {shown!r} is reserved: {why}; pick another name")
+
+
+def _reserved_prefix(name, scope):
+    for prefix, owner in _root(scope).reserved.items():
+        if name.startswith(prefix + "."):
+            return (f"the names under '{prefix}.' are the state of {owner}, named after "
+                    "it so that checkpoints never mix it up with other state")
+    return None
+
+
+def _root(scope):
+    while scope.parent is not None:
+        scope = scope.parent
+    return scope
 
 
 def check_var_name(name):
@@ -155,16 +209,26 @@ class Scope:
         self.parent = parent
         self.vars = {}
         self.kids = []
+        self.reserved = {}              # prefix -> who owns the names under `prefix.`
 
     def new_var(self, name, persistable=False, trainable=False):
         """Create `name` here; creating a name twice in one scope is an error, and
-        so is a name that check_var_name rejects (the error names the rule)."""
+        so is a name that check_var_name rejects or that lies in a namespace this
+        tree reserved (Scope.reserve); the error names the rule."""
         check_var_name(name)
+        why = _reserved_prefix(name, self) if _root(self).reserved else None
+        if why is not None:
+            raise ValueError(f"variable name {name!r} is reserved: {why}; pick another name")
         if name in self.vars:
             raise ValueError(f"variable {name!r} already exists in this scope")
         var = Variable(name, persistable=persistable, trainable=trainable, scope=self)
         self.vars[name] = var
         return var
+
+    def reserve(self, prefix, owner):
+        """Reserve the names under `prefix.` in this scope tree for `owner` (a phrase:
+        "the Adam optimizer 'adam_0'"): new_var refuses them from now on."""
+        _root(self).reserved[prefix] = owner
 
     def find_local_var(self, name):
         """The variable named `name` in this scope only, or None."""

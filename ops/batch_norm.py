@@ -3,10 +3,15 @@
 Semantics (n = values per channel in the batch):
   training:        y = (x - batch_mean) / sqrt(batch_var + eps) * scale + bias,
                    batch_var biased; the estimates take the unbiased variance.
-                   First batch (counter 0): est = batch. Then
-                   est = momentum * est + (1 - momentum) * batch, or, with
-                   momentum=None, est += (batch - est) / k for the k-th batch.
-                   n <= 1 is an error.
+                   First batch (counter 0, first_batch_sets_estimates=True, the
+                   default): est = batch. Otherwise
+                   est = momentum * est + (1 - momentum) * batch (with
+                   first_batch_sets_estimates=False from the first batch on:
+                   PyTorch's _NormBase), or, with momentum=None,
+                   est += (batch - est) / k for the k-th batch.
+                   n == 1 is an error; an empty batch (n == 0) gives an empty y
+                   and writes nothing (batch_mean/batch_var: the estimates, or
+                   zeros without them).
   use_global_est:  normalise with the estimates; nothing is updated.
   is_infer:        likewise; nothing persistable is written.
 `saved_*` outputs are the `estimated_*` / `num_batches` Variables themselves,
@@ -14,10 +19,11 @@ updated in place, and never with NaN or Inf. minigraph's `saved_mean`/`saved_var
 are these in-place running estimates (Paddle's `MeanOut`/`VarianceOut`), the
 reverse of Paddle's `SavedMean`/`SavedVariance`, which are batch statistics
 (ours are `batch_mean`/`batch_var`).
-Optional parts (PyTorch's _NormBase options): without scale and bias
-(affine=False) y is not scaled or shifted; without the estimates, their
-in-place outputs and the counter (track_running_stats=False) both modes
-normalise with the batch's statistics and nothing persistable is written.
+Optional parts (PyTorch's _NormBase options): without scale (bias) y is not
+scaled (shifted) - affine=False binds neither, PyTorch's bias=False only the
+scale; without the estimates, their in-place outputs and the counter
+(track_running_stats=False) both modes normalise with the batch's statistics and
+nothing persistable is written.
 
 docs/batch_norm.md explains the names and the momentum convention.
 Kernels: kernels/cpu/batch_norm.py (on the stable statistics of
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph import onnx_export
+from minigraph.io import onnx_export
 from minigraph.kernels.cpu import batch_norm as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import batch_norm_op as cuda
@@ -126,7 +132,8 @@ def bn_schema(op_type, **fields):
         attrs=(bool_attr("is_infer", False), bool_attr("use_global_est", False),
                float_attr("epsilon", 1e-5, positive),
                float_attr("momentum", 0.9, momentum_range, nullable=True),
-               str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC"))),
+               str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC")),
+               bool_attr("first_batch_sets_estimates", True)),
         inplace={"saved_mean": "estimated_mean", "saved_var": "estimated_var",
                  "saved_num_batches": "num_batches"},
         mode_attr="is_infer",
@@ -142,15 +149,13 @@ def bn_schema(op_type, **fields):
 
 
 def validate_bn(op):
-    """Cross-slot rules: the estimates and the affine parameters go together (each
-    in-place pair too: Operator checks those); the counter and use_global_est need
-    the estimates; with them, momentum=None needs the counter."""
+    """Cross-slot rules: the two estimates go together (each in-place pair too:
+    Operator checks those; scale and bias are each optional); the counter and
+    use_global_est need the estimates; with them, momentum=None needs the counter."""
     ins = op.inputs
-    for pair, why in ((("estimated_mean", "estimated_var"), "the running estimates"),
-                      (("scale", "bias"), "the affine parameters")):
-        if (ins[pair[0]] is None) != (ins[pair[1]] is None):
-            raise OpError(f"{op.type}: {pair[0]!r} and {pair[1]!r} go together ({why}); bind "
-                          "both or neither")
+    if (ins["estimated_mean"] is None) != (ins["estimated_var"] is None):
+        raise OpError(f"{op.type}: 'estimated_mean' and 'estimated_var' go together (the "
+                      "running estimates); bind both or neither")
     if ins["estimated_mean"] is None:
         for needs, what in ((ins["num_batches"] is not None, "the 'num_batches' counter"),
                             (op.attrs["use_global_est"], "use_global_est=True")):

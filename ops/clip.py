@@ -31,7 +31,7 @@ register(OpSchema(
     type="clip_by_global_norm", inputs=(Slot("x", duplicable=True),),
     outputs=(Slot("out", duplicable=True),), attrs=(float_attr("max_norm", 1.0, positive),),
     infer=infer_clip, validate=validate_clip, no_export="a training update of gradients",
-    doc=__doc__))
+    roles=("clip_gradients",), doc=__doc__))
 
 
 kernel("clip_by_global_norm", "cpu", cpu.clip_by_global_norm_cpu)

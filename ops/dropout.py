@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph import onnx_export
+from minigraph.io import onnx_export
 from minigraph.kernels.cpu import dropout as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import dropout as cuda

@@ -6,9 +6,10 @@ from it on); per row, with the biased variance,
     y = (x - mean) / sqrt(variance + epsilon) * scale + bias,
 scale and bias (optional) holding L values, one per position of a row. The
 outputs `mean` and `variance` (x's leading shape) are the rows' statistics,
-computed stably (never E[x^2] - E[x]^2), kept for the gradient. Not
-mode-dependent: training and inference compute the same, a batch of one
-included.
+computed stably (never E[x^2] - E[x]^2), kept for the gradient. epsilon may be
+0 (a row of equal values is then an error naming it); an empty batch gives an
+empty y. Not mode-dependent: training and inference compute the same, a batch of
+one included.
 layer_norm_grad(x, scale, mean, variance, dy) -> dx, dscale, dbias, with
 xhat = (x - mean) * invstd, g = dy * scale:
     dx = invstd * (g - mean_row(g) - xhat * mean_row(g * xhat)),
@@ -22,10 +23,10 @@ import math
 
 import numpy as np
 
-from minigraph import onnx_export
+from minigraph.io import onnx_export
 from minigraph.kernels.cpu import layer_norm as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
-from minigraph.kernels.cuda import norm as cuda
+from minigraph.kernels.cuda import norm_op as cuda
 from minigraph.schema import (
     Meta,
     OpDesc,
@@ -43,7 +44,7 @@ from minigraph.validators import (
     fail,
     float_attr,
     int_attr,
-    positive,
+    non_negative,
 )
 
 TYPE = "layer_norm"
@@ -133,7 +134,7 @@ SCHEMA = register(OpSchema(
     type=TYPE,
     inputs=(Slot("x"), Slot("scale", optional=True), Slot("bias", optional=True)),
     outputs=(Slot("y"), Slot("mean"), Slot("variance")),
-    attrs=(int_attr("begin_norm_axis", 1), float_attr("epsilon", 1e-5, positive)),
+    attrs=(int_attr("begin_norm_axis", 1), float_attr("epsilon", 1e-5, non_negative)),
     infer=infer_layer_norm, grad=norm_grad_maker(TYPE), export=export_layer_norm,
     doc=__doc__))
 register(grad_schema(SCHEMA, inputs=(Slot("x"), Slot("scale", optional=True), Slot("mean"),
@@ -164,6 +165,10 @@ def layer_norm_examples(ex):
         ("scale-only-f64", {"x": ex.r(5, 4, dtype=np.float64),
                             "scale": ex.r(4, dtype=np.float64, seed=3)}, {},
          (("x", "scale"),)),
+        ("bias-only-rank5-eps0-f32", {"x": ex.r(2, 3, 2, 2, 5), "bias": ex.r(10, seed=4)},
+         dict(begin_norm_axis=3, epsilon=0.0), (("x", "bias"),)),
+        ("empty-f32", {"x": ex.r(0, 5), "scale": ex.r(5, seed=1), "bias": ex.r(5, seed=2)},
+         {}, grads),
     ]
 
 

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from minigraph import onnx_export
+from minigraph.io import onnx_export
 from minigraph.kernels.cpu import math as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import map as cuda_map

@@ -7,7 +7,9 @@ momentum: velocity = mu * velocity + d (the PyTorch convention), then
           param -= learning_rate * (d + mu * velocity).
 `param_out` (and `velocity_out`) are the input Variables themselves: the
 kernels compute every new value first, then overwrite the arrays and
-return them. learning_rate is a float array of shape () or (1,).
+return them. learning_rate is a float array of shape () or (1,). momentum's
+optional input `mu_value` (a float64 scalar, e.g. OneCycleLR's cycled momentum)
+replaces the attribute mu when bound; it is read where the update runs.
 Kernels: kernels/cpu/optimizer_ops.py, kernels/cuda/optimizer_ops.py.
 """
 from __future__ import annotations
@@ -47,6 +49,19 @@ def check_update_inputs(op_type, ins, state_slots=()):
 UPDATE = "a training update (an inference graph has none)"
 
 
+def check_scalar(op_type, slot, meta, dtype):
+    """An OpError unless the optional input `slot` (when bound) is a scalar of `dtype`."""
+    if meta is not None and (tuple(meta.shape) != () or meta.dtype != np.dtype(dtype)):
+        fail(op_type, slot, f"must be a {np.dtype(dtype)} scalar (shape ()), got {meta.dtype} "
+                            f"of shape {meta.shape}")
+
+
+def infer_momentum(ins, attrs):
+    check_scalar("momentum", "mu_value", ins.get("mu_value"), np.float64)
+    return dict.fromkeys(("param_out", "velocity_out"),
+                         check_update_inputs("momentum", ins, ("velocity",)))
+
+
 def decay_attr():
     """weight_decay: the L2 coefficient added to the gradient (>= 0)."""
     return float_attr("weight_decay", 0.0, non_negative)
@@ -60,14 +75,13 @@ register(OpSchema(
     doc=__doc__))
 register(OpSchema(
     type="momentum",
-    inputs=(Slot("param"), Slot("grad"), Slot("velocity"), Slot("learning_rate")),
+    inputs=(Slot("param"), Slot("grad"), Slot("velocity"), Slot("learning_rate"),
+            Slot("mu_value", optional=True)),
     outputs=(Slot("param_out"), Slot("velocity_out")),
     attrs=(float_attr("mu", 0.9, in_range(0.0, 1.0)), bool_attr("use_nesterov", False),
            decay_attr()),
     inplace={"param_out": "param", "velocity_out": "velocity"}, spares=True,
-    infer=lambda ins, attrs: dict.fromkeys(
-        ("param_out", "velocity_out"), check_update_inputs("momentum", ins, ("velocity",))),
-    no_export=UPDATE, doc=__doc__))
+    infer=infer_momentum, no_export=UPDATE, doc=__doc__))
 
 kernel("sgd", "cpu", cpu.sgd_cpu)
 kernel("momentum", "cpu", cpu.momentum_cpu)
@@ -117,6 +131,10 @@ def momentum_examples(ex):
                 "velocity": ex.r(4, 3, dtype=np.float64, seed=2),
                 "learning_rate": np.array(0.05, np.float32)},
          dict(mu=0.9, use_nesterov=True, weight_decay=0.1), ()),
+        ("cycled-mu-f32", {"param": ex.r(3, 6), "grad": ex.r(3, 6, seed=1),
+                           "velocity": ex.r(3, 6, seed=2),
+                           "learning_rate": np.array(0.1, np.float32),
+                           "mu_value": np.array(0.87)}, dict(mu=0.5), ()),
     ]
 
 

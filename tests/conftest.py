@@ -14,6 +14,22 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import kernel_emulator  # noqa: E402
 
+# `pytest -m quick`: the core (scopes, operators, the net and its fork, the runner,
+# backward, batch norm, layers, optimizers, checkpoints, folding, inference models,
+# ONNX, the layer view) in under a minute on two cores; the whole suite is `pytest`.
+QUICK = ("test_scope", "test_operator", "test_schema", "test_net", "test_executor",
+         "test_backward", "test_batch_norm", "test_batch_norm_grad", "test_layers",
+         "test_optimizer", "test_io", "test_fold_bn", "test_journal", "test_feeds",
+         "test_layer_norm", "test_inference_model", "test_onnx_export", "test_render_layers")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark the tests of the QUICK modules `quick`."""
+    for item in items:
+        if item.path.stem in QUICK:
+            item.add_marker(pytest.mark.quick)
+
+
 DEVICES = ["emulated", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 

@@ -1,4 +1,4 @@
-"""Reading the DOT source minigraph.render writes, for the picture tests."""
+"""Reading the DOT source minigraph.pictures writes, for the picture tests."""
 from __future__ import annotations
 
 import re
@@ -83,3 +83,75 @@ def path_without_dot(tmp_path, monkeypatch, fake=None):
         script.chmod(0o755)
     monkeypatch.setenv("PATH", str(folder))
     return folder
+
+
+# ---- do rendered labels fit their boxes? ------------------------------------------
+
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def text_width(text, size, bold):
+    """The advance width (points) of `text` set in DejaVu Sans (the widest font of the
+    pictures' font list) at `size` points, from the TrueType file matplotlib ships, so
+    the answer does not depend on the fonts this machine has."""
+    ImageFont = pytest.importorskip("PIL.ImageFont")
+    import matplotlib
+
+    name = "DejaVuSans-Bold.ttf" if bold else "DejaVuSans.ttf"
+    font = ImageFont.truetype(f"{matplotlib.get_data_path()}/fonts/ttf/{name}", 1000)
+    return font.getlength(text) * size / 1000
+
+
+def _extent(group):
+    """(xmin, xmax) of the shapes drawn in an SVG group (polygons, paths, ellipses)."""
+    xs = []
+    for el in group.iter():
+        tag = el.tag.replace(SVG_NS, "")
+        if tag == "polygon":
+            xs += [float(p.split(",")[0]) for p in el.get("points").split()]
+        elif tag == "path":
+            numbers = [float(n) for n in re.findall(r"-?\d+(?:\.\d+)?", el.get("d"))]
+            xs += numbers[0::2]
+        elif tag == "ellipse":
+            cx, rx = float(el.get("cx")), float(el.get("rx"))
+            xs += [cx - rx, cx + rx]
+    return (min(xs), max(xs)) if xs else None
+
+
+def overflowing_labels(svg, tolerance=0.5):
+    """The texts of an SVG picture written by Graphviz that stick out of the node,
+    cluster or graph they label when set in DejaVu Sans: [(group title, text,
+    text width, box width)]. A text inside a node must lie within the node's shape;
+    the graph's own title within the graph."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(svg)
+    found = []
+    for group in root.iter(f"{SVG_NS}g"):
+        kind = group.get("class")
+        if kind not in ("node", "cluster", "graph"):
+            continue
+        box = _extent(group if kind != "graph" else _first_shape(group))
+        title = group.find(f"{SVG_NS}title")
+        title = title.text if title is not None else ""
+        for text in group.findall(f"{SVG_NS}text"):
+            content = "".join(text.itertext())
+            if not content.strip() or box is None:
+                continue
+            width = text_width(content, float(text.get("font-size")),
+                               text.get("font-weight") == "bold")
+            x = float(text.get("x"))
+            anchor = text.get("text-anchor", "start")
+            left = x - width / 2 if anchor == "middle" else x - width if anchor == "end" else x
+            if left < box[0] - tolerance or left + width > box[1] + tolerance:
+                found.append((title, content, round(width, 1), round(box[1] - box[0], 1)))
+    return found
+
+
+def _first_shape(group):
+    """A group holding only the first polygon of `group` (the graph's background)."""
+    import xml.etree.ElementTree as ET
+
+    holder = ET.Element("g")
+    holder.append(group.find(f"{SVG_NS}polygon"))
+    return holder

@@ -53,15 +53,21 @@ def bn_normalize(x, scale, bias, mean, var, epsilon, layout):
             * per_channel(scale, nd, layout) + per_channel(bias, nd, layout))
 
 
-def bn_estimates(est_mean, est_var, mean, var, n, counter, momentum):
+def bn_estimates(est_mean, est_var, mean, var, n, counter, momentum, first_batch=True):
     """(mean, var) estimates after one training batch of per-channel statistics
     (mean, biased var) over n values: the unbiased variance var * n / (n - 1) replaces
-    the estimates on the first batch (counter == 0); afterwards momentum weights the
+    the estimates on the first batch (counter == 0) when first_batch; afterwards (from
+    the first batch on without first_batch: PyTorch's _NormBase) momentum weights the
     old estimate, or momentum None averages the counter + 1 batches seen. counter None
     (no counter): never the first-batch rule, and momentum must be a number."""
-    est_mean, est_var = np.float64(est_mean), np.float64(est_var)
     unbiased = np.asarray(var, np.float64) * n / (n - 1)
-    if counter is not None and counter == 0:
+    return blend_estimates(est_mean, est_var, mean, unbiased, counter, momentum, first_batch)
+
+
+def blend_estimates(est_mean, est_var, mean, unbiased, counter, momentum, first_batch=True):
+    """bn_estimates from the batch's mean and unbiased variance."""
+    est_mean, est_var = np.float64(est_mean), np.float64(est_var)
+    if first_batch and counter is not None and counter == 0:
         return np.asarray(mean, np.float64), unbiased
     if momentum is None:
         if counter is None:
@@ -73,7 +79,7 @@ def bn_estimates(est_mean, est_var, mean, var, n, counter, momentum):
 
 
 def batch_norm(x, est_mean, est_var, scale, bias, counter=None, layout="NCHW", is_infer=False,
-               use_global_est=False, epsilon=1e-5, momentum=0.9):
+               use_global_est=False, epsilon=1e-5, momentum=0.9, first_batch=True):
     """Everything the batch_norm op produces, in float64: {"y", "batch_mean",
     "batch_var" (the statistics y used), "estimated_mean", "estimated_var",
     "num_batches" (after the op; None without a counter)}."""
@@ -83,7 +89,8 @@ def batch_norm(x, est_mean, est_var, scale, bias, counter=None, layout="NCHW", i
         new_mean, new_var, new_counter = est_mean, est_var, counter
     else:
         mean, var, n = batch_stats(x, layout)
-        new_mean, new_var = bn_estimates(est_mean, est_var, mean, var, n, counter, momentum)
+        new_mean, new_var = bn_estimates(est_mean, est_var, mean, var, n, counter, momentum,
+                                         first_batch)
         new_counter = None if counter is None else counter + 1
     return {"y": bn_normalize(x, scale, bias, mean, var, epsilon, layout), "batch_mean": mean,
             "batch_var": var, "estimated_mean": new_mean, "estimated_var": new_var,
@@ -107,7 +114,17 @@ def batch_norm_grad(x, dy, scale, mean, var, epsilon, layout, use_global_est):
     return dx, dscale, dbias
 
 
-# ---- conv2d and pool2d (NCHW) ----------------------------------------------------------
+# ---- conv2d and pool2d (NCHW; NHWC by moving the channel axis) ----------------------
+
+
+def nchw(x, layout):
+    """x (4-D) in NCHW: moved there from NHWC."""
+    return np.asarray(x).transpose(0, 3, 1, 2) if layout == "NHWC" else np.asarray(x)
+
+
+def in_layout(x, layout):
+    """x (4-D NCHW) in `layout`."""
+    return np.asarray(x).transpose(0, 2, 3, 1) if layout == "NHWC" else np.asarray(x)
 
 
 def conv2d_out_size(size, k, stride, pad, dil):
@@ -115,9 +132,13 @@ def conv2d_out_size(size, k, stride, pad, dil):
     return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
 
 
-def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1):
+def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, data_layout="NCHW"):
     """Grouped, strided, padded, dilated cross-correlation of x (N, C, H, W) with
-    w (O, C / groups, KH, KW), one filter tap at a time, in float64."""
+    w (O, C / groups, KH, KW), one filter tap at a time, in float64; data_layout
+    "NHWC": x (N, H, W, C) and the result (N, Ho, Wo, O), the same filter."""
+    if data_layout == "NHWC":
+        return in_layout(conv2d(nchw(x, data_layout), w, strides, paddings, dilations, groups),
+                         data_layout)
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     (sh, sw), (ph, pw), (dh, dw) = pair(strides), pair(paddings), pair(dilations)
     n, _, h, wd = x.shape
@@ -136,8 +157,13 @@ def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1):
     return out
 
 
-def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1):
-    """(dx, dw) of conv2d for d(loss)/d(out) = dout: conv2d's adjoint, tap by tap."""
+def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, data_layout="NCHW"):
+    """(dx, dw) of conv2d for d(loss)/d(out) = dout: conv2d's adjoint, tap by tap (dx in
+    data_layout, as x and dout are)."""
+    if data_layout == "NHWC":
+        dx, dw = conv2d_grad(nchw(x, data_layout), w, nchw(dout, data_layout), strides,
+                             paddings, dilations, groups)
+        return in_layout(dx, data_layout), dw
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     d = np.asarray(dout, np.float64)
     (sh, sw), (ph, pw), (dh, dw_) = pair(strides), pair(paddings), pair(dilations)
@@ -179,10 +205,14 @@ def _pool_windows(shape, ksize, strides, paddings, global_pooling):
     return ho, wo, windows
 
 
-def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False):
+def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False,
+           data_layout="NCHW"):
     """Max or average pooling of x (N, C, H, W) in float64, output pixel by output
     pixel; each window is clipped to the real input (avg divides by what is left);
-    strides default to ksize."""
+    strides default to ksize. data_layout "NHWC": x and the result channels-last."""
+    if data_layout == "NHWC":
+        return in_layout(pool2d(nchw(x, data_layout), pool_type, ksize, strides, paddings,
+                                global_pooling), data_layout)
     x = np.asarray(x, np.float64)
     ho, wo, windows = _pool_windows(x.shape, ksize, strides, paddings, global_pooling)
     out = np.zeros(x.shape[:2] + (ho, wo))
@@ -193,9 +223,12 @@ def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling
 
 
 def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
-                global_pooling=False):
+                global_pooling=False, data_layout="NCHW"):
     """dx of pool2d for d(loss)/d(out) = dout: avg spreads each value evenly over its
     clipped window; max gives it to the window's first maximum (row-major)."""
+    if data_layout == "NHWC":
+        return in_layout(pool2d_grad(nchw(x, data_layout), nchw(dout, data_layout), pool_type,
+                                     ksize, strides, paddings, global_pooling), data_layout)
     x, d = np.asarray(x, np.float64), np.asarray(dout, np.float64)
     n, c = x.shape[:2]
     dx = np.zeros_like(x)
@@ -281,23 +314,67 @@ def layer_norm(x, scale=None, bias=None, begin_norm_axis=1, epsilon=1e-5):
     return {"y": y.reshape(x.shape), "mean": mean.reshape(stat), "variance": var.reshape(stat)}
 
 
-def group_norm(x, scale=None, bias=None, groups=1, epsilon=1e-5):
+def to_nchw(x, layout):
+    """x with its channel axis second (a copy of an NHWC array transposed)."""
+    x = np.asarray(x, np.float64)
+    return x if layout == "NCHW" else np.moveaxis(x, -1, 1)
+
+
+def group_norm(x, scale=None, bias=None, groups=1, epsilon=1e-5, data_layout="NCHW"):
     """torch.nn.GroupNorm(groups, C) in float64 with the groups' mean and biased
-    variance (N, groups); scale and bias per channel."""
-    n, c = x.shape[:2]
-    xg = np.asarray(x, np.float64).reshape(n, groups, -1)
+    variance (N, groups); scale and bias per channel; x (N, C, *) or, "NHWC", (N, *, C)."""
+    xc = to_nchw(x, data_layout)
+    n, c = xc.shape[:2]
+    xg = xc.reshape(n, groups, (c // groups) * int(np.prod(xc.shape[2:])))
     mean = xg.mean(axis=2, keepdims=True)
     var = ((xg - mean) ** 2).mean(axis=2, keepdims=True)
-    y = ((xg - mean) / np.sqrt(var + epsilon)).reshape(x.shape)
-    per = (1, c) + (1,) * (x.ndim - 2)
+    y = ((xg - mean) / np.sqrt(var + epsilon)).reshape(xc.shape)
+    per = (1, c) + (1,) * (xc.ndim - 2)
     if scale is not None:
         y = y * np.reshape(scale, per)
     if bias is not None:
         y = y + np.reshape(bias, per)
+    if data_layout == "NHWC":
+        y = np.moveaxis(y, 1, -1)
     return {"y": y, "mean": mean.reshape(n, groups), "variance": var.reshape(n, groups)}
 
 
-def instance_norm(x, scale=None, bias=None, epsilon=1e-5):
+def instance_norm(x, scale=None, bias=None, epsilon=1e-5, data_layout="NCHW"):
     """torch's F.instance_norm(x, weight=scale, bias=bias, eps) in float64: group_norm
     with a group per channel."""
-    return group_norm(x, scale, bias, x.shape[1], epsilon)
+    c = x.shape[1] if data_layout == "NCHW" else x.shape[-1]
+    return group_norm(x, scale, bias, c, epsilon, data_layout)
+
+
+def tracked_instance_norm(x, estimated_mean, estimated_var, scale=None, bias=None,
+                          num_batches=None, is_infer=False, epsilon=1e-5, momentum=0.9,
+                          first_batch_sets_estimates=True, data_layout="NCHW"):
+    """torch.nn.InstanceNormNd(track_running_stats=True) in float64, momentum in our
+    convention: training normalises each instance on its own and blends into the
+    estimates the mean of the instances' means and of their unbiased variances (the
+    first batch sets them when first_batch_sets_estimates); inference normalises with
+    the estimates. Returns y, mean, variance and the estimates and counter after."""
+    xc = to_nchw(x, data_layout)
+    n, c = xc.shape[:2]
+    if is_infer:
+        y = bn_normalize(xc, 1.0 if scale is None else scale, 0.0 if bias is None else bias,
+                         estimated_mean, estimated_var, epsilon, "NCHW")
+        return {"y": y if data_layout == "NCHW" else np.moveaxis(y, 1, -1),
+                "mean": np.tile(np.float64(estimated_mean), (n, 1)),
+                "variance": np.tile(np.float64(estimated_var), (n, 1)),
+                "saved_mean": np.float64(estimated_mean),
+                "saved_var": np.float64(estimated_var),
+                **({} if num_batches is None else {"saved_num_batches": num_batches})}
+    out = instance_norm(x, scale, bias, epsilon, data_layout)
+    s = int(np.prod(xc.shape[2:]))
+    if n == 0:
+        new_mean, new_var, counter = np.float64(estimated_mean), np.float64(estimated_var), \
+            num_batches
+    else:
+        new_mean, new_var = blend_estimates(
+            estimated_mean, estimated_var, out["mean"].mean(axis=0),
+            (out["variance"] * s / (s - 1)).mean(axis=0), num_batches, momentum,
+            first_batch_sets_estimates)
+        counter = None if num_batches is None else num_batches + 1
+    out = {**out, "saved_mean": new_mean, "saved_var": new_var, "saved_num_batches": counter}
+    return {k: v for k, v in out.items() if v is not None}

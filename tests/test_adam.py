@@ -76,3 +76,57 @@ def test_bad_state_is_a_clear_error():
     with pytest.raises(mg.OpError, match="adam: input 'moment2' must have shape"):
         kw["moment2"].set(np.zeros(3))
         mg.Operator("adam", **kw, **outs)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"weight_decay": 0.1, "decoupled": True}])
+def test_a_float16_parameter_is_updated_in_float32(attrs):
+    """In float16 epsilon = 1e-8 is 0 and (1 - beta2) g^2 underflows: the first step
+    used to divide by zero and commit non-finite weights."""
+    scope = mg.Scope()
+    ins = inputs(dtype=np.float32, b1p=1.0, b2p=1.0)
+    ins["param"] = ins["param"].astype(np.float16)
+    ins["grad"] = (ins["grad"] * 1e-4).astype(np.float16)     # squares below float16's range
+    ins["moment1"][...] = 0
+    ins["moment2"][...] = 0
+    kw = {}
+    for slot, value in ins.items():
+        kw[slot] = scope.new_var(slot)
+        kw[slot].set(value)
+    op = mg.Operator("adam", **kw, **{f"{s}_out": kw[s] for s in SLOTS}, **attrs)
+    mg.Executor(mg.CPUPlace()).run([op], scope)
+    want = adam_reference(**{k: np.float64(v) for k, v in ins.items()}, **attrs)
+    got = kw["param"].get()
+    assert got.dtype == np.float16 and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want["param_out"], rtol=2 ** -10)     # float16 rounding
+    assert kw["moment2"].get().dtype == np.float32 and (kw["moment2"].get() > 0).all()
+    np.testing.assert_allclose(kw["moment2"].get(), want["moment2_out"], rtol=1e-6)
+
+
+def test_a_float16_net_trains_with_adam():
+    """Its batch norm used to fail a step later, blamed for the weights Adam broke."""
+    from minigraph import layers as L
+
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 4), dtype="float16")
+    y = L.data(net, "y", shape=(-1,), dtype="int64")
+    h = L.batch_norm(net, L.fc(net, x, 8, name="fc1"), name="bn1")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.relu(net, h), 3), y))
+    mg.optimizer.Adam(1e-3).minimize(net, loss)
+    feed = {"x": rng.standard_normal((16, 4)).astype(np.float16), "y": rng.integers(0, 3, 16)}
+    losses = [float(net.train(feed=feed, fetch=[loss])[0]) for _ in range(20)]
+    assert all(np.isfinite(p.get()).all() for p in net.parameters())
+    assert losses[-1] < losses[0]
+    (moment,) = [v for v in net.persistables() if v.name.endswith("fc1.w.moment1")]
+    assert moment.dtype == np.float32
+
+
+def test_float16_moments_are_refused():
+    scope = mg.Scope()
+    kw = {s: scope.new_var(s) for s in ("param", "grad", "learning_rate") + SLOTS[1:]}
+    ins = inputs(dtype=np.float16)
+    for slot, var in kw.items():
+        var.set(ins[slot])
+    with pytest.raises(mg.OpError, match="adam: input 'moment1' must have shape \\(3, 4\\) "
+                                         "and dtype float32 \\(those of 'param'; float32 for "
+                                         "a float16 param\\)"):
+        mg.Operator("adam", **kw, **{f"{s}_out": kw[s] for s in SLOTS})

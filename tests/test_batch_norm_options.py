@@ -61,7 +61,6 @@ def test_the_op_says_which_parts_go_together():
     v["x"].declare((4, 3), "float32")
     base = dict(x=v["x"], y=v["y"], batch_mean=v["bm"], batch_var=v["bv"])
     cases = [
-        (dict(scale=v["s"]), r"'scale' and 'bias' go together \(the affine parameters\)"),
         (dict(estimated_mean=v["m"], saved_mean=v["m"]),
          r"'estimated_mean' and 'estimated_var' go together \(the running estimates\)"),
         (dict(estimated_mean=v["m"], estimated_var=v["var"]),
@@ -95,6 +94,9 @@ def test_the_layers_persistables_follow_the_options():
     assert bn_persistables(affine=False) == ["bn.estimated_mean", "bn.estimated_var",
                                              "bn.num_batches"]
     assert bn_persistables(track_running_stats=False) == ["bn.bias", "bn.scale"]
+    assert bn_persistables(bias=False) == ["bn.estimated_mean", "bn.estimated_var",
+                                           "bn.num_batches", "bn.scale"]
+    assert bn_persistables(affine=False, bias=False) == bn_persistables(affine=False)
     with pytest.raises(ValueError, match="batch_norm: use_global_est=True needs the running "
                                          "estimates"):
         tiny_net(track_running_stats=False, use_global_est=True)
@@ -136,7 +138,9 @@ def test_folding_keeps_an_untracked_batch_norm_and_folds_an_unscaled_one():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("options", [{"affine": False}, {"track_running_stats": False}])
+@pytest.mark.parametrize("options", [{"affine": False}, {"track_running_stats": False},
+                                     {"bias": False},
+                                     {"first_batch_sets_estimates": False, "momentum": None}])
 def test_checkpoints_and_pictures_handle_the_options(options, tmp_path):
     net, y, loss = tiny_net(**options)
     xb = rng.standard_normal((4, 3, 4, 4)).astype(np.float32)
@@ -148,3 +152,6 @@ def test_checkpoints_and_pictures_handle_the_options(options, tmp_path):
                                   net.infer(feed={"x": xb}, fetch=[y])[0])
     dot = net.to_dot(backward=True)
     assert "bn" in dot
+    mg.io.save_inference(net, tmp_path / "model", feeds=["x"], fetches=[y])
+    (loaded,) = mg.io.load_inference(tmp_path / "model").infer(feed={"x": xb})
+    np.testing.assert_allclose(loaded, net.infer(feed={"x": xb}, fetch=[y])[0], rtol=1e-6)

@@ -1,4 +1,5 @@
-"""The `minigraph` command and its demo."""
+"""The `minigraph` command and its demo, and the argument checks it shares with the
+examples (an empty --out and a batch larger than the data are refused)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph import cli, dot_runner
+from minigraph import cli
+from minigraph.cli import out_folder_problem
 from minigraph.examples import train_digits
+from minigraph.pictures import dot_runner
 
 
 def run_cli(*args, cwd=None, path=None):
@@ -51,7 +54,7 @@ def test_the_demo_writes_deployable_models_that_infer_like_the_net(tmp_path, cap
     out = capsys.readouterr().out
     assert tmp_path / "model" in history["files"] and tmp_path / "model.onnx" in history["files"]
     assert "Netron" in out and "onnxruntime" in out and "mg.io.load_inference" in out
-    assert "2 batch norms folded into the layers before them (11 -> 11 inference ops)" in out
+    assert "2 batch norms folded and the loss left out (11 -> 9 inference ops)" in out
     _, _, test_x, test_y = train_digits.load_digits_split()
     (logits,) = mg.io.load_inference(tmp_path / "model").infer(feed={"image": test_x})
     assert (logits.argmax(axis=1) == test_y).mean() == pytest.approx(history["accuracy"][-1])
@@ -262,3 +265,29 @@ def test_sync_example_prints_usage_errors_on_rank_0_only(tmp_path, monkeypatch, 
     monkeypatch.setenv("PMI_RANK", "0")
     assert train_digits_sync.main(["--epochs", "0"]) == 2
     assert "argument --epochs" in capsys.readouterr().err
+
+
+# ---- values checked before any work ----------------------------------------------
+
+@pytest.mark.parametrize("out", ["", "   "])
+def test_an_empty_out_is_refused(out):
+    """--out '' used to write into the current directory."""
+    assert out_folder_problem(out) == f"must name a folder, got {out!r}"
+
+
+def test_an_empty_out_on_the_command_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--out", "", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --out: must name a folder, got ''" in err[0]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
+def test_a_batch_larger_than_the_training_set_is_refused(tmp_path, capsys):
+    """An oversized --batch-size used to be clamped to the training set in silence."""
+    assert cli.main(["demo", "--out", str(tmp_path / "out"), "--batch-size", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --batch-size: must be at most the" in err[0], err
+    assert "training images" in err[0] and "got 100000" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@ background thread (errors, early exit, the bounded queue), sharding across ranks
 2 MPI ranks that train like one process with the whole batch."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -33,8 +34,21 @@ def prefetch_threads():
 
 
 class FakeComm:
-    def __init__(self, rank, size):
-        self.rank, self.size = rank, size
+    """Rank `rank` of `size`; in its collectives every other rank passes `others`
+    (None: what this rank passes)."""
+
+    def __init__(self, rank, size, others=None):
+        self.rank, self.size, self.others, self.calls = rank, size, others, []
+
+    def allgather(self, x, what=""):
+        self.calls.append(what)
+        other = x if self.others is None else self.others[0]
+        return np.stack([x if r == self.rank else other for r in range(self.size)])
+
+    def allgather_text(self, text, what=""):
+        self.calls.append(what)
+        other = text if self.others is None else self.others[1]
+        return [text if r == self.rank else other for r in range(self.size)]
 
 
 @pytest.fixture
@@ -248,6 +262,57 @@ def test_bad_dataset_transform_and_epoch():
         loader.set_epoch(-1)
 
 
+# ---- ranks that disagree ----------------------------------------------------------------
+
+def test_a_sharded_pass_over_several_ranks_compares_the_settings_first(ranks, monkeypatch):
+    comm = FakeComm(1, 3)
+    monkeypatch.setattr(world, "_comm", comm)
+    loader = data.DataLoader(rows_dataset(), 16, shuffle=True, transform=augment())
+    for _ in range(2):
+        list(loader)
+    assert comm.calls == ["DataLoader: compare settings"] * 2          # once per pass
+    list(data.DataLoader(rows_dataset(), 16, shard=False))            # every rank whole
+    ranks(0, 1)
+    list(data.DataLoader(rows_dataset(), 16))                         # a world of one
+    assert len(comm.calls) == 2
+
+
+def test_ranks_whose_loaders_differ_get_an_error_naming_the_setting(monkeypatch):
+    import hashlib
+
+    from minigraph.distributed import SettingsMismatchError
+
+    theirs = data.DataLoader(rows_dataset(52), 16, shuffle=True, seed=1)
+    text = "\n".join(f"{k}\t{v}" for k, v in theirs.settings(0).items())
+    digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), np.int64)
+    comm = FakeComm(0, 2, others=(digest, text))
+    monkeypatch.setattr(world, "_comm", comm)
+    mine = data.DataLoader(rows_dataset(50), 16, shuffle=True, seed=0, prefetch=2)
+    assert len(mine) == len(theirs) == 4                   # nothing else would notice
+    with pytest.raises(SettingsMismatchError) as e:
+        next(iter(mine))
+    assert str(e.value).startswith("DataLoader: the ranks' settings differ: rows (rank 0: "
+                                   "50, rank 1: 52); seed (rank 0: 0, rank 1: 1). Every rank "
+                                   "must build the same DataLoader")
+    assert not prefetch_threads()                          # refused before any thread
+
+
+def test_loader_settings_are_what_decides_the_batches():
+    def mine(batch, draw=None):
+        return batch
+
+    loader = data.DataLoader(rows_dataset(), 16, drop_last=True, seed=4, transform=mine)
+    got = loader.settings(3)
+    assert got == {"rows": 50, "batch_size": 16, "batches": 3, "shuffle": False,
+                   "drop_last": True, "seed": 4, "epoch": 3,
+                   "dataset": "image float32[2, 6, 6], label int64[]",
+                   "transform": got["transform"]}
+    assert "0x" not in got["transform"] and "mine" in got["transform"]   # no address
+    again = data.DataLoader(rows_dataset(), 16, drop_last=True, seed=4, transform=mine,
+                            prefetch=0)
+    assert again.settings(3) == got                        # prefetch does not count
+
+
 # ---- 2 MPI ranks train like one process ------------------------------------------------
 
 @pytest.mark.mpi
@@ -257,3 +322,25 @@ def test_sharded_loader_sync_bn_and_data_parallel_equal_one_process(ranks_):
     2 epochs with crop and flip and prefetching: every rank's batch is its part of the
     one-process batch, the losses and the trained parameters equal one process's to 1e-5."""
     check_ok("loader_sharded_check.py", ranks_, timeout=120)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode, named", [
+    ("seed", "seed (rank 0: 0, rank 1: 0, rank 2: 1)"),
+    ("rows", "rows (rank 0: 60, rank 1: 60, rank 2: 62)"),
+    ("batch", "batch_size (rank 0: 16, rank 1: 16, rank 2: 15)"),
+    ("epoch", "epoch (rank 0: 0, rank 1: 0, rank 2: 1)"),
+    ("transform", "transform (rank 0: Compose([RandomCrop"),
+    ("same", None),
+])
+def test_three_ranks_whose_loaders_differ_are_refused_on_every_rank(mode, named):
+    """The last rank's loader differs but gives the same 4 batches: it used to train on
+    duplicated and missing rows without a word."""
+    out = check_ok("loader_differs.py", 3, mode, timeout=60)
+    refused = re.findall(r"REFUSED rank (\d+): (.*)", out)
+    if named is None:
+        assert not refused, out
+        return
+    assert sorted(r for r, _ in refused) == ["0", "1", "2"], out
+    for _, message in refused:
+        assert message.startswith("DataLoader: the ranks' settings differ: " + named), message

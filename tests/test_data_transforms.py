@@ -185,3 +185,60 @@ def test_transforms_act_on_the_key_given():
     out = T.RandomHorizontalFlip(1.0, key="mask")(b)
     np.testing.assert_array_equal(out["mask"], b["mask"][..., ::-1])
     assert out["image"] is b["image"]
+
+
+def test_random_crop_fill_must_fit_the_images_dtype():
+    """fill=300 on uint8 used to wrap around to 44 in silence."""
+    images = {"image": np.full((2, 1, 3, 3), 7, np.uint8)}
+    with pytest.raises(ValueError, match=r"RandomCrop: fill=300 does not fit batch\['image'\] "
+                                         r"of dtype uint8 \(integers 0..255\)"):
+        T.RandomCrop(3, padding=1, fill=300)(images)
+    with pytest.raises(ValueError, match="RandomCrop: fill=-1 does not fit"):
+        T.RandomCrop(3, padding=1, fill=-1)(images)
+    with pytest.raises(ValueError, match="RandomCrop: fill=0.5 does not fit"):
+        T.RandomCrop(3, padding=1, fill=0.5)(images)
+    with pytest.raises(ValueError, match=r"RandomCrop: fill=1e\+39 does not fit batch\['image'\] "
+                                         "of dtype float32"):
+        T.RandomCrop(3, padding=1, fill=1e39)(batch(h=3, w=3))
+    for fill in ("0", None, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="RandomCrop: fill must be a finite number"):
+            T.RandomCrop(3, padding=1, fill=fill)
+    out = T.RandomCrop(5, padding=1, fill=255)(images)["image"]       # fits: padded with it
+    assert out.dtype == np.uint8 and out[:, :, 0].tolist() == [[[255] * 5]] * 2
+    T.RandomCrop(3, fill=300)(images)                                # no padding: unused
+
+
+def test_normalize_statistics_must_be_usable_in_the_batch_dtype():
+    """std=1e-300 becomes 0 in float32 and every value inf."""
+    with pytest.raises(ValueError, match=r"Normalize: mean \[0.0\] and std \[1e-300\] are not "
+                                         r"usable in float32 \(batch\['image'\]\)"):
+        T.Normalize(0.0, 1e-300)(batch())
+    with pytest.raises(ValueError, match="Normalize: mean .1e.300. .* not usable in float32"):
+        T.Normalize(1e300, 1.0)(batch())
+    with pytest.raises(ValueError, match="not usable in float32"):
+        T.Normalize(0.0, 1e-40)(batch())                             # subnormal in float32
+    np.testing.assert_allclose(T.Normalize(0.0, 1e-300)(batch(dtype=np.float64))["image"],
+                               batch(dtype=np.float64)["image"] / 1e-300)
+    big = {"image": np.full((1, 1, 1, 2), 3e38, np.float32)}
+    with pytest.raises(ValueError, match=r"Normalize: \(x - mean\) / std overflows float32 for "
+                                         r"batch\['image'\] \(2 values"):
+        T.Normalize(0.0, 0.5)(big)
+    nan = {"image": np.array([[[[np.nan, 1.0]]]], np.float32)}     # NaN in, NaN out: allowed
+    assert np.isnan(T.Normalize(0.0, 2.0)(nan)["image"][0, 0, 0, 0])
+
+
+def test_a_transform_that_returns_no_batch_is_named():
+    def forgets(batch, draw=None):
+        batch = dict(batch)                                          # no return
+
+    with pytest.raises(TypeError, match=r"Compose: transforms\[1\] \(<function .*forgets>\) "
+                                        "returned NoneType None, not a batch"):
+        T.Compose([T.RandomHorizontalFlip(), forgets])(batch())
+    from minigraph.data import ArrayDataset, DataLoader
+
+    ds = ArrayDataset(**batch(8))
+    for prefetch in (0, 2):
+        loader = DataLoader(ds, 4, transform=lambda b, d: b["image"], prefetch=prefetch)
+        with pytest.raises(TypeError, match=r"DataLoader: transform \(<function .*<lambda>>\) "
+                                            "returned ndarray .*not a batch"):
+            list(loader)

@@ -137,7 +137,7 @@ def test_data_parallel_under_gradient_merge_averages_on_update_steps_only(one_ra
     at = update.index("c_allreduce_avg")
     assert update[:at] == ["scale"] * at and update[at + 1] == "momentum"
     (avg,) = [op for op in net.section("update") if op.type == "c_allreduce_avg"]
-    assert {v.name for v in avg.inputs["x"]} == {f"{p.name}.merged_grad_mean"
+    assert {v.name for v in avg.inputs["x"]} == {f"gradient_merge_0.{p.name}.merged_grad_mean"
                                                  for p in net.parameters()}
 
 

@@ -81,6 +81,27 @@ def test_a_feed_that_is_not_a_dict_is_an_error():
         net.infer(feed=[np.zeros((2, 4), np.float32)], fetch=[logits])
 
 
+@pytest.mark.parametrize("feed, got", [
+    (np.zeros((2, 4), np.float32), r"an array \(float32, shape \(2, 4\)\)"),
+    (np.zeros((0,)), r"an array \(float64, shape \(0,\)\)"),
+    (0, "int 0"), ([], r"list \[\]"), ((), r"tuple \(\)"), ("x", "str 'x'"),
+])
+def test_every_non_mapping_feed_is_a_type_error_saying_what_a_feed_is(feed, got):
+    """An array used to fail on its truth value (a ValueError about any() / all()), and
+    0, [] and () were taken for no feed at all."""
+    net, logits, loss = small_net()
+    for call, who in ((net.train, "train"), (net.infer, "infer")):
+        with pytest.raises(TypeError, match=rf"^{who}: feed must be a dict \{{data name or "
+                                            rf"data Variable: array\}}, e.g. feed=.*; got {got}$"):
+            call(feed=feed, fetch=[loss if who == "train" else logits])
+    with pytest.raises(TypeError, match=f"^Executor.run: feed must be a dict .*; got {got}$"):
+        mg.Executor().run(net.ops("infer"), net.scopes["infer"], feed=feed, fetch=[logits])
+    with pytest.raises(TypeError, match=f"^profile: feed must be a dict .*; got {got}$"):
+        net.profile(feed, steps=1, mode="infer", fetch=[logits])
+    x = np.zeros((2, 4), np.float32)
+    assert net.infer(feed={"x": x}, fetch=[logits])[0].shape == (2, 3)     # a dict works
+
+
 @pytest.mark.parametrize("shape", [(-1, 2.7), (-1, "4"), (-1, None), (True, 4), 4])
 def test_a_data_shape_must_hold_ints(shape):
     """(-1, 2.7) silently became (-1, 2)."""

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from minigraph.files import atomic_write
+from minigraph.io.files import atomic_write
 
 
 def write(data):
@@ -79,7 +79,7 @@ def test_a_device_node_is_refused_not_replaced(tmp_path):
 
 KILLED_SAVE = """
 import os, sys, signal
-from minigraph.files import atomic_write
+from minigraph.io.files import atomic_write
 def write(f):
     f.write(b"partial")
     f.flush()

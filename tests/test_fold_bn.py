@@ -30,11 +30,14 @@ def digest(net):
     return h.hexdigest()
 
 
-def conv_net(dtype="float32", bias=True, groups=1, share_input=False, layout_rank=4):
+def conv_net(dtype="float32", bias=True, groups=1, share_input=False, layout_rank=4,
+             layout="NCHW"):
     net = mg.Net(seed=1)
-    x = L.data(net, "x", shape=(-1, 4, 6, 6), dtype=dtype)
-    h = L.conv2d(net, x, 6, 3, padding=1, groups=groups, bias=bias, name="c1")
-    y = L.batch_norm(net, h, name="bn1")
+    x = L.data(net, "x", shape=(-1, 4, 6, 6) if layout == "NCHW" else (-1, 6, 6, 4),
+               dtype=dtype)
+    h = L.conv2d(net, x, 6, 3, padding=1, groups=groups, bias=bias, name="c1",
+                 data_layout=layout)
+    y = L.batch_norm(net, h, name="bn1", data_layout=layout)
     if share_input:
         y = L.add(net, y, L.relu(net, h))
     out = L.relu(net, y)
@@ -147,6 +150,31 @@ def test_what_cannot_be_folded_stays_and_the_report_says_why(capsys):
     assert "NHWC batch norm after conv2d" in note.reason
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_channels_last_conv_folds(bias, groups):
+    """conv2d NHWC -> batch_norm NHWC folds into the filter (per output channel, its
+    axis 0 as in NCHW) and a bias added on the last axis; nothing is transposed."""
+    net, out = conv_net(bias=bias, groups=groups, layout="NHWC")
+    x = rng.standard_normal((3, 6, 6, 4)).astype(np.float32)
+    folded = check_equal(net, out, x, 1e-5)
+    (note,) = folded.reports["fold_batch_norm"]
+    assert note.folded
+    types = [op.type for op in folded.ops("infer")]
+    assert "batch_norm" not in types and "transpose" not in types
+    (add,) = [op for op in folded.ops("infer") if op.type == "elementwise_add"]
+    assert add.attrs["axis"] == 3
+
+
+def test_an_nchw_batch_norm_after_a_channels_last_conv_is_kept():
+    net = mg.Net()
+    x = L.data(net, "x", shape=(-1, 4, 4, 2))
+    h = L.conv2d(net, x, 4, 1, name="c", data_layout="NHWC")
+    L.batch_norm(net, h, name="bn")                                 # channels on axis 1
+    (note,) = mg.passes.fold_batch_norm(net).reports["fold_batch_norm"]
+    assert "NCHW batch norm after conv2d (whose channels are on axis 3" in note.reason
+
+
 def test_the_folded_net_is_infer_only_and_the_source_still_trains():
     net, out = conv_net()
     loss = L.mean(net, out)
@@ -175,8 +203,52 @@ def test_the_folded_net_refuses_to_train():
     folded = mg.passes.fold_batch_norm(net)
     x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
     before = digest(folded)
-    with pytest.raises(RuntimeError, match="train: this net was made by fold_batch_norm"):
+    with pytest.raises(RuntimeError, match=r"train: this is an inference net \(made by fold_batch_norm\): it computes "
+                                             "'relu_0.out'"):
         folded.train(feed={"x": x}, fetch=[out.name])
     assert digest(folded) == before
     (y,) = folded.infer(feed={"x": x}, fetch=[out.name])       # it still infers
     assert y.shape[0] == 2
+
+
+def test_an_inference_net_computes_the_predictions_not_the_loss():
+    """fold_batch_norm kept the loss ops and the label input: fast.train() then said the
+    net had no loss while its op list held softmax_with_cross_entropy and mean."""
+    net = mg.Net(seed=3)
+    x = L.data(net, "x", shape=(-1, 6))
+    target = L.data(net, "target", shape=(-1, 2))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.relu(net, L.batch_norm(net, L.fc(net, x, 4, name="f1"), name="bn1"))
+    pred = L.fc(net, h, 2, name="head")
+    loss = L.add(net, L.mse_loss(net, pred, target),
+                 L.mean(net, L.softmax_with_cross_entropy(net, pred, label)))
+    L.accuracy(net, pred, label)
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    folded = mg.passes.fold_batch_norm(net)
+    assert [v.name for v in folded.default_fetches] == ["head.out"]
+    assert list(folded.data_vars) == ["x"]                     # no target, no label
+    types = [op.type for op in folded.ops("infer")]
+    assert "softmax_with_cross_entropy" not in types and "accuracy" not in types
+    xb = rng.standard_normal((5, 6)).astype(np.float32)
+    (want,) = net.infer(feed={"x": xb}, fetch=[pred])
+    (got,) = folded.infer(feed={"x": xb})                      # the default fetches
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # fetches chosen by name or Variable: pruned to them
+    mid = mg.passes.optimize_for_inference(net, fetches=["bn1.y"])
+    assert [v.name for v in mid.default_fetches] == ["bn1.y"]
+    assert "head.w" not in [v.name for v in mid.persistables()]
+    with pytest.raises(TypeError, match="optimize_for_inference: fetches must be a list"):
+        mg.passes.optimize_for_inference(net, fetches="head.out")
+    with pytest.raises(KeyError, match="fetch 'nothing'"):
+        mg.passes.fold_batch_norm(net, fetches=["nothing"])
+
+
+def test_a_net_without_a_loss_keeps_its_final_outputs():
+    net, out = conv_net()
+    folded = mg.passes.fold_batch_norm(net)
+    assert [v.name for v in folded.default_fetches] == [out.name]
+    empty = mg.Net(seed=0)
+    L.data(empty, "x", shape=(-1, 3))
+    with pytest.raises(ValueError, match="cannot tell what the inference net computes; pass "
+                                         "fetches="):
+        mg.passes.fold_batch_norm(empty)

@@ -254,7 +254,7 @@ def test_the_steps_follow_the_reviews_first_run_order():
     """Environment and versions, the place, the kernel build, every entry point loaded,
     compute-sanitizer on small tests, the suites, the findings, then the benchmarks."""
     assert gc.STEP_NAMES == ("env", "place", "build", "load", "sanitizer", "tests", "findings",
-                             "demo", "bench")
+                             "demo", "bench", "nets")
     by_name = {s.name: s for s in gc.gpu_steps()}
     env = [" ".join(map(str, c)) for c in by_name["env"].commands]
     assert env[0] == "nvidia-smi" and env[2] == "nvcc --version"
@@ -264,6 +264,7 @@ def test_the_steps_follow_the_reviews_first_run_order():
                                           "tests/gpu/test_kernel_build.py"]]
     assert by_name["load"].commands[0][-1] == "load"
     assert all("bench" in " ".join(c) for c in by_name["bench"].commands)
+    assert by_name["nets"].commands[0][1] == "benchmarks/nets_gpu.py"
     listed = [gc.__doc__.index(f"\n  {name} ") for name in gc.STEP_NAMES]   # the module doc
     assert listed == sorted(listed)
 
@@ -311,3 +312,19 @@ def test_env_warns_about_a_missing_nccl():
     problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
                                    "g++ 12", versions(nccl4py="unavailable (PackageNotFound)")])
     assert any("nccl4py is not installed (pip install 'nccl4py[cu12]>=0.6')" in n for n in notes)
+
+
+def test_env_says_which_gpu_library_is_missing_and_what_it_costs():
+    probe = versions() + (
+        "cuBLAS: unavailable (RuntimeError: not installed for a driver of CUDA 13 (pip install "
+        "nvidia-cublas); without it matrix products run on the hand-written scalar fp32 GEMM)\n"
+        "cuDNN: /x/nvidia/cudnn/lib/libcudnn.so.9 (CUDA 13; cuDNN 9.28.1)\n"
+        "CUDA graphs: unavailable (RuntimeError: cuda-bindings is not installed; without it "
+        "every step launches its kernels one by one)\n")
+    problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
+                                   "g++ 12", probe])
+    assert problem is None
+    blas = [n for n in notes if "no cuBLAS" in n]
+    assert blas and "hand-written scalar fp32 GEMM" in blas[0] and "nvidia-cublas" in blas[0]
+    assert not any("no cuDNN" in n for n in notes)
+    assert any("no CUDA graphs" in n and "one by one" in n for n in notes)

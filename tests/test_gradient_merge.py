@@ -67,11 +67,11 @@ def test_nothing_moves_between_updates_and_the_sums_restart_from_zero():
             np.testing.assert_array_equal(net.var(name).get(), value)
         assert int(opt.counter.get()) == i + 1
         assert int(opt.inner.step_var.get()) == 0           # the schedule waits
-    assert np.any(net.var("fc1.w.merged_grad").get() != 0)
+    assert np.any(net.var("gradient_merge_0.fc1.w.merged_grad").get() != 0)
     net.train(feed=micro[2])
     assert int(opt.inner.step_var.get()) == 1 and opt.learning_rate == 0.5
     for name in start:
-        np.testing.assert_array_equal(net.var(f"{name}.merged_grad").get(), 0)
+        np.testing.assert_array_equal(net.var(f"gradient_merge_0.{name}.merged_grad").get(), 0)
         assert not np.array_equal(net.var(name).get(), start[name])
 
 

@@ -3,6 +3,7 @@ per-parameter learning-rate multipliers and weight decays against a numpy AdamW 
 SGD run alongside, every bad element of `parameters` named, the second-optimizer
 message, and ParamAttr's sharing, freezing and initialiser."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -99,10 +100,14 @@ def test_a_group_multiplies_the_schedule_and_param_attr_multiplies_the_group():
 
 
 def test_plain_variables_and_groups_mix_and_leaving_one_out_freezes_it():
+    """A parameter left out is not trained, and a warning names it."""
     net, loss = build()
     before = net.var("head.b").get().copy()
-    mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[
-        net.var("fc1.w"), {"params": net.var("fc1.b")}, net.var("head.w")])
+    with pytest.warns(UserWarning, match="the trainable parameter 'head.b' is in no element "
+                                         "of parameters and will not be trained") as seen:
+        mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[
+            net.var("fc1.w"), {"params": net.var("fc1.b")}, net.var("head.w")])
+    assert len(seen) == 1 and seen[0].filename == __file__      # points at the caller
     net.train(feed=FEED)
     np.testing.assert_array_equal(net.var("head.b").get(), before)
     assert [op.inputs["param"].name for op in net.section("update")] == \
@@ -150,7 +155,8 @@ def test_a_frozen_parameter_in_a_group_is_an_error():
 
 def test_a_second_optimizer_is_told_to_use_groups():
     net, loss = build()
-    mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[net.var("fc1.w")])
+    with pytest.warns(UserWarning, match="'fc1.b', 'head.w', 'head.b' are in no element"):
+        mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[net.var("fc1.w")])
     with pytest.raises(ValueError, match="Adam.minimize: this net is already minimised by a "
                                          "SGD; a net has one optimizer: give it parameter "
                                          "groups instead"):
@@ -251,3 +257,43 @@ def test_param_attr_arguments_are_checked_by_the_layer():
                                         "\\(the parameter's name\\) or None, got int"):
         L.fc(net, x, 2, bias_attr=3)
     assert net.parameters() == []
+
+
+@pytest.mark.parametrize("first, second", [
+    (mg.ParamAttr(name="enc.w", initializer=mg.initializer.Constant(0.5)),
+     mg.ParamAttr(name="enc.w", initializer=mg.initializer.Constant(2.0))),
+    (mg.ParamAttr(name="enc.w"),                     # the layer's default, KaimingUniform
+     mg.ParamAttr(name="enc.w", initializer=mg.initializer.Xavier())),
+])
+def test_sharing_with_another_initializer_is_an_error_naming_both(first, second):
+    """The second use of a shared name used to keep the first initializer silently."""
+    net = mg.Net(seed=0)
+    a = L.data(net, "a", (-1, 3), "float64")
+    L.fc(net, a, 2, param_attr=first, name="left")
+    before = net.var("enc.w").get().copy()
+    with pytest.raises(ValueError, match=r"fc: argument 'param_attr' shares 'enc.w' with the "
+                                         r"initializer .*, but its first use initialised it "
+                                         r"with .*; a shared parameter has one initializer"):
+        L.fc(net, a, 2, param_attr=second, name="right")
+    np.testing.assert_array_equal(net.var("enc.w").get(), before)
+    assert [r.name for r in net.layers] == ["left"]
+
+
+def test_sharing_with_the_same_initializer_or_none_shares():
+    net = mg.Net(seed=0)
+    a = L.data(net, "a", (-1, 3), "float64")
+    same = mg.ParamAttr(name="enc.w", initializer=mg.initializer.Constant(0.5))
+    L.fc(net, a, 2, param_attr=same, name="left")
+    L.fc(net, a, 2, param_attr=mg.ParamAttr(name="enc.w",
+                                            initializer=mg.initializer.Constant(0.5)))
+    L.fc(net, a, 2, param_attr="enc.w")                 # no initializer given: shares
+    assert [p.name for p in net.parameters()].count("enc.w") == 1
+    np.testing.assert_array_equal(net.var("enc.w").get(), np.full((3, 2), 0.5))
+
+
+def test_every_parameter_listed_or_frozen_warns_nothing():
+    net, loss = build(head_attr=mg.ParamAttr(trainable=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[
+            {"params": [net.var("fc1.w"), net.var("fc1.b")]}, net.var("head.b")])

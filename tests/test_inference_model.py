@@ -1,6 +1,7 @@
 """The inference model directory: save_inference / load_inference."""
 from __future__ import annotations
 
+import io as bytes_io
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 import minigraph as mg
 from minigraph import io
-from minigraph.model_format import decode_attr, encode_attr
+from minigraph.io.model_format import decode_attr, encode_attr
 
 
 def trained(steps=3, seed=0, momentum=0.9):
@@ -36,6 +37,12 @@ def trained(steps=3, seed=0, momentum=0.9):
     return net, {"image": image, "label": label, "logits": logits, "loss": loss, "h": h}
 
 
+def npy_bytes(array):
+    f = bytes_io.BytesIO()
+    np.lib.format.write_array(f, array, allow_pickle=False)
+    return f.getvalue()
+
+
 def batch(n=6, seed=1):
     return np.random.default_rng(seed).random((n, 1, 8, 8), dtype=np.float32)
 
@@ -48,11 +55,20 @@ def saved(tmp_path_factory):
     return net, h, d
 
 
+def params_path(d):
+    """The params file the model.json of directory `d` names."""
+    return d / json.loads((d / "model.json").read_text())["params"]["file"]
+
+
 def test_the_directory_holds_a_documented_json_and_the_params(saved):
+    import hashlib
+
     net, _, d = saved
-    assert sorted(p.name for p in d.iterdir()) == ["model.json", "params.npz"]
     model = json.loads((d / "model.json").read_text())
-    assert model["format"] == "minigraph-inference" and model["version"] == 1
+    digest = hashlib.sha256(params_path(d).read_bytes()).hexdigest()
+    assert model["params"] == {"file": f"params-{digest[:16]}.npz", "sha256": digest}
+    assert sorted(p.name for p in d.iterdir()) == ["model.json", f"params-{digest[:16]}.npz"]
+    assert model["format"] == "minigraph-inference" and model["version"] == 2
     assert model["feeds"] == ["image"] and model["fetches"] == ["fc2.out", "fc1.out"]
     types = [op["type"] for op in model["ops"]]
     assert types[0] == "conv2d" and "batch_norm" in types
@@ -68,9 +84,11 @@ def test_the_directory_holds_a_documented_json_and_the_params(saved):
     assert records["bn1.estimated_mean"]["persistable"] and not \
         records["bn1.estimated_mean"]["trainable"]
     assert "label" not in records and not any("velocity" in n for n in records)
-    with np.load(d / "params.npz") as npz:
+    with np.load(params_path(d)) as npz:
         persist = {n for n, r in records.items() if r["persistable"]}
-        assert set(npz.files) == persist | {"__format__"}
+        assert set(npz.files) == persist | {"__format__", "__manifest__"}
+        parts = json.loads(str(npz["__manifest__"]))["parts"]
+        assert "c1.w" in parts["parameters"] and "bn1.estimated_var" in parts["estimates"]
         assert np.array_equal(npz["bn2.estimated_var"], net.var("bn2.estimated_var").get())
 
 
@@ -95,7 +113,7 @@ def test_load_inference_infers_like_the_net(saved):
 
 def test_a_loaded_model_cannot_train(saved):
     m = mg.io.load_inference(saved[2])
-    with pytest.raises(RuntimeError, match="can only infer"):
+    with pytest.raises(RuntimeError, match=r"this is an inference net \(loaded from"):
         m.train(feed={"image": batch()})
 
 
@@ -190,8 +208,8 @@ def model_dir(saved, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda m: m.update(version=2), r"newer minigraph \(format version 2\); this minigraph "
-                                    "reads version 1"),
+    (lambda m: m.update(version=3), r"newer minigraph \(format version 3\); this minigraph "
+                                    "reads version 2"),
     (lambda m: m.update(format="something-else"), "not a minigraph inference model"),
     (lambda m: m.pop("ops"), "damaged \\(missing key 'ops'\\)"),
     (lambda m: m.pop("fetches"), "missing key 'fetches'"),
@@ -206,8 +224,10 @@ def model_dir(saved, tmp_path):
                                                          "'groups'"),
     (lambda m: m["ops"][0]["attrs"].update(groups={"float": "many"}), "not an attribute value"),
     (lambda m: m.update(fetches=["nothing"]), "fetch 'nothing' is not computed"),
-    (lambda m: m["params"].update(file="../../etc/passwd"), "must be 'params.npz'"),
-    (lambda m: m["params"].update(sha256="0" * 64), "SHA-256 differs"),
+    (lambda m: m["params"].update(file="../../etc/passwd"), "must be 'params-[0-9a-f]{16}"),
+    (lambda m: m["params"].update(sha256="0" * 64), "must be 'params-0000000000000000.npz'"),
+    (lambda m: m["params"].update(sha256="../x"), "not 64 hex digits"),
+    (lambda m: m.update(version=1), "must be 'params.npz' \\(format version 1\\)"),
     (lambda m: m["variables"][0].update(dtype="object"), "unknown dtype 'object'"),
 ])
 def test_a_damaged_model_json_is_a_clear_error(model_dir, change, message):
@@ -230,8 +250,9 @@ def test_missing_files_and_unparseable_json(model_dir, tmp_path):
     with pytest.raises(io.InferenceModelError, match="missing model.json"):
         mg.io.load_inference(model_dir)
     (model_dir / "model.json").write_text(text)
-    (model_dir / "params.npz").unlink()
-    with pytest.raises(io.InferenceModelError, match="missing params.npz"):
+    params = params_path(model_dir)
+    params.unlink()
+    with pytest.raises(io.InferenceModelError, match=f"missing {params.name}"):
         mg.io.load_inference(model_dir)
 
 
@@ -239,22 +260,32 @@ def test_params_missing_an_entry_or_damaged(model_dir, saved):
     import hashlib
     import zipfile
 
-    def rehash(m):
-        m["params"]["sha256"] = hashlib.sha256((model_dir / "params.npz").read_bytes()).hexdigest()
+    def install(data):
+        """Put `data` in place as the params file model.json names (renamed by its hash)."""
+        digest = hashlib.sha256(data).hexdigest()
+        params_path(model_dir).unlink()
+        (model_dir / f"params-{digest[:16]}.npz").write_bytes(data)
+        edit_model(model_dir, lambda m: m["params"].update(
+            file=f"params-{digest[:16]}.npz", sha256=digest))
 
-    good = (model_dir / "params.npz").read_bytes()
-    with zipfile.ZipFile(model_dir / "params.npz") as src, \
+    good = params_path(model_dir).read_bytes()
+    params_path(model_dir).write_bytes(good[:-1] + b"!")
+    with pytest.raises(io.InferenceModelError, match="SHA-256 differs"):
+        mg.io.load_inference(model_dir)
+    with zipfile.ZipFile(bytes_io.BytesIO(good)) as src, \
             zipfile.ZipFile(model_dir / "less.npz", "w") as dst:
         for info in src.infolist():
-            if info.filename != "fc2.b.npy":
+            if info.filename not in ("fc2.b.npy", "__manifest__.npy"):
                 dst.writestr(info, src.read(info))
-    os.replace(model_dir / "less.npz", model_dir / "params.npz")
-    edit_model(model_dir, rehash)
-    with pytest.raises(io.InferenceModelError, match="params.npz: does not match model.json: "
+            elif info.filename == "__manifest__.npy":
+                m = json.loads(str(np.load(bytes_io.BytesIO(src.read(info)))))
+                m["parts"]["parameters"].remove("fc2.b")
+                dst.writestr(info, npy_bytes(np.array(json.dumps(m))))
+    install((model_dir / "less.npz").read_bytes())
+    with pytest.raises(io.InferenceModelError, match="npz: does not match model.json: "
                                                      "missing 'fc2.b'"):
         mg.io.load_inference(model_dir)
-    (model_dir / "params.npz").write_bytes(good[:-100])
-    edit_model(model_dir, rehash)
+    install(good[:-100])
     with pytest.raises(io.CheckpointError, match="damaged minigraph checkpoint"):
         mg.io.load_inference(model_dir)
 
@@ -266,7 +297,8 @@ def test_saving_again_replaces_both_files_consistently(saved, tmp_path):
     mg.io.save_inference(net, d, feeds=["image"], fetches=["fc1.out"])
     m = mg.io.load_inference(d)
     assert [v.name for v in m.default_fetches] == ["fc1.out"]
-    assert sorted(p.name for p in d.iterdir()) == ["model.json", "notes.txt", "params.npz"]
+    assert sorted(p.name for p in d.iterdir()) == ["model.json", "notes.txt",
+                                                   params_path(d).name]
 
 
 def test_the_newer_layers_survive_the_file(tmp_path):
@@ -292,3 +324,146 @@ def test_the_newer_layers_survive_the_file(tmp_path):
     (want,) = net.infer(feed={"image": v}, fetch=[out])
     (got,) = m.infer(feed={"image": v})
     assert got.shape == (4, 5, 2) and got.tobytes() == want.tobytes()
+
+
+# ---- a save that fails between its files, a tampered graph ------------------------------
+
+def outputs(d, x=None):
+    (y,) = mg.io.load_inference(d).infer(feed={"image": batch() if x is None else x})
+    return y
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_save_failing_between_its_files_leaves_the_previous_model(saved, tmp_path,
+                                                                    monkeypatch, error):
+    """params.npz used to be replaced before model.json: a save that failed (a full disk,
+    a kill) in between left the previous, good model unloadable."""
+    from minigraph.io import inference_model
+
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    want = outputs(d)
+    other, oh = trained(steps=2, seed=7)
+    new = outputs(mg.io.save_inference(other, tmp_path / "n", feeds=["image"],
+                                       fetches=[oh["logits"]]))
+    real = inference_model.atomic_write
+    for fail_at in (1, 2):
+        calls = []
+
+        def failing(path, write, fail_at=fail_at, calls=calls):
+            calls.append(path)
+            if len(calls) == fail_at:
+                write(open(os.devnull, "wb"))       # a part of the work was done
+                raise error
+            return real(path, write)
+
+        monkeypatch.setattr(inference_model, "atomic_write", failing)
+        with pytest.raises(type(error)):
+            mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+        monkeypatch.undo()
+        assert outputs(d).tobytes() == want.tobytes(), f"failed at write {fail_at}"
+    mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+    assert outputs(d).tobytes() == new.tobytes()
+
+
+def test_a_save_replaces_the_old_params_and_a_dead_saves_leftovers(saved, tmp_path):
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    old = params_path(d)
+    other, oh = trained(steps=2, seed=7)
+    fresh = d / "params-0123456789abcdef.npz"       # a save running now wrote it
+    stale = d / "params-fedcba9876543210.npz"       # a save killed long ago left it
+    for leftover in (fresh, stale):
+        leftover.write_bytes(b"partial")
+    os.utime(stale, (1, 1))
+    mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+    names = sorted(p.name for p in d.iterdir())
+    assert old.name not in names and stale.name not in names
+    assert names == sorted(["model.json", params_path(d).name, fresh.name])
+
+
+def test_a_save_whose_old_params_cannot_be_removed_still_completes(saved, tmp_path,
+                                                                  monkeypatch):
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    other, oh = trained(steps=2, seed=7)
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "refused", str(path))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+    monkeypatch.undo()
+    (want,) = other.infer(feed={"image": batch()}, fetch=[oh["logits"]])
+    assert outputs(d).tobytes() == want.tobytes()
+
+
+def test_a_load_overtaken_by_a_save_reads_the_new_model(saved, tmp_path, monkeypatch):
+    from minigraph.io import inference_model
+
+    net, h, _ = saved
+    d = mg.io.save_inference(net, tmp_path / "m", feeds=["image"], fetches=[h["logits"]])
+    other, oh = trained(steps=2, seed=7)
+    real = inference_model.read_model
+    reads = []
+
+    def then_a_save(dirname, what):
+        model = real(dirname, what)
+        if what.startswith("load_inference"):
+            reads.append(model)
+            if len(reads) == 1:     # between reading model.json and opening its params
+                mg.io.save_inference(other, d, feeds=["image"], fetches=[oh["logits"]])
+        return model
+
+    monkeypatch.setattr(inference_model, "read_model", then_a_save)
+    got = outputs(d)
+    monkeypatch.undo()
+    (want,) = other.infer(feed={"image": batch()}, fetch=[oh["logits"]])
+    assert len(reads) == 2 and got.tobytes() == want.tobytes()
+
+
+def test_a_model_whose_op_writes_a_parameter_is_refused(model_dir):
+    """A tampered model.json whose op wrote fc2.b in place loaded, and every infer()
+    then doubled fc2.b."""
+    def double_the_bias(m):
+        m["ops"].insert(0, {"type": "scale", "inputs": {"x": "fc2.b"},
+                            "outputs": {"out": "fc2.b"}, "attrs": {"scale": 2.0}})
+
+    edit_model(model_dir, double_the_bias)
+    with pytest.raises(io.InferenceModelError, match="op 0 \\(scale\\) writes the persistable "
+                                                     "'fc2.b' \\(output slot 'out'\\); an "
+                                                     "inference model never changes"):
+        mg.io.load_inference(model_dir)
+
+
+def test_reserved_names_in_a_model_are_refused(model_dir):
+    def rename(m):
+        text = json.dumps(m).replace('"c1.out"', '"c1.out@GRAD"')
+        m.clear()
+        m.update(json.loads(text))
+
+    edit_model(model_dir, rename)
+    with pytest.raises(io.InferenceModelError, match="'c1.out@GRAD' is reserved"):
+        mg.io.load_inference(model_dir)
+
+
+def test_the_model_keeps_the_layer_each_op_belongs_to(saved, tmp_path):
+    net, h, _ = saved
+    fast = mg.passes.optimize_for_inference(net)
+    d = mg.io.save_inference(fast, tmp_path / "m", feeds=["image"], fetches=[h["logits"].name])
+    model = json.loads((d / "model.json").read_text())
+    assert [(op["type"], op["layer"]) for op in model["ops"]] == [
+        ("fused_conv2d", "c1"), ("pool2d", "pool2d_0"), ("fused_fc", "fc1"), ("fused_fc", "fc2")]
+    loaded = mg.io.load_inference(d)
+    assert [op.layer for op in loaded.ops("infer")] == ["c1", "pool2d_0", "fc1", "fc2"]
+    # a model written before ops named their layer loads, its layers read off its names
+    for op in model["ops"]:
+        del op["layer"]
+    (d / "model.json").write_text(json.dumps(model))
+    old = mg.io.load_inference(d)
+    assert [op.layer for op in old.ops("infer")] == [None] * 4
+    assert "layer:relu_0" in old.to_dot(level="layer")
+    model["ops"][0]["layer"] = 7
+    (d / "model.json").write_text(json.dumps(model))
+    with pytest.raises(io.InferenceModelError, match="'layer' must be str"):
+        mg.io.load_inference(d)

@@ -1,6 +1,7 @@
 """Saving and loading persistables: round trips, mismatches, atomic writes, formats."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import warnings
@@ -32,8 +33,8 @@ def test_round_trip_restores_every_persistable_bitwise(tmp_path):
     a, h = trained_net(seed=0)
     path = io.save(a, tmp_path / "ck.npz")
     kinds = {v.name for v in a.persistables()}
-    assert {"conv1.w", "bn1.estimated_var", "bn1.num_batches", "fc1.w.velocity",
-            "learning_rate_0"} <= kinds
+    assert {"conv1.w", "bn1.estimated_var", "bn1.num_batches", "momentum_0.fc1.w.velocity",
+            "momentum_0.learning_rate"} <= kinds
     for seed in (0, 1):
         b, hb = build_net(mg.CPUPlace(), seed=seed)     # never run: nothing initialised yet
         assert sorted(io.load(b, path)) == sorted(kinds)
@@ -51,7 +52,7 @@ def test_save_initialises_a_fresh_net_and_uses_ordinary_permissions(tmp_path):
     net, _ = build_net(mg.CPUPlace(), seed=3)
     path = io.save(net, tmp_path / "fresh.npz")
     with np.load(path) as npz:
-        assert str(npz["__format__"]) == "minigraph-persistables/1"
+        assert str(npz["__format__"]) == "minigraph-persistables/2"
         assert int(npz["bn1.num_batches"]) == 0
         assert npz["bn1.num_batches"].shape == () and npz["bn1.num_batches"].dtype == np.int64
     umask = os.umask(0)
@@ -61,9 +62,20 @@ def test_save_initialises_a_fresh_net_and_uses_ordinary_permissions(tmp_path):
 
 
 def rewrite(src, dst, change):
+    """Copy the checkpoint `src` to `dst` with change(arrays) applied; its manifest
+    follows (removed arrays leave it, new ones join the parameters) unless the
+    change touches the manifest itself."""
     with np.load(src) as npz:
         arrays = {k: npz[k] for k in npz.files}
+    manifest = str(arrays["__manifest__"])
     change(arrays)
+    if "__manifest__" in arrays and str(arrays["__manifest__"]) == manifest:
+        m = json.loads(manifest)
+        parts = {p: [n for n in names if n in arrays] for p, names in m["parts"].items()}
+        listed = {n for names in parts.values() for n in names}
+        parts.setdefault("parameters", []).extend(
+            n for n in arrays if n not in listed and not n.startswith("__"))
+        arrays["__manifest__"] = np.array(json.dumps({**m, "parts": parts}))
     with open(dst, "wb") as f:
         io.write_npz(f, arrays)
     return dst
@@ -104,7 +116,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
         f.write(b"PK\x03\x04 half a zip")
         raise OSError("disk full")
 
-    monkeypatch.setattr(io, "write_npz", half_then_fail)
+    monkeypatch.setattr(io.checkpoint, "write_npz", half_then_fail)
     with pytest.raises(OSError, match="disk full"):
         io.save(trained_net_b, path)
     assert path.read_bytes() == old
@@ -159,12 +171,15 @@ def test_loading_sets_the_optimizer_learning_rate(tmp_path):
     b, _ = build_net(mg.CPUPlace(), seed=0)
     io.load(b, path)
     assert b.optimizer.learning_rate == pytest.approx(0.0125, rel=1e-7)
-    assert float(b.var("learning_rate_0").get()) == pytest.approx(0.0125, rel=1e-7)
+    assert float(b.var("momentum_0.learning_rate").get()) == pytest.approx(0.0125, rel=1e-7)
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda a: a.pop("__format__"), "no '__format__' entry"),
-    (lambda a: a.update(__format__=np.array("minigraph-persistables/2")), "version '2'"),
+    (lambda a: a.update(__format__=np.array("minigraph-persistables/3")),
+     "version '3'.*newer minigraph"),
+    (lambda a: a.update(__format__=np.array("minigraph-persistables/0")), "version '0'"),
+    (lambda a: a.pop("__manifest__"), "'__manifest__' is missing"),
     (lambda a: a.update(__format__=np.array("something-else/1")), "unknown format"),
 ])
 def test_bad_formats_are_clear_errors(tmp_path, change, message):
@@ -199,7 +214,7 @@ def test_a_bad_learning_rate_in_a_checkpoint_is_refused(tmp_path, bad):
     before, rate = snapshot(b), b.optimizer.learning_rate
     for strict in (True, False):
         with pytest.raises(io.CheckpointError) as err:
-            io.load(b, path, strict=strict)
+            io.load(b, path, strict=strict, parts=io.PARTS)
         msg = str(err.value)
         assert f"learning rate {lr.name!r} holds" in msg and "finite number >= 0" in msg
         assert "nothing was loaded" in msg
@@ -245,13 +260,13 @@ def test_an_inference_twin_loads_the_training_checkpoint_with_strict_false(tmp_p
     path = io.save(net, tmp_path / "train.npz")
     twin, twin_logits, _ = conv_bn_fc(train=False, seed=7)
     twin_names = {v.name for v in twin.persistables()}
-    with pytest.raises(io.CheckpointError, match="unexpected 'c1.w.velocity'"):
+    with pytest.raises(io.CheckpointError, match="unexpected 'momentum_0.c1.w.velocity'"):
         io.load(twin, path)                     # strict: the optimizer state does not fit
-    missing, unexpected = io.load(twin, path, strict=False)
-    assert missing == []
     extra = [v.name for v in net.persistables() if v.name not in twin_names]
-    assert sorted(unexpected) == sorted(extra)
-    assert {"c1.w.velocity", "fc1.w.velocity", net.optimizer.lr_var.name} <= set(unexpected)
+    assert {"momentum_0.c1.w.velocity", net.optimizer.lr_var.name} <= set(extra)
+    assert io.load(twin, path, strict=False) == ([], [])    # optimizer state is not selected
+    missing, unexpected = io.load(twin, path, strict=False, parts=io.PARTS)
+    assert missing == [] and sorted(unexpected) == sorted(extra)
     assert int(twin.var("bn1.num_batches").get()) == 4
     x = rng.standard_normal((5, 1, 6, 6)).astype(np.float32)
     (want,) = net.infer(feed={"image": x}, fetch=[logits])
@@ -329,7 +344,7 @@ def refused(tmp_path, net, name, value, *messages):
     before = snapshot(twin)
     for strict in (True, False):
         with pytest.raises(io.CheckpointError) as err:
-            io.load(twin, path, strict=strict)
+            io.load(twin, path, strict=strict, parts=io.PARTS)
         msg = str(err.value)
         assert repr(name) in msg and "nothing was loaded" in msg, msg
         for m in messages:
@@ -342,7 +357,7 @@ def refused(tmp_path, net, name, value, *messages):
 def test_a_negative_schedule_step_is_refused(tmp_path):
     """learning_rate_0.step = -100 with StepDecay(0.01, 2) meant a rate of about 1e48."""
     net = schedule_net(mg.optimizer.lr.StepDecay(0.01, 2))
-    refused(tmp_path, net, "learning_rate_0.step", -100, ">= 0")
+    refused(tmp_path, net, "sgd_0.learning_rate.step", -100, ">= 0")
 
 
 @pytest.mark.parametrize("schedule", [
@@ -351,7 +366,7 @@ def test_a_negative_schedule_step_is_refused(tmp_path):
     lambda: mg.optimizer.lr.OneCycleLR(0.1, 20),
     lambda: mg.optimizer.lr.LinearWarmup(0.1, 3, 0.0, 0.1)])
 def test_every_schedule_step_is_checked(tmp_path, schedule):
-    refused(tmp_path, schedule_net(schedule()), "learning_rate_0.step", -1, ">= 0")
+    refused(tmp_path, schedule_net(schedule()), "sgd_0.learning_rate.step", -1, ">= 0")
 
 
 @pytest.mark.parametrize("state, message", [
@@ -363,18 +378,18 @@ def test_an_impossible_plateau_state_is_refused(tmp_path, state, message):
     plateau = mg.optimizer.lr.ReduceOnPlateau(0.1, patience=2, cooldown=1)
     net = schedule_net(plateau)
     plateau.step(0.5)
-    refused(tmp_path, net, "learning_rate_0.plateau", state, message)
+    refused(tmp_path, net, "sgd_0.learning_rate.plateau", state, message)
 
 
 def test_a_negative_gradient_merge_counter_is_refused(tmp_path):
     net = schedule_net(0.1, gradient_merge=True)
-    (name,) = [v.name for v in net.persistables() if v.name.startswith("gradient_merge")]
+    (name,) = [v.name for v in net.persistables() if v.name == "gradient_merge_0.step"]
     refused(tmp_path, net, name, -1, ">= 0")
 
 
 def test_a_gradient_merge_nets_learning_rate_is_checked(tmp_path):
     net = schedule_net(0.1, gradient_merge=True)
-    refused(tmp_path, net, "learning_rate_0", np.nan, "finite number >= 0")
+    refused(tmp_path, net, "sgd_0.learning_rate", np.nan, "finite number >= 0")
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -417,3 +432,25 @@ def test_load_and_save_check_their_arguments(tmp_path):
     with pytest.raises(TypeError, match="strict must be True or False"):
         io.load(net, path, strict="no")
     assert not (tmp_path / "x.npz").exists()
+
+
+@pytest.mark.parametrize("mode, metric", [("min", -np.inf), ("max", np.inf)])
+def test_a_plateau_state_with_an_infinite_best_round_trips(tmp_path, mode, metric):
+    """An infinite metric makes the best infinite: a state step() reaches, which io.save
+    wrote and io.load used to refuse as non-finite."""
+    plateau = mg.optimizer.lr.ReduceOnPlateau(0.1, mode=mode, patience=0)
+    net = schedule_net(plateau)
+    plateau.step(metric)
+    plateau.step(np.nan)                      # NaN never improves, and is never the best
+    name = plateau.state_var.name             # sgd_0.learning_rate.plateau
+    state = net.var(name).get()
+    assert state[0] == 1 and state[1] == metric
+    path = io.save(net, tmp_path / "ck.npz")
+    twin_plateau = mg.optimizer.lr.ReduceOnPlateau(0.1, mode=mode, patience=0)
+    twin = schedule_net(twin_plateau, seed=1)
+    io.load(twin, path)
+    got = twin.var(name).get()
+    assert got.tobytes() == state.tobytes()
+    assert twin_plateau.step(0.0) == plateau.step(0.0)      # and they go on alike
+    with pytest.raises(ValueError, match="never NaN"):
+        twin.var(name).set(np.array([1, np.nan, 0, 0, 1]))

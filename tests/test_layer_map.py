@@ -1,11 +1,11 @@
-"""Which layer each op belongs to (minigraph.layer_map)."""
+"""Which layer each op belongs to (minigraph.pictures.layer_map)."""
 from __future__ import annotations
 
 import pytest
 
 import minigraph as mg
 from minigraph.examples import train_digits, train_resnet_digits
-from minigraph.layer_map import LayerMap
+from minigraph.pictures.layer_map import LayerMap
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,20 @@ def test_updates_belong_to_their_parameters_layer_and_shared_ops_to_none():
     assert lmap.name_layer("block1.w") is None and lmap.name_layer("learning_rate_0") is None
 
 
-def test_a_net_without_layer_records_gets_its_layers_from_output_names(digits):
+def test_an_inference_net_keeps_the_layer_names_of_its_source(digits):
     folded = mg.passes.fold_batch_norm(digits)
+    lmap = LayerMap(folded)
+    assert lmap.records == {} and lmap.names[:3] == ["conv1", "relu_0", "pool2d_0"]
+    # the bias add that now writes the folded batch norm's output is conv1's
+    trunk = folded.section("trunk")
+    assert [(op.type, lmap.layer_of(op)) for op in trunk][:2] == [("conv2d", "conv1"),
+                                                                   ("elementwise_add", "conv1")]
+
+
+def test_a_net_without_layer_names_gets_its_layers_from_output_names(digits):
+    folded = mg.passes.fold_batch_norm(digits)
+    for op in folded.section("trunk"):         # as a model saved before ops named their layer
+        op.layer = None
     lmap = LayerMap(folded)
     assert lmap.records == {} and lmap.names[:2] == ["conv1", "bn1"]
     # conv1's bias add now writes the folded batch norm's output, bn1.y

@@ -315,6 +315,19 @@ def test_group_and_instance_norm_ops(engine, dtype):
                    in_reference, grad_wrt=grads, outputs=["y"])
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_channels_last_group_and_instance_norm_ops(engine, dtype):
+    """NHWC runs batch norm's per-channel engine (native or numpy) on each sample."""
+    x = (rng.standard_normal((3, 4, 5, 6)) * 2 + 5).astype(dtype)
+    scale, bias = rng.standard_normal(6).astype(dtype), rng.standard_normal(6).astype(dtype)
+    grads = ("x", "scale", "bias") if dtype == np.float64 else ()
+    attrs = {"epsilon": EPS, "data_layout": "NHWC"}
+    helper_test_op("group_norm", {"x": x, "scale": scale, "bias": bias}, {"groups": 2, **attrs},
+                   gn_reference, grad_wrt=grads, outputs=["y"])
+    helper_test_op("instance_norm", {"x": x, "scale": scale}, attrs, in_reference,
+                   grad_wrt=grads[:2], outputs=["y"])
+
+
 def test_the_engines_agree_on_the_gradients(monkeypatch):
     """layer_norm_grad and group_norm_grad in float32: native against numpy."""
     from types import SimpleNamespace

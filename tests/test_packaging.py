@@ -96,7 +96,8 @@ def test_the_wheel_maps_ops_kernels_and_examples_into_minigraph(wheel):
         assert f"minigraph/{source.relative_to(REPO).as_posix()}" in names, source
     assert "minigraph/kernels/__init__.py" in names
     assert "minigraph/examples/train_digits.py" in names
-    assert "minigraph/cli.py" in names and "minigraph/render.py" in names
+    assert "minigraph/cli.py" in names and "minigraph/pictures/render.py" in names
+    assert "minigraph/io/checkpoint.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "minigraph = minigraph.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

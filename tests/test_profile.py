@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import minigraph as mg
-from minigraph import profile as profile_mod
 from minigraph.examples.train_digits import build_net
+from minigraph.pictures import profile as profile_mod
 
 STEPS = 3
 

@@ -10,9 +10,9 @@ import pytest
 from dot_helpers import needs_dot, parse, path_without_dot, png_size, ports
 
 import minigraph as mg
-from minigraph import dot_runner
-from minigraph import render as render_mod
 from minigraph.examples.train_digits import build_net
+from minigraph.pictures import dot, dot_runner
+from minigraph.pictures import render as render_mod
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_in_place_outputs_are_dashed_edges_from_their_slot(net):
             alias = [e for e in g.edges if e.tail == oid and e.head == f"var:root:bn1.{var}"]
             assert len(alias) == 1
             assert "style=dashed" in alias[0].attrs and alias[0].tail_port == f"o_{slot}"
-            grey = render_mod.IDLE_COLOR in alias[0].attrs
+            grey = dot.IDLE_COLOR in alias[0].attrs
             assert grey == (branch == "infer")        # the infer copy never writes it
         solid = [e for e in g.edges if e.tail == "var:root:bn1.estimated_mean" and e.head == oid]
         assert solid and "dashed" not in solid[0].attrs
@@ -136,13 +136,15 @@ def test_a_profile_colours_the_ops_it_timed_by_their_share(net):
             assert share is not None
             label = g.nodes[f"op:{branch}:{i}"][1]
             assert f"{100 * share:.1f}% of the step" in label
-            assert fills[f"op:{branch}:{i}"] == render_mod.Heat(table).colour(share)
-    assert all(fills[f"op:infer:{i}"] == render_mod.OP_FILL             # not timed
+            assert fills[f"op:{branch}:{i}"] == dot.Heat(table).colour(share)
+    assert all(fills[f"op:infer:{i}"] == dot.OP_FILL             # not timed
                for i in range(len(net.section("infer"))))
     hottest = max(table.by_op, key=lambda r: r.share)
-    assert render_mod.Heat(table).colour(hottest.share) == "#f46d43"
-    assert render_mod.Heat(table).colour(0.0) == "#ffffff"
-    assert "share of a train step" in net.to_dot(profile=table)
+    assert dot.Heat(table).colour(hottest.share) == "#f46d43"
+    assert dot.Heat(table).colour(0.0) == "#ffffff"
+    header = re.search(r"share of a timed train step \(([0-9.e+-]+) ms", net.to_dot(profile=table))
+    assert header, "the header names the base of the shares"
+    assert header[1] == f"{table.timed_step_ms:.3g}"   # the step the shares are of
     other = build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
     with pytest.raises(ValueError, match="measured on another net"):
         other.to_dot(profile=table)
@@ -278,3 +280,49 @@ def test_a_dot_that_cannot_start_is_an_error(net, tmp_path, monkeypatch):
     (folder / "dot").write_bytes(b"\x7fELF not really")
     with pytest.raises(RuntimeError, match="could not run dot"):
         net.render(tmp_path / "net.svg")
+
+
+def _programs():
+    found = [dot_runner.FALLBACK] if dot_runner._find_fallback() else []
+    return found + (["dot"] if shutil.which("dot") else [])
+
+
+@pytest.mark.parametrize("program", _programs())
+def test_svg_labels_fit_their_boxes_in_a_font_other_than_helvetica(program, tmp_path,
+                                                                    monkeypatch):
+    """SVGs named only Helvetica: a viewer without it drew wider labels that overflowed
+    their boxes ("relu_0relu", cluster titles wider than their clusters). Labels are now
+    laid out in DejaVu Sans, the widest font of the list the SVG names, and must fit."""
+    from dot_helpers import overflowing_labels
+
+    from minigraph.examples import train_resnet_digits
+
+    exe = shutil.which(program) if program == "dot" else dot_runner._find_fallback()
+    monkeypatch.setattr(dot_runner, "find_program", lambda fmt: (exe, program))
+    digits, h = build_net(mg.CPUPlace(), seed=0)
+    x = np.random.default_rng(0).random((8, 1, 8, 8), dtype=np.float32)
+    digits.train(feed={"image": x, "label": np.arange(8) % 10})
+    table = digits.profile({"image": x, "label": np.arange(8) % 10}, steps=1, warmup=1)
+    resnet = train_resnet_digits.build_net(seed=0)[0]
+    fast = mg.passes.optimize_for_inference(digits)
+    pictures = {"ops": (digits, {}), "layers": (digits, {"level": "layer"}),
+                "backward": (digits, {"backward": True}),
+                "layer_backward": (digits, {"level": "layer", "backward": True}),
+                "profile": (digits, {"level": "layer", "profile": table}),
+                "resnet": (resnet, {"level": "layer"}), "fast": (fast, {}),
+                "fast_layers": (fast, {"level": "layer"})}
+    for name, (net, kwargs) in pictures.items():
+        svg = net.render(tmp_path / f"{name}.svg", **kwargs).read_bytes()
+        assert b'font-family="DejaVu Sans,' in svg and b'"Helvetica"' not in svg
+        assert overflowing_labels(svg) == [], name
+
+
+def test_the_svg_names_a_font_list_with_fallbacks(net, tmp_path):
+    svg = net.render(tmp_path / "net.svg").read_text()
+    families = set(re.findall(r'font-family="([^"]*)"', svg))
+    assert families == {dot.FONT_FAMILY}
+    assert dot.FONT_FAMILY.split(",")[0] == dot.FONT and "sans-serif" in dot.FONT_FAMILY
+    assert f'fontname="{dot.FONT}"' in net.to_dot()
+    # a PNG or PDF carries the face it was drawn in: one graphviz-pure has a sans face for
+    raster = dot.raster_source(net.to_dot())
+    assert raster.count(f'fontname="{dot.RASTER_FONT}"') == 3 and dot.FONT not in raster

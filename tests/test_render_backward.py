@@ -9,7 +9,7 @@ from dot_helpers import parse, path_without_dot
 
 import minigraph as mg
 from minigraph.examples import train_digits, train_resnet_digits
-from minigraph.layer_map import LayerMap
+from minigraph.pictures.layer_map import LayerMap
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 from dot_helpers import parse
 
 import minigraph as mg
-from minigraph import render
 from minigraph.examples import train_digits, train_resnet_digits
+from minigraph.pictures import dot as render
 
 DIGITS_CHAIN = ["data:image", "conv1", "bn1", "relu_0", "pool2d_0", "fc1", "bn2", "relu_1",
                 "fc2", "softmax_with_cross_entropy_0", "mean_0"]
@@ -118,8 +118,9 @@ def test_a_net_without_layer_records_is_drawn_from_its_output_names(digits):
     assert {"layer:conv1", "layer:fc1", "layer:fc2", "layer:relu_0"} <= set(g.nodes)
     assert "batch_norm" not in "".join(a for _, a in g.nodes.values())     # folded away
     assert "differs per mode" not in "".join(a for _, a in g.nodes.values())
-    assert ">conv2d<" in g.nodes["layer:conv1"][1] and "params: w (16, 1, 3, 3)" in \
-        g.nodes["layer:conv1"][1]
+    # conv1 now adds the folded batch norm's bias too: named as the source net named it
+    assert ">conv2d + elementwise_add<" in g.nodes["layer:conv1"][1]
+    assert "params: w (16, 1, 3, 3)" in g.nodes["layer:conv1"][1]
     assert "shares" not in "".join(a for _, a in g.nodes.values())
 
 
@@ -159,6 +160,80 @@ def test_a_profile_colours_each_layer_by_its_share(digits):
                and op.type == "batch_norm"][:1]
     assert f"{100 * table.ops_share(forward):.1f}% of the step" in g.nodes["layer:bn1"][1]
     assert "% of the step" in g.nodes["grad:bn1"][1]
+
+
+INFERENCE_NETS = {
+    "fold_batch_norm": lambda net, tmp: mg.passes.fold_batch_norm(net),
+    "optimize_for_inference": lambda net, tmp: mg.passes.optimize_for_inference(net),
+    "load_inference": lambda net, tmp: mg.io.load_inference(mg.io.save_inference(
+        mg.passes.optimize_for_inference(net), tmp / "model", feeds=["image"],
+        fetches=["fc2.out"])),
+}
+
+
+@pytest.mark.parametrize("made_by", INFERENCE_NETS)
+def test_an_inference_net_is_drawn_as_what_it_runs(made_by, tmp_path):
+    """The layer picture of an optimize_for_inference net was titled "trunk (run once,
+    shared by train and infer)", drew dropout as "updated in place (train)", the loss
+    ops and the label, and named conv1 after its relu (relu_0)."""
+    net, h = train_digits.build_net(mg.CPUPlace(), seed=0)
+    net.train(feed={"image": np.random.default_rng(0).random((8, 1, 8, 8), dtype=np.float32),
+                    "label": np.arange(8) % 10})
+    inference = INFERENCE_NETS[made_by](net, tmp_path)
+    for level in ("layer", "op"):
+        text = inference.to_dot(level=level)
+        g = parse(text)
+        assert "inference net (" in text and ("made by" in text or "loaded from" in text)
+        assert "trunk (" not in text and "after the fork" not in text and " branch (" not in text
+        assert set(g.clusters) == {"cluster_inference"}
+        for absent in ("softmax_with_cross_entropy", "mean_0", ":label\"", "updated in place",
+                       "differs per mode", "train only", "infer only"):
+            assert absent not in text, (level, absent)
+    names = set(layer_nodes(parse(inference.to_dot(level="layer"))))
+    assert {"conv1", "relu_0", "pool2d_0", "fc1", "relu_1", "fc2"} >= names >= {"conv1", "fc2"}
+    assert "bn1" not in names and "bn2" not in names          # folded into conv1 and fc1
+    if made_by != "fold_batch_norm":                          # fused: conv + bias + relu
+        assert names == {"conv1", "pool2d_0", "fc1", "fc2"}
+    with pytest.raises(RuntimeError, match=r"train: this is an inference net \((made by|"
+                                           r"loaded from) .*it computes 'fc2.out'"):
+        inference.train(feed={"image": np.zeros((2, 1, 8, 8), np.float32)})
+
+
+def test_a_picture_shows_the_declared_batch_not_the_last_run(digits):
+    """The op view labelled the train branch (N, 32, 28, 28) but the trunk and the infer
+    branch (500, ...): the sizes of the last run."""
+    net, h = train_digits.build_net(mg.CPUPlace(), seed=0)
+    rng = np.random.default_rng(0)
+    net.train(feed={"image": rng.random((7, 1, 8, 8), dtype=np.float32),
+                    "label": np.arange(7) % 10})
+    net.infer(feed={"image": rng.random((500, 1, 8, 8), dtype=np.float32)},
+              fetch=[h["logits"]])
+    assert h["logits"].value is not None or net.var("fc2.out", "infer").value is not None
+    for level in ("op", "layer"):
+        text = net.to_dot(level=level)
+        assert "(N, 16, 8, 8)" in text and "(N, 10)" in text
+        assert not re.search(r"\((7|500), ", text), level
+
+
+def test_channels_last_layers_say_so_with_their_shapes():
+    """A channels-last layer's output shape is (N, H, W, C) and its box says NHWC (also
+    in the folded and fused net, drawn from its op names); its filter keeps (out, in,
+    kh, kw); NCHW layers say nothing more."""
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "image", shape=(-1, 8, 6, 3))
+    h = mg.layers.conv2d(net, x, 4, 3, padding=1, name="c", data_layout="NHWC")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn", data_layout="NHWC"))
+    h = mg.layers.pool2d(net, h, 2, name="p", data_layout="NHWC")
+    mg.layers.conv2d(net, mg.layers.transpose(net, h, (0, 3, 1, 2)), 2, 1, name="nchw")
+    nodes = layer_nodes(parse(net.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and "w (4, 3, 3, 3) · b (4,)" in nodes["c"]
+    assert "out (N, 8, 6, 4) NHWC" in nodes["bn"] and "out (N, 4, 3, 4) NHWC" in nodes["p"]
+    assert "out (N, 2, 4, 3)<" in nodes["nchw"]
+    fast = mg.passes.optimize_for_inference(net)
+    nodes = layer_nodes(parse(fast.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and ">fused_conv2d<" in nodes["c"]
+    ops = parse(net.to_dot())
+    assert any("data_layout=NHWC" in a and "pool2d" in a for _, a in ops.nodes.values())
 
 
 def test_a_fused_batch_norm_relu_is_drawn_in_its_batch_norm_layer():

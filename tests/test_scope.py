@@ -88,8 +88,9 @@ def test_a_training_step_never_rewrites_the_users_array():
 # ---- variable names ---------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fc_0.w", "x@GRAD", "x@GRAD@1", "bn1.num_batches",
-                                  "learning_rate_0", "learning_rate_0.step", "c1.w.velocity",
-                                  "a b", "ünïcode", "x" * 255, "...", ".hidden"])
+                                  "adam_0.learning_rate", "momentum_0.c1.w.velocity",
+                                  "learning_rate_0", "c1.w.velocity", "a b", "ünïcode",
+                                  "x" * 255, "...", ".hidden", "__x", "x__"])
 def test_names_the_project_uses_stay_valid(name):
     assert mg.Scope().new_var(name).name == name
 
@@ -188,3 +189,45 @@ def test_get_returns_a_copy_the_variable_never_changes():
     (inferred,) = net.infer(feed={"x": feed["x"]}, fetch=[mean])
     inferred[...] = 5.0
     assert not (mean.get() == 5.0).any()
+
+
+# ---- values a persistable may hold ---------------------------------------------------------
+
+def bn_net():
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "x", shape=(-1, 3))
+    y = mg.layers.data(net, "y", shape=(-1,), dtype="int64")
+    h = mg.layers.batch_norm(net, mg.layers.fc(net, x, 3, name="fc"), name="bn")
+    loss = mg.layers.mean(net, mg.layers.softmax_with_cross_entropy(net, h, y))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    return net
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("bn.estimated_var", np.array([1, -0.5, 1], np.float32), "variance estimate 'bn.estimated_var'"
+                                                             " holds -0.5 at index 1"),
+    ("bn.estimated_mean", np.array([0, np.nan, 0], np.float32), "1 NaN"),
+    ("fc.w", np.full((3, 3), np.inf, np.float32), "9 inf"),
+    ("bn.num_batches", np.array(-1), "counter 'bn.num_batches' holds -1"),
+    ("sgd_0.learning_rate", np.array(-0.1), "learning rate 'sgd_0.learning_rate' holds -0.1"),
+])
+def test_set_checks_a_persistable_as_a_load_does(name, value, message):
+    """A negative variance estimate used to be accepted by Variable.set."""
+    var = bn_net().var(name)
+    before = var.get()
+    with pytest.raises(ValueError) as err:
+        var.set(value)
+    assert str(err.value).startswith("Variable.set: ") and message in str(err.value)
+    assert str(err.value).endswith("the value stays as it was")
+    assert var.get().tobytes() == before.tobytes()
+
+
+def test_set_checks_low_level_persistables_by_dtype_only():
+    scope = mg.Scope()
+    w = scope.new_var("w", persistable=True)
+    with pytest.raises(ValueError, match="'w' holds non-finite values"):
+        w.set(np.array([1.0, np.nan]))
+    assert w.value is None
+    w.set(np.array([-1.0, 2.0]))                  # nothing says it is a variance
+    tmp = scope.new_var("t")
+    tmp.set(np.array([np.nan]))                   # temporaries hold anything

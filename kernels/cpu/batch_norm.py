@@ -30,7 +30,7 @@ from minigraph.schema import OpError
 
 
 def too_few_values(op, n, x, layout):
-    """The error of a training batch with n <= 1 values per channel (CPU and GPU)."""
+    """The error of a training batch with exactly one value per channel (CPU and GPU)."""
     return OpError(f"{op.type}: training needs more than one value per channel, got "
                    f"n={n} for input 'x' of shape {tuple(x.shape)} ({layout}); use a bigger "
                    "batch or is_infer/use_global_est")
@@ -50,28 +50,54 @@ def affine(ins, channels, dtype=np.float64):
             np.zeros(channels, dtype) if bias is None else bias.astype(dtype))
 
 
-def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
-    """New (mean, var) estimates after a batch, in est's dtype; never NaN or Inf."""
+def first_batch_rule(op, counter):
+    """Whether this training batch sets the estimates outright: the counter is 0 and
+    the op keeps the design's first-batch rule (first_batch_sets_estimates)."""
+    return (counter is not None and int(counter) == 0
+            and op.attrs.get("first_batch_sets_estimates", True))
+
+
+def blended_estimates(op, mean, unbiased, est_mean, est_var, counter):
+    """New (mean, var) estimates from a batch's per-channel mean and unbiased variance
+    (float64), in est's dtype: the batch itself under the first-batch rule, else the
+    momentum blend (momentum weights the old estimate; None: the cumulative average of
+    the counter + 1 batches seen). Never NaN or Inf: an OpError naming the op instead."""
     dtype = est_mean.dtype
-    unbiased = var * (n / (n - 1))
     est_mean, est_var = est_mean.astype(np.float64), est_var.astype(np.float64)
     momentum = op.attrs["momentum"]
-    seen = int(counter) if counter is not None else None
-    if seen == 0:
+    if first_batch_rule(op, counter):
         new = mean, unbiased
     elif momentum is None:
-        w = 1.0 / (seen + 1)
+        w = 1.0 / (int(counter) + 1)
         new = est_mean + (mean - est_mean) * w, est_var + (unbiased - est_var) * w
     else:
         new = (momentum * est_mean + (1 - momentum) * mean,
                momentum * est_var + (1 - momentum) * unbiased)
     with np.errstate(over="ignore", invalid="ignore"):
         new = tuple(v.astype(dtype) for v in new)
-    if not np.isfinite(np.concatenate((mean, var) + new)).all():
+    if not np.isfinite(np.concatenate((mean, unbiased) + new)).all():
         raise OpError(f"{op.type}: the batch statistics are not finite (input 'x' holds NaN "
                       "or Inf, or its variance overflows); the running estimates and the "
                       "counter were left unchanged")
     return new
+
+
+def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
+    """New (mean, var) estimates after a batch of n values per channel with biased
+    variance `var` (blended_estimates with the unbiased variance var * n / (n - 1))."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        unbiased = var * (n / (n - 1))
+    return blended_estimates(op, mean, unbiased, est_mean, est_var, counter)
+
+
+def empty_batch(x, est_mean, est_var, channels):
+    """The outputs of a training batch with no values: y empty, batch_mean/batch_var
+    the estimates (zeros without them, as PyTorch); nothing is written."""
+    if est_mean is not None:
+        mean, var = est_mean.astype(x.dtype), est_var.astype(x.dtype)
+    else:
+        mean = var = np.zeros(channels, x.dtype)
+    return np.empty(x.shape, x.dtype), mean, var
 
 
 def batch_norm_cpu(op, ins, ctx):
@@ -109,7 +135,11 @@ def forward_cpu(op, ins, combine=None, relu=False):
         n, mean, m2 = fused if fused is not None else local_stats(x3)
         if combine is not None:
             n, mean, m2 = combine(n, mean, m2)
-        if n <= 1:
+        if n == 0:              # an empty batch: an empty y, nothing written
+            y, mean, var = empty_batch(x, est_mean, est_var, x3.shape[1])
+            return {"y": y, "batch_mean": mean, "batch_var": var, "saved_mean": est_mean,
+                    "saved_var": est_var, "saved_num_batches": counter}
+        if n == 1:
             raise too_few_values(op, n, x, layout)
         var = m2 / n
         if tracked:
@@ -166,7 +196,7 @@ def backward_cpu(op, ins, combine=None, donated=(), relu_out=None, out_scale=1.0
         k_dy = scale * invstd
         if a["use_global_est"]:
             input_grad(x3, dy3, mean, k_dy, None, None, dx, mask3=mask3)
-        else:
+        elif n:                 # (an empty batch has an empty dx)
             k_x = -scale * invstd ** 3 * s_dyxmu / n
             k_c = -scale * invstd * s_dy / n
             input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd), mask3)

@@ -24,6 +24,7 @@ from minigraph.kernels.cpu.batch_norm_stats import (
     local_stats,
     normalize,
 )
+from minigraph.schema import OpError
 
 
 def rows(x, begin):
@@ -39,9 +40,25 @@ def normalized(x3, mean, invstd):
     return out
 
 
+def check_rows(op, var, eps):
+    """With eps 0, an OpError naming the first row (its index on the leading axes) whose
+    variance is 0: nothing to divide by."""
+    if eps == 0 and var.size and not var.all():
+        row = tuple(int(i) for i in np.argwhere(var == 0)[0])
+        raise OpError(f"{op.type}: epsilon is 0 and row {row} of input 'x' has variance 0 "
+                      "(all its values are equal): nothing to divide by; use epsilon > 0")
+
+
 def layer_norm_cpu(op, ins, ctx):
     """y = (x - mean) / sqrt(var + eps) * scale + bias over each row; the rows' mean
     and (biased) variance."""
+    out = layer_norm_rows(op, ins)
+    check_rows(op, out["variance"], op.attrs["epsilon"])
+    return out
+
+
+def layer_norm_rows(op, ins):
+    """layer_norm_cpu's outputs, before the check of the variances."""
     x, scale, bias = ins["x"], ins["scale"], ins["bias"]
     a = op.attrs
     begin = a["begin_norm_axis"]
@@ -59,7 +76,9 @@ def layer_norm_cpu(op, ins, ctx):
     x3 = xw.reshape(1, r, length)
     _, mean, m2 = local_stats(x3)
     var = m2 / max(length, 1)
-    y = normalized(x3, mean, 1.0 / np.sqrt(var + a["epsilon"])).reshape(r, length)
+    with np.errstate(divide="ignore"):
+        invstd = 1.0 / np.sqrt(var + a["epsilon"])
+    y = normalized(x3, mean, invstd).reshape(r, length)
     if scale is not None:
         y *= scale.astype(y.dtype, copy=False)
     if bias is not None:

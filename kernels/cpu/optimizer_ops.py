@@ -42,19 +42,25 @@ def sgd_cpu(op, ins, ctx):
     return {"param_out": out}
 
 
+def momentum_value(op, ins):
+    """mu: the input `mu_value` when bound (a cycled momentum), else the attribute."""
+    value = ins.get("mu_value")
+    return op.attrs["mu"] if value is None else float(np.asarray(value).reshape(()))
+
+
 def momentum_cpu(op, ins, ctx):
     """d = grad + weight_decay * param; velocity = mu * velocity + d; param -= lr *
     (velocity, or d + mu * velocity with use_nesterov)."""
     param, velocity = ins["param"], ins["velocity"]
     po, vo = targets(ctx, ins, ("param", "velocity"))
     a = op.attrs
-    lr = learning_rate(ins)
+    lr, mu = learning_rate(ins), momentum_value(op, ins)
     if not optim_native.worth_it("momentum", param) or not optim_native.update(
             "momentum", param, ins["grad"], (velocity, None), (po, vo, None), lr=lr,
-            wd=a["weight_decay"], mu=a["mu"], nesterov=a["use_nesterov"],
+            wd=a["weight_decay"], mu=mu, nesterov=a["use_nesterov"],
             threads=get_num_threads()):
         grad = decayed_grad(op, ins)
-        mu = param.dtype.type(a["mu"])
+        mu = param.dtype.type(mu)
         new_velocity = mu * velocity + grad
         step = grad + mu * new_velocity if a["use_nesterov"] else new_velocity
         step = param.dtype.type(lr) * step

@@ -97,10 +97,12 @@ class PyCudaBackend:
                     try:
                         pool = DeviceMemoryPool()
                         info = _device_info(self.drv, self.drv.Context.get_device())
+                        stream = self.drv.Stream()      # the device's own (blocking) stream
                     finally:
                         self.drv.Context.pop()
                     state = DeviceState(ctx, info, pool.allocate, ctx)
                     state.pool = pool
+                    state.stream = stream
                     self._states[ctx] = state
         return state
 
@@ -144,10 +146,10 @@ class PyCudaBackend:
             fn.prepare(fmt)
         res = KernelResources(regs_per_thread=fn.num_regs, shared_bytes=fn.shared_size_bytes)
 
-        enqueue = fn.prepared_async_call
+        enqueue, stream = fn.prepared_async_call, state.stream
 
         def launch(grid, block, args, shared=0):
-            enqueue(grid, block, None, *args, shared_size=shared)
+            enqueue(grid, block, stream, *args, shared_size=shared)
 
         def allow_shared(nbytes):
             fn.set_attribute(self.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
@@ -198,12 +200,12 @@ class PyCudaBackend:
                 return self.gpuarray.empty(shape, dtype, allocator=state.allocate)
         else:
             cls, attributes, nbytes = model
-            new, allocate = cls.__new__, state.allocate
+            new = cls.__new__
 
-            def make():
+            def make():                 # state.allocate read each time: a capture swaps it
                 array = new(cls)
                 found = attributes.copy()
-                found["gpudata"] = allocate(nbytes)
+                found["gpudata"] = state.allocate(nbytes)
                 array.__dict__ = found
                 return array
         return self._keep(state, (shape, dtype), make)
@@ -233,7 +235,7 @@ class PyCudaBackend:
             return self._keep(state, ("group", shapes, dtype),
                               lambda: [make() for make in makers])
         cls, first, _ = models[0]
-        new, allocate, views, total = cls.__new__, state.allocate, [], 0
+        new, views, total = cls.__new__, [], 0
         for _, attributes, nbytes in models:
             views.append((attributes, total))
             total += -(-nbytes // GROUP_ALIGN) * GROUP_ALIGN
@@ -242,7 +244,7 @@ class PyCudaBackend:
         def make():
             owner = new(cls)
             found = first.copy()
-            found["gpudata"] = allocation = allocate(total)
+            found["gpudata"] = allocation = state.allocate(total)
             owner.__dict__ = found
             start, arrays = int(allocation), [owner]
             for attributes, offset in views:
@@ -278,14 +280,25 @@ class PyCudaBackend:
 
     def copy(self, array):
         """A pooled copy of device `array` (any dtype; a device-to-device memcpy
-        enqueued on the current device's default stream)."""
+        enqueued on the current device's stream)."""
         state = current()
         with entered(state):
             out = self.empty(array.shape, array.dtype)
             if array.size:
                 self.drv.memcpy_dtod_async(out.gpudata, loader.ptr(array, "copy: source"),
-                                           array.nbytes)
+                                           array.nbytes, state.stream)
             return out
+
+    def copy_into(self, dest, src):
+        """Copy device array `src` into device array `dest` (same size) on the current
+        device's stream."""
+        state = current()
+        with entered(state):
+            if src.nbytes != dest.nbytes:
+                raise ValueError(f"copy_into: {src.nbytes} bytes into {dest.nbytes}")
+            if src.nbytes:
+                self.drv.memcpy_dtod_async(loader.address(dest), loader.address(src),
+                                           src.nbytes, state.stream)
 
     def to_device(self, array):
         """A pooled GPUArray copy of numpy `array` (C-contiguous) on the current device
@@ -302,6 +315,9 @@ class PyCudaBackend:
         state = self._states.pop(ctx, None)
         if state is None:
             return
+        from minigraph.kernels.cuda import libraries
+
+        libraries.release(state)
         state.kernels.clear()
         state.modules.clear()
         state.flags.clear()
@@ -309,6 +325,8 @@ class PyCudaBackend:
         state.tickets = None
         state.scratch.clear()
         state.arrays.clear()
+        state.graphs.clear()
+        state.stream = None
         if state.pool is not None:
             state.pool.stop_holding()
 

@@ -23,7 +23,8 @@ struct StatsOut {
   const T* est_var;
   const long long* counter;  // may be null
   double eps, momentum;
-  int cumulative;            // momentum=None: est += (batch - est) / k
+  int rule;                  // bit 0: momentum=None, est += (batch - est) / k;
+                             // bit 1: no first-batch rule (PyTorch's _NormBase)
   unsigned epoch;
   T* batch_mean;
   T* batch_var;
@@ -75,10 +76,10 @@ __device__ NormCoef<T> finish_stats(long long c, double n, double shift, double 
   const double unbiased = var * (n / (n - 1.0));
   const double em = double(o.est_mean[c]), ev = double(o.est_var[c]);
   double new_mean, new_var;
-  if (o.counter != nullptr && o.counter[0] == 0) {
+  if (o.counter != nullptr && o.counter[0] == 0 && !(o.rule & 2)) {
     new_mean = mean;
     new_var = unbiased;
-  } else if (o.cumulative) {
+  } else if (o.rule & 1) {
     const double w = 1.0 / double(o.counter[0] + 1);
     new_mean = em + (mean - em) * w;
     new_var = ev + (unbiased - ev) * w;
@@ -237,10 +238,10 @@ __device__ void grad_from_sums(const double* __restrict__ sums, GradOut<T> o) {
 // The StatsOut arguments every statistics entry point ends with, and the StatsOut `o`
 // made of them (the launchers' _Training.stats_args).
 #define MG_BN_STATS_OUT(T)                                                                  \
-  mg::StatsOut<T> o{C, scale, bias, est_mean, est_var, counter, eps, momentum, cumulative, \
+  mg::StatsOut<T> o{C, scale, bias, est_mean, est_var, counter, eps, momentum, rule,       \
                     epoch, batch_mean, batch_var, coef, newest, status}
 
 #define MG_BN_STATS_ARGS(T)                                                                   \
   const T *scale, const T *bias, const T *est_mean, const T *est_var,                         \
-      const long long *counter, double eps, double momentum, int cumulative, unsigned epoch, \
+      const long long *counter, double eps, double momentum, int rule, unsigned epoch,       \
       T *batch_mean, T *batch_var, T *coef, T *newest, unsigned *status

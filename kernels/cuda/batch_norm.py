@@ -258,7 +258,8 @@ class _Training:
     Guard's epoch. `params`: the pointers of scale, bias, est_mean, est_var and
     the counter (check_train)."""
 
-    def __init__(self, x, xp, channels, post, params, momentum, eps, out, guard, partials=0):
+    def __init__(self, x, xp, channels, post, params, momentum, eps, out, guard, partials=0,
+                 first_batch=True):
         dtype = np.dtype(x.dtype)
         self.x, self.xp, self.channels, self.post = x, xp, channels, post
         self.guard = default_guard() if guard is None else guard
@@ -278,7 +279,7 @@ class _Training:
         # the StatsOut arguments every statistics kernel ends with (MG_BN_STATS_ARGS)
         self.stats_args = (
             *params, float(eps), 0.0 if momentum is None else float(momentum),
-            int(momentum is None), self.epoch, loader.address(self.batch_mean),
+            estimate_rule(momentum, first_batch), self.epoch, loader.address(self.batch_mean),
             loader.address(self.batch_var), self.coef, self.newest, self.status)
 
     def normalize(self, relu=False):
@@ -297,8 +298,14 @@ class _Training:
         return self.y, self.batch_mean, self.batch_var
 
 
+def estimate_rule(momentum, first_batch=True):
+    """The kernels' `rule` word: bit 0 for momentum=None (the cumulative average), bit 1
+    without the first-batch rule (first_batch_sets_estimates=False)."""
+    return int(momentum is None) | (0 if first_batch else 2)
+
+
 def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, layout="NCHW",
-                  out=None, guard=None, relu=False):
+                  out=None, guard=None, first_batch=True, relu=False):
     """Training forward: normalise x with its own batch statistics and update
     the running estimates in place.
 
@@ -308,8 +315,9 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     momentum: weight of the OLD estimate in [0, 1], or None for the cumulative
     average est += (batch - est) / k of the k-th batch (needs the counter).
     Estimates take the unbiased variance var * n / (n - 1); on the first batch
-    (counter == 0) they are set to the batch statistics; the counter goes up
-    by one. All of that happens on the device, skipped for a batch with
+    (counter == 0) they are set to the batch statistics unless first_batch is
+    False (then momentum blends them from the first batch on, PyTorch's rule); the
+    counter goes up by one. All of that happens on the device, skipped for a batch with
     non-finite statistics or estimates (see the module doc and Guard).
 
     Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
@@ -326,7 +334,7 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
                                                        (scale, bias, est_mean, est_var)))
     params.append(_counter_ptr(counter, momentum))
     run = _Training(x, xp, plan.channels, plan.post, params, momentum, eps, out, guard,
-                    plan.partials)
+                    plan.partials, first_batch)
     resident = plan.resident
     if resident is not None and (resident.width == 1 or aligned(run.yp)):
         from minigraph.kernels.cuda import bn_resident

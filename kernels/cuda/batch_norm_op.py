@@ -67,6 +67,16 @@ def affine(ins, x, layout):
             fill.full((channels,), 0.0, x.dtype) if bias is None else bias)
 
 
+def empty_batch(x, est_mean, est_var, tracked):
+    """(y, batch_mean, batch_var) of a training batch with no values: y empty, the
+    statistics copies of the estimates (zeros without them); nothing is written."""
+    if tracked:
+        mean, var = gpu_elementwise.copy(est_mean), gpu_elementwise.copy(est_var)
+    else:
+        mean, var = (fill.full(est_mean.shape, 0.0, x.dtype) for _ in range(2))
+    return loader.empty(x.shape, x.dtype), mean, var
+
+
 def forward_gpu(op, ins, allreduce=None, relu=False):
     """The GPU forward of batch_norm: the CPU kernel's outputs and in-place
     updates, on the device. With is_infer or use_global_est, y is normalised
@@ -86,30 +96,37 @@ def forward_gpu(op, ins, allreduce=None, relu=False):
         y = gpu.forward_infer(x, scale, bias, est_mean, est_var, eps, layout, relu=relu)
         mean, var = gpu_elementwise.copy(est_mean), gpu_elementwise.copy(est_var)
     else:
-        momentum = a["momentum"]
-        if est_mean is None:        # no running estimates: the kernels update scratch ones
+        momentum, first = a["momentum"], a["first_batch_sets_estimates"]
+        tracked = est_mean is not None
+        if not tracked:             # no running estimates: the kernels update scratch ones
             channels = x.shape[1] if layout == "NCHW" else x.shape[-1]
             est_mean, est_var = (fill.full((channels,), v, x.dtype) for v in (0.0, 1.0))
             momentum = 0.0 if momentum is None else momentum
         common = (scale, bias, est_mean, est_var, counter, momentum, eps, layout)
         if allreduce is None:
-            try:
-                y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type),
-                                                 relu=relu)
-            except ValueError:      # raised before anything is written: n <= 1 is ours
-                n = _values(x, layout)
-                if n is not None and n <= 1:
-                    raise too_few_values(op, n, x, layout) from None
-                raise
+            n = _values(x, layout)
+            if n == 0:              # an empty batch: an empty y, nothing written
+                y, mean, var = empty_batch(x, est_mean, est_var, tracked)
+            else:
+                try:
+                    y, mean, var = gpu.forward_train(x, *common, guard=gpu_guard(op.type),
+                                                     first_batch=first, relu=relu)
+                except ValueError:  # raised before anything is written: n == 1 is ours
+                    if n is not None and n <= 1:
+                        raise too_few_values(op, n, x, layout) from None
+                    raise
         else:
             n = _values(x, layout)
             sums = allreduce(gpu_sync.local_stats(x, layout))
             if n <= 1:          # only then can the global count be <= 1: read it back
                 n = int(round(float(device.to_host(sums)[0])))
-                if n <= 1:
+                if n == 1:
                     raise too_few_values(op, n, x, layout)
-            y, mean, var = gpu_sync.forward_train_from_sums(x, sums, *common,
-                                                            guard=gpu_guard(op.type), relu=relu)
+            if n == 0:
+                y, mean, var = empty_batch(x, est_mean, est_var, tracked)
+            else:
+                y, mean, var = gpu_sync.forward_train_from_sums(
+                    x, sums, *common, guard=gpu_guard(op.type), first_batch=first, relu=relu)
     return present(y=y, batch_mean=mean, batch_var=var, saved_mean=ins.get("estimated_mean"),
                    saved_var=ins.get("estimated_var"), saved_num_batches=counter)
 

@@ -65,7 +65,8 @@ def merge_stats(rows):
     return out
 
 def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, momentum, eps,
-                            layout="NCHW", out=None, guard=None, relu=False):
+                            layout="NCHW", out=None, guard=None, first_batch=True,
+                            relu=False):
     """forward_train with the batch statistics taken from `sums`: the whole
     batch's (N, mean_c..., M2_c...) (float64, 2C+1, on the device; local_stats
     vectors merged over every rank). Each channel gets var = M2 / N; the
@@ -79,7 +80,8 @@ def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, mo
     _, channels, post, xp, params = bn.check_train(x, scale, bias, est_mean, est_var, counter,
                                                     momentum, layout)
     launch.check_array("batch_norm: sums", sums, (2 * channels + 1,), np.float64)
-    run = bn._Training(x, xp, channels, post, params, momentum, eps, out, guard)
+    run = bn._Training(x, xp, channels, post, params, momentum, eps, out, guard,
+                       first_batch=first_batch)
     bn.flat_launch(f"bn_stats_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
                  loader.ptr(sums), channels, *run.stats_args)
     return run.normalize(relu)

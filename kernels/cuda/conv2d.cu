@@ -2,7 +2,10 @@
 // (NCHW). The products themselves run in matmul.cu (see kernels/conv2d.py).
 //
 // cols has shape (nb, C * kh * kw, Ho * Wo): cols[n][(c * kh + i) * kw + j][oh * Wo + ow]
-// = x[n][c][oh * sh - ph + i * dh][ow * sw - pw + j * dw], 0 outside the image.
+// = x[n][c][oh * sh - ph + i * dh][ow * sw - pw + j * dw], 0 outside the image; or,
+// `folded`, shape (C * kh * kw, nb * Ho * Wo): cols[row][n * Ho * Wo + p], the images
+// side by side, so that the filter gradient is one product over every image and pixel.
+// swap01 turns a (A, B, L) tensor into (B, A, L) (dout (nb, O, HoWo) into (O, nb, HoWo)).
 // col2im gathers instead of scattering: each input element sums the column
 // entries that read it, so no atomics and a fixed order.
 #include "common.cuh"
@@ -14,7 +17,7 @@ struct ConvGeometry {
 };
 
 template <typename T>
-__device__ void im2col(const T* __restrict__ x, T* __restrict__ cols, int nb,
+__device__ void im2col(const T* __restrict__ x, T* __restrict__ cols, int nb, int folded,
                        const ConvGeometry g) {
   const long long hw = (long long)g.Ho * g.Wo;
   const long long total = (long long)nb * g.C * g.kh * g.kw * hw;
@@ -22,12 +25,17 @@ __device__ void im2col(const T* __restrict__ x, T* __restrict__ cols, int nb,
   for (long long e = global_tid(); e < total; e += nt) {
     const long long p = e % hw;
     long long rest = e / hw;
+    long long n = 0;
+    if (folded) {                       // e = (row * nb + n) * hw + p
+      n = rest % nb;
+      rest /= nb;
+    }
     const int j = rest % g.kw;
     rest /= g.kw;
     const int i = rest % g.kh;
     rest /= g.kh;
     const int c = rest % g.C;
-    const long long n = rest / g.C;
+    if (!folded) n = rest / g.C;        // e = (n * C * kh * kw + row) * hw + p
     const int oh = p / g.Wo, ow = p % g.Wo;
     const int h = oh * g.sh - g.ph + i * g.dh, w = ow * g.sw - g.pw + j * g.dw;
     T v = T(0);
@@ -69,6 +77,18 @@ __device__ void col2im(const T* __restrict__ cols, T* __restrict__ dx, int nb,
   }
 }
 
+template <typename T>
+__device__ void swap01(const T* __restrict__ src, T* __restrict__ dst, long long a, long long b,
+                       long long l) {
+  const long long total = a * b * l;
+  const long long nt = global_threads();
+  for (long long e = global_tid(); e < total; e += nt) {    // e indexes dst (b, a, l)
+    const long long q = e % l, rest = e / l;
+    const long long i = rest % a, j = rest / a;
+    dst[e] = src[(i * b + j) * l + q];
+  }
+}
+
 }  // namespace mg
 
 #define MG_CONV_ARGS                                                                         \
@@ -77,8 +97,12 @@ __device__ void col2im(const T* __restrict__ cols, T* __restrict__ dx, int nb,
 #define MG_CONV_GEOMETRY mg::ConvGeometry{C, H, W, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo}
 
 #define MG_CONV_KERNELS(T, SFX)                                                              \
-  extern "C" __global__ void im2col_##SFX(const T* x, T* cols, MG_CONV_ARGS) {               \
-    mg::im2col<T>(x, cols, nb, MG_CONV_GEOMETRY);                                            \
+  extern "C" __global__ void im2col_##SFX(const T* x, T* cols, int folded, MG_CONV_ARGS) {   \
+    mg::im2col<T>(x, cols, nb, folded, MG_CONV_GEOMETRY);                                    \
+  }                                                                                          \
+  extern "C" __global__ void swap01_##SFX(const T* src, T* dst, long long a, long long b,     \
+                                          long long l) {                                     \
+    mg::swap01<T>(src, dst, a, b, l);                                                        \
   }                                                                                          \
   extern "C" __global__ void col2im_##SFX(const T* cols, T* dx, MG_CONV_ARGS) {              \
     mg::col2im<T>(cols, dx, nb, MG_CONV_GEOMETRY);                                           \

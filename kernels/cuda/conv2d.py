@@ -1,22 +1,31 @@
 """Launchers for kernels/conv2d.cu (+ matmul.cu): conv2d forward and gradients
-on NCHW device arrays, by im2col and batched tiled matrix products.
+on NCHW device arrays - through cuDNN where it loads (kernels/cuda/cudnn.py),
+else by im2col and batched matrix products (cuBLAS where it loads, else the
+hand-written GEMM).
 
 Images are processed in chunks whose columns fit launch.COLS_BUDGET; per
 chunk and group g (Og = O / G output channels, Kg = C / G * kh * kw):
-  out[n, g]    = filter_g (Og x Kg) @ cols[n, g] (Kg x HoWo)
-  dfilter_g   += sum over n of dout[n, g] (Og x HoWo) @ cols[n, g]^T
+  out[n, g]    = filter_g (Og x Kg) @ cols[n, g] (Kg x HoWo), a strided-batched product
+  dfilter_g   += doutT_g (Og x nb HoWo) @ folded_g^T: ONE product over every image
+                 and pixel of the chunk, with the columns folded (images side by
+                 side, (Kg, nb HoWo)) and dout's first two axes swapped (O, nb, HoWo)
   dcols[n, g]  = filter_g^T @ dout[n, g], then dx = col2im(dcols).
+The hand-written GEMM splits the filter gradient's long K over the grid and sums
+the slices in a fixed order (matmul.kernel_plan).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from minigraph.kernels import present
-from minigraph.kernels.cuda import activation, broadcast, elementwise, launch, loader
-from minigraph.kernels.cuda.matmul import gemm_plan
+from minigraph.kernels.cuda import cudnn, launch, libraries, loader
+from minigraph.kernels.cuda.matmul import bias_act, gemm_plan
 
 MODULE = "conv2d"
-SIGNATURES = {f"{k}_{t}": "PP" + "i" * 14 for k in ("im2col", "col2im") for t in ("f32", "f64")}
+SIGNATURES = {}
+for _t in ("f32", "f64"):
+    SIGNATURES.update({f"im2col_{_t}": "PPi" + "i" * 14, f"col2im_{_t}": "PP" + "i" * 14,
+                       f"swap01_{_t}": "PPqqq"})
 
 
 def _pair(v):
@@ -40,8 +49,9 @@ def geometry(x_shape, w_shape, strides=1, paddings=0, dilations=1, groups=1):
                 HW=ho * wo)
 
 
-def _cols_launch(kind, dtype, nb, g):
-    """go(src, dst): the im2col or col2im launch for `nb` images of geometry `g`."""
+def _cols_launch(kind, dtype, nb, g, folded=False):
+    """go(src, dst): the im2col (its columns `folded` or per image, see the .cu) or
+    col2im launch for `nb` images of geometry `g`."""
     name = f"{kind}_{loader.suffix(dtype)}"
     k = loader.kernel(MODULE, name, SIGNATURES[name])
     dev = loader.device()
@@ -50,6 +60,17 @@ def _cols_launch(kind, dtype, nb, g):
     go = k.prepared((launch.flat_grid(items, dev, threads, k.resources), 1, 1), (threads, 1, 1))
     sizes = (nb, g["C"], g["H"], g["W"], g["kh"], g["kw"], g["sh"], g["sw"], g["ph"], g["pw"],
              g["dh"], g["dw"], g["Ho"], g["Wo"])
+    if kind == "im2col":
+        flag = int(folded)
+        return lambda src, dst: go(src, dst, flag, *sizes)
+    return lambda src, dst: go(src, dst, *sizes)
+
+
+def _swap_launch(dtype, nb, g):
+    """go(src, dst): dout (nb, O, HoWo) -> (O, nb, HoWo)."""
+    name = f"swap01_{loader.suffix(dtype)}"
+    go = loader.flat_go(MODULE, name, SIGNATURES[name], nb * g["O"] * g["HW"])
+    sizes = (nb, g["O"], g["HW"])
     return lambda src, dst: go(src, dst, *sizes)
 
 
@@ -62,17 +83,19 @@ def _plan(kind, x, w, strides, paddings, dilations, groups, make):
     """The plan `make(x, w, geometry)` of a conv launcher, once per device, kind, shapes,
     dtypes and attributes (an unhashable attribute is normalised first)."""
     plans = loader.cached("conv2d.plans", dict)
-    key = (kind, x.shape, w.shape, x.dtype, w.dtype, strides, paddings, dilations, groups)
+    libs = libraries.plan_key()
+    key = (kind, x.shape, w.shape, x.dtype, w.dtype, strides, paddings, dilations, groups, libs)
     try:
         found = plans.get(key)
     except TypeError:
         strides, paddings, dilations = _pair(strides), _pair(paddings), _pair(dilations)
-        key = (kind, x.shape, w.shape, x.dtype, w.dtype, strides, paddings, dilations, groups)
+        key = (kind, x.shape, w.shape, x.dtype, w.dtype, strides, paddings, dilations, groups,
+               libs)
         found = plans.get(key)
     if found is None:
         g = geometry(x.shape, w.shape, strides, paddings, dilations, groups)
         launch.check_array(f"{kind}: filter", w, w.shape, x.dtype)
-        found = plans[key] = make(x, g)
+        found = loader.cache_put(plans, key, make(x, g))
     return found
 
 
@@ -91,7 +114,7 @@ class _Forward:
              gemm_plan(x.dtype, False, False, g["Og"], g["HW"], g["Kg"], g["Kg"], g["HW"],
                        g["HW"], inner_count=g["G"], batches=count * g["G"],
                        strides=(0, g["Og"] * g["Kg"], g["CKK"] * g["HW"], g["Kg"] * g["HW"],
-                                g["O"] * g["HW"], g["Og"] * g["HW"])))
+                                g["O"] * g["HW"], g["Og"] * g["HW"]), what="conv2d"))
             for n0, count in chunks]
 
 
@@ -99,6 +122,9 @@ def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, out=None):
     """out (N, O, Ho, Wo) = the grouped, strided, padded, dilated cross-correlation
     of x (N, C, H, W) with w (O, C / groups, kh, kw). Returns out. The columns
     live in the device's scratch (loader.scratch): no array of their own."""
+    done = cudnn.forward(x, w, strides, paddings, dilations, groups, out)
+    if done is not None:
+        return done
     plan = _plan("conv2d", x, w, strides, paddings, dilations, groups, _Forward)
     xp, wp = loader.ptr(x, "conv2d: x"), loader.ptr(w, "conv2d: filter")
     if out is None:
@@ -116,29 +142,33 @@ def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, out=None):
 
 
 class _Backward:
-    """conv2d_grad's launches for one geometry: per chunk (x offset, dout offset in
-    bytes, im2col, the dfilter product, the dcols product, col2im)."""
+    """conv2d_grad's launches for one geometry: the columns' and swapped dout's sizes
+    (values), and per chunk (x offset, dout offset in bytes, folded im2col, the dout
+    swap, the dfilter product, the dcols product, col2im)."""
 
     def __init__(self, x, g):
         itemsize = np.dtype(x.dtype).itemsize
         nb, chunks = _chunks(g, itemsize)
         self.cols = nb * g["CKK"] * g["HW"]
+        self.swapped = nb * g["O"] * g["HW"]
         self.dout_shape = (g["N"], g["O"], g["Ho"], g["Wo"])
         image_out = g["O"] * g["HW"]
         self.chunks = []
         for i, (n0, count) in enumerate(chunks):
-            dfilter = gemm_plan(x.dtype, False, True, g["Og"], g["Kg"], g["HW"], g["HW"],
-                                g["HW"], g["Kg"], beta=i > 0, inner_count=g["G"],
-                                batches=g["G"], strides=(0, g["Og"] * g["HW"], 0,
-                                                         g["Kg"] * g["HW"], 0, g["Og"] * g["Kg"]),
-                                red=count, a_red=image_out, b_red=g["CKK"] * g["HW"])
+            k = count * g["HW"]               # every image and pixel of the chunk
+            dfilter = gemm_plan(x.dtype, False, True, g["Og"], g["Kg"], k, k, k, g["Kg"],
+                                beta=i > 0, inner_count=1, batches=g["G"],
+                                strides=(g["Og"] * k, 0, g["Kg"] * k, 0, g["Og"] * g["Kg"], 0),
+                                what="conv2d_grad: dfilter")
             dcols = gemm_plan(x.dtype, True, False, g["Kg"], g["HW"], g["Og"], g["Kg"], g["HW"],
                               g["HW"], inner_count=g["G"], batches=count * g["G"],
                               strides=(0, g["Og"] * g["Kg"], image_out, g["Og"] * g["HW"],
-                                       g["CKK"] * g["HW"], g["Kg"] * g["HW"]))
+                                       g["CKK"] * g["HW"], g["Kg"] * g["HW"]),
+                              what="conv2d_grad: dx")
             self.chunks.append((n0 * g["C"] * g["H"] * g["W"] * itemsize,
                                 n0 * image_out * itemsize,
-                                _cols_launch("im2col", x.dtype, count, g), dfilter, dcols,
+                                _cols_launch("im2col", x.dtype, count, g, folded=True),
+                                _swap_launch(x.dtype, count, g), dfilter, dcols,
                                 _cols_launch("col2im", x.dtype, count, g)))
 
 
@@ -146,6 +176,10 @@ def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_d
                 need_dfilter=True):
     """(dx, dfilter) of conv2d; None for the ones not needed. The columns live in
     the device's scratch (loader.scratch)."""
+    done = cudnn.backward(x, w, dout, strides, paddings, dilations, groups, need_dx,
+                          need_dfilter)
+    if done is not None:
+        return done
     plan = _plan("conv2d_grad", x, w, strides, paddings, dilations, groups, _Backward)
     if dout.shape != plan.dout_shape or dout.dtype != x.dtype:
         launch.check_array("conv2d_grad: dout", dout, plan.dout_shape, x.dtype)
@@ -159,12 +193,15 @@ def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_d
 
             fill.fill_constant(dw, 0)
         return dx, dw
-    cols = loader.scratch(plan.cols, x.dtype)
+    itemsize = np.dtype(x.dtype).itemsize
+    cols = loader.scratch(plan.cols + (plan.swapped if dw is not None else 0), x.dtype)
+    swapped = cols + plan.cols * itemsize
     dxp, dwp = loader.address(dx), loader.address(dw)
-    for x_off, d_off, im2col, dfilter, dcols, col2im in plan.chunks:
+    for x_off, d_off, im2col, swap, dfilter, dcols, col2im in plan.chunks:
         if dw is not None:
             im2col(xp + x_off, cols)
-            dfilter(dp + d_off, cols, dwp)
+            swap(dp + d_off, swapped)
+            dfilter(swapped, cols, dwp)
         if dx is not None:
             dcols(wp, dp + d_off, cols)
             col2im(cols, dxp + x_off)
@@ -195,13 +232,25 @@ def conv2d_grad_gpu(op, ins, ctx):
     return present(dx=dx, dfilter=dw)
 
 
+def fused_conv2d(x, w, bias=None, residual=None, relu=False, strides=1, paddings=0,
+                 dilations=1, groups=1):
+    """out = act(conv2d(x, w) + bias[o] + residual), act = relu or the identity; bias
+    (O,) and residual (out's shape) optional. Through cuDNN, the bias, residual and
+    relu fused into its call (cudnnConvolutionBiasActivationForward) where it offers
+    that for this shape; otherwise the convolution, then ONE epilogue launch
+    (matmul.bias_act)."""
+    if bias is not None:
+        launch.check_array("fused_conv2d: bias", bias, (w.shape[0],), x.dtype)
+    fused = cudnn.fused_forward(x, w, bias, residual, relu, strides, paddings, dilations,
+                                groups)
+    if fused is not None:
+        return fused
+    out = conv2d(x, w, strides, paddings, dilations, groups)
+    return bias_act(out, bias, residual, relu, inner=out.shape[2] * out.shape[3],
+                    what="fused_conv2d")
+
+
 def fused_conv2d_gpu(op, ins, ctx):
-    """The conv2d launcher, then bias, residual and relu in place on its output."""
-    out = conv2d(ins["x"], ins["filter"], **conv_geometry(op))
-    if ins.get("bias") is not None:
-        elementwise.add(out, ins["bias"], axis=1, out=out)
-    if ins.get("residual") is not None:
-        broadcast.add(out, ins["residual"], out=out)
-    if op.attrs["activation"] == "relu":
-        activation.relu(out, out=out)
-    return {"out": out}
+    """fused_conv2d on the device: one cuDNN call, or the convolution and one epilogue."""
+    return {"out": fused_conv2d(ins["x"], ins["filter"], ins.get("bias"), ins.get("residual"),
+                                op.attrs["activation"] == "relu", **conv_geometry(op))}

@@ -71,13 +71,12 @@ def ptr(array, name="array"):
 
 class Kernel:
     """One compiled entry point of one device: `launch(grid, block, *args)`
-    enqueues it on that device's default stream (asynchronous: nothing waits
-    for it), with the device's context current. `launch` (the backend's) takes
-    (grid, block, args, shared=0); `enqueue`, when the backend has one, takes
-    (grid, block, stream, *args, shared_size=0) and is what `launch` calls
-    (PyCUDA's prepared_async_call). `shared`: bytes of dynamic shared memory a
-    block gets; past 48 KiB a kernel needs `allow_shared` first (the backend's
-    `allow_shared(nbytes)`: CUDA's function attribute
+    enqueues it on that device's stream (DeviceState.stream; asynchronous:
+    nothing waits for it), with the device's context current. `launch` (the backend's) takes
+    (grid, block, args, shared=0); `enqueue`, when the backend has one, takes (grid, block,
+    stream, *args, shared_size=0) and is what `launch` calls (PyCUDA's prepared_async_call).
+    `shared`: bytes of dynamic shared memory a block gets; past 48 KiB a kernel needs
+    `allow_shared` first (the backend's `allow_shared(nbytes)`: CUDA's function attribute
     MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
 
     def __init__(self, name, fmt, launch, resources, state=None, enqueue=None,
@@ -144,7 +143,7 @@ class Kernel:
         def go(*args):
             stack = getattr(thread_state, "stack", None)
             if stack and stack[-1] is state:
-                enqueue(grid, block, None, *args, shared_size=shared)
+                enqueue(grid, block, state.stream, *args, shared_size=shared)
             else:
                 with entered(state):
                     run(grid, block, args)

@@ -107,3 +107,49 @@ MG_GEMM_KERNEL(double, f64, nn, false, false)
 MG_GEMM_KERNEL(double, f64, tn, true, false)
 MG_GEMM_KERNEL(double, f64, nt, false, true)
 MG_GEMM_KERNEL(double, f64, tt, true, true)
+
+// Split-K: the products of one GEMM over `slices` slices of K land in partials
+// [group][slice][M*N]; c[group][i] = (beta ? c : 0) + sum over s = 0, 1, ... of
+// partials[group][s][i], in that fixed order (the result never depends on timing).
+template <typename T>
+__device__ void gemm_sum_slices(const T* __restrict__ partials, T* __restrict__ c,
+                                long long mn, long long total, int slices, int beta) {
+  const long long nt = mg::global_threads();
+  for (long long e = mg::global_tid(); e < total; e += nt) {
+    const long long g = e / mn, i = e - g * mn;
+    const T* p = partials + g * slices * mn + i;
+    T acc = beta ? c[e] : T(0);
+    for (int s = 0; s < slices; ++s) acc += p[s * mn];
+    c[e] = acc;
+  }
+}
+
+// The fused ops' epilogue, in place on out (a matrix product's or a convolution's
+// output): out[e] = act(out[e] + bias[(e / inner) % channels] + residual[e]), bias and
+// residual optional (null), act = relu when `relu`, else the identity. `out` and
+// `residual` carry no __restrict__ (a residual may be out itself).
+template <typename T>
+__device__ void bias_act(T* out, const T* __restrict__ bias, const T* residual,
+                         long long total, long long inner, long long channels, int relu) {
+  const long long nt = mg::global_threads();
+  for (long long e = mg::global_tid(); e < total; e += nt) {
+    T v = out[e];
+    if (bias) v += bias[(e / inner) % channels];
+    if (residual) v += residual[e];
+    out[e] = (!relu || v > T(0) || v != v) ? v : T(0);
+  }
+}
+
+#define MG_GEMM_HELPERS(T, SFX)                                                              \
+  extern "C" __global__ void gemm_sum_slices_##SFX(const T* partials, T* c, long long mn,     \
+                                                   long long total, int slices, int beta) {  \
+    gemm_sum_slices<T>(partials, c, mn, total, slices, beta);                                \
+  }                                                                                          \
+  extern "C" __global__ void bias_act_##SFX(T* out, const T* bias, const T* residual,         \
+                                            long long total, long long inner,                \
+                                            long long channels, int relu) {                  \
+    bias_act<T>(out, bias, residual, total, inner, channels, relu);                          \
+  }
+
+MG_GEMM_HELPERS(float, f32)
+MG_GEMM_HELPERS(double, f64)

@@ -9,47 +9,77 @@ import math
 import numpy as np
 
 from minigraph.kernels import present
-from minigraph.kernels.cuda import activation, elementwise, launch, loader, strided
+from minigraph.kernels.cuda import cublas, launch, libraries, loader, strided
 
 MODULE = "matmul"
 GEMM_FORMAT = "iiiPqPqPqi" + "qqqqqq" + "iqqi"
 SIGNATURES = {f"gemm_{v}_{t}": GEMM_FORMAT for v in ("nn", "tn", "nt", "tt")
               for t in ("f32", "f64")}
+SIGNATURES.update({f"gemm_sum_slices_{t}": "PPqqii" for t in ("f32", "f64")})
+SIGNATURES.update({f"bias_act_{t}": "PPPqqqi" for t in ("f32", "f64")})
+SPLIT_MIN_K = 256       # the hand-written GEMM splits K into slices of at least this many
+MAX_SLICES = 64
+MAX_K = 2**31 - 16      # K of one hand-written launch (its int parameters), a multiple of 16
 
 
 def gemm(dtype, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, beta=False, inner_count=1,
-         batches=1, strides=(0, 0, 0, 0, 0, 0), red=1, a_red=0, b_red=0):
+         batches=1, strides=(0, 0, 0, 0, 0, 0), red=1, a_red=0, b_red=0, what="matmul"):
     """C = op(A) @ op(B) (+ C with beta) on raw device pointers a, b, c (ints),
     op(A) m x k, op(B) k x n, row-major with leading dims lda, ldb, ldc;
     op = transpose when trans_*. `batches` products: product z uses offsets
     outer * s_outer + inner * s_inner (z = outer * inner_count + inner) from
     strides = (a_outer, a_inner, b_outer, b_inner, c_outer, c_inner), and
     each sums `red` products at offsets r * a_red, r * b_red. Offsets in elements.
-    The launches are planned once per device and geometry (gemm_plan)."""
+    The launches are planned once per device and geometry (gemm_plan); `what`
+    names the op in errors."""
     key = (dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, bool(beta), inner_count, batches,
-           tuple(strides), red, a_red, b_red)
+           tuple(strides), red, a_red, b_red, what, libraries.plan_key())
     plans = loader.cached("matmul.gemm", dict)
     run = plans.get(key)
     if run is None:
-        run = plans[key] = gemm_plan(*key)
+        run = loader.cache_put(plans, key, gemm_plan(*key[:-1]))
     run(a, b, c)
 
 
 def gemm_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta=False, inner_count=1,
-              batches=1, strides=(0, 0, 0, 0, 0, 0), red=1, a_red=0, b_red=0):
-    """run(a, b, c): the launches of `gemm` with these arguments (see there) on the
-    current device, for device pointers a, b, c. Checks the geometry now (ValueError),
-    so a launcher that keeps the plan checks nothing per call."""
+              batches=1, strides=(0, 0, 0, 0, 0, 0), red=1, a_red=0, b_red=0, what="matmul"):
+    """run(a, b, c): the product of `gemm` with these arguments (see there) on the
+    current device, for device pointers a, b, c: through cuBLAS where it is loaded
+    (kernels/cuda/cublas.py), else the hand-written kernels (kernel_plan). Checks
+    the geometry now (ValueError), so a launcher that keeps the plan checks
+    nothing per call."""
     if m <= 0 or n <= 0:
         return _nothing
+    run = cublas.gemm_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta, inner_count,
+                           batches, strides, red, a_red, b_red, what)
+    if run is not None:
+        return run
+    return kernel_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta, inner_count,
+                       batches, strides, red, a_red, b_red)
+
+
+def kernel_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta=False, inner_count=1,
+                batches=1, strides=(0, 0, 0, 0, 0, 0), red=1, a_red=0, b_red=0):
+    """gemm_plan's run(a, b, c) on the hand-written kernels of matmul.cu. A product
+    with few output tiles and a long K (a convolution's filter gradient, summed over
+    every image and pixel) is split into K slices across the grid (split_slices),
+    their partial products summed in a fixed order by gemm_sum_slices."""
+    dev = loader.device()
+    if n >= 2**31:
+        raise ValueError(f"gemm: {n} columns; the hand-written GEMM takes fewer than 2**31")
+    slices = split_slices(m, n, k, batches, dev) if _splittable(
+        m, n, ldc, inner_count, batches, strides, red) else 1
+    if slices > 1:
+        return _split_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, beta, inner_count,
+                           batches, strides, slices)
+    if k > MAX_K:
+        raise ValueError(f"gemm: K = {k} needs splitting, which this product's layout "
+                         "(a sum over several products, or a strided output) does not allow")
     variant = ("t" if trans_a else "n") + ("t" if trans_b else "n")
     name = f"gemm_{variant}_{loader.suffix(dtype)}"
     kern = loader.kernel(MODULE, name, SIGNATURES[name])
-    dev = loader.device()
     if batches > dev.max_grid[2]:
         raise ValueError(f"gemm: {batches} batched products exceed the grid's z limit")
-    if max(m, n, k) >= 2**31:
-        raise ValueError("gemm: dimensions must be below 2**31")
     itemsize = 8 if loader.suffix(dtype) == "f64" else 4
     launches = []
     for r0, rows, _, _, grid in launch.gemm_launches(m, n, batches, dev):
@@ -62,6 +92,86 @@ def gemm_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta=False, inner
         for go, head, a_off, c_off in launches:
             go(*head, a + a_off, lda, b, ldb, c + c_off, *tail)
     return run
+
+
+def split_slices(m, n, k, batches, dev):
+    """How many K slices the hand-written GEMM of an m x n output (x `batches`) with
+    inner dimension k is split into: enough for about two blocks per multiprocessor
+    when its own tiles are fewer than the multiprocessors, each slice at least
+    SPLIT_MIN_K long, at most MAX_SLICES; and always enough that no slice is longer
+    than MAX_K."""
+    tiles = math.ceil(m / launch.GEMM_TILE) * math.ceil(n / launch.GEMM_TILE) * batches
+    slices = 1
+    if tiles < dev.sm_count and k >= 2 * SPLIT_MIN_K:
+        slices = min(math.ceil(2 * dev.sm_count / tiles), k // SPLIT_MIN_K, MAX_SLICES)
+    slices = max(slices, math.ceil(k / MAX_K))
+    return max(1, min(slices, dev.max_grid[2] // max(batches, 1)))
+
+
+def _splittable(m, n, ldc, inner_count, batches, strides, red):
+    """Whether the split-K plan covers this product: no `red` sum, one level of
+    batching, and each product's output a contiguous m x n block after the last."""
+    if red != 1 or ldc != n or (inner_count != 1 and inner_count != batches):
+        return False
+    c_stride = strides[4] if inner_count == 1 else strides[5]
+    return batches == 1 or c_stride == m * n
+
+
+def _split_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, beta, inner_count, batches,
+                strides, slices):
+    """run(a, b, c): the product as `slices` K slices (the same length but the last,
+    which takes what is left) written into partials [batch][slice][m * n] by two
+    batched launches at most, then summed in slice order into c."""
+    chunk = min(MAX_K, -(-math.ceil(k / slices) // 16) * 16)
+    full, rest = divmod(k, chunk)
+    count = full + (1 if rest else 0)
+    ga, gb = (strides[0], strides[2]) if inner_count == 1 else (strides[1], strides[3])
+    a_step = chunk * (lda if trans_a else 1)
+    b_step = chunk * (1 if trans_b else ldb)
+    mn, itemsize = m * n, np.dtype(dtype).itemsize
+    launches = []
+    if full:
+        launches.append((0, 0, 0, kernel_plan(
+            dtype, trans_a, trans_b, m, n, chunk, lda, ldb, n, inner_count=full,
+            batches=batches * full, strides=(ga, a_step, gb, b_step, count * mn, mn))))
+    if rest:
+        launches.append((full * a_step * itemsize, full * b_step * itemsize,
+                         full * mn * itemsize, kernel_plan(
+                             dtype, trans_a, trans_b, m, n, rest, lda, ldb, n, inner_count=1,
+                             batches=batches, strides=(ga, 0, gb, 0, count * mn, 0))))
+    name = f"gemm_sum_slices_{loader.suffix(dtype)}"
+    total = batches * mn
+    reduce = loader.flat_go(MODULE, name, SIGNATURES[name], total)
+    flag = int(bool(beta))
+
+    def run(a, b, c):
+        partials = loader.empty((batches * count * mn,), np.dtype(dtype))
+        p = loader.address(partials)
+        for a_off, b_off, p_off, go in launches:
+            go(a + a_off, b + b_off, p + p_off)
+        reduce(p, c, mn, total, count, flag)
+    return run
+
+
+def bias_act(out, bias=None, residual=None, relu=False, inner=1, what="fused op"):
+    """The fused ops' epilogue in place, in one launch: out = act(out + bias (broadcast
+    along the axis of `bias.size` values whose inner extent is `inner`) + residual
+    (out's shape)), act = relu or the identity. Returns out."""
+    if bias is None and residual is None and not relu:
+        return out
+    channels = bias.size if bias is not None else 1
+    for name, a in (("bias", bias), ("residual", residual)):
+        if a is not None and np.dtype(a.dtype) != np.dtype(out.dtype):
+            raise ValueError(f"{what}: {name} is {np.dtype(a.dtype)}, the output "
+                             f"{np.dtype(out.dtype)}")
+    if residual is not None:
+        launch.check_array(f"{what}: residual", residual, out.shape, out.dtype)
+    if out.size:
+        name = f"bias_act_{loader.suffix(out.dtype)}"
+        go = loader.flat_go(MODULE, name, SIGNATURES[name], out.size)
+        go(loader.ptr(out, f"{what}: out"), loader.ptr(bias, f"{what}: bias"),
+           loader.ptr(residual, f"{what}: residual"), out.size, inner, channels, int(relu))
+    return out
 
 
 def _nothing(*pointers):
@@ -99,10 +209,10 @@ def mul(x, y, x_num_col_dims=1, out=None):
     """out = flatten(x) @ y with x viewed as (prod(x.shape[:n]), prod(x.shape[n:])),
     shaped x.shape[:n] + (y.shape[1],). Returns out."""
     plans = loader.cached("matmul.mul", dict)
-    key = (x.shape, y.shape, x.dtype, y.dtype, x_num_col_dims)
+    key = (x.shape, y.shape, x.dtype, y.dtype, x_num_col_dims, libraries.plan_key())
     found = plans.get(key)
     if found is None:
-        found = plans[key] = _mul_plan(x, y, x_num_col_dims)
+        found = loader.cache_put(plans, key, _mul_plan(x, y, x_num_col_dims))
     out_shape, run = found
     xp, yp = loader.ptr(x, "mul: x"), loader.ptr(y, "mul: y")
     if out is None:
@@ -127,17 +237,18 @@ def _mul_plan(x, y, n):
     if cols == 0:
         return out_shape, None
     m = y.shape[1]
-    return out_shape, gemm_plan(x.dtype, False, False, rows, m, cols, cols, m, m)
+    return out_shape, gemm_plan(x.dtype, False, False, rows, m, cols, cols, m, m, what="mul")
 
 
 def mul_grad(x, y, dout, x_num_col_dims=1, need_dx=True, need_dy=True):
     """(dx, dy) of out = mul(x, y): dx = dout @ y^T (x's shape), dy = x2^T @ dout;
     None for the ones not needed."""
     plans = loader.cached("matmul.mul_grad", dict)
-    key = (x.shape, y.shape, dout.shape, x.dtype, y.dtype, dout.dtype, x_num_col_dims)
+    key = (x.shape, y.shape, dout.shape, x.dtype, y.dtype, dout.dtype, x_num_col_dims,
+           libraries.plan_key())
     found = plans.get(key)
     if found is None:
-        found = plans[key] = _mul_grad_plan(x, y, dout, x_num_col_dims)
+        found = loader.cache_put(plans, key, _mul_grad_plan(x, y, dout, x_num_col_dims))
     dx_run, dy_run = found
     xp, yp = loader.ptr(x, "mul_grad: x"), loader.ptr(y, "mul_grad: y")
     dp = loader.ptr(dout, "mul_grad: dout")
@@ -157,8 +268,8 @@ def _mul_grad_plan(x, y, dout, n):
     m = y.shape[1] if len(y.shape) == 2 else -1
     launch.check_array("mul_grad: y", y, (cols, m), x.dtype)
     launch.check_array("mul_grad: dout", dout, tuple(x.shape[:n]) + (m,), x.dtype)
-    return (gemm_plan(x.dtype, False, True, rows, cols, m, m, m, cols),
-            gemm_plan(x.dtype, True, False, cols, m, rows, cols, m, m))
+    return (gemm_plan(x.dtype, False, True, rows, cols, m, m, m, cols, what="mul_grad: dx"),
+            gemm_plan(x.dtype, True, False, cols, m, rows, cols, m, m, what="mul_grad: dy"))
 
 
 # ---- batched products (the matmul op) -----------------------------------------------
@@ -225,7 +336,7 @@ def _bmm_plan(dtype, a_shape, ta, b_shape, tb, batch):
 def _bmm(a, ta, b, tb, batch, out):
     """out (batch + op(a) @ op(b)'s shape, contiguous) = op(a) @ op(b), broadcast."""
     plans = loader.cached("matmul.batched", dict)
-    key = (np.dtype(a.dtype), tuple(a.shape), ta, tuple(b.shape), tb, batch)
+    key = (np.dtype(a.dtype), tuple(a.shape), ta, tuple(b.shape), tb, batch, libraries.plan_key())
     run = plans.get(key)
     if run is None:
         run = loader.cache_put(plans, key, _bmm_plan(key[0], key[1], ta, key[3], tb, batch))
@@ -312,13 +423,14 @@ def mul_gpu(op, ins, ctx):
 
 
 def fused_fc_gpu(op, ins, ctx):
-    """The mul launcher, then the bias and relu in place on its output."""
+    """The mul launcher (cuBLAS, or the hand-written GEMM), then the bias and relu in
+    place on its output in one epilogue launch (bias_act)."""
     out = mul(ins["x"], ins["y"], op.attrs["x_num_col_dims"])
-    if ins.get("bias") is not None:
-        elementwise.add(out, ins["bias"], axis=-1, out=out)
-    if op.attrs["activation"] == "relu":
-        activation.relu(out, out=out)
-    return {"out": out}
+    bias = ins.get("bias")
+    if bias is not None:
+        launch.check_array("fused_fc: bias", bias, (out.shape[-1],), out.dtype)
+    return {"out": bias_act(out, bias, None, op.attrs["activation"] == "relu",
+                            what="fused_fc")}
 
 
 def mul_grad_gpu(op, ins, ctx):

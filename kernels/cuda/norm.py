@@ -1,5 +1,5 @@
-"""Launchers for kernels/cuda/norm.cu, and the GPU kernels of layer_norm, group_norm
-and instance_norm (ops/layer_norm.py, ops/group_norm.py).
+"""Launchers for kernels/cuda/norm.cu (channels first; norm_nhwc.py/.cu have the
+channels-last ones and instance norm's running estimates, norm_op.py the op kernels).
 
 Each op sees x (C-contiguous) as rows of contiguous values: layer_norm's
 prod(shape[:begin_norm_axis]) rows of L = prod(shape[begin_norm_axis:]),
@@ -24,7 +24,6 @@ import math
 
 import numpy as np
 
-from minigraph.kernels import present
 from minigraph.kernels.cuda import launch, loader
 
 MODULE = "norm"
@@ -263,60 +262,3 @@ def group_norm_grad(x, scale, mean, variance, dy, groups=1, epsilon=1e-5, need_d
         _flat(f"norm_grad_dx_{sfx}_w{w}", x.size // w)(xp, dyp, dxp, n * groups, cg * s, s, c,
                                                        mp, coef, sp)
     return dx, dscale, dbias
-
-
-# ---- op kernels -------------------------------------------------------------------
-
-def _needs(op):
-    return dict(need_dx=op.wants("dx"), need_dscale=op.wants("dscale"),
-                need_dbias=op.wants("dbias"))
-
-
-def layer_norm_gpu(op, ins, ctx):
-    """y, mean and variance of layer_norm on the device."""
-    a = op.attrs
-    y, mean, var = layer_norm(ins["x"], ins.get("scale"), ins.get("bias"),
-                              a["begin_norm_axis"], a["epsilon"])
-    return {"y": y, "mean": mean, "variance": var}
-
-
-def layer_norm_grad_gpu(op, ins, ctx):
-    """dx, dscale and dbias of layer_norm (those bound) on the device."""
-    a = op.attrs
-    dx, dscale, dbias = layer_norm_grad(ins["x"], ins.get("scale"), ins["mean"],
-                                        ins["variance"], ins["dy"], a["begin_norm_axis"],
-                                        a["epsilon"], **_needs(op))
-    return present(dx=dx, dscale=dscale, dbias=dbias)
-
-
-def _group_norm_gpu(op, ins, groups):
-    y, mean, var = group_norm(ins["x"], ins.get("scale"), ins.get("bias"), groups,
-                              op.attrs["epsilon"])
-    return {"y": y, "mean": mean, "variance": var}
-
-
-def _group_norm_grad_gpu(op, ins, groups):
-    dx, dscale, dbias = group_norm_grad(ins["x"], ins.get("scale"), ins["mean"],
-                                        ins["variance"], ins["dy"], groups, op.attrs["epsilon"],
-                                        **_needs(op))
-    return present(dx=dx, dscale=dscale, dbias=dbias)
-
-
-def group_norm_gpu(op, ins, ctx):
-    """y, mean and variance of group_norm on the device."""
-    return _group_norm_gpu(op, ins, op.attrs["groups"])
-
-
-def group_norm_grad_gpu(op, ins, ctx):
-    """dx, dscale and dbias of group_norm (those bound) on the device."""
-    return _group_norm_grad_gpu(op, ins, op.attrs["groups"])
-
-
-def instance_norm_gpu(op, ins, ctx):
-    """group_norm with a group per channel, on the device."""
-    return _group_norm_gpu(op, ins, int(ins["x"].shape[1]))
-
-
-def instance_norm_grad_gpu(op, ins, ctx):
-    """group_norm_grad with a group per channel, on the device."""
-    return _group_norm_grad_gpu(op, ins, int(ins["x"].shape[1]))

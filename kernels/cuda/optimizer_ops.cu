@@ -4,7 +4,8 @@
 // With d = grad + weight_decay * param (L2; d = grad when weight_decay is 0):
 // sgd:      param -= lr * d
 // momentum: velocity = mu * velocity + d; param -= lr * (velocity, or
-//           d + mu * velocity with nesterov). Arithmetic in the param's dtype.
+//           d + mu * velocity with nesterov). Arithmetic in the param's dtype. mu is
+//           read on the device from mu_ptr when it is given (a cycled momentum).
 // adam:     Adam / AdamW (ops/adam.py): the float64 beta powers are multiplied
 //           by the betas in double; every thread reads the old powers, and the
 //           last block to finish (a ticket) writes the new ones back. Scalars in
@@ -12,6 +13,8 @@
 //           decoupled: param *= 1 - lr * wd, else g = grad + wd * param;
 //           m += (1 - beta1) * (g - m); v = v * beta2 + (1 - beta2) * g * g;
 //           param -= lr / (1 - beta1_pow) * m / (sqrt(v) / sqrt(1 - beta2_pow) + eps).
+//           With beta1_ptr and step_ptr given (a cycled beta1), beta1 is read there
+//           and the new beta1_pow is beta1 ^ step (torch's bias correction).
 #include "common.cuh"
 
 namespace mg {
@@ -38,8 +41,9 @@ __device__ void sgd(T* param, const T* __restrict__ grad, const L* lr, long long
 
 template <typename T, typename L, int W>
 __device__ void momentum(T* param, const T* __restrict__ grad, T* velocity, const L* lr,
-                         long long total, double mu_d, int nesterov, double wd) {
-  const T rate = T(lr[0]), mu = T(mu_d), decay = T(wd);
+                         long long total, double mu_d, int nesterov, double wd,
+                         const double* mu_ptr) {
+  const T rate = T(lr[0]), mu = T(mu_ptr != nullptr ? mu_ptr[0] : mu_d), decay = T(wd);
   const bool use_decay = wd != 0.0;
   flat_walk<W>(total, [&](long long u, auto width) {
     constexpr int K = decltype(width)::value;
@@ -61,8 +65,12 @@ __device__ void momentum(T* param, const T* __restrict__ grad, T* velocity, cons
 template <typename T, typename L, int W>
 __device__ void adam(T* param, const T* __restrict__ grad, T* m1, T* m2, double* beta1_pow,
                      double* beta2_pow, const L* lr, unsigned* tickets, long long total,
-                     double beta1, double beta2, double eps, double wd, int decoupled) {
-  const double new1 = beta1_pow[0] * beta1, new2 = beta2_pow[0] * beta2;
+                     double beta1_d, double beta2, double eps, double wd, int decoupled,
+                     const double* beta1_ptr, const long long* step_ptr) {
+  const double beta1 = beta1_ptr != nullptr ? beta1_ptr[0] : beta1_d;
+  const double new1 = beta1_ptr != nullptr ? pow(beta1, double(step_ptr[0]))
+                                           : beta1_pow[0] * beta1;
+  const double new2 = beta2_pow[0] * beta2;
   const double rate = double(lr[0]);
   const T keep = T(1.0 - rate * wd), decay = T(wd), c1 = T(1.0 - beta1), b2 = T(beta2);
   const T c2 = T(1.0 - beta2), bias2 = T(sqrt(1.0 - new2)), epsilon = T(eps);
@@ -103,15 +111,16 @@ __device__ void adam(T* param, const T* __restrict__ grad, T* m1, T* m2, double*
   }                                                                                            \
   extern "C" __global__ void momentum_##SFX##_lr##LSFX##_w##W(                                 \
       T* param, const T* grad, T* velocity, const L* lr, long long total, double mu,          \
-      int nesterov, double wd) {                                                               \
-    mg::momentum<T, L, W>(param, grad, velocity, lr, total, mu, nesterov, wd);                 \
+      int nesterov, double wd, const double* mu_ptr) {                                         \
+    mg::momentum<T, L, W>(param, grad, velocity, lr, total, mu, nesterov, wd, mu_ptr);         \
   }                                                                                            \
   extern "C" __global__ void adam_##SFX##_lr##LSFX##_w##W(                                     \
       T* param, const T* grad, T* m1, T* m2, double* beta1_pow, double* beta2_pow,            \
       const L* lr, unsigned* tickets, long long total, double beta1, double beta2,           \
-      double eps, double wd, int decoupled) {                                                  \
+      double eps, double wd, int decoupled, const double* beta1_ptr,                         \
+      const long long* step_ptr) {                                                            \
     mg::adam<T, L, W>(param, grad, m1, m2, beta1_pow, beta2_pow, lr, tickets, total, beta1,   \
-                      beta2, eps, wd, decoupled);                                              \
+                      beta2, eps, wd, decoupled, beta1_ptr, step_ptr);                         \
   }
 
 MG_UPDATE_KERNELS(float, f32, float, f32, 1)

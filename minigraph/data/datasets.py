@@ -6,16 +6,21 @@
 
 Each returns an ArrayDataset with "image" (float32, NCHW, in [0, 1]) and
 "label" (int64). A missing file is a FileNotFoundError naming it and where it
-was looked for; a file that is not what its name says is a ValueError naming it.
+was looked for; a file that is not what its name says (or not a regular file)
+is a ValueError naming it. The files are read defensively (minigraph.data.readers):
+headers and sizes are checked before the data is read, and nothing is read or
+inflated past what the header declares.
 """
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import numpy as np
 
 from minigraph.data.dataset import ArrayDataset
+from minigraph.data.readers import IDX_TYPES, read_idx, read_records
+
+__all__ = ["IDX_TYPES", "cifar10", "digits", "mnist", "read_idx"]
 
 MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
@@ -23,9 +28,8 @@ CIFAR10_FOLDER = "cifar-10-batches-bin"
 CIFAR10_FILES = {"train": tuple(f"data_batch_{k}.bin" for k in range(1, 6)),
                  "test": ("test_batch.bin",)}
 CIFAR10_SHAPE = (3, 32, 32)
-# the IDX format's element types (big-endian)
-IDX_TYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
-             0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+MNIST_SHAPE = (28, 28)
+CLASSES = 10                   # MNIST's, Fashion-MNIST's and CIFAR-10's labels: 0..9
 DIGITS_HELD_OUT = 0.2
 
 
@@ -35,39 +39,12 @@ def _split(who, split, allowed):
                          f"got {split!r}")
 
 
-def read_idx(path):
-    """The array in an IDX file (MNIST's format; gzip-compressed when the name ends in .gz):
-    a ValueError naming the file when its header or size is wrong."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise ValueError(f"read_idx: cannot read {path}: {e}") from e
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_TYPES:
-        raise ValueError(f"read_idx: {path} is not an IDX file (its first bytes are "
-                         f"{raw[:4].hex() or 'missing'})")
-    dtype, ndim = IDX_TYPES[raw[2]], raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise ValueError(f"read_idx: {path} ends inside its header")
-    shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", ndim, 4))
-    want = header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(raw) != want:
-        raise ValueError(f"read_idx: {path} holds {len(raw)} bytes; its header "
-                         f"(shape {shape}, {dtype.name}) says {want}")
-    return np.frombuffer(raw, dtype, offset=header).reshape(shape)
-
-
 def _find(who, name, folders, suffixes=("", ".gz")):
     for folder in folders:
         for suffix in suffixes:
             path = Path(folder) / (name + suffix)
-            if path.is_file():
-                return path
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                return path            # the reader refuses what is not a regular file
     where = " or ".join(str(Path(f)) for f in folders)
     also = " (or .gz)" if ".gz" in suffixes else ""
     raise FileNotFoundError(f"{who}: no {name}{also} in {where}; nothing is downloaded: put "
@@ -84,15 +61,27 @@ def mnist(root, split="train"):
     images_name, labels_name = MNIST_FILES[split]
     images_path = _find("mnist", images_name, folders)
     labels_path = _find("mnist", labels_name, folders)
-    images, labels = read_idx(images_path), read_idx(labels_path)
-    if images.ndim != 3 or images.dtype != np.uint8:
+    images, labels = read_idx(images_path, "mnist"), read_idx(labels_path, "mnist")
+    if images.ndim != 3 or images.dtype != np.uint8 or images.shape[1:] != MNIST_SHAPE:
         raise ValueError(f"mnist: {images_path} holds {images.dtype.name} of shape "
-                         f"{images.shape}; expected uint8 images (N, rows, columns)")
+                         f"{images.shape}; expected uint8 images (N, 28, 28)")
     if labels.ndim != 1 or len(labels) != len(images):
         raise ValueError(f"mnist: {labels_path} holds shape {labels.shape}; expected one label "
                          f"for each of the {len(images)} images of {images_path}")
+    _check_labels("mnist", labels_path, labels)
     image = (images.astype(np.float32) / np.float32(255.0))[:, None]
     return ArrayDataset(image=image, label=labels.astype(np.int64))
+
+
+def _check_labels(who, path, labels):
+    """A ValueError naming the file unless `labels` are integers in 0..CLASSES-1."""
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"{who}: {path} holds {labels.dtype.name} labels; expected integers "
+                         f"(class numbers 0..{CLASSES - 1}, uint8 in the original files)")
+    bad = np.flatnonzero((labels < 0) | (labels >= CLASSES))
+    if bad.size:
+        raise ValueError(f"{who}: {path} has {bad.size} label(s) outside 0..{CLASSES - 1} "
+                         f"(the first: {labels[bad[0]]} at row {bad[0]})")
 
 
 def cifar10(root, split="train"):
@@ -107,13 +96,10 @@ def cifar10(root, split="train"):
     images, labels = [], []
     for name in CIFAR10_FILES[split]:
         path = _find("cifar10", name, folders, suffixes=("",))
-        raw = np.fromfile(path, dtype=np.uint8)
-        if raw.size == 0 or raw.size % record:
-            raise ValueError(f"cifar10: {path} holds {raw.size} bytes, not a whole number of "
-                             f"{record}-byte records (is it the binary version?)")
-        rows = raw.reshape(-1, record)
-        if rows[:, 0].max() > 9:
-            raise ValueError(f"cifar10: {path} has labels above 9 (is it CIFAR-100?)")
+        rows = read_records("cifar10", path, record)
+        if rows[:, 0].max() >= CLASSES:
+            raise ValueError(f"cifar10: {path} has labels above {CLASSES - 1} (is it "
+                             "CIFAR-100?)")
         labels.append(rows[:, 0].astype(np.int64))
         images.append(rows[:, 1:].reshape((-1,) + CIFAR10_SHAPE))
     image = np.concatenate(images).astype(np.float32) / np.float32(255.0)

@@ -13,8 +13,11 @@ shorter unless drop_last). Sharding: after mg.distributed.init() with more
 than one rank, each global batch is split with np.array_split's sizes and a
 rank gets its part (a rank may get no rows; data_parallel(batch_size_from=...)
 weighs each rank's gradient by its rows), so K ranks see together exactly the
-batches one process would. Prefetching: a background thread makes the next
-`prefetch` batches (the indexing and the transforms) while the loop trains.
+batches one process would; every pass first compares the loader's settings
+across the ranks (one allgather of a hash) and refuses ranks that differ
+(seed, rows, batch size, ...), which would duplicate and drop rows.
+Prefetching: a background thread makes the next `prefetch` batches (the
+indexing and the transforms) while the loop trains.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import threading
 
 import numpy as np
 
-from minigraph.data.transforms import Draw
+from minigraph.data.transforms import Draw, check_result, describe
 
 _ORDER_STREAM = 0              # transforms draw from stream 1 of the same seed
 _POLL_S = 0.1                  # how often a waiting thread looks whether it should stop
@@ -53,7 +56,9 @@ class DataLoader:
 
     Each pass over the loader uses the epoch given to set_epoch(), else the one
     after the previous pass's (0 for the first). len() is the number of global
-    batches, the same on every rank.
+    batches, the same on every rank. A sharded pass over several ranks first checks
+    that every rank's loader agrees (check_ranks_agree): an error on every rank
+    naming what differs.
     """
 
     def __init__(self, dataset, batch_size, shuffle=False, drop_last=False, seed=0,
@@ -117,13 +122,40 @@ class DataLoader:
         feed = self.dataset[rows[lo:hi]]
         if self.transform is not None:
             draw = Draw(self.seed, epoch, index, slice(lo, hi), total)
-            feed = self.transform(feed, draw)
+            feed = check_result("DataLoader: transform", self.transform,
+                                self.transform(feed, draw))
         return feed
+
+    def settings(self, epoch):
+        """{name: value} of what decides the batches of pass `epoch` (every rank must
+        agree on it): the dataset's rows and arrays, batch_size, len(), shuffle,
+        drop_last, seed, the epoch and the transform."""
+        return {"rows": len(self.dataset), "batch_size": self.batch_size, "batches": len(self),
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "seed": self.seed,
+                "epoch": epoch, "dataset": _describe_dataset(self.dataset),
+                "transform": describe(self.transform)}
+
+    def check_ranks_agree(self, epoch, comm=None):
+        """Raise SettingsMismatchError on every rank unless every rank's loader has the
+        same settings(epoch): ranks that differ in seed, rows or batch size would
+        otherwise train on duplicated and missing rows without a word. One allgather of
+        a hash (the settings travel only when they differ); every pass of a sharded
+        loader over several ranks makes it."""
+        from minigraph.distributed import agree, world
+
+        comm = comm or world.get_comm()
+        agree.check_same_settings(
+            comm, "DataLoader", self.settings(epoch),
+            "Every rank must build the same DataLoader over the same dataset (the same "
+            "seed, batch_size, drop_last and transform, and the same set_epoch calls): "
+            "each rank computes the whole order and keeps its part of every batch.")
 
     def __iter__(self):
         epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         self.epoch = epoch
         rank, ranks = self.rank_and_size()
+        if ranks > 1:
+            self.check_ranks_agree(epoch)
         order = self.order(epoch)
 
         def make(k):
@@ -137,6 +169,14 @@ class DataLoader:
         return (f"DataLoader({self.dataset!r}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, drop_last={self.drop_last}, seed={self.seed}, "
                 f"prefetch={self.prefetch})")
+
+
+def _describe_dataset(dataset):
+    arrays = getattr(dataset, "arrays", None)
+    if isinstance(arrays, dict):
+        return ", ".join(f"{name} {np.asarray(a).dtype}{list(np.shape(a)[1:])}"
+                         for name, a in arrays.items())
+    return type(dataset).__qualname__
 
 
 class _Failed:

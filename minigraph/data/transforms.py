@@ -17,6 +17,8 @@ without a draw, a transform uses Draw() (seed 0, epoch 0, batch 0, every row).
 from __future__ import annotations
 
 import numbers
+import re
+from collections.abc import Mapping
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -70,11 +72,26 @@ class Compose:
     def __call__(self, batch, draw=None):
         draw = draw if draw is not None else Draw()
         for k, t in enumerate(self.transforms):
-            batch = t(batch, draw.child(k))
+            batch = check_result(f"Compose: transforms[{k}]", t, t(batch, draw.child(k)))
         return batch
 
     def __repr__(self):
         return f"Compose({self.transforms!r})"
+
+
+def check_result(who, transform, result):
+    """`result` when it is a batch (a mapping {name: array}); else a TypeError naming
+    `who` and the transform (a transform returning None, say, instead of the batch)."""
+    if not isinstance(result, Mapping):
+        raise TypeError(f"{who} ({describe(transform)}) returned {type(result).__name__} "
+                        f"{result!r:.60}, not a batch: a transform returns the new batch, a "
+                        "dict {name: array}")
+    return result
+
+
+def describe(transform):
+    """A transform's name for messages: its repr without memory addresses."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
 
 
 class _KeyTransform:
@@ -129,12 +146,16 @@ class RandomCrop(_KeyTransform):
         self.size = _size_pair(self.name, size)
         if isinstance(padding, bool) or not isinstance(padding, numbers.Integral) or padding < 0:
             raise ValueError(f"RandomCrop: padding must be an integer >= 0, got {padding!r}")
+        if not isinstance(fill, numbers.Real) or not _finite(fill):
+            raise ValueError(f"RandomCrop: fill must be a finite number (the padding's "
+                             f"value), got {fill!r:.40}")
         self.padding, self.fill = int(padding), fill
 
     def _apply(self, x, draw):
         self._images(x)
         p, (h, w) = self.padding, self.size
         if p:
+            _check_fits(f"RandomCrop: fill={self.fill!r}", self.fill, x.dtype, self.key)
             x = np.pad(x, ((0, 0), (0, 0), (p, p), (p, p)), constant_values=self.fill)
         room_h, room_w = x.shape[2] - h, x.shape[3] - w
         if room_h < 0 or room_w < 0:
@@ -146,7 +167,34 @@ class RandomCrop(_KeyTransform):
         return np.ascontiguousarray(windows[np.arange(n), :, at[:, 0], at[:, 1]])
 
     def __repr__(self):
-        return f"RandomCrop(size={self.size}, padding={self.padding}, key={self.key!r})"
+        return (f"RandomCrop(size={self.size}, padding={self.padding}, fill={self.fill!r}, "
+                f"key={self.key!r})")
+
+
+def _finite(number):
+    try:
+        return bool(np.isfinite(float(number)))
+    except OverflowError:                # an int beyond float64
+        return False
+
+
+def _check_fits(what, value, dtype, key):
+    """A ValueError naming `what` unless the number `value` is exactly a value of
+    `dtype` (the dtype of batch[key])."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        fits, room = value in (0, 1), "0 or 1"
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        fits = float(value).is_integer() and info.min <= value <= info.max
+        room = f"integers {info.min}..{info.max}"
+    elif dtype.kind == "f":
+        info = np.finfo(dtype)
+        fits, room = abs(float(value)) <= float(info.max), f"at most {float(info.max):g} in size"
+    else:
+        fits, room = False, "numbers"
+    if not fits:
+        raise ValueError(f"{what} does not fit batch[{key!r}] of dtype {dtype} ({room})")
 
 
 class RandomHorizontalFlip(_KeyTransform):
@@ -205,9 +253,24 @@ class Normalize(_KeyTransform):
                                  f"with {channels} channels (shape {x.shape})")
         dtype = x.dtype if np.issubdtype(x.dtype, np.floating) else np.dtype(np.float32)
         shape = (1, -1) + (1,) * (x.ndim - 2)
-        mean = self.mean.astype(dtype).reshape(shape)
-        std = self.std.astype(dtype).reshape(shape)
-        return (x.astype(dtype, copy=False) - mean) / std
+        info = np.finfo(dtype)
+        with np.errstate(over="ignore", under="ignore"):
+            mean, std = self.mean.astype(dtype), self.std.astype(dtype)
+        if not np.all(np.isfinite(mean)) or not np.all(np.isfinite(std)) or \
+                np.any(std < info.tiny):
+            raise ValueError(f"Normalize: mean {self.mean.tolist()} and std "
+                             f"{self.std.tolist()} are not usable in {dtype} (batch"
+                             f"[{self.key!r}]): {dtype} holds magnitudes from "
+                             f"{float(info.tiny):g} to {float(info.max):g}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = (x.astype(dtype, copy=False) - mean.reshape(shape)) / std.reshape(shape)
+        if not np.all(np.isfinite(out)):
+            made = ~np.isfinite(out) & np.isfinite(x)
+            if np.any(made):
+                raise ValueError(f"Normalize: (x - mean) / std overflows {dtype} for "
+                                 f"batch[{self.key!r}] ({int(made.sum())} values; mean "
+                                 f"{self.mean.tolist()}, std {self.std.tolist()})")
+        return out
 
     def __repr__(self):
         return f"Normalize(mean={self.mean.tolist()}, std={self.std.tolist()}, key={self.key!r})"

@@ -26,6 +26,7 @@ zeros; with data_parallel(net, batch_size_from=...) each rank's gradient is
 weighted by its share of the batch, so the step equals one process on the
 other ranks' rows, and sync_batch_norm takes its statistics from those rows.
 """
+from minigraph.distributed.agree import SettingsMismatchError
 from minigraph.distributed.comm import (
     CollectiveError,
     CollectiveMismatchError,
@@ -43,6 +44,6 @@ from minigraph.distributed.world import get_comm, init, is_initialized, rank, wo
 from minigraph.passes.sync_bn import convert_sync_batchnorm
 
 __all__ = ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
-           "Communicator", "NetMismatchError", "broadcast_persistables",
+           "Communicator", "NetMismatchError", "SettingsMismatchError", "broadcast_persistables",
            "convert_sync_batchnorm", "data_parallel", "get_comm", "init", "is_initialized",
            "is_writer", "rank", "save", "world_size"]

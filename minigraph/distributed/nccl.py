@@ -12,8 +12,9 @@ Outputs come from the device's memory pool. Host (numpy) arrays - a batch
 size, a checkpoint's scalars - go through the bootstrap MPI communicator
 instead: no device staging and no host wait on the GPU.
 
-Collectives are enqueued on the legacy default stream (`stream=None`), so
-every later kernel is ordered after them and the host does not wait. A
+Collectives are enqueued on the stream the place's device owns (the one its
+kernels go on: DeviceState.stream), so every later kernel is ordered after
+them and the host does not wait. A
 watchdog (two daemon threads per communicator) waits for each collective's
 completion event (Event.synchronize: no polling) and checks NCCL's async
 error. Each event is released with its context current on the watchdog's
@@ -101,7 +102,7 @@ class NCCLComm(Communicator):
         with self.place.activate():
             out = _empty(x.shape, x.dtype)
             if x.size:
-                self.nccl.allreduce(x, out, self.SUM, stream=None)
+                self.nccl.allreduce(x, out, self.SUM, stream=_stream())
                 self.watchdog.add("allreduce", self.progress.current)
             return out
 
@@ -114,7 +115,7 @@ class NCCLComm(Communicator):
     def _gather_device(self, dev):
         out = _empty((self.size,) + tuple(dev.shape), dev.dtype)
         if dev.size:
-            self.nccl.allgather(dev, out, stream=None)
+            self.nccl.allgather(dev, out, stream=_stream())
             self.watchdog.add("allgather", self.progress.current)
         return out
 
@@ -124,7 +125,7 @@ class NCCLComm(Communicator):
         with self.place.activate():
             out = _empty(x.shape, x.dtype)
             if x.size:
-                self.nccl.broadcast(x, out, root, stream=None)
+                self.nccl.broadcast(x, out, root, stream=_stream())
                 self.watchdog.add("broadcast", self.progress.current)
             return out
 
@@ -192,7 +193,7 @@ def _empty(shape, dtype):
 class Watchdog:
     """Waits for a communicator's collectives off the main thread.
 
-    `add(kind, where)` records a completion event on the place's default stream
+    `add(kind, where)` records a completion event on the place's stream
     (the caller holds the place's context) and queues it with the collective's
     (index, label, ...) for the messages. The waiter thread blocks on the
     events in order (Event.synchronize) and checks NCCL's async error after
@@ -217,7 +218,7 @@ class Watchdog:
         import pycuda.driver as drv
 
         event = drv.Event(drv.event_flags.DISABLE_TIMING)
-        event.record()
+        event.record(_device_stream())
         with self.lock:
             was_idle = not self.pending
             self._serial += 1
@@ -341,3 +342,18 @@ class Watchdog:
                 if t is not threading.current_thread():
                     t.join()
             self.threads = []
+
+
+def _device_stream():
+    """The stream of the device current on this thread (a PyCUDA Stream, or None)."""
+    from minigraph.device import current
+
+    return current().stream
+
+
+def _stream():
+    """The integer handle of the current device's stream, for nccl4py (0: the legacy
+    default stream)."""
+    from minigraph.device import current
+
+    return current().stream_handle

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minigraph.distributed.merge import average_merged, mark_same
 from minigraph.distributed.world import get_comm
 from minigraph.passes import data_parallel as dp_pass
 
@@ -48,6 +49,7 @@ def _broadcast(net, root, comm, who):
     check_same_net(net, comm, who)
     for var in net.persistables():
         var.set(comm.broadcast(var.value, root=root, what=f"broadcast {var.name}"))
+    mark_same(net)
 
 
 def check_same_persistables(net, comm, who="check_same_persistables"):
@@ -173,10 +175,16 @@ def data_parallel(net, comm=None, batch_size_from=None):
 
 def save(net, path, comm=None):
     """Write `net`'s checkpoint from rank 0 only (minigraph.io.save), then wait
-    until it is complete: every rank returns the path once the file exists."""
+    until it is complete: every rank returns the path once the file exists.
+    Every rank must call it. A net minimised by GradientMerge and saved
+    mid-accumulation first has its merged gradients averaged over the ranks, in
+    place on every rank (minigraph.distributed.merge), so the file holds the
+    whole job's state and a run resumed from it (loaded on rank 0, then
+    broadcast_persistables) repeats the run that saved and went on, bit for bit."""
     from minigraph.io import save as save_file
 
     comm = comm or get_comm()
+    average_merged(net, comm)
     if comm.rank == 0:
         save_file(net, path)
     comm.barrier(what=f"save {Path(path).name}")

@@ -8,6 +8,7 @@ builds all or nothing. See minigraph.layers.base for writing a new one.
 """
 from minigraph.layers.activation import gelu, leaky_relu, relu, sigmoid, silu, softmax, tanh
 from minigraph.layers.base import LayerRecord, layer
+from minigraph.layers.channel_norm import group_norm, instance_norm
 from minigraph.layers.loss import (
     accuracy,
     argmax,
@@ -35,7 +36,7 @@ from minigraph.layers.math import (
     subtract,
 )
 from minigraph.layers.nn import conv2d, data, dropout, embedding, fc, pool2d
-from minigraph.layers.norm import batch_norm, group_norm, instance_norm, layer_norm
+from minigraph.layers.norm import batch_norm, layer_norm
 from minigraph.layers.tensor import add, concat, flatten, multiply, reshape, transpose
 
 __all__ = ["LayerRecord", "abs", "accuracy", "add", "argmax", "batch_norm",

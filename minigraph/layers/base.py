@@ -2,16 +2,20 @@
 net.summary(), and the argument checks whose errors name the layer and the argument.
 
 A layer is a function `layer(net, inputs..., name=None, ...)` decorated with
-`@layer("kind")`: the decorator checks the net and the name (an unnamed
+`@layer("kind")` (`@layer("kind", role="loss")` for a loss, "metric" for a
+metric: the inference passes leave those out): the decorator checks the net
+and the name (an unnamed
 layer gets `kind_k`, skipping names already used), builds inside
 `net.building()` (a layer that raises leaves no op, variable, parameter or
 name behind, so a retry with the same name works), and records what the
-layer built (`net.layers`). Write a new layer with `net.append(op_type,
+layer built (`net.layers`), and names the layer on each op it built
+(`Operator.layer`). Write a new layer with `net.append(op_type,
 inputs, outputs, attrs)` and `net.create_parameter(...)` inside such a
 function (see docs/adding_an_op.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -26,7 +30,8 @@ from minigraph.validators import check_number, is_int
 @dataclass(frozen=True)
 class LayerRecord:
     """What one layer call built: its name and kind, the types of the ops it
-    appended (train path), its output's shape, and the persistables it created;
+    appended (train path), its output's shape, the persistables it created and
+    its role ("loss", "metric" or None);
     `trainable` / `non_trainable` count their values by their current flags (a
     parameter frozen after the build counts as non-trainable)."""
 
@@ -35,6 +40,7 @@ class LayerRecord:
     op_types: tuple
     output_shape: tuple | None
     made: tuple
+    role: str | None = None
 
     @property
     def trainable(self):
@@ -45,8 +51,14 @@ class LayerRecord:
         return sum(_size(v) for v in self.made if not v.trainable)
 
 
-def layer(kind):
-    """Decorator for layer functions (see the module doc)."""
+LAYER_ROLES = (None, "loss", "metric")
+
+
+def layer(kind, role=None):
+    """Decorator for layer functions (see the module doc); role: one of LAYER_ROLES."""
+    if role not in LAYER_ROLES:
+        raise ValueError(f"layer {kind!r}: role must be one of {LAYER_ROLES}, got {role!r}")
+
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(net, *args, name=None, **kwargs):
@@ -57,16 +69,20 @@ def layer(kind):
                                 f"{type(net).__name__}")
             with net.building():
                 name = _layer_name(net, kind, name)
-                ops_before = len(net.section("trunk")) + len(net.section("train"))
+                before = {s: len(net.section(s)) for s in ("trunk", "train", "infer")}
                 vars_before = set(net.scope.vars)
                 out = fn(net, *args, name=name, **kwargs)
-                ops = (net.section("trunk") + net.section("train"))[ops_before:]
+                built = {s: net.section(s)[n:] for s, n in before.items()}
+                for op in built["trunk"] + built["train"] + built["infer"]:
+                    if op.layer is None:        # a layer called inside this one named its own
+                        op.layer = name
+                ops = built["trunk"] + built["train"]
                 made = [v for n, v in net.scope.vars.items()
                         if n not in vars_before and v.persistable]
                 net.layers.append(LayerRecord(
                     name, kind, tuple(op.type for op in ops),
                     tuple(out.shape) if isinstance(out, Variable) and out.shape is not None
-                    else None, tuple(made)))
+                    else None, tuple(made), role))
             return out
         return wrapper
     return deco
@@ -154,7 +170,8 @@ def parameter(net, kind, arg, attr, default_name, shape, dtype, default_init, fa
     """The parameter a layer's `arg` (a ParamAttr, its name, or None) asks for: a new
     persistable made with the attr's initializer (else `default_init`), or, when the
     attr names one this net already has, that one - shared, after checking its shape,
-    dtype and settings agree (an error naming the layer and the argument otherwise)."""
+    dtype, settings and initializer agree (an error naming the layer and the argument
+    otherwise; a later use that gives no initializer takes the first one's)."""
     attr = as_param_attr(kind, arg, attr)
     name = attr.name or default_name
     shape, dtype = tuple(shape), np.dtype(dtype)
@@ -174,8 +191,15 @@ def parameter(net, kind, arg, attr, default_name, shape, dtype, default_init, fa
             raise ValueError(f"{kind}: argument '{arg}' shares {name!r} with other settings "
                              f"(learning_rate, weight_decay, trainable) = {ours} than its first "
                              f"use's {theirs}")
+        first = existing.param_attr.initializer
+        if attr.initializer is not None and attr.initializer != first:
+            raise ValueError(f"{kind}: argument '{arg}' shares {name!r} with the initializer "
+                             f"{attr.initializer!r}, but its first use initialised it with "
+                             f"{first!r}; a shared parameter has one initializer (give the "
+                             "same one, or none, to share it)")
         return existing
-    var = net.create_parameter(name, shape, dtype, attr.initializer or default_init,
-                               trainable=attr.trainable, fan_in=fan_in, fan_out=fan_out)
-    var.param_attr = attr
+    init = attr.initializer or default_init
+    var = net.create_parameter(name, shape, dtype, init, trainable=attr.trainable,
+                               fan_in=fan_in, fan_out=fan_out)
+    var.param_attr = dataclasses.replace(attr, initializer=init)     # the one it was made with
     return var

@@ -19,7 +19,7 @@ def _labels(net, kind, label):
     return label
 
 
-@layer("softmax_with_cross_entropy")
+@layer("softmax_with_cross_entropy", role="loss")
 def softmax_with_cross_entropy(net, logits, label, label_smoothing=0.0, name=None):
     """Per-row cross entropy of softmax(logits) against int64 class labels; shape (N,).
     label_smoothing eps in [0, 1] mixes the target with the uniform one: (1 - eps)
@@ -55,29 +55,35 @@ def _pair(net, kind, x, label, reduction):
                          f"must have the shape of 'input' ({x.name!r}, shape {x.shape})")
 
 
+def _difference(net, input, label, name):  # noqa: A002
+    """input - label, which must have one shape: checked when the net is built and again
+    on every fed shape (a (4, 1) input against a (1, 4) label would broadcast to 4 x 4)."""
+    return _op(net, "subtract", {"x": input, "y": label}, name, "diff", {"same_shape": True})
+
+
 def _op(net, op_type, ins, name, suffix, attrs=None):
     return net.append(op_type, ins, {"out": f"{name}.{suffix}"}, attrs)["out"]
 
 
-@layer("mse_loss")
+@layer("mse_loss", role="loss")
 def mse_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
     """(input - label)^2, reduced (torch's F.mse_loss)."""
     _pair(net, "mse_loss", input, label, reduction)
-    d = _op(net, "subtract", {"x": input, "y": label}, name, "diff")
+    d = _difference(net, input, label, name)
     return _reduced(net, "mse_loss", _op(net, "square", {"x": d}, name, "elementwise"),
                     reduction, name)
 
 
-@layer("l1_loss")
+@layer("l1_loss", role="loss")
 def l1_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
     """|input - label|, reduced (torch's F.l1_loss)."""
     _pair(net, "l1_loss", input, label, reduction)
-    d = _op(net, "subtract", {"x": input, "y": label}, name, "diff")
+    d = _difference(net, input, label, name)
     return _reduced(net, "l1_loss", _op(net, "abs", {"x": d}, name, "elementwise"),
                     reduction, name)
 
 
-@layer("huber_loss")
+@layer("huber_loss", role="loss")
 def huber_loss(net, input, label, delta=1.0, reduction="mean", name=None):  # noqa: A002
     """0.5 d^2 where |d| <= delta, else delta (|d| - 0.5 delta), d = input - label,
     reduced (torch's F.huber_loss): computed as 0.5 c^2 + delta (|d| - |c|) with
@@ -86,7 +92,7 @@ def huber_loss(net, input, label, delta=1.0, reduction="mean", name=None):  # no
     delta = float_arg("huber_loss", "delta", delta, 0.0)
     if delta <= 0:
         raise ValueError(f"huber_loss: argument 'delta' must be > 0, got {delta}")
-    d = _op(net, "subtract", {"x": input, "y": label}, name, "diff")
+    d = _difference(net, input, label, name)
     c = _op(net, "clip", {"x": d}, name, "clipped", {"min": -delta, "max": delta})
     quad = _op(net, "scale", {"x": _op(net, "square", {"x": c}, name, "c2")}, name, "quad",
                {"scale": 0.5, "bias": 0.0})
@@ -97,7 +103,7 @@ def huber_loss(net, input, label, delta=1.0, reduction="mean", name=None):  # no
                                            "elementwise"), reduction, name)
 
 
-@layer("binary_cross_entropy_with_logits")
+@layer("binary_cross_entropy_with_logits", role="loss")
 def binary_cross_entropy_with_logits(net, logit, label, reduction="mean", name=None):
     """Binary cross entropy of sigmoid(logit) against float labels in [0, 1], in its
     stable form, reduced (torch's F.binary_cross_entropy_with_logits)."""
@@ -122,7 +128,7 @@ def argmax(net, x, axis=-1, name=None):
     return net.append("argmax", {"x": x}, {"out": f"{name}.out"}, {"axis": axis})["out"]
 
 
-@layer("accuracy")
+@layer("accuracy", role="metric")
 def accuracy(net, logits, label, name=None):
     """The fraction of rows whose argmax(logits) equals the label: a float32 scalar."""
     tensor(net, "accuracy", "logits", logits, float_only=True)

@@ -17,6 +17,16 @@ number >= 0 (0 allowed) or a schedule; a schedule advances once per
 `net.train` step and keeps its step counter in a persistable, so a
 checkpoint resumes it. The update section of the net is, in order: the
 schedule's op, the clipping op, one update op per parameter.
+
+An optimizer's state is named under its own name, `<kind>_<k>` (`adam_0`,
+`momentum_0`; GradientMerge's `gradient_merge_0`): its learning rate
+`adam_0.learning_rate` (`.step`, `.plateau` for schedules) and each
+parameter's state `adam_0.<param>.moment1`, so it never shares a name with
+another optimizer's or a layer's, and checkpoints can tell it apart (the
+"optimizer" part, see minigraph.io). The names under that prefix are
+reserved once minimize() returns. Version 1 checkpoints named the state
+without the prefix (`learning_rate_0`, `<param>.moment1`): `legacy_names`
+maps each state name to that one.
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ import numpy as np
 
 from minigraph.backward import append_backward
 from minigraph.initializer import Constant
+from minigraph.io import checkpoint_values
 from minigraph.optimizer import groups, lr
 from minigraph.optimizer.gradient_merge import GradientMerge
 from minigraph.schema import OpDesc
@@ -72,7 +83,11 @@ class ClipGradByGlobalNorm:
 
 
 class Optimizer:
-    """Base: subclasses say which update op each (parameter, gradient) gets."""
+    """Base: subclasses say which update op each (parameter, gradient) gets.
+    `takes_momentum`: whether OneCycleLR(cycle_momentum=True) may drive its momentum
+    (Momentum's momentum, Adam's beta1)."""
+
+    takes_momentum = False
 
     def __init__(self, learning_rate, weight_decay=0.0, grad_clip=None):
         name = type(self).__name__
@@ -88,9 +103,22 @@ class Optimizer:
             raise TypeError(f"{name}: grad_clip must be a ClipGradByGlobalNorm or None, got "
                             f"{type(grad_clip).__name__}")
         self.grad_clip = grad_clip
+        if getattr(self.schedule, "cycle_momentum", False) and not self.takes_momentum:
+            raise ValueError(f"{name}: OneCycleLR(cycle_momentum=True) needs an optimizer with "
+                             "a momentum to cycle: Momentum, or Adam/AdamW (beta1)")
         self.lr_var = None
         self.step_var = None
+        self.momentum_var = None
         self._place = None
+        self.name = None                # its name in the net (minimize): "adam_0"
+        self.state_vars = []            # its persistables, in creation order
+        self.legacy_names = {}          # state name -> its name in version 1 checkpoints
+
+    kind = "optimizer"                  # the stem of its name in a net (a subclass's)
+
+    def describe(self):
+        """What a checkpoint records about this optimizer: {"type", "name"}."""
+        return {"type": type(self).__name__, "name": self.name}
 
     @property
     def learning_rate(self):
@@ -100,6 +128,16 @@ class Optimizer:
         if self.lr_var is None or self.lr_var.value is None:
             return self._initial
         return float(self.lr_var.get())
+
+    @property
+    def cycled_momentum(self):
+        """The momentum (or Adam's beta1) OneCycleLR(cycle_momentum=True) set for the
+        last update (its value for the first before any); None without cycling."""
+        if not getattr(self.schedule, "cycle_momentum", False):
+            return None
+        if self.momentum_var is None or self.momentum_var.value is None:
+            return self.schedule.momentum(0)
+        return float(self.momentum_var.get())
 
     def minimize(self, net, loss, parameters=None):
         """Append backward and the update section (schedule, learning-rate multipliers,
@@ -132,15 +170,24 @@ class Optimizer:
         `scale` op per learning-rate multiplier other than 1, the clipping op and one
         update op per (ParamSetting, gradient) of `updates`, in the update section."""
         self._place = net.place
-        self.lr_var = net.create_parameter(net.unique_name("learning_rate"), (), "float64",
-                                           Constant(self._initial), trainable=False)
+        self.name = net.unique_name(self.kind)
+        legacy = net.unique_name("learning_rate", take=False)
+        self.lr_var = self.new_state(net, "learning_rate", (), "float64", self._initial, legacy)
+        self.lr_var.value_rule = checkpoint_values.learning_rate
         if isinstance(self.schedule, lr.ReduceOnPlateau):
-            self.schedule.bind(net, self.lr_var)
+            self.schedule.bind(net, self.lr_var, lambda: self.new_state(
+                net, "learning_rate.plateau", (5,), "float64", 0.0, f"{legacy}.plateau"))
         elif self.schedule is not None:
-            self.step_var = net.create_parameter(f"{self.lr_var.name}.step", (), "int64",
-                                                 Constant(0), trainable=False)
+            self.step_var = self.new_state(net, "learning_rate.step", (), "int64", 0,
+                                           f"{legacy}.step")
+            cycled = {}
+            if getattr(self.schedule, "cycle_momentum", False):
+                self.momentum_var = self.new_state(
+                    net, "learning_rate.momentum", (), "float64", self.schedule.momentum(0),
+                    f"{legacy}.momentum")
+                cycled["momentum"] = self.momentum_var
             net.append_op(OpDesc("lr_schedule", dict(step=self.step_var, step_out=self.step_var,
-                                                      learning_rate=self.lr_var,
+                                                      learning_rate=self.lr_var, **cycled,
                                                       **self.schedule.attrs())), "update")
         rates = {1.0: self.lr_var}
         for setting, _ in updates:
@@ -155,6 +202,11 @@ class Optimizer:
             net.append_op(self.update(net, setting.param, grad, rates[setting.lr_scale],
                                       setting.weight_decay), "update")
         net.optimizer = self
+        net.trained = tuple(setting.param for setting, _ in updates)
+        net.frozen_at_minimize = tuple(
+            v for v in net.persistables()
+            if checkpoint_values.part_of(v) == "parameters" and not v.trainable)
+        net.scope.reserve(self.name, f"the {type(self).__name__} optimizer {self.name!r}")
 
     def set_learning_rate(self, value):
         """Change the learning rate for the next steps (after minimize; not with a
@@ -170,12 +222,21 @@ class Optimizer:
         value = check_learning_rate(value, f"{name}.set_learning_rate: learning_rate")
         self.lr_var.set(self._place.to_device(np.array(value, dtype=np.float64)))
 
+    def new_state(self, net, name, shape, dtype, value, legacy):
+        """A persistable of this optimizer, `<self.name>.<name>`, filled with `value`;
+        `legacy` is its name in version 1 checkpoints."""
+        var = net.create_parameter(f"{self.name}.{name}", shape, dtype, Constant(value),
+                                   trainable=False, part="optimizer")
+        self.state_vars.append(var)
+        self.legacy_names[var.name] = legacy
+        return var
+
     def state(self, net, param, suffix, value=0.0, shape=None, dtype=None):
-        """A persistable optimizer state for `param` (`<param>.<suffix>`), filled with value."""
-        return net.create_parameter(f"{param.name}.{suffix}",
-                                    param.shape if shape is None else shape,
-                                    param.dtype if dtype is None else dtype,
-                                    Constant(value), trainable=False)
+        """A persistable optimizer state for `param` (`<self.name>.<param>.<suffix>`),
+        filled with value."""
+        name = f"{param.name}.{suffix}"
+        return self.new_state(net, name, param.shape if shape is None else shape,
+                              param.dtype if dtype is None else dtype, value, name)
 
     def update(self, net, param, grad, learning_rate, weight_decay):
         """The OpDesc updating `param` from `grad` at the rate held by the Variable
@@ -186,6 +247,8 @@ class Optimizer:
 class SGD(Optimizer):
     """param -= learning_rate * (grad + weight_decay * param)."""
 
+    kind = "sgd"
+
     def update(self, net, param, grad, learning_rate, weight_decay):
         return OpDesc("sgd", dict(param=param, grad=grad, learning_rate=learning_rate,
                                   param_out=param, weight_decay=weight_decay))
@@ -194,7 +257,12 @@ class SGD(Optimizer):
 class Momentum(Optimizer):
     """d = grad + weight_decay * param; velocity = momentum * velocity + d;
     param -= learning_rate * velocity (PyTorch's convention; nesterov=True
-    steps along d + momentum * velocity)."""
+    steps along d + momentum * velocity). OneCycleLR(cycle_momentum=True) replaces
+    `momentum` by its cycled value, step by step."""
+
+    takes_momentum = True
+
+    kind = "momentum"
 
     def __init__(self, learning_rate, momentum=0.9, nesterov=False, weight_decay=0.0,
                  grad_clip=None):
@@ -206,16 +274,24 @@ class Momentum(Optimizer):
 
     def update(self, net, param, grad, learning_rate, weight_decay):
         velocity = self.state(net, param, "velocity")
+        cycled = {} if self.momentum_var is None else {"mu_value": self.momentum_var}
         return OpDesc("momentum", dict(param=param, grad=grad, velocity=velocity,
                                        learning_rate=learning_rate, param_out=param,
                                        velocity_out=velocity, mu=self.momentum,
-                                       use_nesterov=self.nesterov, weight_decay=weight_decay))
+                                       use_nesterov=self.nesterov, weight_decay=weight_decay,
+                                       **cycled))
 
 
 class Adam(Optimizer):
-    """torch.optim.Adam: bias-corrected moments; weight_decay is L2 added to the grad."""
+    """torch.optim.Adam: bias-corrected moments; weight_decay is L2 added to the grad.
+    A float16 parameter keeps its moments in float32 and its update is computed in
+    float32 (epsilon = 1e-8 and the second moment underflow in float16).
+    OneCycleLR(cycle_momentum=True) replaces beta1 by its cycled value, step by step,
+    with torch's bias correction 1 - beta1 ** step."""
 
     decoupled = False
+    takes_momentum = True
+    kind = "adam"
 
     def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
                  weight_decay=0.0, grad_clip=None):
@@ -226,10 +302,13 @@ class Adam(Optimizer):
         self.epsilon = check_number(epsilon, f"{name}: epsilon", low_open=True)
 
     def update(self, net, param, grad, learning_rate, weight_decay):
-        m1, m2 = self.state(net, param, "moment1"), self.state(net, param, "moment2")
+        work = np.float32 if np.dtype(param.dtype) == np.float16 else None
+        m1, m2 = (self.state(net, param, s, dtype=work) for s in ("moment1", "moment2"))
         p1, p2 = (self.state(net, param, s, 1.0, (), "float64")
                   for s in ("beta1_pow", "beta2_pow"))
-        return OpDesc("adam", dict(
+        cycled = {} if self.momentum_var is None else {"beta1_value": self.momentum_var,
+                                                       "step": self.step_var}
+        return OpDesc("adam", dict(**cycled,
             param=param, grad=grad, moment1=m1, moment2=m2, beta1_pow=p1, beta2_pow=p2,
             learning_rate=learning_rate, param_out=param, moment1_out=m1, moment2_out=m2,
             beta1_pow_out=p1, beta2_pow_out=p2, beta1=self.beta1, beta2=self.beta2,
@@ -240,6 +319,7 @@ class AdamW(Adam):
     """torch.optim.AdamW: Adam with decoupled weight decay (param *= 1 - lr * wd)."""
 
     decoupled = True
+    kind = "adamw"
 
     def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, epsilon=1e-8,
                  weight_decay=0.01, grad_clip=None):

@@ -4,14 +4,17 @@
     opt.minimize(net, loss)
 
 Every train step adds each parameter's gradient into the persistable
-`<param>.merged_grad`; on every k-th step the inner optimizer's update section
-runs with their mean (avg=True; the sum with avg=False), then the sums are zeroed.
+`gradient_merge_<i>.<param>.merged_grad`; on every k-th step the inner
+optimizer's update section runs with their mean (avg=True; the sum with
+avg=False), then the sums are zeroed.
 This is PyTorch's accumulation loop (loss / k, backward() on each micro-batch,
 optimizer.step() and zero_grad() every k-th): k steps of batch B train like one
 step of batch k·B for ops whose loss is a mean over rows. The inner optimizer's
 schedule advances once per update, clipping acts on the merged gradient, and
 parameter groups work as in minimize. The step count is the persistable
-`gradient_merge_<i>.step`, so a checkpoint resumes mid-accumulation.
+`gradient_merge_<i>.step`, so a checkpoint resumes mid-accumulation; the
+checkpoint records k_steps, and loading it into a GradientMerge of another
+k_steps is refused.
 """
 from __future__ import annotations
 
@@ -35,6 +38,15 @@ class GradientMerge:
             raise TypeError(f"GradientMerge: avg must be True or False, got {avg!r}")
         self.inner, self.k_steps, self.avg = inner, int(k_steps), avg
         self.counter = None
+        self.merged = []               # the merged-gradient sums, after minimize
+        self.name = None                # its name in the net (minimize): "gradient_merge_0"
+        self.state_vars = []
+        self.legacy_names = {}          # state name -> its name in version 1 checkpoints
+
+    def describe(self):
+        """What a checkpoint records about this optimizer (minigraph.io)."""
+        return {"type": "GradientMerge", "name": self.name, "k_steps": self.k_steps,
+                "avg": self.avg, "inner": self.inner.describe()}
 
     @property
     def learning_rate(self):
@@ -49,16 +61,17 @@ class GradientMerge:
             raise ValueError("GradientMerge.minimize: this optimizer already minimises a net; "
                              "make one per net")
         settings, params_grads = self.inner.backward(net, loss, parameters)
+        self.name = net.unique_name("gradient_merge")
         updates, sums = [], []
         for setting, (param, grad) in zip(settings, params_grads):
             if grad is None:
                 continue
-            total = net.create_parameter(f"{param.name}.merged_grad", param.shape, param.dtype,
-                                         Constant(0.0), trainable=False)
+            total = self._state(net, f"{param.name}.merged_grad", param.shape, param.dtype,
+                                0.0)
             net.append_op(OpDesc("sum", dict(x=[total, grad], out=total)), "backward")
             sums.append(total)
             if self.avg and self.k_steps > 1:
-                mean = net.scopes["train"].new_var(f"{param.name}.merged_grad_mean")
+                mean = net.scopes["train"].new_var(f"{total.name}_mean")
                 net.append_op(OpDesc("scale", dict(x=total, out=mean, scale=1.0 / self.k_steps)),
                               "update")
                 updates.append((setting, mean))
@@ -69,8 +82,18 @@ class GradientMerge:
             net.append_op(OpDesc("fill_constant", dict(out=total, shape=tuple(total.shape),
                                                        dtype=str(total.dtype), value=0.0)),
                           "update")
-        self.counter = net.create_parameter(f"{net.unique_name('gradient_merge')}.step", (),
-                                            "int64", Constant(0), trainable=False)
+        self.merged = sums
+        self.counter = self._state(net, "step", (), "int64", 0)
         net.update_every(self.k_steps, self.counter)
         net.optimizer = self
+        net.scope.reserve(self.name, f"the GradientMerge optimizer {self.name!r}")
         return params_grads
+
+    def _state(self, net, name, shape, dtype, value):
+        """A persistable of this optimizer, `<self.name>.<name>` (version 1 checkpoints
+        named a merged gradient `<param>.merged_grad`, the counter the same)."""
+        var = net.create_parameter(f"{self.name}.{name}", shape, dtype, Constant(value),
+                                   trainable=False, part="optimizer")
+        self.state_vars.append(var)
+        self.legacy_names[var.name] = var.name if name == "step" else name
+        return var

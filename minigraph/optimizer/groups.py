@@ -9,10 +9,12 @@ optimizer's (its schedule included) times its group's multiplier times its
 ParamAttr's learning_rate; its weight decay is its ParamAttr's weight_decay if set,
 else its group's, else the optimizer's. Anything else is an error naming the
 element: an empty list, an unknown key, a non-parameter, a frozen parameter, a
-Variable of another net, or one parameter listed twice.
+Variable of another net, or one parameter listed twice. A trainable parameter
+left out of every element is not trained: a warning names it.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from minigraph.scope import Variable
@@ -88,4 +90,12 @@ def resolve(net, parameters, who, weight_decay):
             settings.append(ParamSetting(
                 var, scale * own_scale,
                 own_wd if own_wd is not None else wd if wd is not None else weight_decay))
+    left = [p.name for p in net.parameters() if id(p) not in seen]
+    if left:
+        warnings.warn(f"{who}: the trainable parameter{'s' if len(left) > 1 else ''} "
+                      f"{', '.join(map(repr, left))} {'are' if len(left) > 1 else 'is'} in no "
+                      "element of parameters and will not be trained; list "
+                      f"{'them' if len(left) > 1 else 'it'} (in a group with learning_rate "
+                      "0.0 to keep the values), or freeze with trainable=False before "
+                      "minimize()", UserWarning, stacklevel=4)
     return settings

@@ -9,11 +9,22 @@
         with T = total_steps; warmup_steps=0 is torch's
         CosineAnnealingLR(T_max=total_steps, eta_min=end_lr), closed form.
     OneCycleLR(max_learning_rate, total_steps, divide_factor=25.0,
-               end_learning_rate=1e-4, phase_pct=0.3)
+               end_learning_rate=1e-4, phase_pct=0.3, *, div_factor=None,
+               final_div_factor=None, three_phase=False, anneal_strategy="cos",
+               cycle_momentum=False, base_momentum=0.85, max_momentum=0.95)
         torch OneCycleLR(max_lr, total_steps, pct_start=phase_pct, div_factor=
         divide_factor, final_div_factor=max_lr / divide_factor / end_learning_rate,
-        anneal_strategy="cos", three_phase=False); after total_steps it stays at
-        end_learning_rate (torch raises there).
+        anneal_strategy, three_phase, cycle_momentum, base_momentum, max_momentum);
+        div_factor is torch's name for divide_factor, final_div_factor sets
+        end_learning_rate = max_learning_rate / divide_factor / final_div_factor.
+        Our defaults differ from torch's in two places: the end rate (1e-4, where
+        torch's is max_lr / 25 / 1e4) and cycle_momentum (False; torch's True).
+        OneCycleLR.with_torch_defaults(max_lr, total_steps, ...) takes torch's
+        signature and defaults. With cycle_momentum the optimizer's momentum
+        (Momentum) or beta1 (Adam, AdamW) follows max_momentum -> base_momentum ->
+        max_momentum against the rate, step for step as torch sets them; it lives in
+        the persistable `<learning rate name>.momentum`. After total_steps the rate
+        stays at the end rate (torch raises there).
     LinearWarmup(learning_rate, warmup_steps, start_lr, end_lr)
         t < warmup_steps: start_lr + (end_lr - start_lr) * t / warmup_steps, then
         learning_rate: a number, or one of the schedules above started at its own step 0
@@ -36,8 +47,8 @@ import numbers
 
 import numpy as np
 
-from minigraph.initializer import Constant
-from minigraph.kernels.cpu.lr_schedule import schedule_value
+from minigraph.io import checkpoint_values
+from minigraph.kernels.cpu.lr_schedule import momentum_value, schedule_value
 from minigraph.validators import check_number, is_int
 
 
@@ -65,7 +76,9 @@ class Schedule:
 
 _OP_DEFAULTS = {"step_size": 1, "gamma": 0.1, "total_steps": 1, "end_lr": 0.0,
                 "warmup_steps": 0, "milestones": (), "divide_factor": 25.0, "phase_pct": 0.3,
-                "linear_warmup_steps": 0, "linear_warmup_start": 0.0, "linear_warmup_end": 0.0}
+                "linear_warmup_steps": 0, "linear_warmup_start": 0.0, "linear_warmup_end": 0.0,
+                "three_phase": False, "anneal": "cos", "base_momentum": 0.85,
+                "max_momentum": 0.95}
 
 
 class StepDecay(Schedule):
@@ -140,29 +153,82 @@ class CosineDecay(Schedule):
 
 class OneCycleLR(Schedule):
     """Up from max_learning_rate / divide_factor to max_learning_rate over the first
-    phase_pct of total_steps, then down to end_learning_rate, both along a cosine
-    (torch OneCycleLR; see the module doc)."""
+    phase_pct of total_steps, then down to end_learning_rate (three_phase: back to
+    the start rate first), along a cosine or a line (torch OneCycleLR; see the module
+    doc). cycle_momentum cycles the optimizer's momentum or Adam's beta1 the other
+    way."""
 
     kind = "onecycle"
 
     def __init__(self, max_learning_rate, total_steps, divide_factor=25.0,
-                 end_learning_rate=1e-4, phase_pct=0.3):
-        super().__init__(check_number(max_learning_rate, "OneCycleLR: max_learning_rate"))
-        self.total_steps = _count(total_steps, "OneCycleLR: total_steps", 1)
-        self.divide_factor = check_number(divide_factor, "OneCycleLR: divide_factor",
+                 end_learning_rate=None, phase_pct=0.3, *, div_factor=None,
+                 final_div_factor=None, three_phase=False, anneal_strategy="cos",
+                 cycle_momentum=False, base_momentum=0.85, max_momentum=0.95):
+        name = "OneCycleLR"
+        super().__init__(check_number(max_learning_rate, f"{name}: max_learning_rate"))
+        self.total_steps = _count(total_steps, f"{name}: total_steps", 1)
+        if div_factor is not None:
+            if divide_factor != 25.0 and divide_factor != div_factor:
+                raise ValueError(f"{name}: divide_factor ({divide_factor}) and div_factor "
+                                 f"({div_factor}) are one setting (div_factor is PyTorch's "
+                                 "name); give one")
+            divide_factor = div_factor
+        self.divide_factor = check_number(divide_factor, f"{name}: divide_factor",
                                           low_open=True)
-        self.end_learning_rate = check_number(end_learning_rate, "OneCycleLR: end_learning_rate")
-        self.phase_pct = check_number(phase_pct, "OneCycleLR: phase_pct", high=1.0)
-        rise_end = self.phase_pct * self.total_steps - 1
-        if not 0 < rise_end < self.total_steps - 1:
-            raise ValueError(f"OneCycleLR: phase_pct * total_steps - 1 must lie in (0, "
-                             f"total_steps - 1) so both phases have a step, got phase_pct="
-                             f"{self.phase_pct}, total_steps={self.total_steps}")
+        if final_div_factor is not None:
+            if end_learning_rate is not None:
+                raise ValueError(f"{name}: end_learning_rate and final_div_factor both set the "
+                                 "end rate (end = max_learning_rate / divide_factor / "
+                                 "final_div_factor); give one")
+            final = check_number(final_div_factor, f"{name}: final_div_factor", low_open=True)
+            end_learning_rate = self.learning_rate / self.divide_factor / final
+        self.end_learning_rate = check_number(1e-4 if end_learning_rate is None else
+                                              end_learning_rate, f"{name}: end_learning_rate")
+        self.phase_pct = check_number(phase_pct, f"{name}: phase_pct", high=1.0)
+        for arg, value in (("three_phase", three_phase), ("cycle_momentum", cycle_momentum)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: {arg} must be True or False, got {value!r}")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(f"{name}: anneal_strategy must be 'cos' or 'linear', got "
+                             f"{anneal_strategy!r}")
+        self.three_phase, self.anneal_strategy = three_phase, anneal_strategy
+        self.cycle_momentum = cycle_momentum
+        self.base_momentum = check_number(base_momentum, f"{name}: base_momentum", high=1.0,
+                                          high_open=True)
+        self.max_momentum = check_number(max_momentum, f"{name}: max_momentum", high=1.0,
+                                         high_open=True)
+        ends = [self.phase_pct * self.total_steps - 1, self.total_steps - 1]
+        if three_phase:
+            ends.insert(1, 2 * self.phase_pct * self.total_steps - 2)
+        if not 0 < ends[0] or any(b <= a for a, b in zip(ends, ends[1:])):
+            where = ("phase_pct * total_steps - 1 and 2 * phase_pct * total_steps - 2 must lie "
+                     "in (0, total_steps - 1), in that order, so the three phases have a step"
+                     if three_phase else "phase_pct * total_steps - 1 must lie in (0, "
+                     "total_steps - 1) so both phases have a step")
+            raise ValueError(f"{name}: {where}, got phase_pct={self.phase_pct}, total_steps="
+                             f"{self.total_steps}")
+
+    @classmethod
+    def with_torch_defaults(cls, max_lr, total_steps, pct_start=0.3, anneal_strategy="cos",
+                            cycle_momentum=True, base_momentum=0.85, max_momentum=0.95,
+                            div_factor=25.0, final_div_factor=1e4, three_phase=False):
+        """torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr, total_steps, ...) with
+        torch's argument names and defaults (cycle_momentum=True, final_div_factor=1e4)."""
+        return cls(max_lr, total_steps, phase_pct=pct_start, div_factor=div_factor,
+                   final_div_factor=final_div_factor, three_phase=three_phase,
+                   anneal_strategy=anneal_strategy, cycle_momentum=cycle_momentum,
+                   base_momentum=base_momentum, max_momentum=max_momentum)
 
     def attrs(self):
         return {**super().attrs(), "total_steps": self.total_steps,
                 "divide_factor": self.divide_factor, "end_lr": self.end_learning_rate,
-                "phase_pct": self.phase_pct}
+                "phase_pct": self.phase_pct, "three_phase": self.three_phase,
+                "anneal": self.anneal_strategy, "base_momentum": self.base_momentum,
+                "max_momentum": self.max_momentum}
+
+    def momentum(self, t):
+        """The cycled momentum (or beta1) of update t (t = 0 for the first), in float64."""
+        return momentum_value({**_OP_DEFAULTS, **self.attrs()}, _count(t, "t", 0))
 
 
 class LinearWarmup(Schedule):
@@ -174,6 +240,9 @@ class LinearWarmup(Schedule):
             raise TypeError(f"LinearWarmup: learning_rate must be a number or a StepDecay, "
                             f"ExponentialDecay, MultiStepDecay, CosineDecay or OneCycleLR, got "
                             f"a {type(learning_rate).__name__}")
+        if getattr(learning_rate, "cycle_momentum", False):
+            raise ValueError("LinearWarmup: a OneCycleLR that cycles the momentum cannot follow "
+                             "a warm-up (the momentum of the warm-up steps is undefined)")
         self.after = learning_rate if isinstance(learning_rate, Schedule) else None
         super().__init__(self.after.learning_rate if self.after is not None
                          else learning_rate)
@@ -215,16 +284,17 @@ class ReduceOnPlateau:
         self.epsilon = check_number(epsilon, f"{name}: epsilon")
         self.lr_var = self.state_var = self._place = None
 
-    def bind(self, net, lr_var):
-        """Called by the optimizer's minimize: the rate to set and the state persistable
-        `<lr name>.plateau` (whether a best exists, the best, bad steps, cooldown left,
-        steps taken; all 0 at the start)."""
+    def bind(self, net, lr_var, make_state):
+        """Called by the optimizer's minimize: the rate to set, and `make_state()` makes
+        the state persistable `<lr name>.plateau` (whether a best exists, the best, bad
+        steps, cooldown left, steps taken; all 0 at the start), which gets the rule
+        its values obey."""
         if self.lr_var is not None:
             raise ValueError("ReduceOnPlateau: this schedule already drives an optimizer; make "
                              "one per optimizer")
-        self.state_var = net.create_parameter(f"{lr_var.name}.plateau", (5,), "float64",
-                                              Constant(0.0), trainable=False)
-        self.lr_var, self._place = lr_var, net.place
+        state_var = make_state()
+        state_var.value_rule = checkpoint_values.plateau(self.cooldown)
+        self.state_var, self.lr_var, self._place = state_var, lr_var, net.place
 
     def _better(self, metric, best):
         t, rel = self.threshold, self.threshold_mode == "rel"

@@ -3,10 +3,12 @@
 After it, K ranks running the same net on their own rows train like one
 process on all the rows (with sync_batch_norm for the batch statistics):
   * before the update ops, one `c_allreduce_avg` (per dtype) replaces each
-    parameter gradient by its average over ranks (at the end of the backward
-    section; for gradients made in the update section, GradientMerge's means
-    of the merged gradients, right after they are made, so only on the steps
-    that update). With the loss a mean over
+    parameter gradient by its average over ranks: at the end of the backward
+    section for a step's own gradients; in the update section, so only on the
+    steps that update, for the gradients GradientMerge hands the optimizer —
+    right after they are made (its means of the merged gradients) or, for
+    the merged sums themselves (persistables kept across steps: `avg=False`,
+    `k_steps=1`), before the first update op. With the loss a mean over
     the local rows and equal per-rank batch sizes, that average is the
     gradient of the mean loss over the whole batch. For uneven sizes pass
     `batch_size_from`: the loss gradient is first scaled by size·B_r/ΣB
@@ -48,19 +50,49 @@ def rewrite(net, batch_size_from=None):
             continue
         seen.add(id(grad))
         partial.setdefault(grad.dtype, []).append(grad)
-    made_in_update = _producers(net.section("update"))
     count = 0
     for grads in partial.values():
-        early = [g for g in grads if id(g) not in made_in_update]
-        late = [g for g in grads if id(g) in made_in_update]
+        makers = _update_makers(net.section("update"), grads)
+        late = [g for g in grads if id(g) in makers or g.persistable]
+        early = [g for g in grads if not (id(g) in makers or g.persistable)]
         if early:
             net.append_op(Operator("c_allreduce_avg", x=early, out=early), "backward")
         if late:
-            ops = net.section("update")
-            index = max(ops.index(made_in_update[id(g)]) for g in late) + 1
-            net.insert_op("update", index, Operator("c_allreduce_avg", x=late, out=late))
+            net.insert_op("update", _late_index(net.section("update"), late, makers),
+                          Operator("c_allreduce_avg", x=late, out=late))
         count += bool(early) + bool(late)
     return count
+
+
+def _first_reader(ops, var):
+    return next((i for i, op in enumerate(ops) if any(v is var for v in op.input_vars())),
+                len(ops))
+
+
+def _update_makers(ops, grads):
+    """{id(grad): index of the update op that makes the value the update ops read}
+    for the gradients made in the update section (GradientMerge's means); a
+    gradient made in the backward section (or a merged sum, which the update
+    section only zeroes after using it) has none."""
+    makers = {}
+    for g in grads:
+        before = ops[:_first_reader(ops, g)]
+        made = [i for i, op in enumerate(before) if any(v is g for v in op.output_vars())]
+        if made:
+            makers[id(g)] = made[-1]
+    return makers
+
+
+def _late_index(ops, late, makers):
+    """Where in the update section the allreduce of `late` goes: after the ops that
+    make any of them, before the first op that reads one."""
+    index = max((makers[id(g)] + 1 for g in late if id(g) in makers), default=0)
+    first_read = min(_first_reader(ops, g) for g in late)
+    if first_read < index:
+        raise ValueError(f"data_parallel: update op {first_read} ({ops[first_read].type}) "
+                         "reads a gradient before all of them are made; cannot place their "
+                         "averaging")
+    return index
 
 
 def _data_var(net, batch):
@@ -109,9 +141,14 @@ def _producers(ops):
     return last
 
 
-def _replicated(var, producers):
+def _replicated(var, producers, visiting=frozenset()):
     """True when `var` has the same value on every rank, by what the schemas of
-    the ops that made it declare."""
+    the ops that made it declare. A value that feeds its own update (an
+    accumulator such as GradientMerge's `sum` into its merged gradient) is
+    replicated when everything else added to it is: it starts replicated
+    (data_parallel broadcasts the persistables)."""
+    if id(var) in visiting:
+        return True
     op = producers.get(id(var))
     declared = op.schema.presummed if op is not None else None
     if declared and any(op.outputs.get(s) is var for s in declared(op)):
@@ -120,5 +157,6 @@ def _replicated(var, producers):
     if rule == "always":
         return True
     if rule == "inputs":
-        return all(_replicated(v, producers) for v in op.input_vars())
+        inner = visiting | {id(var)}
+        return all(_replicated(v, producers, inner) for v in op.input_vars())
     return False

@@ -44,12 +44,21 @@ class FoldNote:
         return f"{self.batch_norm}: kept ({self.reason})"
 
 
-def fold_batch_norm(net, verbose=False):
-    """A new infer-only Net equal to `net.infer` with every foldable batch norm
-    folded (see the module doc); `net` and its persistables are untouched.
-    The new net's `reports["fold_batch_norm"]` lists a FoldNote per batch norm;
-    verbose=True also prints it. Fetch from the new net by name."""
-    folded, _ = clone_for_inference(net, NAME)
+def fold_batch_norm(net, fetches=None, verbose=False):
+    """A new infer-only Net equal to `net.infer` for `fetches` with every foldable
+    batch norm folded (see the module doc); `net` and its persistables are
+    untouched. fetches: Variables of `net` or names, what the new net computes
+    (its default fetches); by default the net's predictions, without its loss,
+    labels and metrics (minigraph.passes.infer_clone.inference_outputs). The new
+    net's `reports["fold_batch_norm"]` lists a FoldNote per batch norm;
+    verbose=True also prints it. Fetch from the new net by name, or fetch nothing
+    to get its default fetches."""
+    return fold(net, fetches, verbose, NAME)
+
+
+def fold(net, fetches, verbose, made_by):
+    """fold_batch_norm for the pass `made_by` (named in the new net's errors)."""
+    folded, _ = clone_for_inference(net, made_by, fetches)
     notes = []
     for bn in [op for op in folded.section("trunk") if op.schema.has_role("batch_norm")]:
         notes.append(_fold_one(folded, bn))
@@ -75,7 +84,7 @@ def _fold_one(net, bn):
     why = _why_not(bn, x, readers, producer, bias_add, ops)
     if why:
         return FoldNote(label, False, reason=why)
-    w_slot, channel_axis, _ = producer.schema.weight
+    w_slot, channel_axis, _ = producer.schema.weight_axes(producer)
     w = producer.inputs[w_slot]
     channels = bn.inputs["estimated_mean"].shape[0]
     a = {s: np.full(channels, 1.0 if s == "scale" else 0.0) if bn.inputs[s] is None else
@@ -101,7 +110,7 @@ def _fold_one(net, bn):
         net.replace_op("trunk", bias_add, Operator(
             bias_add.type, x=bias_add.inputs["x"], y=b, out=out, **bias_add.attrs))
         if relu:
-            net.replace_op("trunk", bn, Operator(op_for_role("relu"), x=out, out=y))
+            net.replace_op("trunk", bn, _folded_relu(bn, out, y))
         else:
             net.remove_op("trunk", bn)
     else:
@@ -111,18 +120,26 @@ def _fold_one(net, bn):
         b.set(net.place.to_device(b_new))
         add = Operator(op_for_role("bias_add"), x=x, y=b, out=out,
                        axis=_out_channel_axis(producer, x))
+        add.layer = producer.layer              # the layer's bias now
         net.replace_op("trunk", bn, add)
         if relu:
             ops = net.section("trunk")
-            net.insert_op("trunk", ops.index(add) + 1, Operator(op_for_role("relu"), x=out, out=y))
+            net.insert_op("trunk", ops.index(add) + 1, _folded_relu(bn, out, y))
     return FoldNote(label, True, into=f"the {producer.type} computing {x.name!r}" +
                     (" and its bias add" if bias_add else " (as a new bias add)") +
                     (", a relu after it" if relu else ""))
 
 
+def _folded_relu(bn, x, out):
+    """The relu a folded batch_norm_relu leaves after the folded layer, in its layer."""
+    relu = Operator(op_for_role("relu"), x=x, out=out)
+    relu.layer = bn.layer
+    return relu
+
+
 def _out_channel_axis(producer, out):
     """The axis of `out` (the output of a "linear" op) that holds its channels."""
-    axis = producer.schema.weight[2]
+    axis = producer.schema.weight_axes(producer)[2]
     return axis % len(out.shape)
 
 
@@ -150,7 +167,7 @@ def _why_not(bn, x, readers, producer, bias_add, ops):
         start = rank - 1 if bias_add.attrs["axis"] == -1 else bias_add.attrs["axis"]
         if start != _out_channel_axis(producer, x):
             return "the bias add does not add per output channel"
-    w = producer.inputs[producer.schema.weight[0]]
+    w = producer.inputs[producer.schema.weight_axes(producer)[0]]
     if not w.persistable or sum(w in op.input_vars() for op in ops) > 1:
         return f"the weight {w.name!r} is not a parameter of this layer alone"
     rank, layout = len(x.shape), bn.attrs["data_layout"]

@@ -2,7 +2,8 @@
 
 fuse_conv2d makes a fused_conv2d of each
 
-    conv2d -> elementwise_add (a per-channel parameter, axis 1)   the layer's bias
+    conv2d -> elementwise_add (a per-channel parameter on the      the layer's bias
+                               channel axis: 1, or 3 in NHWC)
            -> add (another value of the same shape)               a residual
            -> relu
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minigraph.operator import Operator
-from minigraph.passes.fold_bn import fold_batch_norm
+from minigraph.passes.fold_bn import fold
 from minigraph.passes.infer_clone import check_net
 from minigraph.schema import op_for_role
 
@@ -50,15 +51,15 @@ class FuseNote:
         return f"{' + '.join(self.ops)} -> {self.into} computing {self.out!r}"
 
 
-def optimize_for_inference(net, verbose=False):
-    """A new infer-only Net equal to `net.infer` (to float rounding): batch norms
+def optimize_for_inference(net, fetches=None, verbose=False):
+    """A new infer-only Net equal to `net.infer` for `fetches` (to float rounding;
+    fetches as in fold_batch_norm, by default the net's predictions): batch norms
     folded into the convolutions and fc layers before them (fold_batch_norm), then
     conv2d chains fused (fuse_conv2d), then fc chains (fuse_fc). `net` is
     untouched; the new net's `reports` hold the three passes' notes. Fetch from it
-    by name."""
+    by name, or fetch nothing to get its default fetches."""
     check_net(net, "optimize_for_inference")
-    fast = fold_batch_norm(net, verbose=verbose)
-    fast.made_by = "optimize_for_inference"
+    fast = fold(net, fetches, verbose, "optimize_for_inference")
     fuse_conv2d(fast, verbose=verbose)
     fuse_fc(fast, verbose=verbose)
     return fast
@@ -95,6 +96,7 @@ def _fuse(net, name, role, fused_type, chain_of, verbose):
         out = chain[-1].outputs["out"]
         fused = Operator(fused_type, **{s: v for s, v in first.inputs.items() if v is not None},
                          out=out, **parts, **first.attrs)
+        fused.layer = first.layer           # the conv's or fc's layer, not its relu's
         net.replace_op("trunk", chain[-1], fused)
         for op in chain[:-1]:
             net.remove_op("trunk", op)
@@ -150,11 +152,14 @@ def _only_reader(ops, v, kept):
 
 
 def _is_conv_bias(add, v, conv):
-    """The bias add `add` on conv's output `v` adds one parameter value per channel."""
+    """The bias add `add` on conv's output `v` adds one parameter value per channel, on
+    the channel axis of the conv's layout (OpSchema.weight_axes)."""
     b = add.inputs["y"]
     channels = conv.inputs["filter"].shape[0] if conv.inputs["filter"].shape else None
-    return (b.persistable and b.shape == (channels,) and add.attrs["axis"] == 1
-            and b.dtype == v.dtype)
+    rank = len(v.shape) if v.shape else 4
+    axis = conv.schema.weight_axes(conv)[2] % rank
+    start = rank - 1 if add.attrs["axis"] == -1 else add.attrs["axis"]    # y is 1-D
+    return b.persistable and b.shape == (channels,) and start == axis and b.dtype == v.dtype
 
 
 def _is_fc_bias(add, v, mul):

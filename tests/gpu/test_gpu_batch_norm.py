@@ -79,6 +79,10 @@ SHAPES = {
     "offset-1e4-f32": ("NCHW", (3, 2, 17, 13), F32, {}, dict(offset=1e4)),
     "offset-1e4-nhwc-f32": ("NHWC", (601, 3), F32, {}, dict(offset=1e4, counter=5)),
     "offset-1e4-f64": ("NHWC", (4, 9, 5), F64, {}, dict(offset=1e4)),
+    "torch-rule-f32": ("NCHW", (4, 3, 5, 7), F32, dict(first_batch_sets_estimates=False), {}),
+    "torch-rule-nhwc-f64": ("NHWC", (3, 4, 6), F64,
+                            dict(first_batch_sets_estimates=False, momentum=0.7),
+                            dict(counter=2)),
     # one launch per pass, 68 KiB of shared memory (the function attribute)
     "resident-68k-f32": ("NCHW", (64, 8, 7, 7), F32, {}, dict(counter=2)),
     # more channel groups than CTAs: the next group double-buffered
@@ -190,7 +194,7 @@ def test_non_finite_batch_raises_at_the_next_fetch(device_place, monkeypatch, wo
 
 
 @pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
-@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1, 1), (0, 3)])
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1, 1)])
 def test_one_value_per_channel_is_the_cpu_error(device_place, monkeypatch, world_case, shape):
     op_type, make_comm = OP_WORLDS[world_case]
     errors = []
@@ -200,6 +204,47 @@ def test_one_value_per_channel_is_the_cpu_error(device_place, monkeypatch, world
             BN(p, op_type, 3, np.float32).step(np.ones(shape, np.float32))
         errors.append(str(e.value))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
+@pytest.mark.parametrize("momentum", [0.7, None])
+def test_pytorchs_estimate_rule_over_batches_is_the_cpus(device_place, monkeypatch, world_case,
+                                                         momentum):
+    """first_batch_sets_estimates=False through batch_norm, sync_batch_norm in a world of
+    one and its synchronized kernels: three batches, the estimates and counter as the CPU's."""
+    op_type, make_comm = OP_WORLDS[world_case]
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((6, 3, 2, 2)) + k).astype(np.float64) for k in range(3)]
+    dy = rng.standard_normal((6, 3, 2, 2))
+    results = []
+    for p in (mg.CPUPlace(), device_place):
+        monkeypatch.setattr(world, "_comm", make_comm(p))
+        bn = BN(p, op_type, 3, np.float64, momentum=momentum, first_batch=False)
+        results.append([bn.step(x, dy=dy) for x in batches])
+    for k, (want, got) in enumerate(zip(*results)):
+        for key in ("y", "mean", "var", "counter", "dx"):
+            assert_close(got[key], want[key], f"{world_case} batch {k}: {key}")
+
+
+@pytest.mark.parametrize("world_case", sorted(OP_WORLDS))
+@pytest.mark.parametrize("shape", [(0, 3), (0, 3, 2, 2)])
+def test_an_empty_batch_gives_an_empty_output_and_changes_nothing(device_place, monkeypatch,
+                                                                  world_case, shape):
+    op_type, make_comm = OP_WORLDS[world_case]
+    results = []
+    for p in (mg.CPUPlace(), device_place):
+        monkeypatch.setattr(world, "_comm", make_comm(p))
+        bn = BN(p, op_type, 3, np.float32)
+        kept = bn.estimates()
+        got = bn.step(np.ones(shape, np.float32), dy=np.ones(shape, np.float32))
+        assert got["y"].shape == shape and got["dx"].shape == shape
+        for k, v in kept.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+        np.testing.assert_array_equal(got["dscale"], 0)
+        np.testing.assert_array_equal(got["dbias"], 0)
+        results.append(got)
+    for k in ("bm", "bv", "mean", "var", "counter"):
+        assert_close(results[1][k], results[0][k], f"{world_case} {k}")
 
 
 def test_float16_is_a_clear_error_on_the_gpu(device_place):

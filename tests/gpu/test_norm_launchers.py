@@ -286,3 +286,118 @@ def test_bad_arguments(device):
         norm.group_norm_grad(x, None, mean, var, device.put(np.ones((2, 6), np.float32)), 2)
     with pytest.raises(ValueError, match=r"group_norm_grad: mean must be float32 of shape \(2, 3\)"):
         norm.group_norm_grad(x, None, var, mean, x, 3)
+
+
+# ---- channels last (norm_nhwc.py) ----------------------------------------------------------
+
+def to_nchw(a):
+    return np.ascontiguousarray(np.moveaxis(a, -1, 1))
+
+
+def run_group_norm_nhwc(device, shape, groups, dtype, which, offset=0.0):
+    """group_norm_nhwc and its grad against the NCHW references of the transposed data."""
+    from minigraph.kernels.cuda import norm_nhwc
+
+    r = rng(9)
+    x = (r.normal(offset, 2.0, shape)).astype(dtype)
+    scale, bias = affine(shape[-1], dtype, which)
+    y, mean, var = norm_nhwc.group_norm_nhwc(device.put(x), put(device, scale),
+                                             put(device, bias), groups, EPS)
+    want = gn_reference(to_nchw(x), scale, bias, groups)
+    check_all(device, (y, mean, var), (np.moveaxis(want[0], 1, -1), want[1], want[2]),
+              (TOL[dtype] * (10 if offset else 1),) * 3)
+    dy = r.normal(0, 1, shape).astype(dtype)
+    m, v = device.get(mean), device.get(var)
+    grads = norm_nhwc.group_norm_nhwc_grad(device.put(x), put(device, scale), mean, var,
+                                           device.put(dy), groups, EPS)
+    ref = gn_grad_reference(to_nchw(x), scale, m, v, to_nchw(dy), groups)
+    check_all(device, grads, (np.moveaxis(ref[0], 1, -1), ref[1], ref[2]),
+              (GRAD_TOL[dtype] * (100 if offset else 1), TOL[dtype] * (10 if offset else 1),
+               TOL[dtype]))
+    return [device.get(g) for g in grads]
+
+
+NHWC_CASES = [((3, 5, 4, 6), 2), ((2, 9, 4), 4), ((2, 3, 3, 70), 7), ((1, 40, 8), 8),
+              ((4, 6), 2), ((2, 2, 3, 2, 6), 1), ((3, 1, 1, 33), 3)]
+
+
+@pytest.mark.parametrize("shape,groups", NHWC_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_group_norm_channels_last(device, shape, groups, dtype):
+    run_group_norm_nhwc(device, shape, groups, dtype, "both")
+
+
+@pytest.mark.parametrize("which", ["none", "scale", "bias"])
+def test_group_norm_channels_last_without_scale_or_bias(device, which):
+    run_group_norm_nhwc(device, (2, 5, 3, 6), 3, np.float32, which)
+
+
+def test_group_norm_channels_last_offset_data_and_determinism(device):
+    first = run_group_norm_nhwc(device, (2, 17, 13, 6), 3, np.float32, "both", offset=1e4)
+    again = run_group_norm_nhwc(device, (2, 17, 13, 6), 3, np.float32, "both", offset=1e4)
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_group_norm_channels_last_empty_and_bad_arguments(device):
+    from minigraph.kernels.cuda import norm_nhwc
+
+    x = device.put(np.zeros((0, 3, 4), np.float32))
+    y, mean, var = norm_nhwc.group_norm_nhwc(x, None, None, 2)
+    assert device.get(y).shape == (0, 3, 4) and device.get(mean).shape == (0, 2)
+    dx, dscale, dbias = norm_nhwc.group_norm_nhwc_grad(x, None, mean, var, x, 2)
+    assert device.get(dx).shape == (0, 3, 4)
+    np.testing.assert_array_equal(device.get(dscale), 0)
+    with pytest.raises(ValueError, match="groups 3 must divide the 4 channels"):
+        norm_nhwc.group_norm_nhwc(device.put(np.ones((2, 3, 4), np.float32)), None, None, 3)
+
+
+def estimates_reference(mean, var, spatial, est_mean, est_var, counter, momentum, first):
+    """Instance norm's new estimates in float64 (references.blend_estimates)."""
+    from references import blend_estimates
+
+    return blend_estimates(est_mean, est_var, mean.astype(np.float64).mean(axis=0),
+                           (var.astype(np.float64) * spatial / (spatial - 1)).mean(axis=0),
+                           counter, momentum, first)
+
+
+@pytest.mark.parametrize("counter,momentum,first", [(0, 0.9, True), (0, 0.3, False),
+                                                    (5, None, True), (None, 0.6, True)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_instance_norm_estimates(device, counter, momentum, first, dtype):
+    from minigraph.kernels.cuda import batch_norm, norm_nhwc
+
+    r = rng(10)
+    mean = r.normal(size=(4, 5)).astype(dtype)
+    var = r.uniform(0.1, 2, (4, 5)).astype(dtype)
+    est_mean, est_var = r.normal(size=5).astype(dtype), r.uniform(0.5, 1.5, 5).astype(dtype)
+    em, ev = device.put(est_mean), device.put(est_var)
+    cnt = None if counter is None else device.put(np.array(counter, np.int64))
+    guard = batch_norm.Guard()
+    norm_nhwc.update_estimates(device.put(mean), device.put(var), 7, em, ev, cnt, momentum,
+                               guard, first)
+    want = estimates_reference(mean, var, 7, est_mean, est_var, counter, momentum, first)
+    assert rel_err(device.get(em), want[0]) < TOL[dtype]
+    assert rel_err(device.get(ev), want[1]) < TOL[dtype]
+    if counter is not None:
+        assert int(device.get(cnt)) == counter + 1
+    assert guard.rejected() == 0
+
+
+def test_instance_norm_estimates_reject_a_non_finite_batch(device):
+    from minigraph.kernels.cuda import batch_norm, norm_nhwc
+
+    mean = np.ones((2, 3), np.float32)
+    mean[1, 2] = np.inf
+    em, ev = device.put(np.zeros(3, np.float32)), device.put(np.ones(3, np.float32))
+    cnt = device.put(np.array(2, np.int64))
+    guard = batch_norm.Guard()
+    norm_nhwc.update_estimates(device.put(mean), device.put(np.ones((2, 3), np.float32)), 4,
+                               em, ev, cnt, 0.9, guard)
+    assert guard.rejected() == 1
+    np.testing.assert_array_equal(device.get(em), 0)
+    assert int(device.get(cnt)) == 2
+    norm_nhwc.update_estimates(device.put(np.zeros((0, 3), np.float32)),
+                               device.put(np.zeros((0, 3), np.float32)), 4, em, ev, cnt, 0.9,
+                               guard)                       # an empty batch: nothing at all
+    assert int(device.get(cnt)) == 2 and guard.rejected() == 0

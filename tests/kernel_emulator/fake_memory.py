@@ -27,7 +27,7 @@ class _Allocation:
             self.addr = self.buf.ctypes.data + (-self.buf.ctypes.data) % ALIGN
         else:
             self.buf = None
-            self.addr = next(cuda._addresses) * ALIGN * 64
+            self.addr = cuda.reserve(self.nbytes)
         cuda._track(self)
 
     def __int__(self):
@@ -163,8 +163,12 @@ class FakeArray:
 
     def _memory(self):
         """(allocation, byte offset) of the data. A view's gpudata is an address in
-        its base's allocation (as in PyCUDA, whose slices are such views)."""
+        its base's allocation (as in PyCUDA, whose slices are such views); a graph's
+        lease (an int) carries its allocation."""
         data = self.gpudata
+        lent = getattr(data, "allocation", None)
+        if lent is not None:
+            return lent, 0
         if isinstance(data, int):
             owner = self.base
             while isinstance(owner.gpudata, int):
@@ -185,6 +189,7 @@ class FakeArray:
 
     def set(self, a):
         self._check_owner("memcpy_htod")
+        self.cuda.synchronous("memcpy_htod")
         self.cuda.count("htod")
         if self.size and self.cuda.run_kernels:
             self._host()[...] = np.asarray(a, self.dtype).reshape(self.shape)
@@ -192,6 +197,7 @@ class FakeArray:
 
     def get(self):
         self._check_owner("memcpy_dtoh")
+        self.cuda.synchronous("memcpy_dtoh")
         self.cuda.count("dtoh")
         if self.size == 0 or not self.cuda.run_kernels:
             return np.zeros(self.shape, self.dtype)
@@ -308,6 +314,7 @@ class FakeFunction:
         cuda = self.module.cuda
         ctx = cuda.current(f"launch {self.name}")
         cuda.count("launch")
+        cuda.check_stream(f"launch {self.name}", stream, ctx)
         kernel_emulator.pack_args(self.name, self.fmt, args)    # struct.error, as PyCUDA's
         kernel_emulator.check_geometry(self.name, tuple(grid), tuple(block))
         cuda.check_sticky(f"launch {self.name}")
@@ -326,7 +333,10 @@ class FakeFunction:
                                           f"{cuda.owner(int(a))}, not {ctx}")
         if cuda.run_kernels:
             k = cuda.emulator().kernel(self.module.module, self.name, self.fmt)
-            with cuda.emu_lock:
-                if self.max_dynamic is not None:
-                    k._launch.allow_shared(self.max_dynamic)
-                k._launch(grid, block, args, shared_size)
+
+            def work():
+                with cuda.emu_lock:
+                    if self.max_dynamic is not None:
+                        k._launch.allow_shared(self.max_dynamic)
+                    k._launch(grid, block, args, shared_size)
+            cuda.enqueue(stream, work)

@@ -137,7 +137,8 @@ def fake_nccl_core(world):
 
         def allreduce(self, *args, **kwargs):
             a = bound(REAL.Communicator.allreduce, self, *args, **kwargs)
-            assert a["op"] == REAL.SUM and a.get("stream") is None
+            assert a["op"] == REAL.SUM and a.get("stream") == _device_stream(), \
+                "a collective off the device's own stream"
             self._enqueue("allreduce", a["sendbuf"], a["recvbuf"])
             values = world.exchange(self.rank, a["sendbuf"].get())
             a["recvbuf"]._host()[...] = sum(values[1:], values[0])
@@ -230,3 +231,10 @@ def on_ranks(world, fn):
     if errors:
         raise errors[0]
     return results
+
+
+def _device_stream():
+    """The handle of the stream the current device owns (what every NCCL call must get)."""
+    from minigraph.device import current
+
+    return current().stream_handle

@@ -67,7 +67,7 @@ class FakeCuda:
         self._tls = threading.local()
         self._stacks = {}
         self._owners = []           # sorted (start, end, ctx)
-        self._addresses = itertools.count(1)
+        self._top = 1 << 20            # the next fake address (kernels that do nothing)
         self._emu = None
         self.emu_lock = threading.Lock()
         self.hang = threading.Event()   # set: events never complete until released
@@ -75,6 +75,9 @@ class FakeCuda:
         self.sticky = None              # fail(): the message every later call raises
         self.leaks = []                 # (thread, kind, device) PyCUDA could not clean up
         self.aborts = []                # what would have ended the real process
+        self.captures = {}              # stream handle -> [work] while it is being captured
+        self.invalidated = {}           # stream handle -> why its capture was invalidated
+        self.graphs = {}                # graph or exec handle -> [work]
 
     # ---- bookkeeping ---------------------------------------------------------------
     def count(self, what):
@@ -155,17 +158,53 @@ class FakeCuda:
             assert d.retains == 0, f"GPU {d.index}'s primary context is still retained " \
                                    f"({d.retains})"
 
-    def memcpy_dtod(self, dest, src, nbytes):
+    def reserve(self, nbytes):
+        """A fresh device address range of `nbytes` (with a gap after it), for
+        allocations that hold no host buffer (run_kernels=False)."""
+        addr = self._top
+        self._top += -(-max(int(nbytes), 1) // 256) * 256 + 256 * 64
+        return addr
+
+    def enqueue(self, stream, work):
+        """Run `work()` now, or record it when `stream` (a FakeStream or a handle) is
+        being captured; returns True when recorded."""
+        handle = getattr(stream, "handle", stream)
+        if handle in self.captures:
+            self.captures[handle].append(work)
+            return True
+        work()
+        return False
+
+    def synchronous(self, what):
+        """A call that waits for the device (a host read, a copy on the legacy stream):
+        invalidates every capture under way in this context and fails, as CUDA's
+        cudaErrorStreamCaptureImplicit does."""
+        if self.captures:
+            for handle in self.captures:
+                self.invalidated.setdefault(handle, f"{what} during the capture")
+            raise FakeDriverError(f"{what}: operation not permitted when stream is capturing")
+
+    def check_stream(self, what, stream, ctx):
+        """FakeDriverError for a stream of another context (CUDA_ERROR_INVALID_HANDLE);
+        counts the calls on the legacy default stream (None)."""
+        if stream is None:
+            self.count("legacy_stream")
+        elif self.strict and stream.ctx is not ctx:
+            raise FakeDriverError(f"{what}: stream of {stream.ctx} used with {ctx} current "
+                                  "(invalid handle)")
+
+    def memcpy_dtod(self, dest, src, nbytes, stream=None):
         """A device-to-device copy on the current context (both ends its memory)."""
         ctx = self.current("memcpy_dtod")
         self.check_sticky("memcpy_dtod")
+        self.check_stream("memcpy_dtod", stream, ctx)
         self.count("dtod")
         if self.strict and not (self.owner(dest) is ctx and self.owner(src) is ctx):
             raise FakeDriverError(f"memcpy_dtod {src:#x} -> {dest:#x} outside {ctx}")
         if self.run_kernels:
             import ctypes
 
-            ctypes.memmove(dest, src, nbytes)
+            self.enqueue(stream, lambda: ctypes.memmove(dest, src, nbytes))
 
     def emulator(self):
         if self._emu is None:
@@ -185,11 +224,12 @@ class FakeCuda:
 
         from minigraph import device, place
 
-        saved = {k: v for k, v in sys.modules.items() if k == "pycuda" or
-                 k.startswith("pycuda.")}
+        saved = {k: v for k, v in sys.modules.items() if k in ("pycuda", "cuda") or
+                 k.startswith(("pycuda.", "cuda."))}
         for k in saved:
             del sys.modules[k]
         sys.modules.update(self.modules())
+        sys.modules.update(self.bindings())
         old_backend = device.use_backend(None)
         old_places = dict(device.places)
         device.places.clear()
@@ -197,12 +237,18 @@ class FakeCuda:
         place._contexts.clear()
         place._main_context = None
         from minigraph.kernels.cuda import backend as cuda_backend
+        from minigraph.kernels.cuda import libraries
 
         real_check, cuda_backend.check_toolkit = cuda_backend.check_toolkit, self._check_toolkit
         self.real_check_toolkit = real_check
+        no_blas, no_dnn = libraries.use("cublas", None), libraries.use("cudnn", None)
+        no_blas.__enter__()         # never a real cuBLAS / cuDNN on a fake driver (tests
+        no_dnn.__enter__()          # install the stand-ins of fake_libraries inside)
         try:
             yield self
         finally:
+            no_dnn.__exit__(None, None, None)
+            no_blas.__exit__(None, None, None)
             if place._contexts:
                 place.release_gpus()
             atexit.unregister(place.release_gpus)
@@ -215,7 +261,8 @@ class FakeCuda:
             place._contexts.clear()
             place._contexts.update(old_ctx)
             place._main_context = old_main
-            for k in [k for k in sys.modules if k == "pycuda" or k.startswith("pycuda.")]:
+            for k in [k for k in sys.modules if k in ("pycuda", "cuda") or
+                      k.startswith(("pycuda.", "cuda."))]:
                 del sys.modules[k]
             sys.modules.update(saved)
         if self.aborts:
@@ -236,10 +283,11 @@ class FakeCuda:
         drv.Device = _device_class(cuda)
         drv.Context = FakeContext
         drv.Event = lambda flags=0: FakeEvent(cuda, flags)
+        drv.Stream = lambda flags=0: FakeStream(cuda, flags)
         drv.event_flags = types.SimpleNamespace(DEFAULT=0, BLOCKING_SYNC=1, DISABLE_TIMING=2,
                                                 INTERPROCESS=4)
         drv.memcpy_dtod_async = lambda dest, src, nbytes, stream=None: cuda.memcpy_dtod(
-            int(dest), int(src), nbytes)
+            int(dest), int(src), nbytes, stream)
         drv.module_from_buffer = lambda buffer, options=None, message_handler=None: \
             FakeModule.load(cuda, buffer)
         drv.device_attribute = types.SimpleNamespace(
@@ -263,6 +311,65 @@ class FakeCuda:
         pkg.driver, pkg.gpuarray, pkg.tools, pkg.compiler = drv, ga, tools, comp
         return {"pycuda": pkg, "pycuda.driver": drv, "pycuda.gpuarray": ga,
                 "pycuda.tools": tools, "pycuda.compiler": comp}
+
+    def bindings(self):
+        """{name: module} of a fake cuda-bindings (`cuda.bindings.driver`): stream
+        capture, graphs, their launch - work enqueued on a capturing stream is
+        recorded, and replayed by cuGraphLaunch."""
+        cuda = self
+        cu = types.ModuleType("cuda.bindings.driver")
+        ok, invalid, illegal = "CUDA_SUCCESS", "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", \
+            "CUDA_ERROR_ILLEGAL_STATE"
+        cu.CUresult = types.SimpleNamespace(CUDA_SUCCESS=ok)
+        cu.CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_RELAXED=2)
+        cu.CUstream = int
+        cu.cuGetErrorName = lambda err: (ok, str(err).encode())
+        handles = itertools.count(0x9000)
+
+        def begin(stream, mode):
+            cuda.current("cuStreamBeginCapture")
+            cuda.count("capture_begin")
+            if stream in cuda.captures or mode != 2:
+                return (illegal,)
+            cuda.captures[stream] = []
+            return (ok,)
+
+        def end(stream):
+            work = cuda.captures.pop(stream, None)
+            why = cuda.invalidated.pop(stream, None)
+            if work is None:
+                return (illegal, None)
+            if why is not None:
+                return (invalid, None)
+            graph = next(handles)
+            cuda.graphs[graph] = work
+            return (ok, graph)
+
+        def instantiate(graph, flags):
+            if graph not in cuda.graphs:
+                return (illegal, None)
+            exe = next(handles)
+            cuda.graphs[exe] = cuda.graphs[graph]
+            return (ok, exe)
+
+        def launch(exe, stream):
+            cuda.current("cuGraphLaunch")
+            cuda.check_sticky("cuGraphLaunch")
+            cuda.count("graph_launch")
+            for work in cuda.graphs[exe]:
+                cuda.enqueue(stream, work)
+            return (ok,)
+
+        def destroy(handle):
+            cuda.graphs.pop(handle, None)
+            return (ok,)
+        cu.cuStreamBeginCapture, cu.cuStreamEndCapture = begin, end
+        cu.cuGraphInstantiate, cu.cuGraphLaunch = instantiate, launch
+        cu.cuGraphExecDestroy = cu.cuGraphDestroy = destroy
+        pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
+        pkg.__path__, bindings.__path__ = [], []
+        pkg.bindings, bindings.driver = bindings, cu
+        return {"cuda": pkg, "cuda.bindings": bindings, "cuda.bindings.driver": cu}
 
 
 class FakeContext:
@@ -311,6 +418,7 @@ class FakeContext:
         ctx = c.current("Context.synchronize")
         c.count("synchronize")
         c.log.append((threading.current_thread().name, "synchronize", ctx.device.index))
+        c.synchronous("cuCtxSynchronize")
         c.check_sticky("cuCtxSynchronize")
 
     @staticmethod
@@ -377,6 +485,26 @@ def _device_class(cuda):
     return Device
 
 
+class FakeStream:
+    """A Stream: made in the current context (its `ctx`), with an integer `handle`;
+    launches and copies on it need that context current."""
+
+    _handles = itertools.count(0x7000, 0x10)
+
+    def __init__(self, cuda, flags=0):
+        self.cuda, self.flags = cuda, flags
+        self.ctx = cuda.current("Stream (cuStreamCreate)")
+        self.handle = next(self._handles)
+        cuda.count("stream_create")
+
+    def synchronize(self):
+        self.cuda.count("stream_synchronize")
+        self.cuda.check_sticky("cuStreamSynchronize")
+
+    def is_done(self):
+        return True
+
+
 class FakeEvent:
     """An Event: made in the current context (PyCUDA's are context-dependent),
     recorded there, destroyed like PyCUDA's (see FakeCuda.cleanup); synchronize
@@ -396,6 +524,7 @@ class FakeEvent:
         ctx = self.cuda.current("Event.record")
         if self.cuda.strict and ctx is not self.ctx:
             raise FakeDriverError(f"Event.record: event of {self.ctx} with {ctx} current")
+        self.cuda.check_stream("Event.record", stream, ctx)
         self.cuda.count("event_record")
         self.at = next(FakeEvent.records)
         return self

@@ -6,10 +6,13 @@ whole batch. The per-step loss over the whole batch and every parameter
 after the last step must agree within float32 tolerance, and every rank
 must end with bitwise the same persistables.
 
-Three runs: "equal" (the same rows on every rank; plain gradient averaging),
-"uneven" (different rows per rank; data_parallel(batch_size_from="label")) and
+Five runs: "equal" (the same rows on every rank; plain gradient averaging),
+"uneven" (different rows per rank; data_parallel(batch_size_from="label")),
 "merge" (GradientMerge(k=2) around the momentum optimizer on both sides: two
-micro-batches per update, averaged over the ranks on the update steps only).
+micro-batches per update, averaged over the ranks on the update steps only),
+"merge_sum" (GradientMerge(k=2, avg=False): the merged sums themselves are
+averaged over the ranks, in the update section) and "merge_k1"
+(GradientMerge(k_steps=1): the same on every step).
 argv[1], optional: an .npz with the training images and labels (x, y), so
 that the ranks need not import scikit-learn; by default load_digits_split().
 Prints "OK rank r" when every check passed.
@@ -27,7 +30,7 @@ STEPS = 4
 
 
 def rows_per_rank(size, mode):
-    if mode in ("equal", "merge"):
+    if mode in ("equal", "merge", "merge_sum", "merge_k1"):
         return [6] * size
     return [3 + 2 * r for r in range(size)]
 
@@ -53,7 +56,9 @@ def check(comm, mode, train_x, train_y):
 
     def optimizer():
         inner = mg.optimizer.Momentum(learning_rate=0.05, momentum=0.9)
-        return mg.optimizer.GradientMerge(inner, 2) if mode == "merge" else inner
+        merges = {"merge": dict(k_steps=2), "merge_sum": dict(k_steps=2, avg=False),
+                  "merge_k1": dict(k_steps=1)}
+        return mg.optimizer.GradientMerge(inner, **merges[mode]) if mode in merges else inner
 
     net, h = build_net(seed=3, optimizer=optimizer())
     # 2 batch norms x (train + infer copy) + their 2 grad ops
@@ -90,7 +95,7 @@ def check(comm, mode, train_x, train_y):
 def main(path=None):
     comm = mg.distributed.init()
     train_x, train_y = load(path)
-    for mode in ("equal", "uneven", "merge"):
+    for mode in ("equal", "uneven", "merge", "merge_sum", "merge_k1"):
         check(comm, mode, train_x, train_y)
     print(f"OK rank {comm.rank}", flush=True)
 

@@ -43,7 +43,7 @@ class BN:
     on persistables of its own; values go in and come out as numpy arrays."""
 
     def __init__(self, place, op_type, channels, dtype, layout="NCHW", momentum=0.9,
-                 counter=True, seed=1):
+                 counter=True, seed=1, first_batch=True):
         self.place = place
         self.scope = s = mg.Scope()
         rng = np.random.default_rng(seed)
@@ -64,7 +64,8 @@ class BN:
         self.dx, self.dscale, self.dbias = var("dx"), var("dscale"), var("dbias")
         common = dict(x=self.x, estimated_mean=self.mean, estimated_var=self.var,
                       scale=self.scale, bias=self.bias, y=self.y, saved_mean=self.mean,
-                      saved_var=self.var, momentum=momentum, data_layout=layout)
+                      saved_var=self.var, momentum=momentum, data_layout=layout,
+                      first_batch_sets_estimates=first_batch)
         if counter:
             common.update(num_batches=self.counter, saved_num_batches=self.counter)
         self.train_op = mg.Operator(op_type, batch_mean=self.bm, batch_var=self.bv, **common)

@@ -32,7 +32,7 @@ from minigraph.data import transforms as T  # noqa: E402
 
 ROWS, BATCH, EPOCHS, SEED = 50, 16, 2, 11
 RTOL = 1e-5
-ROUNDING = {"c1.b.velocity": 1e-6}
+ROUNDING = {"momentum_0.c1.b.velocity": 1e-6}
 
 
 def loader(shard, prefetch):

@@ -32,7 +32,7 @@ def row_counts(size, with_empty):
 class BN:
     """One batch-norm op (sync or not) and its grad op on persistables of its own."""
 
-    def __init__(self, op_type, channels, dtype, layout="NCHW", momentum=0.9,
+    def __init__(self, op_type, channels, dtype, layout="NCHW", momentum=0.9, first_batch=True,
                  average_ranks=False):
         self.scope = s = mg.Scope()
         self.op_type = op_type
@@ -54,7 +54,8 @@ class BN:
         common = dict(x=self.x, estimated_mean=self.mean, estimated_var=self.var,
                       scale=self.scale, bias=self.bias, num_batches=self.counter,
                       y=self.y, saved_mean=self.mean, saved_var=self.var,
-                      saved_num_batches=self.counter, momentum=momentum, data_layout=layout)
+                      saved_num_batches=self.counter, momentum=momentum, data_layout=layout,
+                      first_batch_sets_estimates=first_batch)
         self.train_op = mg.Operator(op_type, batch_mean=self.bm, batch_var=self.bv, **common)
         self.infer_op = mg.Operator(op_type, batch_mean=var("infer_mean"),
                                     batch_var=var("infer_var"), is_infer=True, **common)
@@ -110,13 +111,14 @@ def same_on_every_rank(comm, tag, *arrays):
 
 
 def run_case(comm, tag, shape_of, layout, dtype, with_empty, steps, rtol, atol,
-             offset=0.0, stats_rtol=None, relu=False, average_ranks=False):
+             offset=0.0, stats_rtol=None, first_batch=True, relu=False, average_ranks=False):
     channels = shape_of(1)[1] if layout == "NCHW" else shape_of(1)[-1]
     counts = row_counts(comm.size, with_empty)
     lo, hi = sum(counts[:comm.rank]), sum(counts[:comm.rank + 1])
     kind = "batch_norm_relu" if relu else "batch_norm"
-    sync = BN("sync_" + kind, channels, dtype, layout, average_ranks=average_ranks)
-    single = BN(kind, channels, dtype, layout)
+    sync = BN("sync_" + kind, channels, dtype, layout, first_batch=first_batch,
+              average_ranks=average_ranks)
+    single = BN(kind, channels, dtype, layout, first_batch=first_batch)
     rng = np.random.default_rng(1234)
     for step in range(steps):
         full = (rng.standard_normal(shape_of(sum(counts))) * 2.0 + offset).astype(dtype)
@@ -195,6 +197,16 @@ def check_global_n_is_one(comm):
     assert np.allclose(got["bm"], 0.5) and np.allclose(got["bv"], 0.25), got
 
 
+def check_every_rank_empty(comm):
+    """An empty batch on every rank: empty outputs, and nothing written anywhere."""
+    sync = BN("sync_batch_norm", 3, np.float64)
+    kept = sync.mean.get().copy(), sync.var.get().copy()
+    got = sync.step(np.zeros((0, 3, 2, 2)), np.zeros((0, 3, 2, 2)))
+    assert got["y"].shape == (0, 3, 2, 2) and got["dx"].shape == (0, 3, 2, 2), got["y"].shape
+    assert np.array_equal(sync.mean.get(), kept[0]) and np.array_equal(sync.var.get(), kept[1])
+    assert int(sync.counter.get()) == 0 and not got["dscale"].any() and not got["dbias"].any()
+
+
 def main():
     comm = mg.distributed.init()
     assert comm.size > 1, "run me under mpiexec -n K (K >= 2)"
@@ -209,6 +221,8 @@ def main():
              rtol=1e-9, atol=1e-10)
     run_case(comm, "float64 rank 2", lambda n: (n, 6), "NCHW", np.float64, True, steps=2,
              rtol=1e-9, atol=1e-10)
+    run_case(comm, "PyTorch's rule float64 NCHW", nchw, "NCHW", np.float64, True, steps=3,
+             rtol=1e-9, atol=1e-10, first_batch=False)
     run_case(comm, "relu float64 NCHW", nchw, "NCHW", np.float64, True, steps=2, rtol=1e-9,
              atol=1e-10, relu=True)
     run_case(comm, "relu float32 NHWC averaged", lambda n: (n, 2, 3, 4), "NHWC", np.float32,
@@ -216,6 +230,7 @@ def main():
     check_offset(comm)
     check_offset_1e6(comm)
     check_global_n_is_one(comm)
+    check_every_rank_empty(comm)
     print(f"OK rank {comm.rank}", flush=True)
 
 

@@ -1,0 +1,104 @@
+"""A compiled plan replayed as a CUDA graph (minigraph/replay.py, kernels/cuda/graphs.py)
+on the fake driver, whose fake cuda-bindings record the work enqueued on a capturing
+stream and replay it at cuGraphLaunch; kernels run on the emulator. Replayed steps
+equal steps run op by op (new feeds each step, a new batch size captured anew); a
+capture that fails (a host read inside the step) warns, names the reason and changes
+no result; a parameter given a new array from outside is read, not the old one;
+nothing runs on the legacy default stream inside a step."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from kernel_emulator import fake_pycuda
+from op_harness import batches, small_net
+
+import minigraph as mg
+from minigraph import replay
+from minigraph.kernels.cuda import activation
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
+
+
+def trained(feeds, graphs=True, monkeypatch=None):
+    """(losses, parameters, the fake driver's counts) of small_net trained on `feeds`."""
+    if not graphs:
+        monkeypatch.setenv("MINIGRAPH_CUDA_GRAPHS", "off")
+    cuda = fake_pycuda.FakeCuda(devices=1)
+    with cuda.install():
+        place = mg.GPUPlace(0)
+        net, _, loss = small_net(place, mg.optimizer.Momentum(0.1, 0.9))
+        losses = [float(net.train(feed=f, fetch=[loss])[0]) for f in feeds]
+        params = {p.name: place.to_host(p.value) for p in net.parameters()}
+    monkeypatch.delenv("MINIGRAPH_CUDA_GRAPHS", raising=False)
+    return losses, params, cuda.counts
+
+
+def test_replayed_steps_equal_steps_run_op_by_op(monkeypatch):
+    feeds = batches(7)
+    got, got_params, counts = trained(feeds, True, monkeypatch)
+    want, want_params, plain = trained(feeds, False, monkeypatch)
+    assert got == want
+    for name, value in want_params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
+    assert counts["capture_begin"] == 1
+    assert counts["graph_launch"] == 7 - 1 - replay.WARM_RUNS
+    assert plain["graph_launch"] == 0
+    assert counts["launch"] < plain["launch"]       # replayed kernels go through the graph
+
+
+def test_a_new_batch_size_is_captured_anew(monkeypatch):
+    feeds = batches(5) + batches(5, n=6, seed=1)
+    got, _, counts = trained(feeds, True, monkeypatch)
+    want, _, _ = trained(feeds, False, monkeypatch)
+    assert got == want
+    assert counts["capture_begin"] == 2
+
+
+def test_a_capture_that_fails_warns_and_changes_nothing(monkeypatch):
+    real = activation.relu_gpu
+
+    def reads_the_host(op, ins, ctx):
+        ins["x"].get()                  # a host read inside the step: not capturable
+        return real(op, ins, ctx)
+
+    from minigraph.schema import get_schema
+
+    kernels = get_schema("relu").kernels
+    saved = kernels["gpu"]
+    import dataclasses
+    kernels["gpu"] = tuple(dataclasses.replace(k, fn=reads_the_host) for k in saved)
+    try:
+        feeds = batches(6)
+        with pytest.warns(RuntimeWarning, match="capture failed .*not permitted when stream "
+                                                "is capturing"):
+            got, _, counts = trained(feeds, True, monkeypatch)
+        want, _, _ = trained(feeds, False, monkeypatch)
+    finally:
+        kernels["gpu"] = saved
+    assert got == want
+    assert counts["graph_launch"] == 0
+
+
+def test_a_parameter_set_from_outside_is_read(monkeypatch):
+    cuda = fake_pycuda.FakeCuda(devices=1)
+    feeds = batches(8)
+    results = []
+    for graphs in (True, False):
+        if not graphs:
+            monkeypatch.setenv("MINIGRAPH_CUDA_GRAPHS", "off")
+        with cuda.install():
+            place = mg.GPUPlace(0)
+            net, _, loss = small_net(place, mg.optimizer.SGD(0.1))
+            losses = [float(net.train(feed=f, fetch=[loss])[0]) for f in feeds[:5]]
+            w = net.parameters()[0]
+            w.value = place.to_device(np.full(w.value.shape, 0.01, np.float32))
+            losses += [float(net.train(feed=f, fetch=[loss])[0]) for f in feeds[5:]]
+        results.append(losses)
+    assert results[0] == results[1]
+
+
+def test_no_step_work_on_the_legacy_stream(monkeypatch):
+    _, _, counts = trained(batches(5), True, monkeypatch)
+    assert counts["legacy_stream"] == 0

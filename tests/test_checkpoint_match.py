@@ -1,0 +1,436 @@
+"""Checkpoints by part (minigraph.checkpoint_match): fine-tuning with a new optimizer,
+parameters-only files, selections a file cannot satisfy, optimizer state named under
+its optimizer, GradientMerge's k_steps, names a net refuses, and load_parameters from
+plain mappings and np.savez files."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import io
+from minigraph import layers as L
+
+rng = np.random.default_rng(0)
+IMAGES = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
+LABELS = (IMAGES[:, 0, :4, :4].mean(axis=(1, 2)) > IMAGES[:, 0, 4:, 4:].mean(axis=(1, 2)))
+
+
+def build(head="head", classes=2, opt=None, seed=0):
+    """image -> conv c1 -> batch norm bn1 -> relu -> max pool -> fc fc1 (16) -> relu
+    -> fc `head` (classes); minimised by `opt` when given: (net, loss)."""
+    net = mg.Net(seed=seed)
+    image = L.data(net, "image", shape=(-1, 1, 8, 8))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.conv2d(net, image, num_filters=4, filter_size=3, padding=1, name="c1")
+    h = L.pool2d(net, L.relu(net, L.batch_norm(net, h, name="bn1")), 2)
+    h = L.relu(net, L.fc(net, h, 16, name="fc1"))
+    logits = L.fc(net, h, classes, name=head)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    if opt is not None:
+        opt.minimize(net, loss)
+    return net, loss
+
+
+def feed(labels=LABELS):
+    return {"image": IMAGES, "label": labels.astype(np.int64)}
+
+
+def trained(tmp_path, steps=5, opt=None):
+    net, loss = build(opt=opt or mg.optimizer.Adam(0.01))
+    for _ in range(steps):
+        net.train(feed=feed(), fetch=[loss])
+    return net, io.save(net, tmp_path / "ck.npz")
+
+
+def snapshot(net):
+    return {v.name: v.get() for v in net.persistables()}
+
+
+def same(a, b, names):
+    return all(a[n].tobytes() == b[n].tobytes() for n in names)
+
+
+# ---- fine-tuning ------------------------------------------------------------------------
+
+def test_fine_tuning_keeps_the_new_optimizer_and_the_loss_falls(tmp_path):
+    """Train, save; build a new net with a new head, minimise it with a new Adam, load
+    the parameters only: the rate and the moments are the new optimizer's (the old
+    run's `learning_rate_0` and `n1.scale.moment1` used to replace them), the body
+    is the saved one, and fine-tuning trains."""
+    old, path = trained(tmp_path)
+    assert old.optimizer.learning_rate == 0.01
+    net, loss = build(head="head2", classes=3, opt=mg.optimizer.Adam(1e-3))
+    fresh = snapshot(net)
+    state = [n for n in fresh if n.endswith((".moment1", ".moment2", "_pow"))]
+    missing, unexpected = io.load(net, path, strict=False)
+    assert net.optimizer.learning_rate == 1e-3
+    assert same(snapshot(net), fresh, state + [net.optimizer.lr_var.name, "head2.w", "head2.b"])
+    assert missing == ["head2.w", "head2.b"] and unexpected == ["head.w", "head.b"]
+    saved = snapshot(old)
+    body = ["c1.w", "c1.b", "bn1.scale", "bn1.bias", "bn1.estimated_mean", "bn1.estimated_var",
+            "bn1.num_batches", "fc1.w", "fc1.b"]
+    assert same(snapshot(net), saved, body)
+    assert "adam_0.fc1.w.moment1" in state and net.optimizer.lr_var.name == "adam_0.learning_rate"
+    assert float(net.var("adam_0.fc1.w.beta1_pow").get()) == 1.0
+    labels = LABELS.astype(np.int64) * 2           # the new head's task: classes 0 and 2
+    first = float(net.train(feed=feed(labels), fetch=[loss])[0])
+    for _ in range(30):
+        last = float(net.train(feed=feed(labels), fetch=[loss])[0])
+    assert last < 0.7 * first
+    assert net.optimizer.learning_rate == 1e-3
+
+
+def test_freezing_the_loaded_body_trains_only_the_new_head(tmp_path):
+    _, path = trained(tmp_path)
+    net, loss = build(head="head2", opt=mg.optimizer.Momentum(0.1, weight_decay=0.01))
+    io.load(net, path, parts=["parameters", "estimates"], strict=False)
+    for p in net.parameters():
+        if not p.name.startswith("head2."):
+            p.trainable = False
+    before = snapshot(net)
+    for _ in range(3):
+        net.train(feed=feed(), fetch=[loss])
+    after = snapshot(net)
+    assert same(after, before, ["c1.w", "c1.b", "bn1.scale", "bn1.bias", "fc1.w", "fc1.b"])
+    assert not np.array_equal(after["head2.w"], before["head2.w"])
+
+
+def test_a_strict_load_of_the_same_net_resumes_exactly(tmp_path):
+    a, path = trained(tmp_path, steps=3)
+    b, _ = build(opt=mg.optimizer.Adam(0.5), seed=9)       # another rate: the file's wins
+    assert sorted(io.load(b, path)) == sorted(v.name for v in b.persistables())
+    assert b.optimizer.learning_rate == 0.01
+    for _ in range(2):
+        a.train(feed=feed())
+        b.train(feed=feed())
+    assert same(snapshot(a), snapshot(b), [v.name for v in a.persistables()])
+
+
+def test_the_optimizer_state_is_restored_when_asked_for(tmp_path):
+    a, path = trained(tmp_path, steps=3)
+    b, _ = build(head="other", opt=mg.optimizer.Adam(0.5))
+    missing, unexpected = io.load(b, path, strict=False, parts={"optimizer"})
+    assert b.optimizer.learning_rate == 0.01
+    assert "adam_0.other.w.moment1" in missing and "adam_0.head.w.moment1" in unexpected
+    assert np.array_equal(b.var("adam_0.fc1.w.moment1").get(), a.var("adam_0.fc1.w.moment1").get())
+    assert not np.array_equal(b.var("fc1.w").get(), a.var("fc1.w").get())   # not selected
+
+
+# ---- parts ------------------------------------------------------------------------------
+
+def test_a_parameters_only_file_holds_the_parameters_and_says_so(tmp_path):
+    net, path = trained(tmp_path)
+    small = io.save(net, tmp_path / "params.npz", parts={"parameters"})
+    with np.load(small) as npz:
+        names = set(npz.files) - {"__format__", "__manifest__"}
+        manifest = json.loads(str(npz["__manifest__"]))
+    params = {p.name for p in net.parameters()}
+    assert names == params and manifest == {"parts": {"parameters": sorted(
+        params, key=[v.name for v in net.persistables()].index)}, "optimizer": None}
+    assert small.stat().st_size < 0.5 * path.stat().st_size
+    with np.load(path) as npz:
+        full = json.loads(str(npz["__manifest__"]))
+    assert full["optimizer"] == {"type": "Adam", "name": "adam_0"}
+    assert set(full["parts"]) == {"parameters", "estimates", "optimizer"}
+
+
+def test_a_selection_the_file_cannot_satisfy_names_what_is_missing(tmp_path):
+    net, _ = trained(tmp_path)
+    small = io.save(net, tmp_path / "params.npz", parts={"parameters"})
+    other, _ = build(opt=mg.optimizer.Adam(0.02), seed=3)
+    before = snapshot(other)
+    with pytest.raises(io.CheckpointError, match=r"holds no estimates or optimizer \(it holds "
+                                                 r"parameters\), so it cannot set "
+                                                 r"'bn1.estimated_mean'.*load it with "
+                                                 r"parts=\['parameters'\]"):
+        io.load(other, small)
+    for strict in (True, False):
+        with pytest.raises(io.CheckpointError, match="holds no optimizer .* cannot set "
+                                                     "'adam_0.learning_rate'"):
+            io.load(other, small, strict=strict, parts=["parameters", "optimizer"])
+    assert same(snapshot(other), before, before)
+    assert sorted(io.load(other, small, parts=["parameters"])) == sorted(
+        p.name for p in other.parameters())
+    assert io.load(other, small, strict=False) == (["bn1.estimated_mean", "bn1.estimated_var",
+                                                    "bn1.num_batches"], [])
+
+
+@pytest.mark.parametrize("parts, error, message", [
+    ("parameters", TypeError, "parts must be None or a collection of part names"),
+    (["weights"], ValueError, "unknown part 'weights'; the parts are 'parameters', "
+                              "'estimates', 'optimizer'"),
+    ([], ValueError, "parts is empty"),
+    (3, TypeError, "parts must be None"),
+])
+def test_parts_are_checked(tmp_path, parts, error, message):
+    net, path = trained(tmp_path, steps=1)
+    with pytest.raises(error, match=message):
+        io.load(net, path, parts=parts)
+    with pytest.raises(error, match=message):
+        io.save(net, tmp_path / "x.npz", parts=parts)
+    assert not (tmp_path / "x.npz").exists()
+
+
+# ---- optimizer state under its optimizer's name ----------------------------------------
+
+def test_state_is_named_under_its_optimizer_and_the_names_are_reserved():
+    net, _ = build()
+    L.fc(net, net.data_vars["image"], 2, name="adam_0")     # a layer took the name first
+    mg.optimizer.Adam(0.01).minimize(net, net.loss or build_loss(net))
+    names = [v.name for v in net.persistables()]
+    assert "adam_1.learning_rate" in names and "adam_1.fc1.w.moment2" in names
+    assert not any(n.startswith("learning_rate") for n in names)
+    with pytest.raises(ValueError, match="'adam_1.extra' is reserved: the names under 'adam_1.' "
+                                         "are the state of the Adam optimizer 'adam_1'"):
+        net.create_parameter("adam_1.extra", (2,), "float32", mg.initializer.Constant(0.0),
+                             trainable=False)
+
+
+def build_loss(net):
+    label = net.data_vars["label"]
+    return L.mean(net, L.softmax_with_cross_entropy(net, net.var("head.out"), label))
+
+
+def test_another_optimizers_checkpoint_says_which_wrote_it(tmp_path):
+    _, path = trained(tmp_path, opt=mg.optimizer.Momentum(0.1))
+    net, _ = build(opt=mg.optimizer.Adam(0.01))
+    with pytest.raises(io.CheckpointError, match="written by Momentum 'momentum_0'; this net's "
+                                                 "optimizer is Adam 'adam_0'"):
+        io.load(net, path)
+    assert io.load(net, path, strict=False) == ([], [])      # parameters and estimates
+
+
+def test_a_gradient_merge_checkpoint_of_another_k_is_refused(tmp_path):
+    a, path = trained(tmp_path, steps=3,
+                      opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=4))
+    b, _ = build(opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=2))
+    before = snapshot(b)
+    with pytest.raises(io.CheckpointError, match="accumulated over k_steps=4, this net's "
+                                                 "accumulates over k_steps=2"):
+        io.load(b, path)
+    with pytest.raises(io.CheckpointError, match="accumulated over k_steps=4"):
+        io.load(b, path, strict=False, parts=io.PARTS)
+    assert same(snapshot(b), before, before)
+    assert int(a.var("gradient_merge_0.step").get()) == 3
+    with np.load(path) as npz:
+        desc = json.loads(str(npz["__manifest__"]))["optimizer"]
+    assert desc == {"type": "GradientMerge", "name": "gradient_merge_0", "k_steps": 4,
+                    "avg": True, "inner": {"type": "SGD", "name": "sgd_0"}}
+    io.load(b, path, parts=["parameters", "estimates"])        # the weights still load
+    assert np.array_equal(b.var("fc1.w").get(), a.var("fc1.w").get())
+    c, _ = build(opt=mg.optimizer.GradientMerge(mg.optimizer.SGD(0.1), k_steps=4))
+    io.load(c, path)
+    assert int(c.var("gradient_merge_0.step").get()) == 3
+
+
+# ---- names a net refuses -----------------------------------------------------------------
+
+@pytest.mark.parametrize("make, message", [
+    (lambda net, x: L.fc(net, x, 3, param_attr="fc1.w@GRAD"), "'@GRAD' marks the gradients"),
+    (lambda net, x: L.fc(net, x, 3, name="a@GRAD"), "'@GRAD' marks the gradients"),
+    (lambda net, x: L.data(net, "x@GRAD@1", shape=(-1, 3)), "'@GRAD' marks the gradients"),
+    (lambda net, x: L.fc(net, x, 3, param_attr="__format__"), "names of the form '__name__'"),
+    (lambda net, x: L.data(net, "__manifest__", shape=(-1, 3)), ".*could not be saved"),
+])
+def test_reserved_names_are_refused_when_created(make, message):
+    """`fc1.w@GRAD` used to be accepted, and backward then wrote fc1.w's gradient into it."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 4))
+    names = {v.name for v in net.scope.vars.values()}
+    with pytest.raises(ValueError, match="is reserved: " + message):
+        make(net, x)
+    assert {v.name for v in net.scope.vars.values()} == names
+
+
+def test_a_parameter_named_like_a_gradient_no_longer_receives_one():
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 4))
+    h = L.fc(net, x, 3, name="fc1")
+    with pytest.raises(ValueError, match="reserved"):
+        L.fc(net, h, 2, param_attr=mg.ParamAttr(name="fc1.w@GRAD"))
+
+
+# ---- load_parameters -----------------------------------------------------------------------
+
+def torch_names(net):
+    """A state_dict as PyTorch would name this net's parameters and buffers (Linear
+    weights transposed, as torch stores them (out, in))."""
+    sd = {}
+    for v in net.persistables():
+        if v.name.startswith("adam_"):
+            continue
+        layer, what = v.name.split(".", 1)
+        key = {"w": "weight", "b": "bias", "scale": "weight", "bias": "bias",
+               "estimated_mean": "running_mean", "estimated_var": "running_var",
+               "num_batches": "num_batches_tracked"}[what]
+        value = v.get()
+        sd[f"model.{layer}.{key}"] = value.T.copy() if layer in ("fc1", "head") and \
+            what == "w" else value
+    return sd
+
+
+def from_torch(name):
+    layer, key = name.split(".")[1:]
+    what = {"running_mean": "estimated_mean", "running_var": "estimated_var",
+            "num_batches_tracked": "num_batches"}.get(key)
+    if what is None:
+        what = ("scale" if layer.startswith("bn") else "w") if key == "weight" else \
+            ("bias" if layer.startswith("bn") else "b")
+    return f"{layer}.{what}"
+
+
+def test_load_parameters_from_a_renamed_state_dict(tmp_path):
+    a, _ = trained(tmp_path)
+    sd = torch_names(a)
+    for key in ("model.fc1.weight", "model.head.weight"):
+        sd[key] = sd[key].T.copy()              # what a porting script does
+    b, _ = build(opt=mg.optimizer.Adam(0.003), seed=5)
+    state = {n: v for n, v in snapshot(b).items() if n.startswith("adam_")}
+    names = mg.io.load_parameters(b, sd, rename=from_torch)
+    assert sorted(names) == sorted(n for n in snapshot(a) if not n.startswith("adam_"))
+    assert same(snapshot(b), snapshot(a), names)
+    assert same(snapshot(b), state, state) and b.optimizer.learning_rate == 0.003
+
+
+def test_load_parameters_names_each_mismatch_and_changes_nothing(tmp_path):
+    a, _ = trained(tmp_path)
+    sd = {n: v.get() for n, v in ((v.name, v) for v in a.persistables())
+          if not n.startswith("adam_")}
+    sd["fc1.w"] = sd["fc1.w"].T.copy()                       # torch's layout, not ours
+    sd["c1.b"] = sd["c1.b"].astype(np.float64)
+    sd["head.b"] = sd["head.b"][:1]
+    sd["bn1.estimated_var"] = -sd["bn1.estimated_var"]
+    b, _ = build(opt=mg.optimizer.Adam(0.01), seed=5)
+    before = snapshot(b)
+    with pytest.raises(io.CheckpointError) as err:
+        io.load_parameters(b, sd)
+    msg = str(err.value)
+    assert "3 problem(s); nothing was loaded" in msg
+    assert "wrong shape for 'fc1.w': the net has (64, 16), the file (16, 64)" in msg
+    assert "wrong dtype for 'c1.b': the net has float32, the file float64" in msg
+    assert "wrong shape for 'head.b'" in msg
+    assert same(snapshot(b), before, before)
+    sd["fc1.w"], sd["c1.b"], sd["head.b"] = (a.var(n).get() for n in ("fc1.w", "c1.b", "head.b"))
+    with pytest.raises(io.CheckpointError, match="variance estimate 'bn1.estimated_var'"):
+        io.load_parameters(b, sd)
+    assert same(snapshot(b), before, before)
+
+
+def test_load_parameters_strict_false_and_what_it_never_sets(tmp_path):
+    a, _ = trained(tmp_path)
+    b, _ = build(head="head2", opt=mg.optimizer.Adam(0.01), seed=5)
+    sd = {"fc1.w": a.var("fc1.w").get(), "ghost": np.zeros(3, np.float32),
+          "adam_0.fc1.w.moment1": np.ones((64, 16), np.float32), "skip.me": np.zeros(1)}
+    moment = b.var("adam_0.fc1.w.moment1").get()
+    missing, unexpected = io.load_parameters(
+        b, sd, strict=False, rename=lambda n: None if n.startswith("skip") else n)
+    assert "c1.w" in missing and "fc1.w" not in missing and "adam_0.fc1.w.moment1" not in missing
+    assert sorted(unexpected) == ["adam_0.fc1.w.moment1", "ghost"]
+    assert np.array_equal(b.var("fc1.w").get(), a.var("fc1.w").get())
+    assert np.array_equal(b.var("adam_0.fc1.w.moment1").get(), moment)
+    with pytest.raises(io.CheckpointError, match="unexpected 'adam_0.fc1.w.moment1': optimizer "
+                                                 "state, which load_parameters never sets"):
+        io.load_parameters(b, sd, rename={"skip.me": None})
+    with pytest.raises(io.CheckpointError, match="rename gives 'fc1.w' for both"):
+        io.load_parameters(b, sd, strict=False, rename={"ghost": "fc1.w"})
+
+
+def test_load_parameters_from_a_plain_savez_file(tmp_path):
+    a, ck = trained(tmp_path)
+    model = {n: v for n, v in snapshot(a).items() if not n.startswith("adam_")}
+    np.savez(tmp_path / "plain.npz", **model)
+    np.savez_compressed(tmp_path / "packed.npz", **model)
+    for path in (tmp_path / "plain.npz", tmp_path / "packed.npz"):
+        b, _ = build(opt=mg.optimizer.Adam(0.01), seed=5)
+        assert sorted(io.load_parameters(b, path)) == sorted(model)
+        assert same(snapshot(b), model, model)
+    with pytest.raises(io.CheckpointError, match="a minigraph checkpoint .* load its parameters "
+                                                 "with mg.io.load\\(net, path, "
+                                                 "parts=\\['parameters'\\]\\)"):
+        io.load_parameters(b, ck)
+    np.savez(tmp_path / "objects.npz", fc1=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(io.CheckpointError, match="object arrays are not allowed"):
+        io.load_parameters(b, tmp_path / "objects.npz", strict=False)
+    with pytest.raises(TypeError, match="source must be a mapping of names to arrays"):
+        io.load_parameters(b, [1, 2])
+    with pytest.raises(io.CheckpointError, match="'fc1.w' holds object, not numbers"):
+        io.load_parameters(b, {"fc1.w": np.array([None])}, strict=False)
+
+
+# ---- version 1 files (written before optimizer state was named under its optimizer) ----
+
+FORMAT1 = __import__("pathlib").Path(__file__).parent / "data" / "format1"
+
+
+def format1_nets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("format1_nets", FORMAT1 / "nets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def legacy(net):
+    """{name now: version 1 name} of every persistable of `net`."""
+    renames = {new: old for opt in (net.optimizer, getattr(net.optimizer, "inner", None))
+               if opt is not None for new, old in opt.legacy_names.items()}
+    return {v.name: renames.get(v.name, v.name) for v in net.persistables()}
+
+
+@pytest.mark.parametrize("make, name", [("momentum_net", "momentum"), ("merge_net", "merge")])
+def test_a_version_1_checkpoint_resumes_exactly(make, name):
+    """The files were written by minigraph with format 1 (tests/data/format1/nets.py):
+    every array lands on its variable under today's name, and one more step gives
+    what that minigraph's next step gave."""
+    nets = format1_nets()
+    net = getattr(nets, make)()[0]
+    old_names = legacy(net)
+    assert old_names["fc1.w"] == "fc1.w" and any(
+        o.startswith("learning_rate_0") for n, o in old_names.items() if n != o)
+    assert sorted(io.load(net, FORMAT1 / f"{name}.npz")) == sorted(old_names)
+    with np.load(FORMAT1 / f"{name}.npz") as npz:
+        assert str(npz["__format__"]) == "minigraph-persistables/1"
+        for new, old in old_names.items():
+            assert net.var(new).get().tobytes() == npz[old].tobytes(), new
+    net.train(feed=nets.feed(3))
+    with np.load(FORMAT1 / f"{name}_next.npz") as npz:
+        for new, old in old_names.items():
+            assert net.var(new).get().tobytes() == npz[old].tobytes(), new
+    assert set(io.read_checkpoint(FORMAT1 / f"{name}.npz")) == set(old_names.values())
+
+
+def test_a_version_1_checkpoint_fine_tunes_without_touching_the_new_optimizer():
+    """The report's case on an old file: learning_rate_0 and the moments stay the new
+    optimizer's; the old optimizer's names are neither loaded nor unexpected."""
+    nets = format1_nets()
+    net = mg.Net(seed=1)
+    _, loss = nets.body(net)
+    mg.optimizer.Adam(1e-3).minimize(net, loss)
+    state = {n: v for n, v in snapshot(net).items() if n.startswith("adam_0.")}
+    assert io.load(net, FORMAT1 / "merge.npz", strict=False) == ([], [])
+    assert same(snapshot(net), state, state) and net.optimizer.learning_rate == 1e-3
+    with np.load(FORMAT1 / "merge.npz") as npz:
+        assert np.array_equal(net.var("fc1.w").get(), npz["fc1.w"])
+    with pytest.raises(io.CheckpointError, match="unexpected 'fc1.w.merged_grad'"):
+        io.load(net, FORMAT1 / "merge.npz")
+    other = nets.momentum_net()[0]
+    with pytest.raises(io.CheckpointError, match="missing 'momentum_0.fc1.w.velocity'"):
+        io.load(other, FORMAT1 / "merge.npz", parts=["optimizer"])
+
+
+def test_a_version_1_inference_model_loads(tmp_path):
+    import shutil
+
+    nets = format1_nets()
+    d = shutil.copytree(FORMAT1 / "model", tmp_path / "model")
+    assert sorted(p.name for p in d.iterdir()) == ["model.json", "params.npz"]
+    (got,) = mg.io.load_inference(d).infer(feed={"image": nets.feed(9)["image"]})
+    assert got.tobytes() == np.load(FORMAT1 / "model_out.npy").tobytes()
+    net, logits = nets.momentum_net()
+    mg.io.save_inference(net, d, feeds=["image"], fetches=[logits])    # replaces version 1
+    names = sorted(p.name for p in d.iterdir())
+    assert "params.npz" not in names and len(names) == 2

@@ -1,0 +1,124 @@
+"""The docs agree with the code and with each other: the demo's options and output
+files, the install extras, links between pages, GPU status in one place, the quick
+test subset."""
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from minigraph import cli
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def demo_parser():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["demo"]
+
+
+def test_the_readme_lists_every_option_of_the_demo():
+    """The README's demo options left out --profile and --level."""
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"`(--[a-z-]+)", readme[readme.index("Options (`minigraph demo"):
+                                                    readme.index("Run the tests")]))
+    options = {o for a in demo_parser()._actions for o in a.option_strings
+               if o.startswith("--") and o != "--help"}
+    assert listed == options
+
+
+def test_the_help_of_out_names_every_file_the_demo_writes(tmp_path):
+    """--out's help named net.svg and training.png; the demo also writes model/,
+    model.onnx and profile.svg."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("onnx")
+    from minigraph.examples import train_digits
+
+    help_text = next(a.help for a in demo_parser()._actions if a.dest == "out")
+    history = train_digits.train(epochs=1, out_dir=tmp_path, progress=False, profile=True)
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written == ["model", "model.onnx", "net.svg", "profile.svg", "training.png"], written
+    assert {Path(f).name for f in history["files"]} == set(written)
+    for name in written:
+        assert (name + "/" if (tmp_path / name).is_dir() else name) in help_text, name
+
+
+def test_every_extra_the_docs_name_exists():
+    extras = set(metadata.metadata("minigraph").get_all("Provides-Extra"))
+    named = set()
+    for page in PAGES:
+        text = page.read_text()
+        named |= set(re.findall(r"minigraph\[(\w+)\]", text))
+        named |= set(re.findall(r"'\.\[(\w+)\]'", text))
+        named |= set(re.findall(r"`(\w+)` extra", text))
+    assert named and named <= extras, named - extras
+    readme = (REPO / "README.md").read_text()
+    for extra in extras:                 # the README says what each extra is for
+        assert f"`{extra}`" in readme, extra
+
+
+def test_links_between_pages_resolve():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.name}: {target}"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+                slugs = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+                         for h in headings}
+                assert anchor in slugs, f"{page.name}: {target}"
+
+
+def test_gpu_status_is_stated_in_one_place():
+    """README.md said every GPU test passed on an H200 while docs/distributed.md said
+    none of the GPU side had run on a GPU."""
+    status = re.compile(r"(?i)(status: checked|checked on one nvidia|none of the gpu side|"
+                        r"has not (yet )?run on a (real )?gpu|(never|not yet) run on a gpu)")
+    for page in PAGES:
+        if page.name != "gpu.md":
+            assert not status.search(page.read_text()), page.name
+    gpu = (REPO / "docs" / "gpu.md").read_text()
+    assert gpu.index("## Status") < gpu.index("## Set up")
+    for name in ("README.md", "docs/distributed.md", "docs/gpu_kernels.md"):
+        assert "gpu.md#status" in (REPO / name).read_text(), name
+
+
+def test_the_quick_subset_names_test_modules():
+    import conftest
+
+    assert all((REPO / "tests" / f"{name}.py").exists() for name in conftest.QUICK)
+    readme = (REPO / "README.md").read_text()
+    assert "pytest -m quick" in readme and "under a minute" in readme
+
+
+def test_the_pictures_import_nothing_from_the_net():
+    """net.py, profile.py and the render modules imported each other in a circle; the
+    Net now calls into minigraph.pictures, which never imports minigraph.net."""
+    import ast
+
+    for module in sorted((REPO / "minigraph" / "pictures").glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert name != "minigraph.net" and not name.startswith(
+                    ("minigraph.net.", "minigraph.passes", "minigraph.io.inference")), \
+                    f"{module.name} imports {name}"
+
+
+def test_layout_names_every_room_of_minigraph():
+    layout = (REPO / "docs" / "layout.md").read_text()
+    block = layout[layout.index("minigraph/                 the runtime"):layout.index("ops/ ")]
+    for entry in sorted((REPO / "minigraph").iterdir()):
+        if entry.name.startswith(("_", ".")) or entry.suffix not in (".py", ""):
+            continue
+        name = entry.name + ("/" if entry.is_dir() else "")
+        assert re.search(rf"(^|\s){re.escape(name)}(\s|$)", block, re.M), name

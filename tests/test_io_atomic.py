@@ -1,0 +1,168 @@
+"""Saves and loads that never tear: a checkpoint thread beside a training thread, a
+load racing training steps, and Ctrl-C in the middle of a load."""
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import minigraph as mg
+from minigraph import io
+from minigraph import layers as L
+from minigraph.io import checkpoint
+
+FEED = {"x": np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)}
+LAYERS = 12
+
+
+def build(seed=0):
+    """x (16, 8) -> LAYERS fc layers of 8 -> mean, SGD on a StepDecay schedule, whose
+    step counter tells which step a state belongs to."""
+    net = mg.Net(seed=seed)
+    h = L.data(net, "x", shape=(-1, 8))
+    for i in range(LAYERS):
+        h = L.tanh(net, L.fc(net, h, 8, name=f"fc{i}"))
+    loss = L.mean(net, L.square(net, h))
+    mg.optimizer.SGD(mg.optimizer.lr.StepDecay(0.05, 1000)).minimize(net, loss)
+    return net
+
+
+def step_of(net):
+    """The name of the schedule's step counter (sgd_0.learning_rate.step)."""
+    return net.optimizer.step_var.name
+
+
+def state(net):
+    return {v.name: v.get() for v in net.persistables()}
+
+
+def history(steps):
+    """The state after 0, 1, ... `steps` training steps of a net run alone."""
+    net = build()
+    found = [state(net)]
+    for _ in range(steps):
+        net.train(feed=FEED)
+        found.append(state(net))
+    return found
+
+
+def slowly(monkeypatch, module, name):
+    """Make module.name (a function) sleep a millisecond before each call, so a
+    save or load takes long enough for another thread to run steps meanwhile."""
+    real = getattr(module, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(0.001)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, slow)
+
+
+def test_saves_from_a_checkpoint_thread_hold_whole_steps(tmp_path, monkeypatch):
+    """Files used to mix steps (25 of 60 in the report): a save read the persistables
+    one by one while the training thread went on."""
+    steps = 200
+    want = history(steps)
+    net = build()
+    slowly(monkeypatch, checkpoint, "host_array")
+    done = threading.Event()
+
+    def train():
+        for _ in range(steps):
+            net.train(feed=FEED)
+        done.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    paths = []
+    while not done.is_set() and len(paths) < 40:
+        paths.append(io.save(net, tmp_path / f"ck{len(paths)}.npz"))
+    trainer.join(timeout=60)
+    torn = []
+    for path in paths:
+        got = io.read_checkpoint(path)
+        k = int(got[step_of(net)])
+        if any(got[n].tobytes() != want[k][n].tobytes() for n in want[k]):
+            torn.append((path.name, k))
+    assert torn == [] and len(paths) >= 3
+
+
+def test_a_load_racing_training_steps_sets_a_whole_checkpoint(tmp_path, monkeypatch):
+    """A load used to set the persistables one by one while steps ran between them,
+    leaving counters that disagree with the weights."""
+    source = build(seed=1)
+    for _ in range(3):
+        source.train(feed=FEED)
+    path = io.save(source, tmp_path / "ck.npz")
+    loaded = int(source.var(step_of(source)).get())
+    net = build()
+    slowly(monkeypatch, net.place, "to_device")
+    for _ in range(3):
+        stop = threading.Event()
+
+        def train(stop=stop):
+            while not stop.is_set():
+                net.train(feed=FEED)
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        time.sleep(0.005)
+        io.load(net, path)
+        time.sleep(0.005)
+        stop.set()
+        trainer.join(timeout=60)
+        after = state(net)
+        steps = int(after[step_of(net)]) - loaded
+        assert steps >= 0
+        twin = build()
+        io.load(twin, path)
+        for _ in range(steps):
+            twin.train(feed=FEED)
+        want = state(twin)
+        assert [n for n in want if want[n].tobytes() != after[n].tobytes()] == []
+
+
+def test_ctrl_c_during_a_load_leaves_the_net_as_it_was_or_fully_loaded(tmp_path):
+    """3 to 5 of 200 interrupts used to leave a half-loaded net."""
+    old, new = build(seed=0), build(seed=1)
+    new.train(feed=FEED)
+    old_path, new_path = io.save(old, tmp_path / "old.npz"), io.save(new, tmp_path / "new.npz")
+    want_old, want_new = state(old), state(new)
+    net = build(seed=2)
+    start = time.perf_counter()
+    for _ in range(5):
+        io.load(net, new_path)
+    seconds = (time.perf_counter() - start) / 5
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    pick = random.Random(0)
+    outcomes = {"old": 0, "new": 0}
+    try:
+        for _ in range(150):
+            io.load(net, old_path)
+            signal.setitimer(signal.ITIMER_REAL, pick.uniform(1e-5, seconds))
+            try:
+                io.load(net, new_path)
+                time.sleep(seconds)         # an interrupt after the load lands here
+            except KeyboardInterrupt:
+                pass
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            got = state(net)
+            if all(got[n].tobytes() == want_old[n].tobytes() for n in got):
+                outcomes["old"] += 1
+            elif all(got[n].tobytes() == want_new[n].tobytes() for n in got):
+                outcomes["new"] += 1
+            else:
+                mixed = [n for n in got if got[n].tobytes() != want_old[n].tobytes()]
+                pytest.fail(f"a half-loaded net: {len(mixed)} of {len(got)} persistables loaded")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert outcomes["old"] > 0 and outcomes["new"] > 0, outcomes
