@@ -131,9 +131,11 @@ def _fold_one(net, bn):
 
 
 def _folded_relu(bn, x, out):
-    """The relu a folded batch_norm_relu leaves after the folded layer, in its layer."""
+    """The relu a folded batch_norm_relu leaves after the folded layer: in the layer its
+    output is named after (the relu layer the fusing pass took it from), else the batch
+    norm's."""
     relu = Operator(op_for_role("relu"), x=x, out=out)
-    relu.layer = bn.layer
+    relu.layer = out.name.rsplit(".", 1)[0] if "." in out.name else bn.layer
     return relu
 
 
