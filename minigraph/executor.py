@@ -24,6 +24,10 @@ its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
 follows from it. This is the only check cache.
 
+A step whose ops make collectives (OpSchema.collectives) announces them to the
+communicator first (Communicator.begin_step): the order check verifies them in one
+exchange.
+
 A training step keeps the values it fetches, the persistables and the
 gradients of the persistables (as PyTorch keeps `.grad`); the gradients it
 computes anew are dropped as it starts (zero_grad(set_to_none=True)).
@@ -78,6 +82,7 @@ class Compiled:
 
     def __init__(self, steps, external, stale, place):
         self.steps, self.external, self.stale = steps, external, stale
+        self.collective_ops = tuple(s.op for s in steps if s.op.schema.collectives is not None)
         self.kernels = [None] * len(steps)
         self.plain = KernelContext(place)
         self.roomy = None               # per step, the context with its work room
@@ -191,6 +196,15 @@ class Executor:
         signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
                           for v in c.external)
         check = signature != plan.checked
+        comm = _announce_collectives(c)
+        try:
+            return self._run_compiled(plan, c, signature, check)
+        finally:
+            if comm is not None:
+                comm.end_step()
+
+    def _run_compiled(self, plan, c, signature, check):
+        place = self.place
         with place.activate():          # a GPU's context, once for the whole run
             if place.kind == "gpu" and not check:
                 from minigraph import replay
@@ -220,6 +234,24 @@ class Executor:
                 c.roomy = tuple(c.plain if room is None else KernelContext(place, (), room)
                                 for room in rooms)
             return fetched
+
+
+def _announce_collectives(c):
+    """Announce the step's collectives; the communicator, or None when there are none."""
+    from minigraph.distributed import world
+
+    if not c.collective_ops or not world.is_initialized():   # its first use checks per call
+        return None
+    comm = world.get_comm()
+    calls = []
+    for op in c.collective_ops:
+        made = op.schema.collectives(op, comm)
+        if made is None:
+            calls = None
+            break
+        calls.extend(made)
+    comm.begin_step(calls)
+    return comm
 
 
 def _run_steps(c, kind, check, journal=None, meter=None):
