@@ -347,8 +347,7 @@ def registered_ops():
 
 
 def inference_only(op_type, train_with):
-    """The grad maker of an inference-only op: an OpError saying to train the net with
-    `train_with` and fuse its inference copy."""
+    """An inference-only op's grad maker: an OpError saying to train with `train_with`."""
     def no_grad(op, dout, make_grad):
         raise OpError(f"{op_type}: an inference-only op, it has no gradient; train the net "
                       f"with {train_with} and fuse its inference copy "
@@ -399,5 +398,3 @@ def grad_schema(forward, inputs, outputs, infer=None, **fields):
 def meta_of(value):
     """Meta of a concrete array."""
     return Meta(tuple(value.shape), np.dtype(value.dtype))
-
-
