@@ -48,10 +48,13 @@ def load_digits_split(held_out=HELD_OUT_FRACTION):
     return train["image"], train["label"], test["image"], test["label"]
 
 
-def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, optimizer=None):
+def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, optimizer=None,
+              fuse=True):
     """(net, handles): the digits net on `place`, its parameters seeded by
     `seed`, minimised with `optimizer` (default Momentum(learning_rate, momentum)).
-    handles: image, label, logits, loss."""
+    fuse: each batch norm and its relu run as one batch_norm_relu op
+    (mg.passes.fuse_batch_norm_relu; the same values, one pass over the tensor
+    fewer each way). handles: image, label, logits, loss."""
     net = mg.Net(place=place, seed=seed)
     image = layers.data(net, "image", shape=(-1, 1, 8, 8))
     label = layers.data(net, "label", shape=(-1,), dtype="int64")
@@ -62,6 +65,8 @@ def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, opt
     h = layers.relu(net, layers.batch_norm(net, h, name="bn2"))
     logits = layers.fc(net, h, size=10, name="fc2")
     loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    if fuse:
+        mg.passes.fuse_batch_norm_relu(net)
     if optimizer is None:
         optimizer = mg.optimizer.Momentum(learning_rate=learning_rate, momentum=momentum)
     optimizer.minimize(net, loss)
@@ -161,8 +166,10 @@ def write_outputs(net, h, history, out, level="layer", profile_feed=None):
                                     fetches=[logits]))
     except ImportError as e:
         print(f"note: no model.onnx ({e})")
-    print(f"deployable: batch norms folded and the loss left out, {len(net.ops('infer'))} -> "
-          f"{len(folded.ops('infer'))} inference ops. Open model.onnx in Netron "
+    count = sum(note.folded for note in folded.reports["fold_batch_norm"])
+    print(f"deployable: {count} batch norms folded and the loss left out "
+          f"({len(net.ops('infer'))} -> {len(folded.ops('infer'))} inference ops). Open "
+          "model.onnx in Netron "
           f"(https://netron.app) or run it with onnxruntime; load {out / 'model'} with "
           f"mg.io.load_inference(...).infer(feed={{'image': x}})")
     return files

@@ -23,8 +23,9 @@ import threading
 import numpy as np
 
 from minigraph import feeds, net_freeze
-from minigraph.executor import Executor, Plan, check_place
+from minigraph.executor import Executor, check_place
 from minigraph.operator import Operator, as_operator
+from minigraph.plan import Plan
 from minigraph.schema import get_schema
 from minigraph.scope import Scope, Variable, check_reserved_name
 
@@ -413,7 +414,7 @@ class Net:
                 for v in s.vars.values() if not v.persistable]
 
     def plan(self, mode, targets, update=True, frozen=()):
-        """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan),
+        """The cached run plan of `mode` for fetch `targets` (minigraph.plan.Plan),
         without the update section when `update` is False, and without the updates
         of the parameters whose ids are in `frozen` (minigraph.net_freeze); a
         training plan keeps the persistables' gradients after each step (as

@@ -122,6 +122,8 @@ ROLES = {
     "fill": "out: a constant tensor of the attributes shape, dtype and value",
     "batch_norm": "batch_norm's slots and attributes (ops/batch_norm.py); folding reads "
                   "x, scale, bias, the estimates, epsilon, data_layout and is_infer",
+    "batch_norm_relu": "a batch_norm role op whose y is max(batch norm, 0): batch_norm_relu "
+                       "and its sync form (fusing builds them; folding leaves a relu)",
     "linear": "out is x times the weight `OpSchema.weight` names (conv2d, fc's mul)",
     "bias_add": "out = x + y, y a vector along x's axis `axis`",
     "add": "out = x + y, numpy broadcasting",
@@ -168,11 +170,22 @@ class OpSchema:
     roles: the jobs other modules look this op up for (`ROLES`, `ops_with_role`,
       `op_for_role`).
     weight: for a "linear" op, (weight slot, the weight's output-channel axis,
-      the output's channel axis; -1 for the last).
+      the output's channel axis; -1 for the last; or a function of the op's
+      attributes giving it, where a layout attribute moves it); `weight_axes(op)`
+      reads it for one op.
     sync_variant: the op type that computes the same over every rank's batch
       (convert_sync_batchnorm rewrites this op into it).
     presummed(op) -> output slots whose values are already sums over every
       rank and identical on each (sync_batch_norm_grad's dscale and dbias).
+    presummed_average: the bool attribute that makes the op itself divide its
+      presummed outputs by the world size (data parallelism's average folded into
+      the kernel: sync_batch_norm_grad's `average_ranks`); data_parallel sets it
+      instead of adding a c_avg_presummed op.
+    collectives(op, comm) -> [(kind, what, shape, dtype)]: the collectives the
+      op's kernels make on `comm`, in order (kind: "allreduce", ...; what: the
+      label they pass), or None when that cannot be told before the op runs; a
+      step announces them to the communicator, whose order check then verifies
+      the whole step in one exchange (Communicator.begin_step).
     replication: "always" when the outputs are identical on every rank (an
       op that averages presummed values), "inputs" when they are whenever
       every input is (a sum), None otherwise.
@@ -208,6 +221,8 @@ class OpSchema:
     weight: tuple | None = None
     sync_variant: str | None = None
     presummed: Callable | None = None
+    presummed_average: str | None = None
+    collectives: Callable | None = None
     replication: str | None = None
     doc: str = ""
 
@@ -228,6 +243,12 @@ class OpSchema:
 
     def has_role(self, role):
         return role in self.roles
+
+    def weight_axes(self, op):
+        """(weight slot, the weight's output-channel axis, the output's channel axis) of
+        `op`, a "linear" op of this schema (see `weight`)."""
+        slot, w_axis, out_axis = self.weight
+        return slot, w_axis, out_axis(op.attrs) if callable(out_axis) else out_axis
 
     def kernel_for(self, device, ins):
         """The kernel function for `device` that takes the float dtypes of `ins`
@@ -326,8 +347,7 @@ def registered_ops():
 
 
 def inference_only(op_type, train_with):
-    """The grad maker of an inference-only op: an OpError saying to train the net with
-    `train_with` and fuse its inference copy."""
+    """An inference-only op's grad maker: an OpError saying to train with `train_with`."""
     def no_grad(op, dout, make_grad):
         raise OpError(f"{op_type}: an inference-only op, it has no gradient; train the net "
                       f"with {train_with} and fuse its inference copy "
@@ -378,5 +398,3 @@ def grad_schema(forward, inputs, outputs, infer=None, **fields):
 def meta_of(value):
     """Meta of a concrete array."""
     return Meta(tuple(value.shape), np.dtype(value.dtype))
-
-

@@ -29,6 +29,7 @@ class Variable:
         self.is_data = False
         self.scope = scope
         self.param_attr = None          # the ParamAttr a layer made this parameter with
+                                        # (its initializer: the one it was made with)
         # which part of a checkpoint a persistable belongs to ("parameters", "estimates",
         # "optimizer"; None: by its trainable flag, see minigraph.checkpoint_values.part_of)
         self.part = None

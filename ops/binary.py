@@ -6,6 +6,9 @@ counts as 1), and out has the broadcast shape (numpy's rule; -1 where a size
 is unknown at build time).
 add:      out = x + y;  add_grad(x, y, dout) -> dx = R_x(dout), dy = R_y(dout)
 subtract: out = x - y;  subtract_grad(x, y, dout) -> dx = R_x(dout), dy = -R_y(dout)
+          same_shape=True (the losses' difference) refuses broadcasting: y must have
+          x's shape, checked again on every new input shape, so a (4, 1) fed against a
+          (1, 4) is an error rather than a silent 4 x 4
 multiply: out = x * y;  multiply_grad(x, y, dout) -> dx = R_x(dout * y), dy = R_y(dout * x)
 divide:   out = x / y;  divide_grad(x, y, dout) -> dx = R_x(dout / y),
                         dy = -R_y(dout * x / y^2)
@@ -31,7 +34,7 @@ from minigraph.schema import (
     kernel,
     register,
 )
-from minigraph.validators import check_float, check_same_dtype, check_shape, fail
+from minigraph.validators import bool_attr, check_float, check_same_dtype, check_shape, fail
 
 
 def broadcast_shape(op_type, x_shape, y_shape):
@@ -56,32 +59,44 @@ def broadcast_shape(op_type, x_shape, y_shape):
 
 
 def infer_binary(op_type):
-    """infer of add/multiply: float x, y of x's dtype, out of the broadcast shape."""
+    """infer of add/multiply: float x, y of x's dtype, out of the broadcast shape (x's
+    shape, which y must have, with the attribute same_shape)."""
     def infer(ins, attrs):
         x, y = ins["x"], ins["y"]
         check_float(op_type, "x", x)
         check_same_dtype(op_type, "y", y, "x", x)
+        check_same_shape(op_type, x, y, attrs)
         return {"out": Meta(broadcast_shape(op_type, x.shape, y.shape), x.dtype)}
     return infer
+
+
+def check_same_shape(op_type, x, y, attrs):
+    """With the attribute same_shape, an OpError naming both shapes unless y has x's
+    (sizes unknown at build time match anything: the runner checks again with the
+    fed arrays)."""
+    if attrs.get("same_shape"):
+        check_shape(op_type, "y", y, x.shape, " (the shape of input 'x': same_shape=True, "
+                                              "no broadcasting)")
 
 
 def infer_binary_grad(op_type):
     """infer of add_grad/multiply_grad: dout has the broadcast shape; dx, dy are x, y."""
     def infer(ins, attrs):
         x, y = ins["x"], ins["y"]
+        check_same_shape(op_type, x, y, attrs)
         out = broadcast_shape(op_type, x.shape, y.shape)
         check_shape(op_type, "dout", ins["dout"], out, " (the broadcast shape of x and y)")
         return {"dx": Meta(x.shape, x.dtype), "dy": Meta(y.shape, y.dtype)}
     return infer
 
 
-def register_binary(op_type, onnx_type, shapes_only=False, roles=()):
+def register_binary(op_type, onnx_type, shapes_only=False, roles=(), attrs=()):
     """Register `op_type` (x, y -> out; ONNX `onnx_type`) and `<op_type>_grad`
     (x, y, dout -> dx, dy); shapes_only: the grad reads only x's and y's shapes
     (add), and then the forward may write out into x or y when a training step
     hands it over (OpSchema.reuse)."""
     schema = register(OpSchema(
-        type=op_type, inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),),
+        type=op_type, inputs=(Slot("x"), Slot("y")), outputs=(Slot("out"),), attrs=attrs,
         infer=infer_binary(op_type), reuse={"out": ("x", "y")} if shapes_only else {},
         grad=grad_maker(op_type + "_grad", keep=("x", "y"), wrt=("x", "y")),
         export=onnx_export.binary(onnx_type), roles=roles, doc=__doc__))
@@ -92,7 +107,7 @@ def register_binary(op_type, onnx_type, shapes_only=False, roles=()):
 
 
 register_binary("add", "Add", shapes_only=True, roles=("add",))
-register_binary("subtract", "Sub", shapes_only=True)
+register_binary("subtract", "Sub", shapes_only=True, attrs=(bool_attr("same_shape", False),))
 register_binary("multiply", "Mul")
 register_binary("divide", "Div")
 kernel("add", "cpu", cpu.add_cpu)

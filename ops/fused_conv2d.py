@@ -2,9 +2,10 @@
 
 out = act(conv2d(x, filter) + bias[o] + residual), act = relu or the identity;
 `bias` (O,) and `residual` (out's shape) are optional. The attributes are
-conv2d's (strides, paddings, dilations, groups) and `activation` ("relu" or
-"none"). mg.passes.fuse_conv2d builds it from conv2d -> elementwise_add (the
-layer's bias, axis 1) -> add (a residual of the same shape) -> relu chains of
+conv2d's (strides, paddings, dilations, groups, data_layout: the bias goes along
+the channel axis of either layout) and `activation` ("relu" or "none").
+mg.passes.fuse_conv2d builds it from conv2d -> elementwise_add (the layer's bias,
+on the channel axis) -> add (a residual of the same shape) -> relu chains of
 an inference net, so the bias, the residual and relu are applied to each chunk
 of the convolution's output while it is in cache, with no array in between.
 
@@ -14,7 +15,8 @@ Kernels (beside conv2d's): kernels/cpu/conv2d.py (the native kernel with the
 epilogue on each tile of outputs in registers, else the im2col engine with it on
 each chunk) and kernels/cuda/conv2d.py (the conv2d launcher, then the bias,
 residual and relu launchers in place on its output). In ONNX it is Conv (with
-the bias as its third input), then Add of the residual and Relu.
+the bias as its third input; NHWC between two Transposes), then Add of the
+residual and Relu.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ import numpy as np
 
 from minigraph.kernels.cpu import conv2d as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
-from minigraph.kernels.cuda import conv2d as cuda
-from minigraph.ops.conv2d import conv_attrs, conv_node, infer_conv, resolve
+from minigraph.kernels.cuda import conv2d_nhwc as cuda
+from minigraph.kernels.layout import channel_axis
+from minigraph.ops.conv2d import conv_attrs, conv_nodes, infer_conv, resolve
 from minigraph.schema import OpSchema, Slot, examples, inference_only, kernel, register
 from minigraph.validators import check_extra_input, infer_as, one_of, str_attr
 
@@ -32,7 +35,8 @@ TYPE = "fused_conv2d"
 
 def infer_fused(ins, attrs):
     out = infer_as(TYPE, "conv2d", infer_conv, ins, attrs)["out"]
-    check_extra_input(TYPE, "bias", ins.get("bias"), ins["x"], (out.shape[1],),
+    channels = out.shape[channel_axis(attrs["data_layout"])]
+    check_extra_input(TYPE, "bias", ins.get("bias"), ins["x"], (channels,),
                       " (one value per output channel)")
     check_extra_input(TYPE, "residual", ins.get("residual"), ins["x"], out.shape,
                       " (the convolution's output shape)")
@@ -45,7 +49,7 @@ def export_fused(ctx, op):
     if op.inputs["bias"] is not None:
         ins.append(ctx.value(op.inputs["bias"]))
     residual = op.inputs["residual"]
-    return ctx.epilogue(op.outputs["out"], "conv", lambda name: [conv_node(ctx, op, ins, name)],
+    return ctx.epilogue(op.outputs["out"], "conv", lambda name: conv_nodes(ctx, op, ins, name),
                         [("residual", residual)] if residual is not None else [],
                         op.attrs["activation"] == "relu")
 
@@ -74,7 +78,15 @@ def fused_conv2d_examples(ex):
                           "filter": ex.r(4, 3, 3, 2, dtype=np.float64),
                           "bias": ex.r(4, dtype=np.float64)},
              dict(strides=2, dilations=2), ()),
-            ("plain-f32", {"x": x, "filter": ex.r(5, 4, 1, 1)}, {}, ())]
+            ("plain-f32", {"x": x, "filter": ex.r(5, 4, 1, 1)}, {}, ()),
+            ("nhwc-bias-residual-relu-f32",
+             {"x": ex.r(2, 7, 6, 4), "filter": w, "bias": ex.r(6, seed=2),
+              "residual": ex.r(2, 7, 6, 6, seed=3)},
+             dict(paddings=1, groups=2, activation="relu", data_layout="NHWC"), ()),
+            ("nhwc-bias-f64", {"x": ex.r(1, 9, 8, 3, dtype=np.float64),
+                               "filter": ex.r(4, 3, 3, 2, dtype=np.float64),
+                               "bias": ex.r(4, dtype=np.float64)},
+             dict(strides=2, dilations=2, data_layout="NHWC"), ())]
 
 
 examples(TYPE, fused_conv2d_examples)

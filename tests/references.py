@@ -114,7 +114,17 @@ def batch_norm_grad(x, dy, scale, mean, var, epsilon, layout, use_global_est):
     return dx, dscale, dbias
 
 
-# ---- conv2d and pool2d (NCHW) ----------------------------------------------------------
+# ---- conv2d and pool2d (NCHW; NHWC by moving the channel axis) ----------------------
+
+
+def nchw(x, layout):
+    """x (4-D) in NCHW: moved there from NHWC."""
+    return np.asarray(x).transpose(0, 3, 1, 2) if layout == "NHWC" else np.asarray(x)
+
+
+def in_layout(x, layout):
+    """x (4-D NCHW) in `layout`."""
+    return np.asarray(x).transpose(0, 2, 3, 1) if layout == "NHWC" else np.asarray(x)
 
 
 def conv2d_out_size(size, k, stride, pad, dil):
@@ -122,9 +132,13 @@ def conv2d_out_size(size, k, stride, pad, dil):
     return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
 
 
-def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1):
+def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1, data_layout="NCHW"):
     """Grouped, strided, padded, dilated cross-correlation of x (N, C, H, W) with
-    w (O, C / groups, KH, KW), one filter tap at a time, in float64."""
+    w (O, C / groups, KH, KW), one filter tap at a time, in float64; data_layout
+    "NHWC": x (N, H, W, C) and the result (N, Ho, Wo, O), the same filter."""
+    if data_layout == "NHWC":
+        return in_layout(conv2d(nchw(x, data_layout), w, strides, paddings, dilations, groups),
+                         data_layout)
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     (sh, sw), (ph, pw), (dh, dw) = pair(strides), pair(paddings), pair(dilations)
     n, _, h, wd = x.shape
@@ -143,8 +157,13 @@ def conv2d(x, w, strides=1, paddings=0, dilations=1, groups=1):
     return out
 
 
-def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1):
-    """(dx, dw) of conv2d for d(loss)/d(out) = dout: conv2d's adjoint, tap by tap."""
+def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, data_layout="NCHW"):
+    """(dx, dw) of conv2d for d(loss)/d(out) = dout: conv2d's adjoint, tap by tap (dx in
+    data_layout, as x and dout are)."""
+    if data_layout == "NHWC":
+        dx, dw = conv2d_grad(nchw(x, data_layout), w, nchw(dout, data_layout), strides,
+                             paddings, dilations, groups)
+        return in_layout(dx, data_layout), dw
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     d = np.asarray(dout, np.float64)
     (sh, sw), (ph, pw), (dh, dw_) = pair(strides), pair(paddings), pair(dilations)
@@ -186,10 +205,14 @@ def _pool_windows(shape, ksize, strides, paddings, global_pooling):
     return ho, wo, windows
 
 
-def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False):
+def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False,
+           data_layout="NCHW"):
     """Max or average pooling of x (N, C, H, W) in float64, output pixel by output
     pixel; each window is clipped to the real input (avg divides by what is left);
-    strides default to ksize."""
+    strides default to ksize. data_layout "NHWC": x and the result channels-last."""
+    if data_layout == "NHWC":
+        return in_layout(pool2d(nchw(x, data_layout), pool_type, ksize, strides, paddings,
+                                global_pooling), data_layout)
     x = np.asarray(x, np.float64)
     ho, wo, windows = _pool_windows(x.shape, ksize, strides, paddings, global_pooling)
     out = np.zeros(x.shape[:2] + (ho, wo))
@@ -200,9 +223,12 @@ def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling
 
 
 def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
-                global_pooling=False):
+                global_pooling=False, data_layout="NCHW"):
     """dx of pool2d for d(loss)/d(out) = dout: avg spreads each value evenly over its
     clipped window; max gives it to the window's first maximum (row-major)."""
+    if data_layout == "NHWC":
+        return in_layout(pool2d_grad(nchw(x, data_layout), nchw(dout, data_layout), pool_type,
+                                     ksize, strides, paddings, global_pooling), data_layout)
     x, d = np.asarray(x, np.float64), np.asarray(dout, np.float64)
     n, c = x.shape[:2]
     dx = np.zeros_like(x)

@@ -298,3 +298,76 @@ def build_conv(x_shape, w_shape, **attrs):
 def test_conv2d_bad_inputs(x_shape, w_shape, attrs, match):
     with pytest.raises(mg.OpError, match=match):
         build_conv(x_shape, w_shape, **attrs)
+
+
+# ---- channels last (data_layout="NHWC") --------------------------------------------
+
+def nhwc_case(x_shape, attrs):
+    """A case's x shape (N, C, H, W) as NHWC, and its attributes with data_layout."""
+    n, c, h, w = x_shape
+    return (n, h, w, c), {**attrs, "data_layout": "NHWC"}
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+def test_conv2d_nhwc_forward_and_grads(x_shape, w_shape, attrs):
+    """The numpy NHWC engine (float64) against the reference, gradients by finite
+    differences: every geometry of the NCHW cases."""
+    shape, attrs = nhwc_case(x_shape, attrs)
+    x, w = rng.standard_normal(shape), rng.standard_normal(w_shape)
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference,
+                   grad_wrt=("x", "filter"))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", CASES)
+@pytest.mark.parametrize("wanted", [("dx", "dfilter"), ("dx",), ("dfilter",)])
+def test_conv2d_nhwc_float32_forward_and_grads(x_shape, w_shape, attrs, wanted):
+    """float32 NHWC through the op: the native NHWC kernels where they take the conv
+    (one group), else the numpy NHWC engine; against the float64 reference."""
+    shape, attrs = nhwc_case(x_shape, attrs)
+    x = rng.standard_normal(shape).astype("float32")
+    w = rng.standard_normal(w_shape).astype("float32")
+    helper_test_op("conv2d", {"x": x, "filter": w}, attrs, conv_reference, atol=1e-5, rtol=1e-4)
+    want_out = conv_reference(x, w, **attrs)["out"]
+    d = rng.standard_normal(want_out.shape).astype("float32")
+    scope = mg.Scope()
+    slots = {name: scope.new_var(name) for name in ("x", "filter", "dout", *wanted)}
+    for name, value in (("x", x), ("filter", w), ("dout", d)):
+        slots[name].set(value)
+    mg.Executor(mg.CPUPlace()).run([mg.Operator("conv2d_grad", **slots, **attrs)], scope)
+    want = dict(zip(("dx", "dfilter"), conv2d_grad_reference(x, w, d, **attrs)))
+    for name in wanted:
+        got = slots[name].get()
+        assert got.dtype == np.float32 and got.shape == want[name].shape
+        np.testing.assert_allclose(got, want[name], rtol=1e-4,
+                                   atol=1e-5 * max(1.0, np.abs(want[name]).max()))
+
+
+def test_conv2d_nhwc_shapes_and_attributes():
+    op = build_conv((-1, 8, 9, 3), (16, 3, 3, 3), paddings=1, strides=(1, 2),
+                    data_layout="NHWC")
+    assert op.attrs["data_layout"] == "NHWC"
+    assert op.outputs["out"].decl_shape == (-1, 8, 5, 16)
+    assert build_conv((-1, 3, 8, 9), (16, 3, 3, 3)).attrs["data_layout"] == "NCHW"
+    with pytest.raises(mg.OpError, match="attribute 'data_layout' must be one of 'NCHW', "
+                                         "'NHWC'"):
+        build_conv((2, 3, 8, 8), (4, 3, 3, 3), data_layout="CHWN")
+    with pytest.raises(mg.OpError, match="conv2d: input 'filter' must have 8 input channels"):
+        build_conv((2, 3, 8, 8), (4, 3, 3, 3), data_layout="NHWC")     # 8 channels last
+
+
+def test_conv2d_on_zero_channels_is_an_error_at_run_time_too():
+    """A channel count unknown when the net is built (-1) is checked on the fed array:
+    0 channels was a ZeroDivisionError or an empty product."""
+    for layout, declared, fed in (("NCHW", (-1, -1, 5, 5), (2, 0, 5, 5)),
+                                  ("NHWC", (-1, 5, 5, -1), (2, 5, 5, 0))):
+        scope = mg.Scope()
+        x, w, out = scope.new_var("x"), scope.new_var("w"), scope.new_var("out")
+        x.declare(declared, "float32")
+        w.declare((4, -1, 3, 3), "float32")
+        layout_attr = {} if layout == "NCHW" else {"data_layout": layout}
+        op = mg.Operator("conv2d", x=x, filter=w, out=out, **layout_attr)
+        x.set(np.zeros(fed, np.float32))
+        w.set(np.zeros((4, 0, 3, 3), np.float32))
+        with pytest.raises(mg.OpError, match=r"conv2d: input 'x' has 0 channels \(shape "
+                                             rf"\({fed[0]}, .*\), {layout}\)"):
+            mg.Executor(mg.CPUPlace()).run([op], scope)

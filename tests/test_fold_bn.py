@@ -30,11 +30,14 @@ def digest(net):
     return h.hexdigest()
 
 
-def conv_net(dtype="float32", bias=True, groups=1, share_input=False, layout_rank=4):
+def conv_net(dtype="float32", bias=True, groups=1, share_input=False, layout_rank=4,
+             layout="NCHW"):
     net = mg.Net(seed=1)
-    x = L.data(net, "x", shape=(-1, 4, 6, 6), dtype=dtype)
-    h = L.conv2d(net, x, 6, 3, padding=1, groups=groups, bias=bias, name="c1")
-    y = L.batch_norm(net, h, name="bn1")
+    x = L.data(net, "x", shape=(-1, 4, 6, 6) if layout == "NCHW" else (-1, 6, 6, 4),
+               dtype=dtype)
+    h = L.conv2d(net, x, 6, 3, padding=1, groups=groups, bias=bias, name="c1",
+                 data_layout=layout)
+    y = L.batch_norm(net, h, name="bn1", data_layout=layout)
     if share_input:
         y = L.add(net, y, L.relu(net, h))
     out = L.relu(net, y)
@@ -145,6 +148,31 @@ def test_what_cannot_be_folded_stays_and_the_report_says_why(capsys):
     L.batch_norm(net, h, data_layout="NHWC", name="bn")
     (note,) = mg.passes.fold_batch_norm(net).reports["fold_batch_norm"]
     assert "NHWC batch norm after conv2d" in note.reason
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_channels_last_conv_folds(bias, groups):
+    """conv2d NHWC -> batch_norm NHWC folds into the filter (per output channel, its
+    axis 0 as in NCHW) and a bias added on the last axis; nothing is transposed."""
+    net, out = conv_net(bias=bias, groups=groups, layout="NHWC")
+    x = rng.standard_normal((3, 6, 6, 4)).astype(np.float32)
+    folded = check_equal(net, out, x, 1e-5)
+    (note,) = folded.reports["fold_batch_norm"]
+    assert note.folded
+    types = [op.type for op in folded.ops("infer")]
+    assert "batch_norm" not in types and "transpose" not in types
+    (add,) = [op for op in folded.ops("infer") if op.type == "elementwise_add"]
+    assert add.attrs["axis"] == 3
+
+
+def test_an_nchw_batch_norm_after_a_channels_last_conv_is_kept():
+    net = mg.Net()
+    x = L.data(net, "x", shape=(-1, 4, 4, 2))
+    h = L.conv2d(net, x, 4, 1, name="c", data_layout="NHWC")
+    L.batch_norm(net, h, name="bn")                                 # channels on axis 1
+    (note,) = mg.passes.fold_batch_norm(net).reports["fold_batch_norm"]
+    assert "NCHW batch norm after conv2d (whose channels are on axis 3" in note.reason
 
 
 def test_the_folded_net_is_infer_only_and_the_source_still_trains():

@@ -24,7 +24,7 @@ GEOMETRIES = [
 def fused_reference(x, filter, bias=None, residual=None, activation="none", **conv):
     out = conv2d(x, filter, **conv)
     if bias is not None:
-        out = out + bias.reshape(-1, 1, 1)
+        out = out + (bias if conv.get("data_layout") == "NHWC" else bias.reshape(-1, 1, 1))
     if residual is not None:
         out = out + residual
     return {"out": np.maximum(out, 0.0) if activation == "relu" else out}
@@ -91,35 +91,42 @@ def test_fused_conv2d_has_no_gradient():
         op.schema.grad(op, {"out": op.outputs["out"]}, lambda v: v)
 
 
-def resnet_like(seed=0):
-    """stem conv-BN-ReLU, one residual block with a 1x1 projection, global pool, fc."""
+def image(x, layout):
+    """An NCHW batch in `layout`."""
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if layout == "NHWC" else x
+
+
+def resnet_like(seed=0, layout="NCHW"):
+    """stem conv-BN-ReLU, one residual block with a 1x1 projection, global pool, fc; in
+    `layout` (convs, batch norms and pools alike)."""
     net = mg.Net(seed=seed)
-    img = L.data(net, "image", shape=(-1, 3, 8, 8))
+    img = L.data(net, "image", shape=(-1, 3, 8, 8) if layout == "NCHW" else (-1, 8, 8, 3))
     lbl = L.data(net, "label", shape=(-1,), dtype="int64")
 
     def conv_bn(x, filters, size, stride, relu, name):
         h = L.conv2d(net, x, filters, size, stride=stride, padding=size // 2, bias=False,
-                     name=name)
-        h = L.batch_norm(net, h, name=name + "_bn")
+                     name=name, data_layout=layout)
+        h = L.batch_norm(net, h, name=name + "_bn", data_layout=layout)
         return L.relu(net, h) if relu else h
 
     h = conv_bn(img, 4, 3, 1, True, "stem")
     out = conv_bn(conv_bn(h, 6, 3, 2, True, "a"), 6, 3, 1, False, "b")
     h = L.relu(net, L.add(net, out, conv_bn(h, 6, 1, 2, False, "proj")))
-    h = L.pool2d(net, h, global_pooling=True, pool_type="avg")
+    h = L.pool2d(net, h, global_pooling=True, pool_type="avg", data_layout=layout)
     logits = L.fc(net, L.flatten(net, h), 5, name="head")
     loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, lbl))
     mg.optimizer.Momentum(0.1, 0.9).minimize(net, loss)
     r = np.random.default_rng(seed)
     for _ in range(3):
-        net.train(feed={"image": r.standard_normal((8, 3, 8, 8)).astype(np.float32),
-                        "label": r.integers(0, 5, 8)})
+        net.train(feed={"image": image(r.standard_normal((8, 3, 8, 8)).astype(np.float32),
+                                       layout), "label": r.integers(0, 5, 8)})
     return net, logits
 
 
-def test_optimize_for_inference_equals_net_infer():
-    net, logits = resnet_like()
-    x = np.random.default_rng(1).standard_normal((5, 3, 8, 8)).astype(np.float32)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_optimize_for_inference_equals_net_infer(layout):
+    net, logits = resnet_like(layout=layout)
+    x = image(np.random.default_rng(1).standard_normal((5, 3, 8, 8)).astype(np.float32), layout)
     (want,) = net.infer(feed={"image": x}, fetch=[logits])
     fast = mg.passes.optimize_for_inference(net)
     (got,) = fast.infer(feed={"image": x}, fetch=[logits.name])
@@ -133,6 +140,40 @@ def test_optimize_for_inference_equals_net_infer():
     assert [str(n) for n in fast.reports["fuse_fc"]] == [
         "mul + elementwise_add -> fused_fc computing 'head.out'"]
     assert "fused_conv2d" not in [op.type for op in net.ops("infer")]   # source untouched
+    assert {op.attrs["data_layout"] for op in fast.section("trunk")
+            if op.type in ("fused_conv2d", "pool2d")} == {layout}
+
+
+def test_a_channels_last_resnet_is_the_nchw_one_transposed():
+    """The same initial parameters, the same data transposed: after three training
+    steps the same parameters (to float32 rounding) and logits, and the folded and
+    fused net agrees - no transpose anywhere, neither in the train and infer branches
+    nor in the optimized net."""
+    a, logits_a = resnet_like(seed=3)
+    b, logits_b = resnet_like(seed=3, layout="NHWC")
+    for v in a.persistables():
+        np.testing.assert_allclose(b.var(v.name).get(), v.get(), rtol=1e-4, atol=1e-5)
+    x = np.random.default_rng(2).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    (pa,) = a.infer(feed={"image": x}, fetch=[logits_a])
+    (pb,) = b.infer(feed={"image": image(x, "NHWC")}, fetch=[logits_b])
+    np.testing.assert_allclose(pb, pa, rtol=1e-4, atol=1e-5)
+    fast = mg.passes.optimize_for_inference(b)
+    (pf,) = fast.infer(feed={"image": image(x, "NHWC")}, fetch=[logits_b.name])
+    np.testing.assert_allclose(pf, pb, rtol=1e-5, atol=1e-5)
+    for ops in (b.ops("train"), b.ops("infer"), fast.ops("infer")):
+        assert not [op.type for op in ops if op.type == "transpose"]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", GEOMETRIES)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fused_conv2d_nhwc_against_the_float64_reference(x_shape, w_shape, attrs, dtype):
+    """The bias along the last axis, the residual and relu, channels last: the native
+    NHWC kernel's epilogue (float32, one group) and the NHWC engine's."""
+    n, c, h, w = x_shape
+    attrs = {**attrs, "data_layout": "NHWC"}
+    ins = inputs_for((n, h, w, c), w_shape, attrs, True, True, dtype)
+    tol = {} if dtype == "float64" else {"atol": 1e-5, "rtol": 1e-4}
+    helper_test_op("fused_conv2d", ins, {**attrs, "activation": "relu"}, fused_reference, **tol)
 
 
 def test_a_value_read_twice_or_fetched_by_default_ends_the_chain():

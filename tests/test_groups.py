@@ -259,6 +259,38 @@ def test_param_attr_arguments_are_checked_by_the_layer():
     assert net.parameters() == []
 
 
+@pytest.mark.parametrize("first, second", [
+    (mg.ParamAttr(name="enc.w", initializer=mg.initializer.Constant(0.5)),
+     mg.ParamAttr(name="enc.w", initializer=mg.initializer.Constant(2.0))),
+    (mg.ParamAttr(name="enc.w"),                     # the layer's default, KaimingUniform
+     mg.ParamAttr(name="enc.w", initializer=mg.initializer.Xavier())),
+])
+def test_sharing_with_another_initializer_is_an_error_naming_both(first, second):
+    """The second use of a shared name used to keep the first initializer silently."""
+    net = mg.Net(seed=0)
+    a = L.data(net, "a", (-1, 3), "float64")
+    L.fc(net, a, 2, param_attr=first, name="left")
+    before = net.var("enc.w").get().copy()
+    with pytest.raises(ValueError, match=r"fc: argument 'param_attr' shares 'enc.w' with the "
+                                         r"initializer .*, but its first use initialised it "
+                                         r"with .*; a shared parameter has one initializer"):
+        L.fc(net, a, 2, param_attr=second, name="right")
+    np.testing.assert_array_equal(net.var("enc.w").get(), before)
+    assert [r.name for r in net.layers] == ["left"]
+
+
+def test_sharing_with_the_same_initializer_or_none_shares():
+    net = mg.Net(seed=0)
+    a = L.data(net, "a", (-1, 3), "float64")
+    same = mg.ParamAttr(name="enc.w", initializer=mg.initializer.Constant(0.5))
+    L.fc(net, a, 2, param_attr=same, name="left")
+    L.fc(net, a, 2, param_attr=mg.ParamAttr(name="enc.w",
+                                            initializer=mg.initializer.Constant(0.5)))
+    L.fc(net, a, 2, param_attr="enc.w")                 # no initializer given: shares
+    assert [p.name for p in net.parameters()].count("enc.w") == 1
+    np.testing.assert_array_equal(net.var("enc.w").get(), np.full((3, 2), 0.5))
+
+
 def test_every_parameter_listed_or_frozen_warns_nothing():
     net, loss = build(head_attr=mg.ParamAttr(trainable=False))
     with warnings.catch_warnings():

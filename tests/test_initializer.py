@@ -70,7 +70,62 @@ def test_layers_initialise_as_pytorch_and_bn_to_identity():
     assert net.var("bn.num_batches").get() == 0 and net.var("bn.num_batches").dtype == np.int64
 
 
-@pytest.mark.parametrize("bad", [{"std": -1.0}])
-def test_bad_initialiser_values_are_op_errors(bad):
+def test_bad_fill_op_attributes_are_op_errors():
+    """The fill ops check their attributes too (an op built without an initializer)."""
+    scope = mg.Scope()
+    var = scope.new_var("w", persistable=True)
     with pytest.raises(mg.OpError, match="gaussian_random: attribute 'std' must be >= 0"):
-        _init(init.Normal(**bad), (2, 2))
+        mg.Operator("gaussian_random", out=var, shape=(2, 2), dtype="float32", mean=0.0,
+                    std=-1.0, seed=0, zero_row=-1)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: init.Constant(float("nan")), ValueError, "Constant: argument 'value' must be a "
+                                                      "finite number"),
+    (lambda: init.Constant(float("inf")), ValueError, "Constant: argument 'value'"),
+    (lambda: init.Constant("1"), ValueError, "Constant: argument 'value' must be a number"),
+    (lambda: init.Uniform(0, float("nan")), ValueError, "Uniform: argument 'high'"),
+    (lambda: init.Uniform(1.0, -1.0), ValueError, "Uniform: argument 'high' \\(-1.0\\) must be "
+                                                  ">= 'low' \\(1.0\\)"),
+    (lambda: init.Uniform(-1e308, 1e308), ValueError, "Uniform: the range high - low"),
+    (lambda: init.Normal(float("inf"), 1.0), ValueError, "Normal: argument 'mean'"),
+    (lambda: init.Normal(0.0, -1.0), ValueError, "Normal: argument 'std' must be a finite "
+                                                 "number in \\[0"),
+    (lambda: init.Normal(0.0, 1.0, zero_row=1.5), TypeError, "Normal: argument 'zero_row'"),
+    (lambda: init.Xavier(gain=-1), ValueError, "Xavier: argument 'gain' must be a finite "
+                                               "number in \\[0"),
+    (lambda: init.Xavier(uniform="yes"), TypeError, "Xavier: argument 'uniform' must be True "
+                                                    "or False"),
+    (lambda: init.Kaiming(gain=float("nan")), ValueError, "Kaiming: argument 'gain'"),
+    (lambda: init.KaimingUniform(a=float("inf")), ValueError, "KaimingUniform: argument 'a'"),
+])
+def test_initializers_check_their_arguments_when_made(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+@pytest.mark.parametrize("initializer, message", [
+    (init.Uniform(0, 1e39), "Uniform: argument 'high' gives 1e\\+39, beyond the range of the "
+                            "float32 parameter 'w'"),
+    (init.Constant(-1e39), "Constant: argument 'value' gives -1e\\+39"),
+    (init.Normal(0.0, 1e38), "Normal: argument 'std' gives"),
+    (init.Xavier(gain=1e39), "Xavier: argument 'gain' gives"),
+])
+def test_values_the_parameters_dtype_cannot_hold_are_refused(initializer, message):
+    """A float32 parameter filled with inf (Uniform(0, 1e39)) trained into NaN with no
+    error; the same initializers are fine for float64."""
+    with pytest.raises(ValueError, match=message):
+        _init(initializer, (4, 4))
+    scope = mg.Scope()
+    var = scope.new_var("w64", persistable=True)
+    var.declare((4, 4), "float64")
+    initializer.op(var)
+
+
+@pytest.mark.parametrize("initializer, fan_out, which", [
+    (init.Xavier(), 0, "fan_in \\+ fan_out 0"), (init.Kaiming(), 3, "fan_in 0"),
+    (init.KaimingUniform(), 3, "fan_in 0")])
+def test_a_fan_of_zero_is_an_error_naming_the_parameter(initializer, fan_out, which):
+    with pytest.raises(ValueError, match=f"{type(initializer).__name__}: parameter 'w' of "
+                                         f"shape \\(0, 3\\) has {which}"):
+        _init(initializer, (0, 3), fan_in=0, fan_out=fan_out)

@@ -231,3 +231,87 @@ def test_feeds_take_data_variables_as_keys_and_fetches_refuse_other_nets():
     with pytest.raises(KeyError, match="feed 'image': this Variable is not a data variable of "
                                        "this net"):
         net.infer(feed={timg: feed["image"]}, fetch=[logits])
+
+
+@pytest.mark.parametrize("shape, call, message", [
+    ((-1, 0), lambda n, x: L.fc(n, x, 3),
+     r"fc: argument 'x' \('x', shape \(-1, 0\)\) has no features"),
+    ((-1, 4, 0, 2), lambda n, x: L.fc(n, x, 3), "fc: argument 'x' .* has no features"),
+    ((-1, 0, 5, 5), lambda n, x: L.conv2d(n, x, 4, 3),
+     r"conv2d: argument 'x' \('x', shape \(-1, 0, 5, 5\)\) has 0 channels"),
+    ((-1, 5, 5, 0), lambda n, x: L.conv2d(n, x, 4, 3, data_layout="NHWC"),
+     "conv2d: argument 'x' .* has 0 channels"),
+])
+def test_layers_on_empty_feature_axes_are_named_errors(shape, call, message):
+    """fc on (N, 0) and conv2d on 0 channels raised ZeroDivisionError (the initializer's
+    fan_in)."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape)
+    with pytest.raises(ValueError, match=message):
+        call(net, x)
+    assert not net.layers and len(net.section("init")) == 0
+
+
+def test_channels_last_conv_and_pool_layers():
+    """data_layout="NHWC": x (N, H, W, C) -> (N, Ho, Wo, out); the filter keeps the
+    NCHW layout (out, in/groups, kh, kw) and the bias is added on the last axis; the
+    channels-last chain conv -> batch_norm -> relu -> pool has no transpose."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", (-1, 9, 8, 6))
+    h = L.conv2d(net, img, 4, (3, 1), stride=(2, 1), padding=(1, 0), groups=2, name="c",
+                 data_layout="NHWC")
+    assert h.shape == (-1, 5, 8, 4)
+    assert net.var("c.w").shape == (4, 3, 3, 1) and net.var("c.b").shape == (4,)
+    add = next(op for op in net.ops("train") if op.type == "elementwise_add")
+    assert add.attrs["axis"] == 3
+    h = L.relu(net, L.batch_norm(net, h, name="bn", data_layout="NHWC"))
+    p = L.pool2d(net, h, 2, pool_type="avg", data_layout="NHWC")
+    assert p.shape == (-1, 2, 4, 4)
+    g = L.pool2d(net, h, global_pooling=True, data_layout="NHWC")
+    assert g.shape == (-1, 1, 1, 4)
+    for mode in ("train", "infer"):
+        types = [op.type for op in net.ops(mode)]
+        assert types == ["conv2d", "elementwise_add", "batch_norm", "relu", "pool2d",
+                         "pool2d"], mode
+        assert {op.attrs["data_layout"] for op in net.ops(mode) if "data_layout" in op.attrs} \
+            == {"NHWC"}
+    (out,) = net.infer(feed={"image": np.ones((2, 9, 8, 6), np.float32)}, fetch=[p])
+    assert out.shape == (2, 2, 4, 4)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda n, x: L.conv2d(n, x, 4, 3, data_layout="NCWH"),
+     "conv2d: argument 'data_layout' must be 'NCHW' or 'NHWC', got 'NCWH'"),
+    (lambda n, x: L.pool2d(n, x, 2, data_layout=None),
+     "pool2d: argument 'data_layout' must be 'NCHW' or 'NHWC', got None"),
+    (lambda n, x: L.conv2d(n, L.flatten(n, x), 4, 3),
+     r"conv2d: argument 'x' \('flatten_0.out'\) must be NCHW \(rank 4\)"),
+    (lambda n, x: L.pool2d(n, L.flatten(n, x), 2, data_layout="NHWC"),
+     r"pool2d: argument 'x' .* must be NHWC \(rank 4\)"),
+])
+def test_bad_layouts_name_the_layer(call, message):
+    net, img, _ = image_net()
+    with pytest.raises(ValueError, match=message):
+        call(net, img)
+
+
+def test_a_checkpoint_of_an_nchw_net_loads_into_its_channels_last_twin(tmp_path):
+    """The filter is (out, in/groups, kh, kw) in both layouts: the NCHW net's checkpoint
+    loads into the NHWC net (strictly: same names, shapes and dtypes), which then gives
+    the same logits on the transposed images."""
+    def build(layout, seed):
+        net = mg.Net(seed=seed)
+        img = L.data(net, "image", (-1, 3, 6, 6) if layout == "NCHW" else (-1, 6, 6, 3))
+        h = L.conv2d(net, img, 5, 3, padding=1, name="c", data_layout=layout)
+        h = L.relu(net, L.batch_norm(net, h, name="bn", data_layout=layout))
+        h = L.pool2d(net, h, global_pooling=True, pool_type="avg", data_layout=layout)
+        return net, L.fc(net, h, 2, name="head")
+
+    a, logits_a = build("NCHW", 1)
+    b, logits_b = build("NHWC", 2)
+    mg.io.save(a, tmp_path / "ck.npz")
+    mg.io.load(b, tmp_path / "ck.npz")
+    x = np.random.default_rng(0).standard_normal((3, 3, 6, 6)).astype(np.float32)
+    (want,) = a.infer(feed={"image": x}, fetch=[logits_a])
+    (got,) = b.infer(feed={"image": x.transpose(0, 2, 3, 1)}, fetch=[logits_b])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -133,3 +133,22 @@ def test_label_shape_must_match():
 def test_huber_delta_must_be_positive():
     with pytest.raises(ValueError, match="huber_loss: argument 'delta' must be > 0"):
         loss_net(L.huber_loss, delta=0.0)
+
+
+@pytest.mark.parametrize("layer", [L.mse_loss, L.l1_loss, L.huber_loss])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_regression_losses_refuse_fed_shapes_that_would_broadcast(layer, reduction):
+    """Declared (-1, -1) both: a (4, 1) input against a (1, 4) label broadcast silently to
+    4 x 4; the fed shapes are checked as binary_cross_entropy_with_logits' are."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", (-1, -1))
+    y = L.data(net, "y", (-1, -1))
+    out = layer(net, x, y, reduction=reduction)
+    with pytest.raises(mg.OpError, match=r"subtract: input 'y' must have shape \(4, 1\) \(the "
+                                         r"shape of input 'x': same_shape=True, no "
+                                         r"broadcasting\), got \(1, 4\)"):
+        net.train(feed={"x": np.ones((4, 1), np.float32), "y": np.ones((1, 4), np.float32)},
+                  fetch=[out])
+    (got,) = net.train(feed={"x": np.ones((4, 1), np.float32),
+                             "y": np.zeros((4, 1), np.float32)}, fetch=[out])
+    assert np.shape(got) == (() if reduction == "mean" else (4, 1))

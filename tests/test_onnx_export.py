@@ -378,3 +378,4 @@ def test_export_without_onnx_says_how_to_install_it(digits, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "onnx", None)
     with pytest.raises(ImportError, match=r"pip install 'minigraph\[onnx\]'"):
         mg.onnx.export(net, tmp_path / "m.onnx", ["image"], [h["logits"]])
+

@@ -156,3 +156,68 @@ def test_max_of_windows_that_tile_x(ksize):
     expected = x.reshape(2, 3, 6 // kh, kh, 8 // kw, kw).max(axis=(3, 5))   # NaN propagates
     np.testing.assert_array_equal(out, expected)
     assert np.isnan(out).sum() == 2
+
+
+# ---- channels last (data_layout="NHWC") --------------------------------------------
+
+@pytest.mark.parametrize("attrs", CASES)
+def test_pool2d_nhwc_forward_and_grad(attrs):
+    """Every case channels last: the float64 reference, the gradient by finite
+    differences (the native NHWC max gradient and the numpy kernels)."""
+    x = rng.permutation(2 * 5 * 6 * 3).reshape(2, 5, 6, 3) / 10.0    # distinct: no max ties
+    helper_test_op("pool2d", {"x": x}, {**attrs, "data_layout": "NHWC"}, pool_reference,
+                   grad_wrt=("x",))
+
+
+@pytest.mark.parametrize("attrs", CASES)
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_pool2d_nhwc_float32_equals_nchw(attrs, native, monkeypatch):
+    """NHWC gives NCHW's values and gradients, transposed, with the native kernels and
+    without."""
+    monkeypatch.setenv("MINIGRAPH_NATIVE", native)
+    x = rng.standard_normal((2, 3, 8, 8)).astype("float32")
+    out = {}
+    for layout in ("NCHW", "NHWC"):
+        xin = x if layout == "NCHW" else x.transpose(0, 2, 3, 1).copy()
+        scope = mg.Scope()
+        xv, o, d, dx = (scope.new_var(n) for n in ("x", "out", "dout", "dx"))
+        xv.set(xin)
+        op = mg.Operator("pool2d", x=xv, out=o, data_layout=layout, **attrs)
+        (desc,) = op.schema.grad(op, {"out": d}, lambda v, dx=dx, xv=xv: dx if v is xv else None)
+        mg.Executor().run([op], scope)
+        dout = np.arange(o.get().size, dtype=np.float32).reshape(o.get().shape)
+        if layout == "NHWC":
+            dout = out["NCHW"][2].transpose(0, 2, 3, 1).copy()
+        d.set(dout)
+        mg.Executor().run([mg.Operator(desc.type, **desc.kwargs)], scope)
+        out[layout] = (o.get(), dx.get(), dout)
+    np.testing.assert_array_equal(out["NHWC"][0], out["NCHW"][0].transpose(0, 2, 3, 1))
+    np.testing.assert_allclose(out["NHWC"][1], out["NCHW"][1].transpose(0, 2, 3, 1),
+                               rtol=1e-6)
+
+
+def test_pool2d_nhwc_shapes():
+    op = build_pool((-1, 9, 7, 4), ksize=3, strides=2, paddings=1, data_layout="NHWC")
+    assert op.outputs["out"].decl_shape == (-1, 5, 4, 4)
+    op = build_pool((-1, 9, 7, 4), global_pooling=True, data_layout="NHWC")
+    assert op.outputs["out"].decl_shape == (-1, 1, 1, 4)
+    with pytest.raises(mg.OpError, match="output width would be 0: input 'x' width 2"):
+        build_pool((2, 8, 2, 8), ksize=3, data_layout="NHWC")
+    with pytest.raises(mg.OpError, match="attribute 'data_layout' must be one of"):
+        build_pool((2, 8, 8, 3), data_layout="nhwc")
+
+
+@pytest.mark.parametrize("ksize", [2, (3, 2), (1, 4)])
+def test_nhwc_max_of_windows_that_tile_x(ksize):
+    """NHWC windows that tile x take the rows-then-columns path (native for 2x2):
+    NaN wherever a window holds one."""
+    x = rng.standard_normal((2, 6, 8, 3))
+    x[0, 2, 3, 1] = x[1, 5, 0, 2] = np.nan
+    attrs = pool_schema.resolve({"pool_type": "max", "ksize": ksize, "strides": None,
+                                "paddings": 0, "global_pooling": False, "data_layout": "NHWC"})
+    hw = pool_kernels.out_hw(x.shape, attrs)
+    assert pool_kernels.tiles(x, attrs, hw)
+    kh, kw = attrs["ksize"]
+    expected = x.reshape(2, 6 // kh, kh, 8 // kw, kw, 3).max(axis=(2, 4))
+    np.testing.assert_array_equal(pool_kernels.window_max(x, attrs, hw), expected)
+    np.testing.assert_array_equal(pool_kernels.tiled_max(x, attrs, hw), expected)

@@ -151,3 +151,73 @@ def test_tiles_forward_declines_what_it_does_not_take(monkeypatch):
     assert pool_native.max_pool_tiles(x[:, ::2]) is None              # not contiguous
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert pool_native.max_pool_tiles(x) is None
+
+
+# ---- channels last -------------------------------------------------------------------
+
+def nhwc(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+
+# the cases, and channels enough for whole vectors (2x2 tiles: 8 channels at a time
+# and the rest one by one)
+NHWC_CASES = {**CASES,
+              "2x2 tiling, 19 channels": ((2, 19, 6, 8), (2, 2), (2, 2), (0, 0)),
+              "2x2 odd plane, 8 channels": ((3, 8, 7, 9), (2, 2), (2, 2), (0, 0)),
+              "3x3 overlapping, 11 channels": ((2, 11, 6, 5), (3, 3), (1, 1), (1, 1))}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", sorted(NHWC_CASES))
+def test_nhwc_gradient_is_the_nchw_one(case, dtype, ties, threads, monkeypatch):
+    """The NHWC kernel (vectorized over channels) gives the NCHW kernel's dx transposed,
+    bit for bit, ties included; and the numpy NHWC kernel's."""
+    monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    shape, *geometry = NHWC_CASES[case]
+    attrs = attrs_of(*geometry)
+    x, dout, hw = inputs(shape, attrs, dtype, ties)
+    want = pool_native.max_pool_grad(x, dout, attrs, hw)
+    got = pool_native.max_pool_grad(nhwc(x), nhwc(dout), attrs, hw, "NHWC")
+    assert got.dtype == dtype and got.shape == nhwc(x).shape
+    np.testing.assert_array_equal(got, nhwc(want))
+    nhwc_attrs = {**attrs, "data_layout": "NHWC"}
+    with monkeypatch.context() as m:
+        m.setenv("MINIGRAPH_NATIVE", "0")
+        np.testing.assert_array_equal(
+            pool2d_grad_cpu(op_of(nhwc_attrs), {"x": nhwc(x), "dout": nhwc(dout)}, None)["dx"],
+            got)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", ["2x2 tiling", "3x3 overlapping", "3x3 stride 2 padded",
+                                  "2x2 tiling, 19 channels", "3x3 overlapping, 11 channels"])
+def test_nhwc_nan_and_infinities(case, dtype):
+    shape, *geometry = NHWC_CASES[case]
+    attrs = attrs_of(*geometry)
+    x, dout, hw = inputs(shape, attrs, dtype)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, flat.size // 5, replace=False)] = np.nan
+    flat[rng.choice(flat.size, flat.size // 5, replace=False)] = -np.inf
+    flat[rng.choice(flat.size, flat.size // 10, replace=False)] = np.inf
+    x[0, 0] = -np.inf
+    got = pool_native.max_pool_grad(nhwc(x), nhwc(dout), attrs, hw, "NHWC")
+    np.testing.assert_array_equal(got, nhwc(pool_native.max_pool_grad(x, dout, attrs, hw)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (4, 16, 8, 8)])
+def test_nhwc_tiles_forward_is_the_numpy_kernels(shape, dtype):
+    attrs = {**attrs_of((2, 2), (2, 2), (0, 0)), "data_layout": "NHWC"}
+    x = nhwc(rng.standard_normal(shape).astype(dtype))
+    flat = x.reshape(-1)
+    for value, share in ((np.nan, 7), (np.inf, 9), (-np.inf, 9)):
+        flat[rng.choice(flat.size, max(1, flat.size // share), replace=False)] = value
+    got = pool_native.max_pool_tiles(x, "NHWC")
+    want = tiled_max(x, attrs, out_hw(x.shape, attrs))
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert pool_native.max_pool_tiles(x[:, :, :-1], "NHWC") is None            # odd width
+    assert pool_native.max_pool_grad(x, x, attrs, (1, 1), "NHWC") is None      # wrong dout

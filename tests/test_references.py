@@ -75,6 +75,57 @@ def test_conv2d_is_the_direct_sum_and_its_grad_the_adjoint(x_shape, w_shape, str
     np.testing.assert_allclose(np.vdot(out, d), np.vdot(w, dw), rtol=1e-12)
 
 
+def direct_conv_nhwc(x, w, strides, paddings, dilations, groups):
+    """conv2d of channels-last x (N, H, W, C) by one dot product per output (n, h, w, o),
+    the window's channels last against the filter (O, C/G, kh, kw) moved to (kh, kw,
+    C/G): no transpose of x or of the result."""
+    (sh, sw), (ph, pw), (dh, dw) = (ref.pair(v) for v in (strides, paddings, dilations))
+    n, h, wd, c = x.shape
+    o, cg, kh, kw = w.shape
+    xp = np.zeros((n, h + 2 * ph, wd + 2 * pw, c))
+    xp[:, ph:ph + h, pw:pw + wd] = x
+    ho = ref.conv2d_out_size(h, kh, sh, ph, dh)
+    wo = ref.conv2d_out_size(wd, kw, sw, pw, dw)
+    out = np.zeros((n, ho, wo, o))
+    per_group = o // groups
+    for oc in range(o):
+        g = oc // per_group
+        taps = w[oc].transpose(1, 2, 0)                          # (kh, kw, C/G)
+        for i in range(ho):
+            for j in range(wo):
+                patch = xp[:, i * sh:i * sh + dh * (kh - 1) + 1:dh,
+                           j * sw:j * sw + dw * (kw - 1) + 1:dw, g * cg:(g + 1) * cg]
+                out[:, i, j, oc] = (patch * taps).sum(axis=(1, 2, 3))
+    return out
+
+
+@pytest.mark.parametrize("x_shape,w_shape,strides,paddings,dilations,groups", CONVS)
+def test_conv2d_nhwc_is_the_direct_sum_and_its_grad_the_adjoint(x_shape, w_shape, strides,
+                                                                paddings, dilations, groups):
+    n, c, h, wd = x_shape
+    x, w = rng.standard_normal((n, h, wd, c)), rng.standard_normal(w_shape)
+    args = (strides, paddings, dilations, groups)
+    out = ref.conv2d(x, w, *args, data_layout="NHWC")
+    np.testing.assert_allclose(out, direct_conv_nhwc(x, w, *args), rtol=1e-12, atol=1e-12)
+    d = rng.standard_normal(out.shape)
+    dx, dw = ref.conv2d_grad(x, w, d, *args, data_layout="NHWC")
+    assert dx.shape == x.shape and dw.shape == w.shape
+    np.testing.assert_allclose(np.vdot(out, d), np.vdot(x, dx), rtol=1e-12)
+    np.testing.assert_allclose(np.vdot(out, d), np.vdot(w, dw), rtol=1e-12)
+
+
+def test_pool2d_nhwc_pools_each_channel_over_its_pixels():
+    x = rng.standard_normal((2, 5, 6, 3))
+    out = ref.pool2d(x, "max", 3, 2, 1, data_layout="NHWC")
+    assert out.shape == (2, 3, 3, 3)
+    np.testing.assert_array_equal(out[1, 1, 2], x[1, 1:4, 3:6].max(axis=(0, 1)))
+    avg = ref.pool2d(x, "avg", 2, data_layout="NHWC")
+    np.testing.assert_allclose(avg[0, 1, 2], x[0, 2:4, 4:6].mean(axis=(0, 1)), rtol=1e-12)
+    d = rng.standard_normal(out.shape)
+    dx = ref.pool2d_grad(x, d, "max", 3, 2, 1, data_layout="NHWC")
+    np.testing.assert_allclose(np.vdot(out, d), np.vdot(x, dx), rtol=1e-12)
+
+
 @pytest.mark.parametrize("pool_type", ["max", "avg"])
 @pytest.mark.parametrize("attrs", [dict(ksize=2), dict(ksize=3, strides=2, paddings=1),
                                    dict(ksize=(3, 2), strides=(1, 2), paddings=(1, 0)),

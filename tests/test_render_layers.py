@@ -17,12 +17,12 @@ DIGITS_CHAIN = ["data:image", "conv1", "bn1", "relu_0", "pool2d_0", "fc1", "bn2"
 
 @pytest.fixture(scope="module")
 def digits():
-    return train_digits.build_net(mg.CPUPlace(), seed=0)
+    return train_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)
 
 
 @pytest.fixture(scope="module")
 def resnet():
-    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 def layer_nodes(g):
@@ -213,3 +213,46 @@ def test_a_picture_shows_the_declared_batch_not_the_last_run(digits):
         text = net.to_dot(level=level)
         assert "(N, 16, 8, 8)" in text and "(N, 10)" in text
         assert not re.search(r"\((7|500), ", text), level
+
+
+def test_channels_last_layers_say_so_with_their_shapes():
+    """A channels-last layer's output shape is (N, H, W, C) and its box says NHWC (also
+    in the folded and fused net, drawn from its op names); its filter keeps (out, in,
+    kh, kw); NCHW layers say nothing more."""
+    net = mg.Net(seed=0)
+    x = mg.layers.data(net, "image", shape=(-1, 8, 6, 3))
+    h = mg.layers.conv2d(net, x, 4, 3, padding=1, name="c", data_layout="NHWC")
+    h = mg.layers.relu(net, mg.layers.batch_norm(net, h, name="bn", data_layout="NHWC"))
+    h = mg.layers.pool2d(net, h, 2, name="p", data_layout="NHWC")
+    mg.layers.conv2d(net, mg.layers.transpose(net, h, (0, 3, 1, 2)), 2, 1, name="nchw")
+    nodes = layer_nodes(parse(net.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and "w (4, 3, 3, 3) · b (4,)" in nodes["c"]
+    assert "out (N, 8, 6, 4) NHWC" in nodes["bn"] and "out (N, 4, 3, 4) NHWC" in nodes["p"]
+    assert "out (N, 2, 4, 3)<" in nodes["nchw"]
+    fast = mg.passes.optimize_for_inference(net)
+    nodes = layer_nodes(parse(fast.to_dot(level="layer")))
+    assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and ">fused_conv2d<" in nodes["c"]
+    ops = parse(net.to_dot())
+    assert any("data_layout=NHWC" in a and "pool2d" in a for _, a in ops.nodes.values())
+
+
+def test_a_fused_batch_norm_relu_is_drawn_in_its_batch_norm_layer():
+    """The demo net fuses each batch norm and its relu (mg.passes.fuse_batch_norm_relu):
+    the layer view draws the batch norm's layer with the fused op (the relu layers have
+    no op left), its state box and the chain through it; the op view draws the fused
+    op, which writes the relu's output."""
+    net = train_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    g = parse(net.to_dot(level="layer", backward=True))
+    nodes = layer_nodes(g)
+    assert "relu_0" not in nodes and "relu_1" not in nodes
+    assert "batch_norm_relu" in nodes["bn1"] and "32 params: scale (16,) · bias (16,)" in \
+        nodes["bn1"]
+    assert "differs per mode</b> (is_infer)" in nodes["bn1"]
+    edges = {(e.tail, e.head) for e in g.edges}
+    assert ("layer:conv1", "layer:bn1") in edges and ("layer:bn1", "layer:pool2d_0") in edges
+    assert "grad:bn1" in g.nodes and "batch_norm_relu_grad" in g.nodes["grad:bn1"][1]
+    ops = parse(net.to_dot())
+    fused = [attrs for node, (_, attrs) in ops.nodes.items()
+             if node.startswith("op:train:") and "batch_norm_relu" in attrs]
+    assert len(fused) == 2
+    assert "var:train:relu_0.out" in ops.nodes and "var:train:bn1.y" not in ops.nodes

@@ -1,6 +1,8 @@
 /* The native CPU kernels of 2-D convolutions (float32, NCHW, one group): the
  * forward pass with fused_conv2d's epilogue, and the filter gradient. Built
- * and loaded by native.py, launched by conv_native.py (the contract is there).
+ * and loaded by native.py, launched by conv_native.py (the contract is there);
+ * the channels-last kernels of conv_nhwc.h (launched by conv_native_nhwc.py) share
+ * the library.
  *
  * Each thread copies one image at a time into a zero-bordered buffer that
  * stays in cache and reads the convolution's windows straight from it, with
@@ -353,3 +355,4 @@ int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const i
 }
 
 #include "conv_winograd.h"
+#include "conv_nhwc.h"

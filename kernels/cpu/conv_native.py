@@ -3,7 +3,10 @@ float32 NCHW convolutions of one group, any kernel size, stride, padding and
 dilation - the forward pass (with fused_conv2d's epilogue), the filter
 gradient, and the input gradient as forward passes over dout. Forward passes
 that `winograd` takes run Winograd's F(4x4, 3x3) (conv_winograd.h), the others
-the direct kernel.
+the direct kernel; Winograd computes the tiles whose inputs span too wide a range
+directly (conv_winograd_range.h: WINOGRAD_RANGE), and a filter holding a NaN or an
+infinity runs the direct kernel. The channels-last (NHWC) launchers are in
+conv_native_nhwc.py.
 
 `supports(g, dtype)` says whether they take a conv here; the conv ops call
 them where they do, else conv_im2col's numpy engine (the reference they are
@@ -31,6 +34,10 @@ WINOGRAD_MIN_CHANNELS = 8
 WINOGRAD_ENV = "MINIGRAPH_WINOGRAD"
 WINOGRAD_MAX_SCRATCH = 1.0      # its scratch memory at most this times its output's
 WINOGRAD_MAX_SCRATCH_INFERENCE = 16.0   # the same for fused_conv2d (see winograd())
+# a Winograd tile whose largest input magnitude (the sum over channels of |x| at one
+# position) is more than this times the largest one of an output's own 3x3 window
+# is computed directly (conv_winograd_range.h says why: the error analysis)
+WINOGRAD_RANGE = 16
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 
@@ -40,9 +47,11 @@ def _lib():
     if lib is not None and not getattr(lib, "_typed", False):
         lib.conv2d_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv2d_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
-        lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
+        lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L, _P]
         lib.conv2d_winograd_scratch.argtypes = [_P, _L]
         lib.conv2d_winograd_scratch.restype = _L
+        lib.conv2d_nhwc_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
+        lib.conv2d_nhwc_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
         lib._typed = True
     return lib
 
@@ -84,22 +93,25 @@ def _float32(array, shape, name):
     return array
 
 
-def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=None):
+def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=None,
+            stats=None):
     """out (N, O, Ho, Wo) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0)),
     on `threads` threads; the epilogue runs on each tile of outputs in registers.
     max_scratch: winograd()'s bound on the scratch memory (None: WINOGRAD_MAX_SCRATCH).
     The padding g.ph, g.pw goes before x's first row and column; rows and columns
     past x's end that the windows read are zeros (asymmetric padding: g.ho and
-    g.wo need not be x's output size for symmetric padding)."""
+    g.wo need not be x's output size for symmetric padding). stats: a dict, given
+    "kernel" ("winograd" or "direct") and, for Winograd, "direct_tiles" (how many
+    tiles it computed directly) and "tiles"."""
     out = np.empty((g.n, g.o, g.ho, g.wo), dtype=np.float32)
     residual = None if residual is None else _float32(residual, out.shape, "residual")
     _forward_into(out, x, w, g, threads, bias=bias, residual=residual, relu=relu,
-                  max_scratch=max_scratch)
+                  max_scratch=max_scratch, stats=stats)
     return out
 
 
 def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, at=(0, 0),
-                  step=(1, 1), max_scratch=None):
+                  step=(1, 1), max_scratch=None, stats=None):
     """forward's outputs into out (C-contiguous float32, (N, O, rows, cols)): output
     (y, x) at out[..., at[0] + step[0] y, at[1] + step[1] x], the caller having
     checked that these fit; residual (out's shape) read at the same places."""
@@ -109,12 +121,31 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     if not (g.n and g.o and g.ho and g.wo):
         return
     threads = _threads(g, threads)
-    if winograd(g, threads, out.shape, at, step, max_scratch):
-        kernel, dims = _lib().conv2d_winograd_f32, _winograd_dims(g, relu)
-    else:
-        kernel, dims = _lib().conv2d_forward_f32, _dims(g, relu, out.shape, at, step)
-    if kernel(_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out), _ptr(dims), threads):
+    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out))
+    if winograd(g, threads, out.shape, at, step, max_scratch) and \
+            run_winograd(args, _winograd_dims(g, relu), threads, g, stats):
+        return
+    if stats is not None:
+        stats["kernel"] = "direct"
+    if _lib().conv2d_forward_f32(*args, _ptr(_dims(g, relu, out.shape, at, step)), threads):
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
+
+
+def run_winograd(args, dims, threads, g, stats=None):
+    """conv2d_winograd_f32 on args (x, filter, bias, residual, out pointers): True when
+    it ran, False (nothing written) when the filter holds a NaN or an infinity (the
+    caller then runs the direct kernel, which spreads them as it should). stats: see
+    forward."""
+    direct = ctypes.c_int64(0)
+    failed = _lib().conv2d_winograd_f32(*args, _ptr(dims), threads, ctypes.byref(direct))
+    if failed == 2:
+        return False
+    if failed:
+        raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
+    if stats is not None:
+        stats.update(kernel="winograd", direct_tiles=direct.value,
+                     tiles=g.n * ((g.ho + 3) // 4) * ((g.wo + 3) // 4))
+    return True
 
 
 def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1), max_scratch=None):
@@ -145,9 +176,11 @@ def _winograd_scratch(g, threads):
     return _lib().conv2d_winograd_scratch(_ptr(_winograd_dims(g)), threads)
 
 
-def _winograd_dims(g, relu=False):
-    return np.array([g.n, g.c, g.h, g.w, g.o, g.ph, g.pw, g.ho, g.wo, int(bool(relu))],
-                    dtype=np.int64)
+def _winograd_dims(g, relu=False, nhwc=False, x_row=0, x_image=0):
+    """conv2d_winograd_f32's sizes (x_row, x_image: channels-last x's row and image
+    pitches in floats)."""
+    return np.array([g.n, g.c, g.h, g.w, g.o, g.ph, g.pw, g.ho, g.wo, int(bool(relu)),
+                     int(bool(nhwc)), x_row, x_image, WINOGRAD_RANGE], dtype=np.int64)
 
 
 def filter_grad(x, d, g, threads):

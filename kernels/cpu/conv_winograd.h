@@ -1,6 +1,7 @@
 /* Winograd's F(4x4, 3x3) for conv_native.c (included there, so it shares its library
- * and thread pool): float32 NCHW 3x3 convolutions of stride 1 and dilation 1, any
- * padding, with fused_conv2d's epilogue. The contract is conv_native.py's.
+ * and thread pool): float32 3x3 convolutions of stride 1 and dilation 1, any padding,
+ * NCHW or NHWC (channels last), with fused_conv2d's epilogue. The contract is
+ * conv_native.py's.
  *
  * The outputs fall into tiles of 4x4, each computed from the 6x6 window of padded
  * input above it: V = B' d B per input channel, M = sum over channels of U . V
@@ -13,27 +14,34 @@
  * Each thread takes groups of images (enough that small images fill a block of
  * tiles) from a shared counter. It copies each image into a zero-bordered buffer
  * with the channels innermost (padded to 8, so a position's values for 8 channels
- * are one vector), then, per block of WG_TB tiles: transforms the input (vectors of
- * 8 channels), multiplies (WG_TM tiles by WG_OV output channels in registers),
- * transforms the outputs into a buffer, channels innermost; the epilogue (bias,
- * residual, relu) runs as that buffer is turned into NCHW. Every output is summed
- * by one thread in one order, so the results do not depend on the number of
- * threads. */
+ * are one vector; NCHW is transposed on the way in, NHWC copied row by row), then,
+ * per block of WG_TB tiles: transforms the input (vectors of 8 channels), multiplies
+ * (WG_TM tiles by WG_OV output channels in registers), transforms the outputs into
+ * a buffer, channels innermost; the epilogue (bias, residual, relu) runs as that
+ * buffer is turned into NCHW (or copied out as NHWC). Tiles whose inputs span too
+ * wide a range for the transforms (conv_winograd_range.h) are computed directly
+ * instead. Every output is summed by one thread in one order, so the results do not
+ * depend on the number of threads. */
 
 #define WG_TM 6          /* tiles per register block of the products */
 #define WG_TB 12         /* tiles per block (a multiple of WG_TM) */
 #define WG_OV 16         /* output channels per register block (two vectors) */
 
 typedef struct {
-    const float *x, *bias, *residual;
+    const float *x, *bias, *residual, *filter;
     float *out, *u;                       /* u: [36][cp][op], the filter's transform */
-    int64_t n, c, h, w, o, ph, pw, ho, wo, relu;
+    float *wt;                            /* [9][cp][op]: the filter of direct tiles, made
+                                             when the first one needs it (under `lock`) */
+    pthread_mutex_t lock;
+    int64_t n, c, h, w, o, ph, pw, ho, wo, relu, nhwc, x_row, x_image;
     int64_t cp, op, th, tw, tiles, hb, wb, group, units;
-    int64_t buf_size, y_size;             /* per image of a group */
+    int64_t buf_size, y_size, mag_size;   /* per image of a group */
+    float range, gmax;                    /* see conv_winograd_range.h */
+    int64_t direct_tiles;
 } wg_t;
 
 typedef struct {
-    const wg_t *a;
+    wg_t *a;
     int64_t *next;
     int failed;
 } wg_job_t;
@@ -102,10 +110,32 @@ static inline __attribute__((always_inline)) void wg_g(const v8 g[3], v8 t[6])
 }
 
 /* U = G g G' for every (output, input) channel pair, into a->u (zeros past o, c):
- * eight output channels at a time, one per lane. */
-static void wg_filter(wg_t *a, const float *filter)
+ * eight output channels at a time, one per lane; a->gmax = the largest |g|. Returns 0,
+ * or 1 when the filter holds a NaN or an infinity (the transforms would spread it to
+ * outputs the direct convolution leaves finite). */
+static int wg_filter(wg_t *a, const float *filter)
 {
-    int64_t step = a->cp * a->op;
+    int64_t step = a->cp * a->op, total = a->o * a->c * 9, e = 0;
+    const v8i magnitude = (v8i){0} + 0x7fffffff;
+    v8 most = {0};
+    v8i bad = {0};
+    for (; e + 8 <= total; e += 8) {                   /* |g|, eight at a time */
+        v8 v = (v8)((v8i)load(filter + e) & magnitude);
+        bad |= ~(v <= __FLT_MAX__);                    /* NaN or inf */
+        v8i more = v > most;
+        most = (v8)(((v8i)v & more) | ((v8i)most & ~more));
+    }
+    float largest = 0.0f;
+    for (int l = 0; l < 8; l++) {
+        if (bad[l]) return 1;
+        largest = most[l] > largest ? most[l] : largest;
+    }
+    for (; e < total; e++) {
+        float v = __builtin_fabsf(filter[e]);
+        if (!(v <= __FLT_MAX__)) return 1;
+        largest = v > largest ? v : largest;
+    }
+    a->gmax = largest;
     for (int64_t o0 = 0; o0 < a->o; o0 += 8)
         for (int64_t ci = 0; ci < a->c; ci++) {
             v8 g[3][3], t[6][3], row[3], out[6];
@@ -126,35 +156,11 @@ static void wg_filter(wg_t *a, const float *filter)
                 for (int j = 0; j < 6; j++) *(v8u *)(u + (6 * i + j) * step) = out[j];
             }
         }
+    return 0;
 }
 
-/* Image `img` into buf (hb x wb positions of cp channels), whose zeros were set
- * once: blocks of 8 channels by 8 columns transposed in registers, the rest one
- * value at a time. */
-static void wg_fill(const wg_t *a, int64_t img, float *buf)
-{
-    int64_t count = a->wb - a->pw < a->w ? a->wb - a->pw : a->w;    /* columns kept */
-    for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++) {
-        const float *from = a->x + (img * a->c * a->h + y) * a->w;
-        float *row = buf + ((a->ph + y) * a->wb + a->pw) * a->cp;
-        int64_t c0 = 0;
-        for (; c0 + 8 <= a->c; c0 += 8) {
-            int64_t x = 0;
-            for (; x + 8 <= count; x += 8) {
-                v8 r[8];
-                for (int k = 0; k < 8; k++) r[k] = load(from + (c0 + k) * a->h * a->w + x);
-                wg_transpose8(r);
-                for (int k = 0; k < 8; k++) *(v8u *)(row + (x + k) * a->cp + c0) = r[k];
-            }
-            for (; x < count; x++)
-                for (int k = 0; k < 8; k++)
-                    row[x * a->cp + c0 + k] = from[(c0 + k) * a->h * a->w + x];
-        }
-        for (; c0 < a->c; c0++)
-            for (int64_t x = 0; x < count; x++)
-                row[x * a->cp + c0] = from[c0 * a->h * a->w + x];
-    }
-}
+#include "conv_winograd_io.h"
+#include "conv_winograd_range.h"
 
 /* V of the group's tiles t0 .. t0 + nb - 1 (tile t: image t / tiles of the group's
  * buffers): v[(xi TB + b) cp + ci]. */
@@ -183,7 +189,8 @@ static void wg_input(const wg_t *a, const float *bufs, int64_t t0, int64_t nb, f
 
 /* m[(xi TB + b) op + oc] = sum over ci of v[(xi TB + b) cp + ci] u[(xi cp + ci) op + oc],
  * for the tiles of the block rounded up to WG_TM (the rows past nb are not read). */
-static void wg_multiply(const wg_t *a, const float *v, int64_t nb, float *m)
+static __attribute__((noinline)) void wg_multiply(const wg_t *a, const float *v, int64_t nb,
+                                                  float *m)
 {
     for (int64_t xi = 0; xi < 36; xi++)
         for (int64_t o0 = 0; o0 < a->op; o0 += WG_OV)
@@ -233,59 +240,14 @@ static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, flo
     }
 }
 
-/* The epilogue of one value: s (+ residual at res) (then max(., 0)). */
-static inline float wg_finish(const wg_t *a, float s, const float *res)
-{
-    if (res) s += *res;
-    return a->relu && s < 0 ? 0.0f : s;
-}
-
-/* The outputs of image `img` from y (channels innermost) to out (NCHW), with the
- * epilogue: blocks of 8 columns by 8 channels transposed in registers, the rest
- * one value at a time. */
-static void wg_store(const wg_t *a, const float *y, int64_t img)
-{
-    int64_t plane = a->ho * a->wo, row = 4 * a->tw;
-    float *out = a->out + img * a->o * plane;
-    const float *res = a->residual ? a->residual + img * a->o * plane : NULL;
-    for (int64_t r = 0; r < a->ho; r++) {
-        const float *yr = y + r * row * a->op;
-        int64_t oc = 0;
-        for (; oc + 8 <= a->o; oc += 8) {
-            int64_t x = 0;
-            for (; x + 8 <= a->wo; x += 8) {
-                v8 v[8];
-                for (int k = 0; k < 8; k++) v[k] = load(yr + (x + k) * a->op + oc);
-                wg_transpose8(v);
-                for (int k = 0; k < 8; k++) {
-                    int64_t at = (oc + k) * plane + r * a->wo + x;
-                    v8 s = v[k] + (a->bias ? a->bias[oc + k] : 0.0f);
-                    if (res) s += load(res + at);
-                    if (a->relu) s = (v8)((v8i)s & ~(s < 0));    /* NaN stays NaN */
-                    *(v8u *)(out + at) = s;
-                }
-            }
-            for (; x < a->wo; x++)
-                for (int k = 0; k < 8; k++) {
-                    int64_t at = (oc + k) * plane + r * a->wo + x;
-                    float s = yr[x * a->op + oc + k] + (a->bias ? a->bias[oc + k] : 0.0f);
-                    out[at] = wg_finish(a, s, res ? res + at : NULL);
-                }
-        }
-        for (; oc < a->o; oc++)
-            for (int64_t x = 0; x < a->wo; x++) {
-                int64_t at = oc * plane + r * a->wo + x;
-                float s = yr[x * a->op + oc] + (a->bias ? a->bias[oc] : 0.0f);
-                out[at] = wg_finish(a, s, res ? res + at : NULL);
-            }
-    }
-}
-
-/* a's sizes from dims (n c h w o ph pw ho wo relu) for `threads` threads (clamped). */
+/* a's sizes from dims (n c h w o ph pw ho wo relu nhwc x_row x_image range) for
+ * `threads` threads (clamped). */
 static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
 {
     a->n = dims[0]; a->c = dims[1]; a->h = dims[2]; a->w = dims[3]; a->o = dims[4];
     a->ph = dims[5]; a->pw = dims[6]; a->ho = dims[7]; a->wo = dims[8]; a->relu = dims[9];
+    a->nhwc = dims[10]; a->x_row = dims[11]; a->x_image = dims[12];
+    a->range = (float)dims[13];
     a->cp = (a->c + 7) / 8 * 8;
     a->op = (a->o + WG_OV - 1) / WG_OV * WG_OV;
     a->th = (a->ho + 3) / 4;
@@ -295,6 +257,7 @@ static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
     a->wb = 4 * a->tw + 2;
     a->buf_size = a->hb * a->wb * a->cp + 8;
     a->y_size = 16 * a->tiles * a->op;
+    a->mag_size = a->hb * a->wb + a->hb * 4 * a->tw + a->tiles * 16;  /* wg_fields' */
     threads = threads < 1 ? 1 : threads;
     a->group = a->tiles < WG_TB ? WG_TB / a->tiles : 1;   /* small images share blocks */
     if (a->group > (a->n + threads - 1) / threads) a->group = (a->n + threads - 1) / threads;
@@ -306,30 +269,46 @@ static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
 /* Floats of one thread's buffers. */
 static int64_t wg_thread_floats(const wg_t *a)
 {
-    return a->group * (a->buf_size + a->y_size) + 36 * WG_TB * (a->cp + a->op) + 16;
+    return a->group * (a->buf_size + a->y_size + a->mag_size) + 36 * WG_TB * (a->cp + a->op)
+           + 16;
 }
 
 static void *wg_job(void *p)
 {
     wg_job_t *job = p;
-    const wg_t *a = job->a;
+    wg_t *a = job->a;
     int64_t bufs = a->group * a->buf_size, v_size = 36 * WG_TB * a->cp + 8;
-    int64_t m_size = 36 * WG_TB * a->op + 8;
+    int64_t m_size = 36 * WG_TB * a->op + 8, y_all = a->group * a->y_size, direct = 0;
     float *buf = calloc(wg_thread_floats(a), sizeof(float));
     if (!buf) { job->failed = 1; return NULL; }
-    float *v = buf + bufs, *m = v + v_size, *y = m + m_size;
+    float *v = buf + bufs, *m = v + v_size, *y = m + m_size, *mags = y + y_all;
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
         int64_t first = u * a->group;
         int64_t count = a->n - first < a->group ? a->n - first : a->group;
-        for (int64_t g = 0; g < count; g++) wg_fill(a, first + g, buf + g * a->buf_size);
+        int check[WG_TB];                       /* a->group <= WG_TB */
+        for (int64_t g = 0; g < count; g++) {
+            float *image = buf + g * a->buf_size, *mag = mags + g * a->mag_size;
+            if (a->nhwc) {
+                wg_fill_nhwc(a, first + g, image);
+                wg_squares(a, image, mag);
+            } else {
+                wg_fill(a, first + g, image, mag);
+            }
+            check[g] = wg_fields(a, mag);
+        }
         for (int64_t t0 = 0; t0 < count * a->tiles; t0 += WG_TB) {
             int64_t nb = count * a->tiles - t0 < WG_TB ? count * a->tiles - t0 : WG_TB;
             wg_input(a, buf, t0, nb, v);
             wg_multiply(a, v, nb, m);
             wg_output(a, m, t0, nb, y);
+            int64_t wide = wg_direct_tiles(a, buf, mags, check, t0, nb, y);
+            if (wide < 0) { job->failed = 1; break; }
+            direct += wide;
         }
-        for (int64_t g = 0; g < count; g++) wg_store(a, y + g * a->y_size, first + g);
+        for (int64_t g = 0; g < count; g++)
+            (a->nhwc ? wg_store_nhwc : wg_store)(a, y + g * a->y_size, first + g);
     }
+    __atomic_fetch_add(&a->direct_tiles, direct, __ATOMIC_RELAXED);
     free(buf);
     return NULL;
 }
@@ -343,23 +322,31 @@ int64_t conv2d_winograd_scratch(const int64_t *dims, int64_t threads)
     return (int64_t)sizeof(float) * (36 * a.cp * a.op + threads * wg_thread_floats(&a));
 }
 
-/* dims: n c h w o ph pw ho wo relu (a 3x3 filter, stride and dilation 1; out is
- * (N, O, ho, wo)). Returns 0, or 1 when memory ran out (out is then incomplete). */
+/* dims: n c h w o ph pw ho wo relu nhwc x_row x_image range (a 3x3 filter, stride and
+ * dilation 1; out is (N, O, ho, wo), or (N, ho, wo, O) with nhwc, whose x's rows and
+ * images are x_row and x_image floats apart; range: conv_winograd_range.h). Returns 0;
+ * 1 when memory ran out (out is then incomplete); 2, with nothing written, when the
+ * filter holds a NaN or an infinity (the caller runs the direct kernel). *direct_tiles
+ * (when not NULL): how many tiles were computed directly. */
 int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
                         const float *residual, float *out, const int64_t *dims,
-                        int64_t threads)
+                        int64_t threads, int64_t *direct_tiles)
 {
-    wg_t a = {.x = x, .bias = bias, .residual = residual, .out = out};
+    wg_t a = {.x = x, .bias = bias, .residual = residual, .out = out, .filter = filter};
     threads = wg_setup(&a, dims, threads);
     a.u = calloc(36 * a.cp * a.op, sizeof(float));
     if (!a.u) return 1;
-    wg_filter(&a, filter);
+    if (wg_filter(&a, filter)) { free(a.u); return 2; }
+    pthread_mutex_init(&a.lock, NULL);
     int64_t next = 0;
     wg_job_t jobs[MAX_THREADS];
     for (int64_t t = 0; t < threads; t++) jobs[t] = (wg_job_t){.a = &a, .next = &next};
     pool_run(wg_job, jobs, sizeof(wg_job_t), threads);
     int failed = 0;
     for (int64_t t = 0; t < threads; t++) failed |= jobs[t].failed;
+    pthread_mutex_destroy(&a.lock);
+    if (direct_tiles) *direct_tiles = a.direct_tiles;
+    free(a.wt);
     free(a.u);
     return failed;
 }

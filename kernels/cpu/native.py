@@ -151,11 +151,18 @@ class _Refused(Exception):
 
 def source_of(name):
     """The C source of kernels/cpu/<name>.c with the headers of this folder it
-    includes (`#include "x.h"`) put in their place: what is compiled and what the
-    cache key covers, so a changed header builds anew and no include path is needed."""
+    includes (`#include "x.h"`, in headers too) put in their place: what is compiled
+    and what the cache key covers, so a changed header builds anew and no include path
+    is needed."""
     files = importlib.resources.files(__package__)
-    return LOCAL_INCLUDE.sub(lambda m: files.joinpath(m.group(1)).read_text(),
-                             files.joinpath(f"{name}.c").read_text())
+
+    def inline(text, depth=0):
+        if depth > 8:
+            raise ValueError(f"native: {name}.c: local #includes nest deeper than 8")
+        return LOCAL_INCLUDE.sub(
+            lambda m: inline(files.joinpath(m.group(1)).read_text(), depth + 1), text)
+
+    return inline(files.joinpath(f"{name}.c").read_text())
 
 
 def _load_or_build(name):

@@ -1,6 +1,6 @@
 /* The native CPU kernels of max pooling, on C-contiguous NCHW float32 or float64
  * arrays, with the semantics of the numpy kernels of kernels/cpu/pool2d.py, the
- * reference. The gradient (pool2d_grad with pool_type "max", not global): dout
+ * reference (channels-last arrays: pool_native_nhwc.h, the same semantics). The gradient (pool2d_grad with pool_type "max", not global): dout
  * routed to each window's first max:
  * - taps are visited in row-major order, padding reading as -inf; a window's max is
  *   its first tap, replaced by a later one only where that one is strictly greater
@@ -34,9 +34,9 @@ typedef int v8i __attribute__((vector_size(32)));
 typedef struct {
     const void *x, *dout;
     void *dx;
-    int64_t begin, end;                /* planes */
-    int64_t h, w, ho, wo, kh, kw, sh, sw, ph, pw;
-    int f64;
+    int64_t begin, end;                /* planes (NHWC: images) */
+    int64_t h, w, ho, wo, kh, kw, sh, sw, ph, pw, c;
+    int f64, failed;
 } job_t;
 
 /* One tap at offset o of a window inside the plane: the best value and its offset. */
@@ -269,3 +269,5 @@ int max_pool_tiles(int f64, const void *x, void *out, int64_t rows, int64_t w) {
     free(pair);
     return 0;
 }
+
+#include "pool_native_nhwc.h"

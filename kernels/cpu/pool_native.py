@@ -1,15 +1,16 @@
 """Launchers of the native CPU max-pooling kernels (pool_native.c, built by native.py):
 pool2d_grad with pool_type "max" (not global), and the forward of 2x2 windows at
-stride 2 that tile the plane, on C-contiguous NCHW float32 or float64 arrays, with
-the numpy kernels' semantics (kernels/cpu/pool2d.py, the reference they are tested
-against; the C file says them in full).
+stride 2 that tile the plane, on C-contiguous NCHW or NHWC (pool_native_nhwc.h:
+vectorized over channels) float32 or float64 arrays, with the numpy kernels'
+semantics (kernels/cpu/pool2d.py, the reference they are tested against; the C
+files say them in full).
 
 Each returns None where the native kernel does not apply: it is off or
 not built (native.reason says why), or an array is not float32/float64 or not
 C-contiguous, or x and dout disagree in dtype. The caller then runs the numpy
 kernel. Threads: `minigraph.kernels.cpu.blocks.get_num_threads()`, fewer for small
-arrays (MIN_THREAD_VALUES values a thread); a plane is one thread's, so results do
-not depend on the count.
+arrays (MIN_THREAD_VALUES values a thread); a plane (NHWC: an image) is one thread's,
+so results do not depend on the count.
 """
 from __future__ import annotations
 
@@ -23,20 +24,26 @@ MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_kernel = _tiles = None
+_kernel = _tiles = _kernel_nhwc = _tiles_nhwc = None
 
 
 def _load():
-    """The typed C function max_pool_grad (and max_pool_tiles), or None where the
-    library cannot be built."""
-    global _kernel, _tiles
+    """The typed C function max_pool_grad (and max_pool_tiles, and their NHWC
+    versions), or None where the library cannot be built."""
+    global _kernel, _tiles, _kernel_nhwc, _tiles_nhwc
     if _kernel is None:
         lib = native.library("pool_native")
         if lib is None:
             return None
         lib.max_pool_tiles.argtypes = [ctypes.c_int, _P, _P, _L, _L]
         lib.max_pool_tiles.restype = ctypes.c_int
-        _tiles = lib.max_pool_tiles
+        lib.max_pool_tiles_nhwc.argtypes = [ctypes.c_int, _P, _P, _L, _L, _L]
+        lib.max_pool_tiles_nhwc.restype = ctypes.c_int
+        _tiles, _tiles_nhwc = lib.max_pool_tiles, lib.max_pool_tiles_nhwc
+        lib.max_pool_grad_nhwc.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L, _L,
+                                           ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.max_pool_grad_nhwc.restype = ctypes.c_int
+        _kernel_nhwc = lib.max_pool_grad_nhwc
         lib.max_pool_grad.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L,
                                       ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.max_pool_grad.restype = ctypes.c_int
@@ -44,16 +51,25 @@ def _load():
     return _kernel
 
 
-def max_pool_tiles(x):
-    """The max of every 2x2 window of x (N, C, H, W), H and W even, at stride 2: (N, C,
-    H / 2, W / 2). None where the native kernel does not apply."""
+def max_pool_tiles(x, layout="NCHW"):
+    """The max of every 2x2 window of x (N, C, H, W), or (N, H, W, C) in NHWC, H and W
+    even, at stride 2: (N, C, H / 2, W / 2) (or (N, H / 2, W / 2, C)). None where the
+    native kernel does not apply."""
+    nhwc = layout == "NHWC"
+    h, w = x.shape[1:3] if nhwc else x.shape[2:4]
     if not (native.enabled() and x.dtype in _TYPES and x.ndim == 4 and x.flags.c_contiguous
-            and x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0 and _load() is not None):
+            and h % 2 == 0 and w % 2 == 0 and _load() is not None):
         return None
-    n, c, h, w = x.shape
+    f64 = int(x.dtype == np.float64)
+    if nhwc:
+        n, _, _, c = x.shape
+        out = np.empty((n, h // 2, w // 2, c), x.dtype)
+        if out.size:
+            _tiles_nhwc(f64, x.ctypes.data, out.ctypes.data, n * h // 2, w, c)
+        return out
+    n, c = x.shape[:2]
     out = np.empty((n, c, h // 2, w // 2), x.dtype)
-    if out.size and _tiles(int(x.dtype == np.float64), x.ctypes.data, out.ctypes.data,
-                           n * c * h // 2, w):
+    if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w):
         raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be allocated")
     return out
 
@@ -63,21 +79,33 @@ def available():
     return native.enabled() and _load() is not None
 
 
-def max_pool_grad(x, dout, attrs, hw):
+def max_pool_grad(x, dout, attrs, hw, layout="NCHW"):
     """dx of max pooling: dout (N, C, Ho, Wo), hw = (Ho, Wo), routed to each window's
-    first max in x (N, C, H, W); attrs: the op's resolved ksize, strides, paddings.
-    None where the native kernel does not apply."""
-    dtype = x.dtype
+    first max in x (N, C, H, W) (NHWC: dout (N, Ho, Wo, C), x (N, H, W, C)); attrs: the
+    op's resolved ksize, strides, paddings. None where the native kernel does not
+    apply."""
+    dtype, nhwc = x.dtype, layout == "NHWC"
+    if x.ndim != 4:
+        return None
+    want = (x.shape[0], *hw, x.shape[3]) if nhwc else x.shape[:2] + tuple(hw)
     if not (native.enabled() and dtype in _TYPES and _load() is not None
-            and dout.dtype == dtype and x.ndim == 4 and dout.shape == x.shape[:2] + tuple(hw)
+            and dout.dtype == dtype and dout.shape == want
             and x.flags.c_contiguous and dout.flags.c_contiguous):
         return None
     dx = np.empty_like(x)
     if dx.size:
-        n, c, h, w = x.shape
         geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
                                         *attrs["paddings"])
         threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
-        _kernel(int(dtype == np.float64), x.ctypes.data, dout.ctypes.data, dx.ctypes.data,
-                n * c, h, w, geometry, threads)
+        f64 = int(dtype == np.float64)
+        if nhwc:
+            n, h, w, c = x.shape
+            if _kernel_nhwc(f64, x.ctypes.data, dout.ctypes.data, dx.ctypes.data, n, h, w, c,
+                            geometry, threads):
+                raise MemoryError("pool_native.max_pool_grad: the kernel's buffers could "
+                                  "not be allocated")
+            return dx
+        n, c, h, w = x.shape
+        _kernel(f64, x.ctypes.data, dout.ctypes.data, dx.ctypes.data, n * c, h, w, geometry,
+                threads)
     return dx

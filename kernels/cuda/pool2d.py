@@ -1,5 +1,5 @@
-"""Launchers for kernels/pool2d.cu: max / avg pooling of NCHW device arrays and
-their gradients (avg excludes padding; max grad goes to the first maximum).
+"""Launchers for kernels/pool2d.cu: max / avg pooling of NCHW or NHWC (channels-last)
+device arrays and their gradients (avg excludes padding; max grad goes to the first maximum).
 Both gradients gather per input element in a fixed order: deterministic, the
 same bits on every run, overlapping windows included. The max gradient first
 finds each window's first maximum once (pool_argmax, into scratch), so it
@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels.cuda import launch, loader
+from minigraph.kernels.layout import image_shape, nchw_sizes
 
 MODULE = "pool2d"
-_GEOM = "i" * 10
+_GEOM = "i" * 11
 SIGNATURES = {}
 for _t in ("f32", "f64"):
     SIGNATURES.update({f"pool_max_{_t}": "PPq" + _GEOM, f"pool_avg_{_t}": "PPq" + _GEOM,
@@ -25,12 +26,16 @@ def _pair(v):
     return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
 
 
-def geometry(x_shape, ksize=2, strides=None, paddings=0, global_pooling=False):
-    """(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo); global pooling is one window of
-    the whole plane. ValueError when a window would hold only padding."""
-    _, _, h, w = (int(d) for d in x_shape)
+def geometry(x_shape, ksize=2, strides=None, paddings=0, global_pooling=False,
+             data_layout="NCHW"):
+    """(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo, C): C the channels side by side in a
+    pixel (NHWC; 1 for NCHW, whose N * C planes the kernels see as images of one
+    channel); global pooling is one window of the whole plane. ValueError when a
+    window would hold only padding."""
+    _, c, h, w = (int(d) for d in nchw_sizes(data_layout, x_shape))
+    c = c if data_layout == "NHWC" else 1
     if global_pooling:
-        return (h, w, h, w, 1, 1, 0, 0, 1, 1)
+        return (h, w, h, w, 1, 1, 0, 0, 1, 1, c)
     (kh, kw) = _pair(ksize)
     (sh, sw) = _pair(strides) if strides is not None else (kh, kw)
     (ph, pw) = _pair(paddings)
@@ -39,22 +44,24 @@ def geometry(x_shape, ksize=2, strides=None, paddings=0, global_pooling=False):
     ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
     if ho <= 0 or wo <= 0:
         raise ValueError(f"pool2d: output would be {ho}x{wo} for input {tuple(x_shape)}")
-    return (h, w, kh, kw, sh, sw, ph, pw, ho, wo)
+    return (h, w, kh, kw, sh, sw, ph, pw, ho, wo, c)
 
 
-def _plan(x, ksize, strides, paddings, global_pooling):
+def _plan(x, ksize, strides, paddings, global_pooling, data_layout):
     """(geometry, planes, out shape, kernel-name suffix) of pooling x, once per
     device, shape, dtype and attributes (unhashable attributes: computed anew)."""
     plans = loader.cached("pool2d.plans", dict)
-    key = (x.shape, x.dtype, ksize, strides, paddings, global_pooling)
+    key = (x.shape, x.dtype, ksize, strides, paddings, global_pooling, data_layout)
     try:
         found = plans.get(key)
     except TypeError:
         key, found = None, None
     if found is None:
-        geom = geometry(x.shape, ksize, strides, paddings, global_pooling)
-        found = (geom, int(x.shape[0]) * int(x.shape[1]),
-                 (x.shape[0], x.shape[1], geom[8], geom[9]), loader.suffix(x.dtype))
+        geom = geometry(x.shape, ksize, strides, paddings, global_pooling, data_layout)
+        n, c = int(x.shape[0]), int(nchw_sizes(data_layout, x.shape)[1])
+        planes = n if data_layout == "NHWC" else n * c
+        found = (geom, planes, image_shape(data_layout, n, c, geom[8], geom[9]),
+                 loader.suffix(x.dtype))
         if key is not None:
             loader.cache_put(plans, key, found)
     return found
@@ -65,10 +72,11 @@ def _launch(name, items, *args):
 
 
 def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling=False,
-           out=None):
+           out=None, data_layout="NCHW"):
     """out (N, C, Ho, Wo): the max or average (over real elements) of each
-    window of x (N, C, H, W). Returns out."""
-    geom, planes, out_shape, sfx = _plan(x, ksize, strides, paddings, global_pooling)
+    window of x (N, C, H, W) (NHWC: out (N, Ho, Wo, C) of x (N, H, W, C)). Returns out."""
+    geom, planes, out_shape, sfx = _plan(x, ksize, strides, paddings, global_pooling,
+                                         data_layout)
     if out is None:
         out = loader.empty(out_shape, x.dtype)
     else:
@@ -80,10 +88,11 @@ def pool2d(x, pool_type="max", ksize=2, strides=None, paddings=0, global_pooling
 
 
 def pool2d_grad(x, dout, pool_type="max", ksize=2, strides=None, paddings=0,
-                global_pooling=False, dx=None):
+                global_pooling=False, dx=None, data_layout="NCHW"):
     """dx of pool2d: dout routed to each window's first maximum, or spread evenly
     over its real elements. Returns dx."""
-    geom, planes, out_shape, sfx = _plan(x, ksize, strides, paddings, global_pooling)
+    geom, planes, out_shape, sfx = _plan(x, ksize, strides, paddings, global_pooling,
+                                         data_layout)
     if dout.shape != out_shape or dout.dtype != x.dtype:
         launch.check_array("pool2d_grad: dout", dout, out_shape, x.dtype)
     if dx is None:
@@ -112,7 +121,8 @@ def pool_geometry(op):
     """The launchers' keyword arguments for this op's attributes."""
     a = op.attrs
     return dict(pool_type=a["pool_type"], ksize=a["ksize"], strides=a["strides"],
-                paddings=a["paddings"], global_pooling=a["global_pooling"])
+                paddings=a["paddings"], global_pooling=a["global_pooling"],
+                data_layout=a["data_layout"])
 
 
 def pool2d_gpu(op, ins, ctx):

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph.executor import prune
 from minigraph.feeds import check_no_infer_state, io_variables
 from minigraph.io import checkpoint_values
 from minigraph.io.files import atomic_write
@@ -51,6 +50,7 @@ from minigraph.io.model_format import (
 from minigraph.io.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
 from minigraph.net import Net
 from minigraph.operator import Operator
+from minigraph.plan import prune
 from minigraph.schema import OpError, get_schema, registered_ops
 from minigraph.scope import check_reserved_name
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.executor import prune
 from minigraph.feeds import io_variables
 from minigraph.io.files import atomic_write
+from minigraph.plan import prune
 
 OPSETS = range(13, 25)
 DEFAULT_OPSET = 17

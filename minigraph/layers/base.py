@@ -15,6 +15,7 @@ function (see docs/adding_an_op.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -169,7 +170,8 @@ def parameter(net, kind, arg, attr, default_name, shape, dtype, default_init, fa
     """The parameter a layer's `arg` (a ParamAttr, its name, or None) asks for: a new
     persistable made with the attr's initializer (else `default_init`), or, when the
     attr names one this net already has, that one - shared, after checking its shape,
-    dtype and settings agree (an error naming the layer and the argument otherwise)."""
+    dtype, settings and initializer agree (an error naming the layer and the argument
+    otherwise; a later use that gives no initializer takes the first one's)."""
     attr = as_param_attr(kind, arg, attr)
     name = attr.name or default_name
     shape, dtype = tuple(shape), np.dtype(dtype)
@@ -189,8 +191,15 @@ def parameter(net, kind, arg, attr, default_name, shape, dtype, default_init, fa
             raise ValueError(f"{kind}: argument '{arg}' shares {name!r} with other settings "
                              f"(learning_rate, weight_decay, trainable) = {ours} than its first "
                              f"use's {theirs}")
+        first = existing.param_attr.initializer
+        if attr.initializer is not None and attr.initializer != first:
+            raise ValueError(f"{kind}: argument '{arg}' shares {name!r} with the initializer "
+                             f"{attr.initializer!r}, but its first use initialised it with "
+                             f"{first!r}; a shared parameter has one initializer (give the "
+                             "same one, or none, to share it)")
         return existing
-    var = net.create_parameter(name, shape, dtype, attr.initializer or default_init,
-                               trainable=attr.trainable, fan_in=fan_in, fan_out=fan_out)
-    var.param_attr = attr
+    init = attr.initializer or default_init
+    var = net.create_parameter(name, shape, dtype, init, trainable=attr.trainable,
+                               fan_in=fan_in, fan_out=fan_out)
+    var.param_attr = dataclasses.replace(attr, initializer=init)     # the one it was made with
     return var

@@ -55,6 +55,12 @@ def _pair(net, kind, x, label, reduction):
                          f"must have the shape of 'input' ({x.name!r}, shape {x.shape})")
 
 
+def _difference(net, input, label, name):  # noqa: A002
+    """input - label, which must have one shape: checked when the net is built and again
+    on every fed shape (a (4, 1) input against a (1, 4) label would broadcast to 4 x 4)."""
+    return _op(net, "subtract", {"x": input, "y": label}, name, "diff", {"same_shape": True})
+
+
 def _op(net, op_type, ins, name, suffix, attrs=None):
     return net.append(op_type, ins, {"out": f"{name}.{suffix}"}, attrs)["out"]
 
@@ -63,7 +69,7 @@ def _op(net, op_type, ins, name, suffix, attrs=None):
 def mse_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
     """(input - label)^2, reduced (torch's F.mse_loss)."""
     _pair(net, "mse_loss", input, label, reduction)
-    d = _op(net, "subtract", {"x": input, "y": label}, name, "diff")
+    d = _difference(net, input, label, name)
     return _reduced(net, "mse_loss", _op(net, "square", {"x": d}, name, "elementwise"),
                     reduction, name)
 
@@ -72,7 +78,7 @@ def mse_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
 def l1_loss(net, input, label, reduction="mean", name=None):  # noqa: A002
     """|input - label|, reduced (torch's F.l1_loss)."""
     _pair(net, "l1_loss", input, label, reduction)
-    d = _op(net, "subtract", {"x": input, "y": label}, name, "diff")
+    d = _difference(net, input, label, name)
     return _reduced(net, "l1_loss", _op(net, "abs", {"x": d}, name, "elementwise"),
                     reduction, name)
 
@@ -86,7 +92,7 @@ def huber_loss(net, input, label, delta=1.0, reduction="mean", name=None):  # no
     delta = float_arg("huber_loss", "delta", delta, 0.0)
     if delta <= 0:
         raise ValueError(f"huber_loss: argument 'delta' must be > 0, got {delta}")
-    d = _op(net, "subtract", {"x": input, "y": label}, name, "diff")
+    d = _difference(net, input, label, name)
     c = _op(net, "clip", {"x": d}, name, "clipped", {"min": -delta, "max": delta})
     quad = _op(net, "scale", {"x": _op(net, "square", {"x": c}, name, "c2")}, name, "quad",
                {"scale": 0.5, "bias": 0.0})

@@ -14,6 +14,7 @@ import numpy as np
 
 from minigraph.feeds import data_declaration
 from minigraph.initializer import Constant, FanInUniform, KaimingUniform, Normal
+from minigraph.kernels.layout import LAYOUTS, channel_axis
 from minigraph.layers.base import (
     float_arg,
     int_arg,
@@ -36,11 +37,22 @@ def data(net, name, shape, dtype="float32"):
     return net.add_data(name, shape, dtype)
 
 
-def _bias(net, kind, out, name, size, dtype, attr, fan_in, out_name):
+def _bias(net, kind, out, name, size, dtype, attr, fan_in, out_name, axis=1):
     b = parameter(net, kind, "bias_attr", attr, f"{name}.b", (size,), dtype, FanInUniform(),
                   fan_in=fan_in)
     return net.append("elementwise_add", {"x": out, "y": b}, {"out": out_name},
-                      {"axis": 1})["out"]
+                      {"axis": axis})["out"]
+
+
+def _layout(kind, x, data_layout):
+    """data_layout checked ("NCHW" or "NHWC") for a rank-4 x: (layout, channel axis)."""
+    if data_layout not in LAYOUTS:
+        raise ValueError(f"{kind}: argument 'data_layout' must be 'NCHW' or 'NHWC', got "
+                         f"{data_layout!r}")
+    if x.shape is None or len(x.shape) != 4:
+        raise ValueError(f"{kind}: argument 'x' ({x.name!r}) must be {data_layout} (rank 4), "
+                         f"got shape {x.shape}")
+    return data_layout, channel_axis(data_layout)
 
 
 @layer("fc")
@@ -56,6 +68,9 @@ def fc(net, x, size, name=None, param_attr=None, bias_attr=None, bias=True):
         raise ValueError(f"fc: argument 'x' ({x.name!r}) needs a batch axis and at least one "
                          f"feature axis, got shape {shape}")
     in_features = math.prod(shape[1:])
+    if in_features == 0:
+        raise ValueError(f"fc: argument 'x' ({x.name!r}, shape {shape}) has no features: every "
+                         "axis after the first must be > 0")
     with_bias = bias and bias_attr is not False
     w = parameter(net, "fc", "param_attr", param_attr, f"{name}.w", (in_features, size),
                   x.dtype, KaimingUniform(math.sqrt(5)), fan_in=in_features, fan_out=size)
@@ -111,9 +126,12 @@ def project(net, kind, x, size, name, param_attr=None, bias_attr=None):
 
 @layer("conv2d")
 def conv2d(net, x, num_filters, filter_size, stride=1, padding=0, dilation=1, groups=1,
-           name=None, param_attr=None, bias_attr=None, bias=True):
-    """2-D convolution on NCHW input; w: `name.w` (out, in/groups, kh, kw), b: `name.b`.
-    param_attr / bias_attr as fc's. Default initialisation: PyTorch's nn.Conv2d's."""
+           name=None, param_attr=None, bias_attr=None, bias=True, data_layout="NCHW"):
+    """2-D convolution; w: `name.w` (out, in/groups, kh, kw) in either layout, b: `name.b`
+    (out,). data_layout "NCHW" (x (N, C, H, W), out (N, out, Ho, Wo)) or "NHWC"
+    (channels last: x (N, H, W, C), out (N, Ho, Wo, out); the bias is added on the
+    last axis). param_attr / bias_attr as fc's. Default initialisation: PyTorch's
+    nn.Conv2d's."""
     tensor(net, "conv2d", "x", x, float_only=True)
     num_filters = int_arg("conv2d", "num_filters", num_filters)
     groups = int_arg("conv2d", "groups", groups)
@@ -121,10 +139,12 @@ def conv2d(net, x, num_filters, filter_size, stride=1, padding=0, dilation=1, gr
     attrs = {"strides": pair_arg("conv2d", "stride", stride),
              "paddings": pair_arg("conv2d", "padding", padding, minimum=0),
              "dilations": pair_arg("conv2d", "dilation", dilation), "groups": groups}
-    if x.shape is None or len(x.shape) != 4:
-        raise ValueError(f"conv2d: argument 'x' ({x.name!r}) must be NCHW (rank 4), got shape "
-                         f"{x.shape}")
-    channels = known_dims("conv2d", "x", x, (1,))[1]
+    layout, axis = _layout("conv2d", x, data_layout)
+    attrs["data_layout"] = layout
+    channels = known_dims("conv2d", "x", x, (axis,))[axis]
+    if channels == 0:
+        raise ValueError(f"conv2d: argument 'x' ({x.name!r}, shape {x.shape}) has 0 channels "
+                         f"({layout}): a convolution needs at least one")
     if channels % groups or num_filters % groups:
         raise ValueError(f"conv2d: argument 'groups' ({groups}) must divide the {channels} "
                          f"input channels and num_filters ({num_filters})")
@@ -139,7 +159,7 @@ def conv2d(net, x, num_filters, filter_size, stride=1, padding=0, dilation=1, gr
     if not with_bias:
         return out
     return _bias(net, "conv2d", out, name, num_filters, x.dtype, bias_attr, fan_in,
-                 f"{name}.out")
+                 f"{name}.out", axis)
 
 
 @layer("embedding")
@@ -170,12 +190,14 @@ def embedding(net, ids, num_embeddings, embedding_dim, padding_idx=None, param_a
 
 @layer("pool2d")
 def pool2d(net, x, pool_size=2, pool_type="max", pool_stride=None, pool_padding=0,
-           global_pooling=False, name=None):
-    """Max or average pooling on NCHW input; "avg" excludes padding from the divisor.
-    The stride defaults to the pool size. global_pooling=True pools each whole
-    H x W plane to 1 x 1 (output (N, C, 1, 1); pool_size, stride and padding
-    are then ignored): global average pooling is pool_type="avg"."""
+           global_pooling=False, name=None, data_layout="NCHW"):
+    """Max or average pooling; "avg" excludes padding from the divisor. The stride
+    defaults to the pool size. global_pooling=True pools each whole H x W plane to
+    1 x 1 (output (N, C, 1, 1), or (N, 1, 1, C) in NHWC; pool_size, stride and
+    padding are then ignored): global average pooling is pool_type="avg".
+    data_layout: "NCHW" or "NHWC" (channels last), as conv2d's."""
     tensor(net, "pool2d", "x", x, float_only=True)
+    layout, _ = _layout("pool2d", x, data_layout)
     if pool_type not in ("max", "avg"):
         raise ValueError(f"pool2d: argument 'pool_type' must be 'max' or 'avg', got "
                          f"{pool_type!r}")
@@ -184,7 +206,8 @@ def pool2d(net, x, pool_size=2, pool_type="max", pool_stride=None, pool_padding=
     paddings = pair_arg("pool2d", "pool_padding", pool_padding, minimum=0)
     return net.append("pool2d", {"x": x}, {"out": f"{name}.out"},
                       {"pool_type": pool_type, "ksize": ksize, "strides": strides,
-                       "paddings": paddings, "global_pooling": bool(global_pooling)})["out"]
+                       "paddings": paddings, "global_pooling": bool(global_pooling),
+                       "data_layout": layout})["out"]
 
 
 @layer("dropout")

@@ -2,7 +2,8 @@
 
 fuse_conv2d makes a fused_conv2d of each
 
-    conv2d -> elementwise_add (a per-channel parameter, axis 1)   the layer's bias
+    conv2d -> elementwise_add (a per-channel parameter on the      the layer's bias
+                               channel axis: 1, or 3 in NHWC)
            -> add (another value of the same shape)               a residual
            -> relu
 
@@ -151,11 +152,14 @@ def _only_reader(ops, v, kept):
 
 
 def _is_conv_bias(add, v, conv):
-    """The bias add `add` on conv's output `v` adds one parameter value per channel."""
+    """The bias add `add` on conv's output `v` adds one parameter value per channel, on
+    the channel axis of the conv's layout (OpSchema.weight_axes)."""
     b = add.inputs["y"]
     channels = conv.inputs["filter"].shape[0] if conv.inputs["filter"].shape else None
-    return (b.persistable and b.shape == (channels,) and add.attrs["axis"] == 1
-            and b.dtype == v.dtype)
+    rank = len(v.shape) if v.shape else 4
+    axis = conv.schema.weight_axes(conv)[2] % rank
+    start = rank - 1 if add.attrs["axis"] == -1 else add.attrs["axis"]    # y is 1-D
+    return b.persistable and b.shape == (channels,) and start == axis and b.dtype == v.dtype
 
 
 def _is_fc_bias(add, v, mul):

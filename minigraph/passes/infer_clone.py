@@ -7,9 +7,9 @@ ops pruned to `fetches` (by default the net's predictions, see
 from __future__ import annotations
 
 from minigraph import feeds
-from minigraph.executor import prune
 from minigraph.net import Net
 from minigraph.operator import Operator
+from minigraph.plan import prune
 
 LEFT_OUT = ("loss", "metric")           # the layer roles an inference net leaves out
 

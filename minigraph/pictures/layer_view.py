@@ -125,7 +125,8 @@ def _unit_node(lmap, unit, parts, heat, backward, inference=False):
         rows.append(_small(" + ".join(types)))
     shape = _output_shape(rec, any_ops)
     if shape:
-        rows.append(_small(f"out {shape}"))
+        channels_last = any(op.attrs.get("data_layout") == "NHWC" for op in any_ops)
+        rows.append(_small(f"out {shape}" + (" NHWC" if channels_last else "")))
     made = list(rec.made) if rec else list({id(v): v for op in any_ops for v in op.input_vars()
                                              if v.persistable}.values())
     inplace = _written_in_place(train_ops)

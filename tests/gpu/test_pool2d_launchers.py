@@ -68,3 +68,37 @@ def test_max_pool_grad_scans_each_window_once(device):
     want[0, 1, 0, 0] = 3.0
     np.testing.assert_array_equal(dx, want)
     assert elapsed < 5.0, f"{elapsed:.1f} s: the gradient rescans windows"
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("k,s,p", [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 1), (1, 1)),
+                                   ((3, 2), (1, 1), (2, 1))])
+def test_pool2d_nhwc_and_grad(device, kind, k, s, p):
+    """Channels last: the kernels see N images of H x W pixels of C channels."""
+    from minigraph.kernels.cuda import pool2d
+
+    x = rng(18).normal(size=(2, 7, 6, 3))
+    want = pool2d_ref(x, kind, k, s, p, data_layout="NHWC")
+    out = pool2d.pool2d(device.put(x), kind, k, s, p, data_layout="NHWC")
+    assert out.shape == want.shape and rel_err(device.get(out), want) < 1e-12
+    d = rng(19).normal(size=want.shape)
+    dx = pool2d.pool2d_grad(device.put(x), device.put(d), kind, k, s, p, data_layout="NHWC")
+    assert rel_err(device.get(dx), pool2d_grad_ref(x, d, kind, k, s, p,
+                                                   data_layout="NHWC")) < 1e-12
+
+
+def test_global_pooling_nhwc(device):
+    from minigraph.kernels.cuda import pool2d
+
+    x = rng(20).normal(size=(2, 5, 4, 3)).astype(np.float32)
+    got = pool2d.pool2d(device.put(x), "avg", global_pooling=True, data_layout="NHWC")
+    np.testing.assert_allclose(device.get(got), x.mean(axis=(1, 2), keepdims=True), rtol=1e-6)
+    got = pool2d.pool2d(device.put(x), "max", global_pooling=True, data_layout="NHWC")
+    np.testing.assert_array_equal(device.get(got), x.max(axis=(1, 2), keepdims=True))
+    d = np.arange(6, dtype=np.float32).reshape(2, 1, 1, 3) + 1
+    dx = device.get(pool2d.pool2d_grad(device.put(x), device.put(d), "max", global_pooling=True,
+                                       data_layout="NHWC"))
+    flat = x.reshape(2, 20, 3)
+    want = np.zeros_like(flat)
+    np.put_along_axis(want, flat.argmax(axis=1)[:, None], d.reshape(2, 1, 3), axis=1)
+    np.testing.assert_array_equal(dx, want.reshape(x.shape))
