@@ -238,10 +238,12 @@ def add_arguments(parser):
     parser.add_argument("--batch-size", type=int_at_least(2, " (batch norm needs two rows)"),
                         default=DEFAULT_BATCH_SIZE,
                         help=f"training batch size, >= 2 (default {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--model", choices=("digits", "resnet"), default="digits",
+    parser.add_argument("--model", choices=("digits", "resnet", "gpt"), default="digits",
                         help="digits: conv-bn-relu-pool-fc-bn-relu-fc with Momentum (default); "
                              "resnet: a residual CNN with add, concat, global pooling, dropout, "
-                             "AdamW, a cosine schedule and clipping")
+                             "AdamW, a cosine schedule and clipping; gpt: a character-level "
+                             "GPT on Python's own help text (minigraph.examples.train_gpt; "
+                             "--epochs, --seed, --out, --level)")
     parser.add_argument("--level", choices=("layer", "op"), default="layer",
                         help="net.svg shows one box per layer (default) or every op and "
                              "variable (op)")
@@ -262,7 +264,8 @@ def check_arguments(args):
             problems.append((option, f"must be an integer >= {minimum}, got {value!r}"))
     if args.device not in ("cpu", "gpu"):
         problems.append(("--device", f"must be cpu or gpu, got {args.device!r}"))
-    rows = training_rows() if isinstance(args.batch_size, int) else None
+    gpt = getattr(args, "model", "digits") == "gpt"
+    rows = training_rows() if isinstance(args.batch_size, int) and not gpt else None
     if rows is not None and args.batch_size > rows:
         problems.append(("--batch-size", f"must be at most the {rows} training images (one "
                                          f"batch per epoch), got {args.batch_size}"))
@@ -285,6 +288,10 @@ def run(args):
     problems = check_arguments(args)
     if problems:
         return fail(PROG, *problems[0])
+    if getattr(args, "model", "digits") == "gpt":
+        from minigraph.examples import train_gpt
+
+        return train_gpt.run_demo(args)
     missing = [m for m in ("sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"error: the demo needs {' and '.join(missing)}: pip install 'minigraph[demo]'",

@@ -6,7 +6,9 @@ A Net keeps its ops in sections: `init` (parameter initialisers), `trunk`
 first op whose schema declares a mode attribute (`OpSchema.mode_attr`,
 batch_norm's and dropout's `is_infer`), ops go to the trunk; from that op
 on, every layer appends two copies, one per branch: the train copy with the
-mode attribute False and the infer copy with it True. Both copies bind the
+mode attribute False and the infer copy with it True. A layer whose infer copy
+binds more (a KV cache's state: `append(..., infer=...)`, `append_infer`) forks
+the net too. Both copies bind the
 same persistables (held by the root scope); each branch keeps its
 temporaries in its own child scope. Graph rewrites (backward, optimizers,
 passes) change sections only through `append_op`, `insert_op`,
@@ -200,16 +202,19 @@ class Net:
         self.executor.run([op], self.scope)
         return var
 
-    def append(self, op_type, inputs, outputs, attrs=None):
+    def append(self, op_type, inputs, outputs, attrs=None, infer=None):
         """Append `op_type` to the trunk, or to both branches once forked.
 
         inputs: {slot: Variable or list}; outputs: {slot: new variable name, or
-        an input Variable for an in-place slot}. Returns {slot: Variable} of
-        the train copy (the trunk's when not forked).
+        an input Variable for an in-place slot}. infer: what the infer copy binds
+        besides (or instead of) them, {"inputs": {...}, "outputs": {...}, "attrs":
+        {...}} (a KV cache's state, say); the two copies then differ, so the net
+        forks here if it has not. Returns {slot: Variable} of the train copy (the
+        trunk's when not forked).
         """
         attrs = dict(attrs or {})
         mode_attr = get_schema(op_type).mode_attr
-        if mode_attr is not None:
+        if mode_attr is not None or infer:
             self.forked = True
         if not self.forked:
             op = self._build(op_type, inputs, outputs, attrs, self.scope)
@@ -219,20 +224,43 @@ class Net:
             return op.outputs
         built = {}
         for b in BRANCHES:
+            ins, outs, battrs = inputs, outputs, dict(attrs)
+            if b == "infer":
+                ins = {s: self._infer_copy(v) for s, v in inputs.items()}
+                if infer:
+                    ins = {**ins, **infer.get("inputs", {})}
+                    outs = {**outputs, **infer.get("outputs", {})}
+                    battrs.update(infer.get("attrs", {}))
             if mode_attr is not None:
-                attrs[mode_attr] = b == "infer"
-            ins = inputs if b == "train" else {s: self._infer_copy(v) for s, v in inputs.items()}
-            built[b] = self._build(op_type, ins, outputs, attrs, self.scopes[b])
+                battrs[mode_attr] = b == "infer"
+            built[b] = self._build(op_type, ins, outs, battrs, self.scopes[b])
         for slot, var in built["train"].outputs.items():
             twin = built["infer"].outputs[slot]
             for t, i in zip(*((var, twin) if isinstance(var, list) else ([var], [twin]))):
-                if t is not None and t is not i:
+                if t is not None and i is not None and t is not i:
                     self._twins[id(t)], self._twins[id(i)] = i, t
         for b in BRANCHES:
             self._sections[b].append(built[b])
             _mark_value_rules(built[b])
         self._changed()
         return built["train"].outputs
+
+    def append_infer(self, op_type, inputs, outputs, attrs=None, twins=None):
+        """Append `op_type` to the infer branch alone (the net forks here if it has not):
+        generation state such as a KV cache's, which training never reads. inputs are
+        read as the infer branch sees them (a train Variable stands for its infer copy);
+        twins {output slot: train Variable}: from here on, later layers' infer copies
+        read that output where their train copies read the Variable. Returns {slot:
+        Variable} of the op."""
+        self.forked = True
+        ins = {s: self._infer_copy(v) for s, v in inputs.items()}
+        op = self._build(op_type, ins, outputs, dict(attrs or {}), self.scopes["infer"])
+        self._sections["infer"].append(op)
+        for slot, train_var in (twins or {}).items():
+            out = op.outputs[slot]
+            self._twins[id(train_var)], self._twins[id(out)] = out, train_var
+        self._changed()
+        return op.outputs
 
     def _infer_copy(self, v):
         if isinstance(v, list):

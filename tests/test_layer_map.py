@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 import minigraph as mg
+from minigraph import layers as L
 from minigraph.examples import train_digits, train_resnet_digits
 from minigraph.pictures.layer_map import LayerMap
 
@@ -79,6 +80,21 @@ def test_a_net_without_layer_names_gets_its_layers_from_output_names(digits):
     trunk = folded.section("trunk")
     assert [(op.type, lmap.layer_of(op)) for op in trunk][:2] == [("conv2d", "conv1"),
                                                                    ("elementwise_add", "bn1")]
+
+
+def test_ops_updating_state_in_place_belong_to_their_layer():
+    """A KV cache's ops write its state (length, slabs) in place: those outputs say
+    nothing of the op's layer, so each belongs to the layer that appended it."""
+    net = mg.Net(seed=0)
+    tok = L.data(net, "tok", (-1, -1), "int64")
+    cache = L.KVCache(8)
+    h = L.position_embedding(net, L.embedding(net, tok, 5, 4, name="wte"), 8, kv_cache=cache,
+                             name="wpe")
+    L.multi_head_attention(net, h, 2, causal=True, kv_cache=cache, name="attn")
+    layers = LayerMap(net)
+    owners = {op.type: layers.layer_of(op) for op in net.section("infer")}
+    assert owners["position_embedding"] == "wpe" and owners["kv_cache_write"] == "attn"
+    assert "kv_cache_0" not in layers.names
 
 
 def test_a_fused_batch_norm_relu_and_its_grad_belong_to_the_batch_norm_layer():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph.feeds import io_variables
+from minigraph.feeds import check_no_infer_state, io_variables
 from minigraph.io import checkpoint_values
 from minigraph.io.files import atomic_write
 from minigraph.io.model_format import (
@@ -94,6 +94,7 @@ def save_inference(net, dirname, feeds, fetches):
     what = f"save_inference {str(dirname)!r}"
     feed_vars, fetch_vars = io_variables(net, feeds, fetches, what, InferenceModelError)
     ops = prune(net.ops("infer"), fetch_vars)
+    check_no_infer_state(ops, what, InferenceModelError)
     needed = {id(v) for op in ops for v in op.input_vars() if v.is_data}
     absent = [v.name for v in _unique(v for op in ops for v in op.input_vars())
               if id(v) in needed and v not in feed_vars]
