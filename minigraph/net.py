@@ -22,11 +22,10 @@ import threading
 
 import numpy as np
 
-from minigraph import feeds, net_freeze
+from minigraph import feeds, net_build, net_freeze
 from minigraph.executor import Executor, check_place
-from minigraph.operator import Operator, as_operator
+from minigraph.operator import as_operator
 from minigraph.plan import Plan
-from minigraph.schema import get_schema
 from minigraph.scope import Scope, Variable, check_reserved_name
 
 BRANCHES = ("train", "infer")
@@ -95,7 +94,7 @@ class Net:
         if mode_attr is not None and section in BRANCHES:
             self.forked = True
         ops.append(op)
-        _mark_value_rules(op)
+        net_build.mark_value_rules(op)
         self._changed()
         return op
 
@@ -210,40 +209,9 @@ class Net:
         besides (or instead of) them, {"inputs": {...}, "outputs": {...}, "attrs":
         {...}} (a KV cache's state, say); the two copies then differ, so the net
         forks here if it has not. Returns {slot: Variable} of the train copy (the
-        trunk's when not forked).
+        trunk's when not forked). (minigraph.net_build does it.)
         """
-        attrs = dict(attrs or {})
-        mode_attr = get_schema(op_type).mode_attr
-        if mode_attr is not None or infer:
-            self.forked = True
-        if not self.forked:
-            op = self._build(op_type, inputs, outputs, attrs, self.scope)
-            self._sections["trunk"].append(op)
-            _mark_value_rules(op)
-            self._changed()
-            return op.outputs
-        built = {}
-        for b in BRANCHES:
-            ins, outs, battrs = inputs, outputs, dict(attrs)
-            if b == "infer":
-                ins = {s: self._infer_copy(v) for s, v in inputs.items()}
-                if infer:
-                    ins = {**ins, **infer.get("inputs", {})}
-                    outs = {**outputs, **infer.get("outputs", {})}
-                    battrs.update(infer.get("attrs", {}))
-            if mode_attr is not None:
-                battrs[mode_attr] = b == "infer"
-            built[b] = self._build(op_type, ins, outs, battrs, self.scopes[b])
-        for slot, var in built["train"].outputs.items():
-            twin = built["infer"].outputs[slot]
-            for t, i in zip(*((var, twin) if isinstance(var, list) else ([var], [twin]))):
-                if t is not None and i is not None and t is not i:
-                    self._twins[id(t)], self._twins[id(i)] = i, t
-        for b in BRANCHES:
-            self._sections[b].append(built[b])
-            _mark_value_rules(built[b])
-        self._changed()
-        return built["train"].outputs
+        return net_build.append(self, op_type, inputs, outputs, attrs, infer)
 
     def append_infer(self, op_type, inputs, outputs, attrs=None, twins=None):
         """Append `op_type` to the infer branch alone (the net forks here if it has not):
@@ -252,42 +220,7 @@ class Net:
         twins {output slot: train Variable}: from here on, later layers' infer copies
         read that output where their train copies read the Variable. Returns {slot:
         Variable} of the op."""
-        self.forked = True
-        ins = {s: self._infer_copy(v) for s, v in inputs.items()}
-        op = self._build(op_type, ins, outputs, dict(attrs or {}), self.scopes["infer"])
-        self._sections["infer"].append(op)
-        for slot, train_var in (twins or {}).items():
-            out = op.outputs[slot]
-            self._twins[id(train_var)], self._twins[id(out)] = out, train_var
-        self._changed()
-        return op.outputs
-
-    def _infer_copy(self, v):
-        if isinstance(v, list):
-            return [self._infer_copy(x) for x in v]
-        return self._twins.get(id(v), v)
-
-    def _build(self, op_type, inputs, outputs, attrs, scope):
-        outs = {}
-        made = []
-        try:
-            for slot, target in outputs.items():
-                if isinstance(target, Variable):
-                    outs[slot] = target
-                elif isinstance(target, (list, tuple)):
-                    for t in target:
-                        check_reserved_name(t, scope)
-                        made.append(scope.new_var(t))
-                    outs[slot] = made[len(made) - len(target):]
-                else:
-                    check_reserved_name(target, scope)
-                    outs[slot] = scope.new_var(target)
-                    made.append(outs[slot])
-            return Operator(op_type, **inputs, **outs, **attrs)
-        except BaseException:
-            for v in made:
-                del scope.vars[v.name]
-            raise
+        return net_build.append_infer(self, op_type, inputs, outputs, attrs, twins)
 
     @contextlib.contextmanager
     def building(self):
@@ -447,9 +380,3 @@ class Net:
         (minigraph.pictures.profile.profile)."""
         from minigraph.pictures.profile import profile
         return profile(self, feed, steps, mode, fetch, warmup)
-
-
-
-def _mark_value_rules(op):
-    from minigraph.io.checkpoint_values import mark_rules  # io imports net: not at the top
-    mark_rules(op)
