@@ -165,3 +165,21 @@ def test_every_file_the_layout_names_exists():
     files = {p.name for top in ("minigraph", "ops", "kernels") for p in (REPO / top).rglob("*")}
     for name in sorted(set(re.findall(r"[\w*]+\.(?:py|c|h|cu|cuh)\b", _layout_tree()))):
         assert fnmatch.filter(files, name), f"docs/layout.md names {name}, which does not exist"
+
+
+def test_the_readmes_python_blocks_run(tmp_path, monkeypatch):
+    """The README's python blocks run as written, one after the other in one namespace
+    (the tour builds on itself), in a scratch folder; the distributed sketch, whose
+    `...` stands for the layers, is left out."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+    runnable = [b for b in blocks if "mg.distributed.init()" not in b]
+    assert len(runnable) == len(blocks) - 1 >= 6
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    for i, block in enumerate(runnable):
+        exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+    assert {"net.svg", "checkpoint.npz", "model_dir", "model.onnx"} <= {
+        p.name for p in tmp_path.iterdir()}
