@@ -63,6 +63,7 @@ def generate(net, tokens, logits, prompt, max_new_tokens, temperature=1.0, top_k
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if context is not None and (not is_int(context) or context < 1):
         raise ValueError(f"generate: context must be None or an int >= 1, got {context!r}")
+    _check_cache(net, kv_cache)
     name = tokens.name if hasattr(tokens, "name") else tokens
     rng = np.random.default_rng(seed)
     seq = prompt.astype(np.int64)
@@ -80,3 +81,24 @@ def generate(net, tokens, logits, prompt, max_new_tokens, temperature=1.0, top_k
         nxt = sample(out[:, -1], temperature, top_k, rng)
         seq = np.concatenate([seq, nxt[:, None]], axis=1)
     return seq
+
+
+def _check_cache(net, kv_cache):
+    """The cache a run empties and fills must be the one the net's layers were built
+    with: another net's (or an unused) cache would be reset while the net's own grows."""
+    from minigraph.layers.attention import KVCache
+
+    if kv_cache is None:
+        for op in net.ops("infer"):
+            if any(op.outputs.get(s) is not None and not op.outputs[s].persistable
+                   for s in op.schema.inplace):
+                raise ValueError("generate: the net was built with a KV cache (its op "
+                                 f"{op.type!r} keeps one); pass it as kv_cache= (with "
+                                 "use_cache=False for full passes)")
+        return
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"generate: kv_cache must be a layers.KVCache or None, got "
+                        f"{type(kv_cache).__name__}")
+    if kv_cache.net is not net:
+        raise ValueError(f"generate: argument 'kv_cache' ({kv_cache.name!r}) is not the cache "
+                         "this net was built with; pass the KVCache its layers were given")

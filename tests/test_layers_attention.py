@@ -328,6 +328,28 @@ def test_generation_with_the_cache_equals_without():
         generate(net, tok, logits, prompt, 15, kv_cache=cache)
 
 
+def test_generation_takes_only_the_cache_the_net_was_built_with():
+    """generate() with another net's cache reset that cache while the net's own grew:
+    wrong tokens and no error."""
+    cache = L.KVCache(16)
+    net, tok, logits, _ = gpt(cache=cache, seed=3)
+    prompt = rng.integers(0, 11, (1, 3))
+    want = generate(net, tok, logits, prompt, 4, temperature=0, kv_cache=cache)
+    unused, elsewhere = L.KVCache(16), L.KVCache(16)
+    gpt(cache=elsewhere, seed=3)                          # another net's cache
+    for other, shown in ((unused, "None"), (elsewhere, "'kv_cache_0'")):
+        with pytest.raises(ValueError, match=rf"argument 'kv_cache' \({shown}\) is not the "
+                                             "cache this net was built with"):
+            generate(net, tok, logits, prompt, 4, temperature=0, kv_cache=other)
+    assert elsewhere.length.get() == 0                    # left as it was
+    with pytest.raises(ValueError, match="generate: the net was built with a KV cache"):
+        generate(net, tok, logits, prompt, 4, temperature=0)
+    with pytest.raises(TypeError, match="generate: kv_cache must be a layers.KVCache"):
+        generate(net, tok, logits, prompt, 4, kv_cache="cache")
+    np.testing.assert_array_equal(
+        generate(net, tok, logits, prompt, 4, temperature=0, kv_cache=cache), want)
+
+
 def test_generation_without_a_cache_crops_to_the_context():
     net, tok, logits, _ = gpt(seed=4)
     out = generate(net, tok, logits, rng.integers(0, 11, (1, 10)), 12, temperature=0,
