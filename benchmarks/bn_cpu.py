@@ -7,7 +7,12 @@ the training forward of `batch_norm` and forward + `batch_norm_grad` (the op
 the grad maker builds); PyTorch's `torch.nn.functional.batch_norm`
 (training=True) forward and forward + backward at the same thread count; and
 `np.copyto` of x into a preallocated array (the cost of touching the bytes
-once). Each framework runs in a fresh process of its own (this script with
+once). A second table times batch norm followed by relu: the fused op
+`batch_norm_relu` (what mg.passes.fuse_batch_norm_relu builds; its backward
+`batch_norm_relu_grad`) against the unfused pair batch_norm + relu (backward:
+relu_grad + batch_norm_grad), forward and forward + backward, and PyTorch's
+relu(batch_norm(x)) (target: fused / pair <= 0.8). Each framework runs in a fresh
+process of its own (this script with
 --worker, results back as JSON): numpy's OpenBLAS threads and PyTorch's OpenMP
 threads slow each other down many times over when they share a process on a
 few cores. Times are medians after warm-up; inside a process the cases of one
@@ -78,6 +83,27 @@ def bn_ops_for(x, dy):
     return scope, fwd, mg.Operator(desc.type, **desc.kwargs)
 
 
+def bn_relu_ops_for(x, dy, fused):
+    """A scope with x, dy and the batch-norm state; the forward ops of batch norm + relu
+    (one batch_norm_relu when `fused`, else batch_norm then relu) and their grad ops,
+    as the grad makers build them."""
+    scope, fwd, _ = bn_ops_for(x, dy)
+    var = scope.new_var
+    dout, out = scope.find_var("y@GRAD"), var("out")
+    grads = {id(scope.find_var(n)): scope.find_var(f"{n}@GRAD") for n in ("x", "scale", "bias")}
+    make_grad = lambda v: grads.get(id(v))      # noqa: E731 - the grad makers' callback
+    if fused:
+        slots = {s: v for s, v in {**fwd.inputs, **fwd.outputs}.items() if v is not None}
+        op = mg.Operator("batch_norm_relu", **{**slots, "y": out}, **fwd.attrs)
+        (desc,) = op.schema.grad(op, {"y": dout}, make_grad)
+        return scope, [op], [mg.Operator(desc.type, **desc.kwargs)]
+    relu = mg.Operator("relu", x=fwd.outputs["y"], out=out)
+    grads[id(fwd.outputs["y"])] = var("t@GRAD")
+    (relu_grad,) = relu.schema.grad(relu, {"out": dout}, make_grad)
+    (bn_grad,) = fwd.schema.grad(fwd, {"y": grads[id(fwd.outputs["y"])]}, make_grad)
+    return scope, [fwd, relu], [mg.Operator(d.type, **d.kwargs) for d in (relu_grad, bn_grad)]
+
+
 def torch_cases(x, dy, threads):
     """{"torch fwd": fn, "torch fwd+bwd": fn} timing PyTorch's batch_norm; {} without torch."""
     try:
@@ -101,7 +127,17 @@ def torch_cases(x, dy, threads):
         y = F.batch_norm(gx, rmean, rvar, w, b, training=True, momentum=0.1, eps=1e-5)
         y.backward(tdy)
 
-    return {"torch fwd": forward, "torch fwd+bwd": forward_backward}
+    def relu_forward():
+        with torch.no_grad():
+            F.relu(F.batch_norm(tx, rmean, rvar, w, b, training=True, momentum=0.1, eps=1e-5))
+
+    def relu_forward_backward():
+        gx.grad = w.grad = b.grad = None
+        F.relu(F.batch_norm(gx, rmean, rvar, w, b, training=True, momentum=0.1,
+                            eps=1e-5)).backward(tdy)
+
+    return {"torch fwd": forward, "torch fwd+bwd": forward_backward,
+            "torch relu fwd": relu_forward, "torch relu fwd+bwd": relu_forward_backward}
 
 
 def shape_inputs(shape):
@@ -116,9 +152,15 @@ def minigraph_times(shape, repeat):
     scope, fwd, bwd = bn_ops_for(x, dy)
     ex = mg.Executor(mg.CPUPlace())
     dst = np.empty_like(x)
-    return median_ms({"mg fwd": lambda: ex.run([fwd], scope),
-                      "mg fwd+bwd": lambda: ex.run([fwd, bwd], scope),
-                      "copy": lambda: np.copyto(dst, x)}, repeat)
+    cases = {"mg fwd": lambda: ex.run([fwd], scope),
+             "mg fwd+bwd": lambda: ex.run([fwd, bwd], scope),
+             "copy": lambda: np.copyto(dst, x)}
+    if "batch_norm_relu" in registered_ops():
+        for fused, name in ((True, "fused"), (False, "pair")):
+            s, forward, backward = bn_relu_ops_for(x, dy, fused)
+            cases[f"mg {name} fwd"] = lambda ex=ex, s=s, ops=forward: ex.run(ops, s)
+            cases[f"mg {name} fwd+bwd"] = lambda ex=ex, s=s, ops=forward + backward: ex.run(ops, s)
+    return median_ms(cases, repeat)
 
 
 def torch_times(shape, threads, repeat):
@@ -153,13 +195,13 @@ def fmt(t):
     return "n/a" if t is None else f"{t:.2f}"
 
 
-def bench_shapes(threads, repeat, shapes=SHAPES):
-    """Print the table of every shape's times; returns its rows (for the markdown)."""
+def bench_shapes(times):
+    """Print the table of every shape's times ({shape: shape_times}); returns its rows
+    (for the markdown)."""
     print(f"{'shape':<18} {'pass':<8} {'minigraph ms':>12} {'pytorch ms':>11} {'copy ms':>8} "
           f"{'mg/pytorch':>10} {'mg/copy':>8}")
     rows = []
-    for shape in shapes:
-        t = shape_times(shape, threads, repeat)
+    for shape, t in times.items():
         for name in ("fwd", "fwd+bwd"):
             mine, theirs, copy = t["mg " + name], t.get("torch " + name), t["copy"]
             label = str(shape) if name == "fwd" else ""
@@ -167,6 +209,28 @@ def bench_shapes(threads, repeat, shapes=SHAPES):
                   f"{ratio(mine, theirs):>10} {ratio(mine, copy):>8}")
             rows.append((str(shape), name, fmt(mine), fmt(theirs), fmt(copy),
                          ratio(mine, theirs), ratio(mine, copy)))
+    return rows
+
+
+def bench_fused(times):
+    """Print the fused batch_norm_relu against the unfused pair (and PyTorch's
+    relu(batch_norm)) from {shape: shape_times}; returns its rows. Nothing without
+    the fused op."""
+    if "batch_norm_relu" not in registered_ops():
+        return []
+    print(f"\nbatch norm + relu: the fused op against the unfused pair\n"
+          f"{'shape':<18} {'pass':<8} {'fused ms':>9} {'pair ms':>8} {'fused/pair':>10} "
+          f"{'pytorch ms':>11} {'fused/pytorch':>13}")
+    rows = []
+    for shape, t in times.items():
+        for name in ("fwd", "fwd+bwd"):
+            fused, pair, theirs = t[f"mg fused {name}"], t[f"mg pair {name}"], \
+                t.get(f"torch relu {name}")
+            label = str(shape) if name == "fwd" else ""
+            print(f"{label:<18} {name:<8} {fmt(fused):>9} {fmt(pair):>8} "
+                  f"{ratio(fused, pair):>10} {fmt(theirs):>11} {ratio(fused, theirs):>13}")
+            rows.append((str(shape), name, fmt(fused), fmt(pair), ratio(fused, pair), fmt(theirs),
+                         ratio(fused, theirs)))
     return rows
 
 
@@ -220,14 +284,19 @@ def bench_overhead(repeat, count=100):
     return lines
 
 
-def markdown(setting, rows, notes):
-    """The section of docs/performance.md: the machine, the setting, the table, the notes."""
+def markdown(setting, rows, notes, fused_rows=()):
+    """The section of docs/performance.md: the machine, the setting, the tables, the notes."""
     from report import machine_line, markdown_table
 
     header = ("shape", "pass", "minigraph ms", "PyTorch ms", "copy ms", "minigraph / PyTorch",
               "minigraph / copy")
-    return "\n\n".join([machine_line(setting), markdown_table(header, rows),
-                         "\n".join(f"- {note}" for note in notes)])
+    parts = [machine_line(setting), markdown_table(header, rows)]
+    if fused_rows:
+        parts += ["Batch norm + relu: the fused op (batch_norm_relu) against the unfused pair, "
+                  "and PyTorch's relu(batch_norm(x)):",
+                  markdown_table(("shape", "pass", "fused ms", "pair ms", "fused / pair",
+                                  "PyTorch ms", "fused / PyTorch"), fused_rows)]
+    return "\n\n".join(parts + ["\n".join(f"- {note}" for note in notes)])
 
 
 def main(argv=None):
@@ -260,11 +329,13 @@ def main(argv=None):
           f"process), cores: {os.cpu_count()}, median of {args.repeat} runs, fp32 NCHW")
     shapes = (tuple(tuple(int(d) for d in s.split("x")) for s in args.shapes)
               if args.shapes else SHAPES)
-    rows = bench_shapes(args.threads, args.repeat, shapes)
+    times = {shape: shape_times(shape, args.threads, args.repeat) for shape in shapes}
+    rows = bench_shapes(times)
+    fused_rows = bench_fused(times)
     notes = bench_overhead(args.repeat)
     from report import write_section
 
-    write_section("bn_cpu", markdown(setting, rows, notes), enabled=not args.no_write)
+    write_section("bn_cpu", markdown(setting, rows, notes, fused_rows), enabled=not args.no_write)
 
 
 if __name__ == "__main__":

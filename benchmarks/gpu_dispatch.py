@@ -87,11 +87,12 @@ def net_steps(net, loss, extra):
     `extra`, each releasing nothing (so that it can run again on the same values) and
     with its kernel picked by one checked run."""
     from minigraph import executor
+    from minigraph.plan import Compiled, Plan
 
-    plan = executor.Plan(list(net.ops("train")) + list(extra), "train", (loss,))
+    plan = Plan(list(net.ops("train")) + list(extra), "train", (loss,))
     found = {}
     for step in plan.compiled(net.place).steps:
-        one = executor.Compiled((step._replace(drops=(), thins=(), donors=()),), (), (),
+        one = Compiled((step._replace(drops=(), thins=(), donors=()),), (), (),
                                 net.place)
         executor._run_steps(one, "gpu", check=True)
         found[id(step.op)] = one

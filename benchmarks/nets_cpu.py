@@ -9,6 +9,9 @@ the last run's; --no-write only prints.
 Nets (the same architecture, batch and optimizer in both; benchmarks/nets_models.py
 builds minigraph's, nets_torch.py PyTorch's): digits, resnet, mnist, mlp and recipe
 (a user's first CNN: conv32 and conv64 blocks, AdamW with two parameter groups).
+minigraph runs every BN-ReLU pair as one batch_norm_relu op
+(mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
+residual add stays a batch_norm.
 
 Every measurement runs in a fresh process of its own (this script with
 --worker): numpy's OpenBLAS threads and PyTorch's OpenMP threads slow each

@@ -14,6 +14,9 @@ PyTorch twins are in nets_torch.py.
   the conv and fc weights decayed, biases and batch-norm scales and shifts not): a
   user's first CNN, conv32-BN-ReLU-maxpool, conv64-BN-ReLU-maxpool (3x3, padding
   1), fc128-BN-ReLU, dropout 0.5, fc10.
+minigraph runs every BN-ReLU pair as one batch_norm_relu op
+(mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
+residual add stays a batch_norm.
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ def mg_resnet(seed=0, place=None):
     h = layers.pool2d(net, h, global_pooling=True, pool_type="avg")
     logits = layers.fc(net, layers.flatten(net, h), size=10)
     loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    mg.passes.fuse_batch_norm_relu(net)
     mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
     return net, image, logits, loss
 
@@ -90,6 +94,7 @@ def mg_cnn(net_name, seed=0, place=None):
             h = L.relu(net, L.batch_norm(net, L.fc(net, h, 2048)))
     logits = L.fc(net, h, 10)
     loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    mg.passes.fuse_batch_norm_relu(net)
     if net_name in ADAMW_NETS:
         params = net.parameters()
         groups = [{"params": [p for p in params if len(p.shape) >= 2]},

@@ -1,6 +1,15 @@
 """sync_batch_norm on K GPU ranks: minigraph against PyTorch's SyncBatchNorm.
 
-    python benchmarks/sync_bn_gpu.py [--ranks 1 2] [--shape 32 64 56 56] [--repeat 30]
+    python benchmarks/sync_bn_gpu.py [--ranks 1 2] [--shape 32 64 56 56] [--repeat 30] [--no-chain]
+
+First (unless --no-chain), in this process on GPU 0, the kernel chain of one
+sync_batch_norm layer in a world of one that does NOT take batch norm's kernels
+(the op does, with one rank): forward - this rank's (n, mean, M2), the collective,
+the channels finished from the sums, the normalisation - and backward - the sums
+of dy and dy (x - mean), the collective, dscale, dbias (1/K folded in) and the dx
+coefficients from the sums, dx - each kernel timed with CUDA events between them
+(the collective is a device-to-device copy here: NCCL's own latency is not in
+it), against batch_norm's forward and backward on the same data.
 
 For each K it launches `mpiexec -n K` (the mpiexec next to the interpreter)
 twice, once per framework, so that the two never share a process. Rank r runs
@@ -36,6 +45,7 @@ def parse(argv=None):
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--no-chain", action="store_true", help="skip the one-layer kernel chain")
     p.add_argument("--worker", choices=("minigraph", "torch"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -123,6 +133,71 @@ def torch_worker(args):
     return ms, backend
 
 
+def chain(args):
+    """Print the kernel chain of one sync_batch_norm layer (see the module doc)."""
+    import numpy as np
+    import pycuda.driver as drv
+    import pycuda.gpuarray as gpuarray
+    from bn_gpu import KernelMarks, Timer
+
+    import minigraph as mg
+    from minigraph.kernels.cuda import batch_norm_op, elementwise, loader
+
+    mg.GPUPlace(0)                                  # primary context, current from now on
+    marks = KernelMarks(drv, loader)
+    hold = gpuarray.empty((16 * 2**20,), np.float32)
+    hold.fill(0.0)
+    timer = Timer(drv, (hold, gpuarray.empty_like(hold)), marks)
+    hold_ms = timer.median_ms(lambda i: timer.hold(0, 1), args.repeat, args.warmup)
+    n, c, h, w = args.shape
+    rng = np.random.default_rng(0)
+    host = {"x": rng.standard_normal((n, c, h, w)) + 3, "dy": rng.standard_normal((n, c, h, w)),
+            "scale": np.ones(c), "bias": np.zeros(c), "estimated_mean": np.zeros(c),
+            "estimated_var": np.ones(c)}
+    ins = {k: gpuarray.to_gpu(v.astype(np.float32)) for k, v in host.items()}
+    ins["num_batches"] = gpuarray.to_gpu(np.zeros((), np.int64))
+    scope = mg.Scope()
+    v = {k: scope.new_var(k, persistable=True) for k in ("x", "estimated_mean", "estimated_var",
+                                                         "scale", "bias", "num_batches")}
+    outs = {k: scope.new_var(k) for k in ("y", "bm", "bv", "dx", "ds", "db", "dy")}
+    ops = {}
+    for kind in ("sync_batch_norm", "batch_norm"):
+        fwd = mg.Operator(kind, **v, y=outs["y"], batch_mean=outs["bm"], batch_var=outs["bv"],
+                          saved_mean=v["estimated_mean"], saved_var=v["estimated_var"],
+                          saved_num_batches=v["num_batches"])
+        extra = {"average_ranks": True} if kind == "sync_batch_norm" else {}
+        grad = mg.Operator(kind + "_grad", x=v["x"], scale=v["scale"], mean=outs["bm"],
+                           var=outs["bv"], dy=outs["dy"], dx=outs["dx"], dscale=outs["ds"],
+                           dbias=outs["db"], **extra)
+        ops[kind] = (fwd, grad)
+    collective = elementwise.copy                 # a world of one: the collective moves nothing
+    fwd_ins = {k: ins[k] for k in ("x", "estimated_mean", "estimated_var", "scale", "bias",
+                                   "num_batches")}
+    stats = batch_norm_op.forward_gpu(ops["batch_norm"][0], fwd_ins)
+    grad_ins = {"x": ins["x"], "scale": ins["scale"], "mean": stats["batch_mean"],
+                "var": stats["batch_var"], "dy": ins["dy"]}
+    cases = {
+        "forward": (lambda i: batch_norm_op.forward_gpu(ops["sync_batch_norm"][0], fwd_ins,
+                                                        allreduce=collective),
+                    lambda i: batch_norm_op.forward_gpu(ops["batch_norm"][0], fwd_ins)),
+        "backward": (lambda i: batch_norm_op.backward_gpu(ops["sync_batch_norm"][1], grad_ins,
+                                                          allreduce=collective, out_scale=1.0),
+                     lambda i: batch_norm_op.backward_gpu(ops["batch_norm"][1], grad_ins))}
+    print(f"one sync_batch_norm layer's kernel chain in a world of one (no fallback to "
+          f"batch_norm; the collective a device copy), fp32 NCHW ({n}, {c}, {h}, {w}), median "
+          f"of {args.repeat} runs")
+    print("| pass | sync chain ms | its kernels (ms each) | batch_norm ms | chain / batch_norm |")
+    print("|---|---|---|---|---|")
+    for name, (sync_fn, plain_fn) in cases.items():
+        kernels = []
+        t_sync = timer.median_ms(sync_fn, max(args.repeat, 20), args.warmup, hold_ms, kernels)
+        t_plain = timer.median_ms(plain_fn, max(args.repeat, 20), args.warmup, hold_ms)
+        parts = " + ".join(f"{k} {ms:.4f}" for k, ms in kernels) or "(not measured)"
+        print(f"| {name} | {t_sync:.4f} | {parts} | {t_plain:.4f} | {t_sync / t_plain:.2f} |",
+              flush=True)
+    print()
+
+
 def worker(args):
     ms, backend = (minigraph_worker if args.worker == "minigraph" else torch_worker)(args)
     from mpi4py import MPI
@@ -148,6 +223,8 @@ def main(argv=None):
     args = parse(argv)
     if args.worker:
         return worker(args)
+    if not args.no_chain:
+        chain(args)
     n, c, h, w = args.shape
     print(f"sync batch norm, forward + backward, fp32 NCHW ({n}, {c}, {h}, {w}) per rank; "
           f"the slowest rank's median of {args.repeat} steps")

@@ -48,10 +48,13 @@ def load_digits_split(held_out=HELD_OUT_FRACTION):
     return train["image"], train["label"], test["image"], test["label"]
 
 
-def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, optimizer=None):
+def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, optimizer=None,
+              fuse=True):
     """(net, handles): the digits net on `place`, its parameters seeded by
     `seed`, minimised with `optimizer` (default Momentum(learning_rate, momentum)).
-    handles: image, label, logits, loss."""
+    fuse: each batch norm and its relu run as one batch_norm_relu op
+    (mg.passes.fuse_batch_norm_relu; the same values, one pass over the tensor
+    fewer each way). handles: image, label, logits, loss."""
     net = mg.Net(place=place, seed=seed)
     image = layers.data(net, "image", shape=(-1, 1, 8, 8))
     label = layers.data(net, "label", shape=(-1,), dtype="int64")
@@ -62,6 +65,8 @@ def build_net(place=None, seed=0, learning_rate=LEARNING_RATE, momentum=0.9, opt
     h = layers.relu(net, layers.batch_norm(net, h, name="bn2"))
     logits = layers.fc(net, h, size=10, name="fc2")
     loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    if fuse:
+        mg.passes.fuse_batch_norm_relu(net)
     if optimizer is None:
         optimizer = mg.optimizer.Momentum(learning_rate=learning_rate, momentum=momentum)
     optimizer.minimize(net, loss)
@@ -161,8 +166,10 @@ def write_outputs(net, h, history, out, level="layer", profile_feed=None):
                                     fetches=[logits]))
     except ImportError as e:
         print(f"note: no model.onnx ({e})")
-    print(f"deployable: batch norms folded and the loss left out, {len(net.ops('infer'))} -> "
-          f"{len(folded.ops('infer'))} inference ops. Open model.onnx in Netron "
+    count = sum(note.folded for note in folded.reports["fold_batch_norm"])
+    print(f"deployable: {count} batch norms folded and the loss left out "
+          f"({len(net.ops('infer'))} -> {len(folded.ops('infer'))} inference ops). Open "
+          "model.onnx in Netron "
           f"(https://netron.app) or run it with onnxruntime; load {out / 'model'} with "
           f"mg.io.load_inference(...).infer(feed={{'image': x}})")
     return files
@@ -231,10 +238,12 @@ def add_arguments(parser):
     parser.add_argument("--batch-size", type=int_at_least(2, " (batch norm needs two rows)"),
                         default=DEFAULT_BATCH_SIZE,
                         help=f"training batch size, >= 2 (default {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--model", choices=("digits", "resnet"), default="digits",
+    parser.add_argument("--model", choices=("digits", "resnet", "gpt"), default="digits",
                         help="digits: conv-bn-relu-pool-fc-bn-relu-fc with Momentum (default); "
                              "resnet: a residual CNN with add, concat, global pooling, dropout, "
-                             "AdamW, a cosine schedule and clipping")
+                             "AdamW, a cosine schedule and clipping; gpt: a character-level "
+                             "GPT on Python's own help text (minigraph.examples.train_gpt; "
+                             "--epochs, --seed, --out, --level)")
     parser.add_argument("--level", choices=("layer", "op"), default="layer",
                         help="net.svg shows one box per layer (default) or every op and "
                              "variable (op)")
@@ -255,7 +264,8 @@ def check_arguments(args):
             problems.append((option, f"must be an integer >= {minimum}, got {value!r}"))
     if args.device not in ("cpu", "gpu"):
         problems.append(("--device", f"must be cpu or gpu, got {args.device!r}"))
-    rows = training_rows() if isinstance(args.batch_size, int) else None
+    gpt = getattr(args, "model", "digits") == "gpt"
+    rows = training_rows() if isinstance(args.batch_size, int) and not gpt else None
     if rows is not None and args.batch_size > rows:
         problems.append(("--batch-size", f"must be at most the {rows} training images (one "
                                          f"batch per epoch), got {args.batch_size}"))
@@ -278,6 +288,10 @@ def run(args):
     problems = check_arguments(args)
     if problems:
         return fail(PROG, *problems[0])
+    if getattr(args, "model", "digits") == "gpt":
+        from minigraph.examples import train_gpt
+
+        return train_gpt.run_demo(args)
     missing = [m for m in ("sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"error: the demo needs {' and '.join(missing)}: pip install 'minigraph[demo]'",

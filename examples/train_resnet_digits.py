@@ -72,10 +72,11 @@ def residual(net, x, filters, name, stride=1, norm="batch_norm"):
 
 
 def build_net(place=None, seed=0, epochs=DEFAULT_EPOCHS, steps_per_epoch=23,
-              norm="batch_norm"):
+              norm="batch_norm", fuse=True):
     """(net, handles): the residual digits net, minimised with AdamW on a cosine
     schedule (warm-up one epoch) with clipping. norm: one of NORMS, the layers'
-    normalisation. handles: image, label, logits, loss."""
+    normalisation; fuse: each batch norm and its relu run as one op
+    (mg.passes.fuse_batch_norm_relu). handles: image, label, logits, loss."""
     if norm not in NORMS:
         raise ValueError(f"build_net: norm must be one of {', '.join(NORMS)}, got {norm!r}")
     net = mg.Net(place=place, seed=seed)
@@ -91,6 +92,8 @@ def build_net(place=None, seed=0, epochs=DEFAULT_EPOCHS, steps_per_epoch=23,
     h = L.dropout(net, h, p=0.2, name="drop")
     logits = L.fc(net, h, 10, name="head")
     loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    if fuse:
+        mg.passes.fuse_batch_norm_relu(net)
     schedule = mg.optimizer.lr.CosineDecay(LEARNING_RATE, total_steps=epochs * steps_per_epoch,
                                            warmup_steps=WARMUP_EPOCHS * steps_per_epoch)
     mg.optimizer.AdamW(schedule, weight_decay=WEIGHT_DECAY,

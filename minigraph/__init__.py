@@ -3,9 +3,10 @@
 Scopes hold Variables; Operators bind an op's schema to Variables with
 frozen attributes; an Executor runs ops on a place; a Net built by `layers`
 forks into train and infer branches at its first mode-dependent op
-(batch_norm, dropout).
+(batch_norm, dropout, attention) or its first layer with infer-only state (a KV
+cache); `generation` samples tokens from the infer branch.
 """
-from minigraph import distributed, initializer, io, layers, optimizer, passes
+from minigraph import distributed, generation, initializer, io, layers, optimizer, passes
 from minigraph import ops as _ops  # noqa: F401  (registers every op)
 from minigraph.backward import append_backward
 from minigraph.device import set_tf32, tf32_enabled
@@ -20,9 +21,9 @@ from minigraph.schema import OpError
 from minigraph.scope import Scope, Variable
 
 __all__ = ["CPUPlace", "Executor", "GPUError", "GPUPlace", "Net", "OpError", "Operator",
-           "ParamAttr", "Scope", "Variable", "append_backward", "distributed", "get_num_threads",
-           "initializer", "io", "layers", "optimizer", "passes", "set_num_threads", "set_tf32",
-           "tf32_enabled"]
+           "ParamAttr", "Scope", "Variable", "append_backward", "distributed", "generation",
+           "get_num_threads", "initializer", "io", "layers", "optimizer", "passes",
+           "set_num_threads", "set_tf32", "tf32_enabled"]
 __version__ = "0.1.0"
 
 

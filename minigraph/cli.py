@@ -1,11 +1,12 @@
 """The `minigraph` command.
 
-    minigraph demo [--model digits|resnet] [--epochs N] [--device cpu|gpu] [--out DIR]
+    minigraph demo [--model digits|resnet|gpt] [--epochs N] [--device cpu|gpu] [--out DIR]
                    [--seed S] [--batch-size B] [--level layer|op] [--profile]
                    [--no-progress]
 
 trains the digits example (see minigraph.examples.train_digits; --model resnet
-trains the residual net of train_resnet_digits), prints the loss and held-out
+trains the residual net of train_resnet_digits, --model gpt the character-level GPT of
+train_gpt on Python's own help text), prints the loss and held-out
 accuracy per epoch, and writes net.svg (one box per layer; --level op: every
 op), training.png, model/ (an inference model) and model.onnx; --profile also
 prints where a training step's time goes and writes profile.svg.

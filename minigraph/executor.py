@@ -24,6 +24,10 @@ its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
 follows from it. This is the only check cache.
 
+A step whose ops make collectives (OpSchema.collectives) announces them to the
+communicator first (Communicator.begin_step): the order check verifies them in one
+exchange.
+
 A training step keeps the values it fetches, the persistables and the
 gradients of the persistables (as PyTorch keeps `.grad`); the gradients it
 computes anew are dropped as it starts (zero_grad(set_to_none=True)).
@@ -33,86 +37,15 @@ lets go of the feeds, read-only views of the caller's arrays, after a run.)
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
 
 import numpy as np
 
-from minigraph import handover, host_memory, work_room
+from minigraph import handover, work_room
 from minigraph.feeds import check_feed, check_feed_mapping, scope_targets
 from minigraph.journal import Journal
 from minigraph.place import CPUPlace
+from minigraph.plan import LIST, ONE, Plan
 from minigraph.schema import KernelContext, OpError
-
-ONE, LIST, UNBOUND = 0, 1, 2          # how a slot is bound: a Variable, a list, nothing
-MODES = ("run", "infer", "train")
-
-
-class Step(NamedTuple):
-    """One op of a compiled plan.
-
-    inputs / outputs: (slot, Variable or list of them or None, ONE/LIST/UNBOUND);
-    writes: the persistables it writes (noted by the journal before it runs);
-    untouched: the ids of those whose old arrays it leaves as they are (no copy);
-    spares: (in-place output slot, persistable) pairs it writes into spare arrays
-      (OpSchema.spares, CPU training steps);
-    drops: Variables whose values a training step drops after it;
-    thins: Variables whose values it replaces by stand-ins after it (read later
-      only for their shapes);
-    donors: (slot, Variable) pairs it may be handed over (CPU training steps)."""
-
-    op: object
-    inputs: tuple
-    outputs: tuple
-    writes: tuple
-    untouched: frozenset
-    spares: tuple
-    drops: tuple
-    thins: tuple
-    donors: tuple
-
-
-class Compiled:
-    """A plan compiled for one device kind: its steps, the Variables it reads from
-    outside (`external`), the kept gradients it recomputes (`stale`), the kernel
-    picked for each step (on check runs) and the kernels' contexts."""
-
-    def __init__(self, steps, external, stale, place):
-        self.steps, self.external, self.stale = steps, external, stale
-        self.kernels = [None] * len(steps)
-        self.plain = KernelContext(place)
-        self.roomy = None               # per step, the context with its work room
-        self.replay = None              # GPU: the plan's CUDA graph (minigraph.replay)
-
-
-class Plan:
-    """The ops a run executes, and what it knows of them.
-
-    ops: in order (mode "infer" with targets keeps only what they need);
-    needed: the data Variables they read; targets: the Variables fetched;
-    keep: Variables a training step keeps besides fetches, persistables and
-    data (the persistables' gradients)."""
-
-    def __init__(self, ops, mode="run", targets=(), keep=()):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "infer" and targets:
-            ops = prune(ops, targets)
-        self.ops, self.mode = tuple(ops), mode
-        self.targets, self.keep = tuple(targets), tuple(keep)
-        self.needed = tuple(_data_read(self.ops))
-        self.lean = mode == "train"     # releases temporaries, journals persistables
-        self.checked = None             # the external signature last run with checks
-        self.saved = {}                 # id(persistable) -> the journal's reusable copy
-        self._compiled = {}
-
-    def compiled(self, place):
-        """This plan compiled for `place.kind` (made on first use)."""
-        found = self._compiled.get(place.kind)
-        if found is None:
-            if place.kind == "cpu":
-                host_memory.keep_freed_memory()
-            found = self._compiled[place.kind] = _compile(self, place)
-        return found
 
 
 def check_place(place, who):
@@ -124,17 +57,6 @@ def check_place(place, who):
         raise TypeError(f"{who}: place must be a place object (mg.CPUPlace() or "
                         f"mg.GPUPlace(i)), got {type(place).__name__} {place!r:.60}")
     return place
-
-
-def prune(ops, targets):
-    """The ops that contribute to `targets`, in their original order."""
-    needed = {id(t) for t in targets}
-    kept = []
-    for op in reversed(ops):
-        if any(id(v) in needed for v in op.output_vars()):
-            kept.append(op)
-            needed.update(id(v) for v in op.input_vars())
-    return kept[::-1]
 
 
 class Executor:
@@ -191,6 +113,15 @@ class Executor:
         signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
                           for v in c.external)
         check = signature != plan.checked
+        comm = _announce_collectives(c)
+        try:
+            return self._run_compiled(plan, c, signature, check)
+        finally:
+            if comm is not None:
+                comm.end_step()
+
+    def _run_compiled(self, plan, c, signature, check):
+        place = self.place
         with place.activate():          # a GPU's context, once for the whole run
             if place.kind == "gpu" and not check:
                 from minigraph import replay
@@ -220,6 +151,24 @@ class Executor:
                 c.roomy = tuple(c.plain if room is None else KernelContext(place, (), room)
                                 for room in rooms)
             return fetched
+
+
+def _announce_collectives(c):
+    """Announce the step's collectives; the communicator, or None when there are none."""
+    from minigraph.distributed import world
+
+    if not c.collective_ops or not world.is_initialized():   # its first use checks per call
+        return None
+    comm = world.get_comm()
+    calls = []
+    for op in c.collective_ops:
+        made = op.schema.collectives(op, comm)
+        if made is None:
+            calls = None
+            break
+        calls.extend(made)
+    comm.begin_step(calls)
+    return comm
 
 
 def _run_steps(c, kind, check, journal=None, meter=None):
@@ -308,68 +257,6 @@ def _fetch(place, targets, check_errors):
         out.append(host.copy() if (var.persistable or var.is_data) and host is var.value
                    else host)
     return out
-
-
-def _compile(plan, place):
-    made, external, outside = set(), [], set()        # outside: the ids of external
-    last_use, value_use = {}, {}
-    for i, op in enumerate(plan.ops):
-        for v in op.input_vars():
-            if id(v) not in made and id(v) not in outside:
-                external.append(v)
-                outside.add(id(v))
-        for v in op.input_vars() + op.output_vars():
-            last_use[id(v)] = (i, v)
-        for v in _value_vars(op):
-            value_use[id(v)] = i
-        made.update(id(v) for v in op.output_vars())
-    keep = {id(t) for t in plan.targets} | {id(v) for v in plan.keep}
-    drops = [[] for _ in plan.ops]
-    thins = [[] for _ in plan.ops]
-    stale = ()
-    if plan.lean:
-        for i, v in last_use.values():
-            if not (v.persistable or v.is_data or id(v) in keep or id(v) in outside):
-                drops[i].append(v)
-                if value_use.get(id(v), i) < i:      # later ops read only its shape
-                    thins[value_use[id(v)]].append(v)
-        stale = tuple(v for v in plan.keep if id(v) in made and id(v) not in outside)
-    steps = []
-    for op, dropped, thinned in zip(plan.ops, drops, thins):
-        ins = tuple((slot, v, UNBOUND if v is None else LIST if isinstance(v, list) else ONE)
-                    for slot, v in op.inputs.items())
-        outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
-                     for slot, v in op.outputs.items() if v is not None)
-        writes = tuple(v for v in op.output_vars() if v.persistable)
-        in_place = [(slot, op.outputs.get(slot)) for slot in op.schema.inplace]
-        spares = tuple((slot, v) for slot, v in in_place if v is not None and v.persistable) \
-            if op.schema.spares and place.kind == "cpu" else ()
-        changed = {id(v) for slot, v in in_place if v is not None} - {id(v) for _, v in spares}
-        untouched = frozenset(id(v) for v in writes if id(v) not in changed)
-        donors = handover.donors(op, dropped + thinned) if plan.lean and place.kind == "cpu" \
-            else ()
-        steps.append(Step(op, ins, outs, writes, untouched, spares, tuple(dropped),
-                          tuple(thinned), donors))
-    return Compiled(tuple(steps), tuple(external), stale, place)
-
-
-def _data_read(ops):
-    found = []
-    for op in ops:
-        for v in op.input_vars():
-            if v.is_data and v not in found:
-                found.append(v)
-    return found
-
-
-def _value_vars(op):
-    """The Variables whose values `op` reads or writes (not its shape-only inputs)."""
-    found = list(op.output_vars())
-    for slot in op.schema.inputs:
-        v = op.inputs.get(slot.name)
-        if v is not None and not slot.shape_only:
-            found.extend(v if isinstance(v, list) else [v])
-    return found
 
 
 def _stand_in(value):

@@ -207,3 +207,18 @@ def io_variables(net, feeds, fetches, what, error=ValueError):
                 raise error(f"{what}: {kind[:-1]} {var.name!r} is given twice")
             out.append(var)
     return found["feeds"], found["fetches"]
+
+
+def check_no_infer_state(ops, what, error=ValueError):
+    """An `error` naming `what`, the op and the Variable when one of `ops` keeps state of
+    the infer branch: an in-place output that is not persistable (a KV cache's, which
+    lives in the net that built it: layers.KVCache). A model made from such ops would
+    read state that nothing there computes."""
+    for op in ops:
+        for out_slot in op.schema.inplace:
+            var = op.outputs.get(out_slot)
+            if var is not None and not var.persistable:
+                raise error(f"{what}: op {op.type!r} keeps state of the infer branch in "
+                            f"{var.name!r} (a KV cache, for generation in the net that built "
+                            "it); export to ONNX (stateless), or build the layers again "
+                            "without kv_cache and load the parameters (mg.io.load)")

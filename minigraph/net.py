@@ -6,7 +6,9 @@ A Net keeps its ops in sections: `init` (parameter initialisers), `trunk`
 first op whose schema declares a mode attribute (`OpSchema.mode_attr`,
 batch_norm's and dropout's `is_infer`), ops go to the trunk; from that op
 on, every layer appends two copies, one per branch: the train copy with the
-mode attribute False and the infer copy with it True. Both copies bind the
+mode attribute False and the infer copy with it True. A layer whose infer copy
+binds more (a KV cache's state: `append(..., infer=...)`, `append_infer`) forks
+the net too. Both copies bind the
 same persistables (held by the root scope); each branch keeps its
 temporaries in its own child scope. Graph rewrites (backward, optimizers,
 passes) change sections only through `append_op`, `insert_op`,
@@ -20,10 +22,10 @@ import threading
 
 import numpy as np
 
-from minigraph import feeds, net_freeze
-from minigraph.executor import Executor, Plan, check_place
-from minigraph.operator import Operator, as_operator
-from minigraph.schema import get_schema
+from minigraph import feeds, net_build, net_freeze
+from minigraph.executor import Executor, check_place
+from minigraph.operator import as_operator
+from minigraph.plan import Plan
 from minigraph.scope import Scope, Variable, check_reserved_name
 
 BRANCHES = ("train", "infer")
@@ -92,7 +94,7 @@ class Net:
         if mode_attr is not None and section in BRANCHES:
             self.forked = True
         ops.append(op)
-        _mark_value_rules(op)
+        net_build.mark_value_rules(op)
         self._changed()
         return op
 
@@ -199,66 +201,26 @@ class Net:
         self.executor.run([op], self.scope)
         return var
 
-    def append(self, op_type, inputs, outputs, attrs=None):
+    def append(self, op_type, inputs, outputs, attrs=None, infer=None):
         """Append `op_type` to the trunk, or to both branches once forked.
 
         inputs: {slot: Variable or list}; outputs: {slot: new variable name, or
-        an input Variable for an in-place slot}. Returns {slot: Variable} of
-        the train copy (the trunk's when not forked).
+        an input Variable for an in-place slot}. infer: what the infer copy binds
+        besides (or instead of) them, {"inputs": {...}, "outputs": {...}, "attrs":
+        {...}} (a KV cache's state, say); the two copies then differ, so the net
+        forks here if it has not. Returns {slot: Variable} of the train copy (the
+        trunk's when not forked). (minigraph.net_build does it.)
         """
-        attrs = dict(attrs or {})
-        mode_attr = get_schema(op_type).mode_attr
-        if mode_attr is not None:
-            self.forked = True
-        if not self.forked:
-            op = self._build(op_type, inputs, outputs, attrs, self.scope)
-            self._sections["trunk"].append(op)
-            _mark_value_rules(op)
-            self._changed()
-            return op.outputs
-        built = {}
-        for b in BRANCHES:
-            if mode_attr is not None:
-                attrs[mode_attr] = b == "infer"
-            ins = inputs if b == "train" else {s: self._infer_copy(v) for s, v in inputs.items()}
-            built[b] = self._build(op_type, ins, outputs, attrs, self.scopes[b])
-        for slot, var in built["train"].outputs.items():
-            twin = built["infer"].outputs[slot]
-            for t, i in zip(*((var, twin) if isinstance(var, list) else ([var], [twin]))):
-                if t is not None and t is not i:
-                    self._twins[id(t)], self._twins[id(i)] = i, t
-        for b in BRANCHES:
-            self._sections[b].append(built[b])
-            _mark_value_rules(built[b])
-        self._changed()
-        return built["train"].outputs
+        return net_build.append(self, op_type, inputs, outputs, attrs, infer)
 
-    def _infer_copy(self, v):
-        if isinstance(v, list):
-            return [self._infer_copy(x) for x in v]
-        return self._twins.get(id(v), v)
-
-    def _build(self, op_type, inputs, outputs, attrs, scope):
-        outs = {}
-        made = []
-        try:
-            for slot, target in outputs.items():
-                if isinstance(target, Variable):
-                    outs[slot] = target
-                elif isinstance(target, (list, tuple)):
-                    for t in target:
-                        check_reserved_name(t, scope)
-                        made.append(scope.new_var(t))
-                    outs[slot] = made[len(made) - len(target):]
-                else:
-                    check_reserved_name(target, scope)
-                    outs[slot] = scope.new_var(target)
-                    made.append(outs[slot])
-            return Operator(op_type, **inputs, **outs, **attrs)
-        except BaseException:
-            for v in made:
-                del scope.vars[v.name]
-            raise
+    def append_infer(self, op_type, inputs, outputs, attrs=None, twins=None):
+        """Append `op_type` to the infer branch alone (the net forks here if it has not):
+        generation state such as a KV cache's, which training never reads. inputs are
+        read as the infer branch sees them (a train Variable stands for its infer copy);
+        twins {output slot: train Variable}: from here on, later layers' infer copies
+        read that output where their train copies read the Variable. Returns {slot:
+        Variable} of the op."""
+        return net_build.append_infer(self, op_type, inputs, outputs, attrs, twins)
 
     @contextlib.contextmanager
     def building(self):
@@ -385,7 +347,7 @@ class Net:
                 for v in s.vars.values() if not v.persistable]
 
     def plan(self, mode, targets, update=True, frozen=()):
-        """The cached run plan of `mode` for fetch `targets` (minigraph.executor.Plan),
+        """The cached run plan of `mode` for fetch `targets` (minigraph.plan.Plan),
         without the update section when `update` is False, and without the updates
         of the parameters whose ids are in `frozen` (minigraph.net_freeze); a
         training plan keeps the persistables' gradients after each step (as
@@ -418,9 +380,3 @@ class Net:
         (minigraph.pictures.profile.profile)."""
         from minigraph.pictures.profile import profile
         return profile(self, feed, steps, mode, fetch, warmup)
-
-
-
-def _mark_value_rules(op):
-    from minigraph.io.checkpoint_values import mark_rules  # io imports net: not at the top
-    mark_rules(op)

@@ -122,6 +122,8 @@ ROLES = {
     "fill": "out: a constant tensor of the attributes shape, dtype and value",
     "batch_norm": "batch_norm's slots and attributes (ops/batch_norm.py); folding reads "
                   "x, scale, bias, the estimates, epsilon, data_layout and is_infer",
+    "batch_norm_relu": "a batch_norm role op whose y is max(batch norm, 0): batch_norm_relu "
+                       "and its sync form (fusing builds them; folding leaves a relu)",
     "linear": "out is x times the weight `OpSchema.weight` names (conv2d, fc's mul)",
     "bias_add": "out = x + y, y a vector along x's axis `axis`",
     "add": "out = x + y, numpy broadcasting",
@@ -175,6 +177,15 @@ class OpSchema:
       (convert_sync_batchnorm rewrites this op into it).
     presummed(op) -> output slots whose values are already sums over every
       rank and identical on each (sync_batch_norm_grad's dscale and dbias).
+    presummed_average: the bool attribute that makes the op itself divide its
+      presummed outputs by the world size (data parallelism's average folded into
+      the kernel: sync_batch_norm_grad's `average_ranks`); data_parallel sets it
+      instead of adding a c_avg_presummed op.
+    collectives(op, comm) -> [(kind, what, shape, dtype)]: the collectives the
+      op's kernels make on `comm`, in order (kind: "allreduce", ...; what: the
+      label they pass), or None when that cannot be told before the op runs; a
+      step announces them to the communicator, whose order check then verifies
+      the whole step in one exchange (Communicator.begin_step).
     replication: "always" when the outputs are identical on every rank (an
       op that averages presummed values), "inputs" when they are whenever
       every input is (a sum), None otherwise.
@@ -210,6 +221,8 @@ class OpSchema:
     weight: tuple | None = None
     sync_variant: str | None = None
     presummed: Callable | None = None
+    presummed_average: str | None = None
+    collectives: Callable | None = None
     replication: str | None = None
     doc: str = ""
 
@@ -334,8 +347,7 @@ def registered_ops():
 
 
 def inference_only(op_type, train_with):
-    """The grad maker of an inference-only op: an OpError saying to train the net with
-    `train_with` and fuse its inference copy."""
+    """An inference-only op's grad maker: an OpError saying to train with `train_with`."""
     def no_grad(op, dout, make_grad):
         raise OpError(f"{op_type}: an inference-only op, it has no gradient; train the net "
                       f"with {train_with} and fuse its inference copy "
@@ -386,5 +398,3 @@ def grad_schema(forward, inputs, outputs, infer=None, **fields):
 def meta_of(value):
     """Meta of a concrete array."""
     return Meta(tuple(value.shape), np.dtype(value.dtype))
-
-

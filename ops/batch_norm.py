@@ -71,12 +71,14 @@ def batch_statistics(op):
     return not a["use_global_est"] and (not a["is_infer"] or op.inputs["estimated_mean"] is None)
 
 
-def export_batch_norm(ctx, op):
+def export_batch_norm(ctx, op, out=None):
     """BatchNormalization on the estimates (inference; ones and zeros for an absent
     scale and bias); NHWC is transposed to NCHW and back around it. Without
-    estimates the batch's moments are spelled out (onnx_export.moments_normalize)."""
+    estimates the batch's moments are spelled out (onnx_export.moments_normalize).
+    `out`: the ONNX name of the result (default: y's)."""
     onnx_export.infer_only(op)
     x, y = op.inputs["x"], op.outputs["y"]
+    out = ctx.output(y) if out is None else out
     rank, dt = len(ctx.shape(x)), ctx.dtype(x)
     nchw = op.attrs["data_layout"] == "NCHW" or rank == 2
     channels = ctx.shape(x)[1 if nchw else -1]
@@ -85,22 +87,22 @@ def export_batch_norm(ctx, op):
                    ctx.const(y, s, np.full(channels, 1.0 if s == "scale" else 0.0, dt))
                    for s in ("scale", "bias"))
     if op.inputs["estimated_mean"] is None:
-        return export_batch_statistics(ctx, op, scale, bias, nchw, eps)
+        return export_batch_statistics(ctx, op, scale, bias, nchw, eps, out)
     ins = [scale, bias] + [ctx.value(op.inputs[s]) for s in ("estimated_mean", "estimated_var")]
     if nchw:
-        return [ctx.node("BatchNormalization", [ctx.value(x), *ins], [ctx.output(y)],
-                         epsilon=eps)]
+        return [ctx.node("BatchNormalization", [ctx.value(x), *ins], [out], epsilon=eps)]
     to_nchw = [0, rank - 1, *range(1, rank - 1)]
     to_nhwc = [0, *range(2, rank), 1]
     xt, yt = ctx.temp(y, "nchw"), ctx.temp(y, "bn_nchw")
     return [ctx.node("Transpose", [ctx.value(x)], [xt], perm=to_nchw),
             ctx.node("BatchNormalization", [xt, *ins], [yt], epsilon=eps),
-            ctx.node("Transpose", [yt], [ctx.output(y)], perm=to_nhwc)]
+            ctx.node("Transpose", [yt], [out], perm=to_nhwc)]
 
 
-def export_batch_statistics(ctx, op, scale, bias, nchw, eps):
+def export_batch_statistics(ctx, op, scale, bias, nchw, eps, out):
     """y = (x - mean) / sqrt(var + eps) * scale + bias with the batch's per-channel
-    moments (track_running_stats=False), the scale and bias reshaped to broadcast."""
+    moments (track_running_stats=False), the scale and bias reshaped to broadcast, into
+    the ONNX value `out`."""
     x, y = op.inputs["x"], op.outputs["y"]
     shape, dt = ctx.shape(x), ctx.dtype(x)
     rank = len(shape)
@@ -113,12 +115,13 @@ def export_batch_statistics(ctx, op, scale, bias, nchw, eps):
     return nodes + [ctx.node("Reshape", [scale, shape_const], [s_col]),
                     ctx.node("Reshape", [bias, shape_const], [b_col]),
                     ctx.node("Mul", [normed, s_col], [scaled]),
-                    ctx.node("Add", [scaled, b_col], [ctx.output(y)])]
+                    ctx.node("Add", [scaled, b_col], [out])]
 
 
 def bn_schema(op_type, **fields):
-    """The batch-norm schema under `op_type` (sync_batch_norm shares it)."""
-    return OpSchema(
+    """The batch-norm schema under `op_type` (sync_batch_norm and the batch_norm_relu ops
+    share it); `fields` add OpSchema fields or replace these (roles, export, grad, doc)."""
+    schema = dict(
         type=op_type,
         inputs=(Slot("x"), Slot("estimated_mean", optional=True),
                 Slot("estimated_var", optional=True), Slot("scale", optional=True),
@@ -140,8 +143,9 @@ def bn_schema(op_type, **fields):
         validate=validate_bn,
         grad=grad_bn,
         doc=__doc__,
-        **fields,
     )
+    schema.update(fields)
+    return OpSchema(**schema)
 
 
 def validate_bn(op):
@@ -186,8 +190,9 @@ def infer_bn(op_type, ins, attrs):
     return {"y": Meta(x.shape, x.dtype), "batch_mean": stat, "batch_var": stat}
 
 
-def grad_bn(op, dout, make_grad):
-    """batch_norm_grad from batch statistics, or with the estimates as constants."""
+def grad_bn(op, dout, make_grad, **extra):
+    """batch_norm_grad from batch statistics, or with the estimates as constants;
+    `extra`: more slots of the grad op (batch_norm_relu's y)."""
     dy = dout.get("y")
     if dy is None:
         return []
@@ -200,12 +205,14 @@ def grad_bn(op, dout, make_grad):
         x=op.inputs["x"], scale=scale, mean=src[mean_slot], var=src[var_slot], dy=dy,
         dx=make_grad(op.inputs["x"]), dscale=None if scale is None else make_grad(scale),
         dbias=None if bias is None else make_grad(bias), use_global_est=use_est,
-        epsilon=op.attrs["epsilon"], data_layout=op.attrs["data_layout"]))]
+        epsilon=op.attrs["epsilon"], data_layout=op.attrs["data_layout"], **extra))]
 
 
-def bn_grad_schema(op_type, **fields):
+def bn_grad_schema(op_type, extra_inputs=(), extra_attrs=(), **fields):
     """`<op_type>_grad`: dx, dscale, dbias from x, dy and the statistics used.
-    fields: more OpSchema fields (sync_batch_norm's `presummed`, dscale and dbias)."""
+    extra_inputs / extra_attrs: more slots and attributes (batch_norm_relu's y;
+    sync_batch_norm's average_ranks); fields: more OpSchema fields (sync_batch_norm's
+    `presummed`, dscale and dbias)."""
     def infer(ins, attrs):
         x = ins["x"]
         check_shape(op_type + "_grad", "dy", ins["dy"], x.shape, " (the shape of x)")
@@ -214,11 +221,12 @@ def bn_grad_schema(op_type, **fields):
 
     return OpSchema(
         type=op_type + "_grad",
-        inputs=(Slot("x"), Slot("scale", optional=True), Slot("mean"), Slot("var"), Slot("dy")),
+        inputs=(Slot("x"), Slot("scale", optional=True), Slot("mean"), Slot("var"), Slot("dy"),
+                *extra_inputs),
         outputs=(Slot("dx", optional=True), Slot("dscale", optional=True),
                  Slot("dbias", optional=True)), reuse={"dx": ("dy",)},
         attrs=(bool_attr("use_global_est", False), float_attr("epsilon", 1e-5, positive),
-               str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC"))),
+               str_attr("data_layout", "NCHW", one_of("NCHW", "NHWC")), *extra_attrs),
         infer=infer,
         no_export="a gradient op (training only)",
         **fields,

@@ -18,6 +18,10 @@ communicator from their KernelContext (`ctx.comm`), made on first use.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from minigraph.kernels.cpu import collective as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import collective as cuda
@@ -41,6 +45,24 @@ def _validate_pairs(op):
                       f"{len(op.outputs['out'])}; they pair up one to one")
 
 
+def _avg_collectives(op, comm):
+    """c_allreduce_avg's collectives: one allreduce per dtype of x (first-seen order)
+    of all its values, packed; None while a shape is not known."""
+    if comm.size == 1:
+        return []
+    sizes = {}
+    for v in op.inputs["x"]:
+        if v.shape is None or v.dtype is None or any(d < 0 for d in v.shape):
+            return None
+        sizes[np.dtype(v.dtype)] = sizes.get(np.dtype(v.dtype), 0) + math.prod(v.shape)
+    return [("allreduce", cpu.label(op), (n,), dtype) for dtype, n in sizes.items()]
+
+
+def _share_collectives(op, comm):
+    """c_scale_by_batch_share's collective: one float64 allreduce of the batch size."""
+    return [] if comm.size == 1 else [("allreduce", cpu.share_label(op), (1,), np.float64)]
+
+
 register(OpSchema(
     type="c_allreduce_avg",
     inputs=(Slot("x", duplicable=True),),
@@ -48,6 +70,7 @@ register(OpSchema(
     infer=_infer_pairs("c_allreduce_avg"),
     validate=_validate_pairs,
     no_export=NOT_EXPORTED,
+    collectives=_avg_collectives,
     doc=__doc__,
 ))
 
@@ -77,6 +100,7 @@ register(OpSchema(
     outputs=(Slot("out"),),
     infer=_infer_share,
     no_export=NOT_EXPORTED,
+    collectives=_share_collectives,
     doc=__doc__,
 ))
 

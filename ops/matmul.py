@@ -14,7 +14,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import matmul as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
-from minigraph.kernels.cuda import matmul as cuda
+from minigraph.kernels.cuda import batched_matmul as cuda
 from minigraph.ops.binary import broadcast_shape
 from minigraph.schema import (
     Meta,

@@ -378,3 +378,53 @@ def tracked_instance_norm(x, estimated_mean, estimated_var, scale=None, bias=Non
         counter = None if num_batches is None else num_batches + 1
     out = {**out, "saved_mean": new_mean, "saved_var": new_var, "saved_num_batches": counter}
     return {k: v for k, v in out.items() if v is not None}
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+
+def attention_keep(shape, p, seed, step):
+    """The keep mask (N, H, Tq, Tk) of scaled_dot_product_attention's dropout: pair
+    f = ((n*H + h)*Tq + i)*Tk + j is kept when (word f % 4 of philox(counter f // 4,
+    stream 3; key (seed, step))) >> 8 / 2**24 >= p."""
+    n = int(np.prod(shape))
+    words = []
+    for call in range((n + 3) // 4):
+        words += philox4x32([call & 0xFFFFFFFF, call >> 32, 3, 0], [seed, step & 0xFFFFFFFF])
+    return np.array([(w >> 8) / 2.0**24 >= p for w in words[:n]], dtype=bool).reshape(shape)
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False,
+                                 causal_variant="upper_left", scale=None, keep=None,
+                                 dropout_p=0.0):
+    """torch's F.scaled_dot_product_attention in float64 on (N, H, T, d) arrays, the whole
+    score matrix at once: {"out", "lse" (the rows' log-sum-exp, -inf where no key takes
+    part), "weights" (after the softmax, before dropout)}. A row with no key has weights
+    and out 0. keep: the dropout's keep mask (scaled by 1 / (1 - dropout_p)) or None."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    tq, tk = q.shape[2], k.shape[2]
+    scale = 1.0 / np.sqrt(q.shape[3]) if scale is None else scale
+    s = np.einsum("nhic,nhjc->nhij", q, k) * scale
+    allowed = np.ones(s.shape, bool)
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        if m.dtype == np.bool_:
+            allowed &= np.broadcast_to(m, s.shape)
+        else:
+            s = s + m.astype(np.float64)
+    if is_causal:
+        offset = 0 if causal_variant == "upper_left" else tk - tq
+        allowed &= np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset
+    s = np.where(allowed, s, -np.inf)
+    lse = np.full(s.shape[:3], -np.inf)
+    weights = np.zeros(s.shape)
+    for idx in np.ndindex(*s.shape[:3]):
+        row = s[idx]
+        if np.isneginf(row).all():
+            continue
+        top = row.max()
+        e = np.exp(row - top)
+        lse[idx] = top + np.log(e.sum())
+        weights[idx] = e / e.sum()
+    dropped = weights if keep is None else weights * keep / (1.0 - dropout_p)
+    return {"out": np.einsum("nhij,nhjc->nhic", dropped, v), "lse": lse, "weights": weights}

@@ -54,7 +54,7 @@ def test_the_demo_writes_deployable_models_that_infer_like_the_net(tmp_path, cap
     out = capsys.readouterr().out
     assert tmp_path / "model" in history["files"] and tmp_path / "model.onnx" in history["files"]
     assert "Netron" in out and "onnxruntime" in out and "mg.io.load_inference" in out
-    assert "batch norms folded and the loss left out, 13 -> 9 inference ops" in out
+    assert "2 batch norms folded and the loss left out (11 -> 9 inference ops)" in out
     _, _, test_x, test_y = train_digits.load_digits_split()
     (logits,) = mg.io.load_inference(tmp_path / "model").infer(feed={"image": test_x})
     assert (logits.argmax(axis=1) == test_y).mean() == pytest.approx(history["accuracy"][-1])

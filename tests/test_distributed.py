@@ -21,6 +21,7 @@ from mpi_scripts.launch import RANKS, check_ok, require_mpi, run_ranks
 import minigraph as mg
 from minigraph import layers
 from minigraph.distributed import world
+from minigraph.distributed.comm import CollectiveMismatchError, Communicator, chan_merge
 
 MISMATCH = "ranks reached different collectives"
 DEADLINE_S = 3
@@ -112,8 +113,9 @@ def test_data_parallel_ops(one_rank):
     mg.distributed.data_parallel(net, batch_size_from="label")
     types = [op.type for op in net.section("backward")]
     assert types[1] == "c_scale_by_batch_share"            # right after the d(loss) seed
-    grad_at = types.index("sync_batch_norm_grad")
-    assert types[grad_at + 1] == "c_avg_presummed"
+    (grad,) = [op for op in net.section("backward") if op.type == "sync_batch_norm_grad"]
+    assert grad.attrs["average_ranks"]          # 1/K of its presummed dscale and dbias, in it
+    assert "c_avg_presummed" not in types
     assert types[-1] == "c_allreduce_avg"                   # last before the updates
     (avg,) = [op for op in net.section("backward") if op.type == "c_allreduce_avg"]
     averaged = {v.name for v in avg.inputs["x"]}
@@ -286,3 +288,77 @@ def test_ranks_whose_ops_differ_get_an_error_naming_the_op(mode, want):
 @pytest.mark.mpi
 def test_dropout_seeds_may_differ_between_ranks():
     check_ok("op_differs.py", 2, "seed", timeout=60, env=SHORT)
+
+
+# ---- the order check: one exchange per step ------------------------------------------------
+
+class TwinComm(Communicator):
+    """Two ranks in one process that make the same calls: the other rank mirrors this one
+    (allgather stacks x twice, allreduce doubles it). `peer_differs(text)` gives the other
+    rank's list of calls when its order check should disagree."""
+
+    backend = "twin"
+
+    def __init__(self, peer_differs=None):
+        super().__init__(0, 2, 0, mg.CPUPlace(), check_order=True)
+        self.peer_differs = peer_differs
+
+    def _allreduce(self, x):
+        return x * 2
+
+    def _allreduce_stats(self, x):
+        return chan_merge(x, x)
+
+    def _allgather(self, x):
+        return np.stack([x, x])
+
+    def _broadcast(self, x, root):
+        return x.copy()
+
+    def _barrier(self):
+        pass
+
+    def _exchange_digest(self, digest):
+        return digest + (b"\0" * 8 if self.peer_differs else digest)
+
+    def _gather_text(self, text):
+        return [text, self.peer_differs(text) if self.peer_differs else text]
+
+
+def test_a_step_checks_the_order_of_its_collectives_in_one_exchange(monkeypatch):
+    """A data-parallel step with a sync batch norm makes three collectives (the forward's
+    statistics, the backward's sums, the gradient average): the order check exchanges
+    once for all three, before the first; collectives outside a step still check each."""
+    comm = TwinComm()
+    monkeypatch.setattr(world, "_comm", comm)
+    net, loss, _ = tiny_bn_net(sync=True)
+    mg.passes.fuse_batch_norm_relu(net)
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    mg.distributed.data_parallel(net)
+    feed = {"image": np.ones((4, 2, 4, 4), np.float32), "label": np.arange(4) % 4}
+    for _ in range(2):
+        calls, checks = comm.calls, comm.order_checks
+        net.train(feed=feed, fetch=[loss])
+        assert (comm.calls - calls, comm.order_checks - checks) == (3, 1)
+    checks = comm.order_checks
+    comm.barrier(what="outside a step")
+    assert comm.order_checks == checks + 1
+
+
+def test_a_step_whose_ranks_differ_names_the_first_differing_call(monkeypatch):
+    def peer(text):                  # the other rank's second collective differs
+        lines = text.split("\n")
+        lines[1] = lines[1].replace("shape=(7,)", "shape=(9,)")
+        return "\n".join(lines)
+
+    comm = TwinComm(peer)
+    monkeypatch.setattr(world, "_comm", comm)
+    net, loss, _ = tiny_bn_net(sync=True)
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    feed = {"image": np.ones((4, 2, 4, 4), np.float32), "label": np.arange(4) % 4}
+    with pytest.raises(CollectiveMismatchError) as err:
+        net.train(feed=feed, fetch=[loss])
+    text = str(err.value)
+    assert "rank 0: #1 allreduce 'sync_batch_norm_grad x=c1.out' shape=(7,) dtype=float64" in text
+    assert "rank 1: #1 allreduce 'sync_batch_norm_grad x=c1.out' shape=(9,)" in text
+    assert "their nets differ" in text and comm.calls == 1     # nothing moved but the check

@@ -122,3 +122,64 @@ def test_layout_names_every_room_of_minigraph():
             continue
         name = entry.name + ("/" if entry.is_dir() else "")
         assert re.search(rf"(^|\s){re.escape(name)}(\s|$)", block, re.M), name
+
+
+def _layout_tree():
+    layout = (REPO / "docs" / "layout.md").read_text()
+    return layout[layout.index("```\nminigraph/"):layout.index("```", layout.index("```\nminigraph/") + 3)]
+
+
+@pytest.mark.parametrize("folder, start, end", [("kernels/cpu", "  cpu/ ", "  layout.py"),
+                                                ("kernels/cuda", "  cuda/ ", "tests/ examples/")])
+def test_layout_names_every_kernel_file(folder, start, end):
+    """Each file of kernels/cpu and kernels/cuda is named in docs/layout.md's tree, or is
+    covered by a rule the tree states: <family>.py beside ops/<family>.py, a launcher
+    <name>.py beside its <name>.cu, any .cu (kernels/cuda/*.cu), a glob such as
+    conv_im2col*.py, a native kernel's <name>.c + <name>.py named by its <name>."""
+    import fnmatch
+
+    tree = _layout_tree()
+    block = tree[tree.index(start):tree.index(end)]
+    names = set(re.findall(r"[\w*]+\.(?:py|c|h|cu|cuh)\b", block))
+    families = {p.stem for p in (REPO / "ops").glob("*.py")}
+    for entry in sorted((REPO / folder).iterdir()):
+        if entry.name.startswith(("_", ".")) or entry.suffix not in (".py", ".c", ".h", ".cu",
+                                                                      ".cuh"):
+            continue
+        if entry.suffix == ".py" and entry.stem in families:
+            continue
+        if folder.endswith("cuda") and (entry.suffix == ".cu" or
+                                        entry.with_suffix(".cu").exists()):
+            continue
+        if entry.suffix in (".c", ".py") and re.search(rf"(?<![\w.]){entry.stem}(?![\w.])", block):
+            continue
+        assert any(fnmatch.fnmatch(entry.name, n) for n in names), \
+            f"docs/layout.md does not name {folder}/{entry.name}"
+
+
+def test_every_file_the_layout_names_exists():
+    """A file named in docs/layout.md's tree is one of the house's files (a rename
+    that leaves the tree behind fails here)."""
+    import fnmatch
+
+    files = {p.name for top in ("minigraph", "ops", "kernels") for p in (REPO / top).rglob("*")}
+    for name in sorted(set(re.findall(r"[\w*]+\.(?:py|c|h|cu|cuh)\b", _layout_tree()))):
+        assert fnmatch.filter(files, name), f"docs/layout.md names {name}, which does not exist"
+
+
+def test_the_readmes_python_blocks_run(tmp_path, monkeypatch):
+    """The README's python blocks run as written, one after the other in one namespace
+    (the tour builds on itself), in a scratch folder; the distributed sketch, whose
+    `...` stands for the layers, is left out."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+    runnable = [b for b in blocks if "mg.distributed.init()" not in b]
+    assert len(runnable) == len(blocks) - 1 >= 6
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    for i, block in enumerate(runnable):
+        exec(compile(block, f"README.md python block {i}", "exec"), namespace)
+    assert {"net.svg", "checkpoint.npz", "model_dir", "model.onnx"} <= {
+        p.name for p in tmp_path.iterdir()}

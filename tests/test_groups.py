@@ -157,8 +157,8 @@ def test_a_second_optimizer_is_told_to_use_groups():
     net, loss = build()
     with pytest.warns(UserWarning, match="'fc1.b', 'head.w', 'head.b' are in no element"):
         mg.optimizer.SGD(0.1).minimize(net, loss, parameters=[net.var("fc1.w")])
-    with pytest.raises(ValueError, match="Adam.minimize: this net is already minimised by a "
-                                         "SGD; a net has one optimizer: give it parameter "
+    with pytest.raises(ValueError, match=r"Adam.minimize: this net is already minimised \(by "
+                                         r"SGD\); a net has one optimizer: give it parameter "
                                          "groups instead"):
         mg.optimizer.Adam().minimize(net, loss, parameters=[net.var("head.w")])
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 import pytest
 
 import minigraph as mg
+from minigraph import layers as L
 from minigraph.examples import train_digits, train_resnet_digits
 from minigraph.pictures.layer_map import LayerMap
 
 
 @pytest.fixture(scope="module")
 def digits():
-    return train_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    """The digits net with its batch norms and relus as separate ops."""
+    return train_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 def owners(net, section):
@@ -44,7 +46,7 @@ def test_gradient_ops_belong_to_the_layer_whose_outputs_gradients_they_read(digi
 
 
 def test_updates_belong_to_their_parameters_layer_and_shared_ops_to_none():
-    net = train_resnet_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    net = train_resnet_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
     update = owners(net, "update")
     assert update[:2] == [("lr_schedule", None), ("clip_by_global_norm", None)]
     assert ("adam", "stem.conv") in update and ("adam", "head") in update
@@ -78,3 +80,31 @@ def test_a_net_without_layer_names_gets_its_layers_from_output_names(digits):
     trunk = folded.section("trunk")
     assert [(op.type, lmap.layer_of(op)) for op in trunk][:2] == [("conv2d", "conv1"),
                                                                    ("elementwise_add", "bn1")]
+
+
+def test_ops_updating_state_in_place_belong_to_their_layer():
+    """A KV cache's ops write its state (length, slabs) in place: those outputs say
+    nothing of the op's layer, so each belongs to the layer that appended it."""
+    net = mg.Net(seed=0)
+    tok = L.data(net, "tok", (-1, -1), "int64")
+    cache = L.KVCache(8)
+    h = L.position_embedding(net, L.embedding(net, tok, 5, 4, name="wte"), 8, kv_cache=cache,
+                             name="wpe")
+    L.multi_head_attention(net, h, 2, causal=True, kv_cache=cache, name="attn")
+    layers = LayerMap(net)
+    owners = {op.type: layers.layer_of(op) for op in net.section("infer")}
+    assert owners["position_embedding"] == "wpe" and owners["kv_cache_write"] == "attn"
+    assert "kv_cache_0" not in layers.names
+
+
+def test_a_fused_batch_norm_relu_and_its_grad_belong_to_the_batch_norm_layer():
+    """batch_norm_relu writes the relu's output and the batch norm's statistics (two
+    layers' names): it belongs to the layer of the persistables it reads, and its grad op
+    to its forward op's layer; the relu layers are left without ops."""
+    net = train_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    expected = [("batch_norm_relu", "bn1"), ("pool2d", "pool2d_0"), ("mul", "fc1"),
+                ("elementwise_add", "fc1"), ("batch_norm_relu", "bn2"), ("mul", "fc2")]
+    for section in ("train", "infer"):
+        assert owners(net, section)[:6] == expected
+    grads = [(t, layer) for t, layer in owners(net, "backward") if t.startswith("batch_norm")]
+    assert grads == [("batch_norm_relu_grad", "bn2"), ("batch_norm_relu_grad", "bn1")]

@@ -71,6 +71,10 @@ def test_local_headers_are_part_of_the_source():
                  "dropout_native"):
         source = native.source_of(name)
         assert '#include "native_pool.h"' not in source and header in source
+    maths = (Path(native.__file__).parent / "vector_math.h").read_text()
+    for name in ("attention_native", "gelu_native"):
+        source = native.source_of(name)
+        assert header in source and maths in source and '#include "vector_math.h"' not in source
 
 
 def test_the_key_names_this_cpu():

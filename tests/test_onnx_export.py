@@ -155,7 +155,7 @@ def test_every_layer_net(zoo, tmp_path):
     max_differences(net, path, fetches, zoo_feed, ["image", "label"])
 
 
-@pytest.mark.parametrize("opset", [13, 20])
+@pytest.mark.parametrize("opset", [13, 20, 23, 24])
 def test_other_opsets(zoo, tmp_path, opset):
     net, h = zoo
     fetches = [h["probs"], h["loss"]]
@@ -314,10 +314,10 @@ def test_an_op_without_an_exporter_is_an_error_naming_it_and_why(tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
-@pytest.mark.parametrize("opset", [12, 21, "17", 17.0, True])
+@pytest.mark.parametrize("opset", [12, 25, "17", 17.0, True])
 def test_a_bad_opset_is_an_error(digits, tmp_path, opset):
     net, h = digits
-    with pytest.raises(mg.onnx.ExportError, match="opset must be an int from 13 to 20"):
+    with pytest.raises(mg.onnx.ExportError, match="opset must be an int from 13 to 24"):
         mg.onnx.export(net, tmp_path / "m.onnx", ["image"], [h["logits"]], opset=opset)
 
 

@@ -38,7 +38,8 @@ def test_a_train_profile_times_every_op_type_and_layer_of_the_step(digits, feed)
     assert calls == {**{t: n * STEPS for t, n in Counter(op.type for op in ops).items()},
                      "(executor)": 0}
     layers = {r.name for r in table.by_layer}
-    assert layers == {rec.name for rec in net.layers} | {"(executor)"}
+    fused = {"relu_0", "relu_1"}          # they run inside bn1's and bn2's batch_norm_relu
+    assert layers == {rec.name for rec in net.layers} - fused | {"(executor)"}
     for rows in (table.by_type, table.by_layer):
         assert rows[-1].name == "(executor)"
         assert [r.ms for r in rows[:-1]] == sorted((r.ms for r in rows[:-1]), reverse=True)
@@ -50,7 +51,8 @@ def test_a_train_profile_times_every_op_type_and_layer_of_the_step(digits, feed)
         np.mean(table.step_times_ms))                  # the untimed steps between the timed
     assert table.timed_step_ms > 0
     bn1 = table.layer_share("bn1")            # forward, gradient and update ops of bn1
-    bn1_ops = [op for op in ops if op.type in ("batch_norm", "batch_norm_grad", "momentum")
+    bn1_ops = [op for op in ops if op.type in ("batch_norm_relu", "batch_norm_relu_grad",
+                                              "momentum")
                and any(v.name.startswith("bn1.") for v in op.output_vars())]
     assert len(bn1_ops) == 4 and bn1 == pytest.approx(table.ops_share(bn1_ops))
     assert table.layer_share("no such layer") is None
@@ -142,7 +144,7 @@ def test_an_infer_profile_times_the_infer_branch(digits, feed):
     table = net.profile({"image": feed["image"]}, steps=STEPS, mode="infer",
                         fetch=[h["logits"]])
     types = {r.name for r in table.by_type}
-    assert types == {"conv2d", "elementwise_add", "batch_norm", "relu", "pool2d", "mul",
+    assert types == {"conv2d", "elementwise_add", "batch_norm_relu", "pool2d", "mul",
                      "(executor)"}
     assert all(r.calls % STEPS == 0 for r in table.by_type)
     assert table.mode == "infer" and str(table).startswith(f"profile of {STEPS} infer steps")
@@ -197,7 +199,7 @@ def test_a_gpu_profile_times_the_gpu_kernels(device_place, feed):
     before = persistable_values(net)
     table = net.profile(feed, steps=2, warmup=1)
     assert table.place == repr(device_place)
-    assert {"conv2d", "batch_norm_grad", "momentum"} <= {r.name for r in table.by_type}
+    assert {"conv2d", "batch_norm_relu_grad", "momentum"} <= {r.name for r in table.by_type}
     assert sum(r.share for r in table.by_layer) == pytest.approx(1.0)
     for name, value in persistable_values(net).items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)

@@ -17,7 +17,7 @@ from minigraph.pictures import render as render_mod
 
 @pytest.fixture(scope="module")
 def net():
-    return build_net(mg.CPUPlace(), seed=0)[0]
+    return build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 def op_id(net, branch, op):
@@ -104,7 +104,7 @@ def test_is_infer_is_visible_on_mode_dependent_ops(net):
 
 
 def test_dot_is_stable_across_builds(net):
-    again = build_net(mg.CPUPlace(), seed=1)[0]
+    again = build_net(mg.CPUPlace(), seed=1, fuse=False)[0]
     for level in ("op", "layer"):
         for backward in (False, True):
             assert net.to_dot(backward, level) == again.to_dot(backward, level)
@@ -145,7 +145,7 @@ def test_a_profile_colours_the_ops_it_timed_by_their_share(net):
     header = re.search(r"share of a timed train step \(([0-9.e+-]+) ms", net.to_dot(profile=table))
     assert header, "the header names the base of the shares"
     assert header[1] == f"{table.timed_step_ms:.3g}"   # the step the shares are of
-    other = build_net(mg.CPUPlace(), seed=0)[0]
+    other = build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
     with pytest.raises(ValueError, match="measured on another net"):
         other.to_dot(profile=table)
 

@@ -14,12 +14,12 @@ from minigraph.pictures.layer_map import LayerMap
 
 @pytest.fixture(scope="module")
 def digits():
-    return train_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    return train_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 @pytest.fixture(scope="module")
 def resnet():
-    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 def test_each_layer_is_a_cluster_with_its_gradient_cluster_beside_it(digits):

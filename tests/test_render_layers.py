@@ -17,12 +17,12 @@ DIGITS_CHAIN = ["data:image", "conv1", "bn1", "relu_0", "pool2d_0", "fc1", "bn2"
 
 @pytest.fixture(scope="module")
 def digits():
-    return train_digits.build_net(mg.CPUPlace(), seed=0)
+    return train_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)
 
 
 @pytest.fixture(scope="module")
 def resnet():
-    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    return train_resnet_digits.build_net(mg.CPUPlace(), seed=0, fuse=False)[0]
 
 
 def layer_nodes(g):
@@ -234,3 +234,25 @@ def test_channels_last_layers_say_so_with_their_shapes():
     assert "out (N, 8, 6, 4) NHWC" in nodes["c"] and ">fused_conv2d<" in nodes["c"]
     ops = parse(net.to_dot())
     assert any("data_layout=NHWC" in a and "pool2d" in a for _, a in ops.nodes.values())
+
+
+def test_a_fused_batch_norm_relu_is_drawn_in_its_batch_norm_layer():
+    """The demo net fuses each batch norm and its relu (mg.passes.fuse_batch_norm_relu):
+    the layer view draws the batch norm's layer with the fused op (the relu layers have
+    no op left), its state box and the chain through it; the op view draws the fused
+    op, which writes the relu's output."""
+    net = train_digits.build_net(mg.CPUPlace(), seed=0)[0]
+    g = parse(net.to_dot(level="layer", backward=True))
+    nodes = layer_nodes(g)
+    assert "relu_0" not in nodes and "relu_1" not in nodes
+    assert "batch_norm_relu" in nodes["bn1"] and "32 params: scale (16,) · bias (16,)" in \
+        nodes["bn1"]
+    assert "differs per mode</b> (is_infer)" in nodes["bn1"]
+    edges = {(e.tail, e.head) for e in g.edges}
+    assert ("layer:conv1", "layer:bn1") in edges and ("layer:bn1", "layer:pool2d_0") in edges
+    assert "grad:bn1" in g.nodes and "batch_norm_relu_grad" in g.nodes["grad:bn1"][1]
+    ops = parse(net.to_dot())
+    fused = [attrs for node, (_, attrs) in ops.nodes.items()
+             if node.startswith("op:train:") and "batch_norm_relu" in attrs]
+    assert len(fused) == 2
+    assert "var:train:relu_0.out" in ops.nodes and "var:train:bn1.y" not in ops.nodes

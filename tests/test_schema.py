@@ -92,7 +92,8 @@ def test_the_ops_of_an_inference_graph_export():
     """Every forward op a layer builds for inference has an exporter."""
     for op_type in ("relu", "sigmoid", "tanh", "gelu", "leaky_relu", "silu", "softmax",
                     "conv2d", "fused_conv2d", "pool2d", "mul", "fused_fc", "elementwise_add", "add",
-                    "multiply", "batch_norm", "sync_batch_norm", "dropout", "concat",
+                    "multiply", "batch_norm", "sync_batch_norm", "batch_norm_relu",
+                    "sync_batch_norm_relu", "dropout", "concat",
                     "reshape", "flatten", "transpose", "mean", "sum", "argmax", "accuracy",
                     "softmax_with_cross_entropy", "fill_constant"):
         assert get_schema(op_type).export is not None, op_type
@@ -101,12 +102,14 @@ def test_the_ops_of_an_inference_graph_export():
 def test_roles_are_declared_and_shared():
     for op_type in library_ops():
         assert set(get_schema(op_type).roles) <= set(ROLES), op_type
-    assert ops_with_role("batch_norm") == ["batch_norm", "sync_batch_norm"]
+    assert ops_with_role("batch_norm") == ["batch_norm", "batch_norm_relu", "sync_batch_norm",
+                                           "sync_batch_norm_relu"]
+    assert ops_with_role("batch_norm_relu") == ["batch_norm_relu", "sync_batch_norm_relu"]
     assert ops_with_role("linear") == ["conv2d", "mul"]
     assert op_for_role("accumulate") == "sum" and op_for_role("fused_conv") == "fused_conv2d"
     assert op_for_role("matrix_product") == "mul" and op_for_role("fused_fc") == "fused_fc"
     with pytest.raises(mg.OpError, match="role 'batch_norm' needs exactly one op, found "
-                                         "batch_norm, sync_batch_norm"):
+                                         "batch_norm, batch_norm_relu, sync_batch_norm"):
         op_for_role("batch_norm")
     with pytest.raises(mg.OpError, match="unknown role 'bn'; roles: accumulate, add"):
         ops_with_role("bn")

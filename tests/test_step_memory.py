@@ -293,6 +293,15 @@ def kernel_cases():
         xs = (x + shift).astype(np.float64)
         yield (op, {"x": xs, "scale": r.standard_normal(3), "mean": xs.mean(axis=(0, 2, 3)),
                     "var": xs.var(axis=(0, 2, 3)), "dy": r.standard_normal(big)}, "dy")
+    for use_est, op_type in ((False, "batch_norm_relu_grad"), (True, "batch_norm_relu_grad"),
+                             (False, "sync_batch_norm_relu_grad")):
+        op = mg.Operator(op_type, use_global_est=use_est, y=var("y"), **bn_grad)
+        for dtype in ("float32", "float64"):
+            xs = x.astype(dtype)
+            yield (op, {"x": xs, "scale": r.standard_normal(3).astype(dtype),
+                        "mean": xs.mean(axis=(0, 2, 3)), "var": xs.var(axis=(0, 2, 3)),
+                        "dy": r.standard_normal(big).astype(dtype),
+                        "y": r.standard_normal(big).astype(dtype)}, "dy")
 
 
 @pytest.mark.parametrize("case", list(kernel_cases()),

@@ -9,8 +9,8 @@ from helpers import spying
 import minigraph as mg
 from minigraph import layers as L
 from minigraph import work_room
-from minigraph.executor import ONE
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
+from minigraph.plan import ONE
 from minigraph.schema import get_schema
 from minigraph.scope import Variable
 

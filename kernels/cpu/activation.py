@@ -1,14 +1,14 @@
 """CPU kernels of the activations (ops/activation.py): relu, sigmoid, tanh, gelu,
 leaky_relu and their gradients. Outputs keep x's dtype; sigmoid, tanh, gelu and
-leaky_relu compute in float64 and cast back; relu runs on the blocked engine, its
-gradient in C (relu_native) where it applies, and both write into a handed-over
-input (KernelContext.donated).
+leaky_relu compute in float64 and cast back (float32 gelu: in C, gelu_native); relu
+runs on the blocked engine, its gradient in C (relu_native) where it applies, and both
+write into a handed-over input (KernelContext.donated).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, relu_native
+from minigraph.kernels.cpu import blocks, gelu_native, relu_native
 from minigraph.kernels.cpu.erf import normal_cdf
 
 INV_SQRT_2PI = 0.3989422804014327        # 1 / sqrt(2 pi)
@@ -100,14 +100,22 @@ def tanh_grad_cpu(op, ins, ctx):
 
 
 def gelu_cpu(op, ins, ctx):
-    """out = x * Phi(x), Phi from erfc so the left tail keeps its relative accuracy."""
+    """out = x * Phi(x), Phi from erfc so the left tail keeps its relative accuracy
+    (float32: the native kernel, in float, where it applies)."""
     x = ins["x"]
+    done = gelu_native.forward(x)
+    if done is not None:
+        return {"out": done}
     xw = work(x)
     return {"out": (xw * normal_cdf(xw)).astype(x.dtype)}
 
 
 def gelu_grad_cpu(op, ins, ctx):
-    """dx = dout * (Phi(x) + x * phi(x)); the x * phi(x) term is 0 for |x| >= 40."""
+    """dx = dout * (Phi(x) + x * phi(x)); the x * phi(x) term is 0 for |x| >= 40
+    (float32: the native kernel, in float, where it applies)."""
+    done = gelu_native.backward(ins["x"], ins["dout"])
+    if done is not None:
+        return {"dx": done}
     x, d = work(ins["x"]), ins["dout"]
     inside = np.abs(x) < 40.0
     xi = np.where(inside, x, 0.0)

@@ -1,5 +1,6 @@
-"""CPU kernels of batch_norm and sync_batch_norm (ops/batch_norm.py,
-ops/sync_batch_norm.py) on the stable statistics of batch_norm_stats.
+"""CPU kernels of batch_norm, sync_batch_norm and their ReLU-fused forms
+(ops/batch_norm.py, ops/sync_batch_norm.py, ops/batch_norm_relu.py) on the stable
+statistics of batch_norm_stats.
 
 `forward_cpu` and `backward_cpu` are the drivers: everything is computed before
 the estimates and the counter are written, in place, and never with NaN or Inf.
@@ -7,6 +8,8 @@ sync_batch_norm passes them `combine`, which turns this rank's statistics (or
 gradient sums) into the whole batch's with one collective on the communicator
 of the kernel's context: the forward's (n, mean_c, M2_c) merged with Chan's
 formula (`pack_stats`), the backward's (n, sum dy, sum dy (x - mean)) summed.
+batch_norm_relu passes `relu=True` forward (y = max(y, 0), in the same pass) and its
+output `y` backward as `relu_out` (dy counts where y > 0, in the same passes).
 """
 from __future__ import annotations
 
@@ -107,12 +110,13 @@ def batch_norm_grad_cpu(op, ins, ctx):
     return backward_cpu(op, ins, donated=ctx.donated)
 
 
-def forward_cpu(op, ins, combine=None):
-    """The CPU forward of batch_norm. `combine(n, mean, m2) -> (n, mean, m2)`
-    turns local statistics into global ones (sync_batch_norm). Everything is
-    computed before the estimates and the counter (when the op keeps them) are
-    written, in place. Without `combine`, training normalises each channel right
-    after its statistics where the native kernels run (stats_and_normalize)."""
+def forward_cpu(op, ins, combine=None, relu=False):
+    """The CPU forward of batch_norm (with relu: y = max(y, 0), batch_norm_relu).
+    `combine(n, mean, m2) -> (n, mean, m2)` turns local statistics into global ones
+    (sync_batch_norm). Everything is computed before the estimates and the counter
+    (when the op keeps them) are written, in place. Without `combine`, training
+    normalises each channel right after its statistics where the native kernels run
+    (stats_and_normalize)."""
     x = ins["x"]
     a = op.attrs
     layout = a["data_layout"]
@@ -126,7 +130,7 @@ def forward_cpu(op, ins, combine=None):
     yw = np.empty(xw.shape, xw.dtype)
     fused = None
     if training and combine is None:
-        fused = stats_and_normalize(x3, a["epsilon"], scale, bias, as_3d(yw, layout))
+        fused = stats_and_normalize(x3, a["epsilon"], scale, bias, as_3d(yw, layout), relu)
     if training:
         n, mean, m2 = fused if fused is not None else local_stats(x3)
         if combine is not None:
@@ -144,7 +148,8 @@ def forward_cpu(op, ins, combine=None):
         mean = est_mean.astype(np.float64)
         var = est_var.astype(np.float64)
     if fused is None:
-        normalize(x3, mean, 1.0 / np.sqrt(var + a["epsilon"]), scale, bias, as_3d(yw, layout))
+        normalize(x3, mean, 1.0 / np.sqrt(var + a["epsilon"]), scale, bias, as_3d(yw, layout),
+                  relu)
     out = {"y": yw.astype(x.dtype, copy=False), "batch_mean": mean.astype(x.dtype),
            "batch_var": var.astype(x.dtype), "saved_mean": est_mean, "saved_var": est_var,
            "saved_num_batches": counter}
@@ -156,16 +161,19 @@ def forward_cpu(op, ins, combine=None):
     return out
 
 
-def backward_cpu(op, ins, combine=None, donated=()):
+def backward_cpu(op, ins, combine=None, donated=(), relu_out=None, out_scale=1.0):
     """The CPU grad kernel of batch_norm. `combine(n, s_dy, s_dyxmu) -> (n, s_dy, s_dyxmu)` sums
     over ranks (sync_batch_norm); n is then the global count. dx goes into dy's array
     when dy is handed over (OpSchema.reuse) and already in its work dtype. Without
     `combine`, with batch statistics, each channel's dx is written right after its
-    sums where the native kernels run (grad_sums_and_input_grad)."""
+    sums where the native kernels run (grad_sums_and_input_grad). relu_out:
+    batch_norm_relu's forward output; dy then counts only where it is > 0. dscale and
+    dbias are multiplied by `out_scale` (sync: 1 / ranks under data parallelism)."""
     a = op.attrs
     x, dy = ins["x"], ins["dy"]
     layout = a["data_layout"]
     x3, dy3 = as_3d(as_work(x), layout), as_3d(as_work(dy), layout)
+    mask3 = None if relu_out is None else as_3d(relu_out, layout)
     mean = ins["mean"].astype(np.float64)
     invstd = 1.0 / np.sqrt(ins["var"].astype(np.float64) + a["epsilon"])
     scale, _ = affine(ins, x3.shape[1])
@@ -176,21 +184,22 @@ def backward_cpu(op, ins, combine=None, donated=()):
         dx = dy3 if into else np.empty(x3.shape, x3.dtype)
     fused = None
     if dx is not None and combine is None and not a["use_global_est"]:
-        fused = grad_sums_and_input_grad(x3, dy3, mean, invstd, scale, dx)
+        fused = grad_sums_and_input_grad(x3, dy3, mean, invstd, scale, dx, mask3)
     if not a["use_global_est"] or op.wants("dscale") or op.wants("dbias"):
-        n, s_dy, s_dyxmu = fused if fused is not None else grad_sums(x3, dy3, mean, invstd)
+        n, s_dy, s_dyxmu = fused if fused is not None else grad_sums(x3, dy3, mean, invstd,
+                                                                     mask3)
         if combine is not None and not a["use_global_est"]:
             n, s_dy, s_dyxmu = combine(n, s_dy, s_dyxmu)
-        out["dbias"] = s_dy.astype(x.dtype)
-        out["dscale"] = (s_dyxmu * invstd).astype(x.dtype)
+        out["dbias"] = (s_dy * out_scale).astype(x.dtype)
+        out["dscale"] = (s_dyxmu * invstd * out_scale).astype(x.dtype)
     if dx is not None and fused is None:
         k_dy = scale * invstd
         if a["use_global_est"]:
-            input_grad(x3, dy3, mean, k_dy, None, None, dx)
+            input_grad(x3, dy3, mean, k_dy, None, None, dx, mask3=mask3)
         elif n:                 # (an empty batch has an empty dx)
             k_x = -scale * invstd ** 3 * s_dyxmu / n
             k_c = -scale * invstd * s_dy / n
-            input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd))
+            input_grad(x3, dy3, mean, k_dy, k_x, k_c, dx, centring_needed(mean, invstd), mask3)
     if dx is not None:
         out["dx"] = dy if into else dx.reshape(x.shape).astype(x.dtype, copy=False)
     return out
@@ -254,9 +263,44 @@ def sync_batch_norm_cpu(op, ins, ctx):
     return forward_cpu(op, ins, combine=combine)
 
 
-def sync_batch_norm_grad_cpu(op, ins, ctx):
+def presummed_scale(op, comm):
+    """What a sync grad op multiplies its dscale and dbias by: 1 / world size when its
+    `average_ranks` is set and the statistics came from the batch, else 1."""
+    averaged = op.attrs.get("average_ranks") and not op.attrs["use_global_est"]
+    return 1.0 / comm.size if averaged else 1.0
+
+
+def sync_batch_norm_grad_cpu(op, ins, ctx, relu_out=None):
     """CPU grad: batch_norm_grad with Σdy and Σdy·(x−μ) summed over ranks (dx into dy's
-    array when it is handed over)."""
+    array when it is handed over); dscale and dbias divided by the world size with
+    `average_ranks`."""
     comm = ctx.comm
     combine = grad_combiner(op, comm) if comm.size > 1 else None
-    return backward_cpu(op, ins, combine=combine, donated=ctx.donated)
+    return backward_cpu(op, ins, combine=combine, donated=ctx.donated, relu_out=relu_out,
+                        out_scale=presummed_scale(op, comm))
+
+
+# ---- batch_norm_relu and its sync form -------------------------------------------------
+
+def batch_norm_relu_cpu(op, ins, ctx):
+    """The CPU kernel of batch_norm_relu: batch_norm's forward with y = max(y, 0)."""
+    return forward_cpu(op, ins, relu=True)
+
+
+def batch_norm_relu_grad_cpu(op, ins, ctx):
+    """The CPU kernel of batch_norm_relu_grad: batch_norm_grad with dy counting only
+    where the forward's y > 0."""
+    return backward_cpu(op, ins, donated=ctx.donated, relu_out=ins["y"])
+
+
+def sync_batch_norm_relu_cpu(op, ins, ctx):
+    """sync_batch_norm's forward with y = max(y, 0)."""
+    training = batch_statistics(op, ins)
+    comm = ctx.comm if training else None
+    combine = stats_combiner(op, comm) if training and comm.size > 1 else None
+    return forward_cpu(op, ins, combine=combine, relu=True)
+
+
+def sync_batch_norm_relu_grad_cpu(op, ins, ctx):
+    """sync_batch_norm_grad with dy counting only where the forward's y > 0."""
+    return sync_batch_norm_grad_cpu(op, ins, ctx, relu_out=ins["y"])

@@ -13,6 +13,10 @@ shift near the mean, and x is centred before it is scaled when |mean| > std
 numpy engine, arrays of at most SMALL_VALUES values take plain float64 numpy
 (less overhead). float16 works in float32 (`as_work`).
 
+batch_norm_relu: `relu=True` makes the normalisation's output max(y, 0) (relu's
+values: blocks.relu), and `mask3` - its forward output y - makes the gradient
+functions count dy only where y > 0 (relu's gradient).
+
 Not an op module: it registers nothing (ops/batch_norm.py and
 ops/sync_batch_norm.py hold the drivers and the registration).
 """
@@ -22,7 +26,7 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import bn_native
+from minigraph.kernels.cpu import blocks, bn_native
 from minigraph.kernels.cpu.blocks import plan_for, run_blocks
 
 SHIFT_VALUES = 256             # values per channel that pick the shift of the statistics
@@ -97,21 +101,31 @@ def local_stats(x3):
     return n, mean, m2
 
 
-def stats_and_normalize(x3, eps, scale, bias, out3):
+def stats_and_normalize(x3, eps, scale, bias, out3, relu=False):
     """The training forward in one pass per channel: (n, mean, M2) as `local_stats`
-    and out3 = (x - mean) / sqrt(M2 / n + eps) * scale + bias (float64 scale and bias),
-    each channel normalised while it is in cache; None (nothing written) where the
-    native kernels do not apply: then call local_stats and normalize."""
-    return bn_native.local_stats(as_work(x3), eps, scale, bias, out3)
+    and out3 = (x - mean) / sqrt(M2 / n + eps) * scale + bias (float64 scale and bias;
+    max(out3, 0) with relu), each channel normalised while it is in cache; None
+    (nothing written) where the native kernels do not apply: then call local_stats and
+    normalize."""
+    return bn_native.local_stats(as_work(x3), eps, scale, bias, out3, relu)
 
 
-def grad_sums_and_input_grad(x3, dy3, mean, invstd, scale, out3):
+def relu_masked(dy3, mask3):
+    """dy3 where mask3 > 0, else 0 (relu's gradient), as a new array; dy3 itself when
+    mask3 is None."""
+    if mask3 is None:
+        return dy3
+    return np.where(mask3 > 0, dy3, np.zeros((), dy3.dtype))
+
+
+def grad_sums_and_input_grad(x3, dy3, mean, invstd, scale, out3, mask3=None):
     """The training backward in one pass per channel: (n, Σdy, Σdy·(x−mean)) as
     `grad_sums` and out3 = dx = scale invstd (dy - Σdy / n - (x - mean) invstd² Σdy·(x−mean)
-    / n) (float64 per-channel arguments; out3 may be dy3), each channel's dx written while
-    it is in cache; None (nothing written) where the native kernels do not apply: then
-    call grad_sums and input_grad."""
-    return bn_native.grad_sums(as_work(x3), as_work(dy3), mean, invstd, scale, out3)
+    / n) (float64 per-channel arguments; out3 may be dy3; dy masked by mask3 > 0 when
+    given), each channel's dx written while it is in cache; None (nothing written) where
+    the native kernels do not apply: then call grad_sums and input_grad."""
+    return bn_native.grad_sums(as_work(x3), as_work(dy3), mean, invstd, scale, out3,
+                               None if mask3 is None else as_work(mask3))
 
 
 def centring_needed(mean, invstd):
@@ -120,14 +134,20 @@ def centring_needed(mean, invstd):
     return not bool(np.all(np.abs(mean) * invstd <= 1.0))
 
 
-def normalize(x3, mean, invstd, scale, bias, out3):
-    """out3 = (x - mean) * invstd * scale + bias per channel (float64 arguments);
-    out3 is C-contiguous in x's work dtype. Offset data is centred first;
-    otherwise x * k + c, one step fewer."""
+def normalize(x3, mean, invstd, scale, bias, out3, relu=False):
+    """out3 = (x - mean) * invstd * scale + bias per channel (float64 arguments), then
+    max(out3, 0) with relu; out3 is C-contiguous in x's work dtype. Offset data is
+    centred first; otherwise x * k + c, one step fewer."""
     x3 = as_work(x3)
     k = invstd * scale
-    if bn_native.normalize(x3, mean, k, bias, out3):
+    if bn_native.normalize(x3, mean, k, bias, out3, relu):
         return
+    _normalize_numpy(x3, mean, invstd, k, bias, out3)
+    if relu:
+        blocks.relu(out3, out=out3)
+
+
+def _normalize_numpy(x3, mean, invstd, k, bias, out3):
     if x3.size <= SMALL_VALUES:
         out3[...] = (x3 - mean[:, None]) * k[:, None] + bias[:, None]
         return
@@ -156,16 +176,19 @@ def normalize(x3, mean, invstd, scale, bias, out3):
     run_blocks(part, plan)
 
 
-def grad_sums(x3, dy3, mean, invstd=None):
-    """(n, Σdy, Σdy·(x−mean)) per channel of (R, C, I) arrays, in float64.
+def grad_sums(x3, dy3, mean, invstd=None, mask3=None):
+    """(n, Σdy, Σdy·(x−mean)) per channel of (R, C, I) arrays, in float64 (dy counting
+    only where mask3 > 0 when given).
 
     x is centred on mean (rounded to x's dtype, then corrected exactly), unless
     `invstd` is given and shows |mean| <= std in every channel: then
     Σdy·x − mean·Σdy is as accurate and one step cheaper."""
     x3, dy3 = as_work(x3), as_work(dy3)
-    done = bn_native.grad_sums(x3, dy3, mean)
+    mask3 = None if mask3 is None else as_work(mask3)
+    done = bn_native.grad_sums(x3, dy3, mean, mask3=mask3)
     if done is not None:
         return done
+    dy3 = relu_masked(dy3, mask3)
     R, C, I = x3.shape
     n = R * I
     if n == 0:
@@ -196,13 +219,16 @@ def grad_sums(x3, dy3, mean, invstd=None):
     return n, s_dy, s_dyx - s_dy * (mean - shift)
 
 
-def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True):
+def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, centre=True, mask3=None):
     """out3 = k_dy*dy + k_x*(x - mean) + k_c per channel (float64 arguments), or
-    k_dy*dy when k_x is None; out3 is C-contiguous in x's work dtype, and may be dy3. With
-    centre=False (|mean| <= std) it is computed as k_dy*dy + k_x*x + c."""
+    k_dy*dy when k_x is None, dy counting only where mask3 > 0 when given; out3 is
+    C-contiguous in x's work dtype, and may be dy3. With centre=False (|mean| <= std) it
+    is computed as k_dy*dy + k_x*x + c."""
     x3, dy3 = as_work(x3), as_work(dy3)
-    if bn_native.input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3):
+    mask3 = None if mask3 is None else as_work(mask3)
+    if bn_native.input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, mask3):
         return
+    dy3 = relu_masked(dy3, mask3)
     if x3.size <= SMALL_VALUES:
         dx = dy3 * k_dy[:, None]
         if k_x is not None:

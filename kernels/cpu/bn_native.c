@@ -13,6 +13,9 @@
  * vectors of T over at most about BLOCK values, then added in double.
  * Outputs (y, dx) use x - m, m the mean rounded to T, with the rounding folded
  * into their constants: y = (x - m) kx + kc, dx = dy kd + (x - m) kx + kc.
+ * batch_norm_relu: `relu` clamps y to max(y, 0) as the relu op does (NaN passes,
+ * -0 gives +0); `mask` (its forward output y) makes every gradient pass use dy only
+ * where y > 0, as relu's gradient does (dy's bits ANDed with a mask of ones or zeros).
  *
  * Threads: with I > 1 each thread takes a range of whole channels and, per
  * channel, does its sums and then (fused passes) its outputs while the channel
@@ -61,6 +64,8 @@ struct bn {
     int fused;                      /* the sums' pass goes on to write out */
     int mode;                       /* out = 0: (x - m) kx + kc; 1: dy kd + (x - m) kx + kc;
                                        2: dy kd */
+    int relu;                       /* mode 0: out = max(out, 0) */
+    const void *mask;               /* grad passes: dy counts where mask (y) > 0; or NULL */
     double n, eps;
     const double *mean, *kd, *kx, *kc;   /* per channel (apply); mean: the grad's */
     const double *scale, *bias, *invstd; /* per channel (fused passes) */
@@ -133,10 +138,16 @@ static void apply_consts(const bn_t *a, int64_t c, double rnd(double),
     *kc = a->mode == 2 ? 0 : a->kc[c] - *kx * (mean - *m);
 }
 
-#define BN_KIND(T, S, V, VU)                                                                   \
+#define BN_KIND(T, S, V, VU, VI)                                                               \
 static inline V load_##S(const T *p) { return *(const VU *)p; }                              \
 static inline void store_##S(T *p, V v) { *(VU *)p = v; }                                    \
 static double round_##S(double v) { return (T)v; }                                            \
+/* relu's gradient: g where y > 0, else +0 (the bits of g ANDed with a mask) */             \
+static inline V keep_##S(V g, V y) { V z = {0}; return (V)((VI)g & (VI)(y > z)); }            \
+static inline T keep1_##S(T g, T y) { return y > 0 ? g : (T)0; }                              \
+/* relu: v where v > 0 or v is NaN, else +0 */                                                \
+static inline V relu_##S(V v) { V z = {0}; return (V)((VI)v & (VI)((v > z) | (v != v))); }   \
+static inline T relu1_##S(T v) { return v > 0 || v != v ? v : (T)0; }                         \
                                                                                                \
 /* A channel's sums: vectors of T (p, q; t1, t2 the tails) over at most about BLOCK  \
  * values, then in double (s1, s2). */                                                       \
@@ -155,11 +166,12 @@ static inline __attribute__((always_inline)) void flush_##S(acc_##S *A)         
     A->count = 0;                                                                              \
 }                                                                                              \
                                                                                                \
-/* grad 0: sums of d = x - c and d^2; 1: of g and g d. */                                      \
+/* grad 0: sums of d = x - c and d^2; 1: of g and g d; 2: as 1 with g masked by y > 0. */    \
 static inline __attribute__((always_inline)) void step_##S(                                   \
-    const T *x, const T *g, T c, int grad, V *s1, V *s2)                                       \
+    const T *x, const T *g, const T *y, T c, int grad, V *s1, V *s2)                           \
 {                                                                                              \
     V d = load_##S(x) - c, v = grad ? load_##S(g) : d;                                         \
+    if (grad == 2) v = keep_##S(v, load_##S(y));                                               \
     *s1 += v;                                                                                  \
     *s2 += v * d;                                                                              \
 }                                                                                              \
@@ -167,22 +179,23 @@ static inline __attribute__((always_inline)) void step_##S(                     
 /* Add n (<= BLOCK) values of a run to A (in four pairs of vectors, then A's pair), going   \
  * to double once A holds BLOCK. */                                                            \
 static inline __attribute__((always_inline)) void run_##S(                                    \
-    acc_##S *A, const T *x, const T *g, int64_t n, T c, int grad)                              \
+    acc_##S *A, const T *x, const T *g, const T *y, int64_t n, T c, int grad)                  \
 {                                                                                              \
     const int64_t w = sizeof(V) / sizeof(T), step = 4 * w;                                    \
     V p0 = A->p, p1 = {0}, p2 = {0}, p3 = {0}, q0 = A->q, q1 = {0}, q2 = {0}, q3 = {0};       \
     int64_t i = 0;                                                                             \
     for (; i + step <= n; i += step) {                                                         \
-        step_##S(x + i, g + i, c, grad, &p0, &q0);                                             \
-        step_##S(x + i + w, g + i + w, c, grad, &p1, &q1);                                     \
-        step_##S(x + i + 2 * w, g + i + 2 * w, c, grad, &p2, &q2);                             \
-        step_##S(x + i + 3 * w, g + i + 3 * w, c, grad, &p3, &q3);                             \
+        step_##S(x + i, g + i, y + i, c, grad, &p0, &q0);                                      \
+        step_##S(x + i + w, g + i + w, y + i + w, c, grad, &p1, &q1);                          \
+        step_##S(x + i + 2 * w, g + i + 2 * w, y + i + 2 * w, c, grad, &p2, &q2);              \
+        step_##S(x + i + 3 * w, g + i + 3 * w, y + i + 3 * w, c, grad, &p3, &q3);              \
     }                                                                                          \
-    for (; i + w <= n; i += w) step_##S(x + i, g + i, c, grad, &p1, &q1);                      \
+    for (; i + w <= n; i += w) step_##S(x + i, g + i, y + i, c, grad, &p1, &q1);               \
     A->p = (p0 + p1) + (p2 + p3);                                                              \
     A->q = (q0 + q1) + (q2 + q3);                                                              \
     for (; i < n; i++) {                                                                       \
         T d = x[i] - c, v = grad ? g[i] : d;                                                   \
+        if (grad == 2) v = keep1_##S(v, y[i]);                                                 \
         A->t1 += v;                                                                            \
         A->t2 += v * d;                                                                        \
     }                                                                                          \
@@ -190,11 +203,12 @@ static inline __attribute__((always_inline)) void run_##S(                      
     if (A->count >= BLOCK) flush_##S(A);                                                       \
 }                                                                                              \
                                                                                                \
-/* n outputs o = (x - m) kx + kc (mode 0), g kd + (x - m) kx + kc (1) or g kd (2): the     \
- * constants per value (step 1: a row of C channels) or one for all (step 0). o may be g. */ \
+/* n outputs o = (x - m) kx + kc (mode 0; relu: max(o, 0)), g kd + (x - m) kx + kc (1) or  \
+ * g kd (2), g masked by y > 0 when `masked`: the constants per value (step 1: a row of C   \
+ * channels) or one for all (step 0). o may be g. */                                          \
 static inline __attribute__((always_inline)) void apply_body_##S(                             \
-    const T *x, const T *g, T *o, int64_t n, int mode, const T *m, const T *kd, const T *kx,   \
-    const T *kc, int step)                                                                     \
+    const T *x, const T *g, const T *y, T *o, int64_t n, int mode, int relu, int masked,       \
+    const T *m, const T *kd, const T *kx, const T *kc, int step)                               \
 {                                                                                              \
     const int64_t w = sizeof(V) / sizeof(T);                                                   \
     V cm = {0}, cd = {0}, cx = {0}, cc = {0};                                                  \
@@ -203,24 +217,32 @@ static inline __attribute__((always_inline)) void apply_body_##S(               
     for (; i + w <= n; i += w) {                                                               \
         V tm = step ? load_##S(m + i) : cm, td = step ? load_##S(kd + i) : cd;                 \
         V tx = step ? load_##S(kx + i) : cx, tc = step ? load_##S(kc + i) : cc;                \
-        V v = mode == 2 ? load_##S(g + i) * td : (load_##S(x + i) - tm) * tx + tc;             \
-        if (mode == 1) v += load_##S(g + i) * td;                                              \
+        V gv = {0};                                                                            \
+        if (mode) gv = masked ? keep_##S(load_##S(g + i), load_##S(y + i)) : load_##S(g + i);  \
+        V v = mode == 2 ? gv * td : (load_##S(x + i) - tm) * tx + tc;                          \
+        if (mode == 1) v += gv * td;                                                           \
+        if (mode == 0 && relu) v = relu_##S(v);                                                \
         store_##S(o + i, v);                                                                   \
     }                                                                                          \
     for (; i < n; i++) {                                                                       \
         int64_t k = step ? i : 0;                                                              \
-        T v = mode == 2 ? g[i] * kd[k] : (x[i] - m[k]) * kx[k] + kc[k];                        \
-        o[i] = mode == 1 ? v + g[i] * kd[k] : v;                                               \
+        T gv = mode ? (masked ? keep1_##S(g[i], y[i]) : g[i]) : (T)0;                          \
+        T v = mode == 2 ? gv * kd[k] : (x[i] - m[k]) * kx[k] + kc[k];                          \
+        if (mode == 0 && relu) v = relu1_##S(v);                                               \
+        o[i] = mode == 1 ? v + gv * kd[k] : v;                                                 \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
 static inline __attribute__((always_inline)) void apply_run_##S(                              \
-    const T *x, const T *g, T *o, int64_t n, int mode, const T *m, const T *kd, const T *kx,   \
-    const T *kc, int step)                                                                     \
+    const T *x, const T *g, const T *y, T *o, int64_t n, int mode, int relu, const T *m,       \
+    const T *kd, const T *kx, const T *kc, int step)                                           \
 {                                                                                              \
-    if (mode == 0) apply_body_##S(x, g, o, n, 0, m, kd, kx, kc, step);                         \
-    else if (mode == 1) apply_body_##S(x, g, o, n, 1, m, kd, kx, kc, step);                    \
-    else apply_body_##S(x, g, o, n, 2, m, kd, kx, kc, step);                                   \
+    if (mode == 0 && relu) apply_body_##S(x, g, y, o, n, 0, 1, 0, m, kd, kx, kc, step);        \
+    else if (mode == 0) apply_body_##S(x, g, y, o, n, 0, 0, 0, m, kd, kx, kc, step);           \
+    else if (mode == 1 && y) apply_body_##S(x, g, y, o, n, 1, 0, 1, m, kd, kx, kc, step);      \
+    else if (mode == 1) apply_body_##S(x, g, y, o, n, 1, 0, 0, m, kd, kx, kc, step);           \
+    else if (y) apply_body_##S(x, g, y, o, n, 2, 0, 1, m, kd, kx, kc, step);                   \
+    else apply_body_##S(x, g, y, o, n, 2, 0, 0, m, kd, kx, kc, step);                          \
 }                                                                                              \
                                                                                                \
 /* out[j]: the sums over channel c0 + j (I > 1) of d = x - m[j] and d^2, or (grad) of g  \
@@ -230,19 +252,22 @@ static inline __attribute__((always_inline)) void tile_sums_body_##S(           
 {                                                                                              \
     const int64_t stride = a->C * a->I, I = a->I, R = a->R;                                    \
     const T *x = (const T *)a->x + c0 * I, *g = grad ? (const T *)a->dy + c0 * I : x;          \
+    const T *y = grad == 2 ? (const T *)a->mask + c0 * I : x;                                  \
     int64_t ahead, reach;                                                                      \
     prefetch_plan(a, ct * I * (int64_t)sizeof(T), &ahead, &reach);                             \
     acc_##S A[MAX_TILE];                                                                       \
     memset(A, 0, sizeof A);                                                                    \
-    for (int64_t r = 0; r < R; r++, x += stride, g += stride) {                                \
+    for (int64_t r = 0; r < R; r++, x += stride, g += stride, y += stride) {                   \
         if (r + ahead < R)                                                                     \
             for (int64_t b = 0; b < reach; b += 64) {                                          \
                 __builtin_prefetch((const char *)(x + ahead * stride) + b);                    \
                 if (grad) __builtin_prefetch((const char *)(g + ahead * stride) + b);          \
+                if (grad == 2) __builtin_prefetch((const char *)(y + ahead * stride) + b);     \
             }                                                                                  \
         for (int64_t j = 0; j < ct; j++)                                                       \
             for (int64_t lo = j * I, end = lo + I; lo < end; lo += BLOCK)                      \
-                run_##S(&A[j], x + lo, g + lo, end - lo < BLOCK ? end - lo : BLOCK, m[j], grad); \
+                run_##S(&A[j], x + lo, g + lo, y + lo, end - lo < BLOCK ? end - lo : BLOCK,    \
+                        m[j], grad);                                                           \
     }                                                                                          \
     for (int64_t j = 0; j < ct; j++) {                                                         \
         flush_##S(&A[j]);                                                                      \
@@ -257,20 +282,23 @@ static void tile_apply_##S(const bn_t *a, int64_t c0, int64_t ct, T k[4][MAX_TIL
 {                                                                                              \
     const int64_t stride = a->C * a->I, I = a->I, R = a->R;                                    \
     const T *x = (const T *)a->x + c0 * I, *g = a->dy ? (const T *)a->dy + c0 * I : NULL;      \
+    const T *y = a->mask ? (const T *)a->mask + c0 * I : NULL;                                 \
     T *o = (T *)a->out + c0 * I;                                                               \
     int64_t ahead, reach;                                                                      \
     prefetch_plan(a, ct * I * (int64_t)sizeof(T), &ahead, &reach);                             \
-    for (int64_t r = 0; r < R; r++, x += stride, o += stride, g = g ? g + stride : g) {        \
+    for (int64_t r = 0; r < R; r++, x += stride, o += stride, g = g ? g + stride : g,          \
+         y = y ? y + stride : y) {                                                             \
         if (r + ahead < R)                                                                     \
             for (int64_t b = 0; b < reach; b += 64) {                                          \
                 __builtin_prefetch((const char *)(o + ahead * stride) + b, 1);                 \
                 if (!a->fused && a->mode != 2)                                                 \
                     __builtin_prefetch((const char *)(x + ahead * stride) + b);                \
                 if (g && !a->fused) __builtin_prefetch((const char *)(g + ahead * stride) + b); \
+                if (y && !a->fused) __builtin_prefetch((const char *)(y + ahead * stride) + b); \
             }                                                                                  \
         for (int64_t j = 0; j < ct; j++)                                                       \
-            apply_run_##S(x + j * I, g ? g + j * I : NULL, o + j * I, I, a->mode, &k[0][j],    \
-                          &k[1][j], &k[2][j], &k[3][j], 0);                                    \
+            apply_run_##S(x + j * I, g ? g + j * I : NULL, y ? y + j * I : NULL, o + j * I, I,  \
+                          a->mode, a->relu, &k[0][j], &k[1][j], &k[2][j], &k[3][j], 0);        \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
@@ -297,7 +325,8 @@ static void channels_##S(bn_t *a, int64_t p)                                    
         if (a->sums) {                                                                         \
             for (int64_t j = 0; j < ct; j++)                                                   \
                 k[0][j] = a->grad ? (T)a->mean[c0 + j] : (T)shift_##S(a, c0 + j);             \
-            if (a->grad) tile_sums_body_##S(a, c0, ct, k[0], 1, s);                            \
+            if (a->grad && a->mask) tile_sums_body_##S(a, c0, ct, k[0], 2, s);                 \
+            else if (a->grad) tile_sums_body_##S(a, c0, ct, k[0], 1, s);                       \
             else tile_sums_body_##S(a, c0, ct, k[0], 0, s);                                    \
         }                                                                                      \
         for (int64_t j = 0; j < ct; j++) {                                                     \
@@ -329,13 +358,16 @@ static inline __attribute__((always_inline)) void row_sums_body_##S(bn_t *a, int
     const int64_t w = sizeof(V) / sizeof(T), cv = C / w * w;                                  \
     for (int64_t r = r0; r < r1; r++) {                                                        \
         const T *x = (const T *)a->x + r * C, *g = grad ? (const T *)a->dy + r * C : x;        \
+        const T *y = grad == 2 ? (const T *)a->mask + r * C : x;                               \
         for (int64_t c = 0; c < cv; c += w) {                                                  \
             V d = load_##S(x + c) - load_##S(sh + c), v = grad ? load_##S(g + c) : d;          \
+            if (grad == 2) v = keep_##S(v, load_##S(y + c));                                   \
             store_##S(f1 + c, load_##S(f1 + c) + v);                                           \
             store_##S(f2 + c, load_##S(f2 + c) + v * d);                                       \
         }                                                                                      \
         for (int64_t c = cv; c < C; c++) {                                                     \
             T d = x[c] - sh[c], v = grad ? g[c] : d;                                           \
+            if (grad == 2) v = keep1_##S(v, y[c]);                                             \
             f1[c] += v;                                                                        \
             f2[c] += v * d;                                                                    \
         }                                                                                      \
@@ -346,7 +378,8 @@ static inline __attribute__((always_inline)) void row_sums_body_##S(bn_t *a, int
                                                                                                \
 static void row_sums_##S(bn_t *a, int64_t p)                                                   \
 {                                                                                              \
-    if (a->grad) row_sums_body_##S(a, p, 1);                                                   \
+    if (a->grad && a->mask) row_sums_body_##S(a, p, 2);                                        \
+    else if (a->grad) row_sums_body_##S(a, p, 1);                                              \
     else row_sums_body_##S(a, p, 0);                                                           \
 }                                                                                              \
                                                                                                \
@@ -356,7 +389,8 @@ static void row_apply_##S(bn_t *a, int64_t p)                                   
     const T *m = a->consts, *kd = m + C, *kx = kd + C, *kc = kx + C;                           \
     for (int64_t r = r0; r < r1; r++) {                                                        \
         const T *x = (const T *)a->x + r * C, *g = a->dy ? (const T *)a->dy + r * C : NULL;    \
-        apply_run_##S(x, g, (T *)a->out + r * C, C, a->mode, m, kd, kx, kc, 1);                \
+        const T *y = a->mask ? (const T *)a->mask + r * C : NULL;                              \
+        apply_run_##S(x, g, y, (T *)a->out + r * C, C, a->mode, a->relu, m, kd, kx, kc, 1);    \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
@@ -403,11 +437,13 @@ static const kind_t kind_##S = {channels_##S, row_sums_##S, row_apply_##S, row_s
 
 typedef float vf __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vfi __attribute__((vector_size(32)));
 typedef double vd __attribute__((vector_size(32)));
 typedef double vdu __attribute__((vector_size(32), aligned(8)));
+typedef int64_t vdi __attribute__((vector_size(32)));
 
-BN_KIND(float, f32, vf, vfu)
-BN_KIND(double, f64, vd, vdu)
+BN_KIND(float, f32, vf, vfu, vfi)
+BN_KIND(double, f64, vd, vdu, vdi)
 
 /* ---- threads (native_pool.h) ---------------------------------------------------------- */
 
@@ -472,42 +508,47 @@ static int run(bn_t *a, int64_t threads)
 
 /* Per channel of x (R, C, I): mean and M2 = sum (x - mean)^2 into mean, m2 (C,
  * double). When y is not NULL, also y = (x - mean) / sqrt(M2 / n + eps) * scale +
- * bias (scale, bias: C doubles). Returns 0, or 1 when memory ran out. */
+ * bias (scale, bias: C doubles), then max(y, 0) when relu. Returns 0, or 1 when
+ * memory ran out. */
 #define STATS(T, S)                                                                            \
 int bn_stats_##S(const T *x, T *y, int64_t R, int64_t C, int64_t I, const double *scale,       \
-                 const double *bias, double eps, double *mean, double *m2, int64_t threads)    \
+                 const double *bias, double eps, double *mean, double *m2, int64_t threads,    \
+                 int relu)                                                                     \
 {                                                                                              \
     bn_t a = {.k = &kind_##S, .x = x, .out = y, .R = R, .C = C, .I = I, .sums = 1,             \
-              .fused = y != NULL, .mode = 0, .eps = eps, .scale = scale, .bias = bias,         \
-              .s1 = mean, .s2 = m2};                                                           \
+              .fused = y != NULL, .mode = 0, .relu = relu, .eps = eps, .scale = scale,         \
+              .bias = bias, .s1 = mean, .s2 = m2};                                             \
     return run(&a, threads);                                                                   \
 }
 
 /* Per channel of x, dy (R, C, I) with its mean (C, double): sum dy and sum dy (x - mean)
  * into s_dy, s_dyx (C, double). When dx is not NULL (it may be dy), also dx = k_dy dy +
  * k_x (x - mean) + k_c with k_dy = scale invstd, k_x = -scale invstd^3 s_dyx / n, k_c =
- * -scale invstd s_dy / n, n = R I. Returns 0, or 1 when memory ran out. */
+ * -scale invstd s_dy / n, n = R I. With mask (batch_norm_relu's y), dy counts only
+ * where mask > 0. Returns 0, or 1 when memory ran out. */
 #define GRAD(T, S)                                                                             \
 int bn_grad_##S(const T *x, const T *dy, T *dx, int64_t R, int64_t C, int64_t I,               \
                 const double *mean, const double *invstd, const double *scale, double *s_dy,   \
-                double *s_dyx, int64_t threads)                                                \
+                double *s_dyx, int64_t threads, const T *mask)                                 \
 {                                                                                              \
     bn_t a = {.k = &kind_##S, .x = x, .dy = dy, .out = dx, .R = R, .C = C, .I = I,             \
-              .sums = 1, .grad = 1, .fused = dx != NULL, .mode = 1, .mean = mean,              \
-              .invstd = invstd, .scale = scale, .s1 = s_dy, .s2 = s_dyx};                      \
+              .sums = 1, .grad = 1, .fused = dx != NULL, .mode = 1, .mask = mask,              \
+              .mean = mean, .invstd = invstd, .scale = scale, .s1 = s_dy, .s2 = s_dyx};        \
     return run(&a, threads);                                                                   \
 }
 
-/* out (R, C, I) per channel: (x - mean) k_x + k_c when dy is NULL, else k_dy dy +
- * (x - mean) k_x + k_c, or k_dy dy when k_x is NULL (then x and mean are not read);
- * out may be dy. Returns 0, or 1 when memory ran out. */
+/* out (R, C, I) per channel: (x - mean) k_x + k_c when dy is NULL (then max(out, 0)
+ * when relu), else k_dy dy + (x - mean) k_x + k_c, or k_dy dy when k_x is NULL (then x
+ * and mean are not read), dy counting only where mask > 0 when mask is not NULL; out
+ * may be dy. Returns 0, or 1 when memory ran out. */
 #define APPLY(T, S)                                                                            \
 int bn_apply_##S(const T *x, const T *dy, T *out, int64_t R, int64_t C, int64_t I,             \
                  const double *mean, const double *k_dy, const double *k_x,                    \
-                 const double *k_c, int64_t threads)                                           \
+                 const double *k_c, int64_t threads, int relu, const T *mask)                  \
 {                                                                                              \
     bn_t a = {.k = &kind_##S, .x = x, .dy = dy, .out = out, .R = R, .C = C, .I = I,            \
-              .mode = !dy ? 0 : k_x ? 1 : 2, .mean = mean, .kd = k_dy, .kx = k_x, .kc = k_c};  \
+              .mode = !dy ? 0 : k_x ? 1 : 2, .relu = relu, .mask = dy ? mask : NULL,           \
+              .mean = mean, .kd = k_dy, .kx = k_x, .kc = k_c};                                 \
     return run(&a, threads);                                                                   \
 }
 

@@ -2,6 +2,9 @@
 the four primitives of batch_norm_stats on (R, C, I) views of C-contiguous float32
 or float64 arrays (NCHW: I = H * W; NHWC and (N, C): I = 1), and two fused passes
 that do a channel's sums and then its outputs while it is in cache.
+batch_norm_relu: `relu=True` clamps the forward's output to max(y, 0) as the relu op
+does, and `mask3` (its forward output y) makes the gradient passes count dy only
+where y > 0, as relu's gradient does.
 
 Numerics are batch_norm_stats': the statistics are sums of x minus a per-channel
 shift near the mean (the mean of the channel's first values), the gradient sums
@@ -31,10 +34,10 @@ from minigraph.kernels.cpu import blocks, native
 # and waiting for them costs about what they save
 MIN_THREAD_VALUES = 1 << 17
 
-_P, _L, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_ARGTYPES = {"stats": [_P, _P, _L, _L, _L, _P, _P, _D, _P, _P, _L],
-             "grad": [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _P, _L],
-             "apply": [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _L]}
+_P, _L, _D, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+_ARGTYPES = {"stats": [_P, _P, _L, _L, _L, _P, _P, _D, _P, _P, _L, _I],
+             "grad": [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _P, _L, _P],
+             "apply": [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _L, _I, _P]}
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _kernels = None            # dtype -> {name: C function}, once the library is loaded
 
@@ -112,11 +115,11 @@ def _call(fn, what, *args):
         raise MemoryError(f"bn_native.{what}: the kernel's buffers could not be allocated")
 
 
-def local_stats(x3, eps=None, scale=None, bias=None, out3=None):
+def local_stats(x3, eps=None, scale=None, bias=None, out3=None, relu=False):
     """(n, mean, M2) per channel of x3 (R, C, I) in float64, or None where the native
     kernels do not apply. With out3 (x3's shape and dtype), the fused training forward:
     also out3 = (x - mean) / sqrt(M2 / n + eps) * scale + bias (scale, bias: C values),
-    each channel normalised while it is in cache."""
+    then max(out3, 0) with relu, each channel normalised while it is in cache."""
     fn = _kernel("stats", "local_stats", x3, out=out3)
     if fn is None:
         return None
@@ -129,17 +132,18 @@ def local_stats(x3, eps=None, scale=None, bias=None, out3=None):
     affine = ((_channels(scale, C, "local_stats", "scale"),
                _channels(bias, C, "local_stats", "bias")) if fused else (None, None))
     _call(fn, "local_stats", x3, out3, R, C, I, *affine, float(eps) if fused else 0.0, mean,
-          m2, threads_for(x3.size, C, I))
+          m2, threads_for(x3.size, C, I), int(bool(relu)))
     return n, mean, m2
 
 
-def grad_sums(x3, dy3, mean, invstd=None, scale=None, out3=None):
+def grad_sums(x3, dy3, mean, invstd=None, scale=None, out3=None, mask3=None):
     """(n, Σdy, Σdy·(x−mean)) per channel of x3, dy3 (R, C, I) in float64, or None where
     the native kernels do not apply. With out3 (x3's shape and dtype; it may be dy3),
     the fused training backward: also out3 = dx = k_dy dy + k_x (x - mean) + k_c with
     k_dy = scale invstd, k_x = -scale invstd³ Σdy(x−mean) / n, k_c = -scale invstd Σdy / n,
-    each channel's dx written while it is in cache."""
-    fn = _kernel("grad", "grad_sums", x3, dy=dy3, out=out3)
+    each channel's dx written while it is in cache. With mask3 (batch_norm_relu's y),
+    dy counts only where mask3 > 0."""
+    fn = _kernel("grad", "grad_sums", x3, dy=dy3, out=out3, mask=mask3)
     if fn is None:
         return None
     R, C, I = x3.shape
@@ -153,13 +157,14 @@ def grad_sums(x3, dy3, mean, invstd=None, scale=None, out3=None):
                                                                   (scale, "scale"))]
                if fused else [None, None])
     _call(fn, "grad_sums", x3, dy3, out3, R, C, I, *consts, s_dy, s_dyx,
-          threads_for(x3.size, C, I))
+          threads_for(x3.size, C, I), mask3)
     return n, s_dy, s_dyx
 
 
-def normalize(x3, mean, k, c, out3):
+def normalize(x3, mean, k, c, out3, relu=False):
     """out3 = (x - mean) * k + c per channel of x3 (R, C, I) (float64 arguments of C
-    values); False (nothing written) where the native kernels do not apply."""
+    values), then max(out3, 0) with relu; False (nothing written) where the native
+    kernels do not apply."""
     fn = _kernel("apply", "normalize", x3, out=out3)
     if fn is None:
         return False
@@ -167,15 +172,15 @@ def normalize(x3, mean, k, c, out3):
     consts = [_channels(v, C, "normalize", name) for v, name in ((mean, "mean"), (k, "k"),
                                                                   (c, "c"))]
     _call(fn, "normalize", x3, None, out3, R, C, I, consts[0], None, *consts[1:],
-          threads_for(x3.size, C, I))
+          threads_for(x3.size, C, I), int(bool(relu)), None)
     return True
 
 
-def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3):
+def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3, mask3=None):
     """out3 = k_dy*dy + k_x*(x - mean) + k_c per channel, or k_dy*dy when k_x is None
-    (float64 arguments of C values); out3 may be dy3. False (nothing written) where
-    the native kernels do not apply."""
-    fn = _kernel("apply", "input_grad", x3, dy=dy3, out=out3)
+    (float64 arguments of C values), dy counting only where mask3 > 0 when given; out3
+    may be dy3. False (nothing written) where the native kernels do not apply."""
+    fn = _kernel("apply", "input_grad", x3, dy=dy3, out=out3, mask=mask3)
     if fn is None:
         return False
     R, C, I = x3.shape
@@ -184,5 +189,6 @@ def input_grad(x3, dy3, mean, k_dy, k_x, k_c, out3):
     else:
         consts = tuple(_channels(v, C, "input_grad", name) for v, name in (
             (mean, "mean"), (k_dy, "k_dy"), (k_x, "k_x"), (k_c, "k_c")))
-    _call(fn, "input_grad", x3, dy3, out3, R, C, I, *consts, threads_for(x3.size, C, I))
+    _call(fn, "input_grad", x3, dy3, out3, R, C, I, *consts, threads_for(x3.size, C, I), 0,
+          mask3)
     return True

@@ -17,6 +17,11 @@ def label(op):
     return f"{op.type} [{shown}]"
 
 
+def share_label(op):
+    """What c_scale_by_batch_share's allreduce is called on every rank."""
+    return f"{op.type} batch={op.inputs['batch'].name}"
+
+
 def by_dtype(xs):
     """{dtype: [index, ...]} of the arrays, in first-seen order."""
     groups = {}
@@ -36,8 +41,7 @@ def batch_share(op, ins, comm):
     """size * B_r / sum of B over the ranks (one scalar allreduce on the host), B_r the
     leading dimension of `batch` on this rank."""
     mine = ins["batch"].shape[0]
-    what = f"{op.type} batch={op.inputs['batch'].name}"
-    total = comm.allreduce(np.array([float(mine)]), what=what)
+    total = comm.allreduce(np.array([float(mine)]), what=share_label(op))
     if total[0] == 0:
         raise OpError(f"{op.type}: every rank's batch is empty")
     return comm.size * mine / total[0]

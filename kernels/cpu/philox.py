@@ -35,19 +35,21 @@ def philox4x32(counter, key):
     return c
 
 
-def philox_words(n, stream, seed64):
-    """The first `n` 32-bit words of fill.cu's stream `stream` under the 64-bit `seed64`:
-    word i is word (i % 4) of philox(counter = i // 4, stream, seed64). A uint32 array."""
+def philox_words(n, stream, seed64, start=0):
+    """`n` consecutive 32-bit words of fill.cu's stream `stream` under the 64-bit
+    `seed64`, from word `start` on: word i is word (i % 4) of philox(counter = i // 4,
+    stream, seed64). A uint32 array."""
     seed64 = int(seed64) & 0xFFFFFFFFFFFFFFFF
     key = (seed64 & 0xFFFFFFFF, seed64 >> 32)
-    out = np.empty(4 * (-(-n // 4)), dtype=np.uint32)
+    first, skip = divmod(int(start), 4)
+    out = np.empty(4 * (-(-(n + skip) // 4)), dtype=np.uint32)
     calls = out.size // 4
-    for start in range(0, calls, CHUNK):
-        i = np.arange(start, min(start + CHUNK, calls), dtype=np.uint64)
+    for begin in range(0, calls, CHUNK):
+        i = np.arange(first + begin, first + min(begin + CHUNK, calls), dtype=np.uint64)
         words = philox4x32(((i & LOW32).astype(np.uint32), (i >> SHIFT32).astype(np.uint32),
                             np.uint32(stream), np.uint32(0)), key)
-        out[4 * start:4 * (start + i.size)] = np.stack(words, axis=1).ravel()
-    return out[:n]
+        out[4 * begin:4 * (begin + i.size)] = np.stack(words, axis=1).ravel()
+    return out[skip:skip + n]
 
 
 def uniforms24(words):

@@ -148,11 +148,14 @@ class PyCudaBackend:
 
         enqueue, stream = fn.prepared_async_call, state.stream
 
-        def launch(grid, block, args):
-            enqueue(grid, block, stream, *args)
+        def launch(grid, block, args, shared=0):
+            enqueue(grid, block, stream, *args, shared_size=shared)
+
+        def allow_shared(nbytes):
+            fn.set_attribute(self.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
 
         found = state.kernels[(module, name)] = loader.Kernel(name, fmt, launch, res, state,
-                                                              enqueue)
+                                                              enqueue, allow_shared)
         return found
 
     def _checked_nvcc(self):
@@ -344,6 +347,7 @@ def _device_info(drv, dev):
         max_blocks_per_sm=get("MAX_BLOCKS_PER_MULTIPROCESSOR", 16),
         regs_per_sm=get("MAX_REGISTERS_PER_MULTIPROCESSOR", 65536),
         shared_per_sm=get("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", 48 * 1024),
+        shared_per_block_optin=get("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 48 * 1024),
         max_grid=(get("MAX_GRID_DIM_X", 2**31 - 1), get("MAX_GRID_DIM_Y", 65535),
                   get("MAX_GRID_DIM_Z", 65535)),
         total_memory=dev.total_memory())

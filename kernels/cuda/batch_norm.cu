@@ -24,125 +24,9 @@
 // one-thread-per-channel kernel then finishes each channel from the global
 // vector exactly as the single-device path does (finish_stats /
 // finish_grad), and the same normalize / dx kernels follow.
-#include "common.cuh"
+#include "batch_norm.cuh"
 
 namespace mg {
-
-// Everything a channel's finish step reads and writes (forward statistics).
-template <typename T>
-struct StatsOut {
-  long long C;
-  const T* scale;
-  const T* bias;
-  const T* est_mean;
-  const T* est_var;
-  const long long* counter;  // may be null
-  double eps, momentum;
-  int rule;                  // bit 0: momentum=None, est += (batch - est) / k;
-                             // bit 1: no first-batch rule (PyTorch's _NormBase)
-  unsigned epoch;
-  T* batch_mean;
-  T* batch_var;
-  T* coef;                   // [3C]: mean rounded to T, scale*invstd, shifted bias
-  T* newest;                 // [2C]: candidate estimates, committed by the normalize kernel
-  unsigned* status;          // [0]: last flagged epoch, [1]: rejected batches
-};
-
-// n values of channel c had mean `shift + mean_s` and M2 `m2`.
-template <typename T>
-__device__ void finish_stats(long long c, double n, double shift, double mean_s, double m2,
-                             const StatsOut<T>& o) {
-  const double mean = shift + mean_s;
-  const double var = m2 / n;
-  o.batch_mean[c] = T(mean);
-  o.batch_var[c] = T(var);
-  const double invstd = 1.0 / sqrt(var + o.eps);
-  const double k = double(o.scale[c]) * invstd;
-  const T mean_t = T(mean);
-  const long long C = o.C;
-  o.coef[c] = mean_t;
-  o.coef[C + c] = T(k);
-  // x is centred on mean_t: fold the rounding of the mean into the bias
-  o.coef[2 * C + c] = T(double(o.bias[c]) - (mean - double(mean_t)) * k);
-  const double unbiased = var * (n / (n - 1.0));
-  const double em = double(o.est_mean[c]), ev = double(o.est_var[c]);
-  double new_mean, new_var;
-  if (o.counter != nullptr && o.counter[0] == 0 && !(o.rule & 2)) {
-    new_mean = mean;
-    new_var = unbiased;
-  } else if (o.rule & 1) {
-    const double w = 1.0 / double(o.counter[0] + 1);
-    new_mean = em + (mean - em) * w;
-    new_var = ev + (unbiased - ev) * w;
-  } else {
-    new_mean = o.momentum * em + (1.0 - o.momentum) * mean;
-    new_var = o.momentum * ev + (1.0 - o.momentum) * unbiased;
-  }
-  const T new_mean_t = T(new_mean), new_var_t = T(new_var);
-  o.newest[c] = new_mean_t;
-  o.newest[C + c] = new_var_t;
-  // as the CPU kernel: statistics (double) and new estimates (T) must be finite
-  if (!(isfinite(mean) && isfinite(var) && isfinite(double(new_mean_t)) &&
-        isfinite(double(new_var_t))))
-    o.status[0] = o.epoch;
-}
-
-template <typename T>
-__device__ __forceinline__ void finish_channel(const StatsOut<T>& o, long long c, double n,
-                                               double shift, double mean_s, double m2) {
-  finish_stats<T>(c, n, shift, mean_s, m2, o);
-}
-
-// This rank's contribution to synchronized statistics, float64 [2C+1]:
-// (n, mean_c..., M2_c...), merged over ranks (Chan) by the caller.
-struct SumsOut {
-  long long C;
-  double* sums;
-};
-
-__device__ __forceinline__ void finish_channel(const SumsOut& o, long long c, double n,
-                                               double shift, double mean_s, double m2) {
-  if (c == 0) o.sums[0] = n;
-  o.sums[1 + c] = shift + mean_s;
-  o.sums[1 + o.C + c] = m2;
-}
-
-// Channel c of the whole batch's (N, mean, M2) (SumsOut's layout, merged over
-// ranks by merge_stats or the host): the usual finish.
-template <typename T>
-__device__ void stats_from_sums(const double* __restrict__ sums, const StatsOut<T>& o) {
-  const long long c = global_tid();
-  if (c >= o.C) return;
-  finish_stats<T>(c, sums[0], 0.0, sums[1 + c], sums[1 + o.C + c], o);
-}
-
-// Channel c of K ranks' (n, mean, M2) vectors (rows of 2C+1 doubles, SumsOut's
-// layout) merged in rank order with Chan's formula - exact for offset data,
-// unlike sums of squares; ranks with n == 0 add nothing. Same layout out.
-__device__ void merge_stats(const double* __restrict__ rows, long long K, long long C,
-                            double* __restrict__ out) {
-  const long long c = global_tid();
-  if (c >= C) return;
-  double n = 0.0, mean = 0.0, m2 = 0.0;
-  for (long long k = 0; k < K; ++k) {
-    const double* r = rows + k * (2 * C + 1);
-    const double nb = r[0];
-    if (nb == 0.0) continue;
-    if (n == 0.0) {
-      n = nb;
-      mean = r[1 + c];
-      m2 = r[1 + C + c];
-      continue;
-    }
-    const double total = n + nb, delta = r[1 + c] - mean;
-    mean += delta * (nb / total);
-    m2 += r[1 + C + c] + delta * delta * (n * nb / total);
-    n = total;
-  }
-  if (c == 0) out[0] = n;
-  out[1 + c] = mean;
-  out[1 + C + c] = m2;
-}
 
 constexpr int UNROLL = 4;   // packs in flight per thread in the reductions
 
@@ -196,6 +80,10 @@ __device__ void stats_planar(const T* __restrict__ x, long long pre, long long p
 }
 
 template <typename T, int W, class Out>
+__device__ void finish_rows_stats(const T* x, const T* partial, long long rows, long long chunk,
+                                  int splits, const Out& o);
+
+template <typename T, int W, class Out>
 __device__ void stats_rows(const T* __restrict__ x, long long rows, long long chunk, int splits,
                            T* partial, unsigned* tickets, const Out& o) {
   using A = T;
@@ -239,41 +127,70 @@ __device__ void stats_rows(const T* __restrict__ x, long long rows, long long ch
   if (owner) {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      T* p = partial + ((cv * W + k) * splits + s) * 3;
-      p[0] = st.v[0];
-      p[1] = st.v[1 + k];
-      p[2] = st.v[1 + W + k];
+      partial[s * 2 * o.C + cv * W + k] = st.v[1 + k];            // means about the shift
+      partial[s * 2 * o.C + o.C + cv * W + k] = st.v[1 + W + k];  // M2
     }
   }
   if (!arrive_last(tickets, blockIdx.x, splits)) return;
-  Vals<double, 1 + 2 * W> f = zero_vals<double, 1 + 2 * W>();
-  if (active) {
-    for (int i = threadIdx.y; i < splits; i += blockDim.y) {
-      Vals<double, 1 + 2 * W> b;
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        const T* p = partial + ((cv * W + k) * splits + i) * 3;
-        if (k == 0) b.v[0] = load_cg(p);
-        b.v[1 + k] = load_cg(p + 1);
-        b.v[1 + W + k] = load_cg(p + 2);
-      }
-      f = WelfordOp<double, W>::merge(f, b);
-    }
-  }
-  f = column_merge<WelfordOp<double, W>>(f);
-  if (owner)
-#pragma unroll
-    for (int k = 0; k < W; ++k)
-      finish_channel(o, cv * W + k, f.v[0], shift[k], f.v[1 + k], f.v[1 + W + k]);
+  finish_rows_stats<T, W>(x, partial, rows, chunk, splits, o);
 }
 
-// y = (x - m) * k + b per channel over a flat (pre, C, post) tensor; `coef`
-// gives (m, k, b) of a channel. Threads whose global index is < C commit the
-// estimates afterwards (train) unless the epoch was flagged.
+// The last block of a channel group finishes it from every split's (mean, M2),
+// stored channel-contiguous per split: its threads take (channel, every J-th split),
+// two passes in double - the mean, then M2 = sum of M2_s + n_s (mean_s - mean)^2
+// (no divisions, no cancellation) - each merged over the J slices in shared memory.
+template <typename T, int W, class Out>
+__device__ void finish_rows_stats(const T* x, const T* partial, long long rows, long long chunk,
+                                  int splits, const Out& o) {
+  __shared__ double red[MERGE_SLOTS];
+  __shared__ double mean_of[MERGE_SLOTS];
+  const int threads = blockDim.x * blockDim.y, t = flat_tid();
+  const int width = blockDim.x * W;                 // channels of the group
+  const int cl = t % width, j = t / width, slices = threads / width;
+  const long long c = (long long)blockIdx.x * width + cl;
+  const bool active = c < o.C && j < slices;
+  const long long C = o.C;
+  double a = 0.0;
+  if (active)
+#pragma unroll 4
+    for (int i = j; i < splits; i += slices) {
+      const long long n_i = rows - i * chunk < chunk ? rows - i * chunk : chunk;
+      a += double(n_i) * double(load_cg(partial + i * 2 * C + c));
+    }
+  red[t] = a;
+  __syncthreads();
+  if (j == 0) {
+    double total = 0.0;
+    for (int k = 0; k < slices; ++k) total += red[k * width + cl];
+    mean_of[cl] = total / double(rows);
+  }
+  __syncthreads();
+  const double mean = mean_of[cl];
+  double b = 0.0;
+  if (active)
+#pragma unroll 4
+    for (int i = j; i < splits; i += slices) {
+      const long long n_i = rows - i * chunk < chunk ? rows - i * chunk : chunk;
+      const double d = double(load_cg(partial + i * 2 * C + c)) - mean;
+      b += double(load_cg(partial + i * 2 * C + C + c)) + double(n_i) * d * d;
+    }
+  red[t] = b;
+  __syncthreads();
+  if (j == 0 && c < C) {
+    double m2 = 0.0;
+    for (int k = 0; k < slices; ++k) m2 += red[k * width + cl];
+    finish_channel(o, c, double(rows), double(x[c]), mean, m2);
+  }
+}
+
+// y = (x - m) * k + b per channel over a flat (pre, C, post) tensor, then max(y, 0)
+// when `relu` (batch_norm_relu); `coef` gives (m, k, b) of a channel. Threads whose
+// global index is < C commit the estimates afterwards (train) unless the epoch was
+// flagged.
 template <typename T, int W, bool REVERSE, class Coef>
 __device__ __forceinline__ void normalize_flat(const T* __restrict__ x, T* __restrict__ y,
                                                long long total, long long C, long long post,
-                                               Coef coef) {
+                                               int relu, Coef coef) {
   channel_elementwise<W, REVERSE>(total, C, post,
                                   [&](long long u, const auto& ch, bool uniform) {
     constexpr int K = sizeof(ch) / sizeof(ch[0]);
@@ -284,7 +201,8 @@ __device__ __forceinline__ void normalize_flat(const T* __restrict__ x, T* __res
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       if (!uniform) coef(ch[j], m, k, b);
-      out.v[j] = (in.v[j] - m) * k + b;
+      const T v = (in.v[j] - m) * k + b;
+      out.v[j] = relu ? relu_of(v) : v;
     }
     store_pack<T, K>(y, u, out);
   });
@@ -294,7 +212,7 @@ template <typename T, int W>
 __device__ void normalize_train(const T* x, T* y, long long total, long long C, long long post,
                                 const T* __restrict__ coef, int commit, T* est_mean, T* est_var,
                                 const T* newest, long long* counter, unsigned* status,
-                                unsigned epoch) {
+                                unsigned epoch, int relu) {
   if (commit) {
     const long long g = global_tid();
     const bool rejected = status[0] == epoch;
@@ -308,7 +226,7 @@ __device__ void normalize_train(const T* x, T* y, long long total, long long C, 
     }
   }
   // backwards: the end of x, read last by the statistics kernel, is still in L2
-  normalize_flat<T, W, true>(x, y, total, C, post, [&](long long c, T& m, T& k, T& b) {
+  normalize_flat<T, W, true>(x, y, total, C, post, relu, [&](long long c, T& m, T& k, T& b) {
     m = coef[c];
     k = coef[C + c];
     b = coef[2 * C + c];
@@ -319,9 +237,10 @@ template <typename T, int W>
 __device__ void normalize_infer(const T* x, T* y, long long total, long long C, long long post,
                                 const T* __restrict__ est_mean, const T* __restrict__ est_var,
                                 const T* __restrict__ scale, const T* __restrict__ bias,
-                                double eps) {
+                                double eps, int relu) {
   const T eps_t = T(eps);
-  normalize_flat<T, W, false>(x, y, total, C, post, [&](long long c, T& m, T& k, T& b) {
+  normalize_flat<T, W, false>(x, y, total, C, post, relu,
+                              [&](long long c, T& m, T& k, T& b) {
     m = est_mean[c];
     k = scale[c] * (T(1) / sqrt(est_var[c] + eps_t));
     b = bias[c];
@@ -330,75 +249,28 @@ __device__ void normalize_infer(const T* x, T* y, long long total, long long C, 
 
 // ---- backward ----------------------------------------------------------------
 
-template <typename T>
-struct GradOut {
-  long long C;
-  double n, eps;
-  int use_global;
-  const T* scale;
-  const T* mean;
-  const T* var;
-  T* dscale;   // may be null
-  T* dbias;    // may be null
-  T* coef;     // [4C]: mean, kx, kc, kd with dx = (x - mean) kx + kc + dy kd
-};
-
-template <typename T>
-__device__ void finish_grad(long long c, double s_dy, double s_dyx, const GradOut<T>& o) {
-  const double invstd = 1.0 / sqrt(double(o.var[c]) + o.eps);
-  const double scale = double(o.scale[c]);
-  if (o.dbias != nullptr) o.dbias[c] = T(s_dy);
-  if (o.dscale != nullptr) o.dscale[c] = T(s_dyx * invstd);
-  double kx = 0.0, kc = 0.0;
-  if (!o.use_global) {
-    kx = -scale * invstd * invstd * invstd * s_dyx / o.n;
-    kc = -scale * invstd * s_dy / o.n;
+// batch_norm_relu's backward: dy where the forward's output y is > 0, else 0. With
+// `bits` (the single-device reduction), each pack's mask is also stored, one byte
+// per pack of W values (bit k: value k), for the dx kernel to read instead of y.
+template <typename T, int W>
+__device__ __forceinline__ void relu_mask(const T* yr, unsigned char* bits, long long unit,
+                                          Pack<T, W>& g) {
+  const Pack<T, W> yv = load_pack<T, W>(yr, unit);
+  unsigned mask = 0;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    const bool on = yv.v[k] > T(0);
+    mask |= unsigned(on) << k;
+    if (!on) g.v[k] = T(0);
   }
-  const long long C = o.C;
-  o.coef[c] = o.mean[c];
-  o.coef[C + c] = T(kx);
-  o.coef[2 * C + c] = T(kc);
-  o.coef[3 * C + c] = T(scale * invstd);
-}
-
-template <typename T>
-__device__ __forceinline__ void finish_grad_channel(const GradOut<T>& o, long long c, double s_dy,
-                                                    double s_dyx) {
-  finish_grad<T>(c, s_dy, s_dyx, o);
-}
-
-// This rank's contribution to synchronized gradients, float64 [2C+1]:
-// (n, sum dy per channel..., sum dy (x - mean) per channel...).
-template <typename T>
-struct GradSumsOut {
-  long long C;
-  double n;
-  const T* mean;
-  double* sums;
-};
-
-template <typename T>
-__device__ __forceinline__ void finish_grad_channel(const GradSumsOut<T>& o, long long c,
-                                                    double s_dy, double s_dyx) {
-  if (c == 0) o.sums[0] = o.n;
-  o.sums[1 + c] = s_dy;
-  o.sums[1 + o.C + c] = s_dyx;
-}
-
-// Channel c of the gradient from global sums (GradSumsOut's, summed over ranks);
-// n is the global count sums[0].
-template <typename T>
-__device__ void grad_from_sums(const double* __restrict__ sums, GradOut<T> o) {
-  const long long c = global_tid();
-  if (c >= o.C) return;
-  o.n = sums[0];
-  finish_grad<T>(c, sums[1 + c], sums[1 + o.C + c], o);
+  if (bits != nullptr) bits[unit] = (unsigned char)mask;
 }
 
 template <typename T, int W, class Out>
 __device__ void grad_planar(const T* __restrict__ x, const T* __restrict__ dy, long long pre,
                             long long post_v, long long chunk, int splits, T* partial,
-                            unsigned* tickets, const Out& o) {
+                            unsigned* tickets, const Out& o, const T* yr = nullptr,
+                            unsigned char* bits = nullptr) {
   using A = T;
   const long long c = blockIdx.x;
   const int s = blockIdx.y;
@@ -415,6 +287,9 @@ __device__ void grad_planar(const T* __restrict__ x, const T* __restrict__ dy, l
       xv[j] = load_pack<T, W>(x, addr[j]);
       gv[j] = load_pack<T, W>(dy, addr[j]);
     }
+    if (yr != nullptr)
+#pragma unroll
+      for (int j = 0; j < K; ++j) relu_mask<T, W>(yr, bits, addr[j], gv[j]);
 #pragma unroll
     for (int j = 0; j < K; ++j)
 #pragma unroll
@@ -448,7 +323,7 @@ __device__ void grad_planar(const T* __restrict__ x, const T* __restrict__ dy, l
 template <typename T, int W, class Out>
 __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, long long rows,
                           long long chunk, int splits, T* partial, unsigned* tickets,
-                          const Out& o) {
+                          const Out& o, const T* yr = nullptr, unsigned char* bits = nullptr) {
   using A = T;
   const long long Cv = o.C / W;
   const long long cv = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -470,6 +345,9 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
         xv[j] = load_pack<T, W>(x, addr[j]);
         gv[j] = load_pack<T, W>(dy, addr[j]);
       }
+      if (yr != nullptr)
+#pragma unroll
+        for (int j = 0; j < K; ++j) relu_mask<T, W>(yr, bits, addr[j], gv[j]);
 #pragma unroll
       for (int j = 0; j < K; ++j)
 #pragma unroll
@@ -491,36 +369,50 @@ __device__ void grad_rows(const T* __restrict__ x, const T* __restrict__ dy, lon
   if (owner) {
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      T* p = partial + ((cv * W + k) * splits + s) * 2;
-      p[0] = st.v[k];
-      p[1] = st.v[W + k];
+      partial[s * 2 * o.C + cv * W + k] = st.v[k];               // channel-contiguous
+      partial[s * 2 * o.C + o.C + cv * W + k] = st.v[W + k];
     }
   }
   if (!arrive_last(tickets, blockIdx.x, splits)) return;
-  Vals<double, 2 * W> f = zero_vals<double, 2 * W>();
-  if (active) {
-    for (int i = threadIdx.y; i < splits; i += blockDim.y) {
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        const T* p = partial + ((cv * W + k) * splits + i) * 2;
-        f.v[k] += load_cg(p);
-        f.v[W + k] += load_cg(p + 1);
-      }
+  // the group's last block: (channel, every J-th split) per thread, merged in double
+  __shared__ double red[2 * MERGE_SLOTS];
+  const int threads = blockDim.x * blockDim.y, t = flat_tid();
+  const int width = blockDim.x * W;
+  const int cl = t % width, j = t / width, slices = threads / width;
+  const long long c = (long long)blockIdx.x * width + cl;
+  double a = 0.0, b = 0.0;
+  if (c < o.C && j < slices)
+#pragma unroll 4
+    for (int i = j; i < splits; i += slices) {
+      a += double(load_cg(partial + i * 2 * o.C + c));
+      b += double(load_cg(partial + i * 2 * o.C + o.C + c));
     }
+  red[t] = a;
+  red[MERGE_SLOTS + t] = b;
+  __syncthreads();
+  if (j == 0 && c < o.C) {
+    double s_dy = 0.0, s_dyx = 0.0;
+    for (int k = 0; k < slices; ++k) {
+      s_dy += red[k * width + cl];
+      s_dyx += red[MERGE_SLOTS + k * width + cl];
+    }
+    finish_grad_channel(o, c, s_dy, s_dyx);
   }
-  f = column_merge<SumOp<double, 2 * W>>(f);
-  if (owner)
-#pragma unroll
-    for (int k = 0; k < W; ++k) finish_grad_channel(o, cv * W + k, f.v[k], f.v[W + k]);
 }
 
 template <typename T, int W, bool USE_X>
-__device__ void grad_dx(const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,
-                        long long total, long long C, long long post, const T* __restrict__ coef) {
+__device__ void grad_dx(const T* __restrict__ x, const T* dy, T* dx, long long total, long long C,
+                        long long post, const T* __restrict__ coef, const T* yr,
+                        const unsigned char* bits, int shift) {
   // backwards, as normalize_train: x and dy were just read by the reduce kernel
+  const bool masked = yr != nullptr || bits != nullptr;
   channel_elementwise<W, true>(total, C, post, [&](long long u, const auto& ch, bool uniform) {
     constexpr int K = sizeof(ch) / sizeof(ch[0]);
-    const Pack<T, K> g = load_pack<T, K>(dy, u);
+    Pack<T, K> g = load_pack<T, K>(dy, u);
+    if (masked)
+#pragma unroll
+      for (int j = 0; j < K; ++j)
+        if (!mask_on(bits, shift, yr, (K == 1 ? u : u * K) + j)) g.v[j] = T(0);
     Pack<T, K> xv;
     if (USE_X) xv = load_pack<T, K>(x, u);
     Pack<T, K> out;
@@ -546,15 +438,6 @@ __device__ void grad_dx(const T* __restrict__ x, const T* __restrict__ dy, T* __
 
 // ---- entry points ------------------------------------------------------------
 
-#define MG_BN_STATS_OUT(T)                                                                  \
-  mg::StatsOut<T> o{C, scale, bias, est_mean, est_var, counter, eps, momentum, rule,       \
-                    epoch, batch_mean, batch_var, coef, newest, status}
-
-#define MG_BN_STATS_ARGS(T)                                                                   \
-  const T *scale, const T *bias, const T *est_mean, const T *est_var,                         \
-      const long long *counter, double eps, double momentum, int rule, unsigned epoch,       \
-      T *batch_mean, T *batch_var, T *coef, T *newest, unsigned *status
-
 #define MG_BN_KERNELS(T, SFX, W)                                                                 \
   extern "C" __global__ void bn_stats_planar_##SFX##_w##W(                                       \
       const T* x, long long pre, long long C, long long post_v, long long chunk, int splits,    \
@@ -571,37 +454,40 @@ __device__ void grad_dx(const T* __restrict__ x, const T* __restrict__ dy, T* __
   extern "C" __global__ void bn_normalize_##SFX##_w##W(                                          \
       const T* x, T* y, long long total, long long C, long long post, const T* coef,           \
       int commit, T* est_mean, T* est_var, const T* newest, long long* counter,                 \
-      unsigned* status, unsigned epoch) {                                                        \
+      unsigned* status, unsigned epoch, int relu) {                                              \
     mg::normalize_train<T, W>(x, y, total, C, post, coef, commit, est_mean, est_var, newest,   \
-                              counter, status, epoch);                                           \
+                              counter, status, epoch, relu);                                     \
   }                                                                                              \
   extern "C" __global__ void bn_infer_##SFX##_w##W(                                              \
       const T* x, T* y, long long total, long long C, long long post, const T* est_mean,       \
-      const T* est_var, const T* scale, const T* bias, double eps) {                            \
-    mg::normalize_infer<T, W>(x, y, total, C, post, est_mean, est_var, scale, bias, eps);      \
+      const T* est_var, const T* scale, const T* bias, double eps, int relu) {                  \
+    mg::normalize_infer<T, W>(x, y, total, C, post, est_mean, est_var, scale, bias, eps, relu); \
   }                                                                                              \
   extern "C" __global__ void bn_grad_planar_##SFX##_w##W(                                        \
       const T* x, const T* dy, long long pre, long long C, long long post_v, long long chunk,  \
       int splits, T* partial, unsigned* tickets, const T* scale, const T* mean, const T* var,  \
-      double eps, double n, int use_global, T* dscale, T* dbias, T* coef) {                     \
+      double eps, double n, int use_global, T* dscale, T* dbias, T* coef, const T* yr,          \
+      unsigned char* bits) {                                                                     \
     mg::GradOut<T> o{C, n, eps, use_global, scale, mean, var, dscale, dbias, coef};             \
-    mg::grad_planar<T, W>(x, dy, pre, post_v, chunk, splits, partial, tickets, o);             \
+    mg::grad_planar<T, W>(x, dy, pre, post_v, chunk, splits, partial, tickets, o, yr, bits);   \
   }                                                                                              \
   extern "C" __global__ void bn_grad_rows_##SFX##_w##W(                                          \
       const T* x, const T* dy, long long rows, long long C, long long chunk, int splits,       \
       T* partial, unsigned* tickets, const T* scale, const T* mean, const T* var, double eps,  \
-      double n, int use_global, T* dscale, T* dbias, T* coef) {                                 \
+      double n, int use_global, T* dscale, T* dbias, T* coef, const T* yr,                      \
+      unsigned char* bits) {                                                                     \
     mg::GradOut<T> o{C, n, eps, use_global, scale, mean, var, dscale, dbias, coef};             \
-    mg::grad_rows<T, W>(x, dy, rows, chunk, splits, partial, tickets, o);                      \
+    mg::grad_rows<T, W>(x, dy, rows, chunk, splits, partial, tickets, o, yr, bits);            \
   }                                                                                              \
-  extern "C" __global__ void bn_grad_dx_##SFX##_w##W(const T* x, const T* dy, T* dx,             \
-                                                     long long total, long long C,              \
-                                                     long long post, const T* coef) {          \
-    mg::grad_dx<T, W, true>(x, dy, dx, total, C, post, coef);                                   \
+  extern "C" __global__ void bn_grad_dx_##SFX##_w##W(                                            \
+      const T* x, const T* dy, T* dx, long long total, long long C, long long post,             \
+      const T* coef, const T* yr, const unsigned char* bits, int shift) {                       \
+    mg::grad_dx<T, W, true>(x, dy, dx, total, C, post, coef, yr, bits, shift);                  \
   }                                                                                              \
   extern "C" __global__ void bn_grad_dx_global_##SFX##_w##W(                                     \
-      const T* dy, T* dx, long long total, long long C, long long post, const T* coef) {       \
-    mg::grad_dx<T, W, false>(nullptr, dy, dx, total, C, post, coef);                            \
+      const T* dy, T* dx, long long total, long long C, long long post, const T* coef,          \
+      const T* yr, const unsigned char* bits, int shift) {                                       \
+    mg::grad_dx<T, W, false>(nullptr, dy, dx, total, C, post, coef, yr, bits, shift);           \
   }                                                                                               \
   extern "C" __global__ void bn_local_stats_planar_##SFX##_w##W(                                  \
       const T* x, long long pre, long long C, long long post_v, long long chunk, int splits,      \
@@ -617,15 +503,16 @@ __device__ void grad_dx(const T* __restrict__ x, const T* __restrict__ dy, T* __
   }                                                                                               \
   extern "C" __global__ void bn_grad_sums_planar_##SFX##_w##W(                                    \
       const T* x, const T* dy, long long pre, long long C, long long post_v, long long chunk,     \
-      int splits, T* partial, unsigned* tickets, const T* mean, double n, double* sums) {         \
+      int splits, T* partial, unsigned* tickets, const T* mean, double n, double* sums,           \
+      const T* yr) {                                                                              \
     mg::GradSumsOut<T> o{C, n, mean, sums};                                                       \
-    mg::grad_planar<T, W>(x, dy, pre, post_v, chunk, splits, partial, tickets, o);                \
+    mg::grad_planar<T, W>(x, dy, pre, post_v, chunk, splits, partial, tickets, o, yr);            \
   }                                                                                               \
   extern "C" __global__ void bn_grad_sums_rows_##SFX##_w##W(                                      \
       const T* x, const T* dy, long long rows, long long C, long long chunk, int splits,          \
-      T* partial, unsigned* tickets, const T* mean, double n, double* sums) {                     \
+      T* partial, unsigned* tickets, const T* mean, double n, double* sums, const T* yr) {        \
     mg::GradSumsOut<T> o{C, n, mean, sums};                                                       \
-    mg::grad_rows<T, W>(x, dy, rows, chunk, splits, partial, tickets, o);                         \
+    mg::grad_rows<T, W>(x, dy, rows, chunk, splits, partial, tickets, o, yr);                     \
   }
 
 // Finishing every channel from global sums: one thread per channel.
@@ -637,8 +524,8 @@ __device__ void grad_dx(const T* __restrict__ x, const T* __restrict__ dy, T* __
   }                                                                                               \
   extern "C" __global__ void bn_grad_from_sums_##SFX(                                             \
       const double* sums, long long C, const T* scale, const T* mean, const T* var, double eps,   \
-      T* dscale, T* dbias, T* coef) {                                                             \
-    mg::GradOut<T> o{C, 0.0, eps, 0, scale, mean, var, dscale, dbias, coef};                      \
+      T* dscale, T* dbias, T* coef, double out_scale) {                                           \
+    mg::GradOut<T> o{C, 0.0, eps, 0, scale, mean, var, dscale, dbias, coef, out_scale};           \
     mg::grad_from_sums<T>(sums, o);                                                               \
   }
 

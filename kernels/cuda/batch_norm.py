@@ -8,9 +8,16 @@ Every launch is asynchronous and nothing is copied to the host:
                  several blocks, the last block of the channel) and
                  normalisation, which also commits the running estimates and
                  the counter - on the device, unless the batch was flagged.
+                 NCHW with small planes: 1 kernel, each channel group resident in
+                 shared memory (bn_resident.py).
   forward_infer  1 elementwise kernel.
   backward       2 kernels: sums of dy and dy (x - mean) per channel (giving
-                 dscale and dbias), then the elementwise dx.
+                 dscale and dbias), then the elementwise dx; 1 resident kernel
+                 for small planes.
+(rows, C) tensors - NHWC, and NCHW with one value per plane - take the rows
+reductions planned by bn_rows.py and its elementwise kernels (coefficients in
+registers). `relu=True` (batch_norm_relu) applies max(y, 0) to the output; its
+backward masks dy with the forward output's sign.
 
 Synchronized batch norm (one collective each way between two launches) has
 its own entry points on top of these kernels: kernels/cuda/batch_norm_sync.py.
@@ -30,29 +37,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cuda import launch, loader
+from minigraph.kernels.cuda import bn_rows, launch, loader
 
 MODULE = "batch_norm"
 _STATS_TAIL = "PPPPPddiIPPPPP"
+STATS_TAIL = _STATS_TAIL        # what every statistics entry point ends with (MG_BN_STATS_ARGS)
 SIGNATURES = {}
 for _t, _ws in (("f32", (1, 4)), ("f64", (1, 2))):
     for _w in _ws:
         SIGNATURES.update({
             f"bn_stats_planar_{_t}_w{_w}": "PqqqqiPP" + _STATS_TAIL,
             f"bn_stats_rows_{_t}_w{_w}": "PqqqiPP" + _STATS_TAIL,
-            f"bn_normalize_{_t}_w{_w}": "PPqqqPiPPPPPI",
-            f"bn_infer_{_t}_w{_w}": "PPqqqPPPPd",
-            f"bn_grad_planar_{_t}_w{_w}": "PPqqqqiPPPPPddiPPP",
-            f"bn_grad_rows_{_t}_w{_w}": "PPqqqiPPPPPddiPPP",
-            f"bn_grad_dx_{_t}_w{_w}": "PPPqqqP",
-            f"bn_grad_dx_global_{_t}_w{_w}": "PPqqqP",
+            f"bn_normalize_{_t}_w{_w}": "PPqqqPiPPPPPIi",
+            f"bn_infer_{_t}_w{_w}": "PPqqqPPPPdi",
+            f"bn_grad_planar_{_t}_w{_w}": "PPqqqqiPPPPPddiPPPPP",
+            f"bn_grad_rows_{_t}_w{_w}": "PPqqqiPPPPPddiPPPPP",
+            f"bn_grad_dx_{_t}_w{_w}": "PPPqqqPPPi",
+            f"bn_grad_dx_global_{_t}_w{_w}": "PPqqqPPPi",
             f"bn_local_stats_planar_{_t}_w{_w}": "PqqqqiPPP",
             f"bn_local_stats_rows_{_t}_w{_w}": "PqqqiPPP",
-            f"bn_grad_sums_planar_{_t}_w{_w}": "PPqqqqiPPPdP",
-            f"bn_grad_sums_rows_{_t}_w{_w}": "PPqqqiPPPdP",
+            f"bn_grad_sums_planar_{_t}_w{_w}": "PPqqqqiPPPdPP",
+            f"bn_grad_sums_rows_{_t}_w{_w}": "PPqqqiPPPdPP",
         })
     SIGNATURES[f"bn_stats_from_sums_{_t}"] = "Pq" + _STATS_TAIL
-    SIGNATURES[f"bn_grad_from_sums_{_t}"] = "PqPPPdPPP"
+    SIGNATURES[f"bn_grad_from_sums_{_t}"] = "PqPPPdPPPd"
 SIGNATURES["bn_merge_stats"] = "PqqP"
 
 
@@ -199,13 +207,21 @@ def reduce_plan(name_stem, x, aligned, pre, channels, post):
         dev = loader.device()
         sfx = loader.suffix(x.dtype)
         itemsize = np.dtype(x.dtype).itemsize
-        plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev)
+        plan = _reduce_plan(pre, channels, post, itemsize, aligned, dev)
         # size the grid with the resources of the kernel the plan picked
         k = kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
-        plan = launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
+        plan = _reduce_plan(pre, channels, post, itemsize, aligned, dev, k.resources)
         k = kernel(f"{name_stem}_{plan.kind}_{sfx}_w{plan.width}")
         found = plans[key] = (plan, k.prepared(plan.grid, plan.block))
     return found
+
+
+def _reduce_plan(pre, channels, post, itemsize, aligned, dev, res=None):
+    """launch.reduce_plan for planar tensors (post > 1), bn_rows.reduce_plan for rows."""
+    res = launch.KernelResources() if res is None else res
+    if post > 1:
+        return launch.reduce_plan(pre, channels, post, itemsize, aligned, dev, res)
+    return bn_rows.reduce_plan(pre, channels, itemsize, aligned, dev, res)
 
 
 _TRAIN_PARAMS = ("scale", "bias", "estimated_mean", "estimated_var")
@@ -266,12 +282,19 @@ class _Training:
             estimate_rule(momentum, first_batch), self.epoch, loader.address(self.batch_mean),
             loader.address(self.batch_var), self.coef, self.newest, self.status)
 
-    def normalize(self):
-        """y from the coefficients; commit the estimates and the counter unless flagged."""
+    def normalize(self, relu=False):
+        """y from the coefficients (max(y, 0) with relu); commit the estimates and the
+        counter unless flagged."""
         x, xp, yp = self.x, self.xp, self.yp
-        packed_launch("bn_normalize", x.dtype, x.size, aligned(xp, yp), self.channels, xp,
-                       yp, x.size, self.channels, self.post, self.coef, 1, self.params[2],
-                       self.params[3], self.newest, self.params[4], self.status, self.epoch)
+        if self.post == 1:
+            bn_rows.normalize(x, xp, yp, self.channels, self.coef, 1, self.params[2],
+                              self.params[3], self.newest, self.params[4], self.status,
+                              self.epoch, relu)
+        else:
+            packed_launch("bn_normalize", x.dtype, x.size, aligned(xp, yp), self.channels, xp,
+                          yp, x.size, self.channels, self.post, self.coef, 1, self.params[2],
+                          self.params[3], self.newest, self.params[4], self.status, self.epoch,
+                          int(bool(relu)))
         return self.y, self.batch_mean, self.batch_var
 
 
@@ -282,7 +305,7 @@ def estimate_rule(momentum, first_batch=True):
 
 
 def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, layout="NCHW",
-                  out=None, guard=None, first_batch=True):
+                  out=None, guard=None, first_batch=True, relu=False):
     """Training forward: normalise x with its own batch statistics and update
     the running estimates in place.
 
@@ -298,7 +321,8 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     non-finite statistics or estimates (see the module doc and Guard).
 
     Returns (y, batch_mean, batch_var) (biased batch variance), y in `out`
-    when given. Raises ValueError when a channel has fewer than 2 values.
+    when given; relu=True: y = max(y, 0) (batch_norm_relu). Raises ValueError when
+    a channel has fewer than 2 values.
     """
     xp = loader.ptr(x, "batch_norm: x")
     plans = loader.cached("batch_norm.train", dict)
@@ -311,9 +335,14 @@ def forward_train(x, scale, bias, est_mean, est_var, counter, momentum, eps, lay
     params.append(_counter_ptr(counter, momentum))
     run = _Training(x, xp, plan.channels, plan.post, params, momentum, eps, out, guard,
                     plan.partials, first_batch)
+    resident = plan.resident
+    if resident is not None and (resident.width == 1 or aligned(run.yp)):
+        from minigraph.kernels.cuda import bn_resident
+
+        return bn_resident.train(resident, run, plan.pre, plan.channels, plan.post, relu)
     plan.stats(xp, plan.pre, plan.channels, *plan.split_args, run.partial,
                loader.address(loader.tickets(plan.tickets)), *run.stats_args)
-    return run.normalize()
+    return run.normalize(relu)
 
 
 class _TrainPlan:
@@ -331,12 +360,15 @@ class _TrainPlan:
                                           self.post)
         self.split_args, self.tickets = reduce.split_args, reduce.tickets
         self.partials = 3 * self.channels * reduce.splits
+        from minigraph.kernels.cuda import bn_resident
+
+        self.resident = bn_resident.cached_plan(x, self.pre, self.channels, self.post, aligned, 1)
 
 
-def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=None):
+def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=None, relu=False):
     """Inference (and use_global_est) forward, one elementwise kernel:
-    y = (x - est_mean) / sqrt(est_var + eps) * scale + bias per channel.
-    Nothing else is written. Returns y (in `out` when given)."""
+    y = (x - est_mean) / sqrt(est_var + eps) * scale + bias per channel (then
+    max(y, 0) with relu). Nothing else is written. Returns y (in `out` when given)."""
     pre, channels, post = geometry(x, layout)
     xp = loader.ptr(x, "batch_norm: x")
     sp, bp, mp, vp = param_ptrs(x, layout, channels, zip(_TRAIN_PARAMS,
@@ -348,6 +380,9 @@ def forward_infer(x, scale, bias, est_mean, est_var, eps, layout="NCHW", out=Non
         y = out
     if x.size:
         yp = loader.ptr(y)
-        packed_launch("bn_infer", x.dtype, x.size, aligned(xp, yp), 1, xp, yp, x.size,
-                       channels, post, mp, vp, sp, bp, float(eps))
+        if post == 1:
+            bn_rows.infer(x, xp, yp, channels, mp, vp, sp, bp, eps, relu)
+        else:
+            packed_launch("bn_infer", x.dtype, x.size, aligned(xp, yp), 1, xp, yp, x.size,
+                          channels, post, mp, vp, sp, bp, float(eps), int(bool(relu)))
     return y

@@ -11,8 +11,11 @@ collective each way:
                            cumulative update, the guard), then forward_train's
                            normalisation
   backward_sums            1 kernel: (n, sum dy, sum dy (x - mean))
-  backward_from_sums       1 or 2 kernels: dscale, dbias (global) and the dx
-                           coefficients from the global sums (global n), then dx
+  backward_from_sums       1 or 2 kernels: dscale, dbias (global; times
+                           `out_scale`, 1 / ranks under data parallelism) and the
+                           dx coefficients from the global sums (global n), then dx
+batch_norm_relu's sync variant passes `relu` forward and its output `y` backward
+(dy counts where y > 0).
 
 The kernels, their signatures and the single-device entry points are in
 kernels/cuda/batch_norm.py; these reuse its checks, plans and launch helpers.
@@ -62,7 +65,8 @@ def merge_stats(rows):
     return out
 
 def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, momentum, eps,
-                            layout="NCHW", out=None, guard=None, first_batch=True):
+                            layout="NCHW", out=None, guard=None, first_batch=True,
+                            relu=False):
     """forward_train with the batch statistics taken from `sums`: the whole
     batch's (N, mean_c..., M2_c...) (float64, 2C+1, on the device; local_stats
     vectors merged over every rank). Each channel gets var = M2 / N; the
@@ -80,13 +84,14 @@ def forward_train_from_sums(x, sums, scale, bias, est_mean, est_var, counter, mo
                        first_batch=first_batch)
     bn.flat_launch(f"bn_stats_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
                  loader.ptr(sums), channels, *run.stats_args)
-    return run.normalize()
+    return run.normalize(relu)
 
-def backward_sums(x, dy, mean, layout="NCHW"):
+def backward_sums(x, dy, mean, layout="NCHW", y=None):
     """This device's share of synchronized batch-norm gradients: a new float64
     device vector of 2C+1 numbers (n, sum dy_c..., sum dy (x - mean_c)...),
     `mean` the (global) batch mean the forward used. Summed over ranks it gives
-    backward_from_sums its input. x with no values gives zeros."""
+    backward_from_sums its input. x with no values gives zeros. `y`: batch_norm_relu's
+    output (dy counts where y > 0)."""
     pre, channels, post, xp, dyp, (mp,) = bn_grad.check_grad(x, dy, layout, [("mean", mean)])
     sums = loader.empty((2 * channels + 1,), np.float64)
     n = pre * post
@@ -95,15 +100,17 @@ def backward_sums(x, dy, mean, layout="NCHW"):
 
         return fill.fill_constant(sums, 0)
     bn_grad.grad_reduce("bn_grad_sums", x, xp, dyp, pre, channels, post,
-                    (mp, float(n), loader.ptr(sums)))
+                        (mp, float(n), loader.ptr(sums)), yp=bn_grad.relu_pointer(x, y))
     return sums
 
 def backward_from_sums(x, dy, scale, mean, var, sums, eps, layout="NCHW", need_dx=True,
-                       need_dscale=True, need_dbias=True):
+                       need_dscale=True, need_dbias=True, y=None, out_scale=1.0):
     """backward (batch statistics) with the sums over every rank: `sums` is
     backward_sums summed over ranks (float64, 2C+1, on the device), its n the
-    global count. dscale and dbias are those of the whole batch; dx is this
-    device's rows. Returns (dx, dscale, dbias), None for those not needed."""
+    global count. dscale and dbias are those of the whole batch, times `out_scale`
+    (1 / ranks folds data parallelism's average in); dx is this device's rows (dy
+    masked by y > 0 when `y`, batch_norm_relu's output, is given). Returns
+    (dx, dscale, dbias), None for those not needed."""
     _, channels, post, xp, dyp, (sp, mp, vp) = bn_grad.check_grad(
         x, dy, layout, [("scale", scale), ("mean", mean), ("var", var)])
     launch.check_array("batch_norm_grad: sums", sums, (2 * channels + 1,), np.float64)
@@ -111,7 +118,7 @@ def backward_from_sums(x, dy, scale, mean, var, sums, eps, layout="NCHW", need_d
     coef = loader.scratch(4 * channels, x.dtype)
     bn.flat_launch(f"bn_grad_from_sums_{loader.suffix(x.dtype)}", channels, 1, channels,
                     loader.ptr(sums), channels, sp, mp, vp, float(eps), loader.ptr(dscale),
-                    loader.ptr(dbias), coef)
+                    loader.ptr(dbias), coef, float(out_scale))
     if dx is not None:
-        bn_grad.grad_dx(x, xp, dyp, dx, channels, post, coef, False)
+        bn_grad.grad_dx(x, xp, dyp, dx, channels, post, coef, False, bn_grad.relu_pointer(x, y))
     return dx, dscale, dbias

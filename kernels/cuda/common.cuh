@@ -51,6 +51,59 @@ __device__ __forceinline__ T load_cg(const T* p) {
   return *reinterpret_cast<const volatile T*>(p);
 }
 
+// ---- dynamic shared memory and asynchronous copies into it ----------------------
+
+// The block's dynamic shared memory (the launch's shared size; past 48 KiB the kernel's
+// MAX_DYNAMIC_SHARED_SIZE_BYTES attribute must allow it), 16-byte aligned.
+#ifdef __CUDACC__
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+  extern __shared__ __align__(16) unsigned char mg_dynamic_shared[];
+  return reinterpret_cast<T*>(mg_dynamic_shared);
+}
+#else
+template <typename T>
+inline T* dynamic_shared() {
+  return reinterpret_cast<T*>(emu::dynamic_shared());
+}
+#endif
+
+// Copy BYTES (4, 8 or 16; both addresses aligned to it) from global to shared memory
+// without waiting (cp.async on sm_80 and later: no registers, no stall). The copies a
+// thread issued are complete after async_wait_all(); other threads see them after a
+// __syncthreads() that follows it. Elsewhere (the emulator) a plain copy.
+template <int BYTES>
+__device__ __forceinline__ void async_copy(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(BYTES)
+                 : "memory");
+#else
+  struct alignas(BYTES) Bytes {
+    unsigned char b[BYTES];
+  };
+  *reinterpret_cast<Bytes*>(smem) = *reinterpret_cast<const Bytes*>(gmem);
+#endif
+}
+
+// Close the group of copies issued so far (async_wait_prior counts groups).
+__device__ __forceinline__ void async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void async_wait_prior() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // A compile-time width handed to walker callbacks: Width<K>::value.
 template <int K>
 struct Width {

@@ -32,6 +32,7 @@ class DeviceInfo:
     max_blocks_per_sm: int = 32
     regs_per_sm: int = 65536
     shared_per_sm: int = 228 * 1024
+    shared_per_block_optin: int = 227 * 1024    # dynamic shared memory a block may opt in to
     max_grid: tuple = (2**31 - 1, 65535, 65535)
     total_memory: int = 80 * 2**30
 

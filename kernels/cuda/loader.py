@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from minigraph.device import backend, current, entered, is_entered, thread_state
+from minigraph.device import GPUError, backend, current, entered, is_entered, thread_state
 from minigraph.kernels.cuda import launch
 
 NVCC_OPTIONS = ("-O3", "-std=c++17")
@@ -73,16 +73,38 @@ class Kernel:
     """One compiled entry point of one device: `launch(grid, block, *args)`
     enqueues it on that device's stream (DeviceState.stream; asynchronous:
     nothing waits for it), with the device's context current. `launch` (the backend's) takes
-    (grid, block, args); `enqueue`, when the backend has one, takes (grid, block,
-    stream, *args) and is what `launch` calls (PyCUDA's prepared_async_call)."""
+    (grid, block, args, shared=0); `enqueue`, when the backend has one, takes (grid, block,
+    stream, *args, shared_size=0) and is what `launch` calls (PyCUDA's prepared_async_call).
+    `shared`: bytes of dynamic shared memory a block gets; past 48 KiB a kernel needs
+    `allow_shared` first (the backend's `allow_shared(nbytes)`: CUDA's function attribute
+    MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
 
-    def __init__(self, name, fmt, launch, resources, state=None, enqueue=None):
+    def __init__(self, name, fmt, launch, resources, state=None, enqueue=None,
+                 allow_shared=None):
         self.name = name
         self.fmt = fmt
         self._launch = launch
         self.resources = resources
         self.state = state
         self._enqueue = enqueue
+        self._allow_shared = allow_shared
+        self.shared_allowed = 0
+
+    def allow_shared(self, nbytes):
+        """Let launches of this kernel ask for up to `nbytes` of dynamic shared memory
+        (once per value, on the kernel's device)."""
+        nbytes = int(nbytes)
+        if nbytes <= self.shared_allowed:
+            return
+        if self._allow_shared is None:
+            raise GPUError(f"kernel {self.name}: this backend cannot raise the dynamic "
+                           "shared-memory limit")
+        if self.state is None or is_entered(self.state):
+            self._allow_shared(nbytes)
+        else:
+            with entered(self.state):
+                self._allow_shared(nbytes)
+        self.shared_allowed = nbytes
 
     def launch(self, grid, block, *args):
         if len(args) != len(self.fmt):
@@ -98,25 +120,30 @@ class Kernel:
             with entered(self.state):
                 self._launch(grid, block, args)
 
-    def prepared(self, grid, block):
+    def prepared(self, grid, block, shared=0):
         """go(*args): `launch(grid, block, *args)` with the grid and block normalised
         and checked once, for launch plans that launch one configuration every
-        step (nothing launched for a grid with a zero extent)."""
+        step (nothing launched for a grid with a zero extent); `shared` bytes of
+        dynamic shared memory per block (see allow_shared)."""
         grid = tuple(int(g) for g in grid)
         block = tuple(int(b) for b in block)
+        shared = int(shared)
         if min(grid) <= 0:
             return _no_launch
         run, state, enqueue = self._launch, self.state, self._enqueue
+        if shared:
+            def run(grid, block, args, launch=run):
+                launch(grid, block, args, shared)
         if state is None:
             return lambda *args: run(grid, block, args)
         if enqueue is None:
-            def enqueue(grid, block, stream, *args):
+            def enqueue(grid, block, stream, *args, shared_size=0):
                 run(grid, block, args)
 
         def go(*args):
             stack = getattr(thread_state, "stack", None)
             if stack and stack[-1] is state:
-                enqueue(grid, block, state.stream, *args)
+                enqueue(grid, block, state.stream, *args, shared_size=shared)
             else:
                 with entered(state):
                     run(grid, block, args)

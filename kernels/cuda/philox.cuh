@@ -2,7 +2,7 @@
 // the random initialisers (fill.cu) and of dropout's masks (dropout.cu):
 // philox(counter, stream, seed) maps its arguments onto the counter words
 // (counter low, counter high, stream, 0) and the key (seed low, seed high).
-// ops/philox.py is the same generator in numpy, bit for bit.
+// kernels/cpu/philox.py is the same generator in numpy, bit for bit.
 #pragma once
 
 namespace mg {

@@ -16,10 +16,16 @@ Every collective takes `what=`, a short description of the caller (e.g.
 on every rank alike). Both label the call in statistics, in the order check
 and in the errors of a collective that does not complete (`Progress`).
 
-The order check (on by default, `check_order`): before each collective the
-ranks exchange a hash of (call index, kind, what, shape, dtype) and raise
+The order check (on by default, `check_order`): the ranks exchange a hash of
+(call index, kind, what, shape, dtype) of their collectives and raise
 CollectiveMismatchError on every rank when they differ, naming each rank's
 call, instead of letting mismatched collectives hang or mix unrelated buffers.
+A step of the Executor announces the collectives its ops will make
+(`begin_step`, from OpSchema.collectives): its first collective then checks them
+all in ONE exchange, before any data moves, and the rest are only compared with
+the announcement on this rank. A collective nobody announced (a checkpoint's
+broadcast, the exit check, a step whose ops cannot say) is checked on its own,
+with an exchange of its own.
 Backends with more than one rank put a deadline on every collective
 (`timeout_s`): see minigraph/distributed/deadline.py.
 """
@@ -85,6 +91,10 @@ class Communicator:
         self.progress = Progress()
         self.stats = {}          # kind -> [number of calls, bytes sent by this rank]
         self.trace = None        # a list to append (kind, what, nbytes) to, when set
+        self.order_checks = 0    # exchanges the order check made
+        self._script = None      # the step's announced calls (texts without "#index")
+        self._script_at = 0      # how many of them were made
+        self._script_checked = False
 
     @property
     def calls(self):
@@ -150,6 +160,22 @@ class Communicator:
         """End every rank of the job with exit status `code` (never returns)."""
         raise NotImplementedError
 
+    def begin_step(self, calls):
+        """Announce the collectives the coming step makes, in order: a list of
+        (kind, what, shape, dtype), or None when a step cannot say. With the order
+        check on and more than one rank, the first announced call checks the whole
+        list on every rank in one exchange; later ones are compared with it here
+        only. end_step() forgets what is left."""
+        self._script = None
+        if not calls or not self.check_order or self.size <= 1:
+            return
+        self._script = [call_text(*call) for call in calls]
+        self._script_at, self._script_checked = 0, False
+
+    def end_step(self):
+        """The step is over: later collectives are checked on their own again."""
+        self._script = None
+
     def reset_stats(self):
         """Forget the call statistics (not the call index the order check uses)."""
         self.stats = {}
@@ -174,19 +200,45 @@ class Communicator:
         label = what or kind
         progress.current = (index, label, time.monotonic())
         if self.check_order and self.size > 1:
-            shape = "" if x is None else f" shape={tuple(x.shape)} dtype={_dtype_name(x.dtype)}"
-            self.verify_same_call(f"#{index} {kind} '{what}'{shape}")
+            self._check_order(index, call_text(kind, what, None if x is None else x.shape,
+                                               None if x is None else x.dtype))
         yield
         progress.last = (index, label, time.monotonic())
         progress.current = None
 
+    def _check_order(self, index, call):
+        """The order check of collective #index (see the module doc)."""
+        script = self._script
+        if script is not None and self._script_at < len(script) and \
+                script[self._script_at] == call:
+            if not self._script_checked:        # the step's first: all of them, at once
+                self.verify_same_calls([f"#{index + i} {c}" for i, c in
+                                        enumerate(script[self._script_at:])])
+                self._script_checked = True
+            self._script_at += 1
+            return
+        self._script = None      # not what the step announced: each is checked on its own
+        self.verify_same_call(f"#{index} {call}")
+
     def verify_same_call(self, description):
         """Raise CollectiveMismatchError on every rank unless all ranks pass the
         same `description` (compared by hash; the texts go into the message)."""
-        digest = hashlib.blake2b(description.encode(), digest_size=8).digest()
+        self.verify_same_calls([description])
+
+    def verify_same_calls(self, descriptions):
+        """Raise CollectiveMismatchError on every rank unless all ranks pass the same
+        list of call descriptions (one exchange of a hash; the lists travel only when
+        they differ, and the message names each rank's first differing call)."""
+        text = "\n".join(descriptions)
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        self.order_checks += 1
         if self._exchange_digest(digest) == digest * self.size:
             return
-        error = CollectiveMismatchError(mismatch_message(self._gather_text(description)))
+        lists = [t.split("\n") for t in self._gather_text(text)]
+        first = next((k for k in range(max(map(len, lists)))
+                      if len({tuple(x[k:k + 1]) for x in lists}) > 1), 0)
+        error = CollectiveMismatchError(mismatch_message(
+            [x[first] if first < len(x) else "(no such collective in its step)" for x in lists]))
         self.progress.broken = error
         raise error
 
@@ -209,6 +261,14 @@ class Communicator:
 
 
 _dtype_names = {}
+
+
+def call_text(kind, what, shape=None, dtype=None):
+    """How the order check describes a collective: "kind 'what' shape=(..) dtype=..",
+    without shape and dtype for a call with no array."""
+    if shape is None:
+        return f"{kind} '{what}'"
+    return f"{kind} '{what}' shape={tuple(int(d) for d in shape)} dtype={_dtype_name(dtype)}"
 
 
 def _dtype_name(dtype):

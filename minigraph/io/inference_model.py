@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigraph.executor import prune
-from minigraph.feeds import io_variables
+from minigraph.feeds import check_no_infer_state, io_variables
 from minigraph.io import checkpoint_values
 from minigraph.io.files import atomic_write
 from minigraph.io.model_format import (
@@ -51,6 +50,7 @@ from minigraph.io.model_format import (
 from minigraph.io.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
 from minigraph.net import Net
 from minigraph.operator import Operator
+from minigraph.plan import prune
 from minigraph.schema import OpError, get_schema, registered_ops
 from minigraph.scope import check_reserved_name
 
@@ -94,6 +94,7 @@ def save_inference(net, dirname, feeds, fetches):
     what = f"save_inference {str(dirname)!r}"
     feed_vars, fetch_vars = io_variables(net, feeds, fetches, what, InferenceModelError)
     ops = prune(net.ops("infer"), fetch_vars)
+    check_no_infer_state(ops, what, InferenceModelError)
     needed = {id(v) for op in ops for v in op.input_vars() if v.is_data}
     absent = [v.name for v in _unique(v for op in ops for v in op.input_vars())
               if id(v) in needed and v not in feed_vars]

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.executor import prune
 from minigraph.feeds import io_variables
 from minigraph.io.files import atomic_write
+from minigraph.plan import prune
 
-OPSETS = range(13, 21)
+OPSETS = range(13, 25)
 DEFAULT_OPSET = 17
 
 
@@ -37,7 +37,7 @@ def export(net, path, feeds, fetches, opset=DEFAULT_OPSET):
     feeds: data Variables of `net` or their names, the model's inputs (in order).
     fetches: Variables of `net` (a train-branch Variable stands for its infer
     copy) or names, the model's outputs (in order). opset: the default-domain
-    opset, 13 to 20 (17 by default). Every op the fetches need must have an
+    opset, 13 to 24 (17 by default). Every op the fetches need must have an
     exporter (OpSchema.export) and every data Variable they read must be a
     feed; otherwise ExportError naming the op type (and why it has none) or
     the Variable.

@@ -1,5 +1,5 @@
-"""Layers with parameters or modes: data, fc, conv2d, pool2d, dropout (the normalisations:
-minigraph.layers.norm).
+"""Layers with parameters or modes: data, fc, linear, conv2d, pool2d, dropout (the
+normalisations: minigraph.layers.norm; attention: minigraph.layers.attention).
 
 Each returns its output Variable (the train copy once the net has forked;
 the infer branch has its own copy, `net.twin(var)`). Parameters get their
@@ -80,6 +80,48 @@ def fc(net, x, size, name=None, param_attr=None, bias_attr=None, bias=True):
     if not with_bias:
         return out
     return _bias(net, "fc", out, name, size, x.dtype, bias_attr, in_features, f"{name}.out")
+
+
+@layer("linear")
+def linear(net, x, size, param_attr=None, bias_attr=None, name=None):
+    """y = x @ w + b on the LAST axis of x of any rank >= 1 (torch.nn.Linear): x (...,
+    in_features) -> (..., size); w: `name.w` (in_features, size), b: `name.b` (size,).
+    param_attr / bias_attr as fc's (a ParamAttr or a name: the same name twice is one
+    shared parameter; bias_attr=False: no bias). Default initialisation: PyTorch's
+    nn.Linear's, as fc's. fc flattens every axis after the first (Paddle's fc, for an
+    image into a classifier); linear keeps them (a sequence's positions, the heads of
+    attention)."""
+    tensor(net, "linear", "x", x, float_only=True)
+    size = int_arg("linear", "size", size)
+    shape = x.shape
+    if shape is None or len(shape) < 1 or shape[-1] < 0:
+        raise ValueError(f"linear: argument 'x' ({x.name!r}) needs a known last axis (its "
+                         f"in_features), got shape {shape}")
+    return project(net, "linear", x, size, name, param_attr, bias_attr)
+
+
+def project(net, kind, x, size, name, param_attr=None, bias_attr=None):
+    """The ops of a linear layer `name` on x's last axis (what layers.linear and
+    multi_head_attention's projections build): mul (x_num_col_dims = rank - 1) and a
+    bias add on the last axis; parameters `name.w` and `name.b`."""
+    rank, in_features = len(x.shape), x.shape[-1]
+    w = parameter(net, kind, "param_attr", param_attr, f"{name}.w", (in_features, size),
+                  x.dtype, KaimingUniform(math.sqrt(5)), fan_in=in_features, fan_out=size)
+    flat = x if rank >= 2 else net.append("reshape", {"x": x}, {"out": f"{name}.row"},
+                                          {"shape": (1, in_features)})["out"]
+    with_bias = bias_attr is not False
+    out = net.append("mul", {"x": flat, "y": w},
+                     {"out": f"{name}.mul" if with_bias or rank < 2 else f"{name}.out"},
+                     {"x_num_col_dims": max(rank - 1, 1)})["out"]
+    if with_bias:
+        b = parameter(net, kind, "bias_attr", bias_attr, f"{name}.b", (size,), x.dtype,
+                      FanInUniform(), fan_in=in_features)
+        out = net.append("elementwise_add", {"x": out, "y": b},
+                         {"out": f"{name}.out" if rank >= 2 else f"{name}.biased"},
+                         {"axis": -1})["out"]
+    if rank < 2:
+        out = net.append("reshape", {"x": out}, {"out": f"{name}.out"}, {"shape": (size,)})["out"]
+    return out
 
 
 @layer("conv2d")

@@ -158,8 +158,8 @@ class Optimizer:
             raise ValueError(f"{name}.minimize: this optimizer already minimises a net; make "
                              "one optimizer per net")
         if getattr(net, "optimizer", None) is not None:
-            raise ValueError(f"{name}.minimize: this net is already minimised by a "
-                             f"{type(net.optimizer).__name__}; a net has one optimizer: give it "
+            raise ValueError(f"{name}.minimize: this net is already minimised (by "
+                             f"{type(net.optimizer).__name__}); a net has one optimizer: give it "
                              "parameter groups instead (parameters=[{'params': [...], "
                              "'learning_rate': multiplier, 'weight_decay': wd}, ...])")
         settings = groups.resolve(net, parameters, f"{name}.minimize", self.weight_decay)

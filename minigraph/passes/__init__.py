@@ -7,11 +7,14 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
     fold_batch_norm(net)          a new infer-only net with batch norms folded into conv/fc
     optimize_for_inference(net)   fold_batch_norm, then fuse_conv2d (conv+bias+residual+relu)
                                   and fuse_fc (mul+bias+relu)
+    fuse_batch_norm_relu(net)     batch_norm + relu -> batch_norm_relu, in place, in both
+                                  branches (and their grad ops after minimize)
     data_parallel.rewrite(net)    gradient averaging (see minigraph.distributed.data_parallel)
 """
 from minigraph.passes.fold_bn import FoldNote, fold_batch_norm
 from minigraph.passes.fuse import FuseNote, fuse_conv2d, fuse_fc, optimize_for_inference
+from minigraph.passes.fuse_bn_relu import FusedPair, fuse_batch_norm_relu
 from minigraph.passes.sync_bn import convert_sync_batchnorm
 
-__all__ = ["FoldNote", "FuseNote", "convert_sync_batchnorm", "fold_batch_norm", "fuse_conv2d",
-           "fuse_fc", "optimize_for_inference"]
+__all__ = ["FoldNote", "FuseNote", "FusedPair", "convert_sync_batchnorm", "fold_batch_norm",
+           "fuse_batch_norm_relu", "fuse_conv2d", "fuse_fc", "optimize_for_inference"]

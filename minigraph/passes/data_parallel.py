@@ -15,9 +15,12 @@ process on all the rows (with sync_batch_norm for the batch statistics):
     (`c_scale_by_batch_share`), which weights each rank by its share;
   * outputs an op declares presummed (`OpSchema.presummed`: sync_batch_norm
     grad's dscale and dbias, already sums over every rank) are divided by
-    the world size where they are made (`c_avg_presummed`, no
-    communication), and a gradient made only of replicated values
-    (`OpSchema.replication`) needs no allreduce at all.
+    the world size where they are made: by the op itself when its schema
+    declares the attribute that does it (`OpSchema.presummed_average`: the
+    sync grad ops' `average_ranks`, folded into their kernels), else by a
+    `c_avg_presummed` op after it (no communication either way); such values,
+    and a gradient made only of replicated values (`OpSchema.replication`),
+    need no allreduce at all.
 The pass knows the ops only through what their schemas declare.
 """
 from __future__ import annotations
@@ -112,15 +115,21 @@ def _weight_loss_grad(net, batch):
 
 
 def _divide_presummed(net):
-    """After each op with presummed outputs, divide them by the world size."""
+    """Divide each op's presummed outputs by the world size: the op's own attribute
+    where its schema declares one (presummed_average), else a c_avg_presummed after it."""
     for op in net.section("backward"):
         declared = op.schema.presummed
         grads = [op.outputs[s] for s in (declared(op) if declared else ())
                  if op.outputs.get(s) is not None]
-        if grads:
-            index = net.section("backward").index(op)
-            net.insert_op("backward", index + 1,
-                          Operator("c_avg_presummed", x=grads, out=grads))
+        if not grads:
+            continue
+        attr = op.schema.presummed_average
+        if attr is not None:
+            slots = {s: v for s, v in {**op.inputs, **op.outputs}.items() if v is not None}
+            net.replace_op("backward", op, Operator(op.type, **slots, **{**op.attrs, attr: True}))
+            continue
+        index = net.section("backward").index(op)
+        net.insert_op("backward", index + 1, Operator("c_avg_presummed", x=grads, out=grads))
 
 
 def _producers(ops):
@@ -141,6 +150,9 @@ def _replicated(var, producers, visiting=frozenset()):
     if id(var) in visiting:
         return True
     op = producers.get(id(var))
+    declared = op.schema.presummed if op is not None else None
+    if declared and any(op.outputs.get(s) is var for s in declared(op)):
+        return True                     # a sum over every rank: the same on each
     rule = op.schema.replication if op is not None else None
     if rule == "always":
         return True

@@ -10,9 +10,10 @@ x, the batch norm disappears into that layer's weight and bias:
     b' = (b - mean) * s + bias     (b = 0 without a bias add)
 
 The new bias is added by the layer's bias add (or one takes the batch
-norm's place). A batch norm that cannot be folded stays, and the report
-says why. The source net is not touched: the pass works on a copy of its
-inference graph (minigraph.passes.infer_clone).
+norm's place). A batch_norm_relu (role "batch_norm_relu") folds the same way and
+leaves a relu op computing its output from the folded layer's. A batch norm that
+cannot be folded stays, and the report says why. The source net is not touched:
+the pass works on a copy of its inference graph (minigraph.passes.infer_clone).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def fold(net, fetches, verbose, made_by):
 
 
 def _fold_one(net, bn):
-    label = bn.outputs["y"].name.rsplit(".", 1)[0]
+    label = bn.outputs["batch_mean"].name.rsplit(".", 1)[0]
     ops = net.section("trunk")
     x = bn.inputs["x"]
     readers = [op for op in ops if x in op.input_vars()]
@@ -97,23 +98,45 @@ def _fold_one(net, bn):
     b_old = bias_add.inputs["y"].get().astype(np.float64) if bias_add else 0.0
     b_new = ((b_old - a["estimated_mean"]) * s + a["bias"]).astype(w.dtype)
     y = bn.outputs["y"]
+    relu = bn.schema.has_role("batch_norm_relu")
+    if relu:                            # the folded layer's output, then a relu into y
+        out = net.scope.new_var(f"{label}.folded")
+        out.declare(y.decl_shape, y.decl_dtype)
+    else:
+        out = y
     if bias_add is not None:
         b = bias_add.inputs["y"]
         b.set(net.place.to_device(b_new))
         net.replace_op("trunk", bias_add, Operator(
-            bias_add.type, x=bias_add.inputs["x"], y=b, out=y, **bias_add.attrs))
-        net.remove_op("trunk", bn)
+            bias_add.type, x=bias_add.inputs["x"], y=b, out=out, **bias_add.attrs))
+        if relu:
+            net.replace_op("trunk", bn, _folded_relu(bn, out, y))
+        else:
+            net.remove_op("trunk", bn)
     else:
         b = bn.inputs["bias"]
         if b is None:                   # affine=False: the folded bias gets a Variable
             b = net.scope.new_var(f"{label}.folded_bias", persistable=True, trainable=False)
         b.set(net.place.to_device(b_new))
-        add = Operator(op_for_role("bias_add"), x=x, y=b, out=y,
+        add = Operator(op_for_role("bias_add"), x=x, y=b, out=out,
                        axis=_out_channel_axis(producer, x))
         add.layer = producer.layer              # the layer's bias now
         net.replace_op("trunk", bn, add)
+        if relu:
+            ops = net.section("trunk")
+            net.insert_op("trunk", ops.index(add) + 1, _folded_relu(bn, out, y))
     return FoldNote(label, True, into=f"the {producer.type} computing {x.name!r}" +
-                    (" and its bias add" if bias_add else " (as a new bias add)"))
+                    (" and its bias add" if bias_add else " (as a new bias add)") +
+                    (", a relu after it" if relu else ""))
+
+
+def _folded_relu(bn, x, out):
+    """The relu a folded batch_norm_relu leaves after the folded layer: in the layer its
+    output is named after (the relu layer the fusing pass took it from), else the batch
+    norm's."""
+    relu = Operator(op_for_role("relu"), x=x, out=out)
+    relu.layer = out.name.rsplit(".", 1)[0] if "." in out.name else bn.layer
+    return relu
 
 
 def _out_channel_axis(producer, out):

@@ -7,9 +7,9 @@ ops pruned to `fetches` (by default the net's predictions, see
 from __future__ import annotations
 
 from minigraph import feeds
-from minigraph.executor import prune
 from minigraph.net import Net
 from minigraph.operator import Operator
+from minigraph.plan import prune
 
 LEFT_OUT = ("loss", "metric")           # the layer roles an inference net leaves out
 
@@ -53,6 +53,8 @@ def clone_for_inference(net, made_by="clone_for_inference", fetches=None):
     of the layer that built it. Returns (new net, {id(old Variable): new Variable})."""
     check_net(net, made_by)
     outputs = inference_outputs(net, fetches, made_by)
+    ops = prune(net.ops("infer"), outputs)
+    feeds.check_no_infer_state(ops, made_by)
     new = InferOnlyNet(net.place, net.seed, made_by)
     made = {}
 
@@ -74,7 +76,7 @@ def clone_for_inference(net, made_by="clone_for_inference", fetches=None):
         made[id(v)] = found
         return found
 
-    for op in prune(net.ops("infer"), outputs):
+    for op in ops:
         slots = {**op.inputs, **op.outputs}
         copy = Operator(op.type, **{s: twin(v) for s, v in slots.items() if v is not None},
                         **op.attrs)

@@ -11,9 +11,13 @@ variable (`conv1.out@GRAD`, `@GRAD@1` for a second part). So:
   (`op.layer`: the layer API records it, rewrites and inference passes keep
   it, inference models save it), else to the layer whose name is the longest
   dotted prefix of its outputs' names (its non-persistable outputs first);
-- a backward op belongs to the layer of the variables whose gradients it reads
-  (a grad op reads the gradients of its forward op's outputs), or, reading
-  none (the loss gradient's fill), of those it writes;
+  when they name several layers, to the layer of the persistables it reads,
+  if they name one;
+- a backward op belongs to the layer of its forward op (the train-path op whose
+  outputs' gradients it reads: batch_norm_relu_grad reads the relu output's
+  gradient but belongs to the batch norm's layer, as its forward op does), else
+  to the layer of the variables whose gradients it reads, or, reading none (the
+  loss gradient's fill), of those it writes;
 - an update op belongs to the layer of the persistables it writes (those
   that point at a layer: the parameter, not its optimizer state).
 
@@ -97,6 +101,9 @@ class LayerMap:
 
     def _owner(self, op, section):
         if section == "backward":
+            forward = self.forward_of(op)
+            if forward is not None and self._layer.get(id(forward)) is not None:
+                return self._layer[id(forward)]
             chosen = _grads(op.input_vars()) or _grads(op.output_vars())
         elif section == "update":
             chosen = [v for v in op.output_vars() if v.persistable]
@@ -106,6 +113,8 @@ class LayerMap:
             outs = op.output_vars()
             chosen = [v for v in outs if not v.persistable] or outs
         found = {self.var_layer(v) for v in chosen}
+        if len(found) > 1 and section != "update":
+            found = {self.var_layer(v) for v in op.input_vars() if v.persistable} or found
         if section == "update":
             found.discard(None)
         return found.pop() if len(found) == 1 else None

@@ -10,7 +10,10 @@ its tests here:
   allocation of it destroyed on another thread while it is not current there
   is leaked with PyCUDA's warning, and detach() there releases nothing;
 - after a sticky error every wait, launch and copy raises;
-- prepared_async_call packs its arguments with struct's rules;
+- prepared_async_call packs its arguments with struct's rules, and takes more than
+  48 KiB of dynamic shared memory only after the function's
+  MAX_DYNAMIC_SHARED_SIZE_BYTES attribute allows it (set_attribute, at most the
+  device's opt-in);
 - compile needs no context (given arch); module_from_buffer does.
 """
 from __future__ import annotations
@@ -141,6 +144,41 @@ def test_launches_pack_arguments_like_pycuda(cuda):
     with pytest.raises(Exception, match=r"block \(2048, 1, 1\)"):
         fn.prepared_async_call((1, 1, 1), (2048, 1, 1), None, int(a.gpudata), 8, 7)
     assert out is ctx
+    del a, fn
+    cuda.drv.Context.pop()
+    ctx.detach()
+
+
+def test_dynamic_shared_memory_past_48_kib_needs_the_function_attribute(cuda):
+    import pycuda.compiler
+
+    from minigraph.kernels.cuda import loader
+
+    ctx = cuda.drv.Device(0).retain_primary_context()
+    ctx.push()
+    image = pycuda.compiler.compile(loader.read_source("fill"), arch="sm_90")
+    fn = cuda.drv.module_from_buffer(image).get_function("fill_u32")
+    fn.prepare("PqI")
+    from pycuda.gpuarray import empty
+
+    a = empty((8,), np.uint32)
+    fn.prepared_async_call((1, 1, 1), (32, 1, 1), None, int(a.gpudata), 8, 7,
+                           shared_size=48 * 1024)
+    with pytest.raises(FakeDriverError, match="49153 bytes of dynamic shared memory, more than "
+                                              "the 49152"):
+        fn.prepared_async_call((1, 1, 1), (32, 1, 1), None, int(a.gpudata), 8, 7,
+                               shared_size=48 * 1024 + 1)
+    attribute = cuda.drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES
+    with pytest.raises(FakeDriverError, match="more than the device's opt-in"):
+        fn.set_attribute(attribute, 228 * 1024)
+    fn.set_attribute(attribute, 200 * 1024)
+    fn.prepared_async_call((1, 1, 1), (32, 1, 1), None, int(a.gpudata), 8, 7,
+                           shared_size=200 * 1024)
+    with pytest.raises(FakeDriverError, match="more than the 204800"):
+        fn.prepared_async_call((1, 1, 1), (32, 1, 1), None, int(a.gpudata), 8, 7,
+                               shared_size=200 * 1024 + 4)
+    np.testing.assert_array_equal(a.get(), np.full(8, 7))
+    assert cuda.counts["set_attribute"] == 1
     del a, fn
     cuda.drv.Context.pop()
     ctx.detach()

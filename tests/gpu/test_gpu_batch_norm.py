@@ -83,6 +83,11 @@ SHAPES = {
     "torch-rule-nhwc-f64": ("NHWC", (3, 4, 6), F64,
                             dict(first_batch_sets_estimates=False, momentum=0.7),
                             dict(counter=2)),
+    # one launch per pass, 68 KiB of shared memory (the function attribute)
+    "resident-68k-f32": ("NCHW", (64, 8, 7, 7), F32, {}, dict(counter=2)),
+    # more channel groups than CTAs: the next group double-buffered
+    "resident-double-f64": ("NCHW", (128, 32, 7, 7), F64, {}, {}),
+    "rows-wide-f32": ("NCHW", (40, 64), F32, {}, {}),
 }
 MODES = {"train": {}, "use_global_est": dict(use_global_est=True), "is_infer": dict(is_infer=True)}
 GRADS = (("x", "scale", "bias"), ("x",), ("scale", "bias"))
@@ -104,15 +109,16 @@ OP_WORLDS = {"batch_norm": ("batch_norm", LocalComm),
              "sync_batch_norm-2-ranks": ("sync_batch_norm", LoneRankComm)}
 
 
+@pytest.mark.parametrize("op_type", ["batch_norm", "batch_norm_relu"])
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("case", sorted(SHAPES))
-def test_batch_norm_matches_the_cpu(device_place, force_splits, case, mode):
+def test_batch_norm_matches_the_cpu(device_place, force_splits, case, mode, op_type):
     layout, shape, dtype, attrs, kw = SHAPES[case]
     ins = bn_inputs(shape, layout, dtype, **kw)
     attrs = dict(attrs, data_layout=layout, **MODES[mode])
     grad_sets = GRADS if mode == "train" else GRADS[:1]
-    want, want_grads = run_op(mg.CPUPlace(), "batch_norm", ins, attrs, grad_sets, ("y",))
-    got, got_grads = run_op(device_place, "batch_norm", ins, attrs, grad_sets, ("y",))
+    want, want_grads = run_op(mg.CPUPlace(), op_type, ins, attrs, grad_sets, ("y",))
+    got, got_grads = run_op(device_place, op_type, ins, attrs, grad_sets, ("y",))
     assert set(got) == set(want)
     loosen = 10.0 if kw.get("offset") else 1.0
     for slot in want:
@@ -308,6 +314,64 @@ def test_sync_path_makes_one_allreduce_each_way(device_place, monkeypatch, layou
     run_op(device_place, "sync_batch_norm", ins, dict(attrs, is_infer=True), grads, ("y",))
     run_op(device_place, "sync_batch_norm", ins, dict(attrs, use_global_est=True), grads, ("y",))
     assert comm.trace == []                  # the estimates need no communication
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["sums", "average_ranks"])
+def test_the_fused_sync_op_and_its_averaged_grads_match_the_cpu(device_place, monkeypatch,
+                                                                  average):
+    """sync_batch_norm_relu on the synchronized kernels (as one of two ranks) against the
+    CPU's, forward and its grad op; with average_ranks, dscale and dbias divided by the
+    two ranks in the gradient-from-sums kernel."""
+    monkeypatch.setattr(world, "_comm", LoneRankComm(device_place))
+    rng = np.random.default_rng(5)
+    shape, c = (6, 4, 5, 5), 4
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    results = []
+    for place in (mg.CPUPlace(), device_place):
+        scope = mg.Scope()
+        v = {}
+        for name, value in (("x", x), ("dy", dy), ("scale", np.linspace(.5, 1.5, c)),
+                            ("bias", np.linspace(-.5, .5, c)), ("mean", np.zeros(c)),
+                            ("var", np.ones(c))):
+            v[name] = scope.new_var(name, persistable=name not in ("x", "dy"))
+            v[name].set(place.to_device(np.asarray(value, np.float32)))
+        out = {k: scope.new_var(k) for k in ("y", "bm", "bv", "dx", "ds", "db")}
+        fwd = mg.Operator("sync_batch_norm_relu", x=v["x"], scale=v["scale"], bias=v["bias"],
+                          estimated_mean=v["mean"], estimated_var=v["var"], y=out["y"],
+                          batch_mean=out["bm"], batch_var=out["bv"], saved_mean=v["mean"],
+                          saved_var=v["var"])
+        grad = mg.Operator("sync_batch_norm_relu_grad", x=v["x"], scale=v["scale"],
+                           mean=out["bm"], var=out["bv"], dy=v["dy"], y=out["y"], dx=out["dx"],
+                           dscale=out["ds"], dbias=out["db"], average_ranks=average)
+        results.append(mg.Executor(place).run([fwd, grad], scope,
+                                              fetch=["y", "dx", "ds", "db", "mean"]))
+    for name, got, want in zip(("y", "dx", "dscale", "dbias", "mean"), results[1], results[0],
+                               strict=True):
+        assert_close(got, want, f"sync relu {name}")
+    plain_db = np.where(results[0][0] > 0, dy, 0).sum(axis=(0, 2, 3))
+    np.testing.assert_allclose(results[0][3], plain_db / (2 if average else 1), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_c_avg_presummed_matches_the_cpu(device_place, monkeypatch):
+    """c_avg_presummed (data_parallel still adds it after an op whose presummed outputs
+    have no attribute to divide them itself) divides by the world size on the device."""
+    monkeypatch.setattr(world, "_comm", LoneRankComm(device_place))
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(5)]
+    results = []
+    for place in (mg.CPUPlace(), device_place):
+        scope = mg.Scope()
+        ins, outs = [scope.new_var(f"x{i}") for i in range(2)], \
+            [scope.new_var(f"out{i}") for i in range(2)]
+        for var, x in zip(ins, xs, strict=True):
+            var.set(place.to_device(x))
+        op = mg.Operator("c_avg_presummed", x=ins, out=outs)
+        results.append(mg.Executor(place).run([op], scope, fetch=outs))
+    for got, want, x in zip(results[1], results[0], xs, strict=True):
+        assert_close(got, want, "c_avg_presummed")
+        np.testing.assert_allclose(want, x / 2, rtol=1e-6)
 
 
 def test_local_vectors_are_the_cpu_packing(device_place, force_splits):

@@ -7,6 +7,10 @@ so a kernel or launcher bug that a real device would show cannot pass the tests:
 - a misaligned access (a 16-byte pack off a 16-byte boundary) fails the launch;
 - a block's static shared memory is measured and limited, and starts poisoned
   (shared memory is uninitialised on a GPU: nothing carries over between blocks);
+- dynamic shared memory counts against the same 48 KiB unless the kernel's
+  MAX_DYNAMIC_SHARED_SIZE_BYTES attribute was raised (then up to it, and 227 KiB
+  with the static part); it starts poisoned too, and a write past it fails the
+  launch;
 - blocks run in an order shuffled by the launch's seed.
 
 Probe kernels are compiled from a source written here; the real ones from kernels/cuda.
@@ -45,15 +49,34 @@ extern "C" __global__ void probe_load4(const float* in, float* out) {
   struct alignas(16) F4 { float v[4]; };
   out[threadIdx.x] = reinterpret_cast<const F4*>(in)[threadIdx.x].v[0];
 }
+#include "common.cuh"
+// each thread writes `count` floats of dynamic shared memory from `start`, then reads
+// back its first (a block-wide sum of the first 32 through async copies of `in`)
+extern "C" __global__ void probe_dynamic(const float* in, float* out, int start, int count) {
+  float* dyn = mg::dynamic_shared<float>();
+  if (threadIdx.x == 0) out[blockIdx.x * 2 + 1] = dyn[0];       // poisoned: NaN
+  __syncthreads();
+  for (int i = threadIdx.x; i < count; i += blockDim.x) dyn[start + i] = 1.0f;
+  mg::async_copy<16>(dyn + 4 * threadIdx.x, in + 4 * threadIdx.x);
+  mg::async_commit();
+  mg::async_wait_prior<0>();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.0f;
+    for (int i = 0; i < 4 * 32; ++i) s += dyn[i];
+    out[blockIdx.x * 2] = s;
+  }
+}
 """
 SIGNATURES = {"probe_order": "PP", "probe_shared_read": "P", "probe_big_shared": "P",
-              "probe_load4": "PP"}
+              "probe_load4": "PP", "probe_dynamic": "PPii"}
 
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
     kdir = tmp_path_factory.mktemp("probes")
     (kdir / "probes.cu").write_text(PROBES)
+    (kdir / "common.cuh").write_text((loader.kernel_dir() / "common.cuh").read_text())
     lib = kernel_emulator.load(kernel_emulator.build("probes", SIGNATURES, kdir=kdir))
     return lambda name, seed=1: EmuKernel(lib, name, SIGNATURES[name], [seed])
 
@@ -179,3 +202,48 @@ def test_blocks_run_in_an_order_shuffled_per_seed(probes, seed):
         assert sorted(got) == list(range(64))
         orders.append(got.tolist())
     assert orders[0] != orders[1] and orders[0] != sorted(orders[0])
+
+
+# ---- dynamic shared memory and the function attribute ---------------------------------------
+
+def test_dynamic_shared_memory_is_poisoned_and_filled_by_async_copies(probes):
+    k = probes("probe_dynamic")
+    src = to_device(np.arange(128, dtype=np.float32))
+    out = EmuArray((4,), np.float32)
+    k((2, 1, 1), (32, 1, 1), (src.gpudata, out.gpudata, 512, 32), 4096)
+    got = out.get().reshape(2, 2)
+    np.testing.assert_array_equal(got[:, 0], [np.arange(128).sum()] * 2)
+    assert np.isnan(got[:, 1]).all()                  # every block starts poisoned
+
+
+def test_past_48_kib_a_launch_needs_the_attribute(probes):
+    """As CUDA: without MAX_DYNAMIC_SHARED_SIZE_BYTES a block has 48 KiB in all (static
+    and dynamic); with it, up to the attribute (and 227 KiB with the static part)."""
+    k = probes("probe_dynamic")
+    src, out = to_device(np.zeros(128, np.float32)), EmuArray((2,), np.float32)
+    with pytest.raises(EmulatorError, match=r"65536 bytes of dynamic shared memory; a block may "
+                                            r"have 49152 without raising"):
+        k((1, 1, 1), (32, 1, 1), (src.gpudata, out.gpudata, 0, 32), 64 * 1024)
+    k.allow_shared(100 * 1024)
+    k((1, 1, 1), (32, 1, 1), (src.gpudata, out.gpudata, 16000, 32), 64 * 1024)
+    with pytest.raises(EmulatorError, match="the function attribute MAX_DYNAMIC_SHARED_SIZE_BYTES "
+                                            "allows 102400"):
+        k((1, 1, 1), (32, 1, 1), (src.gpudata, out.gpudata, 0, 32), 101 * 1024)
+    with pytest.raises(EmulatorError, match="more than the 232448 a block may opt in to"):
+        k.allow_shared(228 * 1024)
+
+
+def test_static_and_dynamic_shared_memory_add_up(probes, monkeypatch):
+    k = probes("probe_shared_read")
+    out = EmuArray((32,), np.float32)
+    with pytest.raises(EmulatorError, match=r"128 bytes of static shared memory and 49100 of "
+                                            r"dynamic, more than the 49152"):
+        k((1, 1, 1), (32, 1, 1), (out.gpudata,), 49100)
+
+
+def test_a_write_past_the_dynamic_shared_memory_fails_the_launch(probes):
+    k = probes("probe_dynamic")
+    src, out = to_device(np.zeros(128, np.float32)), EmuArray((2,), np.float32)
+    with pytest.raises(EmulatorError, match="wrote outside its 4096 bytes of dynamic shared "
+                                            "memory"):
+        k((1, 1, 1), (32, 1, 1), (src.gpudata, out.gpudata, 1000, 40), 4096)

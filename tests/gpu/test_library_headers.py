@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from minigraph.kernels.cuda import cublas, cudnn, libraries
+from minigraph.kernels.cuda import cublas, cudnn_api, libraries
 
 INCLUDES = ("nvidia/cu13/include", "nvidia/cublas/include", "nvidia/cudnn/include")
 BUILTIN = {"int": 4, "const int": 4, "double": 8, "float": 4, "size_t": 8, "int64_t": 8,
@@ -86,7 +86,7 @@ def test_the_headers_are_there():
     assert HAVE, "run python .ci/gpu_headers.py DIR and set MINIGRAPH_GPU_HEADERS=DIR"
 
 
-@pytest.mark.parametrize("module", [cublas, cudnn], ids=["cublas", "cudnn"])
+@pytest.mark.parametrize("module", [cublas, cudnn_api], ids=["cublas", "cudnn"])
 def test_every_declared_function_matches_its_prototype(module):
     for name, (result, params) in module.PROTOTYPES.items():
         want_result, want_params = prototype(name)
@@ -111,7 +111,7 @@ def c_size(c_type):
     raise AssertionError(f"C type {c_type!r}: not a pointer, enum or builtin in the headers")
 
 
-@pytest.mark.parametrize("module", [cublas, cudnn], ids=["cublas", "cudnn"])
+@pytest.mark.parametrize("module", [cublas, cudnn_api], ids=["cublas", "cudnn"])
 def test_every_c_type_has_its_size_in_ctypes(module):
     used = {t for result, params in module.PROTOTYPES.values() for t in [result, *params]}
     for c_type in sorted(used):
@@ -124,7 +124,7 @@ def test_every_c_type_has_its_size_in_ctypes(module):
                                             f"bytes, the header's is {size}"
 
 
-@pytest.mark.parametrize("module", [cublas, cudnn], ids=["cublas", "cudnn"])
+@pytest.mark.parametrize("module", [cublas, cudnn_api], ids=["cublas", "cudnn"])
 def test_every_enum_value_matches(module):
     for name, value in module.ENUMS.items():
         found = re.search(r"\b" + name + r"(?:\s+[A-Z_]+)?\s*=\s*(-?\w+)", ALL) or \
@@ -136,17 +136,17 @@ def test_every_enum_value_matches(module):
 def test_the_algorithm_perf_structs_match():
     text = HEADERS["cudnn_cnn.h"]
     sizes = {"int": 4, "float": 4, "size_t": 8}
-    for struct in cudnn.PERF_STRUCTS:
+    for struct in cudnn_api.PERF_STRUCTS:
         body = re.search(r"typedef\s+struct\s+\w+\s*\{([^}]*)\}\s*" + struct, text)
         assert body, struct
         fields = [f.split() for f in body.group(1).split(";") if f.strip()]
         names = [f[-1].split("[")[0] for f in fields]
-        assert names == [n for n, _ in cudnn.AlgoPerf._fields_], struct
+        assert names == [n for n, _ in cudnn_api.AlgoPerf._fields_], struct
         offset = 0
-        for (c_type, name), (mine, t) in zip(fields, cudnn.AlgoPerf._fields_):
+        for (c_type, name), (mine, t) in zip(fields, cudnn_api.AlgoPerf._fields_):
             size = sizes.get(c_type) or c_size(c_type)
             count = int(re.search(r"\[(\d+)\]", name).group(1)) if "[" in name else 1
             assert ctypes.sizeof(t) == size * count, f"{struct}.{name}"
             offset = -(-offset // size) * size
-            assert getattr(cudnn.AlgoPerf, mine).offset == offset, f"{struct}.{name} offset"
+            assert getattr(cudnn_api.AlgoPerf, mine).offset == offset, f"{struct}.{name} offset"
             offset += size * count

@@ -47,7 +47,7 @@ def test_mul_and_grad(device):
 
 
 def test_batch_launches_cover_every_product_once():
-    from minigraph.kernels.cuda import matmul
+    from minigraph.kernels.cuda import batched_matmul
 
     dims, strides = (3, 4, 5), ((0, 5, 1), (20, 0, 1), (20, 5, 1))
     want = sorted(tuple(sum(i * s for i, s in zip(idx, st)) for st in strides)
@@ -55,13 +55,13 @@ def test_batch_launches_cover_every_product_once():
     for zmax in (1, 3, 7, 20, 65535):
         got = []
         for (oa, ob, oc), inner_count, batches, (ao, ai, bo, bi, co, ci) in \
-                matmul.batch_launches(dims, strides, zmax):
+                batched_matmul.batch_launches(dims, strides, zmax):
             assert batches <= zmax and batches % inner_count == 0
             for z in range(batches):
                 o, i = divmod(z, inner_count)
                 got.append([oa + o * ao + i * ai, ob + o * bo + i * bi, oc + o * co + i * ci])
         assert sorted(map(tuple, got)) == want, zmax
-    assert matmul.batch_launches((), ((), (), ()), 10) == [((0, 0, 0), 1, 1, (0,) * 6)]
+    assert batched_matmul.batch_launches((), ((), (), ()), 10) == [((0, 0, 0), 1, 1, (0,) * 6)]
 
 
 def _t(a, flag):
@@ -79,7 +79,7 @@ def _t(a, flag):
 def test_batched_and_grad_match_numpy(device, x_shape, y_shape, tx, ty, dtype):
     from references import unbroadcast
 
-    from minigraph.kernels.cuda import matmul
+    from minigraph.kernels.cuda import batched_matmul
 
     r = rng(11)
     xs = _t(np.empty(x_shape), tx).shape             # stored shapes for the transposed cases
@@ -88,34 +88,34 @@ def test_batched_and_grad_match_numpy(device, x_shape, y_shape, tx, ty, dtype):
     x64, y64 = _t(x.astype(np.float64), tx), _t(y.astype(np.float64), ty)
     want = np.matmul(x64, y64)
     tol = 1e-5 if dtype == np.float32 else 1e-12
-    out = device.get(matmul.batched(device.put(x), device.put(y), tx, ty))
+    out = device.get(batched_matmul.batched(device.put(x), device.put(y), tx, ty))
     assert out.shape == want.shape and out.dtype == dtype
     assert rel_err(out, want) < tol
     d = r.normal(size=want.shape).astype(dtype)
-    dx, dy = matmul.batched_grad(device.put(x), device.put(y), device.put(d), tx, ty)
+    dx, dy = batched_matmul.batched_grad(device.put(x), device.put(y), device.put(d), tx, ty)
     want_dx = unbroadcast(_t(np.matmul(d, np.swapaxes(y64, -1, -2)), tx), x.shape)
     want_dy = unbroadcast(_t(np.matmul(np.swapaxes(x64, -1, -2), d), ty), y.shape)
     assert device.get(dx).shape == x.shape and device.get(dy).shape == y.shape
     assert rel_err(device.get(dx), want_dx) < tol
     assert rel_err(device.get(dy), want_dy) < tol
-    only = matmul.batched_grad(device.put(x), device.put(y), device.put(d), tx, ty, need_dx=False)
+    only = batched_matmul.batched_grad(device.put(x), device.put(y), device.put(d), tx, ty, need_dx=False)
     assert only[0] is None and rel_err(device.get(only[1]), want_dy) < tol
 
 
 def test_batched_edge_cases_and_checks(device):
-    from minigraph.kernels.cuda import matmul
+    from minigraph.kernels.cuda import batched_matmul
 
     x, y = np.ones((2, 3, 0)), np.ones((0, 4))
-    out = matmul.batched(device.put(x), device.put(y))
+    out = batched_matmul.batched(device.put(x), device.put(y))
     np.testing.assert_array_equal(device.get(out), np.zeros((2, 3, 4)))
-    dx, dy = matmul.batched_grad(device.put(x), device.put(y), device.put(np.ones((2, 3, 4))))
+    dx, dy = batched_matmul.batched_grad(device.put(x), device.put(y), device.put(np.ones((2, 3, 4))))
     assert device.get(dx).shape == (2, 3, 0)
     np.testing.assert_array_equal(device.get(dy), np.zeros((0, 4)))
     x, y = np.ones((1, 3, 2)), np.ones((0, 2, 4))          # no batch matrices: dx sums none
-    assert device.get(matmul.batched(device.put(x), device.put(y))).shape == (0, 3, 4)
-    dx, _ = matmul.batched_grad(device.put(x), device.put(y), device.put(np.ones((0, 3, 4))))
+    assert device.get(batched_matmul.batched(device.put(x), device.put(y))).shape == (0, 3, 4)
+    dx, _ = batched_matmul.batched_grad(device.put(x), device.put(y), device.put(np.ones((0, 3, 4))))
     np.testing.assert_array_equal(device.get(dx), np.zeros((1, 3, 2)))
     with pytest.raises(ValueError, match="inner dims differ"):
-        matmul.batched(device.put(np.ones((2, 3))), device.put(np.ones((2, 3))))
+        batched_matmul.batched(device.put(np.ones((2, 3))), device.put(np.ones((2, 3))))
     with pytest.raises(ValueError, match=r"shapes \(2,\) and \(3,\) do not broadcast"):
-        matmul.batched(device.put(np.ones((2, 1, 3))), device.put(np.ones((3, 3, 1))))
+        batched_matmul.batched(device.put(np.ones((2, 1, 3))), device.put(np.ones((3, 3, 1))))

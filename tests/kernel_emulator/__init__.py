@@ -9,9 +9,14 @@ every launch). It checks the kernels' logic - indexing, reductions, the
 last-block merges, the launch plans - and what the hardware and PyCUDA
 refuse: arguments are packed with PyCUDA's rules (struct: a float for an int
 parameter, or a value out of range, raises struct.error), grids and blocks
-must fit the hardware's limits, a block's static shared memory must fit in
-SHARED_LIMIT bytes (measured: the __shared__ variables a block changed), and
-every access must be aligned to its type (16 bytes for a pack). Not checked:
+must fit the hardware's limits, a block's static shared memory (measured: the
+__shared__ variables a block changed) plus the dynamic shared memory its
+launch asked for must fit in SHARED_LIMIT bytes - or, after
+`Kernel.allow_shared(n)` raised the kernel's limit (CUDA's function
+attribute MAX_DYNAMIC_SHARED_SIZE_BYTES), the dynamic part must fit in n and
+both in OPTIN_LIMIT (sm_90's 227 KiB) - a block must not write outside its
+dynamic shared memory, and every access must be aligned to its type (16
+bytes for a pack). Not checked:
 speed, the memory model, anything else a real GPU would add (races between
 blocks, float contraction). Kernels launched with two pointer arguments at
 one address (in place) are recorded in `aliased`.
@@ -45,7 +50,8 @@ CXX = shutil.which("g++")
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-w")
 KERNEL_FLAGS = ("-fsanitize=alignment",)       # the kernel module only: handled in runtime.cpp
 LINK_FLAGS = ("-shared", "-Wl,--no-undefined")
-SHARED_LIMIT = 48 * 1024      # bytes of static shared memory a block may have
+SHARED_LIMIT = 48 * 1024      # bytes of shared memory a block may have (static + dynamic)
+OPTIN_LIMIT = 227 * 1024      # ... once the kernel's function attribute allows more (sm_90)
 MAX_GRID = (2**31 - 1, 65535, 65535)
 MAX_BLOCK = (1024, 1024, 64)
 PAD = 64                      # canary bytes on each side of an array
@@ -201,7 +207,7 @@ def load(path):
     lib.emu_launch.restype = ctypes.c_int
     lib.emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
         ctypes.c_void_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int,
-        ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong)]
+        ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong)]
     variables, launch_at = _shared_variables(path)
     base = ctypes.cast(lib.emu_launch, ctypes.c_void_p).value - launch_at
     addresses = (ctypes.c_ulonglong * max(len(variables), 1))(*(base + at for at, _ in variables))
@@ -211,8 +217,10 @@ def load(path):
 
 
 class EmuKernel:
-    """One entry point of a loaded library: `(grid, block, args)` runs it (see
-    the module doc for what a launch checks)."""
+    """One entry point of a loaded library: `(grid, block, args, shared=0)` runs it
+    with `shared` bytes of dynamic shared memory (see the module doc for what a
+    launch checks); `allow_shared(n)` is CUDA's cuFuncSetAttribute(
+    MAX_DYNAMIC_SHARED_SIZE_BYTES, n)."""
 
     def __init__(self, lib, name, fmt, seed):
         self.name, self.fmt = name, fmt
@@ -220,8 +228,20 @@ class EmuKernel:
         self._fn = ctypes.cast(getattr(lib, f"emu_wrap_{name}"), ctypes.c_void_p)
         self._seed = seed
         self.shared_used = 0      # the most static shared memory a block of it touched
+        self.max_dynamic = None   # the function attribute, once set (None: the default)
+        self.launches = 0         # launches that ran
 
-    def __call__(self, grid, block, args):
+    def allow_shared(self, nbytes):
+        """Let launches ask for up to `nbytes` of dynamic shared memory (the function
+        attribute); EmulatorError past OPTIN_LIMIT, as CUDA refuses it."""
+        nbytes = int(nbytes)
+        if not 0 <= nbytes <= OPTIN_LIMIT - self.shared_used:
+            raise EmulatorError(f"{self.name}: MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes} with "
+                                f"{self.shared_used} bytes of static shared memory: more than "
+                                f"the {OPTIN_LIMIT} a block may opt in to")
+        self.max_dynamic = nbytes
+
+    def __call__(self, grid, block, args, shared=0):
         values = [C_TYPES[c][1](v) for c, v in zip(self.fmt, pack_args(self.name, self.fmt,
                                                                        args))]
         pointers = [(i, v.value) for i, (c, v) in enumerate(zip(self.fmt, values))
@@ -231,16 +251,31 @@ class EmuKernel:
                 if p == q:
                     aliased.add((self.name, (i, j)))
         check_geometry(self.name, grid, block)
+        shared = int(shared)
+        allowed = SHARED_LIMIT if self.max_dynamic is None else self.max_dynamic
+        if shared < 0 or shared > allowed:
+            how = ("the function attribute MAX_DYNAMIC_SHARED_SIZE_BYTES allows "
+                   f"{self.max_dynamic}" if self.max_dynamic is not None else
+                   f"a block may have {SHARED_LIMIT} without raising the function attribute "
+                   "MAX_DYNAMIC_SHARED_SIZE_BYTES")
+            raise EmulatorError(f"{self.name}: launched with {shared} bytes of dynamic shared "
+                                f"memory; {how}")
         argv = (ctypes.c_void_p * len(values))(
             *(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
         err = ctypes.create_string_buffer(1024)
         used = ctypes.c_ulonglong(0)
         self._seed[0] += 1
+        self.launches += 1
+        limit = SHARED_LIMIT if self.max_dynamic is None else OPTIN_LIMIT
         rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err, len(err),
-                                  SHARED_LIMIT, ctypes.byref(used))
+                                  limit, shared, ctypes.byref(used))
         self.shared_used = max(self.shared_used, used.value)
         if rc:
             raise EmulatorError(f"{self.name}: {err.value.decode()}")
+        if self.max_dynamic is not None and self.shared_used + self.max_dynamic > OPTIN_LIMIT:
+            raise EmulatorError(f"{self.name}: {self.shared_used} bytes of static shared memory "
+                                f"and MAX_DYNAMIC_SHARED_SIZE_BYTES={self.max_dynamic}: more "
+                                f"than the {OPTIN_LIMIT} a block may opt in to")
         for a in list(_live):
             a.check()
 
@@ -328,7 +363,8 @@ class EmuBackend:
                 raise EmulatorError(f"{module}.{name}: launched with format {fmt!r}, "
                                     f"SIGNATURES says {expected!r}")
             run = EmuKernel(self._lib(module), name, fmt, self._seed)
-            self._kernels[key] = loader.Kernel(name, fmt, run, KernelResources(32, 0))
+            self._kernels[key] = loader.Kernel(name, fmt, run, KernelResources(32, 0),
+                                               allow_shared=run.allow_shared)
         return self._kernels[key]
 
     def empty(self, shape, dtype):

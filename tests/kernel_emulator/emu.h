@@ -8,7 +8,10 @@
 // launch. __shared__ variables become function statics (one block at a time),
 // poisoned with 0xFF bytes before every block (shared memory starts
 // uninitialised); device memory is host memory, atomics are plain
-// read-modify-writes (one thread). The module is compiled with
+// read-modify-writes (one thread). Dynamic shared memory (the launch's shared
+// size) is one buffer, poisoned before every block and fenced by canaries
+// that are checked after it; kernels reach it through mg::dynamic_shared
+// (kernels/cuda/common.cuh). Asynchronous copies (cp.async) are plain copies. The module is compiled with
 // -fsanitize=alignment, so every misaligned access (a 16-byte pack at an
 // address that is not a multiple of 16) fails the launch, as on a GPU.
 #pragma once
@@ -36,6 +39,7 @@ extern FiberState* current;
 extern dim3 grid_dim, block_dim, block_idx;
 void syncthreads();
 void warp_exchange(int warp, uint64_t bits, int src_lane, uint64_t* out);
+unsigned char* dynamic_shared();
 }  // namespace emu
 
 #define threadIdx (emu::current->tid)

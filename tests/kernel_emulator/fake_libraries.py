@@ -29,7 +29,7 @@ from references import conv2d as conv_ref
 from references import conv2d_grad as conv_grad_ref
 
 from minigraph import device
-from minigraph.kernels.cuda import cublas, cudnn, libraries
+from minigraph.kernels.cuda import cublas, cudnn_api, libraries
 
 CUBLAS_STATUS = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
                  7: "CUBLAS_STATUS_INVALID_VALUE", 13: "CUBLAS_STATUS_EXECUTION_FAILED",
@@ -206,7 +206,7 @@ class FakeCublas(_Base):
 
 
 class FakeCudnn(_Base):
-    """The cuDNN functions of kernels/cuda/cudnn.py's PROTOTYPES (see the module doc)."""
+    """The cuDNN functions of kernels/cuda/cudnn_api.py's PROTOTYPES (see the module doc)."""
 
     def __init__(self, context=None):
         super().__init__(context)
@@ -454,7 +454,7 @@ def fake_cublas(context=None):
 def fake_cudnn(context=None):
     """(FakeCudnn, its Library)."""
     fake = FakeCudnn(context)
-    return fake, fake.library("cudnn", cudnn.PROTOTYPES, cudnn.C_TYPES, CUDNN_STATUS,
+    return fake, fake.library("cudnn", cudnn_api.PROTOTYPES, cudnn_api.C_TYPES, CUDNN_STATUS,
                               "fake cuDNN 9.28.1")
 
 

@@ -210,6 +210,14 @@ class FakeArray:
             out._host()[...] = self._host()
         return out
 
+    def fill(self, value):
+        """Every element = value (GPUArray.fill, on the device)."""
+        self._check_owner("fill")
+        self.cuda.count("launch")
+        if self.size and self.cuda.run_kernels:
+            self._host()[...] = value
+        return self
+
     def __mul__(self, factor):
         out = self.copy()
         if self.size and self.cuda.run_kernels:
@@ -269,16 +277,38 @@ class FakeModule:
 
 
 class FakeFunction:
+    """A kernel function as PyCUDA's: prepared launches, and the one function attribute
+    a launcher may set (MAX_DYNAMIC_SHARED_SIZE_BYTES, checked as the driver does:
+    at most the device's opt-in limit less the static shared memory; without it a
+    launch may ask for at most 48 KiB of dynamic shared memory)."""
+
     num_regs = 32
     shared_size_bytes = 0
+    DEFAULT_DYNAMIC = 48 * 1024
+    OPTIN = 227 * 1024
 
     def __init__(self, module, name):
         self.module, self.name, self.fmt = module, name, None
+        self.max_dynamic = None
 
     def prepare(self, fmt):
         self.fmt = fmt
 
-    def prepared_async_call(self, grid, block, stream, *args):
+    def set_attribute(self, attribute, value):
+        cuda = self.module.cuda
+        cuda.current(f"cuFuncSetAttribute {self.name}")
+        if attribute != "max_dynamic_shared":
+            raise FakeDriverError(f"cuFuncSetAttribute {self.name}: attribute {attribute!r} "
+                                  "is not settable here (CUDA_ERROR_INVALID_VALUE)")
+        if type(value) is not int or not 0 <= value <= self.OPTIN - self.shared_size_bytes:
+            raise FakeDriverError(f"cuFuncSetAttribute {self.name}: "
+                                  f"MAX_DYNAMIC_SHARED_SIZE_BYTES={value!r} with "
+                                  f"{self.shared_size_bytes} static bytes is more than the "
+                                  f"device's opt-in {self.OPTIN} (CUDA_ERROR_INVALID_VALUE)")
+        cuda.count("set_attribute")
+        self.max_dynamic = value
+
+    def prepared_async_call(self, grid, block, stream, *args, shared_size=0):
         import kernel_emulator
 
         cuda = self.module.cuda
@@ -288,6 +318,11 @@ class FakeFunction:
         kernel_emulator.pack_args(self.name, self.fmt, args)    # struct.error, as PyCUDA's
         kernel_emulator.check_geometry(self.name, tuple(grid), tuple(block))
         cuda.check_sticky(f"launch {self.name}")
+        allowed = self.DEFAULT_DYNAMIC if self.max_dynamic is None else self.max_dynamic
+        if type(shared_size) is not int or not 0 <= shared_size <= allowed:
+            raise FakeDriverError(f"launch {self.name}: {shared_size!r} bytes of dynamic shared "
+                                  f"memory, more than the {allowed} its function attribute "
+                                  "allows (CUDA_ERROR_INVALID_VALUE)")
         if cuda.strict:
             if ctx is not self.module.ctx:
                 raise FakeDriverError(f"launch {self.name}: module of {self.module.ctx} with "
@@ -301,5 +336,7 @@ class FakeFunction:
 
             def work():
                 with cuda.emu_lock:
-                    k._launch(grid, block, args)
+                    if self.max_dynamic is not None:
+                        k._launch.allow_shared(self.max_dynamic)
+                    k._launch(grid, block, args, shared_size)
             cuda.enqueue(stream, work)

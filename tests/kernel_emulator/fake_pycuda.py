@@ -25,7 +25,9 @@ reject:
   `install` fails its block on any;
 - prepared_async_call packs its arguments as PyCUDA does (struct: a float for
   an int parameter, or a value out of range, raises struct.error) and
-  refuses a grid or block the hardware would;
+  refuses a grid or block the hardware would, and dynamic shared memory past
+  48 KiB unless the function's MAX_DYNAMIC_SHARED_SIZE_BYTES attribute
+  (Function.set_attribute, at most the device's 227 KiB opt-in) allows it;
 - `fail(message)` makes a sticky error: every later synchronize, event wait,
   launch and copy raises it, as after an illegal address;
 - `check_clean()` fails like PyCUDA's exit check when a thread's context
@@ -289,11 +291,15 @@ class FakeCuda:
         drv.module_from_buffer = lambda buffer, options=None, message_handler=None: \
             FakeModule.load(cuda, buffer)
         drv.device_attribute = types.SimpleNamespace(
-            MULTIPROCESSOR_COUNT="sm", MAX_THREADS_PER_BLOCK="tpb")
+            MULTIPROCESSOR_COUNT="sm", MAX_THREADS_PER_BLOCK="tpb",
+            MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="optin", L2_CACHE_SIZE="l2")
+        drv.function_attribute = types.SimpleNamespace(
+            MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic_shared")
         FakeContext.cuda = cuda
         ga = types.ModuleType("pycuda.gpuarray")
         ga.GPUArray = FakeArray
         ga.empty = lambda shape, dtype, allocator=None: FakeArray(cuda, shape, dtype, allocator)
+        ga.empty_like = lambda a: FakeArray(cuda, a.shape, a.dtype)
         ga.to_gpu = lambda a, allocator=None: FakeArray.from_host(cuda, a, allocator)
         tools = types.ModuleType("pycuda.tools")
         tools.DeviceMemoryPool = lambda: FakePool(cuda)
@@ -459,7 +465,10 @@ class FakeDevice:
         return (9, 0)
 
     def get_attributes(self):
-        return {"sm": self.cuda.sm_count, "tpb": 1024}
+        return {"sm": self.cuda.sm_count, "tpb": 1024, "optin": 227 * 1024, "l2": 1 << 20}
+
+    def get_attribute(self, attribute):
+        return self.get_attributes()[attribute]
 
     def total_memory(self):
         return 2**30
@@ -499,11 +508,16 @@ class FakeStream:
 class FakeEvent:
     """An Event: made in the current context (PyCUDA's are context-dependent),
     recorded there, destroyed like PyCUDA's (see FakeCuda.cleanup); synchronize
-    waits while `hang` is set and raises a sticky error."""
+    waits while `hang` is set and raises a sticky error. time_till gives a made-up
+    time: a microsecond per record call made in between (recording is a step of a
+    clock, not a measurement)."""
+
+    records = itertools.count(1)
 
     def __init__(self, cuda, flags=0):
         self.cuda, self.flags = cuda, flags
         self.ctx = cuda.current("Event")
+        self.at = None
         cuda.count("event_create")
 
     def record(self, stream=None):
@@ -512,7 +526,18 @@ class FakeEvent:
             raise FakeDriverError(f"Event.record: event of {self.ctx} with {ctx} current")
         self.cuda.check_stream("Event.record", stream, ctx)
         self.cuda.count("event_record")
+        self.at = next(FakeEvent.records)
         return self
+
+    def time_till(self, other):
+        """Milliseconds from this event to `other` (both recorded; PyCUDA's raises
+        otherwise)."""
+        if self.at is None or other.at is None:
+            raise FakeDriverError("cuEventElapsedTime: an event was never recorded")
+        return (other.at - self.at) * 1e-3
+
+    def time_since(self, other):
+        return other.time_till(self)
 
     def query(self):
         self.cuda.count("event_query")

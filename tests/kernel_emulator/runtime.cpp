@@ -1,6 +1,7 @@
 // The fiber scheduler behind emu.h: emu_launch runs a kernel wrapper over a grid,
 // checking what the hardware would refuse: the launch's grid and block sizes, the
-// static shared memory a block touches, and the alignment of every access (the
+// static shared memory a block touches plus the dynamic shared memory it asked for,
+// writes outside the dynamic shared memory, and the alignment of every access (the
 // kernel module is compiled with -fsanitize=alignment; the handler is below).
 #include <stdint.h>
 #include <stdio.h>
@@ -32,6 +33,16 @@ Misaligned misaligned;
 std::vector<unsigned char*> shared_at;
 std::vector<size_t> shared_size;
 const unsigned char SHARED_POISON = 0xFF;
+
+// The launch's dynamic shared memory: `dynamic_size` bytes at dynamic_at, 16-byte
+// aligned, with DYNAMIC_PAD canary bytes on each side (checked after every block).
+const size_t DYNAMIC_PAD = 64;
+const unsigned char DYNAMIC_CANARY = 0x5A;
+std::vector<unsigned char> dynamic_raw;
+unsigned char* dynamic_at = nullptr;
+size_t dynamic_size = 0;
+
+unsigned char* dynamic_shared() { return dynamic_at; }
 
 namespace {
 struct Fiber {
@@ -150,6 +161,29 @@ void poison_shared() {
     memset(emu::shared_at[i], emu::SHARED_POISON, emu::shared_size[i]);
 }
 
+void set_dynamic(size_t bytes) {
+  emu::dynamic_raw.assign(bytes + 2 * emu::DYNAMIC_PAD + 64, emu::DYNAMIC_CANARY);
+  uintptr_t start = reinterpret_cast<uintptr_t>(emu::dynamic_raw.data()) + emu::DYNAMIC_PAD;
+  start = (start + 63) & ~uintptr_t(63);
+  emu::dynamic_at = reinterpret_cast<unsigned char*>(start);
+  emu::dynamic_size = bytes;
+}
+
+void poison_dynamic() {
+  memset(emu::dynamic_raw.data(), emu::DYNAMIC_CANARY, emu::dynamic_raw.size());
+  memset(emu::dynamic_at, emu::SHARED_POISON, emu::dynamic_size);
+}
+
+bool dynamic_fenced() {
+  const unsigned char* raw = emu::dynamic_raw.data();
+  const unsigned char* end = raw + emu::dynamic_raw.size();
+  for (const unsigned char* p = raw; p < emu::dynamic_at; ++p)
+    if (*p != emu::DYNAMIC_CANARY) return false;
+  for (const unsigned char* p = emu::dynamic_at + emu::dynamic_size; p < end; ++p)
+    if (*p != emu::DYNAMIC_CANARY) return false;
+  return true;
+}
+
 size_t shared_touched() {
   size_t bytes = 0;
   for (size_t i = 0; i < emu::shared_at.size(); ++i) {
@@ -170,17 +204,25 @@ const char* access_kind(unsigned kind) { return kind < 5 ? ACCESS_KINDS[kind] : 
 }  // namespace
 
 // Run `fn(args)` for every thread of the grid, blocks one after another in an
-// order shuffled by `seed`. Returns 0, or 1 with a message in `err`: a grid or
-// block the hardware refuses, more static shared memory than `shared_limit`
-// bytes, a misaligned access, or a deadlock (a barrier some threads never
-// reach). `*shared_used`: the most static shared memory one block touched.
+// order shuffled by `seed`, each with `dynamic_bytes` of dynamic shared memory.
+// Returns 0, or 1 with a message in `err`: a grid or block the hardware refuses,
+// more static shared memory plus `dynamic_bytes` than `shared_limit` bytes, a
+// write outside the dynamic shared memory, a misaligned access, or a deadlock (a
+// barrier some threads never reach). `*shared_used`: the most static shared
+// memory one block touched.
 extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned gz,
                           unsigned bx, unsigned by, unsigned bz, void** args, unsigned seed,
                           char* err, int errlen, unsigned long long shared_limit,
-                          unsigned long long* shared_used) {
+                          unsigned long long dynamic_bytes, unsigned long long* shared_used) {
   using namespace emu;
   const unsigned long long threads = 1ull * bx * by * bz;
   *shared_used = 0;
+  if (dynamic_bytes > shared_limit) {
+    snprintf(err, errlen, "%llu bytes of dynamic shared memory, more than the %llu a block of "
+             "it may have", dynamic_bytes, shared_limit);
+    return 1;
+  }
+  set_dynamic(dynamic_bytes);
   if (gx == 0 || gy == 0 || gz == 0 || gx > 2147483647u || gy > 65535 || gz > 65535) {
     snprintf(err, errlen, "grid (%u, %u, %u): the hardware allows x in [1, 2^31 - 1] and "
              "y, z in [1, 65535]", gx, gy, gz);
@@ -213,6 +255,7 @@ extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned
   for (const dim3& b : blocks) {
     block_idx = b;
     poison_shared();
+    poison_dynamic();
     block_barrier = Barrier{0, 0, threads};
     warp_barriers.assign(warps, Barrier{0, 0, 32});
     shuffle_slots.assign(warps * 2 * 32, 0);
@@ -265,11 +308,21 @@ extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned
                (unsigned long long)m.addr, (unsigned long long)(m.addr % m.align), m.align);
       return 1;
     }
+    if (!dynamic_fenced()) {
+      snprintf(err, errlen, "block (%u, %u, %u) wrote outside its %llu bytes of dynamic shared "
+               "memory", b.x, b.y, b.z, dynamic_bytes);
+      return 1;
+    }
     const size_t used = shared_touched();
     if (used > *shared_used) *shared_used = used;
-    if (used > shared_limit) {
-      snprintf(err, errlen, "block (%u, %u, %u) uses %zu bytes of static shared memory, more "
-               "than the %llu a block may have", b.x, b.y, b.z, used, shared_limit);
+    if (used + dynamic_bytes > shared_limit) {
+      if (dynamic_bytes)
+        snprintf(err, errlen, "block (%u, %u, %u) uses %zu bytes of static shared memory and "
+                 "%llu of dynamic, more than the %llu a block may have", b.x, b.y, b.z, used,
+                 dynamic_bytes, shared_limit);
+      else
+        snprintf(err, errlen, "block (%u, %u, %u) uses %zu bytes of static shared memory, more "
+                 "than the %llu a block may have", b.x, b.y, b.z, used, shared_limit);
       return 1;
     }
   }

@@ -6,8 +6,11 @@ forward y slice, batch statistics, estimates and counter over several steps;
 backward dx slice, dscale and dbias; offset data (mean 1e4 in float32; mean
 1e6 in float64: the variance to 1e-6 relative); NHWC and rank-2 inputs; a
 rank with zero rows; n == 1 judged on the global count; one collective of O(C)
-float64 per forward (allreduce_stats) and per backward (allreduce); no
-communication in the infer copy; estimates bitwise identical on every rank.
+float64 per forward (allreduce_stats) and per backward (allreduce), and one order
+check per step (the step announces its collective); no communication in the infer
+copy; estimates bitwise identical on every rank. The same for sync_batch_norm_relu
+against batch_norm_relu, and for a grad op with average_ranks (dscale and dbias
+divided by the world size in the kernel).
 Prints "OK rank r" when every check passed; any failure raises (and aborts the job).
 """
 from __future__ import annotations
@@ -29,7 +32,8 @@ def row_counts(size, with_empty):
 class BN:
     """One batch-norm op (sync or not) and its grad op on persistables of its own."""
 
-    def __init__(self, op_type, channels, dtype, layout="NCHW", momentum=0.9, first_batch=True):
+    def __init__(self, op_type, channels, dtype, layout="NCHW", momentum=0.9, first_batch=True,
+                 average_ranks=False):
         self.scope = s = mg.Scope()
         self.op_type = op_type
 
@@ -55,9 +59,12 @@ class BN:
         self.train_op = mg.Operator(op_type, batch_mean=self.bm, batch_var=self.bv, **common)
         self.infer_op = mg.Operator(op_type, batch_mean=var("infer_mean"),
                                     batch_var=var("infer_var"), is_infer=True, **common)
+        extra = {"y": self.y} if op_type.endswith("_relu") else {}
+        if average_ranks:
+            extra["average_ranks"] = True
         self.grad_op = mg.Operator(op_type + "_grad", x=self.x, scale=self.scale, mean=self.bm,
                                    var=self.bv, dy=self.dy, dx=self.dx, dscale=self.dscale,
-                                   dbias=self.dbias, data_layout=layout)
+                                   dbias=self.dbias, data_layout=layout, **extra)
         self.ex = mg.Executor()
 
     def step(self, x, dy=None):
@@ -104,24 +111,31 @@ def same_on_every_rank(comm, tag, *arrays):
 
 
 def run_case(comm, tag, shape_of, layout, dtype, with_empty, steps, rtol, atol,
-             offset=0.0, stats_rtol=None, first_batch=True):
+             offset=0.0, stats_rtol=None, first_batch=True, relu=False, average_ranks=False):
     channels = shape_of(1)[1] if layout == "NCHW" else shape_of(1)[-1]
     counts = row_counts(comm.size, with_empty)
     lo, hi = sum(counts[:comm.rank]), sum(counts[:comm.rank + 1])
-    sync = BN("sync_batch_norm", channels, dtype, layout, first_batch=first_batch)
-    single = BN("batch_norm", channels, dtype, layout, first_batch=first_batch)
+    kind = "batch_norm_relu" if relu else "batch_norm"
+    sync = BN("sync_" + kind, channels, dtype, layout, first_batch=first_batch,
+              average_ranks=average_ranks)
+    single = BN(kind, channels, dtype, layout, first_batch=first_batch)
     rng = np.random.default_rng(1234)
     for step in range(steps):
         full = (rng.standard_normal(shape_of(sum(counts))) * 2.0 + offset).astype(dtype)
         dy = rng.standard_normal(full.shape).astype(dtype)
         before = {k: list(v) for k, v in comm.stats.items()}
+        checks = comm.order_checks
         got = sync.step(full[lo:hi], dy[lo:hi])
+        assert comm.order_checks - checks == 2, f"{tag}: {comm.order_checks - checks} order " \
+                                                "checks for a forward and a backward step"
         for kind in ("allreduce_stats", "allreduce"):     # forward (Chan merge), backward
             calls = comm.stats[kind][0] - before.get(kind, [0, 0])[0]
             sent = comm.stats[kind][1] - before.get(kind, [0, 0])[1]
             assert calls == 1, f"{tag}: {calls} {kind} calls for one forward + backward"
             assert sent == 8 * (2 * channels + 1), f"{tag}: {kind} sent {sent} bytes, not O(C)"
         want = single.step(full, dy)
+        if average_ranks:
+            want["dscale"], want["dbias"] = want["dscale"] / comm.size, want["dbias"] / comm.size
         compare(f"{tag} step {step}", got, want, lo, hi, rtol, atol, stats_rtol)
         same_on_every_rank(comm, f"{tag} estimates", sync.mean.get(), sync.var.get(),
                            sync.counter.get())
@@ -209,6 +223,10 @@ def main():
              rtol=1e-9, atol=1e-10)
     run_case(comm, "PyTorch's rule float64 NCHW", nchw, "NCHW", np.float64, True, steps=3,
              rtol=1e-9, atol=1e-10, first_batch=False)
+    run_case(comm, "relu float64 NCHW", nchw, "NCHW", np.float64, True, steps=2, rtol=1e-9,
+             atol=1e-10, relu=True)
+    run_case(comm, "relu float32 NHWC averaged", lambda n: (n, 2, 3, 4), "NHWC", np.float32,
+             False, steps=2, rtol=1e-4, atol=1e-5, relu=True, average_ranks=True)
     check_offset(comm)
     check_offset_1e6(comm)
     check_global_n_is_one(comm)

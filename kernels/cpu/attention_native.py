@@ -1,0 +1,170 @@
+"""Launcher of the native CPU attention (attention_native.c, built by native.py): the
+forward with its online softmax and the FlashAttention-2 backward, float32 and
+float64, on (N, H, T, d) views of any strides whose last axis is contiguous (the op's
+packed layout is such a view), the mask broadcast by strides of 0.
+
+`forward` and `backward` return None where the native kernel does not apply: it is
+off or not built (native.reason says why), the dtype is not float32/float64, or a
+size is 0. The caller then runs kernels/cpu/attention.py's numpy engine, the
+reference these are tested against. Threads: `blocks.get_num_threads()`, fewer when
+there are fewer units of work (a head and a block of rows or keys).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from minigraph.kernels.cpu import blocks, native
+
+STREAM = 3                  # kernels/cpu/attention.py's
+MIN_THREAD_SCORES = 1 << 14  # scores a thread must have to be worth waking
+
+_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_P = ctypes.c_void_p
+_kernels = {}
+
+
+def _load(symbol):
+    """The typed C function `symbol` (attention_forward_packed or _backward_packed: their
+    arguments in an int64 and a float64 array), or None where it cannot be built."""
+    if symbol not in _kernels:
+        _kernels[symbol] = native.typed_function("attention_native", symbol, [_P, _P])
+    return _kernels[symbol]
+
+
+def _ptr(a):
+    """The address of `a`'s first value (0 for None)."""
+    if a is None:
+        return 0
+    return native.address(a) if a.flags.c_contiguous else a.ctypes.data
+
+
+def _call(symbol, ints, reals):
+    """Call `symbol` with its packed arguments; a seed past 2**63 wraps to int64."""
+    ints = np.array([i - (1 << 64) if i >= 1 << 63 else i for i in ints], np.int64)
+    reals = np.array(reals, np.float64)
+    return _load(symbol)(native.address(ints), native.address(reals))
+
+
+def available():
+    """True when the native kernels are built and loaded (native.reason says why not)."""
+    return native.enabled() and _load("attention_forward_packed") is not None
+
+
+def _rows(a):
+    """`a` (4-D) with a contiguous last axis and strides in whole items (a copy if not)."""
+    item = a.dtype.itemsize
+    if a.shape[3] > 1 and a.strides[3] != item or any(s % item for s in a.strides):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _strides(a):
+    item = a.dtype.itemsize
+    return [s // item for s in a.strides[:3]]
+
+
+def _mask_args(m4, shape4, dtype):
+    """(array, kind, strides) of the mask for the kernel (kind 0: none, 1: bool, 2: float)."""
+    if m4 is None:
+        return None, 0, [0, 0, 0, 0]
+    kind = 1 if m4.dtype == np.bool_ else 2
+    if kind == 2 and m4.dtype != dtype:
+        return None, -1, None
+    full = np.broadcast_to(m4, shape4)
+    item = full.dtype.itemsize
+    if any(s % item for s in full.strides):
+        full = np.broadcast_to(np.ascontiguousarray(m4), shape4)
+    return full, kind, [s // item for s in full.strides]
+
+
+def _threads(units, scores):
+    return max(1, min(blocks.get_num_threads(), units, scores // MIN_THREAD_SCORES or 1))
+
+
+def _empty_like_layout(shape4, dtype, heads):
+    """A new array in the op's layout for logical (N, H, T, d), and its (N, H, T, d) view."""
+    n, h, t, d = shape4
+    if heads:
+        a = np.empty((n, t, h * d), dtype)
+        return a, a.reshape(n, t, h, d).transpose(0, 2, 1, 3)
+    a = np.empty(shape4, dtype)
+    return a, a
+
+
+def _applies(q4, k4, v4):
+    return (native.enabled() and q4.dtype in _TYPES and k4.dtype == q4.dtype
+            and v4.dtype == q4.dtype and min(q4.shape) > 0 and k4.shape[2] > 0
+            and v4.shape[3] > 0)
+
+
+def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
+    """(out in the op's layout, lse (N, H, Tq) or None) of the attention of the (N, H, T, d)
+    views q4, k4, v4 with mask m4 (rank 4, broadcastable, or None), causal `offset`
+    (None: not causal), `scale` and `dropout` ((p, seed64) or None); `heads` the op's
+    packed_heads. None where the native kernel does not apply."""
+    if not _applies(q4, k4, v4) or _load("attention_forward_packed") is None:
+        return None
+    n, h, tq, d = q4.shape
+    tk, dv = k4.shape[2], v4.shape[3]
+    mask, kind, mstrides = _mask_args(m4, (n, h, tq, tk), q4.dtype)
+    if kind < 0:
+        return None
+    q4, k4, v4 = _rows(q4), _rows(k4), _rows(v4)
+    out, o4 = _empty_like_layout((n, h, tq, dv), q4.dtype, heads)
+    lse = np.empty((n, h, tq), q4.dtype) if want_lse else None
+    p, seed64 = dropout if dropout is not None else (0.0, 0)
+    units = n * h * -(-tq // 64)
+    failed = _call("attention_forward_packed", [
+        int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind,
+        _ptr(out), _ptr(lse), int(offset is not None), int(offset or 0),
+        int(seed64) & 0xFFFFFFFFFFFFFFFF, STREAM, _threads(units, n * h * tq * tk),
+        n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+        *[0] * 12, *mstrides], [float(scale), float(p)])
+    if failed:
+        raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
+                          "could not be allocated")
+    return out, lse
+
+
+def backward(q4, k4, v4, m4, o4, lse, do4, offset, scale, dropout, heads, wants):
+    """{dq, dk, dv (in the op's layout), dmask (summed to m4's shape)} for the names in
+    `wants`, from the forward's o4 and lse and the gradient do4 (views as forward's).
+    None where the native kernel does not apply."""
+    if not _applies(q4, k4, v4) or _load("attention_backward_packed") is None:
+        return None
+    if o4.dtype != q4.dtype or do4.dtype != q4.dtype or lse.dtype != q4.dtype:
+        return None
+    n, h, tq, d = q4.shape
+    tk, dv = k4.shape[2], v4.shape[3]
+    mask, kind, mstrides = _mask_args(m4, (n, h, tq, tk), q4.dtype)
+    if kind < 0:
+        return None
+    q4, k4, v4, o4, do4 = (_rows(a) for a in (q4, k4, v4, o4, do4))
+    lse = np.ascontiguousarray(lse)
+    made = {}
+    views = {}
+    for name, shape in (("dq", (n, h, tq, d)), ("dk", (n, h, tk, d)), ("dv", (n, h, tk, dv))):
+        if name in wants:
+            made[name], views[name] = _empty_like_layout(shape, q4.dtype, heads)
+    ds = np.zeros((n, h, tq, tk), q4.dtype) if "dmask" in wants else None
+    zeros = [0, 0, 0]
+    grads = [s for name in ("dq", "dk", "dv")
+             for s in (_strides(views[name]) if name in views else zeros)]
+    p, seed64 = dropout if dropout is not None else (0.0, 0)
+    failed = _call("attention_backward_packed", [
+        int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(o4),
+        _ptr(lse), _ptr(do4), *(_ptr(made[name]) if name in made else 0
+                                for name in ("dq", "dk", "dv")),
+        _ptr(ds), int(offset is not None), int(offset or 0), int(seed64) & 0xFFFFFFFFFFFFFFFF,
+        STREAM, _threads(n * h * -(-tk // 64), n * h * tq * tk), n, h, tq, tk, d, dv,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(do4), *grads,
+        *mstrides], [float(scale), float(p)])
+    if failed:
+        raise MemoryError("scaled_dot_product_attention_grad: the native kernel's scratch "
+                          "memory could not be allocated")
+    if ds is not None:
+        axes = tuple(a for a in range(4) if m4.shape[a] == 1)
+        made["dmask"] = ds.sum(axis=axes, keepdims=True, dtype=np.float64)
+    return made

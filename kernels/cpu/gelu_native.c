@@ -1,0 +1,78 @@
+/* Native CPU kernels of gelu and its gradient for float32 (the float64 ones stay in
+ * numpy, kernels/cpu/activation.py, which is also the reference these are tested
+ * against): out = x Phi(x), dx = dout (Phi(x) + x phi(x)), Phi the standard normal's
+ * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on 8 lanes at a time
+ * (vector_math.h: erfc to a fractional error of 1.2e-7, the left tail included). Built and loaded by native.py, launched by
+ * gelu_native.py. Values are split in contiguous ranges over up to `threads` threads
+ * (native_pool.h); each is computed one way, so results do not depend on the count. */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "native_pool.h"
+#include "vector_math.h"
+
+typedef struct {
+    const float *x, *dout;
+    float *out;
+    int64_t begin, end;
+} job_t;
+
+static inline vf gelu_v(vf x, vf d, int grad)
+{
+    if (!grad) return x * normal_cdf_vf(x, NULL);
+    vf density;
+    const vf cdf = normal_cdf_vf(x, &density);
+    return d * (cdf + x * density);
+}
+
+static void run(const job_t *j, int grad)
+{
+    const vf zero = {0};
+    int64_t i = j->begin;
+    for (; i + 8 <= j->end; i += 8) {
+        const vf d = grad ? *(const vfu *)(j->dout + i) : zero;
+        *(vfu *)(j->out + i) = gelu_v(*(const vfu *)(j->x + i), d, grad);
+    }
+    if (i < j->end) {                              /* the last few, through a vector */
+        float x[8] = {0}, d[8] = {0}, out[8];
+        const int64_t rest = j->end - i;
+        memcpy(x, j->x + i, sizeof(float) * rest);
+        if (grad) memcpy(d, j->dout + i, sizeof(float) * rest);
+        *(vfu *)out = gelu_v(*(const vfu *)x, *(const vfu *)d, grad);
+        memcpy(j->out + i, out, sizeof(float) * rest);
+    }
+}
+
+static void *run_forward(void *arg) { run(arg, 0); return NULL; }
+static void *run_backward(void *arg) { run(arg, 1); return NULL; }
+
+static void launch(const float *x, const float *dout, float *out, int64_t n, int threads,
+                   int grad)
+{
+    job_t jobs[POOL_MAX_THREADS];
+    const int64_t blocks8 = (n + 7) / 8;
+    const int64_t parts = pool_parts(threads, blocks8);
+    for (int64_t t = 0; t < parts; t++) {
+        int64_t b0, b1;
+        pool_share(blocks8, parts, t, &b0, &b1);
+        jobs[t].x = x; jobs[t].dout = dout; jobs[t].out = out;
+        jobs[t].begin = b0 * 8 < n ? b0 * 8 : n;
+        jobs[t].end = b1 * 8 < n ? b1 * 8 : n;
+    }
+    pool_run(grad ? run_backward : run_forward, jobs, sizeof(job_t), parts);
+}
+
+/* out[i] = gelu(x[i]) for i < n. Returns 0. */
+int gelu_forward_f32(const float *x, float *out, int64_t n, int threads)
+{
+    launch(x, NULL, out, n, threads, 0);
+    return 0;
+}
+
+/* dx[i] = dout[i] (Phi(x[i]) + x[i] phi(x[i])) for i < n (dx may be dout). Returns 0. */
+int gelu_backward_f32(const float *x, const float *dout, float *dx, int64_t n, int threads)
+{
+    launch(x, dout, dx, n, threads, 1);
+    return 0;
+}

@@ -1,0 +1,43 @@
+"""CPU kernels of position_embedding (ops/position_embedding.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from minigraph.kernels.cpu.kv_cache import advanced, cache_offset
+from minigraph.schema import OpError
+
+
+def rows_of(op, x, w, length):
+    """(offset, new length or None) of a pass, checked against w's rows."""
+    t = x.shape[1]
+    offset, new_length = (0, None) if length is None else \
+        cache_offset("position_embedding", length, t, op.attrs)
+    if offset + t > w.shape[0]:
+        cache = f" (KV cache {op.attrs['cache']!r})" if length is not None else ""
+        raise OpError(f"position_embedding: input 'x' reaches position {offset + t - 1} "
+                      f"(offset {offset} + {t} positions){cache}, past the {w.shape[0]} rows "
+                      "of input 'w'")
+    return offset, new_length
+
+
+def position_embedding_cpu(op, ins, ctx):
+    """out = x + w[offset : offset + T] (x's dtype); the first cached layer advances."""
+    x, w, length = ins["x"], ins["w"], ins["length"]
+    offset, new_length = rows_of(op, x, w, length)
+    out = {"out": x + w[offset:offset + x.shape[1]]}
+    if new_length is not None:
+        out["length_out"] = advanced(length, new_length)
+    return out
+
+
+def position_embedding_grad_cpu(op, ins, ctx):
+    """dx = dout; dw = the batch's sum of dout in rows 0 .. T, zeros elsewhere."""
+    d, w = ins["dout"], ins["w"]
+    out = {}
+    if op.wants("dx"):
+        out["dx"] = d.copy()
+    if op.wants("dw"):
+        dw = np.zeros(w.shape, d.dtype)
+        dw[:d.shape[1]] = d.sum(axis=0, dtype=np.float64)
+        out["dw"] = dw
+    return out

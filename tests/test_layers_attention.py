@@ -1,0 +1,374 @@
+"""The transformer layers (minigraph.layers.attention, layers.linear) and generation
+(minigraph.generation): linear on the last axis of any rank, multi_head_attention and
+position_embedding against float64 numpy references, weight tying through a name, the
+KV cache (cached passes equal full ones, never persistable, training untouched, a full
+cache named in the error, reset, a new batch), sampling, and bad arguments."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from helpers import helper_test_op
+from references import scaled_dot_product_attention
+
+import minigraph as mg
+from minigraph import layers as L
+from minigraph.generation import generate, sample
+
+rng = np.random.default_rng(7)
+
+
+def r(*shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def params(net, prefix):
+    return {v.name[len(prefix):]: v.get().astype(np.float64) for v in net.parameters()
+            if v.name.startswith(prefix)}
+
+
+# ---- linear -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(6,), (4, 6), (2, 3, 6), (2, 3, 2, 6), (-1, -1, 6)], ids=str)
+def test_linear_acts_on_the_last_axis_of_any_rank(shape):
+    net = mg.Net(seed=1)
+    x = L.data(net, "x", shape, "float64")
+    y = L.linear(net, x, 5, name="lin")
+    assert y.shape == tuple(shape[:-1]) + (5,)
+    w, b = net.var("lin.w").get(), net.var("lin.b").get()
+    assert w.shape == (6, 5) and b.shape == (5,)
+    bound = 1 / math.sqrt(6)                         # nn.Linear's init, as fc's
+    assert np.abs(w).max() <= bound and np.abs(b).max() <= bound
+    xb = r(*(3 if d < 0 else d for d in shape))
+    (got,) = net.infer(feed={"x": xb}, fetch=[y])
+    np.testing.assert_allclose(got, xb @ w + b, rtol=1e-12)
+
+
+def test_linear_gradients_and_no_bias():
+    net = mg.Net(seed=2)
+    x = L.data(net, "x", (2, 3, 4), "float64")
+    y = L.linear(net, x, 3, bias_attr=False, name="lin")
+    assert [p.name for p in net.parameters()] == ["lin.w"]
+    weight = r(2, 3, 3)
+    loss = L.reduce_sum(net, L.multiply(net, y, L.data(net, "g", (2, 3, 3), "float64")))
+    mg.append_backward(net, loss)
+    xb = r(2, 3, 4)
+    (dw,) = net.train(feed={"x": xb, "g": weight}, fetch=[net.grad("lin.w")])
+    np.testing.assert_allclose(dw, np.einsum("nti,nto->io", xb, weight), rtol=1e-12)
+
+
+def test_linear_shares_a_named_parameter_and_checks_its_shape():
+    net = mg.Net(seed=3)
+    x = L.data(net, "x", (-1, 5, 4))
+    a = L.linear(net, x, 4, param_attr="shared.w", bias_attr=False)
+    L.linear(net, a, 4, param_attr=mg.ParamAttr(name="shared.w"), bias_attr=False)
+    assert [p.name for p in net.parameters()] == ["shared.w"]
+    with pytest.raises(ValueError, match=r"linear: argument 'param_attr' names the shared "
+                                         r"parameter 'shared.w' of shape \(4, 4\)"):
+        L.linear(net, x, 3, param_attr="shared.w")
+
+
+def test_linear_bad_arguments():
+    net = mg.Net()
+    x = L.data(net, "x", (-1, -1))
+    with pytest.raises(ValueError, match=r"linear: argument 'x' .* needs a known last axis"):
+        L.linear(net, x, 3)
+    with pytest.raises(ValueError, match=r"linear: argument 'size' must be an int >= 1"):
+        L.linear(net, L.data(net, "y", (-1, 4)), 0)
+
+
+def test_linear_exports_to_onnx(tmp_path):
+    from onnx_helpers import max_differences
+
+    net = mg.Net(seed=4)
+    x = L.data(net, "x", (-1, -1, 6))
+    y = L.linear(net, L.gelu(net, L.linear(net, x, 8)), 3)
+    path = mg.onnx.export(net, tmp_path / "lin.onnx", ["x"], [y])
+    max_differences(net, path, [y], lambda g, n: {"x": g.standard_normal((n, 4, 6))
+                                                  .astype(np.float32)}, ["x"], sizes=(1, 3))
+
+
+# ---- position_embedding -------------------------------------------------------------------
+
+def position_reference(x, w, length=None, advances=False, cache="", capacity=0):
+    t = x.shape[1]
+    offset = 0 if length is None else int(length) if advances else int(length) - t
+    out = {"out": x + w[offset:offset + t]}
+    if length is not None and advances:
+        out["length_out"] = length + t
+    return out
+
+
+def test_position_embedding_op_and_its_gradients():
+    helper_test_op("position_embedding", {"x": r(2, 4, 3), "w": r(6, 3)}, {},
+                   position_reference, grad_wrt=("x", "w"), outputs=("out",))
+    helper_test_op("position_embedding", {"x": r(2, 2, 3), "w": r(6, 3),
+                                          "length": np.array(3, np.int64)},
+                   {"advances": True, "cache": "c"}, position_reference)
+    helper_test_op("position_embedding", {"x": r(1, 2, 3), "w": r(6, 3),
+                                          "length": np.array(5, np.int64)},
+                   {"cache": "c"}, position_reference)
+
+
+def test_position_embedding_layer_and_its_limits():
+    net = mg.Net(seed=5)
+    x = L.data(net, "x", (-1, -1, 4))
+    out = L.position_embedding(net, x, 6, name="wpe")
+    assert net.var("wpe.w").get().shape == (6, 4)
+    xb = r(2, 5, 4).astype(np.float32)
+    (got,) = net.infer(feed={"x": xb}, fetch=[out])
+    np.testing.assert_allclose(got, xb + net.var("wpe.w").get()[:5], rtol=1e-6)
+    with pytest.raises(mg.OpError, match=r"position_embedding: input 'x' has 7 positions, "
+                                         r"more than the 6 rows of input 'w'"):
+        net.infer(feed={"x": r(1, 7, 4).astype(np.float32)}, fetch=[out])
+    with pytest.raises(ValueError, match=r"position_embedding: argument 'x' .* has 9 positions, "
+                                         r"more than max_positions=6"):
+        L.position_embedding(net, L.data(net, "long", (-1, 9, 4)), 6)
+
+
+# ---- multi_head_attention ------------------------------------------------------------------
+
+def mha_reference(x, p, heads, causal):
+    """multi_head_attention in float64 from its parameters."""
+    n, t, d = x.shape
+    proj = {s: x @ p[f"{s}.w"] + p[f"{s}.b"] for s in "qkv"}
+    split = {s: a.reshape(n, t, heads, d // heads).transpose(0, 2, 1, 3) for s, a in
+             proj.items()}
+    o = scaled_dot_product_attention(split["q"], split["k"], split["v"], is_causal=causal)
+    merged = o["out"].transpose(0, 2, 1, 3).reshape(n, t, d)
+    return merged @ p["out.w"] + p["out.b"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multi_head_attention_against_a_reference(causal):
+    net = mg.Net(seed=6)
+    x = L.data(net, "x", (-1, -1, 12), "float64")
+    y = L.multi_head_attention(net, x, num_heads=3, causal=causal, name="mha")
+    p = params(net, "mha.")
+    assert sorted(p) == sorted(f"{s}.{w}" for s in ("q", "k", "v", "out") for w in "wb")
+    xb = r(2, 5, 12)
+    (got,) = net.infer(feed={"x": xb}, fetch=[y])
+    np.testing.assert_allclose(got, mha_reference(xb, p, 3, causal), rtol=1e-10, atol=1e-12)
+    (train,) = net.train(feed={"x": xb}, fetch=[y])
+    np.testing.assert_allclose(train, got, rtol=1e-12)
+
+
+def test_multi_head_attention_trains_and_dropout_forks():
+    net = mg.Net(seed=7)
+    x = L.data(net, "x", (-1, 6, 8))
+    y = L.multi_head_attention(net, x, num_heads=2, causal=True, dropout=0.2, name="mha")
+    loss = L.mean(net, L.square(net, y))
+    mg.optimizer.Adam(0.01).minimize(net, loss)
+    assert net.forked and int(net.var("mha.attention.step").get()) == 0
+    xb = r(4, 6, 8).astype(np.float32)
+    losses = [float(net.train(feed={"x": xb}, fetch=[loss])[0]) for _ in range(20)]
+    assert losses[-1] < losses[0] and int(net.var("mha.attention.step").get()) == 20
+    a, b = (net.infer(feed={"x": xb}, fetch=[y])[0] for _ in range(2))
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(num_heads=5), ValueError, r"argument 'num_heads' \(5\) must divide the 12 features"),
+    (dict(num_heads=0), ValueError, r"argument 'num_heads' must be an int >= 1"),
+    (dict(num_heads=2, dropout=1.5), ValueError, r"argument 'dropout' must be a finite number"),
+    (dict(num_heads=2, causal="yes"), ValueError, r"argument 'causal' must be True or False"),
+    (dict(num_heads=2, kv_cache=8), TypeError, r"argument 'kv_cache' must be a layers.KVCache"),
+])
+def test_multi_head_attention_bad_arguments(kwargs, error, match):
+    net = mg.Net()
+    x = L.data(net, "x", (-1, 4, 12))
+    with pytest.raises(error, match=f"multi_head_attention: {match}"):
+        L.multi_head_attention(net, x, **kwargs)
+    assert not net.layers and not net.parameters()
+
+
+def test_multi_head_attention_needs_a_sequence():
+    net = mg.Net()
+    with pytest.raises(ValueError, match=r"argument 'x' .* must be \(N, T, D\) with D known"):
+        L.multi_head_attention(net, L.data(net, "x", (-1, 12)), 2)
+
+
+# ---- a GPT, weight tying, the cache --------------------------------------------------------
+
+def gpt(seed=0, cache=None, vocab=11, width=8, layers_=2, dtype="float32", dropout=0.0):
+    """(net, tokens, logits, loss): embedding, position table, pre-norm blocks, logits tied
+    to the embedding table through a transposed matmul."""
+    net = mg.Net(seed=seed)
+    tok = L.data(net, "tok", (-1, -1), "int64")
+    tgt = L.data(net, "tgt", (-1, -1), "int64")
+    h = L.embedding(net, tok, vocab, width, dtype=dtype, name="wte")
+    h = L.position_embedding(net, h, 16, kv_cache=cache, name="wpe")
+    for i in range(layers_):
+        a = L.multi_head_attention(net, L.layer_norm(net, h, begin_norm_axis=2), 2,
+                                   causal=True, dropout=dropout, kv_cache=cache, name=f"b{i}")
+        h = L.add(net, h, a)
+        m = L.linear(net, L.gelu(net, L.linear(net, L.layer_norm(net, h, begin_norm_axis=2),
+                                               4 * width, name=f"b{i}.fc")), width,
+                     name=f"b{i}.proj")
+        h = L.add(net, h, m)
+    logits = L.matmul(net, L.layer_norm(net, h, begin_norm_axis=2), net.var("wte.w"),
+                      transpose_y=True)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.reshape(net, logits, (-1, vocab)),
+                                                    L.reshape(net, tgt, (-1,))))
+    return net, tok, logits, loss
+
+
+def test_weight_tying_sums_both_uses_gradients():
+    """The table wte.w is read by the embedding and by the transposed matmul of the logits:
+    its gradient is the sum of both (checked against central differences of the loss)."""
+    net, tok, logits, loss = gpt(dtype="float64", layers_=1)
+    mg.append_backward(net, loss)
+    feed = {"tok": rng.integers(0, 11, (2, 5)), "tgt": rng.integers(0, 11, (2, 5))}
+    (grad,) = net.train(feed=feed, fetch=[net.grad("wte.w")])
+    w = net.var("wte.w")
+    base = w.get()
+    for idx in [(3, 1), (feed["tok"][0, 0], 4), (7, 7)]:
+        def at(delta, idx=idx):
+            moved = base.copy()
+            moved[idx] += delta
+            w.set(moved)
+            return float(net.infer(feed=feed, fetch=[loss])[0])
+        numeric = (at(1e-6) - at(-1e-6)) / 2e-6
+        w.set(base)
+        np.testing.assert_allclose(grad[idx], numeric, rtol=1e-5, atol=1e-8)
+
+
+def test_cached_passes_equal_full_passes_and_training_ignores_the_cache():
+    cache = L.KVCache(16)
+    net, tok, logits, loss = gpt(cache=cache)
+    mg.optimizer.AdamW(1e-2).minimize(net, loss)
+    seq = rng.integers(0, 11, (3, 12))
+    net.train(feed={"tok": seq[:, :-1], "tgt": seq[:, 1:]}, fetch=[loss])
+    assert cache.filled == 0                                     # training never touches it
+    full = net.infer(feed={"tok": seq}, fetch=[logits])[0]
+    assert cache.filled == 12
+    cache.reset()
+    parts = [net.infer(feed={"tok": seq[:, :5]}, fetch=[logits])[0]]
+    parts += [net.infer(feed={"tok": seq[:, t:t + 1]}, fetch=[logits])[0] for t in range(5, 9)]
+    parts.append(net.infer(feed={"tok": seq[:, 9:]}, fetch=[logits])[0])
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=1e-5, atol=1e-5)
+    net.train(feed={"tok": seq[:, :-1], "tgt": seq[:, 1:]}, fetch=[loss])
+    assert cache.filled == 12                                    # nor resets it
+    state = [v.name for s in (net.scope, *net.scopes.values()) for v in s.vars.values()
+             if "cache" in v.name]
+    assert state and not any(net.var(n, "infer").persistable for n in state)
+    assert not any("cache" in v.name for v in net.persistables())
+
+
+def test_the_cache_is_not_in_checkpoints(tmp_path):
+    cache = L.KVCache(16)
+    net, tok, logits, loss = gpt(cache=cache)
+    net.infer(feed={"tok": rng.integers(0, 11, (1, 4))}, fetch=[logits])
+    mg.io.save(net, tmp_path / "ckpt.npz")
+    with np.load(tmp_path / "ckpt.npz") as saved:
+        assert not [n for n in saved.files if "cache" in n]
+    other, tok2, logits2, _ = gpt(seed=9)
+    mg.io.load(other, tmp_path / "ckpt.npz")                    # the same parameters
+    seq = rng.integers(0, 11, (2, 6))
+    cache.reset()
+    np.testing.assert_allclose(other.infer(feed={"tok": seq}, fetch=[logits2])[0],
+                               net.infer(feed={"tok": seq}, fetch=[logits])[0], rtol=1e-6)
+
+
+def test_a_full_cache_is_an_error_naming_it_and_nothing_wraps():
+    cache = L.KVCache(6, name="gen_cache")
+    net, tok, logits, _ = gpt(cache=cache)
+    net.infer(feed={"tok": rng.integers(0, 11, (2, 5))}, fetch=[logits])
+    with pytest.raises(mg.OpError, match=r"the KV cache 'gen_cache' is full: it holds 6 "
+                                         r"positions, 5 are filled and this pass adds 2"):
+        net.infer(feed={"tok": rng.integers(0, 11, (2, 2))}, fetch=[logits])
+    assert cache.filled == 5                                     # the failed pass left it
+    net.infer(feed={"tok": rng.integers(0, 11, (2, 1))}, fetch=[logits])
+    with pytest.raises(mg.OpError, match="'gen_cache' is full"):
+        net.infer(feed={"tok": rng.integers(0, 11, (2, 1))}, fetch=[logits])
+    cache.reset()
+    net.infer(feed={"tok": rng.integers(0, 11, (4, 6))}, fetch=[logits])    # a new batch
+    with pytest.raises(mg.OpError, match=r"'gen_cache' holds 2 positions of a batch of 4"):
+        cache.length.set(np.array(2, np.int64))
+        net.infer(feed={"tok": rng.integers(0, 11, (3, 1))}, fetch=[logits])
+
+
+def test_a_cache_serves_one_net():
+    cache = L.KVCache(8)
+    gpt(cache=cache)
+    with pytest.raises(ValueError, match=r"argument 'kv_cache' .* belongs to another net"):
+        gpt(cache=cache)
+    with pytest.raises(ValueError, match=r"KVCache: capacity must be an int >= 1"):
+        L.KVCache(0)
+
+
+def test_sampling_temperature_and_top_k():
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]))
+    np.testing.assert_array_equal(sample(logits, temperature=0), [3, 0])
+    g = np.random.default_rng(0)
+    draws = np.array([sample(logits, 1.0, rng=g) for _ in range(20000)])
+    np.testing.assert_allclose(np.bincount(draws[:, 0], minlength=4) / 20000,
+                               [0.1, 0.2, 0.3, 0.4], atol=0.015)
+    top2 = np.array([sample(logits, 1.0, top_k=2, rng=g) for _ in range(5000)])
+    assert set(top2[:, 0]) == {2, 3}
+    np.testing.assert_allclose((top2[:, 0] == 3).mean(), 4 / 7, atol=0.03)
+    cold = np.array([sample(logits, 0.05, rng=g) for _ in range(200)])
+    assert (cold[:, 0] == 3).all()
+    with pytest.raises(ValueError, match="sample: top_k must be None or an int >= 1"):
+        sample(logits, top_k=0)
+
+
+def test_generation_with_the_cache_equals_without():
+    cache = L.KVCache(16)
+    net, tok, logits, _ = gpt(cache=cache, seed=3)
+    prompt = rng.integers(0, 11, (2, 3))
+    cached = generate(net, tok, logits, prompt, 10, temperature=0.9, top_k=5, seed=4,
+                      kv_cache=cache)
+    full = generate(net, "tok", logits, prompt, 10, temperature=0.9, top_k=5, seed=4,
+                    kv_cache=cache, use_cache=False)
+    np.testing.assert_array_equal(cached, full)
+    assert cached.shape == (2, 13) and (cached[:, :3] == prompt).all()
+    with pytest.raises(mg.OpError, match="KV cache 'kv_cache_0' is full"):
+        generate(net, tok, logits, prompt, 15, kv_cache=cache)
+
+
+def test_generation_takes_only_the_cache_the_net_was_built_with():
+    """generate() with another net's cache reset that cache while the net's own grew:
+    wrong tokens and no error."""
+    cache = L.KVCache(16)
+    net, tok, logits, _ = gpt(cache=cache, seed=3)
+    prompt = rng.integers(0, 11, (1, 3))
+    want = generate(net, tok, logits, prompt, 4, temperature=0, kv_cache=cache)
+    unused, elsewhere = L.KVCache(16), L.KVCache(16)
+    gpt(cache=elsewhere, seed=3)                          # another net's cache
+    for other, shown in ((unused, "None"), (elsewhere, "'kv_cache_0'")):
+        with pytest.raises(ValueError, match=rf"argument 'kv_cache' \({shown}\) is not the "
+                                             "cache this net was built with"):
+            generate(net, tok, logits, prompt, 4, temperature=0, kv_cache=other)
+    assert elsewhere.length.get() == 0                    # left as it was
+    with pytest.raises(ValueError, match="generate: the net was built with a KV cache"):
+        generate(net, tok, logits, prompt, 4, temperature=0)
+    with pytest.raises(TypeError, match="generate: kv_cache must be a layers.KVCache"):
+        generate(net, tok, logits, prompt, 4, kv_cache="cache")
+    np.testing.assert_array_equal(
+        generate(net, tok, logits, prompt, 4, temperature=0, kv_cache=cache), want)
+
+
+def test_generation_without_a_cache_crops_to_the_context():
+    net, tok, logits, _ = gpt(seed=4)
+    out = generate(net, tok, logits, rng.integers(0, 11, (1, 10)), 12, temperature=0,
+                   context=16)
+    assert out.shape == (1, 22)
+
+
+def test_inference_models_of_a_cached_net_are_refused_by_name(tmp_path):
+    """A KV cache lives in the net that built it: an inference model or an inference
+    pass of its infer branch would read state nothing there computes (ONNX export is
+    stateless and works; tests/test_onnx_attention.py)."""
+    net, tok, logits, _ = gpt(cache=L.KVCache(16))
+    with pytest.raises(mg.io.InferenceModelError, match=r"op 'position_embedding' keeps state "
+                                                        r"of the infer branch in "
+                                                        r"'kv_cache_0.length'"):
+        mg.io.save_inference(net, tmp_path / "m", feeds=["tok"], fetches=[logits])
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match=r"optimize_for_inference: op .position_embedding. "
+                                         r"keeps state .* without kv_cache"):
+        mg.passes.optimize_for_inference(net)
+    plain, _, plain_logits, _ = gpt()
+    mg.io.save_inference(plain, tmp_path / "m", feeds=["tok"], fetches=[plain_logits])
