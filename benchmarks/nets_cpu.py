@@ -6,15 +6,9 @@ It prints its table and then writes it, with the machine and the date, into
 the `nets_cpu` section of docs/performance.md (benchmarks/report.py), replacing
 the last run's; --no-write only prints.
 
-Nets (the same architecture, batch and optimizer in both):
-- digits (64x1x8x8, Momentum(0.1, 0.9)): minigraph.examples.train_digits.build_net,
-  conv16-BN-ReLU-maxpool-fc64-BN-ReLU-fc10;
-- resnet (32x3x32x32, Momentum(0.1, 0.9)): stem conv16-BN-ReLU, three stages of two
-  residual blocks (16; 32 stride 2; 64 stride 2; 3x3 convs without bias, BN, a 1x1
-  projection with BN where the shape changes), global average pool, fc10;
-- mnist (64x1x28x28, Adam(1e-3)): conv16-BN-ReLU-maxpool, conv32-BN-ReLU-maxpool
-  (3x3, padding 1), dropout 0.25, fc128-BN-ReLU, dropout 0.5, fc10;
-- mlp (128x784, Adam(1e-3)): fc2048-BN-ReLU, fc2048-BN-ReLU, fc10.
+Nets (the same architecture, batch and optimizer in both; benchmarks/nets_models.py
+builds minigraph's, nets_torch.py PyTorch's): digits, resnet, mnist, mlp and recipe
+(a user's first CNN: conv32 and conv64 blocks, AdamW with two parameter groups).
 minigraph runs every BN-ReLU pair as one batch_norm_relu op
 (mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
 residual add stays a batch_norm.
@@ -37,6 +31,14 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
   `mg.passes.optimize_for_inference` (batch norms folded, ops fused), PyTorch's
   model in eval mode under torch.inference_mode(). "infer (net)" is minigraph's
   unoptimised `net.infer`, for reference.
+- infer between: the same inference timed right after each of `--repeat` training
+  steps (a loop that evaluates mid-epoch), in blocks of 5 that alternate with
+  blocks of 5 inferences in a row ("infer", alone), so that a drift of the
+  machine's speed slows both alike; the second table gives each framework's
+  between / alone per round (the time an inference takes must not depend on what
+  the process did before it).
+- targets (minigraph / PyTorch, the median of the rounds' ratios): train <= 0.8,
+  infer and infer between <= 0.6; infer between / alone <= 1.05.
 - floor: benchmarks/conv_gemm_floor.py's least time of the ResNet's conv
   products and column copies in numpy, nothing else, against PyTorch's times.
 - overhead: in another process every kernel is wrapped with a timer; the
@@ -68,113 +70,11 @@ import subprocess
 import sys
 import time
 
-from timing import median_ms
+from nets_models import NETS, batch, mg_net, mg_optimized
+from timing import alone_and_between_ms, median_ms
 
-NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32)), "mnist": (64, (1, 28, 28)),
-        "mlp": (128, (784,))}
-ADAM_NETS = ("mnist", "mlp")           # trained with Adam(1e-3); the others with Momentum
-LEARNING_RATE, MOMENTUM = 0.1, 0.9
-STAGES = ((16, 1), (32, 2), (64, 2))
-
-
-def batch(net_name, seed=0, n=None):
-    """(images, labels) of `net_name`'s input at its batch size (or `n`), seeded."""
-    import numpy as np
-
-    default, chw = NETS[net_name]
-    n = default if n is None else n
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n,) + chw, dtype=np.float32),
-            rng.integers(0, 10, size=n).astype(np.int64))
-
-
-# ---- minigraph ------------------------------------------------------------------
-
-def mg_resnet(seed=0, place=None):
-    """(net, image, logits, loss): the CIFAR-sized ResNet built with the layer API
-    (on `place`, the CPU by default)."""
-    import minigraph as mg
-    from minigraph import layers
-
-    net = mg.Net(place=place, seed=seed)
-    image = layers.data(net, "image", shape=(-1, 3, 32, 32))
-    label = layers.data(net, "label", shape=(-1,), dtype="int64")
-
-    def conv_bn(x, filters, size, stride, relu):
-        h = layers.conv2d(net, x, num_filters=filters, filter_size=size, stride=stride,
-                          padding=size // 2, bias=False)
-        h = layers.batch_norm(net, h)
-        return layers.relu(net, h) if relu else h
-
-    h, channels = conv_bn(image, 16, 3, 1, True), 16
-    for filters, stride in STAGES:
-        for block in range(2):
-            s = stride if block == 0 else 1
-            out = conv_bn(conv_bn(h, filters, 3, s, True), filters, 3, 1, False)
-            short = h if (s == 1 and channels == filters) else conv_bn(h, filters, 1, s, False)
-            h, channels = layers.relu(net, layers.add(net, out, short)), filters
-    h = layers.pool2d(net, h, global_pooling=True, pool_type="avg")
-    logits = layers.fc(net, layers.flatten(net, h), size=10)
-    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
-    fuse_batch_norm_relu(net)
-    mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
-    return net, image, logits, loss
-
-
-def mg_mnist_or_mlp(net_name, seed=0, place=None):
-    """(net, image, logits, loss): the MNIST CNN or the wide MLP, minimised with Adam
-    (on `place`, the CPU by default)."""
-    import minigraph as mg
-    from minigraph import layers as L
-
-    net = mg.Net(place=place, seed=seed)
-    image = L.data(net, "image", shape=(-1,) + NETS[net_name][1])
-    label = L.data(net, "label", shape=(-1,), dtype="int64")
-    if net_name == "mnist":
-        h = image
-        for filters in (16, 32):
-            h = L.conv2d(net, h, num_filters=filters, filter_size=3, padding=1)
-            h = L.pool2d(net, L.relu(net, L.batch_norm(net, h)), 2)
-        h = L.dropout(net, h, p=0.25)
-        h = L.dropout(net, L.relu(net, L.batch_norm(net, L.fc(net, h, 128))), p=0.5)
-    else:
-        h = image
-        for _ in range(2):
-            h = L.relu(net, L.batch_norm(net, L.fc(net, h, 2048)))
-    logits = L.fc(net, h, 10)
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
-    fuse_batch_norm_relu(net)
-    mg.optimizer.Adam(1e-3).minimize(net, loss)
-    return net, image, logits, loss
-
-
-def fuse_batch_norm_relu(net):
-    """Each batch norm and the relu after it as one op, where this minigraph has the
-    pass (the fused op is what nets_cpu times; older trees time the pair)."""
-    import minigraph as mg
-
-    if hasattr(mg.passes, "fuse_batch_norm_relu"):
-        mg.passes.fuse_batch_norm_relu(net)
-
-
-def mg_net(net_name, place=None):
-    """(net, image, logits, loss) of `net_name` on `place` (the CPU by default)."""
-    if net_name == "resnet":
-        return mg_resnet(place=place)
-    if net_name in ADAM_NETS:
-        return mg_mnist_or_mlp(net_name, place=place)
-    from minigraph.examples.train_digits import build_net
-
-    net, h = build_net(place=place, seed=0, learning_rate=LEARNING_RATE, momentum=MOMENTUM)
-    return net, h["image"], h["logits"], h["loss"]
-
-
-def mg_optimized(net):
-    import minigraph as mg
-
-    if hasattr(mg.passes, "optimize_for_inference"):
-        return mg.passes.optimize_for_inference(net)
-    return mg.passes.fold_batch_norm(net)
+TARGETS = {"train": 0.8, "infer": 0.6, "infer between": 0.6}   # minigraph / PyTorch
+BETWEEN_TARGET = 1.05          # minigraph's inference between training steps / alone
 
 
 def mg_worker(args):
@@ -202,8 +102,12 @@ def mg_worker(args):
     result = {"train": median_ms(step, args.repeat, args.warmup)}
     fast = mg_optimized(net)
     name = logits.name
-    result["infer"] = median_ms(lambda: fast.infer(feed={"image": x}, fetch=[name]),
-                                args.repeat, args.warmup)
+
+    def infer():
+        fast.infer(feed={"image": x}, fetch=[name])
+
+    result["infer"], result["infer between"] = alone_and_between_ms(step, infer, args.repeat,
+                                                                    args.warmup)
     result["infer (net)"] = median_ms(lambda: net.infer(feed={"image": x}, fetch=[logits]),
                                       args.repeat, args.warmup)
     result["ops"] = {"train": len(net.plan("train", (loss,)).ops),
@@ -291,54 +195,75 @@ def worker_result(framework, net, what, args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+TIMED = ("train", "infer", "infer between")
+
+
 def timed_rounds(net, args):
-    """(minigraph, pytorch, ratios): each framework's times, the median over
+    """(minigraph, pytorch, ratios, between): each framework's times, the median over
     `args.rounds` rounds that each run both frameworks back to back in fresh
     processes (so a slow spell of the machine lands on both sides of a round's
     ratio; minigraph first in even rounds, PyTorch first in odd ones, so that
-    neither always runs on the later, warmer or colder, machine), and every
-    round's ratio per measurement."""
+    neither always runs on the later, warmer or colder, machine), every round's
+    ratio per measurement, and every round's inference between training steps /
+    alone for each framework ({"minigraph": [...], "pytorch": [...]})."""
     rounds = []
     for i in range(args.rounds):
         order = ("minigraph", "pytorch") if i % 2 == 0 else ("pytorch", "minigraph")
         got = {fw: worker_result(fw, net, "time", args) for fw in order}
         rounds.append((got["minigraph"], got["pytorch"]))
     mine = {**rounds[0][0], **{w: statistics.median(r[0][w] for r in rounds)
-                               for w in ("train", "infer", "infer (net)")}}
-    theirs = {w: statistics.median(r[1][w] for r in rounds) for w in ("train", "infer")}
-    ratios = {w: [m[w] / t[w] for m, t in rounds] for w in ("train", "infer")}
-    return mine, theirs, ratios
+                               for w in (*TIMED, "infer (net)")}}
+    theirs = {w: statistics.median(r[1][w] for r in rounds) for w in TIMED}
+    ratios = {w: [m[w] / t[w] for m, t in rounds] for w in TIMED}
+    between = {fw: [r[i]["infer between"] / r[i]["infer"] for r in rounds]
+               for i, fw in enumerate(("minigraph", "pytorch"))}
+    return mine, theirs, ratios, between
+
+
+def spread(values):
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 def report(args):
-    """Run every measurement, print the table and the notes under it; returns
-    the same as markdown (a table and a list) for docs/performance.md."""
+    """Run every measurement, print the tables and the notes under them; returns the
+    same as markdown (tables and a list) for docs/performance.md."""
     setting = (f"threads: {args.threads} per framework, each measurement in its own process; "
                f"medians of {args.repeat} steps after {args.warmup} warm-up steps; {args.rounds} "
                "rounds of both frameworks back to back (minigraph first in every other round); "
-               "times: the median over rounds, ratio: the median of the rounds' ratios")
-    print(f"{setting}; load average before: {os.getloadavg()[0]:.2f}")
-    print(f"{'net (batch)':<22} {'':<6} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
+               "times: the median over rounds, ratio: the median of the rounds' ratios; "
+               "infer between: each inference right after a training step")
+    setting += f"; load average before: {os.getloadavg()[0]:.2f}"
+    print(setting)
+    print(f"{'net (batch)':<22} {'':<13} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
           f"{'per round':>11} {'target':>7}")
-    rows, table, notes = {}, [], []
+    rows, table, steady, notes = {}, [], [], []
     for net in args.nets:
-        mine, theirs, ratios = timed_rounds(net, args)
+        mine, theirs, ratios, between = timed_rounds(net, args)
         n, chw = NETS[net]
         name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
-        for what, target in (("train", 1.0), ("infer", 0.8)):
+        for what in TIMED:
+            target = TARGETS[what]
             r = statistics.median(ratios[what])         # the rounds' paired ratios
-            spread = f"{min(ratios[what]):.2f}-{max(ratios[what]):.2f}"
             verdict = "ok" if r <= target else "MISSED"
-            print(f"{label:<22} {what:<6} {mine[what]:>12.2f} {theirs[what]:>11.2f} {r:>6.2f} "
-                  f"{spread:>11} {'<= ' + str(target):>7} {verdict}")
+            print(f"{label:<22} {what:<13} {mine[what]:>12.2f} {theirs[what]:>11.2f} "
+                  f"{r:>6.2f} {spread(ratios[what]):>11} {'<= ' + str(target):>7} {verdict}")
             table.append((name, what, f"{mine[what]:.2f}", f"{theirs[what]:.2f}", f"{r:.2f}",
-                          spread, f"<= {target} {verdict}"))
+                          spread(ratios[what]), f"<= {target} {verdict}"))
             label = ""
+        b, bt = statistics.median(between["minigraph"]), statistics.median(between["pytorch"])
+        verdict = "ok" if b <= BETWEEN_TARGET else "MISSED"
+        print(f"{'':<22} (infer between / alone: minigraph {b:.2f} ({spread(between['minigraph'])}"
+              f"), pytorch {bt:.2f} ({spread(between['pytorch'])}); <= {BETWEEN_TARGET} "
+              f"{verdict})")
+        steady.append((name, f"{b:.2f}", spread(between["minigraph"]), f"{bt:.2f}",
+                       spread(between["pytorch"]), f"<= {BETWEEN_TARGET} {verdict}"))
         unoptimised = (f"(infer, unoptimised net: {mine['infer (net)']:.2f} ms; ops run: train "
                        f"{mine['ops']['train']}, infer {mine['ops']['infer']})")
         print(f"{'':<22} {unoptimised}")
         notes.append(f"{net}: {unoptimised[1:-1]}")
         rows[net] = (mine, theirs)
+    if args.times_only:
+        return rows, markdown(setting, table, steady, notes)
     if "resnet" in rows:
         notes.append(gemm_floor(args, rows["resnet"][1]))
     print()
@@ -368,17 +293,20 @@ def report(args):
                 f"({min(theirs):.2f}-{max(theirs):.2f}) {'ok' if m <= p else 'MISSED'}")
         print(line)
         notes.append(line)
-    return rows, markdown(setting, table, notes)
+    return rows, markdown(setting, table, steady, notes)
 
 
-def markdown(setting, table, notes):
-    """The section of docs/performance.md: the machine, the setting, the table, the notes."""
+def markdown(setting, table, steady, notes):
+    """The section of docs/performance.md: the machine, the setting, the tables, the
+    notes."""
     from report import machine_line, markdown_table
 
     header = ("net (batch)", "step", "minigraph ms", "PyTorch ms", "ratio",
               "ratio per round", "target")
+    header2 = ("net (batch)", "minigraph: infer between / alone", "per round",
+               "PyTorch: infer between / alone", "per round", "target")
     return "\n\n".join([machine_line(setting[0].upper() + setting[1:] + "."),
-                         markdown_table(header, table),
+                         markdown_table(header, table), markdown_table(header2, steady),
                          "\n".join(f"- {note}" for note in notes)])
 
 
@@ -405,6 +333,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7,
                         help="fresh minigraph and PyTorch processes per timing, alternated")
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
+    parser.add_argument("--times-only", action="store_true",
+                        help="time the steps only: no overhead or memory measurements")
     parser.add_argument("--no-write", action="store_true",
                         help="print the table only; do not replace the 'nets_cpu' section "
                              "of docs/performance.md")

@@ -58,7 +58,7 @@ def case_name(case):
 
 def parse_case(text):
     """("resnet", 128) of "resnet:128"; ValueError for a net nets_cpu does not have."""
-    from nets_cpu import NETS
+    from nets_models import NETS
 
     name, _, n = text.partition(":")
     if name not in NETS or not n.isdigit() or int(n) <= 0:
@@ -139,7 +139,7 @@ class PeakBytes:
 
 def mg_case(place, tracker, name, n, tf32, args):
     """{train, infer (ms), peak_mib} of one case on the GPU with TF32 `tf32`."""
-    from nets_cpu import batch, mg_net, mg_optimized
+    from nets_models import batch, mg_net, mg_optimized
 
     import minigraph as mg
 
@@ -184,8 +184,8 @@ def mg_worker(args):
 def torch_case(name, n, tf32, args):
     import torch
     import torch.nn.functional as F
-    from nets_cpu import ADAM_NETS, LEARNING_RATE, MOMENTUM, batch
-    from nets_torch import torch_model
+    from nets_models import batch
+    from nets_torch import torch_model, torch_optimizer
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
@@ -193,8 +193,7 @@ def torch_case(name, n, tf32, args):
     dev = torch.device("cuda")
     model = torch_model(name).to(dev)
     xh, yh = (torch.from_numpy(a) for a in batch(name, n=n))
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-3) if name in ADAM_NETS else
-           torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM))
+    opt = torch_optimizer(name, model)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -233,7 +232,7 @@ def torch_worker(args):
 
 def profile_worker(args):
     """The TOP costliest ops of one training step of --profile-case (net.profile)."""
-    from nets_cpu import batch, mg_net
+    from nets_models import batch, mg_net
 
     import minigraph as mg
 

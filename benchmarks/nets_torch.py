@@ -3,9 +3,18 @@ timed and measured the same way, in a process of its own (nets_cpu.py runs this
 through its --worker pytorch mode; PyTorch is a benchmark-only dependency)."""
 from __future__ import annotations
 
-from nets_cpu import ADAM_NETS, LEARNING_RATE, MOMENTUM, STAGES, batch
+from nets_models import (
+    ADAM_NETS,
+    ADAMW_NETS,
+    LEARNING_RATE,
+    MOMENTUM,
+    RECIPE_CONVS,
+    STAGES,
+    WEIGHT_DECAY,
+    batch,
+)
 from peak_memory import rss_peak
-from timing import median_ms
+from timing import alone_and_between_ms, median_ms
 
 
 def torch_model(net_name):
@@ -19,6 +28,13 @@ def torch_model(net_name):
                              nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
                              nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.BatchNorm1d(128),
                              nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10))
+    if net_name == "recipe":
+        (c1, c2) = RECIPE_CONVS
+        return nn.Sequential(nn.Conv2d(1, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Conv2d(c1, c2, 3, padding=1),
+                             nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(c2 * 7 * 7, 128), nn.BatchNorm1d(128), nn.ReLU(),
+                             nn.Dropout(0.5), nn.Linear(128, 10))
     if net_name == "mlp":
         return nn.Sequential(nn.Linear(784, 2048), nn.BatchNorm1d(2048), nn.ReLU(),
                              nn.Linear(2048, 2048), nn.BatchNorm1d(2048), nn.ReLU(),
@@ -51,6 +67,21 @@ def torch_model(net_name):
     return nn.Sequential(*layers)
 
 
+def torch_optimizer(net_name, model):
+    """The optimizer nets_models.py gives `net_name`: Adam, AdamW with two groups (no
+    decay on biases and batch norms' parameters), or SGD with momentum."""
+    import torch
+
+    if net_name in ADAM_NETS:
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+    if net_name in ADAMW_NETS:
+        params = list(model.parameters())
+        return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
+                                  {"params": [p for p in params if p.ndim < 2],
+                                   "weight_decay": 0.0}], lr=1e-3, weight_decay=WEIGHT_DECAY)
+    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+
+
 def torch_worker(args):
     import torch
     import torch.nn.functional as F
@@ -58,10 +89,7 @@ def torch_worker(args):
     torch.set_num_threads(args.threads)
     model = torch_model(args.net)
     x, y = (torch.from_numpy(a) for a in batch(args.net))
-    if args.net in ADAM_NETS:
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    opt = torch_optimizer(args.net, model)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -83,5 +111,11 @@ def torch_worker(args):
         with torch.inference_mode():
             model(x)
 
-    result["infer"] = median_ms(infer, args.repeat, args.warmup)
+    def train_step():               # a training step in train mode, then back to eval
+        model.train()
+        step()
+        model.eval()
+
+    result["infer"], result["infer between"] = alone_and_between_ms(train_step, infer,
+                                                                    args.repeat, args.warmup)
     return result

@@ -32,6 +32,15 @@ GEOMETRIES = [
     ((2, 6, 12, 12), (4, 6, 3, 3), (1, 2), (0, 1), (1, 1)),
     ((1, 8, 4, 4), (9, 8, 1, 1), (1, 1), (0, 0), (1, 1)),
     ((2, 3, 3, 40), (2, 3, 3, 5), (1, 1), (1, 2), (1, 1)),
+    # the recipe's convs (conv32 on 28x28, conv64 on 14x14) and output channels that
+    # fill the filter gradient's tiles of one and two vectors (8 or 16 channels each)
+    # in part: 17, 40
+    ((3, 1, 28, 28), (32, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((2, 32, 14, 14), (64, 32, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((2, 5, 7, 9), (40, 5, 3, 3), (1, 1), (1, 1), (1, 1)),
+    ((2, 12, 9, 9), (17, 12, 3, 3), (2, 2), (1, 1), (1, 1)),
+    # rows of at most 8 outputs, two to a vector with AVX-512: an odd number of them
+    ((2, 5, 7, 7), (6, 5, 3, 3), (1, 1), (1, 1), (1, 1)),
 ]
 
 

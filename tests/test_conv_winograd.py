@@ -37,6 +37,8 @@ SHAPES = [
     ((5, 12, 11, 13), 20, (1, 0)),
     ((1, 24, 3, 3), 7, (0, 0)),
     ((2, 8, 20, 3), 1, (1, 1)),
+    ((2, 32, 14, 14), 64, (1, 1)),      # the recipe's second conv: rows of 8 + 6 columns
+    ((1, 16, 28, 28), 32, (1, 1)),
 ]
 
 
@@ -108,9 +110,14 @@ def test_fused_conv2d_takes_it_with_more_scratch(monkeypatch):
     assert not conv_native.winograd(last_stage, 2)
     assert conv_native.winograd(last_stage, 2, max_scratch=MAX_SCRATCH_INFERENCE)
     assert not conv_native.winograd(few_small, 2, max_scratch=MAX_SCRATCH_INFERENCE)
+    monkeypatch.setenv("MINIGRAPH_TUNE", "0")          # each op's default kernel, untimed
     asked, real = [], conv_native.winograd
-    monkeypatch.setattr(conv_native, "winograd", lambda *args: asked.append(args[-1])
-                        or real(*args))
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["max_scratch"] if "max_scratch" in kwargs else args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(conv_native, "winograd", spy)
     x, w = data((4, 64, 8, 8), 64)
     attrs = {"strides": (1, 1), "paddings": (1, 1), "dilations": (1, 1), "groups": 1,
              "activation": "none", "data_layout": "NCHW"}
@@ -119,7 +126,11 @@ def test_fused_conv2d_takes_it_with_more_scratch(monkeypatch):
           conv2d(x, w, paddings=(1, 1)))
     conv2d_kernels.conv2d_cpu(SimpleNamespace(type="conv2d", attrs=attrs),
                               {"x": x, "filter": w}, None)
-    assert asked == [MAX_SCRATCH_INFERENCE, None]
+    # each op asks whether Winograd may run with its own bound, then runs Winograd with
+    # that bound or the direct kernel (conv_native.DIRECT)
+    assert asked[0] == MAX_SCRATCH_INFERENCE and asked[1] in (MAX_SCRATCH_INFERENCE,
+                                                             conv_native.DIRECT)
+    assert asked[2] is None and asked[3] in (None, conv_native.DIRECT) and len(asked) == 4
 
 
 @pytest.mark.parametrize("x_shape, o, paddings", SHAPES)

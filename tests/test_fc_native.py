@@ -31,12 +31,13 @@ def reference(x, w, bias, relu):
 
 
 # rows: 1, a tile (6), every remainder (the last rows in tiles of 4: one, two or none),
-# packed and read in place; columns: 1, a vector, a panel (16), past it, and enough
-# panels (8 and more) that x is packed; x's columns: 1, one block (512), blocks split
-# evenly (513, 784, 1100)
+# packed and read in place; columns: 1, a vector, a panel (16 with AVX2, 32 with
+# AVX-512), short of it and past it, and enough panels (8 and more) that x is packed;
+# x's columns: 1, one block (512), blocks split evenly (513, 784, 1100)
 SHAPES = [(1, 1, 1), (5, 3, 16), (6, 16, 17), (7, 40, 10), (13, 512, 33), (128, 513, 130),
           (131, 784, 129), (2, 1100, 200), (12, 300, 256), (64, 77, 8), (3, 20, 140),
-          (9, 30, 24), (10, 64, 200), (8, 33, 129), (21, 50, 40), (128, 96, 20)]
+          (9, 30, 24), (10, 64, 200), (8, 33, 129), (21, 50, 40), (128, 96, 20),
+          (7, 50, 31), (6, 40, 32), (11, 70, 47), (20, 64, 300), (4, 9, 520)]
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)

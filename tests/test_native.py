@@ -78,7 +78,7 @@ def test_local_headers_are_part_of_the_source():
 
 
 def test_the_key_names_this_cpu():
-    identity = native._cpu_identity()
+    identity = native.cpu_identity()
     assert identity and len(identity.splitlines()) >= 2
 
 
@@ -305,3 +305,28 @@ def test_the_address_a_kernel_gets():
     a.flags.writeable = False
     assert native.address(a) == a.ctypes.data
     assert native.address(a[2:]) == a.ctypes.data + 16
+
+
+def _cpu_has(flag):
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_the_vector_width_follows_the_build_target(fresh, monkeypatch):
+    """-march=native builds AVX-512 register tiles where the CPU has AVX-512; a compiler
+    told otherwise (CC="cc -mno-avx512f") builds AVX2's, under a key of its own."""
+    want = 16 if _cpu_has("avx512f") else 8
+    assert native.vector_floats("fc_native") == want
+    first = native.build_key("fc_native")
+    assert first and first in next(fresh.glob("fc_native-*.so")).name
+    if want == 16:
+        native._load.cache_clear()
+        cc = (os.environ.get("CC") or "cc").split()
+        monkeypatch.setenv("CC", " ".join(cc + ["-mno-avx512f"]))
+        assert native.vector_floats("fc_native") == 8
+        assert len(list(fresh.glob("fc_native-*.so"))) == 2
+        assert native.build_key("fc_native") != first       # kernel choices made anew

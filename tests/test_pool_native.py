@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not pool_native.available(),
                                 reason=f"native kernels not built: {native.reason('pool_native')}")
 
 # (x shape, ksize, strides, paddings): tiling 2x2 (float32: eight windows at a time and
-# the rest of a row, the rows of 19 and of 17 windows; planes 8 wide two rows of windows
+# the rest of a row, with masked loads and stores: rows of 19, 17, 14, 7, 5 and 2
+# windows; planes 8 wide two rows of windows
 # at a time, and the odd row left), a remainder row and column left out,
 # overlapping 3x3 windows with padding, strided and padded, one-tap windows, windows
 # wider than tall, a window as large as the padded plane
@@ -26,6 +27,10 @@ CASES = {
     "2x2 rows of 19": ((2, 3, 6, 38), (2, 2), (2, 2), (0, 0)),
     "2x2 8 wide, 3 rows of windows": ((2, 3, 7, 8), (2, 2), (2, 2), (0, 0)),
     "2x2 odd plane of 17 wide": ((2, 2, 7, 35), (2, 2), (2, 2), (0, 0)),
+    "2x2 14x14 planes (rows of 7)": ((3, 5, 14, 14), (2, 2), (2, 2), (0, 0)),
+    "2x2 28x28 planes (rows of 14)": ((2, 3, 28, 28), (2, 2), (2, 2), (0, 0)),
+    "2x2 rows of 5 and of 2": ((2, 2, 4, 10), (2, 2), (2, 2), (0, 0)),
+    "2x2 rows of 2": ((3, 2, 4, 4), (2, 2), (2, 2), (0, 0)),
     "3x3 overlapping": ((2, 4, 6, 5), (3, 3), (1, 1), (1, 1)),
     "3x3 stride 2 padded": ((3, 2, 9, 8), (3, 3), (2, 2), (1, 1)),
     "1x1 stride 2": ((2, 2, 5, 5), (1, 1), (2, 2), (0, 0)),
@@ -127,17 +132,23 @@ def test_the_op_kernel_runs_it(monkeypatch):
     np.testing.assert_array_equal(dx, numpy_grad(x, dout, attrs, monkeypatch))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (64, 16, 8, 8)])
-def test_tiles_forward_is_the_numpy_kernels(shape, dtype):
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (64, 16, 8, 8),
+                                   (2, 3, 4, 36), (4, 3, 28, 28), (2, 4, 14, 14)])
+def test_tiles_forward_is_the_numpy_kernels(shape, dtype, threads, monkeypatch):
     """2x2 windows at stride 2: numpy's tiled max, NaN propagating, bit for bit; rows of
-    pairs fewer than, more than and not a multiple of the kernel's block."""
+    pairs fewer than, more than and not a multiple of the kernel's block (float64);
+    rows of fewer than 8 windows, of 8 and more, and of 8 and a remainder (float32:
+    eight at a time, the rest through masked loads), on one thread and on three."""
+    monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
     attrs = attrs_of((2, 2), (2, 2), (0, 0))
     x = rng.standard_normal(shape).astype(dtype)
     flat = x.reshape(-1)
     for value, share in ((np.nan, 7), (np.inf, 9), (-np.inf, 9)):
         flat[rng.choice(flat.size, max(1, flat.size // share), replace=False)] = value
-    got = pool_native.max_pool_tiles(x)
+    with blocks.num_threads(threads):
+        got = pool_native.max_pool_tiles(x)
     want = tiled_max(x, attrs, out_hw(shape, attrs))
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)

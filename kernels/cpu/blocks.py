@@ -32,10 +32,8 @@ import numpy as np
 import threadpoolctl
 
 CHUNK_BYTES = 1 << 20          # work on x in cache-sized blocks
-# Smaller arrays stay on the calling thread. In a net, numpy's BLAS threads spin for a
-# while after each product (a conv's), and a pool thread then takes a core from them
-# or from this thread: below this size the preemptions cost more than a second core
-# gains.
+# Smaller arrays stay on the calling thread (a threshold measured in whole training
+# steps while OpenBLAS's workers still spun after each product).
 PARALLEL_MIN_BYTES = 1 << 22
 MIN_UNIT = 2048                # short rows are grouped into units of at least this many values
 MIN_INNER = 16                 # shorter inner axes (NHWC: 1) sum over rows, not along them
@@ -100,13 +98,6 @@ def num_threads(n):
 def get_num_threads():
     """The number of threads minigraph's CPU kernels use."""
     return _threads
-
-
-# values a native kernel's thread must have where it runs between BLAS calls (the
-# max-pool gradient, dropout): OpenBLAS's workers stay busy-waiting for a while after
-# a call, so a thread woken right after one waits for a core; one thread was faster
-# inside whole training steps
-BETWEEN_BLAS_VALUES = 1 << 22
 
 
 def threads_for(values, per_thread):

@@ -1,10 +1,12 @@
-"""CPU kernels of conv2d (ops/conv2d.py): the native kernels (float32, one group, where a
-C compiler works: conv_native for NCHW, conv_native_nhwc for NHWC) where they take
-the conv, else the im2col engine of the layout (conv_im2col and conv_im2col_grad,
-conv_im2col_nhwc) with lean work arrays, or up to the room a training step leaves
-them (KernelContext.room, OpSchema.work_room); and of fused_conv2d
-(ops/fused_conv2d.py), whose bias, residual and relu are applied to each tile or
-chunk of the convolution's output while it is in cache.
+"""CPU kernels of conv2d (ops/conv2d.py): where the native kernels take the conv
+(float32, one group, where a C compiler works: conv_native for NCHW, conv_native_nhwc
+for NHWC), the fastest on this machine of Winograd's kernel, the direct kernel and
+the im2col engine (timed at first use and kept per machine: choices.py), else the
+im2col engine of the layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc),
+with lean work arrays, or up to the room a training step leaves them
+(KernelContext.room, OpSchema.work_room); and of fused_conv2d (ops/fused_conv2d.py),
+whose bias, residual and relu are applied to each tile or chunk of the
+convolution's output while it is in cache.
 """
 from __future__ import annotations
 
@@ -13,13 +15,19 @@ from typing import NamedTuple
 from minigraph.kernels import present
 from minigraph.kernels.cpu import (
     blocks,
+    choices,
     conv_im2col,
     conv_im2col_grad,
     conv_im2col_nhwc,
     conv_native,
     conv_native_nhwc,
+    native,
 )
 from minigraph.kernels.layout import nchw_sizes
+
+# convs of fewer multiply-adds run their default kernel untimed: timing them would
+# cost more than a choice could gain, and their times are mostly noise
+MIN_CHOICE_WORK = 1 << 20
 
 
 class Engines(NamedTuple):
@@ -50,45 +58,98 @@ def cpu_geometry(op, x, w):
 
 
 def conv2d_cpu(op, ins, ctx):
-    """out[n, o] = sum over the group's channels and taps of filter * window: the
-    native kernel where it takes the conv (conv_native, conv_native_nhwc: float32, one
-    group), else the im2col engine with lean work arrays, like its gradient's (conv2d
-    is the op training steps run, and their peak memory comes from these;
-    fused_conv2d, for inference, takes full chunks), or up to `ctx.room` bytes of them
-    (OpSchema.work_room)."""
+    """out[n, o] = sum over the group's channels and taps of filter * window: where the
+    native kernels take the conv (conv_native, conv_native_nhwc: float32, one group),
+    Winograd's kernel (where its scratch memory stays within the output's), the direct
+    kernel or the im2col engine, whichever was the fastest for the shape on this
+    machine (choose); else the im2col engine. The im2col engine runs with lean work
+    arrays, like its gradient's (conv2d is the op training steps run, and their peak
+    memory comes from these; fused_conv2d, for inference, takes full chunks), or up
+    to `ctx.room` bytes of them (OpSchema.work_room)."""
     x, w = ins["x"], ins["filter"]
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
-    if conv_native.supports(g, x.dtype):
-        return {"out": run.forward(x, w, g, blocks.get_num_threads())}
-    return {"out": run.numpy_forward(x, w, g, lean=True, room=ctx.room)}
+
+    def im2col():
+        return run.numpy_forward(x, w, g, lean=True, room=ctx.room)
+
+    if not conv_native.supports(g, x.dtype):
+        return {"out": im2col()}
+    threads = blocks.get_num_threads()
+    options = {"direct": lambda: run.forward(x, w, g, threads, max_scratch=conv_native.DIRECT),
+               "im2col": im2col}
+    if conv_native.forward_winograd(g, threads):
+        options["winograd"] = lambda: run.forward(x, w, g, threads)
+    return {"out": choose("conv2d", op, g, threads, options)}
 
 
 def conv2d_grad_cpu(op, ins, ctx):
-    """dx and dfilter (each only when bound): the native kernels where they take the
-    conv (dfilter; dx as forward passes over dout, one per phase of the stride),
-    else the layout's numpy engine (NCHW: dx of a stride-1 conv as the conv of dout
-    with the flipped filter, dfilter from the same columns, else products with the
-    columns and col2im); lean work arrays, or up to `ctx.room` bytes of them."""
+    """dx and dfilter (each only when bound): where the native kernels take the conv,
+    each the fastest on this machine (choose) of the native kernels (dfilter; dx as
+    forward passes over dout, one per phase of the stride: Winograd's for a 3x3 conv
+    of stride 1, or the direct kernel) and the layout's numpy engine; else that
+    engine (NCHW: dx of a stride-1 conv as the conv of dout with the flipped filter,
+    dfilter from the same columns, else products with the columns and col2im); lean
+    work arrays, or up to `ctx.room` bytes of them."""
     x, w, d = ins["x"], ins["filter"], ins["dout"]
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
     need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
-    if conv_native.supports(g, x.dtype):
-        threads = blocks.get_num_threads()
-        return present(dx=run.input_grad(w, d, g, threads) if need_dx else None,
-                       dfilter=run.filter_grad(x, d, g, threads) if need_dw else None)
-    dx, dw = run.numpy_backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw, room=ctx.room)
+    if not conv_native.supports(g, x.dtype):
+        dx, dw = run.numpy_backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw,
+                                    room=ctx.room)
+        return present(dx=dx, dfilter=dw)
+    threads = blocks.get_num_threads()
+    dx = dw = None
+    if need_dx:
+        options = {"direct": lambda: run.input_grad(w, d, g, threads,
+                                                    max_scratch=conv_native.DIRECT),
+                   "im2col": lambda: run.numpy_backward(x, w, d, g, need_dx=True,
+                                                        need_dw=False, room=ctx.room)[0]}
+        if conv_native.input_grad_winograd(g, threads):
+            options["winograd"] = lambda: run.input_grad(w, d, g, threads)
+        dx = choose("conv2d_dx", op, g, threads, options)
+    if need_dw:
+        options = {"direct": lambda: run.filter_grad(x, d, g, threads),
+                   "im2col": lambda: run.numpy_backward(x, w, d, g, need_dx=False,
+                                                        need_dw=True, room=ctx.room)[1]}
+        dw = choose("conv2d_dw", op, g, threads, options)
     return present(dx=dx, dfilter=dw)
 
 
 def fused_conv2d_cpu(op, ins, ctx):
-    """out = act(conv2d(x, filter) + bias + residual): the native kernel where it
-    takes the conv (Winograd's with a larger scratch bound than conv2d's: this op
-    runs in inference nets only), else the im2col engine."""
+    """out = act(conv2d(x, filter) + bias + residual): as conv2d's kernel (the fastest
+    of Winograd's, the direct and the im2col engine where the native kernels take the
+    conv), Winograd's with a larger scratch bound than conv2d's (this op runs in
+    inference nets only) and the im2col engine with full chunks."""
     x, w = ins["x"], ins["filter"]
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
     epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
                 "relu": op.attrs["activation"] == "relu"}
-    if conv_native.supports(g, x.dtype):
-        return {"out": run.forward(x, w, g, blocks.get_num_threads(), **epilogue,
-                                   max_scratch=conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE)}
-    return {"out": run.numpy_forward(x, w, g, **epilogue)}
+
+    def im2col():
+        return run.numpy_forward(x, w, g, **epilogue)
+
+    if not conv_native.supports(g, x.dtype):
+        return {"out": im2col()}
+    threads, bound = blocks.get_num_threads(), conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE
+    options = {"direct": lambda: run.forward(x, w, g, threads, **epilogue,
+                                             max_scratch=conv_native.DIRECT),
+               "im2col": im2col}
+    if conv_native.forward_winograd(g, threads, bound):
+        options["winograd"] = lambda: run.forward(x, w, g, threads, **epilogue,
+                                                  max_scratch=bound)
+    extra = "|".join(k for k in ("bias", "residual") if epilogue[k] is not None)
+    return {"out": choose("fused_conv2d", op, g, threads, options, extra)}
+
+
+def choose(kind, op, g, threads, options, extra=""):
+    """The result of the option chosen for this conv on this machine (choices.choose:
+    timed at its first use, kept per machine; Winograd's where it is an option, else
+    the direct kernel, where nothing is timed or the conv makes fewer than
+    MIN_CHOICE_WORK multiply-adds)."""
+    default = "winograd" if "winograd" in options else "direct"
+    if g.n * g.o * g.c * g.kh * g.kw * g.ho * g.wo < MIN_CHOICE_WORK:
+        return options[default]()
+    key = (f"{op.attrs['data_layout']}|{g.n}x{g.c}x{g.h}x{g.w}|{g.o}x{g.kh}x{g.kw}"
+           f"|s{g.sh}x{g.sw}|p{g.ph}x{g.pw}|d{g.dh}x{g.dw}|{extra}|t{threads}"
+           f"|b{native.build_key('conv_native')}")
+    return choices.choose(kind, key, options, default)

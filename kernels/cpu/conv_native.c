@@ -15,8 +15,10 @@
  * koff = ((q C + ci) hb + i dh) wb + s, with q = j dw % sw and s = j dw / sw;
  * output row y starts at y sh wb.
  *
- * The forward tile is MR output channels by NV vectors of eight outputs
- * (vector v: row v / vpr, columns 8 (v % vpr) ..): one broadcast filter
+ * The forward tile is MR output channels by NV vectors of VL outputs (native_simd.h:
+ * 16 with AVX-512, else 8; vector v: row v / vpr, columns VL (v % vpr) ..; with
+ * AVX-512 and rows of at most 8 outputs, rows 2v and 2v + 1, 8 lanes each, two
+ * loads of the buffer a vector): one broadcast filter
  * value times NV loaded vectors per tap, the filter read in place (O rows
  * of C kh kw; a last block short of MR repeats row O - 1 and does not store
  * it). Outputs past wo in a vector are computed on the buffer's zeros and
@@ -26,10 +28,12 @@
  * output is summed by one thread in one order, so results do not depend on
  * them.
  *
- * The filter gradient tile is GO output channels (two vectors) by GK taps:
- * per output, dout's GO values (dout transposed per image to (outputs, O
- * padded to GO)) times one broadcast input value per tap, summed over every
- * output of a group of images (group_size). Each thread sums a fixed range
+ * The filter gradient tile is GV vectors of VL output channels (native_simd.h:
+ * 16 floats with AVX-512, else 8) by GK taps, or one vector by GK1 taps where O
+ * <= VL: per output, dout's values (dout transposed per image to (outputs, O padded
+ * to a whole tile), eight by eight through vector transposes) times one broadcast
+ * input value per tap, summed over every output of a group of images
+ * (group_size). Each thread sums a fixed range
  * of images into its own K x O array; the calling thread adds those in
  * thread order (results depend on the number of threads only).
  *
@@ -41,11 +45,15 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 
 #define MR 4
 #define NV 3
-#define GO 16
-#define GK 6
+/* a filter-gradient tile: GV vectors of VL output channels by GK taps (18 of AVX-512's
+ * 32 registers, 12 of AVX2's 16), or one vector by GK1 taps where O <= VL (24, 12) */
+#define GV 2
+#define GK (VL == 16 ? 9 : 6)
+#define GK1 (VL == 16 ? 24 : 12)
 #define GROUP_OUTPUTS 256
 #define MAX_THREADS 64
 #define MAX_PHASES 64      /* conv_native.py's supports() keeps to it */
@@ -60,9 +68,12 @@ typedef struct {
     int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
     int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
     int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
+    int64_t pair, vw, pair_base, pair_out;  /* forward: vectors of two rows of 8 (pair), each
+                                           row part vw lanes; the second row's offsets */
     int64_t *koff;
     int64_t *vbase, *vout, *vlanes;   /* forward, per output vector: its buffer offset, where
-                                           its first output goes in a plane, how many it has */
+                                           its first output goes in a plane, how many it has
+                                           (in each row, for pairs) */
     int64_t x0[MAX_PHASES], x1[MAX_PHASES], c0[MAX_PHASES];   /* per phase: the buffer
                                            columns [x0, x1) hold input columns c0, c0 + sw, .. */
 } conv_t;
@@ -75,16 +86,21 @@ static void setup(conv_t *a, const int64_t *d)
     a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
     a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->out_h = d[16];
     a->out_w = d[17]; a->oy0 = d[18]; a->ox0 = d[19]; a->osh = d[20]; a->osw = d[21];
-    a->vpr = (a->wo + 7) / 8;
-    a->nvec = a->ho * a->vpr;
-    a->hb = (a->ho - 1) * a->sh + (a->kh - 1) * a->dh + 1;     /* the rows read */
+    a->pair = VL == 16 && a->wo <= 8;      /* rows of 8: two in a vector of 16 */
+    a->vw = a->pair ? 8 : VL;
+    a->vpr = (a->wo + a->vw - 1) / a->vw;
+    a->nvec = a->pair ? (a->ho + 1) / 2 : a->ho * a->vpr;
+    int64_t rows = a->pair ? a->ho + a->ho % 2 : a->ho;        /* the rows vectors cover */
+    a->hb = (rows - 1) * a->sh + (a->kh - 1) * a->dh + 1;      /* the rows read */
     a->k = a->c * a->kh * a->kw;
     a->nblk = (a->o + MR - 1) / MR;
     /* phase q holds padded column sw x + q at x; tap j reads phase (j dw) % sw
      * shifted by (j dw) / sw */
     int64_t reach = (a->kw - 1) * a->dw;
     a->phases = a->sw < reach + 1 ? a->sw : reach + 1;
-    a->wb = 8 * a->vpr + reach / a->sw;
+    a->wb = a->vw * a->vpr + reach / a->sw;
+    a->pair_base = a->sh * a->wb;
+    a->pair_out = a->osh * a->out_w;
     a->buf_size = a->phases * a->c * a->hb * a->wb + 8;
     a->koff = malloc(a->k * sizeof(int64_t));
     if (!a->koff) return;
@@ -115,10 +131,10 @@ static int vector_tables(conv_t *a)
     a->vout = a->vbase + a->nvec;
     a->vlanes = a->vout + a->nvec;
     for (int64_t v = 0; v < a->nvec; v++) {
-        int64_t y = v / a->vpr, x0 = (v % a->vpr) * 8;
+        int64_t y = a->pair ? 2 * v : v / a->vpr, x0 = a->pair ? 0 : (v % a->vpr) * a->vw;
         a->vbase[v] = y * a->sh * a->wb + x0;
         a->vout[v] = (a->oy0 + a->osh * y) * a->out_w + a->ox0 + a->osw * x0;
-        a->vlanes[v] = a->wo - x0 < 8 ? a->wo - x0 : 8;
+        a->vlanes[v] = a->wo - x0 < a->vw ? a->wo - x0 : a->vw;
     }
     return 1;
 }
@@ -130,21 +146,86 @@ static void fill_buffer(const conv_t *a, int64_t img, float *buf)
     for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++)
         for (int64_t q = 0; q < a->phases; q++) {
             int64_t x0 = a->x0[q], count = a->x1[q] - x0;
+            const int64_t sw = a->sw;   /* a local: a field could alias dst's stores */
             for (int64_t ci = 0; ci < a->c && count > 0; ci++) {
                 float *dst = buf + ((q * a->c + ci) * a->hb + a->ph + y) * a->wb + x0;
                 const float *from = a->x + ((img * a->c + ci) * a->h + y) * a->w + a->c0[q];
-                if (a->sw == 1) {
+                if (sw == 1) {
                     memcpy(dst, from, count * sizeof(float));
+                } else if (sw == 2) {               /* a constant stride: vectorized */
+                    for (int64_t x = 0; x < count; x++) dst[x] = from[2 * x];
                 } else {
-                    for (int64_t x = 0; x < count; x++) dst[x] = from[a->sw * x];
+                    for (int64_t x = 0; x < count; x++) dst[x] = from[sw * x];
                 }
             }
         }
 }
 
+/* One output vector's epilogue of 8 lanes: val (+ residual) (then max(., 0)) to the
+ * `lanes` outputs from `at` (every osw-th). */
+static inline void store8(const conv_t *a, int64_t at, v8 val, int64_t lanes)
+{
+    if (lanes == 8 && a->osw == 1) {
+        if (a->residual) val += load(a->residual + at);
+        if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
+        *(v8u *)(a->out + at) = val;
+        return;
+    }
+    if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
+        if (a->relu) val = (v8)((v8i)val & ~(val < 0));
+        for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
+        return;
+    }
+    if (a->osw == 1) {                     /* a row's last outputs: masked moves */
+        if (a->residual) val += v8f_load_part(a->residual + at, lanes);
+        if (a->relu) val = (v8)((v8i)val & ~(val < 0));
+        v8f_store_part(a->out + at, val, lanes);
+        return;
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        int64_t to = at + a->osw * l;
+        float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
+        a->out[to] = a->relu && s < 0 ? 0.0f : s;
+    }
+}
+
+/* The same for a vector of VL lanes in one row. */
+static inline void store_row(const conv_t *a, int64_t at, vf val, int64_t lanes)
+{
+#if VL == 8
+    store8(a, at, val, lanes);
+#else
+    if (a->osw == 1) {
+        if (a->residual) val += lanes == VL ? vf_load(a->residual + at)
+                                            : vf_load_part(a->residual + at, lanes);
+        if (a->relu) val = vf_relu(val);
+        if (lanes == VL)
+            vf_store(a->out + at, val);
+        else
+            vf_store_part(a->out + at, val, lanes);
+        return;
+    }
+    if (!a->residual && a->osw < (1 << 20)) {    /* a phase of dx: every osw-th output */
+        if (a->relu) val = vf_relu(val);
+        __m512i index = _mm512_mullo_epi32(_mm512_set1_epi32((int)a->osw),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                             11, 12, 13, 14, 15));
+        _mm512_mask_i32scatter_ps(a->out + at, (__mmask16)((1u << lanes) - 1), index,
+                                  (__m512)val, 4);
+        return;
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        int64_t to = at + a->osw * l;
+        float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
+        a->out[to] = a->relu && s < 0 ? 0.0f : s;
+    }
+#endif
+}
+
 /* The epilogue of a forward tile: acc (+ bias) (+ residual) (then max(., 0)) to
- * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1. */
-static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV], int nv,
+ * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1 (a pair's halves to
+ * its two rows). */
+static __attribute__((noinline)) void store_tile(const conv_t *a, vf acc[MR][NV], int nv,
                                                  int64_t blk, int64_t v0, int64_t img)
 {
     int64_t plane = a->out_h * a->out_w;
@@ -153,45 +234,66 @@ static __attribute__((noinline)) void store_tile(const conv_t *a, v8 acc[MR][NV]
         float bias = a->bias ? a->bias[oc] : 0.0f;
         for (int v = 0; v < nv; v++) {
             int64_t at = (img * a->o + oc) * plane + a->vout[v0 + v], lanes = a->vlanes[v0 + v];
-            v8 val = acc[r][v] + bias;
-            if (lanes == 8 && a->osw == 1) {
-                if (a->residual) val += load(a->residual + at);
-                if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
-                *(v8u *)(a->out + at) = val;
+            vf val = acc[r][v] + bias;
+#if VL == 16
+            if (a->pair) {
+                store8(a, at, __builtin_shufflevector(val, val, 0, 1, 2, 3, 4, 5, 6, 7), lanes);
+                if (2 * (v0 + v) + 1 < a->ho)
+                    store8(a, at + a->pair_out,
+                           __builtin_shufflevector(val, val, 8, 9, 10, 11, 12, 13, 14, 15),
+                           lanes);
                 continue;
             }
-            if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
-                if (a->relu) val = (v8)((v8i)val & ~(val < 0));
-                for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
-                continue;
-            }
-            for (int64_t l = 0; l < lanes; l++) {
-                int64_t to = at + a->osw * l;
-                float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
-                a->out[to] = a->relu && s < 0 ? 0.0f : s;
-            }
+#endif
+            store_row(a, at, val, lanes);
         }
     }
 }
 
+/* A vector of the buffer: VL values from p, or (PAIR) 8 from p and 8 from p + step. */
+static inline vf load_vector(const float *p, int64_t step, const int PAIR)
+{
+#if VL == 16
+    if (PAIR)
+        return __builtin_shufflevector(load(p), load(p + step), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                       10, 11, 12, 13, 14, 15);
+#endif
+    (void)step;
+    (void)PAIR;
+    return vf_load(p);
+}
+
 static inline __attribute__((always_inline)) void forward_tile(
     const conv_t *a, int nv, const float *buf, const float *const f[MR], int64_t blk, int64_t v0,
-    int64_t img)
+    int64_t img, const int PAIR)
 {
-    v8 acc[MR][NV];
+    vf acc[MR][NV];
     int64_t base[NV];
+    const int64_t step = a->pair_base, k_all = a->k;
+    const int64_t *koff = a->koff;
     for (int v = 0; v < NV; v++) {
         base[v] = a->vbase[v0 + (v < nv ? v : 0)];
-        for (int r = 0; r < MR; r++) acc[r][v] = (v8){0};
+        for (int r = 0; r < MR; r++) acc[r][v] = (vf){0};
     }
-    for (int64_t k = 0; k < a->k; k++) {
-        const float *b = buf + a->koff[k];
-        v8 bv[NV];
-        for (int v = 0; v < nv; v++) bv[v] = load(b + base[v]);
+    for (int64_t k = 0; k < k_all; k++) {
+        const float *b = buf + koff[k];
+        vf bv[NV];
+        for (int v = 0; v < nv; v++) bv[v] = load_vector(b + base[v], step, PAIR);
         for (int r = 0; r < MR; r++)
             for (int v = 0; v < nv; v++) acc[r][v] += f[r][k] * bv[v];
     }
     store_tile(a, acc, nv, blk, v0, img);
+}
+
+/* The block's output vectors, NV at a time. */
+static inline __attribute__((always_inline)) void forward_block(
+    const conv_t *a, const float *buf, const float *const f[MR], int64_t blk, int64_t img,
+    const int PAIR)
+{
+    int64_t v = 0;
+    for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, f, blk, v, img, PAIR);
+    if (a->nvec - v == 2) forward_tile(a, 2, buf, f, blk, v, img, PAIR);
+    if (a->nvec - v == 1) forward_tile(a, 1, buf, f, blk, v, img, PAIR);
 }
 
 typedef struct {
@@ -215,10 +317,10 @@ static void *forward_job(void *p)
             const float *wp[MR];          /* the block's filter rows; past O: the last */
             for (int r = 0; r < MR; r++)
                 wp[r] = a->filter + (blk * MR + r < a->o ? blk * MR + r : a->o - 1) * a->k;
-            int64_t v = 0;
-            for (; v + NV <= a->nvec; v += NV) forward_tile(a, NV, buf, wp, blk, v, img);
-            if (a->nvec - v == 2) forward_tile(a, 2, buf, wp, blk, v, img);
-            if (a->nvec - v == 1) forward_tile(a, 1, buf, wp, blk, v, img);
+            if (a->pair)
+                forward_block(a, buf, wp, blk, img, 1);
+            else
+                forward_block(a, buf, wp, blk, img, 0);
         }
     }
     free(buf);
@@ -233,50 +335,109 @@ static int64_t group_size(const conv_t *a)
     return g < 1 ? 1 : g;
 }
 
+/* Output channels of the filter gradient's tiles: VL where O <= VL (one vector), else
+ * GV vectors; its sums have O rounded up to a whole tile. */
+static int64_t fg_channels(const conv_t *a) { return a->o <= VL ? VL : GV * VL; }
+
+static int64_t fg_padded(const conv_t *a)
+{
+    int64_t t = fg_channels(a);
+    return (a->o + t - 1) / t * t;
+}
+
+/* dout of one image (O, plane) into dt (plane, opad): eight channels by eight outputs
+ * at a time through vector transposes, the rest one by one (columns past O stay
+ * zero). */
+static void fg_transpose(const float *d, float *dt, int64_t o, int64_t plane, int64_t opad)
+{
+    int64_t oc = 0;
+    for (; oc + 8 <= o; oc += 8) {
+        int64_t q = 0;
+        for (; q + 8 <= plane; q += 8) {
+            v8f r[8];
+            for (int i = 0; i < 8; i++) r[i] = *(const v8fu *)(d + (oc + i) * plane + q);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) *(v8fu *)(dt + (q + i) * opad + oc) = r[i];
+        }
+        for (; q < plane; q++)
+            for (int64_t i = 0; i < 8; i++) dt[q * opad + oc + i] = d[(oc + i) * plane + q];
+    }
+    for (; oc < o; oc++)
+        for (int64_t q = 0; q < plane; q++) dt[q * opad + oc] = d[oc * plane + q];
+}
+
+/* The sums of one tile, VO vectors of output channels from o0 by KT taps from k0, over
+ * the m images of a group (buffers buf, transposed dout dt), added to dw (K x opad).
+ * T3: the taps come in threes of adjacent buffer offsets (3 taps across, stride and
+ * dilation 1 across, k0 a multiple of 3), so a third of the offsets are kept and the
+ * rest are constant displacements from them (24 offsets would not fit in registers). */
+static inline __attribute__((always_inline)) void fg_tile(
+    const conv_t *a, const float *buf, const float *dt, int64_t m, int64_t dsize,
+    int64_t opad, int64_t o0, int64_t k0, float *dw, const int VO, const int KT, const int T3)
+{
+    vf acc[GV][GK1];
+    int64_t off[GK1];
+#pragma GCC unroll 32
+    for (int t = 0; t < KT; t += T3 ? 3 : 1) {
+        off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
+#pragma GCC unroll 2
+        for (int v = 0; v < VO; v++) acc[v][t] = acc[v][t + (T3 ? 1 : 0)] =
+            acc[v][t + (T3 ? 2 : 0)] = (vf){0};
+    }
+    const int64_t ho = a->ho, wo = a->wo, row_step = a->sh * a->wb, buf_size = a->buf_size;
+    for (int64_t g = 0; g < m; g++)
+        for (int64_t y = 0; y < ho; y++) {
+            const float *drow = dt + g * dsize + y * wo * opad + o0;
+            const float *brow = buf + g * buf_size + y * row_step;
+            for (int64_t x = 0; x < wo; x++) {
+                vf dv[GV];
+#pragma GCC unroll 2
+                for (int v = 0; v < VO; v++) dv[v] = vf_load(drow + x * opad + VL * v);
+#pragma GCC unroll 32                       /* the whole tile in registers */
+                for (int t = 0; t < KT; t++) {
+                    float b = T3 ? brow[off[t - t % 3] + t % 3 + x] : brow[off[t] + x];
+#pragma GCC unroll 2
+                    for (int v = 0; v < VO; v++) acc[v][t] += dv[v] * b;
+                }
+            }
+        }
+    for (int t = 0; t < KT && k0 + t < a->k; t++)
+        for (int v = 0; v < VO; v++) {
+            float *dst = dw + (k0 + t) * opad + o0 + VL * v;
+            vf_store(dst, vf_load(dst) + acc[v][t]);
+        }
+}
+
 static void *filter_grad_job(void *p)
 {
     job_t *job = p;
     const conv_t *a = job->a;
-    int64_t plane = a->ho * a->wo, opad = (a->o + GO - 1) / GO * GO, dsize = plane * opad;
+    int64_t plane = a->ho * a->wo, opad = fg_padded(a), dsize = plane * opad;
     int64_t group = group_size(a);
     if (group > job->last - job->first) group = job->last - job->first;
     float *buf = calloc(group * a->buf_size, sizeof(float));
     float *dt = calloc(group * dsize, sizeof(float));      /* columns past O: zeros */
     if (!buf || !dt) { job->failed = 1; free(buf); free(dt); return NULL; }
+    int one = a->o <= VL;                 /* tiles of one vector by GK1 taps */
+    int64_t kt = one ? GK1 : GK, ot = fg_channels(a);
+    int threes = a->kw == 3 && a->dw == 1 && a->sw == 1;   /* GK, GK1: multiples of 3 */
     for (int64_t img0 = job->first; img0 < job->last; img0 += group) {
         int64_t m = job->last - img0 < group ? job->last - img0 : group;
         for (int64_t g = 0; g < m; g++) {
             fill_buffer(a, img0 + g, buf + g * a->buf_size);
-            const float *d = a->dout + (img0 + g) * a->o * plane;
-            for (int64_t q = 0; q < plane; q++)
-                for (int64_t oc = 0; oc < a->o; oc++) dt[g * dsize + q * opad + oc] = d[oc * plane + q];
+            fg_transpose(a->dout + (img0 + g) * a->o * plane, dt + g * dsize, a->o, plane,
+                         opad);
         }
-        for (int64_t o0 = 0; o0 < opad; o0 += GO)
-            for (int64_t k0 = 0; k0 < a->k; k0 += GK) {
-                v8 acc[GO / 8][GK];
-                int64_t off[GK];
-                for (int t = 0; t < GK; t++) {
-                    off[t] = a->koff[k0 + t < a->k ? k0 + t : k0];
-                    for (int v = 0; v < GO / 8; v++) acc[v][t] = (v8){0};
-                }
-                for (int64_t g = 0; g < m; g++)
-                    for (int64_t y = 0; y < a->ho; y++) {
-                        const float *drow = dt + g * dsize + y * a->wo * opad + o0;
-                        const float *brow = buf + g * a->buf_size + y * a->sh * a->wb;
-                        for (int64_t x = 0; x < a->wo; x++) {
-                            v8 dv[GO / 8];
-                            for (int v = 0; v < GO / 8; v++) dv[v] = load(drow + x * opad + 8 * v);
-                            for (int t = 0; t < GK; t++) {
-                                float b = brow[off[t] + x];
-                                for (int v = 0; v < GO / 8; v++) acc[v][t] += dv[v] * b;
-                            }
-                        }
-                    }
-                for (int t = 0; t < GK && k0 + t < a->k; t++)
-                    for (int v = 0; v < GO / 8; v++) {
-                        float *dst = job->dw + (k0 + t) * opad + o0 + 8 * v;
-                        *(v8u *)dst = load(dst) + acc[v][t];
-                    }
+        for (int64_t o0 = 0; o0 < opad; o0 += ot)
+            for (int64_t k0 = 0; k0 < a->k; k0 += kt) {
+                if (one && threes)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, 1, GK1, 1);
+                else if (one)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, 1, GK1, 0);
+                else if (threes)
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, GV, GK, 1);
+                else
+                    fg_tile(a, buf, dt, m, dsize, opad, o0, k0, job->dw, GV, GK, 0);
             }
     }
     free(buf);
@@ -335,7 +496,7 @@ int conv2d_filter_grad_f32(const float *x, const float *dout, float *dw, const i
     setup(&a, dims);
     if (!a.koff) return 1;
     threads = clamp_threads(threads, a.n);
-    int64_t opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
+    int64_t opad = fg_padded(&a), size = opad * a.k;
     float *sums = calloc(threads * size, sizeof(float));
     job_t jobs[MAX_THREADS];
     int failed = !sums;

@@ -34,6 +34,7 @@ WINOGRAD_MIN_CHANNELS = 8
 WINOGRAD_ENV = "MINIGRAPH_WINOGRAD"
 WINOGRAD_MAX_SCRATCH = 1.0      # its scratch memory at most this times its output's
 WINOGRAD_MAX_SCRATCH_INFERENCE = 16.0   # the same for fused_conv2d (see winograd())
+DIRECT = 0.0                    # a max_scratch no Winograd conv fits: the direct kernel
 # a Winograd tile whose largest input magnitude (the sum over channels of |x| at one
 # position) is more than this times the largest one of an output's own 3x3 window
 # is computed directly (conv_winograd_range.h says why: the error analysis)
@@ -170,6 +171,12 @@ def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1), max_scratch=N
             * 4 * g.n * g.o * g.ho * g.wo)
 
 
+def forward_winograd(g, threads, max_scratch=None):
+    """True when forward(x, w, g, threads, max_scratch=max_scratch) runs Winograd's
+    kernel (winograd() on the threads the conv gets)."""
+    return winograd(g, _threads(g, threads), max_scratch=max_scratch)
+
+
 @functools.lru_cache(maxsize=1024)
 def _winograd_scratch(g, threads):
     """Bytes of scratch conv2d_winograd_f32 allocates for `g` on `threads` threads."""
@@ -220,25 +227,50 @@ def _phases(size, k, stride, pad, dil, out_size):
     return tuple(phases)
 
 
-def input_grad(w, d, g, threads):
+def dx_phases(g):
+    """What input_grad runs per phase (a, b) of the stride: (a, b, r0, c0, row_taps,
+    col_taps, gp) - dout read from row r0 and column c0 on, the filter's taps
+    w[:, :, row_taps, col_taps] (flipped, channels swapped) and the stride-1
+    Geometry gp of that forward pass; and whether the phases cover every output
+    (else dx starts as zeros)."""
+    rows = _phases(g.h, g.kh, g.sh, g.ph, g.dh, g.ho)
+    cols = _phases(g.w, g.kw, g.sw, g.pw, g.dw, g.wo)
+    whole = len(rows) == g.sh and len(cols) == g.sw
+    passes = []
+    for a, row_taps, row_first, row_step, n_rows in rows:
+        for b, col_taps, col_first, col_step, n_cols in cols:
+            r0, c0 = max(0, row_first), max(0, col_first)
+            gp = g._replace(c=g.o, h=g.ho - r0, w=g.wo - c0, o=g.c,
+                            kh=len(range(g.kh)[row_taps]), kw=len(range(g.kw)[col_taps]),
+                            sh=1, sw=1, ph=max(0, -row_first), pw=max(0, -col_first),
+                            dh=row_step, dw=col_step, ho=n_rows, wo=n_cols)
+            passes.append((a, b, r0, c0, row_taps, col_taps, gp))
+    return passes, whole
+
+
+def input_grad_winograd(g, threads, max_scratch=None):
+    """True when input_grad(..., max_scratch) runs a pass on Winograd's kernel (a 3x3
+    conv of stride 1 whose output channels are enough: winograd())."""
+    passes, _ = dx_phases(g)
+    return any(winograd(gp, _threads(gp, threads), (g.n, g.c, g.h, g.w), (a, b),
+                        (g.sh, g.sw), max_scratch)
+               for a, b, *_, gp in passes)
+
+
+def input_grad(w, d, g, threads, max_scratch=None):
     """dx (N, C, H, W) float32 of out = conv(x, w) for dout `d`: per phase (a, b) of
     the stride, the outputs dx[..., a::sh, b::sw] are a stride-1 forward pass over
     dout with the filter taps that reach them (flipped, channels swapped), written
     in place: no multiply-add by a zero (1, 2, 2 and 4 of a 3x3 filter's 9 taps on
-    the four phases of stride 2; one phase, the whole flipped filter, at stride 1)."""
+    the four phases of stride 2; one phase, the whole flipped filter, at stride 1).
+    max_scratch: as forward's (DIRECT: the direct kernel)."""
     w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     d = _float32(d, (g.n, g.o, g.ho, g.wo), "dout")
-    rows = _phases(g.h, g.kh, g.sh, g.ph, g.dh, g.ho)
-    cols = _phases(g.w, g.kw, g.sw, g.pw, g.dw, g.wo)
-    whole = len(rows) == g.sh and len(cols) == g.sw     # else phases of zeros
+    passes, whole = dx_phases(g)
     dx = (np.empty if whole else np.zeros)((g.n, g.c, g.h, g.w), dtype=np.float32)
-    for a, row_taps, row_first, row_step, n_rows in rows:
-        for b, col_taps, col_first, col_step, n_cols in cols:
-            part = d[:, :, max(0, row_first):, max(0, col_first):]
-            sub = w[:, :, row_taps, col_taps].transpose(1, 0, 2, 3)
-            gp = g._replace(c=g.o, h=part.shape[2], w=part.shape[3], o=g.c,
-                            kh=sub.shape[2], kw=sub.shape[3], sh=1, sw=1,
-                            ph=max(0, -row_first), pw=max(0, -col_first),
-                            dh=row_step, dw=col_step, ho=n_rows, wo=n_cols)
-            _forward_into(dx, part, sub, gp, threads, at=(a, b), step=(g.sh, g.sw))
+    for a, b, r0, c0, row_taps, col_taps, gp in passes:
+        part = d[:, :, r0:, c0:]
+        sub = w[:, :, row_taps, col_taps].transpose(1, 0, 2, 3)
+        _forward_into(dx, part, sub, gp, threads, at=(a, b), step=(g.sh, g.sw),
+                      max_scratch=max_scratch)
     return dx

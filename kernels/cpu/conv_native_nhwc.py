@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels.cpu import conv_native
-from minigraph.kernels.cpu.conv_native import _float32, _lib, _phases, _ptr, _threads
+from minigraph.kernels.cpu.conv_native import _float32, _lib, _ptr, _threads
 
 
 def _dims(g, relu=False, out_shape=None, at=(0, 0), step=(1, 1), x_pitch=None):
@@ -86,27 +86,20 @@ def filter_grad(x, d, g, threads):
     return dw
 
 
-def input_grad(w, d, g, threads):
+def input_grad(w, d, g, threads, max_scratch=None):
     """dx (N, H, W, C) float32 of out = conv(x, w) for dout `d` (N, Ho, Wo, O): per phase
     (a, b) of the stride, dx[:, a::sh, b::sw] is a stride-1 forward pass over dout
     with the filter taps that reach it (flipped, channels swapped), written in place
-    (as conv_native.input_grad); each phase reads dout where it starts, in place (no
-    copy of dout)."""
+    (as conv_native.input_grad, max_scratch too); each phase reads dout where it
+    starts, in place (no copy of dout)."""
     w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     d = _float32(d, (g.n, g.ho, g.wo, g.o), "dout")
-    rows = _phases(g.h, g.kh, g.sh, g.ph, g.dh, g.ho)
-    cols = _phases(g.w, g.kw, g.sw, g.pw, g.dw, g.wo)
-    whole = len(rows) == g.sh and len(cols) == g.sw     # else phases of zeros
+    passes, whole = conv_native.dx_phases(g)
     dx = (np.empty if whole else np.zeros)((g.n, g.h, g.w, g.c), dtype=np.float32)
     pitch = (g.wo * g.o, g.ho * g.wo * g.o)
-    for a, row_taps, row_first, row_step, n_rows in rows:
-        for b, col_taps, col_first, col_step, n_cols in cols:
-            r0, c0 = max(0, row_first), max(0, col_first)
-            part = d[:, r0:, c0:, :]                     # a view: the kernel reads it in place
-            sub = w[:, :, row_taps, col_taps].transpose(1, 0, 2, 3)
-            gp = g._replace(c=g.o, h=part.shape[1], w=part.shape[2], o=g.c,
-                            kh=sub.shape[2], kw=sub.shape[3], sh=1, sw=1,
-                            ph=max(0, -row_first), pw=max(0, -col_first),
-                            dh=row_step, dw=col_step, ho=n_rows, wo=n_cols)
-            _forward_into(dx, part, pitch, sub, gp, threads, at=(a, b), step=(g.sh, g.sw))
+    for a, b, r0, c0, row_taps, col_taps, gp in passes:
+        part = d[:, r0:, c0:, :]                         # a view: the kernel reads it in place
+        sub = w[:, :, row_taps, col_taps].transpose(1, 0, 2, 3)
+        _forward_into(dx, part, pitch, sub, gp, threads, at=(a, b), step=(g.sh, g.sw),
+                      max_scratch=max_scratch)
     return dx

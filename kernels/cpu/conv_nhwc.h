@@ -29,9 +29,9 @@
  * results do not depend on the number of threads.
  *
  * Filter gradient: dfilter[o][(i kw + j) C + c] = sum over pixels of the window value
- * at tap (i, j), channel c times dout[pixel][o]: tiles of GK such k by GO output
- * channels, per pixel dout's GO values (dout's rows copied per image with zeros past
- * O) times one broadcast input value per k; the GK values of a tile are adjacent in
+ * at tap (i, j), channel c times dout[pixel][o]: tiles of NG_K such k by NG_O output
+ * channels, per pixel dout's NG_O values (dout's rows copied per image with zeros past
+ * O) times one broadcast input value per k; the NG_K values of a tile are adjacent in
  * the buffer. Each thread sums a fixed range of images into its own K x O array; the
  * calling thread adds those in thread order (results depend on the number of threads
  * only). */
@@ -39,6 +39,8 @@
 #define NP 6            /* output pixels per forward tile */
 #define NO 16           /* output channels per forward tile (two vectors) */
 #define ND 4            /* at most this many output channels: dot products */
+#define NG_O 16         /* output channels per filter-gradient tile (two vectors) */
+#define NG_K 6          /* k (tap, channel) per filter-gradient tile */
 
 typedef struct {
     const float *x, *bias, *residual, *dout;
@@ -280,7 +282,7 @@ static void *nhwc_filter_grad_job(void *p)
 {
     nhwc_job_t *job = p;
     const nhwc_t *a = job->a;
-    int64_t opad = (a->o + GO - 1) / GO * GO, dsize = a->npix * opad;
+    int64_t opad = (a->o + NG_O - 1) / NG_O * NG_O, dsize = a->npix * opad;
     int64_t group = group_size(&(conv_t){.ho = a->ho, .wo = a->wo});
     if (group > job->last - job->first) group = job->last - job->first;
     float *buf = calloc(group * a->buf_size + 8, sizeof(float));
@@ -299,28 +301,28 @@ static void *nhwc_filter_grad_job(void *p)
             for (int64_t q = 0; q < a->npix; q++)
                 memcpy(dt + g * dsize + q * opad, d + q * a->o, a->o * sizeof(float));
         }
-        for (int64_t o0 = 0; o0 < opad; o0 += GO)
-            for (int64_t k0 = 0; k0 < a->k; k0 += GK) {
-                v8 acc[GO / 8][GK];
-                int64_t off[GK];
-                for (int t = 0; t < GK; t++) {
+        for (int64_t o0 = 0; o0 < opad; o0 += NG_O)
+            for (int64_t k0 = 0; k0 < a->k; k0 += NG_K) {
+                v8 acc[NG_O / 8][NG_K];
+                int64_t off[NG_K];
+                for (int t = 0; t < NG_K; t++) {
                     off[t] = koff[k0 + t < a->k ? k0 + t : k0];
-                    for (int v = 0; v < GO / 8; v++) acc[v][t] = (v8){0};
+                    for (int v = 0; v < NG_O / 8; v++) acc[v][t] = (v8){0};
                 }
                 for (int64_t g = 0; g < m; g++) {
                     const float *bimg = buf + g * a->buf_size, *dimg = dt + g * dsize + o0;
                     for (int64_t q = 0; q < a->npix; q++) {
                         const float *b = bimg + a->pbase[q];
-                        v8 dv[GO / 8];
-                        for (int v = 0; v < GO / 8; v++) dv[v] = load(dimg + q * opad + 8 * v);
-                        for (int t = 0; t < GK; t++) {
+                        v8 dv[NG_O / 8];
+                        for (int v = 0; v < NG_O / 8; v++) dv[v] = load(dimg + q * opad + 8 * v);
+                        for (int t = 0; t < NG_K; t++) {
                             float s = b[off[t]];
-                            for (int v = 0; v < GO / 8; v++) acc[v][t] += dv[v] * s;
+                            for (int v = 0; v < NG_O / 8; v++) acc[v][t] += dv[v] * s;
                         }
                     }
                 }
-                for (int t = 0; t < GK && k0 + t < a->k; t++)
-                    for (int v = 0; v < GO / 8; v++) {
+                for (int t = 0; t < NG_K && k0 + t < a->k; t++)
+                    for (int v = 0; v < NG_O / 8; v++) {
                         float *dst = job->dw + (k0 + t) * opad + o0 + 8 * v;
                         *(v8u *)dst = load(dst) + acc[v][t];
                     }
@@ -341,7 +343,7 @@ int conv2d_nhwc_filter_grad_f32(const float *x, const float *dout, float *dw,
     nhwc_t a = {.x = x, .dout = dout};
     if (!nhwc_setup(&a, dims)) return 1;
     threads = clamp_threads(threads, a.n);
-    int64_t opad = (a.o + GO - 1) / GO * GO, size = opad * a.k;
+    int64_t opad = (a.o + NG_O - 1) / NG_O * NG_O, size = opad * a.k;
     float *sums = calloc(threads * size + 8, sizeof(float));
     nhwc_job_t jobs[MAX_THREADS];
     int failed = !sums;

@@ -16,16 +16,19 @@
  * with the channels innermost (padded to 8, so a position's values for 8 channels
  * are one vector; NCHW is transposed on the way in, NHWC copied row by row), then,
  * per block of WG_TB tiles: transforms the input (vectors of 8 channels), multiplies
- * (WG_TM tiles by WG_OV output channels in registers), transforms the outputs into
+ * (WG_TM tiles by two vectors of VL output channels in registers, or one where O <=
+ * VL; native_simd.h's VL: 16 with AVX-512, else 8), transforms the outputs into
  * a buffer, channels innermost; the epilogue (bias, residual, relu) runs as that
  * buffer is turned into NCHW (or copied out as NHWC). Tiles whose inputs span too
  * wide a range for the transforms (conv_winograd_range.h) are computed directly
  * instead. Every output is summed by one thread in one order, so the results do not
  * depend on the number of threads. */
 
-#define WG_TM 6          /* tiles per register block of the products */
+/* a register block of the products: WG_TM tiles by two vectors of VL output channels
+ * (native_simd.h: 24 of AVX-512's 32 registers, 12 of AVX2's 16), or by one vector
+ * where O <= VL */
+#define WG_TM (VL == 16 ? 12 : 6)
 #define WG_TB 12         /* tiles per block (a multiple of WG_TM) */
-#define WG_OV 16         /* output channels per register block (two vectors) */
 
 typedef struct {
     const float *x, *bias, *residual, *filter;
@@ -45,32 +48,6 @@ typedef struct {
     int64_t *next;
     int failed;
 } wg_job_t;
-
-/* Lanes of a and b (0-7 a's, 8-15 b's), by the builtin this compiler has. */
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define WG_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define WG_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
-
-/* r[0..7] transposed in place: r[j][i] = old r[i][j]. */
-static inline __attribute__((always_inline)) void wg_transpose8(v8 r[8])
-{
-    v8 t[8], s[8];
-    for (int k = 0; k < 8; k += 2) {
-        t[k] = WG_SHUFFLE(r[k], r[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-        t[k + 1] = WG_SHUFFLE(r[k], r[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-    }
-    for (int k = 0; k < 8; k += 4)
-        for (int h = 0; h < 2; h++) {
-            s[k + 2 * h] = WG_SHUFFLE(t[k + h], t[k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-            s[k + 2 * h + 1] = WG_SHUFFLE(t[k + h], t[k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-        }
-    for (int k = 0; k < 4; k++) {
-        r[k] = WG_SHUFFLE(s[k], s[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-        r[k + 4] = WG_SHUFFLE(s[k], s[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    }
-}
 
 /* out = B' in (6 values): B' = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0;
  * 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]. */
@@ -187,31 +164,45 @@ static void wg_input(const wg_t *a, const float *bufs, int64_t t0, int64_t nb, f
     }
 }
 
+/* One register block of wg_multiply: tiles b0 .. b0 + WG_TM - 1 by VO vectors of
+ * output channels from o0, at position xi. */
+static inline __attribute__((always_inline)) void wg_block(const wg_t *a, const float *v,
+                                                           float *m, int64_t xi, int64_t o0,
+                                                           int64_t b0, const int VO)
+{
+    vf acc[WG_TM][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < WG_TM; r++) acc[r][0] = acc[r][1] = (vf){0};
+    const int64_t cp = a->cp, op = a->op, c = a->c;
+    const float *vr = v + (xi * WG_TB + b0) * cp;
+    const float *ur = a->u + xi * cp * op + o0;
+    for (int64_t ci = 0; ci < c; ci++) {
+        vf u0 = vf_load(ur + ci * op), u1 = VO > 1 ? vf_load(ur + ci * op + VL) : u0;
+#pragma GCC unroll 12                       /* the whole block in registers */
+        for (int r = 0; r < WG_TM; r++) {
+            float s = vr[r * cp + ci];
+            acc[r][0] += s * u0;
+            if (VO > 1) acc[r][1] += s * u1;
+        }
+    }
+    float *mr = m + (xi * WG_TB + b0) * op + o0;
+    for (int r = 0; r < WG_TM; r++)
+        for (int j = 0; j < VO; j++) vf_store(mr + r * op + VL * j, acc[r][j]);
+}
+
 /* m[(xi TB + b) op + oc] = sum over ci of v[(xi TB + b) cp + ci] u[(xi cp + ci) op + oc],
  * for the tiles of the block rounded up to WG_TM (the rows past nb are not read). */
 static __attribute__((noinline)) void wg_multiply(const wg_t *a, const float *v, int64_t nb,
                                                   float *m)
 {
+    int one = a->o <= VL;
     for (int64_t xi = 0; xi < 36; xi++)
-        for (int64_t o0 = 0; o0 < a->op; o0 += WG_OV)
+        for (int64_t o0 = 0; o0 < a->op; o0 += (one ? 1 : 2) * VL)
             for (int64_t b0 = 0; b0 < nb; b0 += WG_TM) {
-                v8 acc[WG_TM][2];
-                for (int r = 0; r < WG_TM; r++) acc[r][0] = acc[r][1] = (v8){0};
-                const float *vr = v + (xi * WG_TB + b0) * a->cp;
-                const float *ur = a->u + xi * a->cp * a->op + o0;
-                for (int64_t ci = 0; ci < a->c; ci++) {
-                    v8 u0 = load(ur + ci * a->op), u1 = load(ur + ci * a->op + 8);
-                    for (int r = 0; r < WG_TM; r++) {
-                        float s = vr[r * a->cp + ci];
-                        acc[r][0] += s * u0;
-                        acc[r][1] += s * u1;
-                    }
-                }
-                float *mr = m + (xi * WG_TB + b0) * a->op + o0;
-                for (int r = 0; r < WG_TM; r++) {
-                    *(v8u *)(mr + r * a->op) = acc[r][0];
-                    *(v8u *)(mr + r * a->op + 8) = acc[r][1];
-                }
+                if (one)
+                    wg_block(a, v, m, xi, o0, b0, 1);
+                else
+                    wg_block(a, v, m, xi, o0, b0, 2);
             }
 }
 
@@ -249,7 +240,8 @@ static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
     a->nhwc = dims[10]; a->x_row = dims[11]; a->x_image = dims[12];
     a->range = (float)dims[13];
     a->cp = (a->c + 7) / 8 * 8;
-    a->op = (a->o + WG_OV - 1) / WG_OV * WG_OV;
+    int64_t ov = (a->o <= VL ? 1 : 2) * VL;                /* wg_multiply's channels */
+    a->op = (a->o + ov - 1) / ov * ov;
     a->th = (a->ho + 3) / 4;
     a->tw = (a->wo + 3) / 4;
     a->tiles = a->th * a->tw;

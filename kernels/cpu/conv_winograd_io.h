@@ -5,8 +5,8 @@
  * NCHW (transposed back) or NHWC (copied), with fused_conv2d's epilogue. */
 
 /* Image `img` into buf (hb x wb positions of cp channels), whose zeros were set
- * once: blocks of 8 channels by 8 columns transposed in registers, the rest one
- * value at a time; and the sum over channels of value^2 of each position it writes
+ * once: blocks of 8 channels by 8 columns transposed in registers (a row's last
+ * columns through masked loads), channels past the last 8 one value at a time; and the sum over channels of value^2 of each position it writes
  * into sq (hb x wb, the same places: conv_winograd_range.h), from the same
  * registers. */
 static void wg_fill(const wg_t *a, int64_t img, float *buf, float *sq)
@@ -27,15 +27,20 @@ static void wg_fill(const wg_t *a, int64_t img, float *buf, float *sq)
                     s += r[k] * r[k];
                 }
                 *(v8u *)(sums + x) = load(sums + x) + s;
-                wg_transpose8(r);
+                transpose8(r);
                 for (int k = 0; k < 8; k++) *(v8u *)(row + (x + k) * a->cp + c0) = r[k];
             }
-            for (; x < count; x++)
+            if (x < count) {                   /* the last columns: masked loads */
+                int64_t left = count - x;
+                v8 r[8], s = {0};
                 for (int k = 0; k < 8; k++) {
-                    float v = from[(c0 + k) * a->h * a->w + x];
-                    row[x * a->cp + c0 + k] = v;
-                    sums[x] += v * v;
+                    r[k] = v8f_load_part(from + (c0 + k) * a->h * a->w + x, left);
+                    s += r[k] * r[k];
                 }
+                v8f_store_part(sums + x, v8f_load_part(sums + x, left) + s, left);
+                transpose8(r);
+                for (int64_t k = 0; k < left; k++) *(v8u *)(row + (x + k) * a->cp + c0) = r[k];
+            }
         }
         for (; c0 < a->c; c0++)
             for (int64_t x = 0; x < count; x++) {
@@ -72,8 +77,8 @@ static inline float wg_finish(const wg_t *a, float s, const float *res)
 }
 
 /* The outputs of image `img` from y (channels innermost) to out (NCHW), with the
- * epilogue: blocks of 8 columns by 8 channels transposed in registers, the rest
- * one value at a time. */
+ * epilogue: blocks of 8 columns by 8 channels transposed in registers (a row's last
+ * columns through masked stores), channels past the last 8 one value at a time. */
 static void wg_store(const wg_t *a, const float *y, int64_t img)
 {
     int64_t plane = a->ho * a->wo, row = 4 * a->tw;
@@ -87,7 +92,7 @@ static void wg_store(const wg_t *a, const float *y, int64_t img)
             for (; x + 8 <= a->wo; x += 8) {
                 v8 v[8];
                 for (int k = 0; k < 8; k++) v[k] = load(yr + (x + k) * a->op + oc);
-                wg_transpose8(v);
+                transpose8(v);
                 for (int k = 0; k < 8; k++) {
                     int64_t at = (oc + k) * plane + r * a->wo + x;
                     v8 s = v[k] + (a->bias ? a->bias[oc + k] : 0.0f);
@@ -96,12 +101,20 @@ static void wg_store(const wg_t *a, const float *y, int64_t img)
                     *(v8u *)(out + at) = s;
                 }
             }
-            for (; x < a->wo; x++)
+            if (x < a->wo) {                    /* the last columns: masked stores */
+                int64_t left = a->wo - x;
+                v8 v[8];
+                for (int k = 0; k < 8; k++)
+                    v[k] = k < left ? load(yr + (x + k) * a->op + oc) : (v8){0};
+                transpose8(v);
                 for (int k = 0; k < 8; k++) {
                     int64_t at = (oc + k) * plane + r * a->wo + x;
-                    float s = yr[x * a->op + oc + k] + (a->bias ? a->bias[oc + k] : 0.0f);
-                    out[at] = wg_finish(a, s, res ? res + at : NULL);
+                    v8 s = v[k] + (a->bias ? a->bias[oc + k] : 0.0f);
+                    if (res) s += v8f_load_part(res + at, left);
+                    if (a->relu) s = (v8)((v8i)s & ~(s < 0));
+                    v8f_store_part(out + at, s, left);
                 }
+            }
         }
         for (; oc < a->o; oc++)
             for (int64_t x = 0; x < a->wo; x++) {

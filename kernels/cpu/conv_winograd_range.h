@@ -57,7 +57,7 @@ static void wg_squares(const wg_t *a, const float *buf, float *sq)
                 s[k] += v * v;
             }
         }
-        wg_transpose8(s);
+        transpose8(s);
         *(v8u *)(sq + q) = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
     }
     for (; q < total; q++) {
@@ -195,18 +195,14 @@ static void wg_direct_tile(const wg_t *a, const float *wt, const float *buf, int
         for (int64_t j = 0; j < cols; j++) {
             const float *win = buf + ((4 * ty + i) * a->wb + 4 * tx + j) * a->cp;
             float *dst = y + ((4 * ty + i) * 4 * a->tw + 4 * tx + j) * a->op;
-            for (int64_t o0 = 0; o0 < a->op; o0 += WG_OV) {
-                v8 s0 = {0}, s1 = {0};
+            for (int64_t o0 = 0; o0 < a->op; o0 += 8) {      /* op: a multiple of 8 */
+                v8 s0 = {0};
                 for (int k = 0; k < 9; k++) {
                     const float *in = win + ((k / 3) * a->wb + k % 3) * a->cp;
                     const float *f = wt + k * a->cp * a->op + o0;
-                    for (int64_t c = 0; c < a->c; c++) {
-                        s0 += in[c] * load(f + c * a->op);
-                        s1 += in[c] * load(f + c * a->op + 8);
-                    }
+                    for (int64_t c = 0; c < a->c; c++) s0 += in[c] * load(f + c * a->op);
                 }
                 *(v8u *)(dst + o0) = s0;
-                *(v8u *)(dst + o0 + 8) = s1;
             }
         }
 }

@@ -16,7 +16,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import blocks, native
 
-MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
+MIN_THREAD_VALUES = 1 << 17      # values a thread must have to be worth waking
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _kernel = None

@@ -3,8 +3,9 @@
  * identity, with w packed once.
  *
  * A packed weight holds ceil(N / FC_NR) panels, each the K rows of FC_NR
- * consecutive columns (zeros past column N), so the FC_NR values a step of the
- * inner loop reads are one 64-byte line. x's columns fall into blocks of at most
+ * consecutive columns (zeros past column N): two vectors of native_simd.h's VL
+ * floats, so the values a step of the inner loop reads are one 64-byte line (AVX2)
+ * or two (AVX-512). x's columns fall into blocks of at most
  * FC_KC (of equal size); a register tile is FC_MR rows of x times a panel's rows of
  * one block: FC_MR x FC_NR sums, two vectors per row, while the panel's block stays
  * in cache for the next tile's rows. Tiles of FC_MR rows cover x's rows, and the
@@ -24,21 +25,20 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 
 #define FC_MR 6          /* rows of x per register tile */
 #define FC_MR4 4         /* rows of x per register tile of the last rows, where fewer */
-#define FC_NR 16         /* columns of w per panel and register tile (two vectors) */
+#define FC_NR (2 * VL)   /* columns of w per panel and register tile (two vectors) */
 #define FC_KC 512        /* at most this many columns of x (rows of w) per block */
 #define FC_GROUP 8       /* at most this many panels a unit of work */
 #define FC_PACK_PANELS 8 /* x is packed for products of at least this many panels */
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef int v8i __attribute__((vector_size(32)));
-
 /* Keeps a step's two vectors of the weight in registers: without it, gcc reads them
  * from memory again for each row of a tile of FC_MR4 rows. */
-#if defined(__AVX__)
+#if defined(__AVX512F__)
+#define FC_IN_REGISTERS(a, b) __asm__("" : "+v"(a), "+v"(b))
+#elif defined(__AVX__)
 #define FC_IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
 #else
 #define FC_IN_REGISTERS(a, b) ((void)0)
@@ -98,12 +98,12 @@ static void pack_rows(const fc_t *a, int64_t i)
     }
 }
 
-static inline v8 finish(v8 v, const float *to, int first, const float *bias, int relu)
+static inline vf finish(vf v, const float *to, int first, const float *bias, int relu)
 {
-    if (!first) v += *(const v8u *)to;
+    if (!first) v += vf_load(to);
     if (bias != NULL) {
-        v += *(const v8u *)bias;
-        if (relu) v = (v8)((v8i)v & ~(v < 0));     /* NaN stays NaN */
+        v += vf_load(bias);
+        if (relu) v = vf_relu(v);
     }
     return v;
 }
@@ -113,14 +113,14 @@ static inline v8 finish(v8 v, const float *to, int first, const float *bias, int
 static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, int64_t row0,
                                                             int64_t j, int64_t p0,
                                                             int64_t kc, const int ROWS,
-                                                            v8 acc[FC_MR][2])
+                                                            vf acc[FC_MR][2])
 {
     const float *wb = a->wp + (j * a->k + p0) * FC_NR;
-    v8 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
-    v8 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+    vf c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+    vf c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
 #define FC_SUMS(STEP)                                                                  \
     for (int64_t q = 0, at = 0; q < kc; q++, at += (STEP), wb += FC_NR) {              \
-        v8 b0 = *(const v8u *)wb, b1 = *(const v8u *)(wb + 8);                         \
+        vf b0 = vf_load(wb), b1 = vf_load(wb + VL);                                    \
         FC_IN_REGISTERS(b0, b1);                                                        \
         c00 += x0[at] * b0; c01 += x0[at] * b1; c10 += x1[at] * b0; c11 += x1[at] * b1; \
         c20 += x2[at] * b0; c21 += x2[at] * b1; c30 += x3[at] * b0; c31 += x3[at] * b1; \
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, int64
         FC_SUMS(1)
     }
 #undef FC_SUMS
-    v8 sums[FC_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41},
+    vf sums[FC_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41},
                          {c50, c51}};
     memcpy(acc, sums, sizeof(sums));
 }
@@ -150,7 +150,7 @@ static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, int64
  * (first: written), then (last) the bias and relu. */
 static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
 {
-    v8 acc[FC_MR][2];
+    vf acc[FC_MR][2];
     int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
     if (rows == FC_MR)
         tile_sums(a, row0, j, p0, kc, FC_MR, acc);
@@ -166,11 +166,11 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
     if (cols == FC_NR) {
         for (int64_t r = 0; r < rows; r++) {
             float *to = a->out + (row0 + r) * a->n + n0;
-            v8 lo = finish(acc[r][0], to, first, bias, (int)a->relu);
-            v8 hi = finish(acc[r][1], to + 8, first, bias == NULL ? NULL : bias + 8,
+            vf lo = finish(acc[r][0], to, first, bias, (int)a->relu);
+            vf hi = finish(acc[r][1], to + VL, first, bias == NULL ? NULL : bias + VL,
                            (int)a->relu);
-            *(v8u *)to = lo;
-            *(v8u *)(to + 8) = hi;
+            vf_store(to, lo);
+            vf_store(to + VL, hi);
         }
         return;
     }
@@ -182,9 +182,9 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
     for (int64_t r = 0; r < rows; r++) {
         float *to = a->out + (row0 + r) * a->n + n0, row[FC_NR] = {0};
         memcpy(row, to, (size_t)cols * sizeof(float));
-        *(v8u *)row = finish(acc[r][0], row, first, bias, (int)a->relu);
-        *(v8u *)(row + 8) = finish(acc[r][1], row + 8, first,
-                                   bias == NULL ? NULL : bias + 8, (int)a->relu);
+        vf_store(row, finish(acc[r][0], row, first, bias, (int)a->relu));
+        vf_store(row + VL, finish(acc[r][1], row + VL, first,
+                                  bias == NULL ? NULL : bias + VL, (int)a->relu));
         memcpy(to, row, (size_t)cols * sizeof(float));
     }
 }
@@ -204,7 +204,8 @@ static void run_unit(const fc_t *a, int64_t j0, int64_t j1, int64_t i0, int64_t 
             int64_t share = (lines + (i1 - i0) - 1) / (i1 - i0);
             for (int64_t i = i0; i < i1; i++) {
                 for (int64_t l = (i - i0) * share; l < (i - i0 + 1) * share && l < lines; l++)
-                    __builtin_prefetch(next + l * FC_NR, 0, 2);
+                    for (int64_t line = 0; line < FC_NR; line += 16)
+                        __builtin_prefetch(next + l * FC_NR + line, 0, 2);
                 tile(a, i, j, p0, kc);
             }
         }

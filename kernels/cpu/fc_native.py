@@ -11,12 +11,11 @@ array and is packed again at its first use. Each packed copy takes the weight's
 memory again (rounded up to whole panels).
 
 `supports(x, w)` says whether the kernel takes a product: float32, built (native.
-reason says why not) and at least MIN_WORK multiply-adds, the size from which
-OpenBLAS would run it on its threads. Those threads wait for the next product
-spinning on their cores, so a native kernel that starts right after one (the
-next layer's) finds a core taken: an inference net whose products all run here
-runs none of BLAS's. The op runs numpy's product otherwise, which is the
-reference this is tested against.
+reason says why not) and at least MIN_WORK multiply-adds (the size from which
+OpenBLAS would run it on threads). Where it does, the op runs whichever of this
+kernel and BLAS's product was the faster for the shape on this machine (kernels/
+cpu/choices.py); numpy's product otherwise, which is the reference this is tested
+against.
 """
 from __future__ import annotations
 

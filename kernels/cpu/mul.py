@@ -1,7 +1,9 @@
 """CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS; and
 of fused_fc (ops/fused_fc.py): the same product with its bias and relu, by the
-native kernel on the weight packed once (fc_native.py) where it takes the
-product, else by BLAS with the bias and relu in place.
+native kernel on the weight packed once (fc_native.py) or by BLAS with the bias and
+relu in place, whichever was the faster for the shape on this machine (choices.py;
+the native kernel where nothing is timed) where the native kernel takes the
+product, else by BLAS.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import fc_native
+from minigraph.kernels.cpu import blocks, choices, fc_native, native
 
 
 def as_matrix(x, n):
@@ -55,11 +57,21 @@ def fused_fc_cpu(op, ins, ctx):
     x, y, bias = ins["x"], ins["y"], ins.get("bias")
     n = op.attrs["x_num_col_dims"]
     x2, relu = as_matrix(x, n), op.attrs["activation"] == "relu"
+
+    def blas():
+        out = x2 @ y
+        if bias is not None:
+            out += bias
+        if relu:
+            np.maximum(out, 0, out=out)
+        return out
+
     if fc_native.supports(x2, y):
-        return {"out": fc_native.forward(x2, y, bias, relu).reshape(x.shape[:n] + (y.shape[1],))}
-    out = x2 @ y
-    if bias is not None:
-        out += bias
-    if relu:
-        np.maximum(out, 0, out=out)
+        (m, k), build = x2.shape, native.build_key("fc_native")
+        key = (f"{m}x{k}x{y.shape[1]}|bias{int(bias is not None)}|relu{int(relu)}"
+               f"|t{blocks.get_num_threads()}|b{build}")
+        out = choices.choose("fc", key, {"native": lambda: fc_native.forward(x2, y, bias, relu),
+                                         "blas": blas}, "native")
+    else:
+        out = blas()
     return {"out": out.reshape(x.shape[:n] + (y.shape[1],))}

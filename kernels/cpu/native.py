@@ -70,6 +70,7 @@ NOTICE_AFTER_S = 2.0
 
 _lock = threading.Lock()
 _reasons = {}
+_keys = {}
 
 
 def enabled():
@@ -80,8 +81,26 @@ def enabled():
 def library(name):
     """The loaded ctypes library of kernels/cpu/<name>.c, built on first use, or None
     (native kernels off, no working compiler, the build ran out of time, or an
-    unsafe cache: reason(name) says which)."""
-    return _load(name) if enabled() else None
+    unsafe cache: reason(name) says which). The first library loaded also hands
+    OpenBLAS's threads over to the native pool (blas_threads.install), so that no
+    BLAS thread spins on a core a native kernel's thread needs."""
+    if not enabled():
+        return None
+    lib = _load(name)
+    if lib is not None and not _blas_pool_tried:
+        _give_blas_the_pool()
+    return lib
+
+
+_blas_pool_tried = False
+
+
+def _give_blas_the_pool():
+    global _blas_pool_tried
+    _blas_pool_tried = True
+    from minigraph.kernels.cpu import blas_threads
+
+    blas_threads.install()
 
 
 def typed_function(name, symbol, argtypes, restype=ctypes.c_int):
@@ -109,6 +128,24 @@ def address(a):
         return _address(_char(a))
     except TypeError:                       # read-only
         return a.ctypes.data
+
+
+def build_key(name):
+    """The cache key of library(name) as loaded (its source, headers, flags, compiler
+    and CPU: a changed kernel has another), or None where it is not at hand."""
+    return _keys.get(name) if library(name) is not None else None
+
+
+def vector_floats(name):
+    """The floats in one vector of library(name)'s kernels that use native_simd.h: 16
+    where it was built for AVX-512, 8 elsewhere; None where the library is not at hand
+    or does not use that header."""
+    lib = library(name)
+    fn = getattr(lib, "native_vector_floats", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int64
+    return int(fn())
 
 
 def reason(name):
@@ -201,8 +238,9 @@ def _load_or_build(name):
         for flags in FLAG_SETS:
             key = hashlib.sha256("\0".join(
                 (source, *compiler, *flags, *COMMON_FLAGS, version,
-                 _cpu_identity())).encode()).hexdigest()[:20]
+                 cpu_identity())).encode()).hexdigest()[:20]
             filename = f"{name}-{key}.so"
+            _keys[name] = key
             if directory is not None:
                 lib = cache.load_verified(directory / filename)
                 if lib is not None:
@@ -324,9 +362,9 @@ def _compiler_version(compiler, deadline):
         return ""
 
 
-def _cpu_identity():
+def cpu_identity():
     """This CPU's model and instruction-set flags (a library built for -march=native
-    must not load on another CPU sharing the cache)."""
+    must not load on another CPU sharing the cache; choices.py keys its file by it)."""
     lines = [platform.machine(), platform.processor()]
     try:
         with open("/proc/cpuinfo") as info:

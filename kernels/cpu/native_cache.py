@@ -63,6 +63,14 @@ def _read_digest(path):
     return None
 
 
+def read_trusted(path, limit):
+    """The bytes of `path` when it is a regular file of this user's (or root's) that no
+    one else can write, opened without following a symlink and at most `limit` bytes;
+    else None."""
+    with _trusted(path, limit) as (_, data):
+        return data
+
+
 @contextlib.contextmanager
 def _trusted(path, limit):
     """(fd, bytes) of `path` opened without following a symlink, read from the same

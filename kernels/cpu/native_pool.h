@@ -84,19 +84,9 @@ static void pool_run_on_new_threads(pool_fn fn, char *jobs, size_t size, int64_t
     for (int64_t t = 1; t < started; t++) pthread_join(tid[t], NULL);
 }
 
-static void pool_run(pool_fn fn, void *jobs_, size_t size, int64_t threads)
+/* Workers 1 .. threads - 1 started (pool.lock held); how many the pool has. */
+static int64_t pool_grow(int64_t threads)
 {
-    char *jobs = jobs_;
-    if (threads > POOL_MAX_THREADS) threads = POOL_MAX_THREADS;
-    if (threads <= 1) {
-        fn(jobs);
-        return;
-    }
-    if (pthread_mutex_trylock(&pool.busy)) {
-        pool_run_on_new_threads(fn, jobs, size, threads);
-        return;
-    }
-    pthread_mutex_lock(&pool.lock);
     if (!pool.fork_handler) pool.fork_handler = !pthread_atfork(NULL, NULL, pool_after_fork);
     while (pool.size < threads - 1 && pool.fork_handler) {      /* workers 1, 2, ... */
         pthread_t tid;
@@ -105,7 +95,14 @@ static void pool_run(pool_fn fn, void *jobs_, size_t size, int64_t threads)
         pthread_detach(tid);
         pool.size++;
     }
-    int64_t pooled = threads - 1 < pool.size ? threads : pool.size + 1;
+    return pool.size;
+}
+
+/* Jobs 1 .. pooled - 1 handed to the workers, job 0 run here, then the wait for them
+ * (pool.busy held, pool.lock held on entry and released). */
+static void pool_hand_out(pool_fn fn, char *jobs, size_t size, int64_t pooled,
+                          int64_t threads)
+{
     pool.fn = fn;
     pool.jobs = jobs;
     pool.job_size = size;
@@ -119,5 +116,45 @@ static void pool_run(pool_fn fn, void *jobs_, size_t size, int64_t threads)
     pthread_mutex_lock(&pool.lock);
     while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
     pthread_mutex_unlock(&pool.lock);
+}
+
+/* Like pool_run, for jobs that wait for each other (all must run at once): waits for
+ * the pool when another call has it, and returns -1 without running a job when the
+ * pool cannot have threads - 1 workers; else 0 once every job has run. */
+static int pool_run_together(pool_fn fn, void *jobs_, size_t size, int64_t threads)
+{
+    char *jobs = jobs_;
+    if (threads > POOL_MAX_THREADS) return -1;
+    if (threads <= 1) {
+        fn(jobs);
+        return 0;
+    }
+    pthread_mutex_lock(&pool.busy);
+    pthread_mutex_lock(&pool.lock);
+    if (pool_grow(threads) < threads - 1) {
+        pthread_mutex_unlock(&pool.lock);
+        pthread_mutex_unlock(&pool.busy);
+        return -1;
+    }
+    pool_hand_out(fn, jobs, size, threads, threads);
+    pthread_mutex_unlock(&pool.busy);
+    return 0;
+}
+
+static void pool_run(pool_fn fn, void *jobs_, size_t size, int64_t threads)
+{
+    char *jobs = jobs_;
+    if (threads > POOL_MAX_THREADS) threads = POOL_MAX_THREADS;
+    if (threads <= 1) {
+        fn(jobs);
+        return;
+    }
+    if (pthread_mutex_trylock(&pool.busy)) {
+        pool_run_on_new_threads(fn, jobs, size, threads);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    int64_t workers = pool_grow(threads);
+    pool_hand_out(fn, jobs, size, threads - 1 < workers ? threads : workers + 1, threads);
     pthread_mutex_unlock(&pool.busy);
 }

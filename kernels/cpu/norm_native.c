@@ -481,8 +481,14 @@ static int backward(norm_t *a, int64_t threads)
         if (a->dx) run_parts(a, outputs_flat);
     }
     if (a->acc) {
-        for (int64_t p = 1; p < a->parts; p++)
-            for (int64_t i = 0; i < 2 * a->A; i++) a->acc[i] += a->acc[2 * a->A * p + i];
+        /* locals: through a->acc, a store may alias a's own fields (-fno-strict-aliasing),
+         * which kept this loop scalar */
+        double *acc = a->acc;
+        const int64_t n = 2 * a->A, parts = a->parts;
+        for (int64_t p = 1; p < parts; p++) {
+            const double *part = acc + n * p;
+            for (int64_t i = 0; i < n; i++) acc[i] += part[i];
+        }
         if (a->dscale) a->k->store(a->dscale, a->acc, a->A);
         if (a->dbias) a->k->store(a->dbias, a->acc + a->A, a->A);
     }

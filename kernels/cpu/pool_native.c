@@ -14,8 +14,10 @@
  * And the forward of 2x2 windows at stride 2 that tile the plane exactly (the
  * common pooling layer), as the numpy kernel's two passes: the max of each pair of
  * rows, then of each pair of neighbours in that row, NaN propagating (numpy's
- * maximum); both passes are vectorized loops. Other forwards stay on numpy: one
- * window at a time was no faster than its vectorized passes.
+ * maximum); float32 in one pass, eight windows at a time (the neighbours paired by
+ * shuffles) on the pool's threads, float64 in two vectorized passes. Other
+ * forwards stay on numpy: one window at a time was no faster than its vectorized
+ * passes.
  * Built and loaded by native.py, launched by pool_native.py.
  *
  * Planes (one image's channel) are split in contiguous ranges over up to
@@ -26,9 +28,10 @@
 #include <stdlib.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef v8f v8;
+typedef v8fu v8u;
 typedef int v8i __attribute__((vector_size(32)));
 
 typedef struct {
@@ -92,16 +95,12 @@ static v8 load8(const float *p) { return *(const v8u *)p; }
 static void store8(float *p, v8 v) { *(v8u *)p = v; }
 static v8 pick(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
-/* Eight 2x2 windows (stride 2), float32: four whose top and bottom rows start at
- * top0 and bottom0, four at top1 and bottom1 (8 floats on from top0 and bottom0
- * within one row; or two rows of 4 windows each), dout d (8). The four taps of each
- * as vectors (the even and odd columns of its two rows), the first strictly
- * greatest chosen as TAP does (masks, no branches), d written to its tap and zeros
- * to the other three, at dtop0 .. dbottom1 as the rows were read. */
-static inline void tiles8_at(const float *top0, const float *top1, const float *bottom0,
-                             const float *bottom1, const float *d, float *dtop0, float *dtop1,
-                             float *dbottom0, float *dbottom1) {
-    v8 t0 = load8(top0), t1 = load8(top1), b0 = load8(bottom0), b1 = load8(bottom1);
+/* The dx of eight 2x2 windows (stride 2), float32, given their taps as vectors (the
+ * even and odd columns of their top and bottom rows) and dout d: the first strictly
+ * greatest tap chosen as TAP does (masks, no branches), d at it and zeros at the
+ * other three, as the rows were read (top: t0, t1; bottom: b0, b1). */
+static inline void tiles8_dx(v8 t0, v8 t1, v8 b0, v8 b1, v8 d, v8 *dt0, v8 *dt1, v8 *db0,
+                             v8 *db1) {
     v8 x00 = __builtin_shufflevector(t0, t1, 0, 2, 4, 6, 8, 10, 12, 14);
     v8 x01 = __builtin_shufflevector(t0, t1, 1, 3, 5, 7, 9, 11, 13, 15);
     v8 x10 = __builtin_shufflevector(b0, b1, 0, 2, 4, 6, 8, 10, 12, 14);
@@ -113,12 +112,28 @@ static inline void tiles8_at(const float *top0, const float *top1, const float *
     v8i m3 = x11 > best;
     m2 &= ~m3;
     m1 &= ~(m2 | m3);
-    v8i m0 = ~(m1 | m2 | m3), dv = (v8i)load8(d);
+    v8i m0 = ~(m1 | m2 | m3), dv = (v8i)d;
     v8 d00 = (v8)(dv & m0), d01 = (v8)(dv & m1), d10 = (v8)(dv & m2), d11 = (v8)(dv & m3);
-    store8(dtop0, __builtin_shufflevector(d00, d01, 0, 8, 1, 9, 2, 10, 3, 11));
-    store8(dtop1, __builtin_shufflevector(d00, d01, 4, 12, 5, 13, 6, 14, 7, 15));
-    store8(dbottom0, __builtin_shufflevector(d10, d11, 0, 8, 1, 9, 2, 10, 3, 11));
-    store8(dbottom1, __builtin_shufflevector(d10, d11, 4, 12, 5, 13, 6, 14, 7, 15));
+    *dt0 = __builtin_shufflevector(d00, d01, 0, 8, 1, 9, 2, 10, 3, 11);
+    *dt1 = __builtin_shufflevector(d00, d01, 4, 12, 5, 13, 6, 14, 7, 15);
+    *db0 = __builtin_shufflevector(d10, d11, 0, 8, 1, 9, 2, 10, 3, 11);
+    *db1 = __builtin_shufflevector(d10, d11, 4, 12, 5, 13, 6, 14, 7, 15);
+}
+
+/* Eight 2x2 windows: four whose top and bottom rows start at top0 and bottom0, four
+ * at top1 and bottom1 (8 floats on from top0 and bottom0 within one row; or two rows
+ * of 4 windows each), dout d (8); dx written at dtop0 .. dbottom1 as the rows were
+ * read. */
+static inline void tiles8_at(const float *top0, const float *top1, const float *bottom0,
+                             const float *bottom1, const float *d, float *dtop0, float *dtop1,
+                             float *dbottom0, float *dbottom1) {
+    v8 o0, o1, o2, o3;
+    tiles8_dx(load8(top0), load8(top1), load8(bottom0), load8(bottom1), load8(d), &o0, &o1,
+              &o2, &o3);
+    store8(dtop0, o0);
+    store8(dtop1, o1);
+    store8(dbottom0, o2);
+    store8(dbottom1, o3);
 }
 
 /* Eight windows side by side in rows top and bottom. */
@@ -127,20 +142,24 @@ static inline void tiles8(const float *top, const float *bottom, const float *d,
     tiles8_at(top, top + 8, bottom, bottom + 8, d, dtop, dtop + 8, dbottom, dbottom + 8);
 }
 
-/* n windows side by side: tiles8 on each eight, the last n % 8 through zero-padded
- * copies (so every window is chosen the same way). */
+/* n windows side by side: tiles8 on each eight, the last n % 8 with masked loads and
+ * stores (lanes past them read as zeros and are not written, so every window is
+ * chosen the same way). */
 static void row_tiles(const float *top, const float *bottom, const float *d, float *dtop,
                       float *dbottom, int64_t n) {
     int64_t q = 0;
     for (; q + 8 <= n; q += 8)
         tiles8(top + 2 * q, bottom + 2 * q, d + q, dtop + 2 * q, dbottom + 2 * q);
     if (q < n) {
-        float t[16] = {0}, b[16] = {0}, dd[8] = {0}, ot[16], ob[16];
-        int64_t r = n - q;
-        for (int64_t i = 0; i < 2 * r; i++) t[i] = top[2 * q + i], b[i] = bottom[2 * q + i];
-        for (int64_t i = 0; i < r; i++) dd[i] = d[q + i];
-        tiles8(t, b, dd, ot, ob);
-        for (int64_t i = 0; i < 2 * r; i++) dtop[2 * q + i] = ot[i], dbottom[2 * q + i] = ob[i];
+        const int64_t r = n - q, lo = 2 * r < 8 ? 2 * r : 8, hi = 2 * r - lo;
+        v8 o0, o1, o2, o3;
+        tiles8_dx(v8f_load_part(top + 2 * q, lo), v8f_load_part(top + 2 * q + 8, hi),
+                  v8f_load_part(bottom + 2 * q, lo), v8f_load_part(bottom + 2 * q + 8, hi),
+                  v8f_load_part(d + q, r), &o0, &o1, &o2, &o3);
+        v8f_store_part(dtop + 2 * q, o0, lo);
+        v8f_store_part(dtop + 2 * q + 8, o1, hi);
+        v8f_store_part(dbottom + 2 * q, o2, lo);
+        v8f_store_part(dbottom + 2 * q + 8, o3, hi);
     }
 }
 
@@ -252,20 +271,67 @@ int max_pool_grad(int f64, const void *x, const void *dout, void *dx, int64_t pl
         }                                                                               \
     }
 
-TILES(float)
 TILES(double)
 
+/* MAX_NAN lane by lane: a where a > b or a is NaN, else b. */
+static inline v8 max_nan8(v8 a, v8 b) { return pick((a > b) | (a != a), a, b); }
+
+/* Eight windows' max from the 16 columns of their top and bottom rows: MAX_NAN of
+ * the rows, then of each pair of neighbours, as the two passes do it. */
+static inline v8 tiles8_max(v8 t0, v8 t1, v8 b0, v8 b1) {
+    v8 m0 = max_nan8(t0, b0), m1 = max_nan8(t1, b1);
+    return max_nan8(__builtin_shufflevector(m0, m1, 0, 2, 4, 6, 8, 10, 12, 14),
+                    __builtin_shufflevector(m0, m1, 1, 3, 5, 7, 9, 11, 13, 15));
+}
+
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t begin, end, w;          /* output rows [begin, end) of w / 2 values */
+} tiles_job_t;
+
+/* float32 output rows of one job in one pass, eight windows at a time, a row's last
+ * ones through masked loads and stores. */
+static void *tiles_float_rows(void *arg) {
+    const tiles_job_t *j = arg;
+    const int64_t w = j->w, wo = w / 2;
+    for (int64_t r = j->begin; r < j->end; r++) {
+        const float *top = j->x + 2 * r * w, *bottom = top + w;
+        float *o = j->out + r * wo;
+        int64_t q = 0;
+        for (; q + 8 <= wo; q += 8)
+            store8(o + q, tiles8_max(load8(top + 2 * q), load8(top + 2 * q + 8),
+                                     load8(bottom + 2 * q), load8(bottom + 2 * q + 8)));
+        if (q < wo) {
+            const int64_t left = wo - q, lo = 2 * left < 8 ? 2 * left : 8, hi = 2 * left - lo;
+            v8f_store_part(o + q, tiles8_max(v8f_load_part(top + 2 * q, lo),
+                                             v8f_load_part(top + 2 * q + 8, hi),
+                                             v8f_load_part(bottom + 2 * q, lo),
+                                             v8f_load_part(bottom + 2 * q + 8, hi)), left);
+        }
+    }
+    return NULL;
+}
+
 /* out (rows, w / 2): the max of each 2x2 window of x (2 rows, w) per output row,
- * rows = planes * h / 2, w even (see the file comment). Returns 0, or 1 where the
- * row buffer could not be allocated. */
-int max_pool_tiles(int f64, const void *x, void *out, int64_t rows, int64_t w) {
-    void *pair = malloc((size_t)TILE_BLOCK * (w > 0 ? w : 1)
-                        * (f64 ? sizeof(double) : sizeof(float)));
+ * rows = planes * h / 2, w even (see the file comment); float32 in one pass on up to
+ * `threads` threads (contiguous ranges of rows), float64 in two on this one.
+ * Returns 0, or 1 where the row buffer could not be allocated. */
+int max_pool_tiles(int f64, const void *x, void *out, int64_t rows, int64_t w,
+                   int threads) {
+    if (!f64) {
+        tiles_job_t jobs[POOL_MAX_THREADS];
+        int64_t parts = pool_parts(threads, rows);
+        for (int64_t t = 0; t < parts; t++) {
+            jobs[t] = (tiles_job_t){.x = x, .out = out, .w = w};
+            pool_share(rows, parts, t, &jobs[t].begin, &jobs[t].end);
+        }
+        pool_run(tiles_float_rows, jobs, sizeof(tiles_job_t), parts);
+        return 0;
+    }
+    void *pair = malloc((size_t)TILE_BLOCK * (w > 0 ? w : 1) * sizeof(double));
     if (!pair) return 1;
-    if (f64)
-        tiles_double(x, out, rows, w, pair);
-    else
-        tiles_float(x, out, rows, w, pair);
+    tiles_double(x, out, rows, w, pair);
     free(pair);
     return 0;
 }

@@ -20,7 +20,7 @@ import numpy as np
 
 from minigraph.kernels.cpu import blocks, native
 
-MIN_THREAD_VALUES = blocks.BETWEEN_BLAS_VALUES    # values a thread (see blocks)
+MIN_THREAD_VALUES = 1 << 17      # values a thread must have to be worth waking
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -35,7 +35,7 @@ def _load():
         lib = native.library("pool_native")
         if lib is None:
             return None
-        lib.max_pool_tiles.argtypes = [ctypes.c_int, _P, _P, _L, _L]
+        lib.max_pool_tiles.argtypes = [ctypes.c_int, _P, _P, _L, _L, ctypes.c_int]
         lib.max_pool_tiles.restype = ctypes.c_int
         lib.max_pool_tiles_nhwc.argtypes = [ctypes.c_int, _P, _P, _L, _L, _L]
         lib.max_pool_tiles_nhwc.restype = ctypes.c_int
@@ -69,7 +69,8 @@ def max_pool_tiles(x, layout="NCHW"):
         return out
     n, c = x.shape[:2]
     out = np.empty((n, c, h // 2, w // 2), x.dtype)
-    if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w):
+    threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
+    if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w, threads):
         raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be allocated")
     return out
 

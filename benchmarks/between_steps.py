@@ -1,0 +1,139 @@
+"""Why an inference slowed down between training steps, measured again on each run:
+the wide MLP's optimized inference net (all native fused_fc products) alone, right
+after a training step, after a training step and a 150 ms pause, and after
+writing 256 MiB of memory (no computation, no threads: caches emptied), with the
+CPU time every thread of the process spent meanwhile.
+
+    python benchmarks/between_steps.py [--threads 2] [--rounds 15] [--no-write]
+
+Each mode runs in a fresh process (this script with --worker): minigraph as it is
+(OpenBLAS's parallel work on minigraph's own pool: kernels/cpu/blas_threads.py),
+with MINIGRAPH_BLAS_POOL=0 (OpenBLAS's own worker threads, as before that pool),
+the same with OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS's workers sleep as soon as a
+call ends instead of spinning for 2^28 cycles), and with MINIGRAPH_NATIVE=0 (every
+kernel on numpy; the inference's products on BLAS too). In each, the threads
+OpenBLAS started when numpy loaded are noted before minigraph is imported; then
+--rounds rounds each time 5 inferences of every case, the cases in turn (so that a
+drift of the machine's speed slows them alike). A
+thread's CPU time is the first field of /proc/self/task/<tid>/schedstat
+(nanoseconds; Linux). The table: the median wall time of an inference, and the
+median CPU time of OpenBLAS's own workers, of the calling thread and of every other
+thread (the native kernels' pools) during one. It prints its table and writes it
+into the `between_steps` section of docs/performance.md; --no-write only prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
+         "MINIGRAPH_BLAS_POOL=0 OPENBLAS_THREAD_TIMEOUT=4": {
+             "MINIGRAPH_BLAS_POOL": "0", "OPENBLAS_THREAD_TIMEOUT": "4"},
+         "MINIGRAPH_NATIVE=0": {"MINIGRAPH_NATIVE": "0"}}
+CASES = ("alone", "after a training step", "after a step and 150 ms",
+         "after writing 256 MiB")
+FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches emptied
+
+
+def thread_cpu_ns():
+    """{tid: nanoseconds on a CPU} of every thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def worker(args):
+    import numpy  # (OpenBLAS starts its workers as numpy loads)
+
+    blas = set(thread_cpu_ns()) - {os.getpid()}
+    from nets_models import batch, mg_net, mg_optimized
+
+    import minigraph as mg
+
+    mg.set_num_threads(args.threads)
+    net, _, logits, loss = mg_net("mlp")
+    x, y = batch("mlp")
+    feed = {"image": x, "label": y}
+
+    def step():
+        net.train(feed=feed, fetch=[loss])
+
+    for _ in range(3):
+        step()
+    fast, name = mg_optimized(net), logits.name
+
+    def infer():
+        fast.infer(feed={"image": x}, fetch=[name])
+
+    for _ in range(3):
+        infer()
+    flush = numpy.ones(FLUSH_FLOATS, numpy.float32)
+    before = {"alone": lambda: None, "after a training step": step,
+              "after a step and 150 ms": lambda: (step(), time.sleep(0.15)),
+              "after writing 256 MiB": lambda: flush.fill(1.0)}
+    got = {case: [] for case in CASES}
+    for _ in range(args.rounds):
+        for case in CASES:
+            for _ in range(5):
+                before[case]()
+                c0, t0 = thread_cpu_ns(), time.perf_counter()
+                infer()
+                wall, c1 = time.perf_counter() - t0, thread_cpu_ns()
+                spent = {t: (c1[t] - c0.get(t, 0)) / 1e6 for t in c1}
+                got[case].append((wall * 1e3, sum(v for t, v in spent.items() if t in blas),
+                                  spent.get(os.getpid(), 0.0),
+                                  sum(v for t, v in spent.items()
+                                      if t not in blas and t != os.getpid())))
+    return {case: [statistics.median(r[i] for r in rows) for i in range(4)]
+            for case, rows in got.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    from report import machine_line, markdown_table, write_section
+
+    header = ("mode", "inference", "wall ms", "OpenBLAS's workers, CPU ms",
+              "calling thread, CPU ms", "other threads, CPU ms")
+    rows = []
+    load = os.getloadavg()[0]
+    print(f"load average before: {load:.2f}")
+    for mode, env in MODES.items():
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads",
+               str(args.threads), "--rounds", str(args.rounds)]
+        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                              check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        for case in CASES:
+            rows.append((mode, case, *(f"{v:.2f}" for v in result[case])))
+            print(" | ".join(rows[-1]))
+    text = "\n\n".join([machine_line(
+        f"The wide MLP's optimized inference (128x784), {args.threads} threads, each mode in "
+        f"its own process; medians over {args.rounds} rounds of 5 inferences per case, the "
+        "cases in turn; CPU time per thread from /proc/self/task/*/schedstat; load average "
+        f"{load:.2f} before."),
+        markdown_table(header, rows)])
+    write_section("between_steps", text, enabled=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Which kernel runs a product or a convolution of a given shape: chosen by timing the
+candidates on this machine at their first use, and kept per machine.
+
+A kernel launcher that has more than one way to compute an op (fused_fc: the native
+kernel or BLAS's product; a convolution: Winograd, the direct native kernel or the
+im2col engine on BLAS; each only where the op's memory rules allow it) calls
+`choose(kind, key, options, default)`. The first call for a key times every
+option: one untimed call each, then ROUNDS rounds of one timed call each in
+alternating order, the least time of each counting; an option replaces the default
+only where it takes at most MARGIN of the default's time (so that noise does not
+flip a choice). Later calls run the chosen option at once. Every option computes
+the same result up to float32 rounding (each is tested against the same float64
+reference), so a choice changes the time, not the result beyond the tests'
+tolerances.
+
+Choices are kept in memory and in one file per machine beside the native kernels
+(native_cache.cache_dir()): `choices-<digest>.json`, the digest of this CPU's model
+and instruction-set flags (native.cpu_identity()), which the file also holds. Keys
+name the threads and the kernels' build (native.build_key: their source, flags and
+compiler), so another thread count, a changed kernel or a build for another
+instruction set (CC="cc -mno-avx512f") chooses anew. The file is
+written atomically (a temporary file, fsynced, renamed), is JSON (never unpickled),
+and is read defensively: only a regular file of this user's that no one else can
+write, at most MAX_FILE_BYTES, of the expected format, for this CPU, whose entries
+name options of their kind; anything else is ignored (its choices measured again)
+and the file rewritten. Where the cache directory is not private (native_cache.
+check_private) or cannot be written, choices live in memory only.
+
+With MINIGRAPH_TUNE=0, or MINIGRAPH_NATIVE=0 (every kernel on numpy), nothing is
+timed: each op runs its default. `forcing({kind: name})` runs a given option
+(tests, benchmarks).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import threading
+import time
+
+from minigraph.kernels.cpu import native, native_cache
+
+ENV = "MINIGRAPH_TUNE"
+FORMAT = 1
+ROUNDS = 3
+MARGIN = 0.9
+MAX_FILE_BYTES = 1 << 20
+KINDS = {               # the options each kind of choice may name
+    "fc": ("native", "blas"),
+    "conv2d": ("winograd", "direct", "im2col"),
+    "conv2d_dx": ("winograd", "direct", "im2col"),
+    "conv2d_dw": ("direct", "im2col"),
+    "fused_conv2d": ("winograd", "direct", "im2col"),
+}
+
+_lock = threading.RLock()
+_table = None           # key -> {"pick": option name, "ms": {name: least ms}}; None until read
+_path = None            # where the table is kept, or None (memory only)
+_forced = {}
+
+
+def enabled():
+    """False with MINIGRAPH_TUNE=0 (or off, no) or with the native kernels off."""
+    off = os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no")
+    return native.enabled() and not off
+
+
+def choose(kind, key, options, default):
+    """The result of the option chosen for (kind, key): options maps option names (of
+    KINDS[kind]) to calls that compute the op; default names the one that runs where
+    nothing is timed (see the module doc)."""
+    forced = _forced.get(kind)
+    if forced in options:
+        return options[forced]()
+    if len(options) == 1 or not enabled():
+        return options[default]()
+    full = f"{kind}|{key}"
+    with _lock:
+        name = _choices().get(full, {}).get("pick")
+    if name in options:
+        return options[name]()
+    name, times = _measure(options, default)
+    _remember(full, name, times)
+    return options[name]()
+
+
+@contextlib.contextmanager
+def forcing(names):
+    """Inside the block, every choice of kind k runs option names[k] where the op has
+    it (tests and benchmarks)."""
+    global _forced
+    old = _forced
+    _forced = {**old, **names}
+    try:
+        yield
+    finally:
+        _forced = old
+
+
+def chosen():
+    """{key: option name}: the choices in effect in this process (read from the
+    machine's file, or made here)."""
+    with _lock:
+        return {key: entry["pick"] for key, entry in _choices().items()}
+
+
+def path():
+    """The file this machine's choices are kept in (None: memory only)."""
+    with _lock:
+        _choices()
+        return _path
+
+
+def forget():
+    """Drop the choices this process holds (read from the file again at next use)."""
+    global _table, _path
+    with _lock:
+        _table, _path = None, None
+
+
+def _measure(options, default):
+    """(the name to run, {name: least seconds}) after timing every option."""
+    names = list(options)
+    for name in names:
+        options[name]()                                   # warm: packing, first touch
+    best = {name: float("inf") for name in names}
+    for r in range(ROUNDS):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t = time.perf_counter()
+            options[name]()
+            best[name] = min(best[name], time.perf_counter() - t)
+    fastest = min(best, key=best.get)
+    if best[fastest] > MARGIN * best[default]:
+        fastest = default
+    return fastest, best
+
+
+def _identity():
+    return native.cpu_identity()
+
+
+def _file():
+    """The machine's choices file in the cache directory, or None where that directory
+    is missing, not private or cannot be made."""
+    directory = native_cache.cache_dir()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        native_cache.check_private(directory)
+    except (OSError, native_cache.UnsafeCache):
+        return None
+    digest = hashlib.sha256(_identity().encode()).hexdigest()[:16]
+    return directory / f"choices-{digest}.json"
+
+
+def _choices():
+    global _table, _path
+    if _table is None:
+        _path = _file()
+        _table = _read(_path) if _path is not None else {}
+    return _table
+
+
+def _read(path):
+    """The valid entries of the file at `path` ({} where it is missing, damaged,
+    foreign or not to be trusted: see the module doc)."""
+    data = native_cache.read_trusted(path, MAX_FILE_BYTES)
+    if data is None:
+        return {}
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT
+            and doc.get("cpu") == _identity() and isinstance(doc.get("choices"), dict)):
+        return {}
+    table = {}
+    for key, entry in doc["choices"].items():
+        kind = key.split("|", 1)[0]
+        name = entry.get("pick") if isinstance(entry, dict) else None
+        if name in KINDS.get(kind, ()):
+            times = entry.get("ms")
+            ok = isinstance(times, dict) and all(
+                n in KINDS[kind] and isinstance(t, (int, float)) for n, t in times.items())
+            table[key] = {"pick": name, **({"ms": times} if ok else {})}
+    return table
+
+
+def _remember(key, name, times):
+    """Keep the choice in memory and, where there is a file, write the whole table
+    back (atomically; a failed write leaves the old file and costs nothing else)."""
+    with _lock:
+        table = _choices()
+        table[key] = {"pick": name, "ms": {n: round(t * 1e3, 4) for n, t in times.items()}}
+        if _path is None:
+            return
+        doc = {"format": FORMAT, "cpu": _identity(), "choices": table}
+        try:
+            _write_atomically(_path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        except OSError:
+            pass
+
+
+def _write_atomically(target, text):
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        pathlib.Path(tmp).unlink(missing_ok=True)

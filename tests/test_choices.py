@@ -1,0 +1,256 @@
+"""Kernels chosen by timing on the machine (kernels/cpu/choices.py): a choice made once
+and kept in a per-machine file beside the native kernels, keyed by the CPU; damaged,
+foreign or untrusted files ignored and rewritten, never unpickled; every option of
+fused_fc and the convolutions giving the float64 reference's result; and nothing
+timed where tuning or the native kernels are off. No test asserts which option is
+faster: only that a choice is made, kept and honoured."""
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+from references import conv2d as conv_reference
+from references import conv2d_grad as conv_grad_reference
+
+from minigraph.kernels.cpu import choices, conv_im2col, conv_native, fc_native, native
+
+KIND = "conv2d_dw"
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache directory and no choices held by this process (restored after)."""
+    monkeypatch.setenv("MINIGRAPH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(choices.ENV, raising=False)
+    choices.forget()
+    yield tmp_path / "cache"
+    choices.forget()
+
+
+class Counted:
+    """An option that counts its calls and returns its name."""
+
+    def __init__(self, name):
+        self.name, self.calls = name, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.name
+
+
+def options():
+    return {"direct": Counted("direct"), "im2col": Counted("im2col")}
+
+
+def needs_native():
+    if not native.enabled() or native.library("conv_native") is None:
+        pytest.skip("no native kernels here")
+
+
+def test_a_choice_is_timed_once_then_kept_in_the_machines_file(fresh):
+    first = options()
+    got = choices.choose(KIND, "shape-a", first, "direct")
+    assert got in ("direct", "im2col")
+    assert all(o.calls >= 1 + choices.ROUNDS for o in first.values())   # timed
+    path = choices.path()
+    assert path is not None and path.parent == fresh and path.name.startswith("choices-")
+    doc = json.loads(path.read_text())
+    assert doc["format"] == choices.FORMAT and doc["cpu"] == native.cpu_identity()
+    entry = doc["choices"][f"{KIND}|shape-a"]
+    assert entry["pick"] == got and set(entry["ms"]) == {"direct", "im2col"}
+    choices.forget()                             # a new process: read from the file
+    again = options()
+    assert choices.choose(KIND, "shape-a", again, "direct") == got
+    assert again[got].calls == 1 and sum(o.calls for o in again.values()) == 1
+
+
+def test_the_default_runs_untimed_where_tuning_is_off(fresh, monkeypatch):
+    for env in ({choices.ENV: "0"}, {"MINIGRAPH_NATIVE": "0"}):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            opts = options()
+            assert choices.choose(KIND, "shape-b", opts, "im2col") == "im2col"
+            assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
+    assert not list(fresh.glob("choices-*"))
+
+
+def test_forcing_runs_the_named_option(fresh):
+    opts = options()
+    with choices.forcing({KIND: "im2col"}):
+        assert choices.choose(KIND, "shape-c", opts, "direct") == "im2col"
+    assert opts["direct"].calls == 0 and not list(fresh.glob("choices-*"))
+
+
+def test_another_cpu_has_a_file_of_its_own(fresh, monkeypatch):
+    choices.choose(KIND, "shape-d", options(), "direct")
+    mine = choices.path()
+    monkeypatch.setattr(native, "cpu_identity", lambda: "another CPU\nflags: avx2")
+    choices.forget()
+    opts = options()
+    choices.choose(KIND, "shape-d", opts, "direct")
+    assert all(o.calls > 1 for o in opts.values())          # timed again there
+    assert choices.path() != mine and mine.exists()
+    assert json.loads(choices.path().read_text())["cpu"] == "another CPU\nflags: avx2"
+
+
+def write_then_choose(path, data):
+    """Put `data` (bytes) at `path` as the machine's file, then choose once in a fresh
+    process state; the options (to see whether they were timed)."""
+    path.write_bytes(data)
+    choices.forget()
+    opts = options()
+    choices.choose(KIND, "shape-e", opts, "direct")
+    return opts
+
+
+def valid(pick="im2col", cpu=None):
+    return json.dumps({"format": choices.FORMAT, "cpu": cpu or native.cpu_identity(),
+                       "choices": {f"{KIND}|shape-e": {"pick": pick}}}).encode()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "pickle", "not an object",
+                                    "wrong format", "foreign cpu", "unknown option",
+                                    "option of another kind", "wrong types", "too large"])
+def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(fresh, damage):
+    choices.choose(KIND, "warm", options(), "direct")        # makes the file and its path
+    path = choices.path()
+    data = {"garbage": b"\x00\xff not json",
+            "truncated": valid()[:40],
+            "empty": b"",
+            "pickle": pickle.dumps({"choices": {f"{KIND}|shape-e": {"pick": "im2col"}}}),
+            "not an object": b"[1, 2, 3]",
+            "wrong format": valid().replace(b'"format": 1', b'"format": 99'),
+            "foreign cpu": valid(cpu="some other machine"),
+            "unknown option": valid(pick="os.system"),
+            "option of another kind": valid(pick="winograd"),   # conv2d_dw has none
+            "wrong types": json.dumps({"format": 1, "cpu": native.cpu_identity(),
+                                       "choices": {f"{KIND}|shape-e": ["im2col"]}}).encode(),
+            "too large": valid() + b" " * choices.MAX_FILE_BYTES}[damage]
+    opts = write_then_choose(path, data)
+    assert all(o.calls > 1 for o in opts.values())           # measured anew
+    doc = json.loads(path.read_text())                       # and the file rewritten whole
+    assert doc["cpu"] == native.cpu_identity()
+    assert doc["choices"][f"{KIND}|shape-e"]["pick"] in ("direct", "im2col")
+
+
+def test_a_valid_file_is_honoured(fresh):
+    choices.choose(KIND, "warm", options(), "direct")
+    opts = write_then_choose(choices.path(), valid(pick="im2col"))
+    assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
+
+
+@pytest.mark.parametrize("how", ["symlink", "writable by others"])
+def test_an_untrusted_file_is_not_read(fresh, how, tmp_path):
+    choices.choose(KIND, "warm", options(), "direct")
+    path = choices.path()
+    if how == "symlink":
+        target = tmp_path / "elsewhere.json"
+        target.write_bytes(valid(pick="im2col"))
+        path.unlink()
+        path.symlink_to(target)
+    else:
+        path.write_bytes(valid(pick="im2col"))
+        os.chmod(path, 0o666)
+    choices.forget()
+    opts = options()
+    choices.choose(KIND, "shape-e", opts, "direct")
+    assert all(o.calls > 1 for o in opts.values())
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(fresh, monkeypatch):
+    choices.choose(KIND, "shape-f", options(), "direct")
+    path = choices.path()
+    before = path.read_bytes()
+
+    def failing(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing)
+    choices.choose(KIND, "shape-g", options(), "direct")    # chosen, kept in memory
+    assert path.read_bytes() == before
+    assert [p.name for p in fresh.iterdir() if p.name.startswith(".")] == []
+    assert f"{KIND}|shape-g" in choices.chosen()
+
+
+def test_an_unsafe_cache_directory_keeps_choices_in_memory(fresh):
+    fresh.mkdir(parents=True)
+    os.chmod(fresh, 0o777)
+    try:
+        assert choices.choose(KIND, "shape-h", options(), "direct") in ("direct", "im2col")
+        assert choices.path() is None and not list(fresh.glob("choices-*"))
+    finally:
+        os.chmod(fresh, 0o700)
+
+
+# ---- every option computes the same result -----------------------------------------
+
+def close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("name", ["native", "blas"])
+def test_fused_fc_gives_the_reference_whichever_option_runs(name, fresh):
+    import minigraph as mg
+    from minigraph.kernels.cpu import mul
+
+    if fc_native._lib() is None:
+        pytest.skip("no native kernels here")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 300)).astype(np.float32)
+    w = rng.standard_normal((300, 1000)).astype(np.float32)
+    b = rng.standard_normal(1000).astype(np.float32)
+    op = type("Op", (), {"attrs": {"x_num_col_dims": 1, "activation": "relu"}})()
+    with choices.forcing({"fc": name}), mg.kernels.cpu.blocks.num_threads(2):
+        got = mul.fused_fc_cpu(op, {"x": x, "y": w, "bias": b}, None)["out"]
+    close(got, np.maximum(x.astype(np.float64) @ w + b, 0))
+
+
+CONVS = [((16, 16, 14, 14), (32, 16, 3, 3), (1, 1), (1, 1)),   # Winograd, direct, im2col
+         ((3, 8, 9, 9), (12, 8, 3, 3), (2, 2), (1, 1)),        # strided: direct, im2col
+         ((2, 1, 28, 28), (32, 1, 3, 3), (1, 1), (1, 1))]      # one channel
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("x_shape, w_shape, strides, paddings", CONVS)
+def test_every_conv_option_gives_the_reference(x_shape, w_shape, strides, paddings, layout,
+                                               fresh, monkeypatch):
+    """conv2d, its two gradients and fused_conv2d on each option the conv has (Winograd
+    only where it takes the shape), against the float64 reference."""
+    from minigraph.kernels.cpu import conv2d as kernels
+
+    needs_native()
+    monkeypatch.setattr(kernels, "MIN_CHOICE_WORK", 0)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) * 0.3).astype(np.float32)
+    attrs = {"strides": strides, "paddings": paddings, "dilations": (1, 1), "groups": 1,
+             "data_layout": layout, "activation": "relu"}
+    want = conv_reference(x.astype(np.float64), w.astype(np.float64), strides=strides,
+                          paddings=paddings, dilations=(1, 1))
+    d = rng.standard_normal(want.shape).astype(np.float32)
+    wants = {"dx", "dfilter"}
+    op = type("Op", (), {"attrs": attrs, "wants": lambda self, slot: slot in wants})()
+    to = (lambda a: a.transpose(0, 2, 3, 1).copy()) if layout == "NHWC" else (lambda a: a)
+    back = (lambda a: a.transpose(0, 3, 1, 2)) if layout == "NHWC" else (lambda a: a)
+    dx_want, dw_want = conv_grad_reference(x.astype(np.float64), w.astype(np.float64),
+                                           d.astype(np.float64), strides=strides,
+                                           paddings=paddings)
+    g = conv_im2col.geometry(x_shape, w_shape, strides, paddings, (1, 1), 1)
+    names = ["direct", "im2col"] + (["winograd"] if conv_native.forward_winograd(g, 2) else [])
+    assert names[-1] == "winograd" or strides != (1, 1) or x_shape[1] < 8
+    for name in names:
+        forced = {"conv2d": name, "conv2d_dx": name, "conv2d_dw": name, "fused_conv2d": name}
+        with choices.forcing(forced):
+            out = kernels.conv2d_cpu(op, {"x": to(x), "filter": w}, Ctx())["out"]
+            fused = kernels.fused_conv2d_cpu(op, {"x": to(x), "filter": w}, Ctx())["out"]
+            grads = kernels.conv2d_grad_cpu(op, {"x": to(x), "filter": w, "dout": to(d)}, Ctx())
+        close(back(out), want)
+        close(back(fused), np.maximum(want, 0))
+        close(grads["dfilter"], dw_want)
+        close(back(grads["dx"]), dx_want)
+
+
+class Ctx:
+    room = None
