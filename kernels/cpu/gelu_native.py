@@ -1,6 +1,6 @@
 """Launcher of the native CPU gelu and its gradient for float32 (gelu_native.c, built
 by native.py): x Phi(x) and dout (Phi(x) + x phi(x)), Phi from an erfc of fractional
-error 1.2e-7 in float on 8 lanes at a time, within a few float32 ulps of the float64
+error 1.2e-7 in float on 16 lanes at a time, within a few float32 ulps of the float64
 numpy kernels
 (kernels/cpu/activation.py, the reference they are tested against; float64 stays
 there).
