@@ -22,7 +22,9 @@ Checks: while the signature of what the plan reads from outside (feeds,
 persistables) is new, each op's inputs go through its schema's inference and
 its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
-follows from it. This is the only check cache.
+follows from it. This is the only check cache. Such a run outside training (an
+inference plan run again with the same shapes: a generated token's pass) goes
+through one tight loop of kernel calls, with no journal, meter or checks.
 
 A step whose ops make collectives (OpSchema.collectives) announces them to the
 communicator first (Communicator.begin_step): the order check verifies them in one
