@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PATH = REPO / "docs" / "performance.md"
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
+LOAD_AT_START = os.getloadavg()[0]     # before the script's own work
 
 
 def markers(name):
@@ -166,11 +167,15 @@ def commit(repo=REPO):
 
 
 def machine_line(extra=""):
-    """'Measured DATE on MACHINE (commit C). EXTRA': the first line of a section."""
+    """'Measured DATE on MACHINE (commit C). EXTRA': the first line of a section,
+    with the load average when the script began where EXTRA does not give one
+    (other work on the machine shows in the absolute times, less in the ratios)."""
     rev = commit()
     line = (f"Measured {datetime.date.today().isoformat()} on {machine()}"
             + (f" (commit {rev})" if rev else "") + ".")
-    return line + (f" {extra}" if extra else "")
+    if "load average" not in extra:
+        extra = (extra + " " if extra else "") + f"Load average at the start: {LOAD_AT_START:.2f}."
+    return line + " " + extra
 
 
 def markdown_table(header, rows):
