@@ -280,7 +280,18 @@ class _SignalOnCopy:
         return self.real.copyto(*args, **kwargs)
 
 
-def test_a_second_interrupt_during_rollback_cannot_split_it(monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt during the test, as in a terminal, whatever the
+    test runner inherited (a job started in the background ignores SIGINT)."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_a_second_interrupt_during_rollback_cannot_split_it(monkeypatch, ctrl_c_raises):
     """Ctrl-C in the last update op, then Ctrl-C again (three times) while the step
     rolls back: train raises KeyboardInterrupt and every persistable is as before the
     step (the `except KeyboardInterrupt: save()` pattern saves a whole state)."""
@@ -288,7 +299,6 @@ def test_a_second_interrupt_during_rollback_cannot_split_it(monkeypatch):
 
     from minigraph import journal
 
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     net, _ = wide_net()
     net.train(feed=wide_feed())
     ops = net.section("update")
@@ -315,7 +325,7 @@ def test_a_second_interrupt_during_rollback_cannot_split_it(monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_deferred_signals_are_delivered_after_the_block():
+def test_deferred_signals_are_delivered_after_the_block(ctrl_c_raises):
     import signal
 
     from minigraph.journal import deferred_signals
