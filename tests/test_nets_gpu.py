@@ -106,12 +106,15 @@ def test_the_minigraph_worker_runs_its_cases_on_the_fake_driver():
 def test_the_minigraph_worker_runs_the_gpt_on_the_fake_driver():
     from kernel_emulator import fake_pycuda
 
-    args = ng.parse_args(["--quick", "--cases", "gpt:2"])
+    args = ng.parse_args(["--quick", "--cases", "gpt:2", "--profile-case", "gpt:2"])
     with fake_pycuda.FakeCuda(devices=1, run_kernels=False).install():
         got = ng.mg_worker(args)
+        profile = ng.profile_worker(args)
     assert set(got) == {"gpt:2:0", "gpt:2:1"}
     for result in got.values():
         assert result["train"] > 0 and result["infer"] > 0 and result["peak_mib"] > 0
+    assert profile["step_ms"] > 0 and len(profile["ops"]) == ng.TOP
+    assert any("scaled_dot_product_attention" in name for name, _, _ in profile["ops"])
 
 
 def test_the_gpt_case_feeds_both_sides_the_same_batch_and_weights():
