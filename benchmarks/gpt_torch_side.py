@@ -12,7 +12,8 @@ from timing import median_ms
 
 def torch_gpt(torch, weights, cfg, vocab, dtype):
     """An nn.Module computing train_gpt.build_gpt's net, its parameters set from the
-    minigraph parameter values `weights` ({name: array}; a linear's w is (in, out))."""
+    minigraph parameter values `weights` ({name: array}; a linear's w is (in, out)):
+    model(tokens, targets) is the loss, model.logits(tokens) the logits (N, T, vocab)."""
     import torch.nn.functional as F
     from torch import nn
 
@@ -61,11 +62,14 @@ def torch_gpt(torch, weights, cfg, vocab, dtype):
             self.blocks = nn.ModuleList(Block(i) for i in range(cfg.layers))
             self.ln_f = Norm("ln_f")
 
-        def forward(self, tokens, targets):
+        def logits(self, tokens):
             h = F.embedding(tokens, self.wte) + self.wpe[:tokens.shape[1]]
             for block in self.blocks:
                 h = block(h)
-            logits = self.ln_f(h) @ self.wte.T
+            return self.ln_f(h) @ self.wte.T
+
+        def forward(self, tokens, targets):
+            logits = self.logits(tokens)
             return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
 
     return GPT()

@@ -18,9 +18,10 @@ Steps, in order:
              out-of-thread event clean-up under the NCCL sync-BN script);
   demo       `minigraph demo` on the GPU against the CPU;
   bench      benchmarks/bn_gpu.py, benchmarks/sync_bn_gpu.py;
-  nets       benchmarks/nets_gpu.py: whole nets, train and infer, against PyTorch eager on
-             the same GPU (TF32 off, then on), peak device memory, the costliest ops of a
-             ResNet step; its tables go into RESULTS.md as markdown (and into
+  nets       benchmarks/nets_gpu.py: whole nets (nets_cpu's and the GPT of
+             examples/train_gpt.py), train and infer, against PyTorch eager on the same
+             GPU (TF32 off, then on), peak device memory, the costliest ops of a ResNet
+             step; its tables go into RESULTS.md as markdown (and into
              docs/performance.md).
 gpu_steps() lists the exact commands.
 

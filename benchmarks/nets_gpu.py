@@ -4,8 +4,10 @@
                                   [--budget-s 240] [--quick] [--no-write]
 
 The nets of benchmarks/nets_cpu.py (the same architectures, optimizers and seeded
-batches) at nets_cpu's batches - digits 64, resnet 32, mnist 64, mlp 128 - and the
-ResNet at 128 and the wide MLP at 1024. For each: a training step (forward, backward,
+batches) at nets_cpu's batches - digits 64, resnet 32, mnist 64, mlp 128 - the
+ResNet at 128 and the wide MLP at 1024, and the GPT of examples/train_gpt.py at its
+default config and batch (gpt 32: 32 windows of 128 characters; the case and its
+PyTorch twin are in nets_gpu_gpt.py). For each: a training step (forward, backward,
 update; the batch copied from the host and the loss fetched to the host, as
 minigraph's net.train does: PyTorch gets `x.cuda()`, `y.cuda()` and `loss.item()`)
 and an inference batch (minigraph: mg.passes.optimize_for_inference's net; PyTorch:
@@ -44,8 +46,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import nets_gpu_gpt as gpt  # noqa: E402  (a module beside this one)
+
 CASES = (("digits", 64), ("resnet", 32), ("mnist", 64), ("mlp", 128), ("resnet", 128),
-         ("mlp", 1024))
+         ("mlp", 1024), (gpt.NAME, gpt.BATCH))
 STEPS = ("train", "infer")
 HEADER = ("net", "batch", "step", "minigraph ms", "PyTorch ms", "ratio")
 MEMORY_HEADER = ("net", "batch", "minigraph MiB", "PyTorch MiB", "ratio")
@@ -57,13 +61,15 @@ def case_name(case):
 
 
 def parse_case(text):
-    """("resnet", 128) of "resnet:128"; ValueError for a net nets_cpu does not have."""
+    """("resnet", 128) of "resnet:128"; ValueError for a net that is neither one of
+    nets_cpu's nor the GPT."""
     from nets_models import NETS
 
+    names = sorted((*NETS, gpt.NAME))
     name, _, n = text.partition(":")
-    if name not in NETS or not n.isdigit() or int(n) <= 0:
+    if name not in names or not n.isdigit() or int(n) <= 0:
         raise argparse.ArgumentTypeError(f"a case is NET:BATCH with NET one of "
-                                         f"{', '.join(sorted(NETS))}, got {text!r}")
+                                         f"{', '.join(names)}, got {text!r}")
     return name, int(n)
 
 
@@ -144,6 +150,8 @@ def mg_case(place, tracker, name, n, tf32, args):
     import minigraph as mg
 
     mg.set_tf32(tf32)
+    if name == gpt.NAME:
+        return gpt.mg_case(place, tracker, n, args, timed)
     net, _, logits, loss = mg_net(name, place=place)
     x, y = batch(name, n=n)
     feed = {"image": x, "label": y}
@@ -190,6 +198,8 @@ def torch_case(name, n, tf32, args):
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.benchmark = True
+    if name == gpt.NAME:
+        return gpt.torch_case(n, args, timed)
     dev = torch.device("cuda")
     model = torch_model(name).to(dev)
     xh, yh = (torch.from_numpy(a) for a in batch(name, n=n))
@@ -237,9 +247,13 @@ def profile_worker(args):
     import minigraph as mg
 
     name, n = args.profile_case
-    net, _, _, _ = mg_net(name, place=mg.GPUPlace(0))
-    x, y = batch(name, n=n)
-    table = net.profile({"image": x, "label": y}, steps=2, mode="train", warmup=2)
+    if name == gpt.NAME:
+        net, feed = gpt.mg_profile_feed(n, mg.GPUPlace(0))
+    else:
+        net, _, _, _ = mg_net(name, place=mg.GPUPlace(0))
+        x, y = batch(name, n=n)
+        feed = {"image": x, "label": y}
+    table = net.profile(feed, steps=2, mode="train", warmup=2)
     rows = sorted(table.by_op, key=lambda r: -r.ms)[:TOP]
     return {"step_ms": table.step_median_ms, "timed_step_ms": table.timed_step_ms,
             "ops": [[r.name, r.ms, r.share] for r in rows]}

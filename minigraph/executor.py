@@ -22,7 +22,9 @@ Checks: while the signature of what the plan reads from outside (feeds,
 persistables) is new, each op's inputs go through its schema's inference and
 its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
-follows from it. This is the only check cache.
+follows from it. This is the only check cache. Such a run outside training (an
+inference plan run again with the same shapes: a generated token's pass) goes
+through one tight loop of kernel calls, with no journal, meter or checks.
 
 A step whose ops make collectives (OpSchema.collectives) announces them to the
 communicator first (Communicator.begin_step): the order check verifies them in one
@@ -175,6 +177,9 @@ def _run_steps(c, kind, check, journal=None, meter=None):
     """Run the compiled steps: with a journal (training), save persistables first,
     hand over the inputs kernels may write into, and release temporaries."""
     contexts = c.roomy if c.roomy is not None and not check else itertools.repeat(c.plain)
+    if journal is None and meter is None and not check:
+        _run_checked_steps(c, contexts)
+        return
     for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
         if journal is not None:
             if step.writes:
@@ -200,6 +205,31 @@ def _run_steps(c, kind, check, journal=None, meter=None):
             for var in step.thins:
                 if var.value is not None:
                     var.value = _stand_in(var.value)
+
+
+def _run_checked_steps(c, contexts):
+    """_run_steps without a journal, a meter or checks (a run whose signature has run
+    before, outside training: inference run again and again): each step's kernel on
+    its inputs, its outputs stored, with nothing else in between."""
+    for step, fn, ctx in zip(c.steps, c.kernels, contexts):
+        op = step.op
+        ins = {}
+        for slot, var, how in step.inputs:
+            if how == ONE:
+                value = var.value
+                ins[slot] = value if value is not None else _value_of(op, slot, var)
+            elif how == LIST:
+                ins[slot] = [_value_of(op, slot, v) for v in var]
+            else:
+                ins[slot] = None
+        outs = fn(op, ins, ctx)
+        for slot, var, how in step.outputs:
+            if slot in outs:
+                if how == ONE:
+                    var.value = outs[slot]
+                else:
+                    for v, x in zip(var, outs[slot]):
+                        v.value = x
 
 
 def _run_op(step, fn, ctx, kind):

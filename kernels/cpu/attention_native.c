@@ -327,7 +327,7 @@ static void forward_unit_##S(att_t *a, T *kt, T *vp, T *s, T *o, T *z, int64_t u
     const T *q = (const T *)a->q + n * st[S_Q] + h * st[S_Q + 1] + i0 * st[S_Q + 2];      \
     T m[ATT_BR], l[ATT_BR];                                                               \
     for (int64_t r = 0; r < rows; r++) { m[r] = (T)-INFINITY; l[r] = 0; }                 \
-    memset(o, 0, sizeof(T) * ATT_BR * a->dvp);                                            \
+    memset(o, 0, sizeof(T) * rows * a->dvp);                                              \
     const int64_t seen = keys_seen_##S(a, i0, rows);                                      \
     for (int64_t j0 = 0; j0 < seen; j0 += ATT_BC) {                                       \
         const int64_t kc = a->tk - j0 < ATT_BC ? a->tk - j0 : ATT_BC;                     \
@@ -384,12 +384,14 @@ static void *forward_job_##S(void *arg)                                         
 {                                                                                         \
     att_job_t *job = arg;                                                                 \
     att_t *a = job->a;                                                                    \
-    T *kt = aligned_zeros(sizeof(T) * a->dp * ATT_BC);                                    \
-    T *vp = aligned_zeros(sizeof(T) * a->dvp * ATT_BC);                                   \
-    T *s = aligned_zeros(sizeof(T) * ATT_BR * ATT_BC);                                    \
-    T *o = aligned_zeros(sizeof(T) * ATT_BR * a->dvp);                                    \
+    /* a pass of single query rows (a cached token) packs nothing: no kt, vp */          \
+    const int64_t br = a->tq < ATT_BR ? a->tq : ATT_BR, packs = br > 1;                   \
+    T *kt = packs ? aligned_zeros(sizeof(T) * a->dp * ATT_BC) : NULL;                     \
+    T *vp = packs ? aligned_zeros(sizeof(T) * a->dvp * ATT_BC) : NULL;                    \
+    T *s = aligned_zeros(sizeof(T) * br * ATT_BC);                                        \
+    T *o = aligned_zeros(sizeof(T) * br * a->dvp);                                        \
     T *z = aligned_zeros(sizeof(T) * ATT_BC);                                             \
-    if (!kt || !vp || !s || !o || !z) {                                                   \
+    if ((packs && (!kt || !vp)) || !s || !o || !z) {                                      \
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);                                \
     } else {                                                                              \
         for (;;) {                                                                        \

@@ -37,14 +37,28 @@ def _ptr(a):
     """The address of `a`'s first value (0 for None)."""
     if a is None:
         return 0
-    return native.address(a) if a.flags.c_contiguous else a.ctypes.data
+    if a.flags.c_contiguous and a.size:
+        try:
+            return _address(_char(a))
+        except TypeError:                   # read-only
+            pass
+    return a.ctypes.data
+
+
+_char, _address = ctypes.c_char.from_buffer, ctypes.addressof
+
+
+def _seed_arg(seed64):
+    """A 64-bit seed as the int64 the kernel reads (past 2**63 it wraps)."""
+    seed = int(seed64) & 0xFFFFFFFFFFFFFFFF
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def _call(symbol, ints, reals):
-    """Call `symbol` with its packed arguments; a seed past 2**63 wraps to int64."""
-    ints = np.array([i - (1 << 64) if i >= 1 << 63 else i for i in ints], np.int64)
+    """Call `symbol` with its packed arguments (ints: each within int64)."""
+    ints = np.array(ints, np.int64)
     reals = np.array(reals, np.float64)
-    return _load(symbol)(native.address(ints), native.address(reals))
+    return _load(symbol)(_address(_char(ints)), _address(_char(reals)))
 
 
 def available():
@@ -55,14 +69,16 @@ def available():
 def _rows(a):
     """`a` (4-D) with a contiguous last axis and strides in whole items (a copy if not)."""
     item = a.dtype.itemsize
-    if a.shape[3] > 1 and a.strides[3] != item or any(s % item for s in a.strides):
+    s0, s1, s2, s3 = a.strides
+    if a.shape[3] > 1 and s3 != item or s0 % item or s1 % item or s2 % item or s3 % item:
         a = np.ascontiguousarray(a)
     return a
 
 
 def _strides(a):
     item = a.dtype.itemsize
-    return [s // item for s in a.strides[:3]]
+    s0, s1, s2 = a.strides[:3]
+    return [s0 // item, s1 // item, s2 // item]
 
 
 def _mask_args(m4, shape4, dtype):
@@ -119,7 +135,7 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     failed = _call("attention_forward_packed", [
         int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind,
         _ptr(out), _ptr(lse), int(offset is not None), int(offset or 0),
-        int(seed64) & 0xFFFFFFFFFFFFFFFF, STREAM, _threads(units, n * h * tq * tk),
+        _seed_arg(seed64), STREAM, _threads(units, n * h * tq * tk),
         n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
         *[0] * 12, *mstrides], [float(scale), float(p)])
     if failed:
@@ -157,7 +173,7 @@ def backward(q4, k4, v4, m4, o4, lse, do4, offset, scale, dropout, heads, wants)
         int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(o4),
         _ptr(lse), _ptr(do4), *(_ptr(made[name]) if name in made else 0
                                 for name in ("dq", "dk", "dv")),
-        _ptr(ds), int(offset is not None), int(offset or 0), int(seed64) & 0xFFFFFFFFFFFFFFFF,
+        _ptr(ds), int(offset is not None), int(offset or 0), _seed_arg(seed64),
         STREAM, _threads(n * h * -(-tk // 64), n * h * tq * tk), n, h, tq, tk, d, dv,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(do4), *grads,
         *mstrides], [float(scale), float(p)])

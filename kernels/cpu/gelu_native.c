@@ -1,7 +1,7 @@
 /* Native CPU kernels of gelu and its gradient for float32 (the float64 ones stay in
  * numpy, kernels/cpu/activation.py, which is also the reference these are tested
  * against): out = x Phi(x), dx = dout (Phi(x) + x phi(x)), Phi the standard normal's
- * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on 8 lanes at a time
+ * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on 16 lanes at a time
  * (vector_math.h: erfc to a fractional error of 1.2e-7, the left tail included). Built and loaded by native.py, launched by
  * gelu_native.py. Values are split in contiguous ranges over up to `threads` threads
  * (native_pool.h); each is computed one way, so results do not depend on the count. */
@@ -18,28 +18,28 @@ typedef struct {
     int64_t begin, end;
 } job_t;
 
-static inline vf gelu_v(vf x, vf d, int grad)
+static inline vf16 gelu_v(vf16 x, vf16 d, int grad)
 {
-    if (!grad) return x * normal_cdf_vf(x, NULL);
-    vf density;
-    const vf cdf = normal_cdf_vf(x, &density);
+    if (!grad) return x * normal_cdf_vf16(x, NULL);
+    vf16 density;
+    const vf16 cdf = normal_cdf_vf16(x, &density);
     return d * (cdf + x * density);
 }
 
 static void run(const job_t *j, int grad)
 {
-    const vf zero = {0};
+    const vf16 zero = {0};
     int64_t i = j->begin;
-    for (; i + 8 <= j->end; i += 8) {
-        const vf d = grad ? *(const vfu *)(j->dout + i) : zero;
-        *(vfu *)(j->out + i) = gelu_v(*(const vfu *)(j->x + i), d, grad);
+    for (; i + 16 <= j->end; i += 16) {
+        const vf16 d = grad ? *(const vf16u *)(j->dout + i) : zero;
+        *(vf16u *)(j->out + i) = gelu_v(*(const vf16u *)(j->x + i), d, grad);
     }
     if (i < j->end) {                              /* the last few, through a vector */
-        float x[8] = {0}, d[8] = {0}, out[8];
+        float x[16] = {0}, d[16] = {0}, out[16];
         const int64_t rest = j->end - i;
         memcpy(x, j->x + i, sizeof(float) * rest);
         if (grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vfu *)out = gelu_v(*(const vfu *)x, *(const vfu *)d, grad);
+        *(vf16u *)out = gelu_v(*(const vf16u *)x, *(const vf16u *)d, grad);
         memcpy(j->out + i, out, sizeof(float) * rest);
     }
 }
@@ -51,14 +51,14 @@ static void launch(const float *x, const float *dout, float *out, int64_t n, int
                    int grad)
 {
     job_t jobs[POOL_MAX_THREADS];
-    const int64_t blocks8 = (n + 7) / 8;
-    const int64_t parts = pool_parts(threads, blocks8);
+    const int64_t blocks16 = (n + 15) / 16;
+    const int64_t parts = pool_parts(threads, blocks16);
     for (int64_t t = 0; t < parts; t++) {
         int64_t b0, b1;
-        pool_share(blocks8, parts, t, &b0, &b1);
+        pool_share(blocks16, parts, t, &b0, &b1);
         jobs[t].x = x; jobs[t].dout = dout; jobs[t].out = out;
-        jobs[t].begin = b0 * 8 < n ? b0 * 8 : n;
-        jobs[t].end = b1 * 8 < n ? b1 * 8 : n;
+        jobs[t].begin = b0 * 16 < n ? b0 * 16 : n;
+        jobs[t].end = b1 * 16 < n ? b1 * 16 : n;
     }
     pool_run(grad ? run_backward : run_forward, jobs, sizeof(job_t), parts);
 }

@@ -23,6 +23,10 @@ def mul_cpu(op, ins, ctx):
     """out = flatten(x) @ y, reshaped to x.shape[:n] + (M,)."""
     x, y = ins["x"], ins["y"]
     n = op.attrs["x_num_col_dims"]
+    if n == x.ndim - 1:                         # a product on the last axis (linear's)
+        shape, k = x.shape, x.shape[-1]
+        rows = x.size // k if k else math.prod(shape[:n])
+        return {"out": (x.reshape(rows, k) @ y).reshape(shape[:n] + (y.shape[1],))}
     return {"out": (as_matrix(x, n) @ y).reshape(x.shape[:n] + (y.shape[1],))}
 
 
