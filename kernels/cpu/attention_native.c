@@ -13,13 +13,7 @@
  * lse = m + log(l); a row with no key left has out 0 and lse -inf. Only a block of
  * scores is ever held: memory grows with T, not T^2.
  *
- * Backward (FlashAttention-2's): a unit is one head and a range of key blocks; for
- * each key block its dK and dV are summed over the query blocks, with the
- * probabilities recomputed from the saved lse: P = exp(S - lse), dV += P'^T dO,
- * dP = (dO v^T) Z, dS = P (dP - D) with D = rowsum(dO * O), dQ += scale dS k,
- * dK += scale dS^T q (P' = P Z, Z the dropout's factors). With fewer heads than
- * threads a unit is one key block and each thread sums its dQ in a buffer of its
- * own, added up at the end; otherwise a unit is a whole head.
+ * Backward: attention_backward.h. Dropout's Philox words: attention_philox.h.
  *
  * Every product is one routine (mm below): rows of C += A (scalars, any strides)
  * times rows of a packed B, four rows by two vectors at a time. Dropout: pair f =
@@ -34,6 +28,8 @@
 
 #include "native_pool.h"
 #include "vector_math.h"
+#include "attention_philox.h"
+#include "attention_backward.h"
 
 #define ATT_BR 64                /* query rows per block */
 #define ATT_BC 64                /* keys per block */
@@ -80,52 +76,6 @@ static void *aligned_zeros(size_t bytes)
     if (p == NULL) return NULL;
     memset(p, 0, bytes);
     return p;
-}
-
-#define PHX_LANES 8              /* Philox calls computed side by side */
-
-typedef uint64_t vu64 __attribute__((vector_size(32)));
-
-/* The words of Philox4x32-10 calls call0 .. call0 + PHX_LANES - 1 (counter (call low,
- * call high, stream, 0), key (k0, k1)), in order: w[4 l + k] is word k of call0 + l. The
- * calls run side by side in 64-bit lanes holding 32-bit words, so each round's products
- * are vector multiplies. */
-static void philox_lanes(uint64_t call0, uint32_t stream, uint32_t k0, uint32_t k1,
-                         uint32_t *w)
-{
-    const vu64 zero = {0};
-    const vu64 low = zero + 0xFFFFFFFFu, m0 = zero + 0xD2511F53u, m1 = zero + 0xCD9E8D57u;
-    vu64 c0[2], c1[2], c2[2], c3[2];
-    for (int h = 0; h < 2; h++) {
-        for (int l = 0; l < 4; l++) {
-            const uint64_t call = call0 + (uint64_t)(4 * h + l);
-            c0[h][l] = call & 0xFFFFFFFFu;
-            c1[h][l] = call >> 32;
-        }
-        c2[h] = zero + stream;
-        c3[h] = zero;
-    }
-    vu64 key0 = zero + k0, key1 = zero + k1;
-    for (int r = 0; r < 10; r++) {
-        for (int h = 0; h < 2; h++) {
-            const vu64 p0 = c0[h] * m0, p1 = c2[h] * m1;
-            const vu64 n0 = (p1 >> 32) ^ c1[h] ^ key0, n2 = (p0 >> 32) ^ c3[h] ^ key1;
-            c1[h] = p1 & low;
-            c3[h] = p0 & low;
-            c0[h] = n0;
-            c2[h] = n2;
-        }
-        key0 = (key0 + 0x9E3779B9u) & low;
-        key1 = (key1 + 0xBB67AE85u) & low;
-    }
-    for (int h = 0; h < 2; h++)
-        for (int l = 0; l < 4; l++) {
-            uint32_t *out = w + 4 * (4 * h + l);
-            out[0] = (uint32_t)c0[h][l];
-            out[1] = (uint32_t)c1[h][l];
-            out[2] = (uint32_t)c2[h][l];
-            out[3] = (uint32_t)c3[h][l];
-        }
 }
 
 /* The keys a query row i sees of the block j0 .. j0 + kc: those before the returned
@@ -402,150 +352,6 @@ static void *forward_job_##S(void *arg)                                         
     }                                                                                     \
     free(kt); free(vp); free(s); free(o); free(z);                                        \
     return NULL;                                                                          \
-}                                                                                         \
-                                                                                          \
-/* Head hh's q and dO rows packed (qp, dop) and D = rowsum(dO * O) (big_d). */            \
-static void pack_rows_##S(const att_t *a, T **buf, int64_t hh)                            \
-{                                                                                         \
-    const int64_t *st = a->st;                                                            \
-    const int64_t n = hh / a->h, h = hh % a->h, dp = a->dp, dvp = a->dvp;                 \
-    T *qp = buf[7], *dop = buf[8], *big_d = buf[9];                                       \
-    const T *q = (const T *)a->q + n * st[S_Q] + h * st[S_Q + 1];                         \
-    const T *o = (const T *)a->o + n * st[S_O] + h * st[S_O + 1];                         \
-    const T *dout = (const T *)a->dout + n * st[S_DO] + h * st[S_DO + 1];                 \
-    for (int64_t i = 0; i < a->tq; i++) {                                                 \
-        const T *qr = q + i * st[S_Q + 2], *orow = o + i * st[S_O + 2];                   \
-        const T *dr = dout + i * st[S_DO + 2];                                            \
-        memcpy(qp + i * dp, qr, sizeof(T) * a->hd);                                       \
-        memset(qp + i * dp + a->hd, 0, sizeof(T) * (dp - a->hd));                         \
-        memcpy(dop + i * dvp, dr, sizeof(T) * a->vd);                                     \
-        memset(dop + i * dvp + a->vd, 0, sizeof(T) * (dvp - a->vd));                      \
-        T sum = 0;                                                                        \
-        for (int64_t c = 0; c < a->vd; c++) sum += dr[c] * orow[c];                       \
-        big_d[i] = sum;                                                                   \
-    }                                                                                     \
-}                                                                                         \
-                                                                                          \
-/* Backward of head hh over key blocks kb0 .. kb1 (its rows packed by pack_rows);       \
- * dq_acc (tq x dp) gets scale dS k. */                                                   \
-static void backward_unit_##S(att_t *a, T **buf, T *z, int64_t hh, int64_t kb0,           \
-                              int64_t kb1, T *dq_acc)                                     \
-{                                                                                         \
-    const int64_t *st = a->st;                                                            \
-    const int64_t n = hh / a->h, h = hh % a->h, dp = a->dp, dvp = a->dvp;                 \
-    T *kt = buf[0], *kp = buf[1], *vt = buf[2], *s = buf[3], *dpm = buf[4];               \
-    T *dk_acc = buf[5], *dv_acc = buf[6], *qp = buf[7], *dop = buf[8], *big_d = buf[9];   \
-    const T *lse = (const T *)a->lse_in + hh * a->tq;                                     \
-    const T scale = (T)a->scale;                                                          \
-    for (int64_t kb = kb0; kb < kb1; kb++) {                                              \
-        const int64_t j0 = kb * ATT_BC, kc = a->tk - j0 < ATT_BC ? a->tk - j0 : ATT_BC;   \
-        pack_keys_##S(a, n, h, j0, kc, kt, kp, vt, NULL);                                 \
-        memset(dk_acc, 0, sizeof(T) * ATT_BC * dp);                                       \
-        memset(dv_acc, 0, sizeof(T) * ATT_BC * dvp);                                      \
-        int64_t i_start = 0;                                                              \
-        if (a->causal) {                                                                  \
-            i_start = j0 - a->offset;                                                     \
-            i_start = i_start < 0 ? 0 : i_start / ATT_BR * ATT_BR;                        \
-        }                                                                                 \
-        for (int64_t i0 = i_start; i0 < a->tq; i0 += ATT_BR) {                            \
-            const int64_t rows = a->tq - i0 < ATT_BR ? a->tq - i0 : ATT_BR;               \
-            mm_##S(rows, a->hd, ATT_BC, qp + i0 * dp, dp, 1, kt, ATT_BC, s, ATT_BC, 0);    \
-            finish_scores_##S(a, n, h, i0, rows, j0, kc, s);                              \
-            mm_##S(rows, a->vd, ATT_BC, dop + i0 * dvp, dvp, 1, vt, ATT_BC, dpm, ATT_BC, 0); \
-            for (int64_t r = 0; r < rows; r++) {                                          \
-                T *prow = s + r * ATT_BC, *drow = dpm + r * ATT_BC;                       \
-                const T l = lse[i0 + r], dd = big_d[i0 + r];                              \
-                if (l == (T)-INFINITY) {                                                  \
-                    memset(prow, 0, sizeof(T) * ATT_BC);                                  \
-                    memset(drow, 0, sizeof(T) * ATT_BC);                                  \
-                    continue;                                                             \
-                }                                                                         \
-                exp_row_##S(prow, l);                                                     \
-                if (a->p > 0) {                    /* past `last`, P is 0 already */     \
-                    const int64_t last = row_keys(a, i0 + r, j0, kc);                     \
-                    keep_factors_##S(a, (uint64_t)((hh * a->tq + i0 + r) * a->tk + j0), last, \
-                                     z);                                                  \
-                    for (int64_t c = 0; c < last; c++) {                                  \
-                        const T zz = z[c], pp = prow[c];                                  \
-                        drow[c] = pp * (drow[c] * zz - dd);          /* dS */             \
-                        prow[c] = pp * zz;                           /* P' */             \
-                    }                                                                     \
-                    for (int64_t c = last; c < ATT_BC; c++) drow[c] = 0;                  \
-                } else {                                                                  \
-                    for (int64_t c = 0; c < ATT_BC; c++)                                  \
-                        drow[c] = prow[c] * (drow[c] - dd);                               \
-                }                                                                         \
-                for (int64_t c = kc; c < ATT_BC; c++) drow[c] = 0;                        \
-                if (a->ds) {                                                              \
-                    T *dst = (T *)a->ds + (hh * a->tq + i0 + r) * a->tk + j0;             \
-                    memcpy(dst, drow, sizeof(T) * kc);                                    \
-                }                                                                         \
-            }                                                                             \
-            if (a->dv) /* dV += P'^T dO */                                                \
-                mm_##S(kc, rows, dvp, s, 1, ATT_BC, dop + i0 * dvp, dvp, dv_acc, dvp, 1); \
-            if (a->dk) /* dK += dS^T q (scaled at the end) */                             \
-                mm_##S(kc, rows, dp, dpm, 1, ATT_BC, qp + i0 * dp, dp, dk_acc, dp, 1);    \
-            if (dq_acc) { /* dQ += scale dS k */                                          \
-                for (int64_t r = 0; r < rows; r++)                                        \
-                    for (int64_t c = 0; c < kc; c++) dpm[r * ATT_BC + c] *= scale;        \
-                mm_##S(rows, kc, dp, dpm, ATT_BC, 1, kp, dp, dq_acc + i0 * dp, dp, 1);    \
-            }                                                                             \
-        }                                                                                 \
-        if (a->dk) {                                                                      \
-            T *dk = (T *)a->dk + n * st[S_DK] + h * st[S_DK + 1] + j0 * st[S_DK + 2];     \
-            for (int64_t j = 0; j < kc; j++)                                              \
-                for (int64_t c = 0; c < a->hd; c++)                                        \
-                    dk[j * st[S_DK + 2] + c] = dk_acc[j * dp + c] * scale;                \
-        }                                                                                 \
-        if (a->dv) {                                                                      \
-            T *dv = (T *)a->dv + n * st[S_DV] + h * st[S_DV + 1] + j0 * st[S_DV + 2];     \
-            for (int64_t j = 0; j < kc; j++)                                              \
-                memcpy(dv + j * st[S_DV + 2], dv_acc + j * dvp, sizeof(T) * a->vd);       \
-        }                                                                                 \
-    }                                                                                     \
-}                                                                                         \
-                                                                                          \
-static void *backward_job_##S(void *arg)                                                  \
-{                                                                                         \
-    att_job_t *job = arg;                                                                 \
-    att_t *a = job->a;                                                                    \
-    const int64_t dp = a->dp, dvp = a->dvp;                                               \
-    const size_t sizes[10] = {dp * ATT_BC, dp * ATT_BC, dvp * ATT_BC, ATT_BR * ATT_BC,    \
-                              ATT_BR * ATT_BC, ATT_BC * dp, ATT_BC * dvp, a->tq * dp,     \
-                              a->tq * dvp, a->tq};                                        \
-    T *buf[10];                                                                           \
-    int ok = 1;                                                                           \
-    for (int b = 0; b < 10; b++) ok &= (buf[b] = aligned_zeros(sizeof(T) * sizes[b])) != NULL; \
-    T *z = aligned_zeros(sizeof(T) * ATT_BC);                                             \
-    T *dq_local = NULL;                                                                   \
-    if (a->dq && !a->split) ok &= (dq_local = aligned_zeros(sizeof(T) * a->tq * dp)) != NULL; \
-    if (!ok || !z) {                                                                      \
-        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);                                \
-    } else {                                                                              \
-        int64_t packed = -1;                                                              \
-        for (;;) {                                                                        \
-            const int64_t unit = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);       \
-            if (unit >= a->units) break;                                                  \
-            const int64_t hh = a->split ? unit / a->kblocks : unit;                       \
-            if (hh != packed) {                                                           \
-                pack_rows_##S(a, buf, hh);                                                \
-                packed = hh;                                                              \
-            }                                                                             \
-            if (a->split) {                                                               \
-                const int64_t kb = unit % a->kblocks;                                     \
-                T *acc = a->dq ? (T *)job->dq_sum + hh * a->tq * dp : NULL;               \
-                backward_unit_##S(a, buf, z, hh, kb, kb + 1, acc);                        \
-            } else {                                                                      \
-                if (dq_local) memset(dq_local, 0, sizeof(T) * a->tq * dp);                \
-                backward_unit_##S(a, buf, z, unit, 0, a->kblocks, dq_local);              \
-                if (dq_local) write_dq_##S(a, unit, dq_local);                            \
-            }                                                                             \
-        }                                                                                 \
-    }                                                                                     \
-    for (int b = 0; b < 10; b++) free(buf[b]);                                            \
-    free(z);                                                                              \
-    free(dq_local);                                                                       \
-    return NULL;                                                                          \
 }
 
 /* exp(row[c] - top) in place for the ATT_BC values of a row, their sum returned. */
@@ -573,19 +379,12 @@ static inline double exp_row_f64(double *row, double top)
     return total;
 }
 
-#define DEFINE_WRITE_DQ(T, S)                                                             \
-static void write_dq_##S(const att_t *a, int64_t hh, const T *acc)                        \
-{                                                                                         \
-    const int64_t *st = a->st, n = hh / a->h, h = hh % a->h;                              \
-    T *dq = (T *)a->dq + n * st[S_DQ] + h * st[S_DQ + 1];                                 \
-    for (int64_t i = 0; i < a->tq; i++)                                                   \
-        memcpy(dq + i * st[S_DQ + 2], acc + i * a->dp, sizeof(T) * a->hd);                 \
-}
-
-DEFINE_WRITE_DQ(float, f32)
-DEFINE_WRITE_DQ(double, f64)
 DEFINE_KERNELS(float, f32, vf, vfu, 8, vi)
 DEFINE_KERNELS(double, f64, vd, vdu, 4, vl)
+DEFINE_WRITE_DQ(float, f32)
+DEFINE_WRITE_DQ(double, f64)
+DEFINE_BACKWARD_KERNELS(float, f32, vf, vfu, 8, vi)
+DEFINE_BACKWARD_KERNELS(double, f64, vd, vdu, 4, vl)
 
 static void setup(att_t *a, int f64, const int64_t *dims, const int64_t *strides, int mask_kind,
                   int causal, int64_t offset, double scale, double p, uint64_t seed64,
