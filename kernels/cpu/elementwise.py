@@ -28,26 +28,11 @@ def elementwise_add_cpu(op, ins, ctx):
     return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}
 
 
-BLOCK_ROWS = 4096        # rows a BLAS column sum adds in the dtype, before float64
-
-
-def column_sums(rows):
-    """The column sums of a float32 or float64 matrix rows (R, C), as float64: BLAS
-    products of a ones vector with blocks of BLOCK_ROWS rows (each summed in rows'
-    dtype, as PyTorch sums a bias gradient), the blocks added in float64."""
-    total = np.zeros(rows.shape[1], np.float64)
-    ones = np.ones(min(len(rows), BLOCK_ROWS), rows.dtype)
-    for r0 in range(0, len(rows), BLOCK_ROWS):
-        block = rows[r0:r0 + BLOCK_ROWS]
-        total += ones[:len(block)] @ block
-    return total
-
-
 def elementwise_add_grad_cpu(op, ins, ctx):
     """dx = dout (the same array: kernels write only inputs handed over to them,
     OpSchema.reuse); dy = dout summed over every dim of x outside y's run - along
     the trailing dims by one BLAS product with a ones vector, over the leading ones
-    by column_sums (float32, float64; other dtypes in float64 by numpy)."""
+    in float64 (then rounded once: checkpoints of earlier versions resume bit for bit)."""
     y, d = ins["y"], ins["dout"]
     out = {}
     if op.wants("dx"):
@@ -60,10 +45,7 @@ def elementwise_add_grad_cpu(op, ins, ctx):
             rows = rows @ np.ones(post, dtype=d.dtype)
         else:
             rows = rows[..., 0]
-        if rows.dtype in (np.float32, np.float64) and rows.ndim == 2 and rows.shape[1]:
-            dy = column_sums(rows)
-        else:
-            dy = np.add.reduce(rows, axis=0, dtype=np.float64)
+        dy = np.add.reduce(rows, axis=0, dtype=np.float64)
         out["dy"] = dy.astype(d.dtype).reshape(y.shape)
     return out
 
