@@ -21,7 +21,8 @@ that the line says): the counter of an empty batch (minigraph's does not move, b
 design) and InstanceNorm's counter (PyTorch never counts).
 
 --quick leaves out the two cases of tens of millions of values (GroupNorm_numeric,
-LayerNorm_numeric). PyTorch is a benchmark-only dependency.
+LayerNorm_numeric). PyTorch is a benchmark-only dependency; its testing modules also
+need `expecttest` (pip install expecttest).
 """
 from __future__ import annotations
 
