@@ -222,14 +222,7 @@ def _run_checked_steps(c, contexts):
                 ins[slot] = [_value_of(op, slot, v) for v in var]
             else:
                 ins[slot] = None
-        outs = fn(op, ins, ctx)
-        for slot, var, how in step.outputs:
-            if slot in outs:
-                if how == ONE:
-                    var.value = outs[slot]
-                else:
-                    for v, x in zip(var, outs[slot]):
-                        v.value = x
+        _store(step, fn(op, ins, ctx))
 
 
 def _run_op(step, fn, ctx, kind):
@@ -249,7 +242,12 @@ def _run_op(step, fn, ctx, kind):
     if fn is None:
         op.check_inputs(ins)
         fn = op.schema.kernel_for(kind, ins)
-    outs = fn(op, ins, ctx)
+    _store(step, fn(op, ins, ctx))
+    return fn
+
+
+def _store(step, outs):
+    """The values a kernel returned (`outs`, by slot) into the step's output variables."""
     for slot, var, how in step.outputs:
         if slot in outs:
             if how == ONE:
@@ -257,7 +255,6 @@ def _run_op(step, fn, ctx, kind):
             else:
                 for v, x in zip(var, outs[slot]):
                     v.value = x
-    return fn
 
 
 def _value_of(op, slot, var):
