@@ -183,10 +183,15 @@ def test_multi_head_attention_bad_arguments(kwargs, error, match):
     assert not net.layers and not net.parameters()
 
 
-def test_multi_head_attention_needs_a_sequence():
+@pytest.mark.parametrize("kind", ["multi_head_attention", "position_embedding"])
+@pytest.mark.parametrize("shape", [(-1, 12), (-1, 4, -1)])
+def test_sequence_layers_need_n_t_d(kind, shape):
     net = mg.Net()
-    with pytest.raises(ValueError, match=r"argument 'x' .* must be \(N, T, D\) with D known"):
-        L.multi_head_attention(net, L.data(net, "x", (-1, 12)), 2)
+    x = L.data(net, "x", shape)
+    with pytest.raises(ValueError, match=rf"{kind}: argument 'x' .* must be \(N, T, D\) "
+                                         "with D known"):
+        getattr(L, kind)(net, x, 2)
+    assert not net.layers and not net.parameters()
 
 
 # ---- a GPT, weight tying, the cache --------------------------------------------------------

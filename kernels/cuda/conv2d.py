@@ -172,6 +172,23 @@ class _Backward:
                                 _cols_launch("col2im", x.dtype, count, g)))
 
 
+def grad_operands(plan, x, w, dout, need_dx, need_dfilter):
+    """(x, filter and dout pointers, dx, dfilter) of a conv2d_grad `plan` (NCHW's or
+    NHWC's): dout checked against the plan, dx and dfilter new arrays where needed
+    (None where not); dfilter zero where the plan has no work (an empty batch)."""
+    if dout.shape != plan.dout_shape or dout.dtype != x.dtype:
+        launch.check_array("conv2d_grad: dout", dout, plan.dout_shape, x.dtype)
+    xp, wp = loader.ptr(x, "conv2d_grad: x"), loader.ptr(w, "conv2d_grad: filter")
+    dp = loader.ptr(dout, "conv2d_grad: dout")
+    dx = loader.empty(x.shape, x.dtype) if need_dx else None
+    dw = loader.empty(w.shape, w.dtype) if need_dfilter else None
+    if not plan.chunks and dw is not None:
+        from minigraph.kernels.cuda import fill
+
+        fill.fill_constant(dw, 0)
+    return xp, wp, dp, dx, dw
+
+
 def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_dx=True,
                 need_dfilter=True):
     """(dx, dfilter) of conv2d; None for the ones not needed. The columns live in
@@ -181,17 +198,8 @@ def conv2d_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_d
     if done is not None:
         return done
     plan = _plan("conv2d_grad", x, w, strides, paddings, dilations, groups, _Backward)
-    if dout.shape != plan.dout_shape or dout.dtype != x.dtype:
-        launch.check_array("conv2d_grad: dout", dout, plan.dout_shape, x.dtype)
-    xp, wp = loader.ptr(x, "conv2d_grad: x"), loader.ptr(w, "conv2d_grad: filter")
-    dp = loader.ptr(dout, "conv2d_grad: dout")
-    dx = loader.empty(x.shape, x.dtype) if need_dx else None
-    dw = loader.empty(w.shape, w.dtype) if need_dfilter else None
+    xp, wp, dp, dx, dw = grad_operands(plan, x, w, dout, need_dx, need_dfilter)
     if not plan.chunks:
-        if dw is not None:
-            from minigraph.kernels.cuda import fill
-
-            fill.fill_constant(dw, 0)
         return dx, dw
     itemsize = np.dtype(x.dtype).itemsize
     cols = loader.scratch(plan.cols + (plan.swapped if dw is not None else 0), x.dtype)

@@ -135,17 +135,8 @@ def conv2d_nhwc_grad(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, n
     """(dx, dfilter) of conv2d_nhwc; None for the ones not needed. The columns live in
     the device's scratch (loader.scratch)."""
     plan = _plan("conv2d_grad", x, w, strides, paddings, dilations, groups, _Backward)
-    if dout.shape != plan.dout_shape or dout.dtype != x.dtype:
-        launch.check_array("conv2d_grad: dout", dout, plan.dout_shape, x.dtype)
-    xp, wp = loader.ptr(x, "conv2d_grad: x"), loader.ptr(w, "conv2d_grad: filter")
-    dp = loader.ptr(dout, "conv2d_grad: dout")
-    dx = loader.empty(x.shape, x.dtype) if need_dx else None
-    dw = loader.empty(w.shape, w.dtype) if need_dfilter else None
+    xp, wp, dp, dx, dw = conv2d.grad_operands(plan, x, w, dout, need_dx, need_dfilter)
     if not plan.chunks:
-        if dw is not None:
-            from minigraph.kernels.cuda import fill
-
-            fill.fill_constant(dw, 0)
         return dx, dw
     cols = loader.scratch(plan.cols, x.dtype)
     dxp, dwp = loader.address(dx), loader.address(dw)

@@ -147,6 +147,16 @@ def scaled_dot_product_attention(net, q, k, v, attn_mask=None, is_causal=False, 
     return _attention(net, kind, name, q, k, v, attrs, attn_mask)
 
 
+def _sequence(net, kind, x):
+    """x's declared shape, checked to be a float sequence (N, T, D) with D known."""
+    tensor(net, kind, "x", x, float_only=True)
+    shape = known_rank(kind, x)
+    if len(shape) != 3 or shape[2] < 0:
+        raise ValueError(f"{kind}: argument 'x' ({x.name!r}) must be (N, T, D) with D known, "
+                         f"got shape {shape}")
+    return shape
+
+
 @layer("multi_head_attention")
 def multi_head_attention(net, x, num_heads, causal=False, dropout=0.0, kv_cache=None,
                          name=None):
@@ -158,11 +168,7 @@ def multi_head_attention(net, x, num_heads, causal=False, dropout=0.0, kv_cache=
     each pass's keys and values to it and attends to every cached position (a pass of
     the new tokens only; see the module doc)."""
     kind = "multi_head_attention"
-    tensor(net, kind, "x", x, float_only=True)
-    shape = known_rank(kind, x)
-    if len(shape) != 3 or shape[2] < 0:
-        raise ValueError(f"{kind}: argument 'x' ({x.name!r}) must be (N, T, D) with D known, "
-                         f"got shape {shape}")
+    shape = _sequence(net, kind, x)
     width = shape[2]
     heads = int_arg(kind, "num_heads", num_heads)
     if width % heads:
@@ -195,11 +201,7 @@ def position_embedding(net, x, max_positions, kv_cache=None, param_attr=None, na
     None; GPT-2 uses Normal(0, 0.02)). kv_cache: a KVCache; the infer branch's rows then
     start at the cache's filled positions (the first layer built with it advances it)."""
     kind = "position_embedding"
-    tensor(net, kind, "x", x, float_only=True)
-    shape = known_rank(kind, x)
-    if len(shape) != 3 or shape[2] < 0:
-        raise ValueError(f"{kind}: argument 'x' ({x.name!r}) must be (N, T, D) with D known, "
-                         f"got shape {shape}")
+    shape = _sequence(net, kind, x)
     rows = int_arg(kind, "max_positions", max_positions)
     if shape[1] > rows:
         raise ValueError(f"{kind}: argument 'x' ({x.name!r}) has {shape[1]} positions, more "
