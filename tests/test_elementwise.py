@@ -74,6 +74,28 @@ def test_add_bias_gradient_is_the_float64_sum_rounded_once(dtype, rows):
     np.testing.assert_allclose(out["dy"], want, rtol=1e-15 if dtype == np.float64 else 1e-7)
 
 
+@pytest.mark.parametrize("native_on", ["1", "0"])
+def test_add_bias_gradient_keeps_numpys_bits_natively_or_not(native_on, monkeypatch):
+    """In float32 the native sum over rows (rows_native.py) gives np.add.reduce's bits;
+    with MINIGRAPH_NATIVE=0 numpy sums."""
+    from minigraph.kernels.cpu import elementwise, native, rows_native
+
+    monkeypatch.setenv("MINIGRAPH_NATIVE", native_on)
+    calls = []
+    real = rows_native.sum_rows
+    monkeypatch.setattr(rows_native, "sum_rows", lambda a: calls.append(a.shape) or real(a))
+    d = (rng.standard_normal((16, 64, 129)) * 1e4).astype(np.float32)
+    op = mg.Operator("elementwise_add_grad", y=mg.Variable("y"), dout=mg.Variable("dout"),
+                     dx=mg.Variable("dx"), dy=mg.Variable("dy"), axis=-1)
+    out = elementwise.elementwise_add_grad_cpu(op, {"y": np.zeros(129, np.float32), "dout": d},
+                                               None)
+    want = np.add.reduce(d.reshape(-1, 129), axis=0, dtype=np.float64).astype(np.float32)
+    np.testing.assert_array_equal(out["dy"].view(np.int32), want.view(np.int32))
+    assert calls == [(1024, 129)]
+    if native_on == "1" and native.library("rows_native") is not None:
+        assert real(d.reshape(-1, 129)) is not None
+
+
 def test_add_bad_dtype_and_axis():
     with pytest.raises(mg.OpError, match="input 'y' has dtype float32 but input 'x' has float64"):
         build_add((2, 3), (3,), y_dtype="float32")

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+from minigraph.kernels.cpu import rows_native
+
 
 def y_start(x_ndim, y_ndim, axis):
     """The dim of x where y's dims start (axis -1: the trailing dims)."""
@@ -32,7 +34,8 @@ def elementwise_add_grad_cpu(op, ins, ctx):
     """dx = dout (the same array: kernels write only inputs handed over to them,
     OpSchema.reuse); dy = dout summed over every dim of x outside y's run - along
     the trailing dims by one BLAS product with a ones vector, over the leading ones
-    in float64 (then rounded once: checkpoints of earlier versions resume bit for bit)."""
+    in float64 (then rounded once: checkpoints of earlier versions resume bit for bit;
+    in float32, by rows_native.sum_rows where it applies, numpy's bits)."""
     y, d = ins["y"], ins["dout"]
     out = {}
     if op.wants("dx"):
@@ -45,8 +48,10 @@ def elementwise_add_grad_cpu(op, ins, ctx):
             rows = rows @ np.ones(post, dtype=d.dtype)
         else:
             rows = rows[..., 0]
-        dy = np.add.reduce(rows, axis=0, dtype=np.float64)
-        out["dy"] = dy.astype(d.dtype).reshape(y.shape)
+        dy = rows_native.sum_rows(rows)
+        if dy is None:
+            dy = np.add.reduce(rows, axis=0, dtype=np.float64).astype(d.dtype)
+        out["dy"] = dy.reshape(y.shape)
     return out
 
 
