@@ -21,6 +21,8 @@ STREAM = 3                  # kernels/cpu/attention.py's
 MIN_THREAD_SCORES = 1 << 14  # scores a thread must have to be worth waking
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_F64 = _TYPES[1]
+_NO_GRAD_STRIDES = (0,) * 12  # dout, dq, dk, dv: the forward has none
 _P = ctypes.c_void_p
 _kernels = {}
 
@@ -120,25 +122,34 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     views q4, k4, v4 with mask m4 (rank 4, broadcastable, or None), causal `offset`
     (None: not causal), `scale` and `dropout` ((p, seed64) or None); `heads` the op's
     packed_heads. None where the native kernel does not apply."""
-    if not _applies(q4, k4, v4) or _load("attention_forward_packed") is None:
+    if not _applies(q4, k4, v4):
+        return None
+    fn = _kernels.get("attention_forward_packed") or _load("attention_forward_packed")
+    if fn is None:
         return None
     n, h, tq, d = q4.shape
     tk, dv = k4.shape[2], v4.shape[3]
-    mask, kind, mstrides = _mask_args(m4, (n, h, tq, tk), q4.dtype)
+    dtype = q4.dtype
+    mask, kind, mstrides = _mask_args(m4, (n, h, tq, tk), dtype)
     if kind < 0:
         return None
     q4, k4, v4 = _rows(q4), _rows(k4), _rows(v4)
-    out, o4 = _empty_like_layout((n, h, tq, dv), q4.dtype, heads)
-    lse = np.empty((n, h, tq), q4.dtype) if want_lse else None
+    if heads:                                   # out (N, Tq, H*dv): its view's strides
+        out = np.empty((n, tq, h * dv), dtype)
+        o_strides = [tq * h * dv, dv, h * dv]
+    else:
+        out = np.empty((n, h, tq, dv), dtype)
+        o_strides = [h * tq * dv, tq * dv, dv]
+    lse = np.empty((n, h, tq), dtype) if want_lse else None
     p, seed64 = dropout if dropout is not None else (0.0, 0)
-    units = n * h * -(-tq // 64)
-    failed = _call("attention_forward_packed", [
-        int(q4.dtype == np.float64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind,
-        _ptr(out), _ptr(lse), int(offset is not None), int(offset or 0),
-        _seed_arg(seed64), STREAM, _threads(units, n * h * tq * tk),
-        n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
-        *[0] * 12, *mstrides], [float(scale), float(p)])
-    if failed:
+    scores = n * h * tq * tk
+    threads = 1 if scores < 2 * MIN_THREAD_SCORES else _threads(n * h * -(-tq // 64), scores)
+    args = np.array([
+        int(dtype == _F64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(out),
+        _ptr(lse), int(offset is not None), int(offset or 0), _seed_arg(seed64),
+        STREAM, threads, n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4), *_strides(v4),
+        *o_strides, *_NO_GRAD_STRIDES, *mstrides], np.int64)
+    if fn(_address(_char(args)), _address(_char(np.array((scale, p), np.float64)))):
         raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
                           "could not be allocated")
     return out, lse

@@ -9,6 +9,8 @@ from minigraph.schema import OpError
 
 def check_ids(op, ids, rows):
     """OpError naming the first id outside [0, rows)."""
+    if not ids.size or (ids.min() >= 0 and ids.max() < rows):
+        return
     bad = np.flatnonzero((ids < 0) | (ids >= rows))
     if bad.size:
         i = int(bad[0])

@@ -47,7 +47,9 @@ def _applies(*arrays):
 
 def forward(x):
     """gelu(x) as a new float32 array, or None (see the module doc)."""
-    fn = _load("gelu_forward_f32") if _applies(x) else None
+    if x.dtype != _F32 or not x.flags.c_contiguous or not native.enabled():
+        return None
+    fn = _kernels.get("gelu_forward_f32") or _load("gelu_forward_f32")
     if fn is None:
         return None
     out = np.empty_like(x)
