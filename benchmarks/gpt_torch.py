@@ -15,7 +15,8 @@
   (N 16), 512 (N 4) and 2048 (N 1): time, and the peak resident memory above the inputs
   (VmHWM, in a fresh process), against PyTorch's math path.
 - generation (minigraph alone): 256 new tokens after a 16-token prompt, one token a
-  pass with the KV cache against a full pass per token without it.
+  pass with the KV cache against a full pass per token without it; --rounds runs each
+  way in one process, the order alternating: medians, and the median of the ratios.
 
 Each framework runs in a process of its own (this script with --worker), 2 threads by
 default. The table is printed and written into the `gpt_torch` section of
@@ -139,7 +140,9 @@ def mg_attention(args, shape):
 
 
 def mg_generation(args):
-    """ms per new token with the cache and without (a full pass per token)."""
+    """ms per new token with the cache and without (a full pass per token): --rounds
+    rounds of one generation each way, the order alternating; the medians, and the
+    median of the rounds' ratios."""
     import time
 
     import minigraph as mg
@@ -153,13 +156,19 @@ def mg_generation(args):
     net, h = G.build_gpt(97, cfg, cache=cache)
     prompt = np.random.default_rng(0).integers(0, 97, (1, PROMPT))
     new = args.new_tokens
-    out = {}
-    for name, use in (("cached", True), ("uncached", False)):
+    times = {"cached": [], "uncached": []}
+    for use in (True, False):
         generate(net, h["tokens"], h["logits"], prompt, 4, kv_cache=cache, use_cache=use)
-        start = time.perf_counter()
-        generate(net, h["tokens"], h["logits"], prompt, new, kv_cache=cache, use_cache=use)
-        out[name] = (time.perf_counter() - start) * 1e3 / new
-    return out
+    for r in range(args.rounds):
+        for name in (("cached", "uncached") if r % 2 == 0 else ("uncached", "cached")):
+            start = time.perf_counter()
+            generate(net, h["tokens"], h["logits"], prompt, new, kv_cache=cache,
+                     use_cache=name == "cached")
+            times[name].append((time.perf_counter() - start) * 1e3 / new)
+    ratios = [u / c for c, u in zip(times["cached"], times["uncached"])]
+    return {"cached": statistics.median(times["cached"]),
+            "uncached": statistics.median(times["uncached"]),
+            "speedup": statistics.median(ratios), "range": (min(ratios), max(ratios))}
 
 
 # ---- the workers and the driver ------------------------------------------------------------
@@ -194,7 +203,8 @@ def run_worker(framework, job, args, weights="", context=0, batch=0, what="time"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--job", job,
            "--weights", weights, "--context", str(context), "--batch", str(batch),
            "--what", what, "--threads", str(args.threads), "--repeat", str(args.repeat),
-           "--warmup", str(args.warmup), "--new-tokens", str(args.new_tokens)]
+           "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+           "--new-tokens", str(args.new_tokens)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{framework} {job} failed:\n{done.stderr}")
@@ -270,11 +280,13 @@ def report(args):
             print(" | ".join(rows[-1]), flush=True)
         if "generation" in args.parts:
             gen = run_worker("minigraph", "generation", args)
-            speedup = gen["uncached"] / gen["cached"]
+            speedup, (low, high) = gen["speedup"], gen["range"]
             line = (f"generation, {args.new_tokens} new tokens after a {PROMPT}-token prompt "
-                    f"(batch 1): {gen['cached']:.2f} ms a token with the KV cache, "
+                    f"(batch 1; medians of {args.rounds} alternating runs each way, one "
+                    f"process): {gen['cached']:.2f} ms a token with the KV cache, "
                     f"{gen['uncached']:.2f} ms with a full pass a token: {speedup:.1f}x "
-                    f"(target >= 10 {'ok' if speedup >= 10 else 'MISSED'})")
+                    f"({low:.1f}-{high:.1f}; target >= 10 "
+                    f"{'ok' if speedup >= 10 else 'MISSED'})")
             print(line, flush=True)
             notes.append(line)
     setting = (f"{args.threads} threads per framework, each in its own process; step times: "
