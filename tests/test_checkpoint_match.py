@@ -425,8 +425,9 @@ def test_a_version_1_checkpoint_fine_tunes_without_touching_the_new_optimizer():
 
 
 def test_a_version_1_inference_model_loads(tmp_path, monkeypatch):
-    monkeypatch.setenv("MINIGRAPH_NATIVE", "1")        # as the output was written
     import shutil
+
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "1")        # as the output was written
 
     nets = format1_nets()
     d = shutil.copytree(FORMAT1 / "model", tmp_path / "model")

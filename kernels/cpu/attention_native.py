@@ -124,7 +124,7 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     packed_heads. None where the native kernel does not apply."""
     if not _applies(q4, k4, v4):
         return None
-    fn = _kernels.get("attention_forward_packed") or _load("attention_forward_packed")
+    fn = _load("attention_forward_packed")
     if fn is None:
         return None
     n, h, tq, d = q4.shape
@@ -142,8 +142,7 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
         o_strides = [h * tq * dv, tq * dv, dv]
     lse = np.empty((n, h, tq), dtype) if want_lse else None
     p, seed64 = dropout if dropout is not None else (0.0, 0)
-    scores = n * h * tq * tk
-    threads = 1 if scores < 2 * MIN_THREAD_SCORES else _threads(n * h * -(-tq // 64), scores)
+    threads = _threads(n * h * -(-tq // 64), n * h * tq * tk)
     args = np.array([
         int(dtype == _F64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(out),
         _ptr(lse), int(offset is not None), int(offset or 0), _seed_arg(seed64),

@@ -49,7 +49,7 @@ def forward(x):
     """gelu(x) as a new float32 array, or None (see the module doc)."""
     if x.dtype != _F32 or not x.flags.c_contiguous or not native.enabled():
         return None
-    fn = _kernels.get("gelu_forward_f32") or _load("gelu_forward_f32")
+    fn = _load("gelu_forward_f32")
     if fn is None:
         return None
     out = np.empty_like(x)
