@@ -213,18 +213,8 @@ __device__ void normalize_train(const T* x, T* y, long long total, long long C, 
                                 const T* __restrict__ coef, int commit, T* est_mean, T* est_var,
                                 const T* newest, long long* counter, unsigned* status,
                                 unsigned epoch, int relu) {
-  if (commit) {
-    const long long g = global_tid();
-    const bool rejected = status[0] == epoch;
-    if (g < C && !rejected) {
-      est_mean[g] = newest[g];
-      est_var[g] = newest[C + g];
-    }
-    if (g == 0) {
-      if (rejected) status[1] += 1;
-      else if (counter != nullptr) counter[0] += 1;
-    }
-  }
+  if (commit)
+    commit_estimates(global_tid(), C, newest, est_mean, est_var, counter, status, epoch);
   // backwards: the end of x, read last by the statistics kernel, is still in L2
   normalize_flat<T, W, true>(x, y, total, C, post, relu, [&](long long c, T& m, T& k, T& b) {
     m = coef[c];

@@ -233,6 +233,25 @@ __device__ void grad_from_sums(const double* __restrict__ sums, GradOut<T> o) {
   finish_grad<T>(c, sums[1 + c], sums[1 + o.C + c], o);
 }
 
+// Thread g of a normalize (or commit) launch: commit the candidate estimates `newest`
+// ([2C]: means, then variances) and count the batch, unless this launch's epoch was
+// flagged non-finite: then count it as rejected (status[1]) and write nothing.
+template <typename T>
+__device__ __forceinline__ void commit_estimates(long long g, long long C,
+                                                 const T* __restrict__ newest, T* est_mean,
+                                                 T* est_var, long long* counter,
+                                                 unsigned* status, unsigned epoch) {
+  const bool rejected = status[0] == epoch;
+  if (g < C && !rejected) {
+    est_mean[g] = newest[g];
+    est_var[g] = newest[C + g];
+  }
+  if (g == 0) {
+    if (rejected) status[1] += 1;
+    else if (counter != nullptr) counter[0] += 1;
+  }
+}
+
 }  // namespace mg
 
 // The StatsOut arguments every statistics entry point ends with, and the StatsOut `o`

@@ -68,18 +68,8 @@ __device__ void rows_normalize(const T* x, T* y, long long rows, long long C,
                                const T* __restrict__ coef, int commit, T* est_mean, T* est_var,
                                const T* newest, long long* counter, unsigned* status,
                                unsigned epoch, int relu) {
-  if (commit) {
-    const long long g = grid_flat_tid();
-    const bool rejected = status[0] == epoch;
-    if (g < C && !rejected) {
-      est_mean[g] = newest[g];
-      est_var[g] = newest[C + g];
-    }
-    if (g == 0) {
-      if (rejected) status[1] += 1;
-      else if (counter != nullptr) counter[0] += 1;
-    }
-  }
+  if (commit)
+    commit_estimates(grid_flat_tid(), C, newest, est_mean, est_var, counter, status, epoch);
   const long long Cv = C / W, cv = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= Cv) return;
   T m[W], k[W], b[W];

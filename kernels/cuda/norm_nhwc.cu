@@ -1,7 +1,7 @@
 // Channels-last group_norm / instance_norm (x (N, S, C)) and instance norm's running
 // estimates; launched by norm_nhwc.py. The backward's dx coefficients come from norm.cu's
 // norm_grad_finish, whose (sample, channel) planes n C + c the sums here are.
-#include "common.cuh"
+#include "batch_norm.cuh"
 
 namespace mg {
 
@@ -174,24 +174,6 @@ __device__ void norm_estimates(const T* __restrict__ mean, const T* __restrict__
     status[0] = epoch;
 }
 
-// Commit newest into the estimates and count the batch, unless this launch's epoch
-// was flagged: then count it as rejected (status[1]) and write nothing.
-template <typename T>
-__device__ void norm_estimates_commit(long long C, const T* __restrict__ newest, T* est_mean,
-                                      T* est_var, long long* counter, unsigned* status,
-                                      unsigned epoch) {
-  const long long c = global_tid();
-  const bool flagged = status[0] == epoch;
-  if (c == 0) {
-    if (flagged) status[1] += 1;
-    else if (counter != nullptr) counter[0] += 1;
-  }
-  if (c < C && !flagged) {
-    est_mean[c] = newest[c];
-    est_var[c] = newest[C + c];
-  }
-}
-
 }  // namespace mg
 
 // ---- entry points ------------------------------------------------------------------
@@ -234,7 +216,8 @@ __device__ void norm_estimates_commit(long long C, const T* __restrict__ newest,
                                                          T* est_mean, T* est_var,               \
                                                          long long* counter, unsigned* status,  \
                                                          unsigned epoch) {                      \
-    mg::norm_estimates_commit<T>(C, newest, est_mean, est_var, counter, status, epoch);         \
+    mg::commit_estimates<T>(mg::global_tid(), C, newest, est_mean, est_var, counter, status,    \
+                            epoch);                                                             \
   }
 
 MG_NORM_CL_KERNELS(float, f32)
