@@ -56,10 +56,39 @@ __device__ __forceinline__ bool att_pass(const AttMask& m, int causal, long long
   return s != T(-HUGE_VAL);
 }
 
-__device__ __forceinline__ double att_keep(unsigned long long f, double p, double factor,
-                                           unsigned long long key) {
-  const Philox4x32 r = philox(f >> 2, ATT_STREAM, key);
-  return double(r.v[f & 3] >> 8) * (1.0 / 16777216.0) >= p ? factor : 0.0;
+// A launch's dropout: keep() is the factor the weight of pair (i, j) of head nh takes
+// (1 / (1 - p) or 0; 1 without dropout), drawn from (seed, *step).
+struct AttDropout {
+  double p, factor;
+  unsigned long long key;
+  __device__ AttDropout(double p_, unsigned seed, const long long* step)
+      : p(p_), factor(p_ > 0 ? 1.0 / (1.0 - p_) : 1.0),
+        key(step != nullptr ? (unsigned long long)seed | ((unsigned long long)step[0] << 32)
+                            : 0ull) {}
+  __device__ __forceinline__ double keep(const AttShape& sh, long long nh, long long i,
+                                         long long j) const {
+    if (!(p > 0)) return 1.0;
+    const unsigned long long f = (unsigned long long)((nh * sh.tq + i) * sh.tk + j);
+    const Philox4x32 r = philox(f >> 2, ATT_STREAM, key);
+    return double(r.v[f & 3] >> 8) * (1.0 / 16777216.0) >= p ? factor : 0.0;
+  }
+};
+
+// The scaled score of a query row and a key row: scale * dot(a, b) over d values.
+template <typename T>
+__device__ __forceinline__ T att_score(const T* a, const T* b, long long d, double scale) {
+  T s = T(0);
+  for (long long c = 0; c < d; ++c) s += a[c] * b[c];
+  return s * T(scale);
+}
+
+// Keys [0, seen) that some query row of this block (ATT_ROWS rows) may see.
+__device__ __forceinline__ long long att_keys_seen(const AttShape& sh, int causal,
+                                                   long long offset) {
+  long long last_row = (long long)blockIdx.x * ATT_ROWS + ATT_ROWS - 1;
+  if (last_row >= sh.tq) last_row = sh.tq - 1;
+  const long long seen = causal ? last_row + offset + 1 : sh.tk;
+  return seen > sh.tk ? sh.tk : seen;
 }
 
 // Rows [0, rows) x width of one head of a tensor into shared memory (tile[r][c]).
@@ -83,18 +112,13 @@ __device__ void attention_forward(const T* __restrict__ q, const T* __restrict__
   const long long nh = blockIdx.y, nn = nh / sh.h, hh = nh - nn * sh.h;
   const long long i = (long long)blockIdx.x * ATT_ROWS + threadIdx.x;
   const bool active = i < sh.tq;
-  const unsigned long long key =
-      step != nullptr ? (unsigned long long)seed | ((unsigned long long)step[0] << 32) : 0ull;
-  const double factor = p > 0 ? 1.0 / (1.0 - p) : 1.0;
+  const AttDropout drop(p, seed, step);
   T qr[ATT_DMAX], acc[ATT_DMAX];
   for (long long c = 0; c < sh.dv; ++c) acc[c] = T(0);
   if (active)
     for (long long c = 0; c < sh.d; ++c) qr[c] = q[sh.at(nn, hh, i, sh.tq, sh.d) + c];
   T m = T(-HUGE_VAL), l = T(0);
-  long long last_row = (long long)blockIdx.x * ATT_ROWS + ATT_ROWS - 1;
-  if (last_row >= sh.tq) last_row = sh.tq - 1;
-  long long seen = causal ? last_row + offset + 1 : sh.tk;
-  if (seen > sh.tk) seen = sh.tk;
+  const long long seen = att_keys_seen(sh, causal, offset);
   for (long long j0 = 0; j0 < seen; j0 += ATT_TILE) {
     const long long count = sh.tk - j0 < ATT_TILE ? sh.tk - j0 : ATT_TILE;
     att_stage(ks, k, sh, nn, hh, j0, sh.tk, count, sh.d);
@@ -103,9 +127,7 @@ __device__ void attention_forward(const T* __restrict__ q, const T* __restrict__
     if (active) {
       for (long long jj = 0; jj < count; ++jj) {
         const long long j = j0 + jj;
-        T s = T(0);
-        for (long long c = 0; c < sh.d; ++c) s += qr[c] * ks[jj][c];
-        s *= T(scale);
+        T s = att_score(qr, ks[jj], sh.d, scale);
         if (!att_pass(mask, causal, offset, nn, hh, i, j, s)) continue;
         if (s > m) {
           const T alpha = m == T(-HUGE_VAL) ? T(0) : T(exp(m - s));
@@ -115,9 +137,7 @@ __device__ void attention_forward(const T* __restrict__ q, const T* __restrict__
         }
         const T e = T(exp(s - m));
         l += e;
-        const T w = p > 0 ? T(e * att_keep((unsigned long long)((nh * sh.tq + i) * sh.tk + j),
-                                           p, factor, key))
-                          : e;
+        const T w = T(e * drop.keep(sh, nh, i, j));
         for (long long c = 0; c < sh.dv; ++c) acc[c] += w * vs[jj][c];
       }
     }
@@ -170,9 +190,7 @@ __device__ void attention_dkdv(const T* __restrict__ q, const T* __restrict__ k,
   const long long nh = blockIdx.y, nn = nh / sh.h, hh = nh - nn * sh.h;
   const long long j = (long long)blockIdx.x * ATT_ROWS + threadIdx.x;
   const bool active = j < sh.tk;
-  const unsigned long long key =
-      dstep != nullptr ? (unsigned long long)seed | ((unsigned long long)dstep[0] << 32) : 0ull;
-  const double factor = p > 0 ? 1.0 / (1.0 - p) : 1.0;
+  const AttDropout drop(p, seed, dstep);
   T kr[ATT_DMAX], vr[ATT_DMAX], dkr[ATT_DMAX], dvr[ATT_DMAX];
   for (long long c = 0; c < sh.d; ++c) dkr[c] = T(0);
   for (long long c = 0; c < sh.dv; ++c) dvr[c] = T(0);
@@ -198,15 +216,11 @@ __device__ void attention_dkdv(const T* __restrict__ q, const T* __restrict__ k,
     if (active) {
       for (long long ii = 0; ii < count; ++ii) {
         const long long i = i0 + ii;
-        T s = T(0);
-        for (long long c = 0; c < sh.d; ++c) s += qs[ii][c] * kr[c];
-        s *= T(scale);
+        T s = att_score(qs[ii], kr, sh.d, scale);
         T dsv = T(0);
         if (ls[ii] != T(-HUGE_VAL) && att_pass(mask, causal, offset, nn, hh, i, j, s)) {
           const T pr = T(exp(s - ls[ii]));
-          const T z = p > 0 ? T(att_keep((unsigned long long)((nh * sh.tq + i) * sh.tk + j), p,
-                                         factor, key))
-                            : T(1);
+          const T z = T(drop.keep(sh, nh, i, j));
           T dp = T(0);
           for (long long c = 0; c < sh.dv; ++c) {
             dvr[c] += pr * z * dos[ii][c];
@@ -240,9 +254,7 @@ __device__ void attention_dq(const T* __restrict__ q, const T* __restrict__ k,
   const long long nh = blockIdx.y, nn = nh / sh.h, hh = nh - nn * sh.h;
   const long long i = (long long)blockIdx.x * ATT_ROWS + threadIdx.x;
   const bool active = i < sh.tq;
-  const unsigned long long key =
-      dstep != nullptr ? (unsigned long long)seed | ((unsigned long long)dstep[0] << 32) : 0ull;
-  const double factor = p > 0 ? 1.0 / (1.0 - p) : 1.0;
+  const AttDropout drop(p, seed, dstep);
   T qr[ATT_DMAX], dor[ATT_DMAX], dqr[ATT_DMAX];
   T l = T(-HUGE_VAL), di = T(0);
   for (long long c = 0; c < sh.d; ++c) dqr[c] = T(0);
@@ -252,10 +264,7 @@ __device__ void attention_dq(const T* __restrict__ q, const T* __restrict__ k,
     l = lse[nh * sh.tq + i];
     di = big_d[nh * sh.tq + i];
   }
-  long long last_row = (long long)blockIdx.x * ATT_ROWS + ATT_ROWS - 1;
-  if (last_row >= sh.tq) last_row = sh.tq - 1;
-  long long seen = causal ? last_row + offset + 1 : sh.tk;
-  if (seen > sh.tk) seen = sh.tk;
+  const long long seen = att_keys_seen(sh, causal, offset);
   for (long long j0 = 0; j0 < seen; j0 += ATT_TILE) {
     const long long count = sh.tk - j0 < ATT_TILE ? sh.tk - j0 : ATT_TILE;
     att_stage(ks, k, sh, nn, hh, j0, sh.tk, count, sh.d);
@@ -264,14 +273,10 @@ __device__ void attention_dq(const T* __restrict__ q, const T* __restrict__ k,
     if (active && l != T(-HUGE_VAL)) {
       for (long long jj = 0; jj < count; ++jj) {
         const long long j = j0 + jj;
-        T s = T(0);
-        for (long long c = 0; c < sh.d; ++c) s += qr[c] * ks[jj][c];
-        s *= T(scale);
+        T s = att_score(qr, ks[jj], sh.d, scale);
         if (!att_pass(mask, causal, offset, nn, hh, i, j, s)) continue;
         const T pr = T(exp(s - l));
-        const T z = p > 0 ? T(att_keep((unsigned long long)((nh * sh.tq + i) * sh.tk + j), p,
-                                       factor, key))
-                          : T(1);
+        const T z = T(drop.keep(sh, nh, i, j));
         T dp = T(0);
         for (long long c = 0; c < sh.dv; ++c) dp += dor[c] * vs[jj][c];
         const T dsv = pr * (dp * z - di);
