@@ -152,11 +152,16 @@ def test_ctrl_c_during_a_load_leaves_the_net_as_it_was_or_fully_loaded(tmp_path)
             io.load(net, old_path)
             signal.setitimer(signal.ITIMER_REAL, pick.uniform(1e-5, seconds))
             try:
-                io.load(net, new_path)
-                time.sleep(seconds)         # an interrupt after the load lands here
+                try:
+                    io.load(net, new_path)
+                    time.sleep(seconds)     # an interrupt after the load lands here
+                finally:
+                    # SIGALRM may reach another thread (a kernel pool's), so the sleep
+                    # can end before the handler runs: disarming here keeps a late
+                    # KeyboardInterrupt inside this try, not in the test's next line
+                    signal.setitimer(signal.ITIMER_REAL, 0)
             except KeyboardInterrupt:
                 pass
-            signal.setitimer(signal.ITIMER_REAL, 0)
             got = state(net)
             if all(got[n].tobytes() == want_old[n].tobytes() for n in got):
                 outcomes["old"] += 1
