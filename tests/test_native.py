@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
-from minigraph.kernels.cpu import conv_native, native
+from minigraph.kernels.cpu import choices, conv_native, native
 
 HAS_CC = bool(shutil.which((os.environ.get("CC") or "cc").split()[0]) or shutil.which("gcc"))
 
@@ -61,6 +61,23 @@ def test_switched_off_by_the_environment(monkeypatch):
     assert not conv_native.supports(g, np.float32)
     monkeypatch.setenv("MINIGRAPH_NATIVE", "1")
     assert native.reason("conv_native") != "MINIGRAPH_NATIVE is off"
+
+
+def test_the_switch_reads_every_change_of_the_environment(monkeypatch):
+    """native.enabled and choices.enabled read os.environ's own mapping (faster than
+    os.environ.get): each set, change and removal is seen at the next call."""
+    for value, on in (("0", False), (" OFF ", False), ("No", False), ("1", True),
+                      ("yes", True), ("", True), ("off", False)):
+        monkeypatch.setenv("MINIGRAPH_NATIVE", value)
+        assert native.enabled() is on, value
+    monkeypatch.delenv("MINIGRAPH_NATIVE")
+    assert native.enabled()
+    monkeypatch.setenv("MINIGRAPH_TUNE", "0")
+    assert not choices.enabled() and native.enabled()
+    monkeypatch.delenv("MINIGRAPH_TUNE")
+    assert choices.enabled()
+    monkeypatch.setattr(os, "environ", {"MINIGRAPH_NATIVE": "off"})     # a plain mapping
+    assert not native.enabled() and native.switched_off("MINIGRAPH_NATIVE")
 
 
 def test_local_headers_are_part_of_the_source():

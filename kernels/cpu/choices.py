@@ -64,8 +64,7 @@ _forced = {}
 
 def enabled():
     """False with MINIGRAPH_TUNE=0 (or off, no) or with the native kernels off."""
-    off = os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no")
-    return native.enabled() and not off
+    return native.enabled() and not native.switched_off(ENV)
 
 
 def choose(kind, key, options, default):
