@@ -14,6 +14,58 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+/* Any lane of m set: one test instruction where the target has it (a loop over the
+ * lanes extracts each: as much work as the rest of a gelu). */
+static inline int any_vi16(vi16 m)
+{
+#if defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#else
+    int any = 0;
+    for (int i = 0; i < 16; i++) any |= m[i];
+    return any != 0;
+#endif
+}
+
+static inline int any_vi(vi m)
+{
+#if defined(__AVX__)
+    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#else
+    int any = 0;
+    for (int i = 0; i < 8; i++) any |= m[i];
+    return any != 0;
+#endif
+}
+
+/* 1 / d for d in [1, 6] (erfc's t): the target's reciprocal estimate refined by Newton
+ * steps to within an ulp of the quotient (a division takes as long as the rest of a
+ * gelu on AVX-512); the quotient elsewhere. */
+static inline vf16 recip_vf16(vf16 d)
+{
+#if defined(__AVX512F__)
+    const vf16 r = (vf16)_mm512_rcp14_ps((__m512)d);            /* 2^-14 */
+    return r + r * (1.0f - d * r);
+#else
+    return 1.0f / d;
+#endif
+}
+
+static inline vf recip_vf(vf d)
+{
+#if defined(__AVX__)
+    vf r = (vf)_mm256_rcp_ps((__m256)d);                         /* 1.5 * 2^-12 */
+    r = r + r * (1.0f - d * r);
+    return r + r * (1.0f - d * r);
+#else
+    return 1.0f / d;
+#endif
+}
+
 /* The functions below, for a vector type V of LANES floats (VI: as many int32): select_S,
  * exp_S, any_VI, normal_cdf_S; defined for vf (S = vf) and vf16 (S = vf16). */
 #define DEFINE_VECTOR_MATH(V, VI, S, LANES)                                                 \
@@ -46,13 +98,6 @@ static inline V exp_##S(V x)                                                    
     return (V)(scaled & ~dead);                                                             \
 }                                                                                           \
                                                                                             \
-static inline int any_##VI(VI m)                     /* any lane true */                    \
-{                                                                                           \
-    int any = 0;                                                                            \
-    for (int i = 0; i < LANES; i++) any |= m[i];                                            \
-    return any != 0;                                                                        \
-}                                                                                           \
-                                                                                            \
 /* Phi(x) = erfc(-x / sqrt 2) / 2 for LANES floats, and (pdf not NULL) the density              \
  * phi(x) = exp(-x^2 / 2) / sqrt(2 pi). erfc(z) for z = |x| / sqrt 2 is Numerical           \
  * Recipes' erfcc, t exp(-z^2 + P(t)) with t = 1 / (1 + z / 2) and P of degree 9            \
@@ -67,7 +112,7 @@ static inline V normal_cdf_##S(V x, V *pdf)                                     
     const V neg = -x * 0.70710678118654752f;         /* erfc's argument */                  \
     V z = select_##S((VI)(neg < zero), -neg, neg);                                          \
     z = select_##S((VI)(z > 10.0f), zero + 10.0f, z);                                       \
-    const V t = 1.0f / (1.0f + 0.5f * z);                                                   \
+    const V t = recip_##S(1.0f + 0.5f * z);                                                 \
     V p = zero + 0.17087277f;                                                               \
     p = p * t - 0.82215223f;                                                                \
     p = p * t + 1.48851587f;                                                                \
