@@ -103,9 +103,10 @@ def test_the_minigraph_worker_runs_its_cases_on_the_fake_driver():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
-def test_the_minigraph_worker_runs_the_gpt_on_the_fake_driver():
+def test_the_minigraph_worker_runs_the_gpt_on_the_fake_driver(monkeypatch):
     from kernel_emulator import fake_pycuda
 
+    monkeypatch.setattr(ng, "TOP", 1000)     # every op: which ten cost most is the load's
     args = ng.parse_args(["--quick", "--cases", "gpt:2", "--profile-case", "gpt:2"])
     with fake_pycuda.FakeCuda(devices=1, run_kernels=False).install():
         got = ng.mg_worker(args)
@@ -113,7 +114,9 @@ def test_the_minigraph_worker_runs_the_gpt_on_the_fake_driver():
     assert set(got) == {"gpt:2:0", "gpt:2:1"}
     for result in got.values():
         assert result["train"] > 0 and result["infer"] > 0 and result["peak_mib"] > 0
-    assert profile["step_ms"] > 0 and len(profile["ops"]) == ng.TOP
+    times = [ms for _, ms, _ in profile["ops"]]
+    assert profile["step_ms"] > 0 and 10 < len(times) < ng.TOP
+    assert times == sorted(times, reverse=True)
     assert any("scaled_dot_product_attention" in name for name, _, _ in profile["ops"])
 
 

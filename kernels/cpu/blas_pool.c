@@ -5,8 +5,9 @@
  * after each one (its THREAD_TIMEOUT, 2^28 cycles by default); a native kernel that
  * starts its threads meanwhile finds a core taken by a thread that only spins. With
  * this callback, OpenBLAS hands the jobs of a parallel call to this library's pool
- * instead (native_pool.h), whose workers wait on a condition variable between calls,
- * and its own workers are never woken. The jobs of one call wait for each other
+ * instead (native_pool.h: the one every native library shares), whose workers watch
+ * for the next job for at most MINIGRAPH_SPIN_US and then sleep, and its own workers
+ * are never woken. The jobs of one call wait for each other
  * (a threaded GEMM's threads share packed panels), so they run all at once
  * (pool_run_together): a second call waits for the first to finish. */
 #include <stdio.h>

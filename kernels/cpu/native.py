@@ -42,19 +42,16 @@ import functools
 import hashlib
 import importlib.resources
 import os
-import pathlib
 import platform
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
-from minigraph.io.files import fsync_dir
+from minigraph.kernels.cpu import native_build
 from minigraph.kernels.cpu import native_cache as cache
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails
@@ -80,9 +77,8 @@ def enabled():
 
 def switched_off(name):
     """True when the environment variable `name` is 0, off or no (any case, spaces
-    around). Every kernel call asks, so it reads os.environ's own mapping of encoded
-    names: os.environ.get of an absent name raises and catches a KeyError (about a
-    microsecond, a tenth of a small op's time)."""
+    around), read from os.environ's own mapping: every kernel call asks, and
+    os.environ.get of an absent name raises and catches a KeyError (about 1 us)."""
     data = getattr(os.environ, "_data", None)
     if type(data) is not dict:
         return os.environ.get(name, "1").strip().lower() in _OFF
@@ -200,10 +196,26 @@ def build_timeout():
 def _load(name):
     with _lock:
         try:
-            return _load_or_build(name)
+            return _share_pool(_load_or_build(name))
         except _Refused as e:
             _reasons[name] = str(e)
             return None
+
+
+def _share_pool(lib):
+    """`lib`, its passes run on the pool of the first library loaded (native_pool.h):
+    one set of workers for every kernel, watching for the next pass before they sleep."""
+    if not hasattr(lib, "native_pool_use"):       # a library without native_pool.h
+        return lib
+    lib.native_pool_get.restype = ctypes.c_void_p
+    lib.native_pool_use.argtypes, lib.native_pool_use.restype = [ctypes.c_void_p], None
+    if not _pool:
+        _pool.append(lib.native_pool_get())
+    lib.native_pool_use(_pool[0])
+    return lib
+
+
+_pool = []              # the address of the pool every library shares
 
 
 class _Refused(Exception):
@@ -252,7 +264,7 @@ def _load_or_build(name):
     errors = []
     with _Notice(name, compiler, limit):
         try:
-            version = _compiler_version(compiler, deadline)
+            version = native_build.compiler_version(compiler, deadline)
         except subprocess.TimeoutExpired:
             raise _Refused(f"building {name}.c: {' '.join(compiler)} --version did not finish "
                            f"within the build limit of {limit:g} s ({BUILD_TIMEOUT_ENV})") \
@@ -270,8 +282,8 @@ def _load_or_build(name):
                 if lib is not None:
                     return lib
             try:
-                return _build(source, compiler, flags + COMMON_FLAGS, directory, filename,
-                              deadline)
+                return native_build.build(source, compiler, flags + COMMON_FLAGS, directory,
+                                          filename, deadline)
             except subprocess.TimeoutExpired:
                 errors.append(f"{' '.join(flags)}: did not finish within the build limit of "
                               f"{limit:g} s ({BUILD_TIMEOUT_ENV})")
@@ -305,85 +317,6 @@ class _Notice:
 
     def __exit__(self, *exc):
         self.timer.cancel()
-
-
-# ---- building ----------------------------------------------------------------------
-
-def _build(source, compiler, flags, directory, filename, deadline):
-    """Compile `source` with `flags` and return the loaded library: in `directory`
-    (published there as `filename` with its digest), or, when `directory` is None,
-    in a temporary directory removed once loaded."""
-    temporary = directory is None
-    if temporary:
-        directory = pathlib.Path(tempfile.mkdtemp(prefix="minigraph-native-"))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        _compile(source, compiler, flags, tmp, deadline)
-        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-            data = cache.read_all(fd, os.fstat(fd).st_size)
-            if not data:
-                raise OSError(f"{compiler[0]} wrote no library")
-            lib = cache.dlopen(fd, tmp)
-        finally:
-            os.close(fd)
-        if not temporary:
-            target = directory / filename
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, target)
-            cache.write_digest(target, hashlib.sha256(data).hexdigest())
-            fsync_dir(directory)
-        return lib
-    finally:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        if temporary:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-def _compile(source, compiler, flags, tmp, deadline):
-    """Build `source` into the file `tmp` before `deadline` (time.monotonic); the
-    source file beside it is gone afterwards, also on failure."""
-    src = pathlib.Path(tmp).with_suffix(".c")
-    src.write_text(source)
-    try:
-        code, _, err = _run([*compiler, *flags, str(src), "-o", tmp], deadline)
-    finally:
-        src.unlink(missing_ok=True)
-    if code != 0:
-        raise OSError(err or f"{compiler[0]} exited with {code}")
-
-
-def _run(cmd, deadline):
-    """(returncode, stdout, stderr) of `cmd`, killed with its whole process group
-    (a compiler driver's children too) at `deadline`: then TimeoutExpired."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise subprocess.TimeoutExpired(cmd, 0)
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=left)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            stream.close()
-        raise
-    return proc.returncode, out, err
-
-
-def _compiler_version(compiler, deadline):
-    """The compiler's --version output ('' when it fails); TimeoutExpired at `deadline`."""
-    try:
-        return _run([*compiler, "--version"], deadline)[1]
-    except OSError:
-        return ""
 
 
 def cpu_identity():

@@ -1,19 +1,28 @@
 /* The worker threads of the native kernels that split a pass over threads (each
  * kernel's .c includes this; native.py puts it in the source, so each library has a
- * pool of its own).
+ * pool of its own, and then points every library at the first one's with
+ * native_pool_use: one pool, whose workers every kernel and OpenBLAS share).
  *
  * pool_run(fn, jobs, size, threads) calls fn on each of `threads` jobs, an array of
  * structs of `size` bytes: this thread runs job 0, workers kept between calls run
  * the others (starting threads per call cost about as much as a small pass). A
- * worker waits on a condition variable (no spinning, so it takes no core from anyone
- * while idle) for the next generation of jobs, runs its job if it has one, and
- * reports. One call uses the pool at a time; a call that finds it busy (another
- * thread's pass) starts threads of its own, and a job no thread could be started for
- * runs on the caller. A forked child starts with an empty pool. */
+ * worker waits for the next generation of jobs, runs its job if it has one, and
+ * reports. A wait (a worker's for jobs, the caller's for the workers) first watches
+ * for up to MINIGRAPH_SPIN_US microseconds (POOL_SPIN_US by default), yielding the
+ * core between looks, then sleeps on a condition variable: a wake-up from that sleep
+ * costs 15-30 us, more than a small pass, and passes follow each other within tens
+ * of microseconds in a step, while an idle pool takes no core from anyone. One call
+ * uses the pool at a time; a call that finds it busy (another thread's pass) starts
+ * threads of its own, and a job no thread could be started for runs on the caller.
+ * A forked child starts with an empty pool. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
 
 #define POOL_MAX_THREADS 64
+#define POOL_SPIN_US 100        /* how long a wait spins before it sleeps, by default */
 
 typedef void *(*pool_fn)(void *);
 
@@ -34,17 +43,35 @@ static inline void pool_share(int64_t items, int64_t parts, int64_t t, int64_t *
     *end = (t + 1) * chunk < items ? (t + 1) * chunk : items;
 }
 
-static struct {
+typedef struct {
     pthread_mutex_t busy, lock;
     pthread_cond_t wake, done;
     int64_t size, count, pending;          /* workers; jobs this generation; unfinished */
-    uint64_t generation, seen[POOL_MAX_THREADS];   /* the last generation each worker saw */
+    int64_t generation, seen[POOL_MAX_THREADS];    /* the last generation each worker saw */
     pool_fn fn;
     char *jobs;
     size_t job_size;
     int fork_handler;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, NULL, NULL, 0, 0};
+    int64_t spin_ns;                       /* how long a wait watches; -1: not read yet */
+} pool_t;
+
+static pool_t pool_own = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER,
+                          PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0,
+                          {0}, NULL, NULL, 0, 0, -1};
+static pool_t *pool_at = &pool_own;
+#define pool (*pool_at)
+
+/* The pool this library runs its passes on (native.py gives the first library's to
+ * the others: native_pool_use, before any of their passes). */
+void *native_pool_get(void) { return pool_at; }
+void native_pool_use(void *other) { pool_at = other; }
+
+/* Sets how long the pool's waits watch before they sleep (microseconds; < 0: read
+ * MINIGRAPH_SPIN_US again at the next wait). */
+void native_pool_spin(int64_t us)
+{
+    __atomic_store_n(&pool.spin_ns, us < 0 ? -1 : us * 1000, __ATOMIC_RELAXED);
+}
 
 static void pool_after_fork(void)
 {
@@ -55,11 +82,47 @@ static void pool_after_fork(void)
     pool.size = pool.count = pool.pending = 0;
 }
 
+static inline int64_t pool_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Watch *at (without the lock) for up to the spin time while it equals `value`
+ * (equal) or while it does not (!equal), yielding the core between looks. The caller
+ * then takes the lock and checks again: the watch only saves a sleep, never decides. */
+static inline void pool_watch(const int64_t *at, int64_t value, int equal)
+{
+    int64_t spin = __atomic_load_n(&pool.spin_ns, __ATOMIC_RELAXED);
+    if (spin < 0) {                                      /* the first wait reads it */
+        const char *set = getenv("MINIGRAPH_SPIN_US");
+        spin = (set != NULL && *set != 0 ? atoll(set) : POOL_SPIN_US) * 1000;
+        __atomic_store_n(&pool.spin_ns, spin > 0 ? spin : 0, __ATOMIC_RELAXED);
+    }
+    if (spin <= 0) return;
+    int64_t end = 0;
+    for (;;) {
+        for (int i = 0; i < 64; i++)
+            if ((__atomic_load_n(at, __ATOMIC_ACQUIRE) == value) != equal) return;
+        const int64_t now = pool_now_ns();
+        if (end == 0) end = now + spin;
+        else if (now >= end) return;
+        sched_yield();
+    }
+}
+
 static void *pool_worker(void *arg)
 {
     int64_t index = (int64_t)(intptr_t)arg;
     pthread_mutex_lock(&pool.lock);
     for (;;) {
+        if (pool.generation == pool.seen[index]) {
+            const int64_t seen = pool.seen[index];
+            pthread_mutex_unlock(&pool.lock);
+            pool_watch(&pool.generation, seen, 1);
+            pthread_mutex_lock(&pool.lock);
+        }
         while (pool.generation == pool.seen[index]) pthread_cond_wait(&pool.wake, &pool.lock);
         pool.seen[index] = pool.generation;
         if (index >= pool.count) continue;
@@ -68,7 +131,8 @@ static void *pool_worker(void *arg)
         pthread_mutex_unlock(&pool.lock);
         fn(job);
         pthread_mutex_lock(&pool.lock);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL) == 0)
+            pthread_cond_signal(&pool.done);
     }
     return NULL;
 }
@@ -108,11 +172,12 @@ static void pool_hand_out(pool_fn fn, char *jobs, size_t size, int64_t pooled,
     pool.job_size = size;
     pool.count = pooled;
     pool.pending = pooled - 1;
-    pool.generation++;
+    __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     for (int64_t t = pooled; t < threads; t++) fn(jobs + (size_t)t * size);  /* no worker */
     fn(jobs);
+    pool_watch(&pool.pending, 0, 0);
     pthread_mutex_lock(&pool.lock);
     while (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
     pthread_mutex_unlock(&pool.lock);
