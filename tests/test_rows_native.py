@@ -1,5 +1,6 @@
-"""The native sum over rows of a bias gradient (kernels/cpu/rows_native.c): numpy's
-np.add.reduce(a, axis=0, dtype=np.float64) rounded to float32, bit for bit."""
+"""The native kernels of rows (kernels/cpu/rows_native.c): the sum over rows of a bias
+gradient, numpy's np.add.reduce(a, axis=0, dtype=np.float64) rounded to float32, and
+the adds on several threads, numpy's adds, bit for bit."""
 import numpy as np
 import pytest
 
@@ -60,3 +61,83 @@ def test_what_it_leaves_to_numpy(monkeypatch):
         assert rows_native.sum_rows(other) is None
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert rows_native.sum_rows(a) is None
+
+
+def bits(a):
+    return a.view(np.int32 if a.dtype == np.float32 else np.int64)
+
+
+def special(shape, dtype):
+    """Values of every magnitude, with NaN, infinities, -0.0 and sums that overflow."""
+    a = (rng.standard_normal(shape) * rng.choice(np.array([1e-30, 1.0, 1e30]), size=shape))
+    a = a.astype(dtype)
+    flat = a.reshape(-1)
+    odd = np.array([np.nan, np.inf, -np.inf, -0.0, np.finfo(dtype).max, np.inf], dtype)
+    flat[:len(odd)] = odd[:flat.size]
+    return a
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_the_adds_are_numpys_on_any_number_of_threads(monkeypatch, dtype, threads):
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(rows_native, "MIN_THREAD_ADD", 1)
+    for shape in ((1, 1), (3, 5), (257, 129), (64, 1000), (5, 7, 33)):
+        a, b, bias = special(shape, dtype), special(shape, dtype), special(shape[-1:], dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            want, want_bias = np.add(a, b), np.add(a, bias)
+            got = rows_native.add(a, b, np.empty_like(a))
+            got_bias = rows_native.add_bias(a, bias, np.empty_like(a))
+        if min(threads, a.size) == 1:
+            assert got is None                                  # numpy's one thread
+        else:
+            np.testing.assert_array_equal(bits(got), bits(want))
+        np.testing.assert_array_equal(bits(got_bias), bits(want_bias))
+        into = a.copy()                                         # in place
+        assert rows_native.add_bias(into, bias, into) is into
+        np.testing.assert_array_equal(bits(into), bits(want_bias))
+
+
+def test_the_ops_add_on_the_threads_with_numpys_bits(monkeypatch):
+    """elementwise_add (a bias), add and sum (of gradients) of arrays large enough."""
+    from minigraph.kernels.cpu import binary, elementwise
+    from minigraph.schema import KernelContext
+
+    class Op:
+        attrs = {"axis": -1}
+
+    calls = []
+    real = rows_native._add
+    monkeypatch.setattr(rows_native, "_add", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: 2)
+    x, y, z = (special((600, 256), np.float32) for _ in range(3))
+    b = special((256,), np.float32)
+    ctx = KernelContext(None)
+    with np.errstate(invalid="ignore", over="ignore"):
+        got = [elementwise.elementwise_add_cpu(Op, {"x": x, "y": b}, ctx)["out"],
+               binary.add_cpu(Op, {"x": x, "y": y}, ctx)["out"],
+               elementwise.sum_cpu(Op, {"x": [x, y, z]}, ctx)["out"]]
+        want = [x + b, x + y, (x + y) + z]
+    assert len(calls) == 4
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits(g), bits(w))
+
+
+def test_what_the_adds_leave_to_numpy(monkeypatch):
+    """Too few values for two threads, other dtypes, mixed dtypes, views, a bias of the
+    wrong length, a read-only output, MINIGRAPH_NATIVE=0."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: 2)
+    a = values(600, 256)
+    assert rows_native.add(a[:10], a[:10], np.empty_like(a[:10])) is None
+    assert rows_native.add_bias(a[:10], a[0], np.empty_like(a[:10])) is None
+    assert rows_native.add(a, a.astype(np.float64), np.empty_like(a)) is None
+    ints = np.ones(a.shape, np.int32)
+    assert rows_native.add(ints, ints, np.empty_like(ints)) is None
+    assert rows_native.add(a[:, ::2], a[:, ::2], np.empty((600, 128), np.float32)) is None
+    assert rows_native.add_bias(a, a[0, :7], np.empty_like(a)) is None
+    frozen = np.empty_like(a)
+    frozen.flags.writeable = False
+    assert rows_native.add(a, a, frozen) is None
+    assert rows_native.add(a, a, np.empty_like(a)) is not None
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert rows_native.add(a, a, np.empty_like(a)) is None

@@ -25,7 +25,10 @@ def elementwise_add_cpu(op, ins, ctx):
     handed over."""
     x, y = ins["x"], ins["y"]
     if y.ndim == 1 and op.attrs["axis"] in (-1, x.ndim - 1):     # a bias on the last axis
-        return {"out": np.add(x, y, out=x if "x" in ctx.donated else None)}
+        into = x if "x" in ctx.donated else None
+        done = rows_native.add_bias(x, y, np.empty_like(x) if into is None else into) \
+            if x.size >= rows_native.MIN_THREAD_ADD else None
+        return {"out": np.add(x, y, out=into) if done is None else done}
     start = y_start(x.ndim, y.ndim, op.attrs["axis"])
     return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}
 
@@ -57,13 +60,16 @@ def elementwise_add_grad_cpu(op, ins, ctx):
 
 def sum_cpu(op, ins, ctx):
     """out = x[0] + x[1] + ..., added in that order (a new array; the first two in
-    one pass, not a copy and an add)."""
+    one pass, not a copy and an add; on the threads where rows_native.add takes
+    them, with numpy's bits)."""
     xs = ins["x"]
     if len(xs) == 1:
         return {"out": xs[0].copy()}
-    out = np.add(xs[0], xs[1], out=np.empty_like(xs[0]))
-    for x in xs[2:]:
-        out += x
+    out = np.empty_like(xs[0])
+    for i, x in enumerate(xs[1:]):
+        a = xs[0] if i == 0 else out
+        if rows_native.add(a, x, out) is None:
+            np.add(a, x, out=out)
     return {"out": out}
 
 

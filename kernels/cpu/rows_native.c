@@ -1,4 +1,7 @@
-/* Native CPU kernel of a bias gradient's sum over rows (launched by rows_native.py):
+/* Native CPU kernels of rows: a bias gradient's sum over rows, and the adds of two
+ * arrays or of a bias to each row (launched by rows_native.py).
+ *
+ * The sum over rows (launched by rows_native.py):
  * out[j] = float(sum over i of double(a[i][j])) for a (R, C) float32 row-major, the
  * float64 sum of each column started at +0.0 and taken over the rows in order, then
  * rounded once to float32. That is the order of numpy's
@@ -6,7 +9,12 @@
  * so the bits are numpy's. Each column's order is fixed: the columns are vectorized
  * (8 doubles a vector, 64 columns a pass down the rows) and split in contiguous
  * ranges of 64 over up to `threads` threads (native_pool.h), so results do not
- * depend on the count. */
+ * depend on the count.
+ *
+ * The adds: out = a + b (the same number of values) and out[i][j] = x[i][j] + bias[j],
+ * float32 or float64, each value one IEEE add, as numpy's (the bits are numpy's, on
+ * any number of threads); out may be a or x (in place). Contiguous ranges of values
+ * (of rows, for the bias) go to up to `threads` threads. */
 #include <stdint.h>
 
 #include "native_pool.h"
@@ -58,5 +66,69 @@ int rows_sum_f32(const float *a, float *out, int64_t rows, int64_t cols, int thr
                               b1 * ROWS_BLOCK < cols ? b1 * ROWS_BLOCK : cols};
     }
     pool_run(sum_columns, jobs, sizeof(sum_job_t), parts);
+    return 0;
+}
+
+/* Each value depends only on the same value of the inputs, also in place: IVDEP spares
+ * the compiler the overlap checks (as in optim_native.c). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define IVDEP _Pragma("GCC ivdep")
+#else
+#define IVDEP
+#endif
+
+typedef struct {
+    const void *a, *b;
+    void *out;
+    int64_t cols, begin, end;        /* the job's values (rows, with a bias) [begin, end) */
+    int bias, f64;
+} add_job_t;
+
+#define ADD_RANGE(T)                                                                     \
+    static void add_##T(const add_job_t *j)                                             \
+    {                                                                                   \
+        const T *a = j->a, *b = j->b;            /* locals: a store may alias *j */   \
+        T *out = j->out;                                                                \
+        const int64_t begin = j->begin, end = j->end, cols = j->cols;                   \
+        if (!j->bias) {                                                                 \
+            IVDEP                                                                       \
+            for (int64_t i = begin; i < end; i++) out[i] = a[i] + b[i];                 \
+            return;                                                                     \
+        }                                                                               \
+        for (int64_t r = begin; r < end; r++) {                                         \
+            const T *row = a + r * cols;                                                \
+            T *to = out + r * cols;                                                     \
+            IVDEP                                                                       \
+            for (int64_t c = 0; c < cols; c++) to[c] = row[c] + b[c];                   \
+        }                                                                               \
+    }
+
+ADD_RANGE(float)
+ADD_RANGE(double)
+
+static void *add_job(void *arg)
+{
+    const add_job_t *j = arg;
+    if (j->f64)
+        add_double(j);
+    else
+        add_float(j);
+    return NULL;
+}
+
+/* out = a + b over n values (bias 0), or out[i][j] = a[i][j] + b[j] over n rows of
+ * `cols` values (bias 1); float64 where f64, else float32; on up to `threads` threads.
+ * Returns 0. */
+int rows_add(int f64, int bias, const void *a, const void *b, void *out, int64_t n,
+             int64_t cols, int threads)
+{
+    add_job_t jobs[POOL_MAX_THREADS];
+    const int64_t parts = pool_parts(threads, n);
+    for (int64_t t = 0; t < parts; t++) {
+        int64_t begin, end;
+        pool_share(n, parts, t, &begin, &end);
+        jobs[t] = (add_job_t){a, b, out, cols, begin, end, bias, f64};
+    }
+    pool_run(add_job, jobs, sizeof(add_job_t), parts);
     return 0;
 }

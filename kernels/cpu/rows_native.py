@@ -1,5 +1,15 @@
-"""Launcher of the native sum over rows of a bias gradient (rows_native.c, built by
-native.py): `sum_rows(a)` for a (R, C) float32 gives the same bits as
+"""Launchers of rows_native.c (built by native.py): the sum over rows of a bias
+gradient, and adds on several threads.
+
+`add(a, b, out)` (out = a + b, one shape) splits the values over the threads for
+arrays of at least 2 * MIN_THREAD_ADD values; `add_bias(x, bias, out)` (bias added
+to each row of x) takes arrays of MIN_THREAD_ADD values and more, on one thread too
+(numpy's broadcast add runs its inner loop once a row: three times as long on
+1024 x 128). Float32 or float64, C-contiguous, out possibly a or x; each value is
+one IEEE add, so the bits are numpy's. They return None elsewhere (smaller arrays,
+other dtypes or layouts, native kernels off): numpy adds then, on one thread.
+
+`sum_rows(a)` for a (R, C) float32 gives the same bits as
 np.add.reduce(a, axis=0, dtype=np.float64).astype(np.float32), which is what
 elementwise_add_grad computes (version-1 checkpoints resume bit for bit).
 
@@ -23,8 +33,10 @@ import numpy as np
 from minigraph.kernels.cpu import blocks, native
 
 MIN_THREAD_VALUES = 1 << 16          # values a thread (one add and a convert each)
+MIN_THREAD_ADD = 1 << 16             # values a thread of the adds
 
-_F32 = np.dtype(np.float32)
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_FLOATS = (_F32, _F64)
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _kernel = []
 
@@ -33,7 +45,36 @@ def _load():
     if not _kernel:
         _kernel.append(native.typed_function("rows_native", "rows_sum_f32",
                                              [_P, _P, _L, _L, _I]))
+        _kernel.append(native.typed_function("rows_native", "rows_add",
+                                             [_I, _I, _P, _P, _P, _L, _L, _I]))
     return _kernel[0]
+
+
+def add(a, b, out):
+    """out (returned) = a + b on the threads, or None (see the module doc)."""
+    return _add(a, b, out, 0, a.size, 1)
+
+
+def add_bias(x, bias, out):
+    """out (returned) = x + bias on its last axis (bias: x.shape[-1] values) on the
+    threads, or None (see the module doc)."""
+    cols = x.shape[-1] if x.ndim else 1
+    if bias.shape != (cols,) or cols == 0:
+        return None
+    return _add(x, bias, out, 1, x.size // cols, cols)
+
+
+def _add(a, b, out, bias, n, cols):
+    threads = blocks.threads_for(a.size, MIN_THREAD_ADD)
+    too_few = a.size < MIN_THREAD_ADD if bias else threads < 2
+    if (too_few or a.dtype not in _FLOATS or b.dtype != a.dtype or out.dtype != a.dtype
+            or out.shape != a.shape or (not bias and b.shape != a.shape)
+            or not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
+                    and out.flags.writeable) or not native.enabled() or _load() is None):
+        return None
+    _kernel[1](int(a.dtype == _F64), bias, native.address(a), native.address(b),
+               native.address(out), n, cols, threads)
+    return out
 
 
 def sum_rows(a):
