@@ -19,28 +19,24 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 #endif
 
 /* Any lane of m set: one test instruction where the target has it (a loop over the
- * lanes extracts each: as much work as the rest of a gelu). */
-static inline int any_vi16(vi16 m)
+ * lanes extracts each: as much work as the rest of a gelu), else that loop. */
+static inline int any_lane(const int32_t *lanes, int count)
 {
-#if defined(__AVX512F__)
-    return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
-#else
     int any = 0;
-    for (int i = 0; i < 16; i++) any |= m[i];
+    for (int i = 0; i < count; i++) any |= lanes[i];
     return any != 0;
-#endif
 }
 
-static inline int any_vi(vi m)
-{
-#if defined(__AVX__)
-    return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#if defined(__AVX512F__)
+static inline int any_vi16(vi16 m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }
 #else
-    int any = 0;
-    for (int i = 0; i < 8; i++) any |= m[i];
-    return any != 0;
+static inline int any_vi16(vi16 m) { return any_lane((const int32_t *)&m, 16); }
 #endif
-}
+#if defined(__AVX__)
+static inline int any_vi(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+#else
+static inline int any_vi(vi m) { return any_lane((const int32_t *)&m, 8); }
+#endif
 
 /* 1 / d for d in [1, 6] (erfc's t): the target's reciprocal estimate refined by Newton
  * steps to within an ulp of the quotient (a division takes as long as the rest of a
