@@ -1,4 +1,5 @@
-"""Building and loading the native CPU kernels (*.c beside their launchers).
+"""Building and loading the native CPU kernels (*.c beside their launchers; the
+compiling itself is native_build.py's, the cache's checks native_cache.py's).
 
 `library(name)` compiles kernels/cpu/<name>.c (with the headers of this folder
 it includes, `source_of`) with the system C compiler (`cc`, or $CC) for this
@@ -82,9 +83,9 @@ def switched_off(name):
     data = getattr(os.environ, "_data", None)
     if type(data) is not dict:
         return os.environ.get(name, "1").strip().lower() in _OFF
-    key = _keys.get(name)
+    key = _env_keys.get(name)
     if key is None:
-        key = _keys[name] = os.environ.encodekey(name)
+        key = _env_keys[name] = os.environ.encodekey(name)
     raw = data.get(key)
     if raw is None:
         return False
@@ -95,7 +96,7 @@ def switched_off(name):
 
 
 _OFF = ("0", "off", "no")
-_keys, _off = {}, {}            # name -> its key in os.environ._data; raw value -> off
+_env_keys, _off = {}, {}        # name -> its key in os.environ._data; raw value -> off
 
 
 def library(name):
