@@ -138,6 +138,9 @@ def test_what_the_adds_leave_to_numpy(monkeypatch):
     frozen = np.empty_like(a)
     frozen.flags.writeable = False
     assert rows_native.add(a, a, frozen) is None
+    assert rows_native.add(a, a, np.empty((600, 128), np.float32)) is None   # out's shape
     assert rows_native.add(a, a, np.empty_like(a)) is not None
+    fresh = rows_native.add_bias(a, a[0])                     # out None: a new array
+    assert fresh is not a and np.array_equal(bits(fresh), bits(a + a[0]))
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert rows_native.add(a, a, np.empty_like(a)) is None

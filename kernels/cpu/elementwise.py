@@ -26,8 +26,7 @@ def elementwise_add_cpu(op, ins, ctx):
     x, y = ins["x"], ins["y"]
     if y.ndim == 1 and op.attrs["axis"] in (-1, x.ndim - 1):     # a bias on the last axis
         into = x if "x" in ctx.donated else None
-        done = rows_native.add_bias(x, y, np.empty_like(x) if into is None else into) \
-            if x.size >= rows_native.MIN_THREAD_ADD else None
+        done = rows_native.add_bias(x, y, into)
         return {"out": np.add(x, y, out=into) if done is None else done}
     start = y_start(x.ndim, y.ndim, op.attrs["axis"])
     return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}

@@ -1,8 +1,7 @@
 /* Native CPU kernels of rows: a bias gradient's sum over rows, and the adds of two
  * arrays or of a bias to each row (launched by rows_native.py).
  *
- * The sum over rows (launched by rows_native.py):
- * out[j] = float(sum over i of double(a[i][j])) for a (R, C) float32 row-major, the
+ * The sum over rows: out[j] = float(sum over i of double(a[i][j])) for a (R, C) float32 row-major, the
  * float64 sum of each column started at +0.0 and taken over the rows in order, then
  * rounded once to float32. That is the order of numpy's
  * np.add.reduce(a, axis=0, dtype=np.float64) for C >= 2 (rows_native.py says why),

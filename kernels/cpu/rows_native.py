@@ -50,14 +50,15 @@ def _load():
     return _kernel[0]
 
 
-def add(a, b, out):
-    """out (returned) = a + b on the threads, or None (see the module doc)."""
+def add(a, b, out=None):
+    """out (returned; None: a new array) = a + b on the threads, or None (see the
+    module doc)."""
     return _add(a, b, out, 0, a.size, 1)
 
 
-def add_bias(x, bias, out):
-    """out (returned) = x + bias on its last axis (bias: x.shape[-1] values) on the
-    threads, or None (see the module doc)."""
+def add_bias(x, bias, out=None):
+    """out (returned; None: a new array) = x + bias on its last axis (bias: x.shape[-1]
+    values) on the threads, or None (see the module doc)."""
     cols = x.shape[-1] if x.ndim else 1
     if bias.shape != (cols,) or cols == 0:
         return None
@@ -67,11 +68,15 @@ def add_bias(x, bias, out):
 def _add(a, b, out, bias, n, cols):
     threads = blocks.threads_for(a.size, MIN_THREAD_ADD)
     too_few = a.size < MIN_THREAD_ADD if bias else threads < 2
-    if (too_few or a.dtype not in _FLOATS or b.dtype != a.dtype or out.dtype != a.dtype
-            or out.shape != a.shape or (not bias and b.shape != a.shape)
-            or not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous
-                    and out.flags.writeable) or not native.enabled() or _load() is None):
+    if (too_few or a.dtype not in _FLOATS or b.dtype != a.dtype
+            or (not bias and b.shape != a.shape)
+            or not (a.flags.c_contiguous and b.flags.c_contiguous)
+            or (out is not None and not (out.dtype == a.dtype and out.shape == a.shape
+                                         and out.flags.c_contiguous and out.flags.writeable))
+            or not native.enabled() or _load() is None):
         return None
+    if out is None:
+        out = np.empty(a.shape, a.dtype)
     _kernel[1](int(a.dtype == _F64), bias, native.address(a), native.address(b),
                native.address(out), n, cols, threads)
     return out

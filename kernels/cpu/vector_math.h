@@ -14,12 +14,12 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-#if defined(__AVX512F__) || defined(__AVX__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-/* Any lane of m set: one test instruction where the target has it (a loop over the
- * lanes extracts each: as much work as the rest of a gelu), else that loop. */
+/* Any lane of m set: one test instruction on AVX-512 (a loop over the lanes extracts
+ * each: as much work as the rest of a gelu), else that loop. */
 static inline int any_lane(const int32_t *lanes, int count)
 {
     int any = 0;
@@ -32,11 +32,7 @@ static inline int any_vi16(vi16 m) { return _mm512_test_epi32_mask((__m512i)m, (
 #else
 static inline int any_vi16(vi16 m) { return any_lane((const int32_t *)&m, 16); }
 #endif
-#if defined(__AVX__)
-static inline int any_vi(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
-#else
 static inline int any_vi(vi m) { return any_lane((const int32_t *)&m, 8); }
-#endif
 
 /* 1 / d for d in [1, 6] (erfc's t): the target's reciprocal estimate refined by Newton
  * steps to within an ulp of the quotient (a division takes as long as the rest of a
@@ -51,16 +47,7 @@ static inline vf16 recip_vf16(vf16 d)
 #endif
 }
 
-static inline vf recip_vf(vf d)
-{
-#if defined(__AVX__)
-    vf r = (vf)_mm256_rcp_ps((__m256)d);                         /* 1.5 * 2^-12 */
-    r = r + r * (1.0f - d * r);
-    return r + r * (1.0f - d * r);
-#else
-    return 1.0f / d;
-#endif
-}
+static inline vf recip_vf(vf d) { return 1.0f / d; }    /* no kernel takes 8 lanes' CDF */
 
 /* The functions below, for a vector type V of LANES floats (VI: as many int32): select_S,
  * exp_S, any_VI, normal_cdf_S; defined for vf (S = vf) and vf16 (S = vf16). */
