@@ -12,6 +12,7 @@ there are fewer units of work (a head and a block of rows or keys).
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 
@@ -57,10 +58,10 @@ def _seed_arg(seed64):
 
 
 def _call(symbol, ints, reals):
-    """Call `symbol` with its packed arguments (ints: each within int64)."""
-    ints = np.array(ints, np.int64)
-    reals = np.array(reals, np.float64)
-    return _load(symbol)(_address(_char(ints)), _address(_char(reals)))
+    """Call `symbol` with its packed arguments (ints: each within int64; the kernel
+    reads them where the bytes lie)."""
+    return _load(symbol)(struct.pack(f"{len(ints)}q", *ints),
+                         struct.pack(f"{len(reals)}d", *reals))
 
 
 def available():
@@ -143,12 +144,11 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     lse = np.empty((n, h, tq), dtype) if want_lse else None
     p, seed64 = dropout if dropout is not None else (0.0, 0)
     threads = _threads(n * h * -(-tq // 64), n * h * tq * tk)
-    args = np.array([
-        int(dtype == _F64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(out),
-        _ptr(lse), int(offset is not None), int(offset or 0), _seed_arg(seed64),
-        STREAM, threads, n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4), *_strides(v4),
-        *o_strides, *_NO_GRAD_STRIDES, *mstrides], np.int64)
-    if fn(_address(_char(args)), _address(_char(np.array((scale, p), np.float64)))):
+    if _call("attention_forward_packed", [
+            int(dtype == _F64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(out),
+            _ptr(lse), int(offset is not None), int(offset or 0), _seed_arg(seed64),
+            STREAM, threads, n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4),
+            *_strides(v4), *o_strides, *_NO_GRAD_STRIDES, *mstrides], [scale, p]):
         raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
                           "could not be allocated")
     return out, lse
