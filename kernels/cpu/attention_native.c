@@ -35,9 +35,19 @@
 #define ATT_BC 64                /* keys per block */
 #define ATT_ALIGN 64
 
-typedef double vd __attribute__((vector_size(32)));
-typedef int64_t vl __attribute__((vector_size(32)));
-typedef double vdu __attribute__((vector_size(32), aligned(8)));
+/* The products' and scans' vectors: one AVX-512 register where the build target has
+ * them (16 floats, 8 doubles), else 32 bytes. */
+#if defined(__AVX512F__)
+#define ATT_VBYTES 64
+#else
+#define ATT_VBYTES 32
+#endif
+typedef float va __attribute__((vector_size(ATT_VBYTES)));
+typedef float vau __attribute__((vector_size(ATT_VBYTES), aligned(4)));
+typedef int32_t vai __attribute__((vector_size(ATT_VBYTES)));
+typedef double vd __attribute__((vector_size(ATT_VBYTES)));
+typedef int64_t vl __attribute__((vector_size(ATT_VBYTES)));
+typedef double vdu __attribute__((vector_size(ATT_VBYTES), aligned(8)));
 
 /* Indices into the strides array the launcher passes (elements, not bytes): batch,
  * head and row strides of each tensor (its last axis is contiguous), then the mask's
@@ -379,12 +389,12 @@ static inline double exp_row_f64(double *row, double top)
     return total;
 }
 
-DEFINE_KERNELS(float, f32, vf, vfu, 8, vi)
-DEFINE_KERNELS(double, f64, vd, vdu, 4, vl)
+DEFINE_KERNELS(float, f32, va, vau, ATT_VBYTES / 4, vai)
+DEFINE_KERNELS(double, f64, vd, vdu, ATT_VBYTES / 8, vl)
 DEFINE_WRITE_DQ(float, f32)
 DEFINE_WRITE_DQ(double, f64)
-DEFINE_BACKWARD_KERNELS(float, f32, vf, vfu, 8, vi)
-DEFINE_BACKWARD_KERNELS(double, f64, vd, vdu, 4, vl)
+DEFINE_BACKWARD_KERNELS(float, f32, va, vau, ATT_VBYTES / 4, vai)
+DEFINE_BACKWARD_KERNELS(double, f64, vd, vdu, ATT_VBYTES / 8, vl)
 
 static void setup(att_t *a, int f64, const int64_t *dims, const int64_t *strides, int mask_kind,
                   int causal, int64_t offset, double scale, double p, uint64_t seed64,
@@ -394,7 +404,7 @@ static void setup(att_t *a, int f64, const int64_t *dims, const int64_t *strides
     a->f64 = f64;
     a->n = dims[0]; a->h = dims[1]; a->tq = dims[2]; a->tk = dims[3]; a->hd = dims[4];
     a->vd = dims[5];
-    const int64_t vw2 = f64 ? 8 : 16;                /* two vectors */
+    const int64_t vw2 = 2 * ATT_VBYTES / (f64 ? 8 : 4);  /* two vectors */
     a->dp = round_up(a->hd, vw2);
     a->dvp = round_up(a->vd, vw2);
     a->nh = a->n * a->h;
