@@ -16,7 +16,8 @@ import numpy as np
 
 from minigraph.kernels.cpu import blocks, native
 
-MIN_THREAD_VALUES = 1 << 17      # values a thread must have to be worth waking
+MIN_THREAD_VALUES = 1 << 13      # values a thread must have to be worth waking (a Philox
+                                 # call per 4 values: 31Ki take 116 us on 2 threads, 144 on 1)
 
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _kernel = None
