@@ -6,8 +6,8 @@
  * rounded once to float32. That is the order of numpy's
  * np.add.reduce(a, axis=0, dtype=np.float64) for C >= 2 (rows_native.py says why),
  * so the bits are numpy's. Each column's order is fixed: the columns are vectorized
- * (8 doubles a vector, 64 columns a pass down the rows) and split in contiguous
- * ranges of 64 over up to `threads` threads (native_pool.h), so results do not
+ * (8 doubles a vector, 128 columns a pass down the rows where a thread's range has
+ * them, else 64) and split in contiguous ranges of 64 over up to `threads` threads (native_pool.h), so results do not
  * depend on the count.
  *
  * The adds: out = a + b (the same number of values) and out[i][j] = x[i][j] + bias[j],
@@ -18,7 +18,8 @@
 
 #include "native_pool.h"
 
-#define ROWS_BLOCK 64               /* columns a pass down the rows */
+#define ROWS_BLOCK 64               /* columns the threads' ranges are made of */
+#define ROWS_WIDE 128               /* columns a pass down the rows, where a range has them */
 
 typedef double vd8 __attribute__((vector_size(64)));
 typedef float vf8u __attribute__((vector_size(32), aligned(4)));
@@ -29,20 +30,27 @@ typedef struct {
     int64_t rows, cols, begin, end;  /* the job's columns [begin, end) */
 } sum_job_t;
 
+/* out[c .. c + width) = the columns' sums down all the rows (width: a multiple of 8 up to
+ * ROWS_WIDE, kept in registers). */
+static inline __attribute__((always_inline)) void sum_block(const sum_job_t *j, int64_t c,
+                                                            int width)
+{
+    vd8 acc[ROWS_WIDE / 8] = {{0}};
+    for (int64_t i = 0; i < j->rows; i++) {
+        const float *row = j->a + i * j->cols + c;
+        for (int v = 0; v < width / 8; v++)
+            acc[v] += __builtin_convertvector(*(const vf8u *)(row + 8 * v), vd8);
+    }
+    for (int v = 0; v < width / 8; v++)
+        for (int l = 0; l < 8; l++) j->out[c + 8 * v + l] = (float)acc[v][l];
+}
+
 static void *sum_columns(void *arg)
 {
     const sum_job_t *j = arg;
     int64_t c = j->begin;
-    for (; c + ROWS_BLOCK <= j->end; c += ROWS_BLOCK) {
-        vd8 acc[ROWS_BLOCK / 8] = {{0}};
-        for (int64_t i = 0; i < j->rows; i++) {
-            const float *row = j->a + i * j->cols + c;
-            for (int v = 0; v < ROWS_BLOCK / 8; v++)
-                acc[v] += __builtin_convertvector(*(const vf8u *)(row + 8 * v), vd8);
-        }
-        for (int v = 0; v < ROWS_BLOCK / 8; v++)
-            for (int l = 0; l < 8; l++) j->out[c + 8 * v + l] = (float)acc[v][l];
-    }
+    for (; c + ROWS_WIDE <= j->end; c += ROWS_WIDE) sum_block(j, c, ROWS_WIDE);
+    for (; c + ROWS_BLOCK <= j->end; c += ROWS_BLOCK) sum_block(j, c, ROWS_BLOCK);
     for (; c < j->end; c++) {          /* the last columns, one at a time */
         double acc = 0.0;
         for (int64_t i = 0; i < j->rows; i++) acc += (double)j->a[i * j->cols + c];
