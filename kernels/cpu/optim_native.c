@@ -15,7 +15,7 @@
 #include "native_pool.h"
 
 #define MAX_THREADS 64
-#define MIN_SPLIT 262144
+#define MIN_SPLIT 16384     /* adam on 64Ki float32 values: 44 us on 2 threads, 86 on 1 */
 
 typedef struct {
     int kind;                          /* 0 sgd, 1 momentum, 2 adam */
