@@ -39,3 +39,20 @@ def test_clip_bad_inputs():
     b.set(np.ones(3, np.int64))
     with pytest.raises(mg.OpError, match=r"clip_by_global_norm: input 'x\[1\]' must be a float"):
         mg.Operator("clip_by_global_norm", x=[a, b], out=[a, b])
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_clip_norm_native_and_numpy(monkeypatch, native):
+    """The norm from the native sum of squares and from numpy's agree: the same
+    factor to float64 rounding, and a factor of 1 passes the gradients on as they are."""
+    monkeypatch.setenv("MINIGRAPH_NATIVE", native)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in ((300, 70), (513,), ())]
+    total = np.sqrt(sum(float((a.astype(np.float64) ** 2).sum()) for a in xs))
+    got = helper_test_op("clip_by_global_norm", {"x": xs}, {"max_norm": total / 2},
+                         clip_reference)
+    for a, b in zip(xs, got["out"]):
+        np.testing.assert_allclose(b, a * np.float32(0.5), rtol=1e-6)
+    kept = helper_test_op("clip_by_global_norm", {"x": xs}, {"max_norm": total * 2},
+                          clip_reference)
+    for a, b in zip(xs, kept["out"]):
+        np.testing.assert_array_equal(a, b)

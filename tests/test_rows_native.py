@@ -144,3 +144,34 @@ def test_what_the_adds_leave_to_numpy(monkeypatch):
     assert fresh is not a and np.array_equal(bits(fresh), bits(a + a[0]))
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert rows_native.add(a, a, np.empty_like(a)) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 1000, 100_003])
+def test_sum_squares_against_float64(monkeypatch, dtype, threads, n):
+    """Each value squared in float64 and summed: within float64 rounding of numpy's
+    float64 sum, on any number of threads, the same each time for a given number."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(rows_native, "MIN_THREAD_VALUES", 1)
+    a = (rng.standard_normal(n) * rng.choice([1e-20, 1.0, 1e18], size=n)).astype(dtype)
+    want = float(np.sum(a.astype(np.float64) ** 2))
+    got = rows_native.sum_squares(a)
+    assert abs(got - want) <= 1e-13 * want
+    assert rows_native.sum_squares(a) == got
+    assert rows_native.sum_squares(a.reshape(-1, 1)) == got
+
+
+def test_sum_squares_of_non_finite_values_and_what_it_leaves_to_numpy(monkeypatch):
+    a = np.ones(100, np.float32)
+    a[50] = np.inf
+    assert rows_native.sum_squares(a) == np.inf
+    a[60] = np.nan
+    assert np.isnan(rows_native.sum_squares(a))
+    big = np.full(10, 3e38, np.float32)                      # squares overflow float32 only
+    assert rows_native.sum_squares(big) == pytest.approx(10 * 3e38 ** 2)
+    for other in (np.ones(10, np.int64), np.ones(10, np.float16), np.ones((4, 6))[:, ::2],
+                  np.ones(0, np.float32)):
+        assert rows_native.sum_squares(other) is None
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert rows_native.sum_squares(np.ones(10)) is None

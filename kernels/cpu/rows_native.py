@@ -1,5 +1,5 @@
 """Launchers of rows_native.c (built by native.py): the sum over rows of a bias
-gradient, and adds on several threads.
+gradient, adds on several threads, and a sum of squares.
 
 `add(a, b, out)` (out = a + b, one shape) splits the values over the threads for
 arrays of at least 2 * MIN_THREAD_ADD values; `add_bias(x, bias, out)` (bias added
@@ -47,6 +47,8 @@ def _load():
                                              [_P, _P, _L, _L, _I]))
         _kernel.append(native.typed_function("rows_native", "rows_add",
                                              [_I, _I, _P, _P, _P, _L, _L, _I]))
+        _kernel.append(native.typed_function("rows_native", "rows_sum_squares",
+                                             [_I, _P, _L, _I], ctypes.c_double))
     return _kernel[0]
 
 
@@ -96,3 +98,17 @@ def sum_rows(a):
         fn(native.address(a), native.address(out), a.shape[0], a.shape[1],
            blocks.threads_for(a.size, MIN_THREAD_VALUES))
     return out
+
+
+def sum_squares(a):
+    """The float64 sum of the squares of a's values (float32 or float64, C-contiguous;
+    each squared in float64), or None where the native kernel does not apply (another
+    dtype or layout, no values, the native kernels off or not built). On the threads
+    from 2 * MIN_THREAD_VALUES values, in contiguous ranges whose sums are added in
+    order: the same result for a given thread count, within float64 rounding of any
+    other order."""
+    if (a.dtype not in _FLOATS or not a.flags.c_contiguous or a.size == 0
+            or not native.enabled() or _load() is None):
+        return None
+    return _kernel[2](int(a.dtype == _F64), native.address(a), a.size,
+                      blocks.threads_for(a.size, MIN_THREAD_VALUES))
