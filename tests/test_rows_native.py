@@ -175,3 +175,44 @@ def test_sum_squares_of_non_finite_values_and_what_it_leaves_to_numpy(monkeypatc
         assert rows_native.sum_squares(other) is None
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert rows_native.sum_squares(np.ones(10)) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [4096, 4103, 300_001])
+def test_scale_has_numpys_float64_bits(monkeypatch, dtype, threads, n):
+    """x * s as scale_cpu's numpy path computes it (in float64, + 0.0, cast back): the
+    same bits, signed zeros, underflow to -0.0, overflow, NaN and infinities included."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    with np.errstate(all="ignore"):
+        x = (rng.standard_normal(n) * rng.choice([1e-40, 1e-30, 1.0, 1e30, 3e38], size=n)
+             ).astype(dtype)
+        x[:7] = [-0.0, 0.0, np.nan, np.inf, -np.inf, -1e-45, 1e-45]
+        for s in (0.5, 0.3, -2.0, 1e-30, 3e30, 1e-300, 0.0, -0.0):
+            want = (x.astype(np.float64) * s + 0.0).astype(dtype)
+            got = rows_native.scale(x, s)
+            bits = np.int32 if dtype == np.float32 else np.int64
+            np.testing.assert_array_equal(got.view(bits), want.view(bits))
+
+
+def test_the_scale_op_takes_it_and_what_it_leaves_to_numpy(monkeypatch):
+    from minigraph.kernels.cpu import math as math_kernels
+
+    calls = []
+    real = rows_native.scale
+    monkeypatch.setattr(rows_native, "scale", lambda x, s: calls.append(x.size) or real(x, s))
+
+    class Op:
+        attrs = {"scale": 0.5, "bias": 0.0}
+
+    x = rng.standard_normal(10000).astype(np.float32)
+    np.testing.assert_array_equal(math_kernels.scale_cpu(Op(), {"x": x}, None)["out"], x * 0.5)
+    assert calls == [10000]
+    Op.attrs = {"scale": 0.5, "bias": 1.0}                     # a bias: numpy's
+    np.testing.assert_allclose(math_kernels.scale_cpu(Op(), {"x": x}, None)["out"], x * 0.5 + 1)
+    assert calls == [10000]
+    for other in (np.ones(100, np.float32), np.ones(8192, np.float16),
+                  np.ones((200, 60))[:, ::2], np.ones(5000, np.int64)):
+        assert rows_native.scale(other, 2.0) is None
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert rows_native.scale(np.ones(10000), 2.0) is None

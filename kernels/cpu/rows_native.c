@@ -200,3 +200,65 @@ double rows_sum_squares(int f64, const void *a, int64_t n, int threads)
     for (int64_t t = 0; t < parts; t++) sum += jobs[t].sum;
     return sum;
 }
+
+typedef struct {
+    const void *x;
+    void *out;
+    double s;
+    int64_t begin, end;              /* the job's values [begin, end) */
+    int f64;
+} scale_job_t;
+
+/* out = x * s, the product p taken in double and rounded to T, +0.0 where p is 0: the bits
+ * of numpy's x.astype(float64) * s + 0.0 rounded to T (adding 0.0 to a nonzero double
+ * changes nothing, to a zero makes it +0.0). No add, so no multiply-add to fuse; 8 values
+ * a vector (a zero's sign bit cleared by a mask), the last ones one at a time. */
+typedef int64_t vl8 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+
+static inline vd8 nonzero_or_plus(vd8 p) { return (vd8)((vl8)p & ~(vl8)(p == 0.0)); }
+static inline void put8_float(float *to, vd8 p) { *(vf8u *)to = __builtin_convertvector(p, vf8); }
+static inline void put8_double(double *to, vd8 p) { *(vd8u *)to = p; }
+
+#define SCALE_RANGE(T)                                                                   \
+    static void scale_##T(const scale_job_t *j)                                         \
+    {                                                                                   \
+        const T *x = j->x;                       /* locals: a store may alias *j */     \
+        T *out = j->out;                                                                \
+        const double s = j->s;                                                          \
+        const int64_t end = j->end;                                                     \
+        int64_t i = j->begin;                                                           \
+        for (; i + 8 <= end; i += 8) put8_##T(out + i, nonzero_or_plus(eight_##T(x + i) * s)); \
+        for (; i < end; i++) {                                                          \
+            const double p = (double)x[i] * s;                                          \
+            out[i] = p == 0.0 ? (T)0 : (T)p;                                            \
+        }                                                                               \
+    }
+
+SCALE_RANGE(float)
+SCALE_RANGE(double)
+
+static void *scale_job(void *arg)
+{
+    const scale_job_t *j = arg;
+    if (j->f64)
+        scale_double(j);
+    else
+        scale_float(j);
+    return NULL;
+}
+
+/* out[i] = x[i] * s over n values as SCALE_RANGE says (float64 where f64, else float32;
+ * out may be x), on up to `threads` threads. Returns 0. */
+int rows_scale(int f64, const void *x, void *out, int64_t n, double s, int threads)
+{
+    scale_job_t jobs[POOL_MAX_THREADS];
+    const int64_t parts = pool_parts(threads, n);
+    for (int64_t t = 0; t < parts; t++) {
+        int64_t begin, end;
+        pool_share(n, parts, t, &begin, &end);
+        jobs[t] = (scale_job_t){x, out, s, begin, end, f64};
+    }
+    pool_run(scale_job, jobs, sizeof(scale_job_t), parts);
+    return 0;
+}

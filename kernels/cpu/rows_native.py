@@ -1,5 +1,5 @@
 """Launchers of rows_native.c (built by native.py): the sum over rows of a bias
-gradient, adds on several threads, and a sum of squares.
+gradient, adds on several threads, a sum of squares, and a product by a scalar.
 
 `add(a, b, out)` (out = a + b, one shape) splits the values over the threads for
 arrays of at least 2 * MIN_THREAD_ADD values; `add_bias(x, bias, out)` (bias added
@@ -34,6 +34,7 @@ from minigraph.kernels.cpu import blocks, native
 
 MIN_THREAD_VALUES = 1 << 16          # values a thread (one add and a convert each)
 MIN_THREAD_ADD = 1 << 16             # values a thread of the adds
+MIN_SCALE = 1 << 12                  # values from which the C pass beats numpy (16Ki: 7 us vs 18)
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _FLOATS = (_F32, _F64)
@@ -49,6 +50,8 @@ def _load():
                                              [_I, _I, _P, _P, _P, _L, _L, _I]))
         _kernel.append(native.typed_function("rows_native", "rows_sum_squares",
                                              [_I, _P, _L, _I], ctypes.c_double))
+        _kernel.append(native.typed_function("rows_native", "rows_scale",
+                                             [_I, _P, _P, _L, ctypes.c_double, _I]))
     return _kernel[0]
 
 
@@ -112,3 +115,17 @@ def sum_squares(a):
         return None
     return _kernel[2](int(a.dtype == _F64), native.address(a), a.size,
                       blocks.threads_for(a.size, MIN_THREAD_VALUES))
+
+
+def scale(x, s):
+    """A new array x * s with the bits of numpy's (x.astype(float64) * s + 0.0) cast back
+    to x's dtype (float32 or float64, C-contiguous, at least MIN_SCALE values): one pass
+    in C on the threads, instead of four passes and three temporaries; None elsewhere
+    (or with the native kernels off or not built)."""
+    if (x.dtype not in _FLOATS or not x.flags.c_contiguous or x.size < MIN_SCALE
+            or not native.enabled() or _load() is None):
+        return None
+    out = np.empty(x.shape, x.dtype)
+    _kernel[3](int(x.dtype == _F64), native.address(x), native.address(out), x.size,
+               float(s), blocks.threads_for(x.size, MIN_THREAD_ADD))
+    return out
