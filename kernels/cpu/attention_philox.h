@@ -1,6 +1,7 @@
 /* Philox4x32-10 words for attention_native.c's dropout (included by it): the draw of
  * dropout_native.c and the GPU's, PHX_LANES calls at a time. */
 #include <stdint.h>
+#include <string.h>
 
 #define PHX_LANES 8              /* Philox calls computed side by side */
 
@@ -9,6 +10,14 @@ typedef uint64_t vu64 __attribute__((vector_size(32)));
 /* The 64-bit products of lanes holding 32-bit words: one unsigned 32 x 32 multiply a
  * lane where the target has AVX2 (a vector `*` of 64-bit lanes is a full 64 x 64
  * multiply, several times slower: the compiler cannot know the high halves are 0). */
+/* Lanes of a and b (0-3 a's, 4-7 b's), by the builtin this compiler has. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define PHX_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int64_t vi64x4 __attribute__((vector_size(32)));
+#define PHX_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi64x4){__VA_ARGS__})
+#endif
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define PHX_MUL(a, b) ((vu64)_mm256_mul_epu32((__m256i)(a), (__m256i)(b)))
@@ -48,6 +57,14 @@ static void philox_lanes(uint64_t call0, uint32_t stream, uint32_t k0, uint32_t 
         key0 = (key0 + 0x9E3779B9u) & low;
         key1 = (key1 + 0xBB67AE85u) & low;
     }
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    for (int h = 0; h < 2; h++) {       /* words 0, 1 and 2, 3 of a call as one 64-bit lane */
+        const vu64 a = c0[h] | (c1[h] << 32), b = c2[h] | (c3[h] << 32);
+        const vu64 first = PHX_SHUFFLE(a, b, 0, 4, 1, 5), last = PHX_SHUFFLE(a, b, 2, 6, 3, 7);
+        memcpy(w + 16 * h, &first, sizeof first);
+        memcpy(w + 16 * h + 8, &last, sizeof last);
+    }
+#else
     for (int h = 0; h < 2; h++)
         for (int l = 0; l < 4; l++) {
             uint32_t *out = w + 4 * (4 * h + l);
@@ -56,4 +73,5 @@ static void philox_lanes(uint64_t call0, uint32_t stream, uint32_t k0, uint32_t 
             out[2] = (uint32_t)c2[h][l];
             out[3] = (uint32_t)c3[h][l];
         }
+#endif
 }
