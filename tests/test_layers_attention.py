@@ -111,6 +111,27 @@ def test_position_embedding_op_and_its_gradients():
                    {"cache": "c"}, position_reference)
 
 
+def test_position_embedding_grad_float32_bits():
+    """The float32 table gradient is numpy's float64 batch sum rounded once, bit for bit
+    (the native sum over rows where it applies, numpy's where not); dx is dout itself."""
+    from minigraph.kernels.cpu.position_embedding import position_embedding_grad_cpu
+
+    class Op:
+        def wants(self, slot):
+            return True
+
+    for shape in ((16, 64, 128), (3, 5, 1), (2, 7, 9)):
+        d = (np.random.default_rng(1).standard_normal(shape)
+             * np.random.default_rng(2).choice([1e-3, 1.0, 1e4, 1e30], size=shape)
+             ).astype(np.float32)
+        got = position_embedding_grad_cpu(Op(), {"dout": d, "w": np.zeros((80, shape[2]),
+                                                                          np.float32)}, None)
+        want = np.zeros((80, shape[2]), np.float32)
+        want[:shape[1]] = d.sum(axis=0, dtype=np.float64)
+        np.testing.assert_array_equal(got["dw"].view(np.int32), want.view(np.int32))
+        assert got["dx"] is d
+
+
 def test_position_embedding_layer_and_its_limits():
     net = mg.Net(seed=5)
     x = L.data(net, "x", (-1, -1, 4))

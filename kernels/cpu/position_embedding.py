@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels.cpu import rows_native
 from minigraph.kernels.cpu.kv_cache import advanced, cache_offset
 from minigraph.schema import OpError
 
@@ -31,13 +32,17 @@ def position_embedding_cpu(op, ins, ctx):
 
 
 def position_embedding_grad_cpu(op, ins, ctx):
-    """dx = dout; dw = the batch's sum of dout in rows 0 .. T, zeros elsewhere."""
+    """dx = dout (the same array, as elementwise_add_grad passes it on); dw = the batch's
+    sum of dout in rows 0 .. T (in float64, rounded once: rows_native.sum_rows, numpy's
+    bits, where it applies), zeros elsewhere."""
     d, w = ins["dout"], ins["w"]
     out = {}
     if op.wants("dx"):
-        out["dx"] = d.copy()
+        out["dx"] = d
     if op.wants("dw"):
         dw = np.zeros(w.shape, d.dtype)
-        dw[:d.shape[1]] = d.sum(axis=0, dtype=np.float64)
+        n, t = d.shape[:2]
+        summed = rows_native.sum_rows(d.reshape(n, -1)) if d.flags.c_contiguous else None
+        dw[:t] = d.sum(axis=0, dtype=np.float64) if summed is None else summed.reshape(d.shape[1:])
         out["dw"] = dw
     return out
