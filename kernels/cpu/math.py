@@ -50,6 +50,8 @@ def scale_cpu(op, ins, ctx):
         if done is not None:
             return {"out": done}
     return _scale_numpy(op, ins, ctx)
+
+
 clip_cpu = _unary(lambda x, a: np.minimum(np.maximum(x, a["min"]), a["max"]))
 # torch's clamp: the gradient passes where min <= x <= max (both ends included)
 clip_grad_cpu = _grad(lambda x, a: ((x >= a["min"]) & (x <= a["max"])).astype(np.float64), "x")

@@ -1,20 +1,21 @@
 /* Native CPU kernels of rows: a bias gradient's sum over rows, the adds of two arrays
- * or of a bias to each row, and a sum of squares (a gradient's norm; launched by
- * rows_native.py).
+ * or of a bias to each row, a sum of squares (a gradient norm's) and a product by a
+ * scalar (launched by rows_native.py).
  *
- * The sum over rows: out[j] = float(sum over i of double(a[i][j])) for a (R, C) float32 row-major, the
- * float64 sum of each column started at +0.0 and taken over the rows in order, then
- * rounded once to float32. That is the order of numpy's
+ * The sum over rows: out[j] = float(sum over i of double(a[i][j])) for a (R, C) float32
+ * row-major, the float64 sum of each column started at +0.0 and taken over the rows in
+ * order, then rounded once to float32. That is the order of numpy's
  * np.add.reduce(a, axis=0, dtype=np.float64) for C >= 2 (rows_native.py says why),
  * so the bits are numpy's. Each column's order is fixed: the columns are vectorized
  * (8 doubles a vector, 128 columns a pass down the rows where a thread's range has
- * them, else 64) and split in contiguous ranges of 64 over up to `threads` threads (native_pool.h), so results do not
- * depend on the count.
+ * them, else 64) and split in contiguous ranges of 64 over up to `threads` threads
+ * (native_pool.h), so results do not depend on the count.
  *
  * The adds: out = a + b (the same number of values) and out[i][j] = x[i][j] + bias[j],
  * float32 or float64, each value one IEEE add, as numpy's (the bits are numpy's, on
  * any number of threads); out may be a or x (in place). Contiguous ranges of values
- * (of rows, for the bias) go to up to `threads` threads. */
+ * (of rows, for the bias) go to up to `threads` threads; so do the sum of squares's
+ * and the product's (see theirs below). */
 #include <stdint.h>
 
 #include "native_pool.h"

@@ -23,6 +23,9 @@ changes no order. With one column the reduced axis becomes the inner loop and
 numpy sums it pairwise instead: `sum_rows` returns None there, as it does for
 anything but a C-contiguous float32 2-D array or where the native kernels are off or
 not built (native.reason says why). The caller then runs numpy.
+
+`sum_squares(a)` (clipping's norm) and `scale(x, s)` (scale without a bias) each
+take their own docstring's contract.
 """
 from __future__ import annotations
 
