@@ -184,6 +184,30 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch):
         np.testing.assert_allclose(grads["dq"], runs[0][1]["dq"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_packed_path_gives_the_views_paths_bits(dtype, monkeypatch):
+    """forward_packed reads the op's packed arrays where they are (slices of a KV cache's
+    slabs, one batch row or several): forward's bits, lse included, causal or not; None
+    where it does not apply."""
+    if not attention_native.available():
+        pytest.skip(native.reason("attention_native"))
+    heads, d = 4, 8
+    for n, tq, tk in ((1, 1, 37), (2, 1, 70), (2, 5, 9), (1, 64, 64)):
+        q = r(n, tq, heads * d, dtype=dtype)
+        k, v = (r(n, 80, heads * d, dtype=dtype)[:, :tk] for _ in range(2))
+        for offset in (None, 0, tk - tq):
+            got = attention_native.forward_packed(q, k, v, heads, offset, 0.3)
+            views = [cpu_attention.heads_view(a, heads) for a in (q, k, v)]
+            want = attention_native.forward(*views, None, offset, 0.3, None, heads)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+            assert attention_native.forward_packed(q, k, v, heads, offset, 0.3, False)[1] is None
+    assert attention_native.forward_packed(q, k, v[..., :16], heads, None, 0.3) is None
+    assert attention_native.forward_packed(q, k.astype(np.float16), v, heads, None, 0.3) is None
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert attention_native.forward_packed(q, k, v, heads, None, 0.3) is None
+
+
 # ---- dropout ---------------------------------------------------------------------------
 
 def test_dropout_is_the_reference_philox_mask_and_steps_the_counter(engine):

@@ -170,13 +170,23 @@ def attention_cpu(op, ins, ctx):
     a = op.attrs
     heads = a["packed_heads"]
     q, k, v, mask, step = ins["q"], ins["k"], ins["v"], ins["attn_mask"], ins["step"]
-    q4, k4, v4, m4 = heads_view(q, heads), heads_view(k, heads), heads_view(v, heads), \
-        mask4(mask)
-    offset = causal_offset(a, q4.shape[2], k4.shape[2])
-    scale = scale_of(a, q4.shape[3])
     dropout = dropout_of(op, step) if step is not None else None
-    done = attention_native.forward(q4, k4, v4, m4, offset, scale, dropout, heads,
-                                    op.wants("lse"))
+    if heads and mask is None and dropout is None:      # the packed arrays, as they are
+        tq, tk = q.shape[1], k.shape[1]
+        offset = None if not a["is_causal"] else \
+            0 if a["causal_variant"] == "upper_left" else tk - tq
+        done = attention_native.forward_packed(q, k, v, heads, offset,
+                                               scale_of(a, q.shape[2] // heads),
+                                               op.wants("lse"))
+    else:
+        done = None
+    if done is None:
+        q4, k4, v4, m4 = heads_view(q, heads), heads_view(k, heads), heads_view(v, heads), \
+            mask4(mask)
+        offset = causal_offset(a, q4.shape[2], k4.shape[2])
+        scale = scale_of(a, q4.shape[3])
+        done = attention_native.forward(q4, k4, v4, m4, offset, scale, dropout, heads,
+                                        op.wants("lse"))
     if done is None:
         o4, lse = forward_numpy(q4, k4, v4, m4, offset, scale, dropout)
         out, lse = packed_out(o4.astype(q.dtype), heads), lse.astype(q.dtype)
