@@ -6,8 +6,11 @@ packed layout is such a view), the mask broadcast by strides of 0.
 `forward` and `backward` return None where the native kernel does not apply: it is
 off or not built (native.reason says why), the dtype is not float32/float64, or a
 size is 0. The caller then runs kernels/cpu/attention.py's numpy engine, the
-reference these are tested against. Threads: `blocks.get_num_threads()`, fewer when
-there are fewer units of work (a head and a block of rows or keys).
+reference these are tested against. `forward_packed` is forward for the packed layout
+without a mask or dropout, from the (N, T, H*d) arrays themselves (a generated
+token's pass, where building the views cost more than the kernel); None where it
+does not apply, and the caller runs forward. Threads: `blocks.get_num_threads()`,
+fewer when there are fewer units of work (a head and a block of rows or keys).
 """
 from __future__ import annotations
 
