@@ -172,9 +172,7 @@ def attention_cpu(op, ins, ctx):
     q, k, v, mask, step = ins["q"], ins["k"], ins["v"], ins["attn_mask"], ins["step"]
     dropout = dropout_of(op, step) if step is not None else None
     if heads and mask is None and dropout is None:      # the packed arrays, as they are
-        tq, tk = q.shape[1], k.shape[1]
-        offset = None if not a["is_causal"] else \
-            0 if a["causal_variant"] == "upper_left" else tk - tq
+        offset = causal_offset(a, q.shape[1], k.shape[1])
         done = attention_native.forward_packed(q, k, v, heads, offset,
                                                scale_of(a, q.shape[2] // heads),
                                                op.wants("lse"))

@@ -126,10 +126,7 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     views q4, k4, v4 with mask m4 (rank 4, broadcastable, or None), causal `offset`
     (None: not causal), `scale` and `dropout` ((p, seed64) or None); `heads` the op's
     packed_heads. None where the native kernel does not apply."""
-    if not _applies(q4, k4, v4):
-        return None
-    fn = _load("attention_forward_packed")
-    if fn is None:
+    if not _applies(q4, k4, v4) or _load("attention_forward_packed") is None:
         return None
     n, h, tq, d = q4.shape
     tk, dv = k4.shape[2], v4.shape[3]
@@ -145,16 +142,26 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
         out = np.empty((n, h, tq, dv), dtype)
         o_strides = [h * tq * dv, tq * dv, dv]
     lse = np.empty((n, h, tq), dtype) if want_lse else None
+    _run_forward(dtype, (_ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask)), kind, (n, h, tq, tk, d, dv),
+                 [*_strides(q4), *_strides(k4), *_strides(v4), *o_strides], mstrides, offset,
+                 scale, dropout, out, lse)
+    return out, lse
+
+
+def _run_forward(dtype, pointers, kind, dims, strides, mstrides, offset, scale, dropout,
+                 out, lse):
+    """attention_forward_packed on the addresses `pointers` (q, k, v, the mask or 0) with
+    the mask's `kind`, dims (n, h, tq, tk, d, dv), the batch, head and row strides (in
+    items) of q, k, v and out, the mask's four, into `out` and `lse` (or None)."""
+    n, h, tq, tk = dims[:4]
     p, seed64 = dropout if dropout is not None else (0.0, 0)
     threads = _threads(n * h * -(-tq // 64), n * h * tq * tk)
     if _call("attention_forward_packed", [
-            int(dtype == _F64), _ptr(q4), _ptr(k4), _ptr(v4), _ptr(mask), kind, _ptr(out),
-            _ptr(lse), int(offset is not None), int(offset or 0), _seed_arg(seed64),
-            STREAM, threads, n, h, tq, tk, d, dv, *_strides(q4), *_strides(k4),
-            *_strides(v4), *o_strides, *_NO_GRAD_STRIDES, *mstrides], [scale, p]):
+            int(dtype == _F64), *pointers, kind, _ptr(out), _ptr(lse),
+            int(offset is not None), int(offset or 0), _seed_arg(seed64), STREAM, threads,
+            *dims, *strides, *_NO_GRAD_STRIDES, *mstrides], [scale, p]):
         raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
                           "could not be allocated")
-    return out, lse
 
 
 def forward_packed(q, k, v, heads, offset, scale, want_lse=True):
@@ -177,20 +184,13 @@ def forward_packed(q, k, v, heads, offset, scale, want_lse=True):
         if s0 % item or s1 % item:
             return None
         strides += [s0 // item, width // heads, s1 // item]
-    fn = _load("attention_forward_packed")
-    if fn is None:
+    if _load("attention_forward_packed") is None:
         return None
     d = width // heads
     out = np.empty((n, tq, width), dtype)
     lse = np.empty((n, heads, tq), dtype) if want_lse else None
-    threads = _threads(n * heads * -(-tq // 64), n * heads * tq * tk)
-    if _call("attention_forward_packed", [
-            int(dtype == _F64), _ptr(q), _ptr(k), _ptr(v), 0, 0, _ptr(out), _ptr(lse),
-            int(offset is not None), int(offset or 0), 0, STREAM, threads, n, heads, tq, tk,
-            d, d, *strides, tq * width, d, width, *_NO_GRAD_STRIDES, 0, 0, 0, 0],
-            [scale, 0.0]):
-        raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
-                          "could not be allocated")
+    _run_forward(dtype, (_ptr(q), _ptr(k), _ptr(v), 0), 0, (n, heads, tq, tk, d, d),
+                 [*strides, tq * width, d, width], (0, 0, 0, 0), offset, scale, None, out, lse)
     return out, lse
 
 

@@ -42,20 +42,20 @@ MIN_SCALE = 1 << 12                  # values from which the C pass beats numpy 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _FLOATS = (_F32, _F64)
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_kernel = []
+_SIGNATURES = {"rows_sum_f32": ([_P, _P, _L, _L, _I], ctypes.c_int),
+               "rows_add": ([_I, _I, _P, _P, _P, _L, _L, _I], ctypes.c_int),
+               "rows_sum_squares": ([_I, _P, _L, _I], ctypes.c_double),
+               "rows_scale": ([_I, _P, _P, _L, ctypes.c_double, _I], ctypes.c_int)}
+_kernel = {}                         # symbol -> its typed C function (None: not built)
 
 
 def _load():
+    """The typed C functions, loaded once; the first (None where the library is not at
+    hand, when all are)."""
     if not _kernel:
-        _kernel.append(native.typed_function("rows_native", "rows_sum_f32",
-                                             [_P, _P, _L, _L, _I]))
-        _kernel.append(native.typed_function("rows_native", "rows_add",
-                                             [_I, _I, _P, _P, _P, _L, _L, _I]))
-        _kernel.append(native.typed_function("rows_native", "rows_sum_squares",
-                                             [_I, _P, _L, _I], ctypes.c_double))
-        _kernel.append(native.typed_function("rows_native", "rows_scale",
-                                             [_I, _P, _P, _L, ctypes.c_double, _I]))
-    return _kernel[0]
+        for symbol, (args, result) in _SIGNATURES.items():
+            _kernel[symbol] = native.typed_function("rows_native", symbol, args, result)
+    return _kernel["rows_sum_f32"]
 
 
 def add(a, b, out=None):
@@ -85,8 +85,8 @@ def _add(a, b, out, bias, n, cols):
         return None
     if out is None:
         out = np.empty(a.shape, a.dtype)
-    _kernel[1](int(a.dtype == _F64), bias, native.address(a), native.address(b),
-               native.address(out), n, cols, threads)
+    _kernel["rows_add"](int(a.dtype == _F64), bias, native.address(a), native.address(b),
+                        native.address(out), n, cols, threads)
     return out
 
 
@@ -116,8 +116,8 @@ def sum_squares(a):
     if (a.dtype not in _FLOATS or not a.flags.c_contiguous or a.size == 0
             or not native.enabled() or _load() is None):
         return None
-    return _kernel[2](int(a.dtype == _F64), native.address(a), a.size,
-                      blocks.threads_for(a.size, MIN_THREAD_VALUES))
+    return _kernel["rows_sum_squares"](int(a.dtype == _F64), native.address(a), a.size,
+                                       blocks.threads_for(a.size, MIN_THREAD_VALUES))
 
 
 def scale(x, s):
@@ -129,6 +129,6 @@ def scale(x, s):
             or not native.enabled() or _load() is None):
         return None
     out = np.empty(x.shape, x.dtype)
-    _kernel[3](int(x.dtype == _F64), native.address(x), native.address(out), x.size,
-               float(s), blocks.threads_for(x.size, MIN_THREAD_ADD))
+    _kernel["rows_scale"](int(x.dtype == _F64), native.address(x), native.address(out),
+                          x.size, float(s), blocks.threads_for(x.size, MIN_THREAD_ADD))
     return out
