@@ -139,6 +139,19 @@ def test_many_blocks_and_ragged_sizes(engine, dtype):
                    {"is_causal": True, "causal_variant": "lower_right"}, attention_reference)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [16, 32, 33, 64])
+def test_one_query_row_over_many_keys(engine, dtype, d):
+    """A generated token's pass (one query row, the native kernel's unpacked row path)
+    over several blocks of keys: head sizes of whole vectors and with a tail, against
+    the float64 reference."""
+    q, k, v = r(2, 1, 3 * d, dtype=dtype), r(2, 150, 3 * d, dtype=dtype), \
+        r(2, 150, 3 * d, dtype=dtype)
+    helper_test_op(TYPE, {"q": q, "k": k, "v": v},
+                   {"packed_heads": 3, "is_causal": True, "causal_variant": "lower_right"},
+                   attention_reference, grad_wrt=(), outputs=("out",))
+
+
 def test_large_logits_stay_finite(engine):
     q = r(1, 1, 4, 3) * 300
     got = check({"q": q, "k": r(1, 1, 5, 3), "v": r(1, 1, 5, 3)}, grads=())

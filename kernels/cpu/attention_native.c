@@ -97,6 +97,50 @@ static inline int64_t row_keys(const att_t *a, int64_t i, int64_t j0, int64_t kc
     return lim < 0 ? 0 : lim < kc ? lim : kc;
 }
 
+/* The sum of a vector's lanes, by halves (one 256-bit extract and add on AVX-512, then
+ * 128-bit halves): a handful of independent instructions a key where adding the lanes
+ * one by one made a chain of 16. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef double v2d __attribute__((vector_size(16)));
+
+static inline float hsum_f32(va x)
+{
+    v8f s8;
+#if ATT_VBYTES == 64
+    v8f lo, hi;
+    memcpy(&lo, &x, 32);
+    memcpy(&hi, (const char *)&x + 32, 32);
+    s8 = lo + hi;
+#else
+    s8 = x;
+#endif
+    v4f a, b;
+    memcpy(&a, &s8, 16);
+    memcpy(&b, (const char *)&s8 + 16, 16);
+    const v4f s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static inline double hsum_f64(vd x)
+{
+    v4d s4;
+#if ATT_VBYTES == 64
+    v4d lo, hi;
+    memcpy(&lo, &x, 32);
+    memcpy(&hi, (const char *)&x + 32, 32);
+    s4 = lo + hi;
+#else
+    s4 = x;
+#endif
+    v2d a, b;
+    memcpy(&a, &s4, 16);
+    memcpy(&b, (const char *)&s4 + 16, 16);
+    const v2d s2 = a + b;
+    return s2[0] + s2[1];
+}
+
 #define DEFINE_KERNELS(T, S, V, VU, VW, VI)                                                \
 /* The largest of the ATT_BC values of a row and `top`, VW lanes at a time. */           \
 static inline T row_max_##S(const T *row, T top)                                          \
@@ -236,9 +280,7 @@ static inline T dot_##S(const T *x, const T *y, int64_t n)                      
     V acc = {0};                                                                          \
     int64_t t = 0;                                                                        \
     for (; t + VW <= n; t += VW) acc += *(const VU *)(x + t) * *(const VU *)(y + t);      \
-    T lanes[VW], sum = 0;                                                                 \
-    memcpy(lanes, &acc, sizeof lanes);                                                    \
-    for (int i = 0; i < VW; i++) sum += lanes[i];                                         \
+    T sum = hsum_##S(acc);                                                                \
     for (; t < n; t++) sum += x[t] * y[t];                                                \
     return sum;                                                                           \
 }                                                                                         \
