@@ -120,6 +120,21 @@ def test_local_headers_are_part_of_the_source():
         assert header in source and maths in source and '#include "vector_math.h"' not in source
 
 
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
+def test_every_kernel_source_builds_where_there_is_a_compiler():
+    """Where a C compiler is at hand, every kernels/cpu/*.c builds, every local
+    #include in it is put in its place (a line the inliner does not take, such as one
+    with a comment after the name, would leave an include the compiler cannot find),
+    and the library loads: a source that does not compile would otherwise only turn its
+    kernels' tests into skips."""
+    folder = Path(native.__file__).parent
+    names = sorted(p.stem for p in folder.glob("*.c"))
+    assert "attention_native" in names and "conv_native" in names
+    for name in names:
+        assert "#include \"" not in native.source_of(name), name
+        assert native.library(name) is not None, native.reason(name)
+
+
 def test_the_key_names_this_cpu():
     identity = native.cpu_identity()
     assert identity and len(identity.splitlines()) >= 2
