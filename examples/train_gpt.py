@@ -146,6 +146,7 @@ def build_gpt(vocab_size, cfg=Config(), place=None, cache=None, dtype="float32")
     flat = layers.reshape(net, logits, (-1, vocab_size))
     loss = layers.mean(net, layers.softmax_with_cross_entropy(
         net, flat, layers.reshape(net, targets, (-1,))), name="loss")
+    mg.passes.fuse_fc(net)      # the infer branch's linear layers as one op each (generation)
     return net, {"tokens": tokens, "targets": targets, "logits": logits, "loss": loss}
 
 

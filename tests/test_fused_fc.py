@@ -162,10 +162,66 @@ def test_a_bias_add_on_another_axis_is_not_fused():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_fuse_fc_refuses_a_training_net_and_runs_once():
+def test_fuse_fc_runs_once_and_fuse_conv2d_refuses_a_training_net():
     net, _ = mlp(steps=1)
-    with pytest.raises(ValueError, match="fuse_fc: needs an infer-only net"):
-        mg.passes.fuse_fc(net)
+    with pytest.raises(ValueError, match="fuse_conv2d: needs an infer-only net"):
+        mg.passes.fuse_conv2d(net)
     fast = mg.passes.optimize_for_inference(net)
     with pytest.raises(ValueError, match="fuse_fc: already applied"):
         mg.passes.fuse_fc(fast)
+    mg.passes.fuse_fc(net)
+    with pytest.raises(ValueError, match="fuse_fc: already applied"):
+        mg.passes.fuse_fc(net)
+
+
+def wide_net(seed=0):
+    """A training net (forked by its dropout) with linear layers on (N, T, 16) whose
+    products are large enough for the native kernel (which packs a fixed weight); the
+    layer before the dropout is in the trunk, which training runs too."""
+    net = mg.Net(seed=seed)
+    x = L.data(net, "x", shape=(-1, 32, 16))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.dropout(net, L.linear(net, x, 16, name="pre"), 0.2)   # in the trunk: training's too
+    h = L.relu(net, L.linear(net, h, 256, name="a"))
+    h = L.relu(net, L.linear(net, h, 64, name="b"))
+    logits = L.fc(net, h, 5, name="head")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Adam(1e-2).minimize(net, loss)
+    return net, logits
+
+
+def test_in_a_training_net_fuse_fc_fuses_the_infer_branch_and_leaves_the_weights_trainable():
+    """The infer branch's chains become fused_fc ops with weight_fixed=False: net.infer
+    gives an unfused twin's bits before and after training steps (the weights are
+    never packed nor made read-only, so the optimizer's in-place updates show), and
+    the train branch, backward and updates keep their ops."""
+    plain, plain_logits = wide_net()
+    net, logits = wide_net()
+    before = {s: [op.type for op in net.section(s)] for s in ("train", "backward", "update")}
+    notes = mg.passes.fuse_fc(net)
+    assert [str(n) for n in notes] == [
+        "mul + elementwise_add + relu -> fused_fc computing 'relu_0.out'",
+        "mul + elementwise_add + relu -> fused_fc computing 'relu_1.out'",
+        "mul + elementwise_add -> fused_fc computing 'head.out'"]
+    fused = [op for op in net.section("infer") if op.type == "fused_fc"]
+    assert len(fused) == 3 and not any(op.attrs["weight_fixed"] for op in fused)
+    assert "mul" not in [op.type for op in net.section("infer")]
+    assert [op.type for op in net.section("trunk")] == ["mul", "elementwise_add"]
+    assert {s: [op.type for op in net.section(s)] for s in before} == before
+    r = np.random.default_rng(4)
+    x = r.standard_normal((24, 32, 16)).astype(np.float32)
+    for step in range(3):
+        (got,) = net.infer(feed={"x": x}, fetch=[logits])
+        (want,) = plain.infer(feed={"x": x}, fetch=[plain_logits])
+        assert got.tobytes() == want.tobytes(), step
+        assert net.var("a.w").get().flags.writeable and net.var("b.w").get().flags.writeable
+        feed = {"x": x, "label": r.integers(0, 5, 24)}
+        net.train(feed=feed)
+        plain.train(feed=feed)
+    fast = mg.passes.optimize_for_inference(net)       # a copy: its weights are fixed
+    assert [op.attrs["weight_fixed"] for op in fast.section("trunk")
+            if op.type == "fused_fc"] == [True] * 4     # "pre" fused there too
+    (got,) = fast.infer(feed={"x": x})
+    np.testing.assert_allclose(got, net.infer(feed={"x": x}, fetch=[logits])[0],
+                               rtol=1e-5, atol=1e-6)
+    assert net.var("a.w").get().flags.writeable

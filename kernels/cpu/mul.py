@@ -59,8 +59,9 @@ def mul_grad_cpu(op, ins, ctx):
 
 def fused_fc_cpu(op, ins, ctx):
     """out = act(flatten(x) @ y + bias), reshaped to x.shape[:n] + (M,): the native
-    kernel where it takes the product (it makes y read-only), else BLAS's product,
-    then the bias and relu (NaN stays NaN) in place on it."""
+    kernel where it takes the product and the weight is fixed (it makes y read-only),
+    else BLAS's product, then the bias and relu (NaN stays NaN) in place on it: mul's
+    and elementwise_add's bits."""
     x, y, bias = ins["x"], ins["y"], ins.get("bias")
     n = op.attrs["x_num_col_dims"]
     x2, relu = as_matrix(x, n), op.attrs["activation"] == "relu"
@@ -73,7 +74,7 @@ def fused_fc_cpu(op, ins, ctx):
             np.maximum(out, 0, out=out)
         return out
 
-    if fc_native.supports(x2, y):
+    if op.attrs["weight_fixed"] and fc_native.supports(x2, y):
         (m, k), build = x2.shape, native.build_key("fc_native")
         key = (f"{m}x{k}x{y.shape[1]}|bias{int(bias is not None)}|relu{int(relu)}"
                f"|t{blocks.get_num_threads()}|b{build}")

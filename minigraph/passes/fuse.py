@@ -24,6 +24,12 @@ net's outputs, not those). `optimize_for_inference(net)` = fold_batch_norm,
 which returns a new infer-only net, then these passes on it: with the batch
 norms folded into the convolutions and fc layers, a ResNet block is two fused
 ops, and a hidden fc layer with its batch norm and relu is one.
+
+fuse_fc also takes a training net: it then fuses the chains of its infer branch
+only (the train branch, backward and updates keep their ops), with fused ops that
+leave their weights to the optimizer (fused_fc's weight_fixed=False), so that
+net.infer between training steps runs one op per linear layer (a generated token's
+pass: two ops fewer per attention block and MLP).
 """
 from __future__ import annotations
 
@@ -76,30 +82,52 @@ def fuse_conv2d(net, verbose=False):
 def fuse_fc(net, verbose=False):
     """Rewrite the trunk of an infer-only net in place as fuse_conv2d does, fusing
     each mul chain of the module doc (an fc layer: its product, bias add and relu)
-    into a fused_fc. Returns a FuseNote per fused chain, also kept as
-    `net.reports["fuse_fc"]`."""
-    return _fuse(net, FC_NAME, "matrix_product", op_for_role("fused_fc"), _fc_chain, verbose)
+    into a fused_fc; in a training net, the chains of its infer branch, into fused_fc
+    ops whose weights the optimizer goes on updating (weight_fixed=False: nothing is
+    packed; net.infer gives the same bits as before). Returns a FuseNote per fused
+    chain, also kept as `net.reports["fuse_fc"]`."""
+    check_net(net, FC_NAME)
+    training = any(net.section(s) for s in ("train", "backward", "update"))
+    if not training:
+        _fix_weights(net)
+    return _fuse(net, FC_NAME, "matrix_product", op_for_role("fused_fc"), _fc_chain, verbose,
+                 section="infer" if training else "trunk",
+                 attrs={"weight_fixed": False} if training else {})
 
 
-def _fuse(net, name, role, fused_type, chain_of, verbose):
-    """Replace each chain chain_of finds from an op of `role` with one `fused_type`."""
+def _fix_weights(net):
+    """The fused_fc ops an infer-only net copied from a training net's fused infer
+    branch, with weight_fixed: no op of this net writes their weights."""
+    for op in net.section("trunk"):
+        if op.schema.has_role("fused_fc") and not op.attrs["weight_fixed"]:
+            fixed = Operator(op.type, **{s: v for s, v in op.inputs.items() if v is not None},
+                             **op.outputs, **{**op.attrs, "weight_fixed": True})
+            fixed.layer = op.layer
+            net.replace_op("trunk", op, fixed)
+
+
+def _fuse(net, name, role, fused_type, chain_of, verbose, section="trunk", attrs=None):
+    """Replace each chain chain_of finds in `section` from an op of `role` with one
+    `fused_type` (with `attrs` besides the first op's)."""
     check_net(net, name)
-    if any(net.section(s) for s in ("train", "infer", "backward", "update")):
+    if section == "trunk" and any(net.section(s) for s in ("train", "infer", "backward",
+                                                           "update")):
         raise ValueError(f"{name}: needs an infer-only net (all ops in its trunk), such as "
                          "mg.passes.fold_batch_norm(net) returns")
-    kept = {id(v) for v in net.default_fetches}
+    fetched = [*net.default_fetches, *filter(None, map(net.twin, net.default_fetches))]
+    kept = {id(v) for v in fetched}
     notes = []
-    for first in [op for op in net.section("trunk") if op.schema.has_role(role)]:
-        chain, parts = chain_of(net.section("trunk"), first, kept)
+    for first in [op for op in net.section(section) if op.schema.has_role(role)]:
+        chain, parts = chain_of(net.section(section), first, kept)
         if len(chain) == 1:
             continue
         out = chain[-1].outputs["out"]
         fused = Operator(fused_type, **{s: v for s, v in first.inputs.items() if v is not None},
-                         out=out, **parts, **first.attrs)
+                         out=out, **parts, **first.attrs, **(attrs or {}))
         fused.layer = first.layer           # the conv's or fc's layer, not its relu's
-        net.replace_op("trunk", chain[-1], fused)
+        net.replace_op(section, chain[-1], fused)
         for op in chain[:-1]:
-            net.remove_op("trunk", op)
+            net.remove_op(section, op)
         notes.append(FuseNote(tuple(op.type for op in chain), out.name, fused_type))
     net.mark_applied(name, notes)
     if verbose:
