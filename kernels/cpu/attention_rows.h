@@ -12,41 +12,27 @@ typedef float v4f __attribute__((vector_size(16)));
 typedef double v4d __attribute__((vector_size(32)));
 typedef double v2d __attribute__((vector_size(16)));
 
-static inline float hsum_f32(va x)
-{
-    v8f s8;
-#if ATT_VBYTES == 64
-    v8f lo, hi;
-    memcpy(&lo, &x, 32);
-    memcpy(&hi, (const char *)&x + 32, 32);
-    s8 = lo + hi;
-#else
-    s8 = x;
-#endif
-    v4f a, b;
-    memcpy(&a, &s8, 16);
-    memcpy(&b, (const char *)&s8 + 16, 16);
-    const v4f s4 = a + b;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+#define DEFINE_HSUM(T, S, V, VH, VQ, LAST)                                                  \
+static inline T hsum_##S(V x)                                                             \
+{                                                                                         \
+    VH h;                                                                                 \
+    if (sizeof(V) == 64) {                                                                \
+        VH lo, hi;                                                                        \
+        memcpy(&lo, &x, 32);                                                              \
+        memcpy(&hi, (const char *)&x + 32, 32);                                           \
+        h = lo + hi;                                                                      \
+    } else {                                                                              \
+        memcpy(&h, &x, 32);                                                               \
+    }                                                                                     \
+    VQ a, b;                                                                              \
+    memcpy(&a, &h, 16);                                                                   \
+    memcpy(&b, (const char *)&h + 16, 16);                                                \
+    const VQ q = a + b;                                                                   \
+    return LAST;                                                                          \
 }
 
-static inline double hsum_f64(vd x)
-{
-    v4d s4;
-#if ATT_VBYTES == 64
-    v4d lo, hi;
-    memcpy(&lo, &x, 32);
-    memcpy(&hi, (const char *)&x + 32, 32);
-    s4 = lo + hi;
-#else
-    s4 = x;
-#endif
-    v2d a, b;
-    memcpy(&a, &s4, 16);
-    memcpy(&b, (const char *)&s4 + 16, 16);
-    const v2d s2 = a + b;
-    return s2[0] + s2[1];
-}
+DEFINE_HSUM(float, f32, va, v8f, v4f, (q[0] + q[2]) + (q[1] + q[3]))
+DEFINE_HSUM(double, f64, vd, v4d, v2d, q[0] + q[1])
 
 #define DEFINE_ROW_KERNELS(T, S, V, VU, VW)                                                 \
 static inline T dot_##S(const T *x, const T *y, int64_t n)                                \
