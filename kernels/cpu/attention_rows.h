@@ -1,38 +1,41 @@
 /* A generated token's pass in attention_native.c's forward (included by it; its
  * DEFINE_KERNELS expands DEFINE_ROW_KERNELS): one query row against a block of keys,
  * the keys and values read where they are (a KV cache's slabs), since packing them
- * would cost more than the products. The key scores are dot products whose vector
- * lanes are summed by halves (hsum_*). */
+ * would cost more than the products. The key scores are dot products (hsum_*: the
+ * sum of their vector's lanes). */
 
-/* The sum of a vector's lanes, by halves (one 256-bit extract and add on AVX-512, then
- * 128-bit halves): a handful of independent instructions a key where adding the lanes
- * one by one made a chain of 16. */
+/* The sum of a float vector's lanes, by halves (one 256-bit extract and add on
+ * AVX-512, then 128-bit halves): a handful of independent instructions a key where
+ * adding the 16 lanes one by one made a chain. Doubles keep the lane-by-lane sum,
+ * which measured the faster for them (and keeps their bits). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef double v4d __attribute__((vector_size(32)));
-typedef double v2d __attribute__((vector_size(16)));
 
-#define DEFINE_HSUM(T, S, V, VH, VQ, LAST)                                                  \
-static inline T hsum_##S(V x)                                                             \
-{                                                                                         \
-    VH h;                                                                                 \
-    if (sizeof(V) == 64) {                                                                \
-        VH lo, hi;                                                                        \
-        memcpy(&lo, &x, 32);                                                              \
-        memcpy(&hi, (const char *)&x + 32, 32);                                           \
-        h = lo + hi;                                                                      \
-    } else {                                                                              \
-        memcpy(&h, &x, 32);                                                               \
-    }                                                                                     \
-    VQ a, b;                                                                              \
-    memcpy(&a, &h, 16);                                                                   \
-    memcpy(&b, (const char *)&h + 16, 16);                                                \
-    const VQ q = a + b;                                                                   \
-    return LAST;                                                                          \
+static inline float hsum_f32(va x)
+{
+    v8f h;
+    if (sizeof(va) == 64) {
+        v8f lo, hi;
+        memcpy(&lo, &x, 32);
+        memcpy(&hi, (const char *)&x + 32, 32);
+        h = lo + hi;
+    } else {
+        memcpy(&h, &x, 32);
+    }
+    v4f a, b;
+    memcpy(&a, &h, 16);
+    memcpy(&b, (const char *)&h + 16, 16);
+    const v4f q = a + b;
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-DEFINE_HSUM(float, f32, va, v8f, v4f, (q[0] + q[2]) + (q[1] + q[3]))
-DEFINE_HSUM(double, f64, vd, v4d, v2d, q[0] + q[1])
+static inline double hsum_f64(vd x)
+{
+    double lanes[sizeof(vd) / sizeof(double)], sum = 0;
+    memcpy(lanes, &x, sizeof lanes);
+    for (size_t i = 0; i < sizeof(vd) / sizeof(double); i++) sum += lanes[i];
+    return sum;
+}
 
 #define DEFINE_ROW_KERNELS(T, S, V, VU, VW)                                                 \
 static inline T dot_##S(const T *x, const T *y, int64_t n)                                \
