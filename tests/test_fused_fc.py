@@ -66,6 +66,7 @@ def build(x_shape, y_shape, bias_shape=None, dtype="float32", **attrs):
     (dict(y_shape=(7, 4)), r"fused_fc: input 'y' must have 6 rows"),
     (dict(activation="gelu"), r"fused_fc: attribute 'activation' must be one of"),
     (dict(x_num_col_dims=0), r"fused_fc: attribute 'x_num_col_dims'"),
+    (dict(weight_fixed="no"), r"fused_fc: attribute 'weight_fixed'"),
     (dict(bias_shape=(4,), dtype="float64"), r"fused_fc: input 'bias'.*float32.*float64"),
 ])
 def test_fused_fc_bad_inputs_name_the_op_and_slot(kwargs, match):
