@@ -42,7 +42,7 @@ import itertools
 
 import numpy as np
 
-from minigraph import handover, work_room
+from minigraph import bound_run, handover, work_room
 from minigraph.feeds import check_feed, check_feed_mapping, scope_targets
 from minigraph.journal import Journal
 from minigraph.place import CPUPlace
@@ -133,9 +133,10 @@ class Executor:
                     plan.checked = signature
                     return fetched
             if not plan.lean:
-                _run_steps(c, place.kind, check)
+                reuses = _run_steps(c, place.kind, check,
+                                    bound=plan.mode == "infer" and place.kind == "cpu")
                 plan.checked = signature
-                return _fetch(place, plan.targets, check_errors=True)
+                return _fetch(place, plan.targets, check_errors=True, copy=reuses)
             journal = Journal(place, plan.saved)
             journal.set_aside_values(c.stale)
             meter = work_room.Meter() if check and place.kind == "cpu" else None
@@ -173,13 +174,25 @@ def _announce_collectives(c):
     return comm
 
 
-def _run_steps(c, kind, check, journal=None, meter=None):
+def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     """Run the compiled steps: with a journal (training), save persistables first,
-    hand over the inputs kernels may write into, and release temporaries."""
+    hand over the inputs kernels may write into, and release temporaries. With
+    `bound`, a run without checks goes through the kernels' bound forms
+    (minigraph.bound_run). Returns True when the values it leaves may be arrays a later
+    run rewrites (a fetch copies them)."""
     contexts = c.roomy if c.roomy is not None and not check else itertools.repeat(c.plain)
     if journal is None and meter is None and not check:
-        _run_checked_steps(c, contexts)
-        return
+        held = bound_run.hold(c) if bound else None
+        if held is None:
+            _run_checked_steps(c, contexts)
+            return False
+        try:
+            _run_checked_steps(c, contexts, held.forms)
+        finally:
+            held.lock.release()
+        return held.reuses
+    if check:
+        c.bound = None                  # the kernels may change
     for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
         if journal is not None:
             if step.writes:
@@ -205,13 +218,16 @@ def _run_steps(c, kind, check, journal=None, meter=None):
             for var in step.thins:
                 if var.value is not None:
                     var.value = _stand_in(var.value)
+    return False
 
 
-def _run_checked_steps(c, contexts):
+def _run_checked_steps(c, contexts, forms=None):
     """_run_steps without a journal, a meter or checks (a run whose signature has run
-    before, outside training: inference run again and again): each step's kernel on
-    its inputs, its outputs stored, with nothing else in between."""
-    for step, fn, ctx in zip(c.steps, c.kernels, contexts):
+    before, outside training: inference run again and again): each step's kernel (or
+    its bound form, from `forms`) on its inputs, its outputs stored, with nothing else
+    in between."""
+    for step, fn, ctx, form in zip(c.steps, c.kernels, contexts,
+                                   itertools.repeat(None) if forms is None else forms):
         op = step.op
         ins = {}
         for slot, var, how in step.inputs:
@@ -222,7 +238,8 @@ def _run_checked_steps(c, contexts):
                 ins[slot] = [_value_of(op, slot, v) for v in var]
             else:
                 ins[slot] = None
-        _store(step, fn(op, ins, ctx))
+        outs = None if form is None else form(ins)
+        _store(step, fn(op, ins, ctx) if outs is None else outs)
 
 
 def _run_op(step, fn, ctx, kind):
@@ -265,13 +282,14 @@ def _value_of(op, slot, var):
     return value
 
 
-def _fetch(place, targets, check_errors):
+def _fetch(place, targets, check_errors, copy=False):
     """The values of `targets` as numpy arrays, copied out once each; first, when
     there is anything to fetch and `check_errors`, the errors the place's kernels
     flagged on the device (GPU kernels cannot raise inside a step). A persistable
     comes back as a copy (the caller's: later steps change the net's array in
-    place), and so does a feed (a view of the caller's array); other values are the
-    step's own new arrays."""
+    place), and so does a feed (a view of the caller's array), and with `copy` every
+    value (the run's arrays may be written again by its next run: bound forms); other
+    values are the step's own new arrays."""
     for var in targets:
         if var.value is None:
             raise ValueError(f"fetch {var.name!r}: the variable has no value "
@@ -281,8 +299,8 @@ def _fetch(place, targets, check_errors):
     out = []
     for var in targets:
         host = place.to_host(var.value)
-        out.append(host.copy() if (var.persistable or var.is_data) and host is var.value
-                   else host)
+        out.append(host.copy() if (copy or var.persistable or var.is_data)
+                   and host is var.value else host)
     return out
 
 

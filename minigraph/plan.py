@@ -51,6 +51,7 @@ class Compiled:
         self.plain = KernelContext(place)
         self.roomy = None               # per step, the context with its work room
         self.replay = None              # GPU: the plan's CUDA graph (minigraph.replay)
+        self.bound = None               # CPU inference: its bound forms (minigraph.bound_run)
 
 
 class Plan:

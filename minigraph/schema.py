@@ -63,10 +63,12 @@ class OpDesc:
 @dataclass(frozen=True)
 class Kernel:
     """One registered kernel: `fn(op, ins, ctx) -> {out_slot: array}`, written for
-    the float dtypes `dtypes` (None: any dtype)."""
+    the float dtypes `dtypes` (None: any dtype); `bind`, its bound form or None
+    (minigraph.bound_run)."""
 
     fn: Callable
     dtypes: tuple | None = None
+    bind: Callable | None = None
 
     def takes(self, floats):
         """True when every dtype in `floats` is one this kernel is written for."""
@@ -294,16 +296,17 @@ def register(schema):
     return schema
 
 
-def kernel(op_type, device, fn=None, dtypes=None):
+def kernel(op_type, device, fn=None, dtypes=None, bind=None):
     """Register `fn(op, ins, ctx) -> outs` as a kernel of `op_type` on `device`
-    places ("cpu", "gpu"), written for the float `dtypes` (None: any). Without
+    places ("cpu", "gpu"), written for the float `dtypes` (None: any), with its
+    bound form `bind` (CPU inference run again: minigraph.bound_run). Without
     `fn`, a decorator. Kernels of one device are tried in registration order
     (OpSchema.kernel_for); the runner picks one once per input signature, so a
     kernel holds only arithmetic. Returns fn."""
     if fn is None:
-        return lambda f: kernel(op_type, device, f, dtypes)
+        return lambda f: kernel(op_type, device, f, dtypes, bind)
     schema = get_schema(op_type)
-    entry = Kernel(fn, None if dtypes is None else tuple(np.dtype(d) for d in dtypes))
+    entry = Kernel(fn, None if dtypes is None else tuple(np.dtype(d) for d in dtypes), bind)
     schema.kernels[device] = schema.kernels.get(device, ()) + (entry,)
     return fn
 

@@ -67,7 +67,7 @@ register(OpSchema(
            bool_attr("weight_fixed", True)),
     infer=infer_fused, export=export_fused, roles=("fused_fc",), doc=__doc__,
     grad=inference_only(TYPE, "fc (mul, its bias add and relu)")))
-kernel(TYPE, "cpu", cpu.fused_fc_cpu)
+kernel(TYPE, "cpu", cpu.fused_fc_cpu, bind=cpu.bind_fused_fc)
 kernel(TYPE, "gpu", cuda.fused_fc_gpu, dtypes=GPU_FLOATS)
 
 

@@ -142,7 +142,7 @@ register(grad_schema(SCHEMA, inputs=(Slot("x"), Slot("scale", optional=True), Sl
                      outputs=(Slot("dx", optional=True), Slot("dscale", optional=True),
                               Slot("dbias", optional=True)),
                      infer=infer_layer_norm_grad))
-kernel(TYPE, "cpu", cpu.layer_norm_cpu)
+kernel(TYPE, "cpu", cpu.layer_norm_cpu, bind=cpu.bind_layer_norm)
 kernel(TYPE + "_grad", "cpu", cpu.layer_norm_grad_cpu)
 kernel(TYPE, "gpu", cuda.layer_norm_gpu, dtypes=GPU_FLOATS)
 kernel(TYPE + "_grad", "gpu", cuda.layer_norm_grad_gpu, dtypes=GPU_FLOATS)

@@ -39,6 +39,7 @@ def helper_test_op(op_type, inputs, attrs=None, reference=None, grad_wrt=(), out
     expected = reference(**_map(inputs, _as_float64), **attrs) if reference else {}
     scope, op, in_vars = _build(op_type, inputs, attrs, expected)
     got = _run_forward(op, scope, in_vars, inputs)
+    _check_bound_form(op, inputs)
     float_dtypes = [np.asarray(a).dtype for a in _leaves(inputs) if _is_float(a)]
     in_tol = max((DEFAULT_TOL[d] for d in float_dtypes), default=None)
     for slot, want in expected.items():
@@ -60,6 +61,38 @@ def helper_test_op(op_type, inputs, attrs=None, reference=None, grad_wrt=(), out
         _check_grads(op_type, _map(inputs, _as_float64), attrs, expected, grad_wrt,
                      loss_slots, seed, grad_atol, grad_rtol, eps)
     return got
+
+
+def _check_bound_form(op, inputs):
+    """Where the op's CPU kernel has a bound form (minigraph.bound_run) that takes
+    `inputs`: it gives the kernel's bits, again after other values are written into the
+    same input arrays (what it prepared must read them anew), and on new arrays of other
+    values."""
+    def copied(arrays):
+        return {k: None if v is None else [np.array(a) for a in v] if isinstance(v, list)
+                else np.array(v) for k, v in arrays.items()}
+
+    ins = copied({s.name: inputs.get(s.name) for s in op.schema.inputs})
+    fn = op.schema.kernel_for("cpu", ins)
+    bind = next((k.bind for k in op.schema.kernels["cpu"] if k.fn is fn), None)
+    run = None if bind is None or op.schema.inplace else bind(op)
+    if run is None:
+        return
+    for step in range(3):
+        if step == 2:                   # new arrays (then other values again)
+            ins = copied(ins)
+        if step:                        # other values (step 1: in the same arrays)
+            for a in _leaves(ins):
+                if a is not None and _is_float(a):
+                    a *= 0.5
+                    a += 0.25
+        got = run(ins)
+        if got is None:
+            return
+        want = fn(op, copied(ins), KernelContext())
+        for slot, w in want.items():
+            assert np.array_equal(got[slot], w, equal_nan=True), \
+                f"{op.type}: bound form's output {slot!r} differs from the kernel's (run {step})"
 
 
 def call_kernel(op, ins, device="cpu", donated=(), room=None, place=None):

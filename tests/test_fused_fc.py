@@ -11,7 +11,7 @@ from minigraph.initializer import Normal
 rng = np.random.default_rng(0)
 
 
-def fused_reference(x, y, bias=None, activation="none", x_num_col_dims=1):
+def fused_reference(x, y, bias=None, activation="none", x_num_col_dims=1, weight_fixed=True):
     rows = int(np.prod(x.shape[:x_num_col_dims]))
     out = x.reshape(rows, -1) @ y
     if bias is not None:
@@ -29,14 +29,16 @@ SHAPES = [((5, 7), (7, 3), 1), ((2, 3, 4), (12, 6), 1), ((2, 3, 4), (4, 5), 2),
 @pytest.mark.parametrize("bias, activation", [(True, "relu"), (True, "none"), (False, "relu"),
                                               (False, "none")])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("weight_fixed", [True, False])
 def test_fused_fc_against_the_float64_reference(x_shape, y_shape, cols, bias, activation,
-                                                dtype, cpu_engine):
+                                                dtype, weight_fixed, cpu_engine):
     ins = {"x": rng.standard_normal(x_shape).astype(dtype),
            "y": rng.standard_normal(y_shape).astype(dtype)}
     if bias:
         ins["bias"] = rng.standard_normal(y_shape[1]).astype(dtype)
     tol = {} if dtype == "float64" else {"atol": 1e-5, "rtol": 1e-4}
-    out = helper_test_op("fused_fc", ins, {"x_num_col_dims": cols, "activation": activation},
+    out = helper_test_op("fused_fc", ins, {"x_num_col_dims": cols, "activation": activation,
+                                           "weight_fixed": weight_fixed},
                          fused_reference, **tol)["out"]
     if activation == "relu":
         assert (out >= 0).all()

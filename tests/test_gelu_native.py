@@ -85,3 +85,15 @@ def test_the_op_kernels_take_it_and_fall_back(monkeypatch):
     numpy_out = activation.gelu_cpu(op, {"x": x}, None)["out"]
     np.testing.assert_allclose(native_out, numpy_out, rtol=2e-6, atol=1e-7)
     assert numpy_out.dtype == native_out.dtype == np.float32
+
+
+def test_the_bound_form_gives_the_kernels_bits_on_many_threads():
+    """The op's bound form (prepared_forward; minigraph.bound_run), through the op test
+    helper: a pass large enough for every thread, odd-sized, then NaN and infinities."""
+    from helpers import helper_test_op
+
+    x = np.random.default_rng(1).standard_normal(3 * (1 << 15) + 7).astype(np.float32)
+    x[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    with blocks.num_threads(3):
+        got = helper_test_op("gelu", {"x": x})["out"]
+    assert np.isnan(got[0]) and got[1] == np.inf and got[3] == 0.0

@@ -58,6 +58,17 @@ def forward(x):
     return out
 
 
+def prepared_forward(x, out):
+    """forward's call from x into `out` (both C-contiguous float32 of one shape),
+    prepared once: a function of no arguments that runs it on what x holds then (a
+    bound form's, minigraph.bound_run); None where forward would return None."""
+    fn = _load("gelu_forward_f32") if x.size and _applies(x, out) else None
+    if fn is None:
+        return None
+    args = (_ptr(x), _ptr(out), x.size)
+    return lambda: fn(*args, blocks.threads_for(x.size, MIN_THREAD_VALUES))
+
+
 def backward(x, dout, dx=None):
     """dout (Phi(x) + x phi(x)) into dx (a new array unless given; it may be dout), or None
     (see the module doc)."""

@@ -7,6 +7,7 @@ product, else by BLAS.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -83,3 +84,46 @@ def fused_fc_cpu(op, ins, ctx):
     else:
         out = blas()
     return {"out": out.reshape(x.shape[:n] + (y.shape[1],))}
+
+
+def bind_fused_fc(op):
+    """fused_fc_cpu's bound form (minigraph.bound_run) for a weight that changes
+    (weight_fixed False; a fixed one keeps the kernel's measured choice): BLAS's product
+    into the same array every run, then the bias and relu in place on it."""
+    if op.attrs["weight_fixed"]:
+        return None
+    n, relu = op.attrs["x_num_col_dims"], op.attrs["activation"] == "relu"
+    kept = {"key": None, "inputs": ()}
+
+    def prepare(x, y, bias):
+        key = (x.shape, y.shape, x.dtype)
+        if key != kept["key"]:
+            out2 = np.empty((math.prod(x.shape[:n]), y.shape[1]), x.dtype)
+            kept.update(key=key, out2=out2,
+                        out={"out": out2.reshape(x.shape[:n] + (y.shape[1],))})
+        kept["inputs"], kept["call"] = (x, y, bias), None
+        if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
+                and (bias is None or bias.dtype == x.dtype)):
+            return
+        kept["call"] = functools.partial(_blas_into, x.reshape(kept["out2"].shape[0], -1), y,
+                                         bias, relu, kept["out2"])
+
+    def run(ins):
+        x, y, bias = ins["x"], ins["y"], ins.get("bias")
+        held = kept["inputs"]
+        if not held or x is not held[0] or y is not held[1] or bias is not held[2]:
+            prepare(x, y, bias)
+        if kept["call"] is None:
+            return None
+        kept["call"]()
+        return kept["out"]
+    return run
+
+
+def _blas_into(x2, y, bias, relu, out):
+    """out = act(x2 @ y + bias) by BLAS, the bias and relu in place (fused_fc's bits)."""
+    np.matmul(x2, y, out=out)
+    if bias is not None:
+        np.add(out, bias, out=out)
+    if relu:
+        np.maximum(out, 0, out=out)

@@ -112,6 +112,29 @@ def forward(x2, eps, scale=None, bias=None, post=1, size=None, want_y=True):
     return y, stats
 
 
+def prepared_forward(x, rows, length, eps, scale, bias, y, stats):
+    """forward's call on x (C-contiguous, viewed as `rows` rows of `length`) into the
+    arrays y (x's shape) and stats (2, rows), prepared once: a function of no arguments
+    that runs it on what the arrays hold then (a bound form's, minigraph.bound_run).
+    None where the native kernels take no x, or scale or bias (None, or `length` values)
+    would need a copy: they are parameters, which an optimizer changes in place."""
+    fns = kernels(x.dtype)
+    dtype = x.dtype
+    if fns is None or not x.size or not x.flags.c_contiguous or any(
+            a is not None and not (a.dtype == dtype and a.size == length
+                                   and a.flags.c_contiguous) for a in (scale, bias)):
+        return None
+    forward_fn, values, at = fns[0], rows * length, _ptr(stats)
+    args = (_ptr(x), _ptr(y), _ptr(scale), _ptr(bias), at, at + rows * dtype.itemsize,
+            rows, length, 1, length, eps)
+
+    def call():
+        if forward_fn(*args, 1 if values < 2 * MIN_THREAD_VALUES else threads_for(values)):
+            raise MemoryError("norm_native.forward: the kernel's buffers could not be "
+                              "allocated")
+    return call
+
+
 def backward(x2, dy2, mean, var, eps, scale=None, post=1, size=None, want=("dx",)):
     """{dx, dscale, dbias} (those in `want`) of the normalisation of x2 (rows, L) with the
     saved mean and variance (rows,), for dy2 (x2's shape): dx = invstd (g - mean_row(g)

@@ -1,0 +1,56 @@
+"""An inference plan run again on the CPU, each op through its kernel's bound form.
+
+A CPU kernel may register a bound form (`schema.kernel(..., bind=)`): `bind(op)` gives a
+function `run(ins) -> outs` (or None: nothing to bind for this op), made once per op of
+a compiled plan and called on its later runs instead of the kernel. It may keep what
+follows from its inputs' shapes and arrays between calls (their addresses, a C call's
+arguments) and its output arrays, which it writes anew every run. `run` returns None
+where it does not apply to the inputs it is given (a dtype, a layout): the kernel runs
+instead. It gives the kernel's bits.
+
+The Executor runs a plan this way in mode "infer" once a run with the same signature has
+passed its checks: a generated token's pass, an evaluation loop's batches of one shape.
+A kernel's Python launcher costs a few microseconds an op, as much as the arithmetic of
+a token's small products; bound forms skip most of it (the allocation of each output,
+the shape arithmetic, the argument conversions). Ops that write a persistable or declare
+in-place outputs are never bound. Since the output arrays are reused:
+- a run fetches copies of its values (a fetched value may also be a view of one);
+- a Variable's value after a run is rewritten by the plan's next run (as with CUDA
+  graphs on the GPU, minigraph.replay);
+- a run of the plan that starts while another is in progress (a kernel calling
+  net.infer, another thread) runs op by op, with new arrays.
+"""
+from __future__ import annotations
+
+import threading
+
+from minigraph.plan import ONE
+
+
+class Bound:
+    """A compiled plan's bound forms (None where an op has none); `reuses`: whether
+    any op has one (then the values a run leaves may be, or view, reused arrays)."""
+
+    def __init__(self, compiled):
+        self.lock = threading.Lock()
+        self.forms = tuple(_form(step, fn) for step, fn in zip(compiled.steps,
+                                                                compiled.kernels))
+        self.reuses = any(form is not None for form in self.forms)
+
+
+def _form(step, fn):
+    op = step.op
+    if step.writes or op.schema.inplace or any(how != ONE for _, _, how in step.outputs):
+        return None
+    bind = next((k.bind for k in op.schema.kernels.get("cpu", ()) if k.fn is fn), None)
+    return None if bind is None else bind(op)
+
+
+def hold(compiled):
+    """The compiled plan's Bound (made on first use, after a checked run picked its
+    kernels), its lock taken for one run (release it after), or None while another run
+    of the plan holds it."""
+    bound = compiled.bound
+    if bound is None:
+        bound = compiled.bound = Bound(compiled)
+    return bound if bound.lock.acquire(blocking=False) else None

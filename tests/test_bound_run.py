@@ -1,0 +1,180 @@
+"""Inference plans run again through the kernels' bound forms (minigraph.bound_run):
+the bits of a run op by op, values read anew every run, fetches that later runs do not
+rewrite, and the plain path where a form cannot apply. (Each op's form against its
+kernel: tests/helpers.py, in every op's test.)"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from helpers import spying
+
+import minigraph as mg
+from minigraph import bound_run, feeds
+from minigraph import layers as L
+
+BOUND = ("layer_norm", "fused_fc", "gelu", "add")
+
+
+def block_net(seed=0):
+    """A training net whose infer branch runs layer_norm, fused_fc (weight_fixed False:
+    fuse_fc on a training net), gelu and a residual add: every op with a bound form."""
+    net = mg.Net(seed=seed)
+    x = L.data(net, "x", shape=(-1, 4, 16))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.dropout(net, L.layer_norm(net, x, begin_norm_axis=2), 0.1)
+    h = L.gelu(net, L.linear(net, h, 32, name="up"))
+    h = L.add(net, L.linear(net, h, 16, name="down"), x)
+    logits = L.fc(net, h, 3, name="head")
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.Adam(1e-2).minimize(net, loss)
+    mg.passes.fuse_fc(net)
+    return net, h, logits
+
+
+def unbound(net, feed, fetch):
+    """net.infer with the bound forms off (every run op by op)."""
+    hold, bound_run.hold = bound_run.hold, lambda compiled: None
+    try:
+        return net.infer(feed=feed, fetch=fetch)
+    finally:
+        bound_run.hold = hold
+
+
+def compiled_of(net, fetch):
+    """The compiled plan net.infer runs for `fetch`."""
+    plan = net.plan("infer", feeds.fetch_targets(net, "infer", fetch))
+    return plan.compiled(net.place)
+
+
+def test_a_plan_run_again_goes_through_the_bound_forms_with_the_bits_of_a_plain_run():
+    net, h, logits = block_net()
+    r = np.random.default_rng(0)
+    x = r.standard_normal((5, 4, 16)).astype(np.float32)
+    first = net.infer(feed={"x": x}, fetch=[h, logits])         # checked: op by op
+    c = compiled_of(net, [h, logits])
+    assert c.bound is None
+    second = net.infer(feed={"x": x}, fetch=[h, logits])
+    forms = {s.op.type: f is not None for s, f in zip(c.steps, c.bound.forms)}
+    assert {t for t in BOUND if forms.get(t)} == set(BOUND), forms
+    for a, b in zip(first, second):
+        assert a.tobytes() == b.tobytes()
+    other = r.standard_normal((5, 4, 16)).astype(np.float32)     # new values, one shape
+    got = net.infer(feed={"x": other}, fetch=[h, logits])
+    want = unbound(net, {"x": other}, [h, logits])
+    for a, b in zip(got, want):
+        assert a.tobytes() == b.tobytes()
+    for a, b in zip(second, first):                             # not rewritten since
+        assert a.tobytes() == b.tobytes()
+
+
+def test_fetches_are_the_callers_and_values_follow_training_and_new_parameter_arrays():
+    """A fetch is a copy the next run does not touch; the optimizer's in-place updates
+    and a parameter given a new array (a load) are read by the next bound run."""
+    net, h, logits = block_net()
+    twin, twin_h, twin_logits = block_net()
+    r = np.random.default_rng(1)
+    x = r.standard_normal((3, 4, 16)).astype(np.float32)
+    kept = []
+    for step in range(4):
+        (got,) = net.infer(feed={"x": x}, fetch=[logits])
+        (want,) = unbound(twin, {"x": x}, [twin_logits])
+        assert got.tobytes() == want.tobytes(), step
+        kept.append((got, got.copy()))
+        feed = {"x": x, "label": r.integers(0, 3, 3)}
+        net.train(feed=feed)
+        twin.train(feed=feed)
+    for got, copy in kept:
+        assert got.tobytes() == copy.tobytes()
+    assert kept[0][1].tobytes() != kept[-1][1].tobytes()      # training changed them
+    for name in ("up.w", "down.b"):
+        value = r.standard_normal(net.var(name).get().shape).astype(np.float32)
+        net.var(name).set(value)
+        twin.var(name).set(value.copy())
+    (got,) = net.infer(feed={"x": x}, fetch=[logits])
+    (want,) = unbound(twin, {"x": x}, [twin_logits])
+    assert got.tobytes() == want.tobytes()
+
+
+def test_a_new_shape_checks_again_and_binds_anew():
+    net, h, logits = block_net()
+    r = np.random.default_rng(2)
+    for n in (2, 2, 7, 7, 7, 2, 2):
+        x = r.standard_normal((n, 4, 16)).astype(np.float32)
+        (got,) = net.infer(feed={"x": x}, fetch=[logits])
+        (want,) = unbound(net, {"x": x}, [logits])
+        assert got.shape == (n, 3) and got.tobytes() == want.tobytes(), n
+
+
+def test_a_run_started_while_another_holds_the_plan_runs_op_by_op():
+    """hold() gives the forms to one run at a time: a second run of the plan (a kernel
+    calling net.infer, another thread) gets None and runs with new arrays."""
+    net, h, logits = block_net()
+    x = np.random.default_rng(3).standard_normal((2, 4, 16)).astype(np.float32)
+    for _ in range(2):
+        net.infer(feed={"x": x}, fetch=[logits])
+    c = compiled_of(net, [logits])
+    held = bound_run.hold(c)
+    assert held is not None and bound_run.hold(c) is None
+    found = []
+    worker = threading.Thread(target=lambda: found.append(bound_run.hold(c)))
+    worker.start()
+    worker.join(timeout=60)
+    assert found == [None]
+    (inside,) = net.infer(feed={"x": x}, fetch=[logits])       # while held: op by op
+    held.lock.release()
+    (after,) = net.infer(feed={"x": x}, fetch=[logits])
+    assert inside.tobytes() == after.tobytes()
+    assert bound_run.hold(c) is held
+    held.lock.release()
+
+
+def test_ops_that_write_a_persistable_or_in_place_are_never_bound():
+    """A KV cache's kv_cache_write (in-place outputs) runs its kernel every token, so
+    the cache grows; generation with the bound forms equals generation without."""
+    from minigraph.generation import generate
+
+    net = mg.Net(seed=0)
+    cache = L.KVCache(16)
+    tokens = L.data(net, "tokens", shape=(1, -1), dtype="int64")
+    h = L.embedding(net, tokens, 11, 16, name="emb")
+    h = L.add(net, h, L.multi_head_attention(net, L.layer_norm(net, h, begin_norm_axis=2),
+                                             2, causal=True, kv_cache=cache, name="att"))
+    logits = L.linear(net, h, 11, name="out")
+    prompt = np.array([[1, 2, 3]])
+    hold, bound_run.hold = bound_run.hold, lambda compiled: None
+    try:
+        want = generate(net, tokens, logits, prompt, 8, temperature=0, kv_cache=cache)
+    finally:
+        bound_run.hold = hold
+    got = generate(net, tokens, logits, prompt, 8, temperature=0, kv_cache=cache)
+    assert got.tolist() == want.tolist()
+    c = compiled_of(net, [logits])
+    assert "kv_cache_write" in [s.op.type for s in c.steps]
+    for step, form in zip(c.steps, c.bound.forms):
+        if step.op.schema.inplace or step.writes:
+            assert form is None, step.op.type
+    assert any(form is not None for form in c.bound.forms)
+
+
+def test_forms_that_do_not_apply_leave_the_run_to_the_kernels():
+    """float64 gelu has no native kernel: its form gives None and the kernel runs, every
+    run; float64 layer_norm's form applies (the kernel runs on the checked run only)."""
+    calls = {"gelu": 0, "layer_norm": 0}
+
+    def counting(op_type):
+        def make(fn):
+            def spy(op, ins, ctx):
+                calls[op_type] += 1
+                return fn(op, ins, ctx)
+            return spy
+        return make
+
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 8), dtype="float64")
+    y = L.gelu(net, L.layer_norm(net, x))
+    data = np.random.default_rng(5).standard_normal((3, 8))
+    with spying("gelu", counting("gelu")), spying("layer_norm", counting("layer_norm")):
+        runs = [net.infer(feed={"x": data}, fetch=[y])[0] for _ in range(4)]
+    assert calls == {"gelu": 4, "layer_norm": 1}
+    assert all(r.tobytes() == runs[0].tobytes() for r in runs)
