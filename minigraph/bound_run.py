@@ -12,8 +12,9 @@ The Executor runs a plan this way in mode "infer" once a run with the same signa
 passed its checks: a generated token's pass, an evaluation loop's batches of one shape.
 A kernel's Python launcher costs a few microseconds an op, as much as the arithmetic of
 a token's small products; bound forms skip most of it (the allocation of each output,
-the shape arithmetic, the argument conversions). Ops that write a persistable or declare
-in-place outputs are never bound. Since the output arrays are reused:
+the shape arithmetic, the argument conversions). A form returns an in-place output as
+its kernel does (its input's array, a persistable's too); ops that write a persistable
+into a new array are never bound (nor those with lists of outputs). Since the output arrays are reused:
 - a run fetches copies of its values (a fetched value may also be a view of one);
 - a Variable's value after a run is rewritten by the plan's next run (as with CUDA
   graphs on the GPU, minigraph.replay);
@@ -40,7 +41,9 @@ class Bound:
 
 def _form(step, fn):
     op = step.op
-    if step.writes or op.schema.inplace or any(how != ONE for _, _, how in step.outputs):
+    in_place = {id(op.outputs.get(slot)) for slot in op.schema.inplace}
+    if any(id(v) not in in_place for v in step.writes) or any(
+            how != ONE for _, _, how in step.outputs):
         return None
     bind = next((k.bind for k in op.schema.kernels.get("cpu", ()) if k.fn is fn), None)
     return None if bind is None else bind(op)

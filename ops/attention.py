@@ -242,7 +242,7 @@ register(grad_schema(SCHEMA, inputs=(Slot("q"), Slot("k"), Slot("v"),
                      outputs=(Slot("dq", optional=True), Slot("dk", optional=True),
                               Slot("dv", optional=True), Slot("dattn_mask", optional=True)),
                      infer=infer_attention_grad))
-kernel(TYPE, "cpu", cpu.attention_cpu)
+kernel(TYPE, "cpu", cpu.attention_cpu, bind=cpu.bind_attention)
 kernel(TYPE + "_grad", "cpu", cpu.attention_grad_cpu)
 kernel(TYPE, "gpu", cuda.attention_gpu, dtypes=GPU_FLOATS)
 kernel(TYPE + "_grad", "gpu", cuda.attention_grad_gpu, dtypes=GPU_FLOATS)

@@ -93,7 +93,7 @@ SCHEMA = register(OpSchema(
 register(grad_schema(SCHEMA, inputs=(Slot("x"), Slot("y"), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dy", optional=True)),
                      infer=infer_matmul_grad))
-kernel(TYPE, "cpu", cpu.matmul_cpu)
+kernel(TYPE, "cpu", cpu.matmul_cpu, bind=cpu.bind_matmul)
 kernel(TYPE + "_grad", "cpu", cpu.matmul_grad_cpu)
 kernel(TYPE, "gpu", cuda.matmul_gpu, dtypes=GPU_FLOATS)
 kernel(TYPE + "_grad", "gpu", cuda.matmul_grad_gpu, dtypes=GPU_FLOATS)

@@ -75,7 +75,7 @@ def _check_bound_form(op, inputs):
     ins = copied({s.name: inputs.get(s.name) for s in op.schema.inputs})
     fn = op.schema.kernel_for("cpu", ins)
     bind = next((k.bind for k in op.schema.kernels["cpu"] if k.fn is fn), None)
-    run = None if bind is None or op.schema.inplace else bind(op)
+    run = None if bind is None else bind(op)
     if run is None:
         return
     for step in range(3):

@@ -129,9 +129,11 @@ def test_a_run_started_while_another_holds_the_plan_runs_op_by_op():
     held.lock.release()
 
 
-def test_ops_that_write_a_persistable_or_in_place_are_never_bound():
-    """A KV cache's kv_cache_write (in-place outputs) runs its kernel every token, so
-    the cache grows; generation with the bound forms equals generation without."""
+def test_generation_through_the_bound_forms_equals_generation_without():
+    """A KV cache's kv_cache_write (no bound form) runs its kernel every token, so the
+    cache grows; the attention over it is bound (its form passes the in-place step
+    counter on, as the kernel does without dropout); the tokens are those of runs op
+    by op."""
     from minigraph.generation import generate
 
     net = mg.Net(seed=0)
@@ -139,7 +141,8 @@ def test_ops_that_write_a_persistable_or_in_place_are_never_bound():
     tokens = L.data(net, "tokens", shape=(1, -1), dtype="int64")
     h = L.embedding(net, tokens, 11, 16, name="emb")
     h = L.add(net, h, L.multi_head_attention(net, L.layer_norm(net, h, begin_norm_axis=2),
-                                             2, causal=True, kv_cache=cache, name="att"))
+                                             2, causal=True, dropout=0.1, kv_cache=cache,
+                                             name="att"))
     logits = L.linear(net, h, 11, name="out")
     prompt = np.array([[1, 2, 3]])
     hold, bound_run.hold = bound_run.hold, lambda compiled: None
@@ -150,11 +153,11 @@ def test_ops_that_write_a_persistable_or_in_place_are_never_bound():
     got = generate(net, tokens, logits, prompt, 8, temperature=0, kv_cache=cache)
     assert got.tolist() == want.tolist()
     c = compiled_of(net, [logits])
-    assert "kv_cache_write" in [s.op.type for s in c.steps]
-    for step, form in zip(c.steps, c.bound.forms):
-        if step.op.schema.inplace or step.writes:
-            assert form is None, step.op.type
-    assert any(form is not None for form in c.bound.forms)
+    forms = {s.op.type: f is not None for s, f in zip(c.steps, c.bound.forms)}
+    assert forms["kv_cache_write"] is False
+    assert forms["scaled_dot_product_attention"] and forms["layer_norm"] and forms["add"]
+    att = next(s.op for s in c.steps if s.op.type == "scaled_dot_product_attention")
+    assert att.outputs["step_out"] is not None         # the case the form passes on
 
 
 def test_forms_that_do_not_apply_leave_the_run_to_the_kernels():

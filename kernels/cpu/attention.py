@@ -203,6 +203,41 @@ def attention_cpu(op, ins, ctx):
     return result
 
 
+def bind_attention(op):
+    """attention_cpu's bound form (minigraph.bound_run) for a pass without mask or
+    dropout on the packed layout (a generated token's, over a KV cache's slabs) into the
+    same out and lse arrays every run (the step counter passed on untouched, as the
+    kernel does without dropout); None where the kernel takes another path."""
+    a = op.attrs
+    heads = a["packed_heads"]
+    if not heads:
+        return None
+    kept = {"key": None, "no_step": np.array(NO_STEP, np.int64)}
+
+    def run(ins):
+        q, k = ins["q"], ins["k"]
+        if ins["attn_mask"] is not None or (ins["step"] is not None
+                                            and dropout_of(op, ins["step"]) is not None):
+            return None
+        key = (q.shape, q.dtype)
+        if key != kept["key"]:
+            n, tq, _ = q.shape
+            kept.update(key=key, out=np.empty(q.shape, q.dtype),
+                        lse=np.empty((n, heads, tq), q.dtype) if op.wants("lse") else None)
+        done = attention_native.forward_packed(
+            q, k, ins["v"], heads, causal_offset(a, q.shape[1], k.shape[1]),
+            scale_of(a, q.shape[2] // heads), op.wants("lse"), kept["out"], kept["lse"])
+        if done is None:
+            return None
+        result = {"out": done[0], "lse": done[1]}
+        if op.wants("dropout_step"):
+            result["dropout_step"] = kept["no_step"]
+        if ins["step"] is not None:                 # in place, untouched without dropout
+            result["step_out"] = ins["step"]
+        return result
+    return run
+
+
 def attention_grad_cpu(op, ins, ctx):
     """dq, dk, dv (and a float mask's gradient) from the saved lse, the probabilities
     recomputed block by block; the dropout mask drawn again from dropout_step."""

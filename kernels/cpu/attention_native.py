@@ -164,11 +164,12 @@ def _run_forward(dtype, pointers, kind, dims, strides, mstrides, offset, scale, 
                           "could not be allocated")
 
 
-def forward_packed(q, k, v, heads, offset, scale, want_lse=True):
+def forward_packed(q, k, v, heads, offset, scale, want_lse=True, out=None, lse=None):
     """forward's (out, lse or None) for the op's packed layout (N, T, heads * d), no mask
     and no dropout (an inference pass: a generated token's), reading q, k and v where
     they are (a KV cache's slabs): the pointers and strides come from the packed arrays,
-    without forward's 4-D views, a fifth of its cost on a token. None where it does not
+    without forward's 4-D views, a fifth of its cost on a token. out and lse: arrays of
+    their shapes and q's dtype to write into (None: new ones). None where it does not
     apply (then forward)."""
     n, tq, width = q.shape
     tk = k.shape[1]
@@ -187,8 +188,8 @@ def forward_packed(q, k, v, heads, offset, scale, want_lse=True):
     if _load("attention_forward_packed") is None:
         return None
     d = width // heads
-    out = np.empty((n, tq, width), dtype)
-    lse = np.empty((n, heads, tq), dtype) if want_lse else None
+    out = np.empty((n, tq, width), dtype) if out is None else out
+    lse = (np.empty((n, heads, tq), dtype) if lse is None else lse) if want_lse else None
     _run_forward(dtype, (_ptr(q), _ptr(k), _ptr(v), 0), 0, (n, heads, tq, tk, d, d),
                  [*strides, tq * width, d, width], (0, 0, 0, 0), offset, scale, None, out, lse)
     return out, lse

@@ -32,6 +32,32 @@ def matmul_cpu(op, ins, ctx):
     return {"out": np.matmul(_t(x, a["transpose_x"]), _t(y, a["transpose_y"]))}
 
 
+def bind_matmul(op):
+    """matmul_cpu's bound form (minigraph.bound_run) for a 2-D y shared by every batch
+    (an output projection: x's rows as one BLAS product) into the same array every
+    run; None for other products (the kernel runs)."""
+    a = op.attrs
+    kept = {"key": None, "inputs": (), "rows": None}
+
+    def run(ins):
+        x, y = ins["x"], ins["y"]
+        if not kept["inputs"] or x is not kept["inputs"][0] or y is not kept["inputs"][1]:
+            kept["inputs"], kept["rows"] = (x, y), None
+            if _rows(x, a, y) is None or not x.flags.c_contiguous or x.dtype != y.dtype:
+                return None
+            ys = _t(y, a["transpose_y"])
+            key = (x.shape, ys.shape, x.dtype)
+            if key != kept["key"]:
+                out = np.empty(x.shape[:-1] + (ys.shape[1],), x.dtype)
+                kept.update(key=key, out=out, outs={"out": out})
+            kept.update(rows=_rows(x, a, y), ys=ys, out2=kept["out"].reshape(-1, ys.shape[1]))
+        if kept["rows"] is None:
+            return None
+        np.matmul(kept["rows"], kept["ys"], out=kept["out2"])
+        return kept["outs"]
+    return run
+
+
 def matmul_grad_cpu(op, ins, ctx):
     """With X = op(x), Y = op(y): dX = dout @ Y^T, dY = X^T @ dout, summed over the
     broadcast batch axes, transposed back where x or y was."""
