@@ -14,7 +14,8 @@ A kernel's Python launcher costs a few microseconds an op, as much as the arithm
 a token's small products; bound forms skip most of it (the allocation of each output,
 the shape arithmetic, the argument conversions). A form returns an in-place output as
 its kernel does (its input's array, a persistable's too); ops that write a persistable
-into a new array are never bound (nor those with lists of outputs). Since the output arrays are reused:
+into a new array are never bound (nor those with lists of outputs). Since the output
+arrays are reused:
 - a run fetches copies of its values (a fetched value may also be a view of one);
 - a Variable's value after a run is rewritten by the plan's next run (as with CUDA
   graphs on the GPU, minigraph.replay);

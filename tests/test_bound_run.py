@@ -130,32 +130,44 @@ def test_a_run_started_while_another_holds_the_plan_runs_op_by_op():
 
 
 def test_generation_through_the_bound_forms_equals_generation_without():
-    """A KV cache's kv_cache_write (no bound form) runs its kernel every token, so the
-    cache grows; the attention over it is bound (its form passes the in-place step
-    counter on, as the kernel does without dropout); the tokens are those of runs op
-    by op."""
+    """examples/train_gpt's net, small: a KV cache's kv_cache_write (no bound form) runs
+    its kernel every token, so the cache grows; the attention over it is bound (its form
+    passes the in-place step counter on, as the kernel does without dropout) and reads
+    the new rows each token; every pass's logits are those of runs op by op."""
+    from minigraph.examples import train_gpt as G
     from minigraph.generation import generate
 
-    net = mg.Net(seed=0)
-    cache = L.KVCache(16)
-    tokens = L.data(net, "tokens", shape=(1, -1), dtype="int64")
-    h = L.embedding(net, tokens, 11, 16, name="emb")
-    h = L.add(net, h, L.multi_head_attention(net, L.layer_norm(net, h, begin_norm_axis=2),
-                                             2, causal=True, dropout=0.1, kv_cache=cache,
-                                             name="att"))
-    logits = L.linear(net, h, 11, name="out")
+    cache = L.KVCache(24)
+    net, h = G.build_gpt(11, G.Config(layers=2, heads=2, width=16, context=24), cache=cache)
+    tokens, logits = h["tokens"], h["logits"]
     prompt = np.array([[1, 2, 3]])
-    hold, bound_run.hold = bound_run.hold, lambda compiled: None
-    try:
-        want = generate(net, tokens, logits, prompt, 8, temperature=0, kv_cache=cache)
-    finally:
-        bound_run.hold = hold
-    got = generate(net, tokens, logits, prompt, 8, temperature=0, kv_cache=cache)
+
+    def unbound_run(fn):
+        hold, bound_run.hold = bound_run.hold, lambda compiled: None
+        try:
+            return fn()
+        finally:
+            bound_run.hold = hold
+
+    want = unbound_run(lambda: generate(net, tokens, logits, prompt, 12, temperature=0,
+                                        kv_cache=cache))
+    got = generate(net, tokens, logits, prompt, 12, temperature=0, kv_cache=cache)
     assert got.tolist() == want.tolist()
+
+    def passes():                       # each token's logits, the cache growing
+        cache.reset()
+        seen = [net.infer(feed={"tokens": prompt}, fetch=[logits])[0]]
+        for token in got[0, 3:]:
+            seen.append(net.infer(feed={"tokens": np.array([[token]])}, fetch=[logits])[0])
+        return seen
+
+    plain = unbound_run(passes)
+    for i, (a, b) in enumerate(zip(passes(), plain, strict=True)):
+        assert a.tobytes() == b.tobytes(), i
     c = compiled_of(net, [logits])
     forms = {s.op.type: f is not None for s, f in zip(c.steps, c.bound.forms)}
     assert forms["kv_cache_write"] is False
-    assert forms["scaled_dot_product_attention"] and forms["layer_norm"] and forms["add"]
+    assert forms["scaled_dot_product_attention"] and forms["fused_fc"] and forms["layer_norm"]
     att = next(s.op for s in c.steps if s.op.type == "scaled_dot_product_attention")
     assert att.outputs["step_out"] is not None         # the case the form passes on
 

@@ -206,30 +206,34 @@ def attention_cpu(op, ins, ctx):
 def bind_attention(op):
     """attention_cpu's bound form (minigraph.bound_run) for a pass without mask or
     dropout on the packed layout (a generated token's, over a KV cache's slabs) into the
-    same out and lse arrays every run (the step counter passed on untouched, as the
+    same out and lse arrays every run, its arguments packed again only when q is another
+    array or k and v another layout (the step counter passed on untouched, as the
     kernel does without dropout); None where the kernel takes another path."""
     a = op.attrs
     heads = a["packed_heads"]
     if not heads:
         return None
-    kept = {"key": None, "no_step": np.array(NO_STEP, np.int64)}
+    variant = a["causal_variant"] if a["is_causal"] else None
+    kept = {"key": None, "q": None, "call": None, "no_step": np.array(NO_STEP, np.int64)}
 
     def run(ins):
-        q, k = ins["q"], ins["k"]
+        q, k, v = ins["q"], ins["k"], ins["v"]
         if ins["attn_mask"] is not None or (ins["step"] is not None
                                             and dropout_of(op, ins["step"]) is not None):
             return None
-        key = (q.shape, q.dtype)
-        if key != kept["key"]:
-            n, tq, _ = q.shape
-            kept.update(key=key, out=np.empty(q.shape, q.dtype),
-                        lse=np.empty((n, heads, tq), q.dtype) if op.wants("lse") else None)
-        done = attention_native.forward_packed(
-            q, k, ins["v"], heads, causal_offset(a, q.shape[1], k.shape[1]),
-            scale_of(a, q.shape[2] // heads), op.wants("lse"), kept["out"], kept["lse"])
+        done = kept["call"](k, v) if q is kept["q"] and kept["call"] is not None else None
         if done is None:
-            return None
-        result = {"out": done[0], "lse": done[1]}
+            if (q.shape, q.dtype) != kept["key"]:
+                n, tq, _ = q.shape
+                kept.update(key=(q.shape, q.dtype), out=np.empty(q.shape, q.dtype),
+                            lse=np.empty((n, heads, tq), q.dtype) if op.wants("lse") else None)
+            kept["q"], kept["call"] = q, attention_native.prepared_packed(
+                q, k, v, heads, variant, scale_of(a, q.shape[2] // heads), kept["out"],
+                kept["lse"])
+            done = None if kept["call"] is None else kept["call"](k, v)
+            if done is None:
+                return None
+        result = {"out": done[0], "lse": done[1]} if op.wants("lse") else {"out": done[0]}
         if op.wants("dropout_step"):
             result["dropout_step"] = kept["no_step"]
         if ins["step"] is not None:                 # in place, untouched without dropout

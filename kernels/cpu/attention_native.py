@@ -148,6 +148,17 @@ def forward(q4, k4, v4, m4, offset, scale, dropout, heads, want_lse=True):
     return out, lse
 
 
+def _forward_ints(dtype, pointers, kind, dims, strides, mstrides, offset, seed64, out, lse,
+                  threads):
+    """attention_forward_packed's int64 arguments (their positions: _AT_*)."""
+    return [int(dtype == _F64), *pointers, kind, _ptr(out), _ptr(lse), int(offset is not None),
+            int(offset or 0), _seed_arg(seed64), STREAM, threads, *dims, *strides,
+            *_NO_GRAD_STRIDES, *mstrides]
+
+
+_AT_K, _AT_V, _AT_OFFSET, _AT_THREADS, _AT_TK = 2, 3, 9, 12, 16
+
+
 def _run_forward(dtype, pointers, kind, dims, strides, mstrides, offset, scale, dropout,
                  out, lse):
     """attention_forward_packed on the addresses `pointers` (q, k, v, the mask or 0) with
@@ -156,21 +167,15 @@ def _run_forward(dtype, pointers, kind, dims, strides, mstrides, offset, scale, 
     n, h, tq, tk = dims[:4]
     p, seed64 = dropout if dropout is not None else (0.0, 0)
     threads = _threads(n * h * -(-tq // 64), n * h * tq * tk)
-    if _call("attention_forward_packed", [
-            int(dtype == _F64), *pointers, kind, _ptr(out), _ptr(lse),
-            int(offset is not None), int(offset or 0), _seed_arg(seed64), STREAM, threads,
-            *dims, *strides, *_NO_GRAD_STRIDES, *mstrides], [scale, p]):
+    if _call("attention_forward_packed", _forward_ints(dtype, pointers, kind, dims, strides,
+                                                       mstrides, offset, seed64, out, lse,
+                                                       threads), [scale, p]):
         raise MemoryError("scaled_dot_product_attention: the native kernel's scratch memory "
                           "could not be allocated")
 
 
-def forward_packed(q, k, v, heads, offset, scale, want_lse=True, out=None, lse=None):
-    """forward's (out, lse or None) for the op's packed layout (N, T, heads * d), no mask
-    and no dropout (an inference pass: a generated token's), reading q, k and v where
-    they are (a KV cache's slabs): the pointers and strides come from the packed arrays,
-    without forward's 4-D views, a fifth of its cost on a token. out and lse: arrays of
-    their shapes and q's dtype to write into (None: new ones). None where it does not
-    apply (then forward)."""
+def _packed_layout(q, k, v, heads):
+    """(dims, strides) of forward_packed's arrays, or None where it does not apply."""
     n, tq, width = q.shape
     tk = k.shape[1]
     dtype = q.dtype
@@ -188,11 +193,60 @@ def forward_packed(q, k, v, heads, offset, scale, want_lse=True, out=None, lse=N
     if _load("attention_forward_packed") is None:
         return None
     d = width // heads
-    out = np.empty((n, tq, width), dtype) if out is None else out
-    lse = (np.empty((n, heads, tq), dtype) if lse is None else lse) if want_lse else None
-    _run_forward(dtype, (_ptr(q), _ptr(k), _ptr(v), 0), 0, (n, heads, tq, tk, d, d),
-                 [*strides, tq * width, d, width], (0, 0, 0, 0), offset, scale, None, out, lse)
+    return (n, heads, tq, tk, d, d), [*strides, tq * width, d, width]
+
+
+def forward_packed(q, k, v, heads, offset, scale, want_lse=True):
+    """forward's (out, lse or None) for the op's packed layout (N, T, heads * d), no mask
+    and no dropout (an inference pass: a generated token's), reading q, k and v where
+    they are (a KV cache's slabs): the pointers and strides come from the packed arrays,
+    without forward's 4-D views, a fifth of its cost on a token. None where it does not
+    apply (then forward)."""
+    layout = _packed_layout(q, k, v, heads)
+    if layout is None:
+        return None
+    dims, strides = layout
+    n, h, tq = dims[:3]
+    out = np.empty(q.shape, q.dtype)
+    lse = np.empty((n, h, tq), q.dtype) if want_lse else None
+    _run_forward(q.dtype, (_ptr(q), _ptr(k), _ptr(v), 0), 0, dims, strides, (0, 0, 0, 0),
+                 offset, scale, None, out, lse)
     return out, lse
+
+
+def prepared_packed(q, k, v, heads, variant, scale, out, lse):
+    """forward_packed's call into `out` and `lse` (None: not wanted), its arguments packed
+    once: a function call(k, v) that runs it on q and on k and v of these ones' layout
+    (a KV cache's filled rows: the slabs' start, more rows each token) with the causal
+    offset of `variant` for their rows (None: not causal; "upper_left", "lower_right":
+    attention.causal_offset's); None where forward_packed does not apply, and call(k, v)
+    returns None for arrays of another layout. (A bound form's: minigraph.bound_run.)"""
+    layout = _packed_layout(q, k, v, heads)
+    if layout is None:
+        return None
+    dims, strides = layout
+    n, h, tq = dims[:3]
+    ints = (ctypes.c_int64 * len(_forward_ints(q.dtype, (0,) * 4, 0, dims, strides, (0,) * 4,
+                                               0, 0, None, None, 1)))()
+    ints[:] = _forward_ints(q.dtype, (_ptr(q), 0, 0, 0), 0, dims, strides, (0, 0, 0, 0),
+                            None if variant is None else 0, 0, out, lse, 1)
+    reals = (ctypes.c_double * 2)(scale, 0.0)
+    fn, rows = _load("attention_forward_packed"), (k.strides, v.strides, k.shape[2], v.shape[2])
+
+    def call(k, v):
+        if (k.strides, v.strides, k.shape[2], v.shape[2]) != rows or not (
+                k.shape[0] == v.shape[0] == n and k.shape[1] and k.shape[1] == v.shape[1]
+                and k.dtype == v.dtype == q.dtype):
+            return None
+        tk = k.shape[1]
+        ints[_AT_K], ints[_AT_V], ints[_AT_TK] = _ptr(k), _ptr(v), tk
+        ints[_AT_OFFSET] = tk - tq if variant == "lower_right" else 0
+        ints[_AT_THREADS] = _threads(n * h * -(-tq // 64), n * h * tq * tk)
+        if fn(ints, reals):
+            raise MemoryError("scaled_dot_product_attention: the native kernel's scratch "
+                              "memory could not be allocated")
+        return out, lse
+    return call
 
 
 def backward(q4, k4, v4, m4, o4, lse, do4, offset, scale, dropout, heads, wants):
