@@ -142,6 +142,7 @@ def test_supports():
 def test_off_with_minigraph_native_0(monkeypatch):
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert not fc_native.supports(np.ones((64, 64), np.float32), np.ones((64, 64), np.float32))
+    assert not fc_native.rows_supports(np.ones((1, 64), np.float32), np.ones((64, 64), np.float32))
 
 
 def test_only_products_that_would_wake_blas_threads_by_default(monkeypatch):
@@ -149,3 +150,68 @@ def test_only_products_that_would_wake_blas_threads_by_default(monkeypatch):
     small = np.ones((8, 64), np.float32), np.ones((64, 64), np.float32)       # 32 K
     large = np.ones((128, 2048), np.float32), np.ones((2048, 16), np.float32)  # 4 M
     assert not fc_native.supports(*small) and fc_native.supports(*large)
+
+
+# ---- the few-rows kernel on an unpacked weight (fc_rows_f32) -----------------------------
+
+# rows 1-4; x's columns: one block (1, 63) and two (64, 200, 513); columns: 1, short of a
+# vector, a vector (8 or 16), past it, every run of 8/4/2/1 vectors and a ragged end
+ROWS_SHAPES = [(1, 1, 1), (1, 63, 15), (2, 64, 16), (3, 200, 17), (4, 513, 130), (1, 128, 384),
+               (1, 512, 128), (2, 70, 97), (1, 100, 250), (4, 65, 8), (3, 1, 40)]
+
+
+@pytest.mark.parametrize("m, k, n", ROWS_SHAPES)
+@pytest.mark.parametrize("bias, relu", [(True, True), (True, False), (False, False)])
+def test_rows_kernel_against_the_float64_reference(m, k, n, bias, relu):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    assert fc_native.rows_supports(x, w, b)
+    got = fc_native.rows_forward(x, w, b, relu)
+    want = reference(x, w, b, relu)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * np.sqrt(k) * max(1, abs(want).max()))
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 128, 384), (4, 513, 130), (2, 63, 40)])
+def test_rows_kernel_bits_on_any_threads_and_those_of_the_product_then_the_bias(m, k, n,
+                                                                                monkeypatch):
+    """The same bits on 1-5 threads; with the bias and relu, those of the product alone
+    followed by a numpy bias add and maximum (mul + elementwise_add + relu, unfused)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        monkeypatch.setattr(blocks, "get_num_threads", lambda t=threads: t)
+        outs.append((fc_native.rows_forward(x, w, b, True), fc_native.rows_forward(x, w)))
+    for fused, alone in outs:
+        assert fused.tobytes() == outs[0][0].tobytes() and alone.tobytes() == outs[0][1].tobytes()
+    assert outs[0][0].tobytes() == np.maximum(outs[0][1] + b, 0).tobytes()
+
+
+def test_rows_kernel_nan_and_infinities_and_a_prepared_call_reads_its_arrays_anew():
+    x = np.ones((3, 80), np.float32)
+    x[1, 3] = np.nan
+    x[2, 5] = np.inf
+    w = np.ones((80, 20), np.float32)
+    w[:, 7] = -1.0
+    out = np.empty((3, 20), np.float32)
+    call = fc_native.prepared_rows(x, w, None, True, out)
+    call()
+    assert np.isnan(out[1]).all() and out[0, 0] == 80.0 and out[0, 7] == 0.0
+    assert np.isinf(out[2, 0]) and out[2, 7] == 0.0
+    x[:] = 2.0                          # new values in the same arrays
+    w[:, 7] = 0.5
+    call()
+    assert out[0, 0] == 160.0 and out[1, 7] == 80.0
+
+
+def test_rows_supports():
+    x, w = np.ones((4, 8), np.float32), np.ones((8, 3), np.float32)
+    assert fc_native.rows_supports(x, w) and fc_native.rows_supports(x, w, np.ones(3, np.float32))
+    assert not fc_native.rows_supports(np.ones((5, 8), np.float32), w)      # too many rows
+    assert not fc_native.rows_supports(x.astype(np.float64), w.astype(np.float64))
+    assert not fc_native.rows_supports(x, np.ones((3, 8), np.float32).T)   # not C-contiguous
+    assert not fc_native.rows_supports(x, w, np.ones(3, np.float64))        # bias dtype
+    assert not fc_native.rows_supports(x, w, np.ones(4, np.float32))        # bias length

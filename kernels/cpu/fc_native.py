@@ -16,6 +16,12 @@ OpenBLAS would run it on threads). Where it does, the op runs whichever of this
 kernel and BLAS's product was the faster for the shape on this machine (kernels/
 cpu/choices.py); numpy's product otherwise, which is the reference this is tested
 against.
+
+`rows_forward` (fc_rows_f32) takes products of at most ROWS_MAX rows on a weight as it
+lies, unpacked (a generated token's, on weights an optimizer changes): the weight's
+rows in two fixed blocks, one a thread, so each core reads the same half of every
+weight token after token (fc_native.c says why). mul and fused_fc use it for every
+float32 product it takes, so that a fused op keeps the unfused ops' bits.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from minigraph.kernels.cpu import blocks, native
 
 MIN_WORK = 1 << 18          # multiply-adds from which OpenBLAS wakes its threads
 MIN_THREAD_WORK = 1 << 20   # multiply-adds a thread must have to be worth waking
+ROWS_MAX = 4                # rows of x up to which a product on an unpacked weight is
+                            # fc_rows_f32's (a generated token's: a row a sequence)
+MIN_ROWS_SPLIT = 1 << 13    # multiply-adds from which fc_rows_f32 splits the columns
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _F32 = np.dtype(np.float32)
@@ -42,6 +51,7 @@ def _lib():
         lib.fc_pack_weight_f32.argtypes, lib.fc_pack_weight_f32.restype = [_P, _L, _L, _P], None
         lib.fc_forward_f32.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L]
         lib.fc_forward_f32.restype = ctypes.c_int
+        lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
         lib._typed = True
     return lib
 
@@ -70,6 +80,44 @@ def forward(x, w, bias=None, relu=False):
     if _lib().fc_forward_f32(_ptr(x), _ptr(packed_weight(w)), _ptr(bias), _ptr(out), m, k, n,
                              int(bool(relu)), threads):
         raise MemoryError("fc_native.forward: the packed copy of x could not be allocated")
+    return out
+
+
+def rows_supports(x, w, bias=None):
+    """True when rows_forward takes x (M, K) @ w (K, N) (+ bias): float32 and
+    C-contiguous, 1 <= M <= ROWS_MAX, K and N >= 1, bias None or N values, and the
+    native kernels built."""
+    return (x.ndim == 2 and w.ndim == 2 and 1 <= x.shape[0] <= ROWS_MAX
+            and x.shape[1] == w.shape[0] >= 1 and w.shape[1] >= 1
+            and x.dtype == _F32 and w.dtype == _F32
+            and x.flags.c_contiguous and w.flags.c_contiguous
+            and (bias is None or (bias.dtype == _F32 and bias.shape == (w.shape[1],)
+                                  and bias.flags.c_contiguous))
+            and native.enabled() and _lib() is not None)
+
+
+def prepared_rows(x, w, bias, relu, out):
+    """The product act(x @ w + bias) of rows_supports' arrays into `out` (M, N float32,
+    C-contiguous) by fc_rows_f32, prepared once: a function of no arguments that runs
+    it on what the arrays hold then (minigraph.bound_run). Each output is the sum over
+    K in order, then the bias, then relu: the bits of the product alone (rows_forward)
+    followed by the bias add, on any number of threads."""
+    m, k = x.shape
+    n = w.shape[1]
+    fn, split = _lib().fc_rows_f32, m * k * n >= MIN_ROWS_SPLIT
+    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(out), m, k, n, int(bool(relu)))
+
+    def call():
+        if fn(*args, blocks.get_num_threads() if split else 1):
+            raise MemoryError("fc_native: the few-rows product's sums could not be allocated")
+    return call
+
+
+def rows_forward(x, w, bias=None, relu=False):
+    """act(x @ w + bias) as a new (M, N) float32 array, for x, w and bias as
+    rows_supports takes them (prepared_rows' product, run once)."""
+    out = np.empty((x.shape[0], w.shape[1]), np.float32)
+    prepared_rows(x, w, bias, relu, out)()
     return out
 
 

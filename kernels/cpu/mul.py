@@ -1,9 +1,11 @@
-"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS; and
-of fused_fc (ops/fused_fc.py): the same product with its bias and relu, by the
-native kernel on the weight packed once (fc_native.py) or by BLAS with the bias and
-relu in place, whichever was the faster for the shape on this machine (choices.py;
-the native kernel where nothing is timed) where the native kernel takes the
-product, else by BLAS.
+"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS (by
+fc_native's few-rows kernel for float32 products of at most fc_native.ROWS_MAX rows:
+a generated token's); and of fused_fc (ops/fused_fc.py): the same product with its
+bias and relu, by the native kernel on the weight packed once (fc_native.py) or by
+BLAS with the bias and relu in place, whichever was the faster for the shape on this
+machine (choices.py; the native kernel where nothing is timed) where the native
+kernel takes the product, else as mul's product with the bias and relu in place
+(mul's and elementwise_add's bits).
 """
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ def as_matrix(x, n):
     return x.reshape(math.prod(x.shape[:n]), math.prod(x.shape[n:]))
 
 
+def product(x2, y):
+    """x2 @ y: by fc_native's kernel for a few rows on the weight as it lies where it
+    takes them (a generated token's products), else by BLAS."""
+    if fc_native.rows_supports(x2, y):
+        return fc_native.rows_forward(x2, y)
+    return x2 @ y
+
+
 def mul_cpu(op, ins, ctx):
     """out = flatten(x) @ y, reshaped to x.shape[:n] + (M,)."""
     x, y = ins["x"], ins["y"]
@@ -27,8 +37,8 @@ def mul_cpu(op, ins, ctx):
     if n == x.ndim - 1:                         # a product on the last axis (linear's)
         shape, k = x.shape, x.shape[-1]
         rows = x.size // k if k else math.prod(shape[:n])
-        return {"out": (x.reshape(rows, k) @ y).reshape(shape[:n] + (y.shape[1],))}
-    return {"out": (as_matrix(x, n) @ y).reshape(x.shape[:n] + (y.shape[1],))}
+        return {"out": product(x.reshape(rows, k), y).reshape(shape[:n] + (y.shape[1],))}
+    return {"out": product(as_matrix(x, n), y).reshape(x.shape[:n] + (y.shape[1],))}
 
 
 def weight_grad(x2, d2):
@@ -68,7 +78,9 @@ def fused_fc_cpu(op, ins, ctx):
     x2, relu = as_matrix(x, n), op.attrs["activation"] == "relu"
 
     def blas():
-        out = x2 @ y
+        if fc_native.rows_supports(x2, y, bias):
+            return fc_native.rows_forward(x2, y, bias, relu)
+        out = product(x2, y)
         if bias is not None:
             out += bias
         if relu:
@@ -88,8 +100,9 @@ def fused_fc_cpu(op, ins, ctx):
 
 def bind_fused_fc(op):
     """fused_fc_cpu's bound form (minigraph.bound_run) for a weight that changes
-    (weight_fixed False; a fixed one keeps the kernel's measured choice): BLAS's product
-    into the same array every run, then the bias and relu in place on it."""
+    (weight_fixed False; a fixed one keeps the kernel's measured choice): its product,
+    bias and relu into the same array every run (fc_native's few-rows call, prepared
+    again only when x, the weight or the bias is another array; else BLAS's)."""
     if op.attrs["weight_fixed"]:
         return None
     n, relu = op.attrs["x_num_col_dims"], op.attrs["activation"] == "relu"
@@ -105,8 +118,11 @@ def bind_fused_fc(op):
         if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
                 and (bias is None or bias.dtype == x.dtype)):
             return
-        kept["call"] = functools.partial(_blas_into, x.reshape(kept["out2"].shape[0], -1), y,
-                                         bias, relu, kept["out2"])
+        x2 = x.reshape(kept["out2"].shape[0], -1)
+        if fc_native.rows_supports(x2, y, bias):
+            kept["call"] = fc_native.prepared_rows(x2, y, bias, relu, kept["out2"])
+        else:
+            kept["call"] = functools.partial(_blas_into, x2, y, bias, relu, kept["out2"])
 
     def run(ins):
         x, y, bias = ins["x"], ins["y"], ins.get("bias")
