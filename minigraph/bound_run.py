@@ -26,18 +26,31 @@ from __future__ import annotations
 
 import threading
 
-from minigraph.plan import ONE
+from minigraph.plan import LIST, ONE, UNBOUND
 
 
 class Bound:
     """A compiled plan's bound forms (None where an op has none); `reuses`: whether
-    any op has one (then the values a run leaves may be, or view, reused arrays)."""
+    any op has one (then the values a run leaves may be, or view, reused arrays);
+    `slots`: per step, its inputs and outputs as run_steps reads and stores them."""
 
     def __init__(self, compiled):
         self.lock = threading.Lock()
         self.forms = tuple(_form(step, fn) for step, fn in zip(compiled.steps,
                                                                 compiled.kernels))
         self.reuses = any(form is not None for form in self.forms)
+        self.slots = tuple(_slots(step) for step in compiled.steps)
+
+
+def _slots(step):
+    """(the (slot, Variable) inputs, the (slot, [Variables]) inputs, the unbound input
+    slots, the (slot, Variable) outputs, the (slot, [Variables]) outputs) of a step."""
+    def of(slots, kind):
+        return tuple((slot, var) for slot, var, how in slots if how == kind)
+
+    return (of(step.inputs, ONE), of(step.inputs, LIST),
+            tuple(slot for slot, _, how in step.inputs if how == UNBOUND),
+            of(step.outputs, ONE), of(step.outputs, LIST))
 
 
 def _form(step, fn):
@@ -58,3 +71,28 @@ def hold(compiled):
     if bound is None:
         bound = compiled.bound = Bound(compiled)
     return bound if bound.lock.acquire(blocking=False) else None
+
+
+def run_steps(compiled, bound):
+    """Run the compiled steps (an inference plan's, whose signature a checked run has
+    passed) through their bound forms, the kernels where a form has none or declines;
+    `bound` is held (hold)."""
+    ctx = compiled.plain
+    for step, fn, form, slots in zip(compiled.steps, compiled.kernels, bound.forms,
+                                     bound.slots):
+        ones, lists, unbound, outputs, output_lists = slots
+        ins = {slot: var.value for slot, var in ones}
+        for slot, group in lists:
+            ins[slot] = [var.value for var in group]
+        for slot in unbound:
+            ins[slot] = None
+        outs = None if form is None else form(ins)
+        if outs is None:
+            outs = fn(step.op, ins, ctx)
+        for slot, var in outputs:
+            if slot in outs:
+                var.value = outs[slot]
+        for slot, group in output_lists:
+            if slot in outs:
+                for var, value in zip(group, outs[slot]):
+                    var.value = value

@@ -187,7 +187,7 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
             _run_checked_steps(c, contexts)
             return False
         try:
-            _run_checked_steps(c, contexts, held.forms)
+            bound_run.run_steps(c, held)
         finally:
             held.lock.release()
         return held.reuses
@@ -221,13 +221,11 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     return False
 
 
-def _run_checked_steps(c, contexts, forms=None):
+def _run_checked_steps(c, contexts):
     """_run_steps without a journal, a meter or checks (a run whose signature has run
-    before, outside training: inference run again and again): each step's kernel (or
-    its bound form, from `forms`) on its inputs, its outputs stored, with nothing else
-    in between."""
-    for step, fn, ctx, form in zip(c.steps, c.kernels, contexts,
-                                   itertools.repeat(None) if forms is None else forms):
+    before, outside training: inference run again and again): each step's kernel on
+    its inputs, its outputs stored, with nothing else in between."""
+    for step, fn, ctx in zip(c.steps, c.kernels, contexts):
         op = step.op
         ins = {}
         for slot, var, how in step.inputs:
@@ -238,8 +236,7 @@ def _run_checked_steps(c, contexts, forms=None):
                 ins[slot] = [_value_of(op, slot, v) for v in var]
             else:
                 ins[slot] = None
-        outs = None if form is None else form(ins)
-        _store(step, fn(op, ins, ctx) if outs is None else outs)
+        _store(step, fn(op, ins, ctx))
 
 
 def _run_op(step, fn, ctx, kind):
