@@ -61,7 +61,7 @@ SCHEMA = register(OpSchema(
 register(grad_schema(SCHEMA, inputs=(Slot("ids"), Slot("w", shape_only=True), Slot("dout")),
                      outputs=(Slot("dw", optional=True),),
                      infer=lambda ins, attrs: {"dw": Meta(ins["w"].shape, ins["w"].dtype)}))
-kernel(TYPE, "cpu", cpu.embedding_cpu)
+kernel(TYPE, "cpu", cpu.embedding_cpu, bind=cpu.bind_embedding)
 kernel(TYPE + "_grad", "cpu", cpu.embedding_grad_cpu)
 kernel(TYPE, "gpu", cuda.embedding_gpu, dtypes=GPU_FLOATS)
 kernel(TYPE + "_grad", "gpu", cuda.embedding_grad_gpu, dtypes=GPU_FLOATS)

@@ -106,7 +106,7 @@ SCHEMA = register(OpSchema(
     inplace={"cache_k_out": "cache_k", "cache_v_out": "cache_v", "length_out": "length"},
     infer=infer_kv_cache, validate=validate_kv_cache, grad=no_grad, export=export_kv_cache,
     doc=__doc__))
-kernel(TYPE, "cpu", cpu.kv_cache_write_cpu)
+kernel(TYPE, "cpu", cpu.kv_cache_write_cpu, bind=cpu.bind_kv_cache_write)
 kernel(TYPE, "gpu", cuda.kv_cache_write_gpu, dtypes=GPU_FLOATS)
 
 

@@ -115,7 +115,7 @@ SCHEMA = register(OpSchema(
 register(grad_schema(SCHEMA, inputs=(Slot("w", shape_only=True), Slot("dout")),
                      outputs=(Slot("dx", optional=True), Slot("dw", optional=True)),
                      infer=infer_position_embedding_grad))
-kernel(TYPE, "cpu", cpu.position_embedding_cpu)
+kernel(TYPE, "cpu", cpu.position_embedding_cpu, bind=cpu.bind_position_embedding)
 kernel(TYPE + "_grad", "cpu", cpu.position_embedding_grad_cpu)
 kernel(TYPE, "gpu", cuda.position_embedding_gpu, dtypes=GPU_FLOATS)
 kernel(TYPE + "_grad", "gpu", cuda.position_embedding_grad_gpu, dtypes=GPU_FLOATS)

@@ -65,12 +65,19 @@ def helper_test_op(op_type, inputs, attrs=None, reference=None, grad_wrt=(), out
 
 def _check_bound_form(op, inputs):
     """Where the op's CPU kernel has a bound form (minigraph.bound_run) that takes
-    `inputs`: it gives the kernel's bits, again after other values are written into the
-    same input arrays (what it prepared must read them anew), and on new arrays of other
+    `inputs`: it gives the kernel's bits (from the same state: in-place outputs advance
+    it), or the kernel's error, again after other values are written into the same
+    input arrays (what it prepared must read them anew), and on new arrays of other
     values."""
     def copied(arrays):
         return {k: None if v is None else [np.array(a) for a in v] if isinstance(v, list)
                 else np.array(v) for k, v in arrays.items()}
+
+    def outcome(call, *args):
+        try:
+            return call(*args), None
+        except Exception as e:  # noqa: BLE001 - compared with the kernel's below
+            return None, e
 
     ins = copied({s.name: inputs.get(s.name) for s in op.schema.inputs})
     fn = op.schema.kernel_for("cpu", ins)
@@ -86,13 +93,17 @@ def _check_bound_form(op, inputs):
                 if a is not None and _is_float(a):
                     a *= 0.5
                     a += 0.25
-        got = run(ins)
-        if got is None:
+        before = copied(ins)
+        got, error = outcome(run, ins)
+        if got is None and error is None:
             return
-        want = fn(op, copied(ins), KernelContext())
+        want, expected = outcome(fn, op, before, KernelContext())
+        where = f"{op.type}: bound form, run {step}"
+        assert (type(error), str(error)) == (type(expected), str(expected)), where
+        if error is not None:
+            return
         for slot, w in want.items():
-            assert np.array_equal(got[slot], w, equal_nan=True), \
-                f"{op.type}: bound form's output {slot!r} differs from the kernel's (run {step})"
+            assert np.array_equal(got[slot], w, equal_nan=True), f"{where}: output {slot!r}"
 
 
 def call_kernel(op, ins, device="cpu", donated=(), room=None, place=None):

@@ -130,10 +130,11 @@ def test_a_run_started_while_another_holds_the_plan_runs_op_by_op():
 
 
 def test_generation_through_the_bound_forms_equals_generation_without():
-    """examples/train_gpt's net, small: a KV cache's kv_cache_write (no bound form) runs
-    its kernel every token, so the cache grows; the attention over it is bound (its form
-    passes the in-place step counter on, as the kernel does without dropout) and reads
-    the new rows each token; every pass's logits are those of runs op by op."""
+    """examples/train_gpt's net, small: a KV cache's kv_cache_write writes each token's
+    keys and values in place (its form, once it has seen the slabs), so the cache grows;
+    the attention over it (its form passes the in-place step counter on, as the kernel
+    does without dropout) reads the new rows each token; every pass's logits are those
+    of runs op by op."""
     from minigraph.examples import train_gpt as G
     from minigraph.generation import generate
 
@@ -154,20 +155,22 @@ def test_generation_through_the_bound_forms_equals_generation_without():
     got = generate(net, tokens, logits, prompt, 12, temperature=0, kv_cache=cache)
     assert got.tolist() == want.tolist()
 
-    def passes():                       # each token's logits, the cache growing
+    def passes(seq):                    # each token's logits, the cache growing
         cache.reset()
-        seen = [net.infer(feed={"tokens": prompt}, fetch=[logits])[0]]
-        for token in got[0, 3:]:
+        seen = [net.infer(feed={"tokens": seq[:, :3]}, fetch=[logits])[0]]
+        for token in seq[0, 3:]:
             seen.append(net.infer(feed={"tokens": np.array([[token]])}, fetch=[logits])[0])
         return seen
 
-    plain = unbound_run(passes)
-    for i, (a, b) in enumerate(zip(passes(), plain, strict=True)):
+    seq = np.arange(1, 16).reshape(1, 15) % 11
+    plain = unbound_run(lambda: passes(seq))
+    unbound_run(lambda: passes((seq + 5) % 11))     # other keys and values in every row
+    for i, (a, b) in enumerate(zip(passes(seq), plain, strict=True)):
         assert a.tobytes() == b.tobytes(), i
     c = compiled_of(net, [logits])
     forms = {s.op.type: f is not None for s, f in zip(c.steps, c.bound.forms)}
-    assert forms["kv_cache_write"] is False
-    assert forms["scaled_dot_product_attention"] and forms["fused_fc"] and forms["layer_norm"]
+    assert all(forms[t] for t in ("kv_cache_write", "scaled_dot_product_attention",
+                                  "fused_fc", "layer_norm", "embedding", "position_embedding"))
     att = next(s.op for s in c.steps if s.op.type == "scaled_dot_product_attention")
     assert att.outputs["step_out"] is not None         # the case the form passes on
 

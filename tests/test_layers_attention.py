@@ -398,3 +398,26 @@ def test_inference_models_of_a_cached_net_are_refused_by_name(tmp_path):
         mg.passes.optimize_for_inference(net)
     plain, _, plain_logits, _ = gpt()
     mg.io.save_inference(plain, tmp_path / "m", feeds=["tok"], fetches=[plain_logits])
+
+
+def kv_cache_reference(k, v, cache_k, cache_v, length, capacity, advances, cache):
+    t = k.shape[1]
+    offset = int(length) if advances else int(length) - t
+    ck, cv = cache_k.copy(), cache_v.copy()
+    ck[:, offset:offset + t], cv[:, offset:offset + t] = k, v
+    return {"k_all": ck[:, :offset + t], "v_all": cv[:, :offset + t], "cache_k_out": ck,
+            "cache_v_out": cv, "length_out": np.array(int(length) + t if advances else length)}
+
+
+@pytest.mark.parametrize("advances, length", [(True, 1), (False, 5)])
+def test_kv_cache_write_op_against_its_reference(advances, length):
+    """The op alone (and, through the helper, its bound form over three passes, each
+    advancing the same cache), a first layer's and a later one's."""
+    r = np.random.default_rng(9)
+    ins = {"k": r.standard_normal((2, 2, 4)).astype(np.float32),
+           "v": r.standard_normal((2, 2, 6)).astype(np.float32),
+           "cache_k": r.standard_normal((2, 9, 4)).astype(np.float32),
+           "cache_v": r.standard_normal((2, 9, 6)).astype(np.float32),
+           "length": np.array(length, np.int64)}
+    helper_test_op("kv_cache_write", ins, dict(capacity=9, advances=advances, cache="c"),
+                   kv_cache_reference)
