@@ -29,9 +29,20 @@ def sample(logits, temperature=1.0, top_k=None, rng=None):
     z = np.asarray(logits, np.float64)
     if z.ndim != 2:
         raise ValueError(f"sample: logits must be (N, V), got shape {z.shape}")
-    temperature = check_number(temperature, "sample: temperature")
+    temperature, top_k = _sampling(temperature, top_k, "sample")
+    return _draw(z, temperature, top_k, np.random.default_rng() if rng is None else rng)
+
+
+def _sampling(temperature, top_k, who):
+    """temperature and top_k checked: ValueErrors naming `who`."""
+    temperature = check_number(temperature, f"{who}: temperature")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise ValueError(f"sample: top_k must be None or an int >= 1, got {top_k!r}")
+        raise ValueError(f"{who}: top_k must be None or an int >= 1, got {top_k!r}")
+    return temperature, top_k
+
+
+def _draw(z, temperature, top_k, rng):
+    """sample's draw from float64 logits z (N, V), its arguments checked."""
     if temperature == 0.0:
         return z.argmax(axis=1).astype(np.int64)
     z = z / temperature
@@ -41,7 +52,6 @@ def sample(logits, temperature=1.0, top_k=None, rng=None):
     z = z - z.max(axis=1, keepdims=True)
     p = np.exp(z)
     cumulative = np.cumsum(p, axis=1)
-    rng = np.random.default_rng() if rng is None else rng
     u = rng.random((z.shape[0], 1)) * cumulative[:, -1:]
     return np.minimum((cumulative <= u).sum(axis=1), z.shape[1] - 1).astype(np.int64)
 
@@ -63,6 +73,7 @@ def generate(net, tokens, logits, prompt, max_new_tokens, temperature=1.0, top_k
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if context is not None and (not is_int(context) or context < 1):
         raise ValueError(f"generate: context must be None or an int >= 1, got {context!r}")
+    temperature, top_k = _sampling(temperature, top_k, "generate")
     _check_cache(net, kv_cache)
     name = tokens.name if hasattr(tokens, "name") else tokens
     rng = np.random.default_rng(seed)
@@ -78,7 +89,7 @@ def generate(net, tokens, logits, prompt, max_new_tokens, temperature=1.0, top_k
             if kv_cache is not None:
                 kv_cache.reset()
         (out,) = net.infer(feed={name: window}, fetch=[logits])
-        nxt = sample(out[:, -1], temperature, top_k, rng)
+        nxt = _draw(np.asarray(out[:, -1], np.float64), temperature, top_k, rng)
         seq = np.concatenate([seq, nxt[:, None]], axis=1)
     return seq
 

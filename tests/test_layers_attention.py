@@ -352,6 +352,10 @@ def test_generation_with_the_cache_equals_without():
     assert cached.shape == (2, 13) and (cached[:, :3] == prompt).all()
     with pytest.raises(mg.OpError, match="KV cache 'kv_cache_0' is full"):
         generate(net, tok, logits, prompt, 15, kv_cache=cache)
+    for bad, said in (({"top_k": 0}, "generate: top_k must be None or an int >= 1"),
+                      ({"temperature": float("nan")}, "generate: temperature")):
+        with pytest.raises(ValueError, match=said):      # before any pass, 0 tokens too
+            generate(net, tok, logits, prompt, 0, kv_cache=cache, **bad)
 
 
 def test_generation_takes_only_the_cache_the_net_was_built_with():

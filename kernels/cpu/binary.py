@@ -41,9 +41,11 @@ def bind_add(op):
         key = (x.shape, y.shape, x.dtype, y.dtype)
         if key != kept["key"]:
             out = np.empty(np.broadcast_shapes(x.shape, y.shape), np.result_type(x, y))
-            kept.update(key=key, out=out, outs={"out": out})
+            # rows_native.add splits only arrays of 2 * MIN_THREAD_ADD values or more
+            threads = x.shape == y.shape and x.size >= 2 * rows_native.MIN_THREAD_ADD
+            kept.update(key=key, out=out, outs={"out": out}, threads=threads)
         out = kept["out"]
-        if x.shape != y.shape or rows_native.add(x, y, out) is None:
+        if not kept["threads"] or rows_native.add(x, y, out) is None:
             np.add(x, y, out=out)
         return kept["outs"]
     return run
