@@ -64,9 +64,10 @@ def _form(step, fn):
 
 
 def hold(compiled):
-    """The compiled plan's Bound (made on first use, after a checked run picked its
-    kernels), its lock taken for one run (release it after), or None while another run
-    of the plan holds it."""
+    """The compiled plan's Bound (made on first use after a checked run picked its
+    kernels; the executor drops it when a checked run of other shapes picks other
+    kernels, and the forms follow new shapes themselves), its lock taken for one run
+    (release it after), or None while another run of the plan holds it."""
     bound = compiled.bound
     if bound is None:
         bound = compiled.bound = Bound(compiled)

@@ -191,8 +191,7 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
         finally:
             held.lock.release()
         return held.reuses
-    if check:
-        c.bound = None                  # the kernels may change
+    picked = tuple(c.kernels) if check else None
     for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
         if journal is not None:
             if step.writes:
@@ -218,6 +217,8 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
             for var in step.thins:
                 if var.value is not None:
                     var.value = _stand_in(var.value)
+    if check and tuple(c.kernels) != picked:
+        c.bound = None                  # its forms were made for the kernels before
     return False
 
 

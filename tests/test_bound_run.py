@@ -96,14 +96,26 @@ def test_fetches_are_the_callers_and_values_follow_training_and_new_parameter_ar
     assert got.tobytes() == want.tobytes()
 
 
-def test_a_new_shape_checks_again_and_binds_anew():
+def test_a_new_shape_checks_again_and_the_forms_follow_it():
+    """A checked run of other shapes keeps the forms (they follow new shapes) while it
+    picks the same kernels, and drops them when it picks others."""
     net, h, logits = block_net()
     r = np.random.default_rng(2)
+    bounds = []
     for n in (2, 2, 7, 7, 7, 2, 2):
         x = r.standard_normal((n, 4, 16)).astype(np.float32)
         (got,) = net.infer(feed={"x": x}, fetch=[logits])
         (want,) = unbound(net, {"x": x}, [logits])
         assert got.shape == (n, 3) and got.tobytes() == want.tobytes(), n
+        bounds.append(compiled_of(net, [logits]).bound)
+    assert bounds[0] is None and all(b is bounds[1] for b in bounds[1:])
+    with spying("gelu", lambda fn: lambda op, ins, ctx: fn(op, ins, ctx)):
+        x = r.standard_normal((3, 4, 16)).astype(np.float32)
+        net.infer(feed={"x": x}, fetch=[logits])        # checked: another gelu kernel
+        assert compiled_of(net, [logits]).bound is None
+        (got,) = net.infer(feed={"x": x}, fetch=[logits])
+    assert compiled_of(net, [logits]).bound is not bounds[1]
+    assert got.tobytes() == unbound(net, {"x": x}, [logits])[0].tobytes()
 
 
 def test_a_run_started_while_another_holds_the_plan_runs_op_by_op():
