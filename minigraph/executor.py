@@ -24,7 +24,8 @@ its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
 that signature has succeeded, later runs skip both, since every value inside
 follows from it. This is the only check cache. Such a run outside training (an
 inference plan run again with the same shapes: a generated token's pass) goes
-through one tight loop of kernel calls, with no journal, meter or checks.
+through one tight loop of kernel calls, with no journal, meter or checks; in mode
+"infer" on the CPU, through the kernels' bound forms (minigraph.bound_run).
 
 A step whose ops make collectives (OpSchema.collectives) announces them to the
 communicator first (Communicator.begin_step): the order check verifies them in one
