@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, gelu_native, relu_native
+from minigraph.kernels.cpu import blocks, gelu_native, prepared, relu_native
 from minigraph.kernels.cpu.erf import normal_cdf
 
 INV_SQRT_2PI = 0.3989422804014327        # 1 / sqrt(2 pi)
@@ -113,19 +113,15 @@ def gelu_cpu(op, ins, ctx):
 def bind_gelu(op):
     """gelu_cpu's bound form (minigraph.bound_run): the native float32 kernel into the
     same array every run, its call prepared again only when x is another array."""
-    kept = {"key": None, "x": None, "call": None}
+    kept = {"key": None}
 
-    def run(ins):
-        x = ins["x"]
-        if x is not kept["x"]:
-            if (x.shape, x.dtype) != kept["key"]:
-                kept.update(key=(x.shape, x.dtype), out=np.empty(x.shape, x.dtype))
-            kept.update(x=x, call=gelu_native.prepared_forward(x, kept["out"]))
-        if kept["call"] is None:
-            return None
-        kept["call"]()
-        return {"out": kept["out"]}
-    return run
+    def prepare(x):
+        if (x.shape, x.dtype) != kept["key"]:
+            out = np.empty(x.shape, x.dtype)
+            kept.update(key=(x.shape, x.dtype), out=out, outs={"out": out})
+        call = gelu_native.prepared_forward(x, kept["out"])
+        return None if call is None else (call, kept["outs"])
+    return prepared.form(("x",), prepare)
 
 
 def gelu_grad_cpu(op, ins, ctx):

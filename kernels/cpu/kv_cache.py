@@ -74,12 +74,19 @@ def kv_cache_write_cpu(op, ins, ctx):
     a = op.attrs
     k, v, length = ins["k"], ins["v"], ins["length"]
     offset, new_length = cache_offset("kv_cache_write", length, k.shape[1], a)
-    out = {}
-    for key, src, slot in (("k", k, "cache_k"), ("v", v, "cache_v")):
-        s = slab(a["cache"], ins[slot], src, a["capacity"], offset, key)
-        s[:, offset:offset + src.shape[1]] = src
-        out[f"{slot}_out"] = s
-        out[f"{key}_all"] = s[:, :offset + src.shape[1]]
+    slabs = (slab(a["cache"], ins["cache_k"], k, a["capacity"], offset, "k"),
+             slab(a["cache"], ins["cache_v"], v, a["capacity"], offset, "v"))
+    return written(op, slabs, k, v, offset, length, new_length)
+
+
+def written(op, slabs, k, v, offset, length, new_length):
+    """k and v written into the slabs (cache_k's, cache_v's) at `offset`: the op's
+    outputs, the length raised to new_length (None: left)."""
+    end = offset + k.shape[1]
+    slabs[0][:, offset:end] = k
+    slabs[1][:, offset:end] = v
+    out = {"cache_k_out": slabs[0], "cache_v_out": slabs[1],
+           "k_all": slabs[0][:, :end], "v_all": slabs[1][:, :end]}
     if new_length is not None:
         out["length_out"] = advanced(length, new_length)
     elif op.wants("length_out"):
@@ -96,27 +103,12 @@ def bind_kv_cache_write(op):
 
     def run(ins):
         k, v, length = ins["k"], ins["v"], ins["length"]
-        offset, new_length = cache_offset("kv_cache_write", length, k.shape[1], a)
         slabs, key = (ins["cache_k"], ins["cache_v"]), (k.shape[0], k.dtype, v.dtype)
         if kept["slabs"] is None or slabs[0] is not kept["slabs"][0] or \
                 slabs[1] is not kept["slabs"][1] or key != kept["key"]:
-            return None                 # the kernel, then this again with its slabs
-        end = offset + k.shape[1]
-        slabs[0][:, offset:end] = k
-        slabs[1][:, offset:end] = v
-        out = {"cache_k_out": slabs[0], "cache_v_out": slabs[1],
-               "k_all": slabs[0][:, :end], "v_all": slabs[1][:, :end]}
-        if new_length is not None:
-            out["length_out"] = advanced(length, new_length)
-        elif op.wants("length_out"):
-            out["length_out"] = length
-        return out
-
-    def run_or_learn(ins):
-        out = run(ins)
-        if out is None:
             out = kv_cache_write_cpu(op, ins, None)
-            kept["slabs"] = (out["cache_k_out"], out["cache_v_out"])
-            kept["key"] = (ins["k"].shape[0], ins["k"].dtype, ins["v"].dtype)
-        return out
-    return run_or_learn
+            kept.update(slabs=(out["cache_k_out"], out["cache_v_out"]), key=key)
+            return out
+        offset, new_length = cache_offset("kv_cache_write", length, k.shape[1], a)
+        return written(op, slabs, k, v, offset, length, new_length)
+    return run

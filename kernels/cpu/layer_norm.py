@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import norm_native
+from minigraph.kernels.cpu import norm_native, prepared
 from minigraph.kernels.cpu.batch_norm_stats import (
     as_work,
     centring_needed,
@@ -95,7 +95,7 @@ def bind_layer_norm(op):
     eps, begin = op.attrs["epsilon"], op.attrs["begin_norm_axis"]
     if eps == 0:
         return None
-    kept = {"key": None, "inputs": (), "call": None}
+    kept = {"key": None}
 
     def prepare(x, scale, bias):
         key = (x.shape, x.dtype)
@@ -105,20 +105,10 @@ def bind_layer_norm(op):
             mean, var = stats.reshape((2, *x.shape[:begin]))
             kept.update(key=key, rows=(rows, length), y=y, stats=stats,
                         out={"y": y, "mean": mean, "variance": var})
-        kept["inputs"] = (x, scale, bias)
-        kept["call"] = norm_native.prepared_forward(x, *kept["rows"], eps, scale, bias,
-                                                    kept["y"], kept["stats"])
-
-    def run(ins):
-        x, scale, bias = ins["x"], ins["scale"], ins["bias"]
-        held = kept["inputs"]
-        if not held or x is not held[0] or scale is not held[1] or bias is not held[2]:
-            prepare(x, scale, bias)
-        if kept["call"] is None:
-            return None
-        kept["call"]()
-        return kept["out"]
-    return run
+        call = norm_native.prepared_forward(x, *kept["rows"], eps, scale, bias, kept["y"],
+                                            kept["stats"])
+        return None if call is None else (call, kept["out"])
+    return prepared.form(("x", "scale", "bias"), prepare)
 
 
 def layer_norm_grad_cpu(op, ins, ctx):

@@ -4,8 +4,11 @@ over the batch axes an operand was broadcast along. A 2-D y shared by every batc
 output projection tied to an embedding table) is one BLAS product of x's rows."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from minigraph.kernels.cpu import prepared
 from minigraph.kernels.cpu.binary import reduce_to
 from minigraph.kernels.cpu.mul import weight_grad
 
@@ -37,25 +40,19 @@ def bind_matmul(op):
     (an output projection: x's rows as one BLAS product) into the same array every
     run; None for other products (the kernel runs)."""
     a = op.attrs
-    kept = {"key": None, "inputs": (), "rows": None}
+    kept = {"key": None}
 
-    def run(ins):
-        x, y = ins["x"], ins["y"]
-        if not kept["inputs"] or x is not kept["inputs"][0] or y is not kept["inputs"][1]:
-            kept["inputs"], kept["rows"] = (x, y), None
-            if _rows(x, a, y) is None or not x.flags.c_contiguous or x.dtype != y.dtype:
-                return None
-            ys = _t(y, a["transpose_y"])
-            key = (x.shape, ys.shape, x.dtype)
-            if key != kept["key"]:
-                out = np.empty(x.shape[:-1] + (ys.shape[1],), x.dtype)
-                kept.update(key=key, out=out, outs={"out": out})
-            kept.update(rows=_rows(x, a, y), ys=ys, out2=kept["out"].reshape(-1, ys.shape[1]))
-        if kept["rows"] is None:
+    def prepare(x, y):
+        rows = _rows(x, a, y)
+        if rows is None or not x.flags.c_contiguous or x.dtype != y.dtype:
             return None
-        np.matmul(kept["rows"], kept["ys"], out=kept["out2"])
-        return kept["outs"]
-    return run
+        ys = _t(y, a["transpose_y"])
+        key = (x.shape, ys.shape, x.dtype)
+        if key != kept["key"]:
+            out = np.empty(x.shape[:-1] + (ys.shape[1],), x.dtype)
+            kept.update(key=key, out2=out.reshape(-1, ys.shape[1]), outs={"out": out})
+        return functools.partial(np.matmul, rows, ys, out=kept["out2"]), kept["outs"]
+    return prepared.form(("x", "y"), prepare)
 
 
 def matmul_grad_cpu(op, ins, ctx):

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, choices, fc_native, native
+from minigraph.kernels.cpu import blocks, choices, fc_native, native, prepared
 
 
 def as_matrix(x, n):
@@ -106,34 +106,22 @@ def bind_fused_fc(op):
     if op.attrs["weight_fixed"]:
         return None
     n, relu = op.attrs["x_num_col_dims"], op.attrs["activation"] == "relu"
-    kept = {"key": None, "inputs": ()}
+    kept = {"key": None}
 
     def prepare(x, y, bias):
+        if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
+                and (bias is None or bias.dtype == x.dtype)):
+            return None
         key = (x.shape, y.shape, x.dtype)
         if key != kept["key"]:
             out2 = np.empty((math.prod(x.shape[:n]), y.shape[1]), x.dtype)
             kept.update(key=key, out2=out2,
                         out={"out": out2.reshape(x.shape[:n] + (y.shape[1],))})
-        kept["inputs"], kept["call"] = (x, y, bias), None
-        if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
-                and (bias is None or bias.dtype == x.dtype)):
-            return
-        x2 = x.reshape(kept["out2"].shape[0], -1)
+        x2, out2 = x.reshape(kept["out2"].shape[0], -1), kept["out2"]
         if fc_native.rows_supports(x2, y, bias):
-            kept["call"] = fc_native.prepared_rows(x2, y, bias, relu, kept["out2"])
-        else:
-            kept["call"] = functools.partial(_blas_into, x2, y, bias, relu, kept["out2"])
-
-    def run(ins):
-        x, y, bias = ins["x"], ins["y"], ins.get("bias")
-        held = kept["inputs"]
-        if not held or x is not held[0] or y is not held[1] or bias is not held[2]:
-            prepare(x, y, bias)
-        if kept["call"] is None:
-            return None
-        kept["call"]()
-        return kept["out"]
-    return run
+            return fc_native.prepared_rows(x2, y, bias, relu, out2), kept["out"]
+        return functools.partial(_blas_into, x2, y, bias, relu, out2), kept["out"]
+    return prepared.form(("x", "y", "bias"), prepare)
 
 
 def _blas_into(x2, y, bias, relu, out):
