@@ -230,10 +230,9 @@ def prepared_packed(q, k, v, heads, variant, scale, out, lse):
         return None
     dims, strides = layout
     n, h, tq = dims[:3]
-    ints = (ctypes.c_int64 * len(_forward_ints(q.dtype, (0,) * 4, 0, dims, strides, (0,) * 4,
-                                               0, 0, None, None, 1)))()
-    ints[:] = _forward_ints(q.dtype, (_ptr(q), 0, 0, 0), 0, dims, strides, (0, 0, 0, 0),
-                            None if variant is None else 0, 0, out, lse, 1)
+    values = _forward_ints(q.dtype, (_ptr(q), 0, 0, 0), 0, dims, strides, (0, 0, 0, 0),
+                           None if variant is None else 0, 0, out, lse, 1)
+    ints = (ctypes.c_int64 * len(values))(*values)
     reals = (ctypes.c_double * 2)(scale, 0.0)
     fn, rows = _load("attention_forward_packed"), (k.strides, v.strides, k.shape[2], v.shape[2])
 
