@@ -62,9 +62,8 @@ class OpDesc:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One registered kernel: `fn(op, ins, ctx) -> {out_slot: array}`, written for
-    the float dtypes `dtypes` (None: any dtype); `bind`, its bound form or None
-    (minigraph.bound_run)."""
+    """One registered kernel: `fn(op, ins, ctx) -> {out_slot: array}` for the float
+    dtypes `dtypes` (None: any); `bind`: its bound form or None (minigraph.bound_run)."""
 
     fn: Callable
     dtypes: tuple | None = None
@@ -297,12 +296,11 @@ def register(schema):
 
 
 def kernel(op_type, device, fn=None, dtypes=None, bind=None):
-    """Register `fn(op, ins, ctx) -> outs` as a kernel of `op_type` on `device`
-    places ("cpu", "gpu"), written for the float `dtypes` (None: any), with its
-    bound form `bind` (CPU inference run again: minigraph.bound_run). Without
-    `fn`, a decorator. Kernels of one device are tried in registration order
-    (OpSchema.kernel_for); the runner picks one once per input signature, so a
-    kernel holds only arithmetic. Returns fn."""
+    """Register `fn(op, ins, ctx) -> outs` as a kernel of `op_type` on `device` places
+    ("cpu", "gpu") for the float `dtypes` (None: any), `bind` its bound form (CPU
+    inference run again: minigraph.bound_run). Without `fn`, a decorator. Kernels of one
+    device are tried in registration order (OpSchema.kernel_for); the runner picks one
+    once per input signature, so a kernel holds only arithmetic. Returns fn."""
     if fn is None:
         return lambda f: kernel(op_type, device, f, dtypes, bind)
     schema = get_schema(op_type)
@@ -312,9 +310,8 @@ def kernel(op_type, device, fn=None, dtypes=None, bind=None):
 
 
 def examples(op_type, fn):
-    """Declare `fn(ex) -> [(name, inputs, attrs, grad sets)]` as the cases of
-    `op_type` that the device tests run on every place against the CPU
-    (tests/gpu/test_gpu_ops.py). Returns fn."""
+    """Declare (and return) `fn(ex) -> [(name, inputs, attrs, grad sets)]`: the cases of
+    `op_type` the device tests run on every place against the CPU (test_gpu_ops.py)."""
     get_schema(op_type).examples = fn
     return fn
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 from helpers import spying
 
 import minigraph as mg
@@ -208,3 +209,20 @@ def test_forms_that_do_not_apply_leave_the_run_to_the_kernels():
         runs = [net.infer(feed={"x": data}, fetch=[y])[0] for _ in range(4)]
     assert calls == {"gelu": 4, "layer_norm": 1}
     assert all(r.tobytes() == runs[0].tobytes() for r in runs)
+
+
+def test_a_bound_run_raises_the_kernels_errors():
+    """An id outside the table in a bound run (embedding's one-id path) is the kernel's
+    OpError naming the op, the input and the value; the next good run is right."""
+    net = mg.Net(seed=0)
+    tokens = L.data(net, "tokens", shape=(1, -1), dtype="int64")
+    rows = L.embedding(net, tokens, 11, 8, name="emb")
+    for _ in range(3):
+        (good,) = net.infer(feed={"tokens": np.array([[3]])}, fetch=[rows])
+    assert compiled_of(net, [rows]).bound.forms[0] is not None
+    for bad in (11, -1):
+        with pytest.raises(mg.OpError, match=rf"embedding: input 'ids' has value {bad} at "
+                                             r"flat position 0, outside \[0, 11\)"):
+            net.infer(feed={"tokens": np.array([[bad]])}, fetch=[rows])
+    (again,) = net.infer(feed={"tokens": np.array([[3]])}, fetch=[rows])
+    assert again.tobytes() == good.tobytes()

@@ -54,25 +54,43 @@ def test_forward_against_the_float64_reference(m, k, n, bias, relu):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * np.sqrt(k) * max(1, abs(want).max()))
 
 
-@pytest.mark.parametrize("m, k, n", [(128, 700, 300), (9, 64, 20), (50, 1030, 140)])
-def test_the_same_result_on_any_number_of_threads(m, k, n, monkeypatch):
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
+def operands(m, k, n):
+    """Random float32 x (m, k), w (k, n) and bias (n,)."""
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            rng.standard_normal((k, n)).astype(np.float32),
+            rng.standard_normal(n).astype(np.float32))
+
+
+def on_threads(monkeypatch, compute):
+    """compute()'s results with 1, 2, 3 and 5 threads."""
     outs = []
     for threads in (1, 2, 3, 5):
         monkeypatch.setattr(blocks, "get_num_threads", lambda t=threads: t)
-        outs.append(fc_native.forward(x, w, b, True))
+        outs.append(compute())
+    return outs
+
+
+@pytest.mark.parametrize("m, k, n", [(128, 700, 300), (9, 64, 20), (50, 1030, 140)])
+def test_the_same_result_on_any_number_of_threads(m, k, n, monkeypatch):
+    x, w, b = operands(m, k, n)
+    outs = on_threads(monkeypatch, lambda: fc_native.forward(x, w, b, True))
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
 
 
-def test_nan_and_infinities():
-    x = np.ones((7, 20), np.float32)
-    x[2, 3] = np.nan
-    x[4, 5] = np.inf
-    w = np.ones((20, 30), np.float32)
+def ones_with_nan_and_inf(m, k, n, nan_row, inf_row):
+    """x (m, k) of ones with a NaN in row nan_row and +inf in row inf_row; w (k, n) of
+    ones with column 7 of -1 (relu's zeros)."""
+    x = np.ones((m, k), np.float32)
+    x[nan_row, 3] = np.nan
+    x[inf_row, 5] = np.inf
+    w = np.ones((k, n), np.float32)
     w[:, 7] = -1.0
+    return x, w
+
+
+def test_nan_and_infinities():
+    x, w = ones_with_nan_and_inf(7, 20, 30, 2, 4)
     got = fc_native.forward(x, w, None, relu=True)
     assert np.isnan(got[2]).all()                              # NaN stays NaN through relu
     assert np.isinf(got[4, 0]) and got[4, 7] == 0.0            # -inf: relu gives 0
@@ -178,24 +196,16 @@ def test_rows_kernel_bits_on_any_threads_and_those_of_the_product_then_the_bias(
                                                                                 monkeypatch):
     """The same bits on 1-5 threads; with the bias and relu, those of the product alone
     followed by a numpy bias add and maximum (mul + elementwise_add + relu, unfused)."""
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.standard_normal((k, n)).astype(np.float32)
-    b = rng.standard_normal(n).astype(np.float32)
-    outs = []
-    for threads in (1, 2, 3, 5):
-        monkeypatch.setattr(blocks, "get_num_threads", lambda t=threads: t)
-        outs.append((fc_native.rows_forward(x, w, b, True), fc_native.rows_forward(x, w)))
+    x, w, b = operands(m, k, n)
+    outs = on_threads(monkeypatch, lambda: (fc_native.rows_forward(x, w, b, True),
+                                            fc_native.rows_forward(x, w)))
     for fused, alone in outs:
         assert fused.tobytes() == outs[0][0].tobytes() and alone.tobytes() == outs[0][1].tobytes()
     assert outs[0][0].tobytes() == np.maximum(outs[0][1] + b, 0).tobytes()
 
 
 def test_rows_kernel_nan_and_infinities_and_a_prepared_call_reads_its_arrays_anew():
-    x = np.ones((3, 80), np.float32)
-    x[1, 3] = np.nan
-    x[2, 5] = np.inf
-    w = np.ones((80, 20), np.float32)
-    w[:, 7] = -1.0
+    x, w = ones_with_nan_and_inf(3, 80, 20, 1, 2)
     out = np.empty((3, 20), np.float32)
     call = fc_native.prepared_rows(x, w, None, True, out)
     call()
