@@ -1,8 +1,8 @@
 """Which kernel runs a product or a convolution of a given shape: chosen by timing the
 candidates on this machine at their first use, and kept per machine.
 
-A kernel launcher that has more than one way to compute an op (fused_fc: the native
-kernel or BLAS's product; a convolution: Winograd, the direct native kernel or the
+A kernel launcher that has more than one way to compute an op (fused_fc and a weight
+gradient (mul.weight_grad): the native kernel or BLAS's product; a convolution: Winograd, the direct native kernel or the
 im2col engine on BLAS; each only where the op's memory rules allow it) calls
 `choose(kind, key, options, default)`. The first call for a key times every
 option: one untimed call each, then ROUNDS rounds of one timed call each in
@@ -50,6 +50,7 @@ MARGIN = 0.9
 MAX_FILE_BYTES = 1 << 20
 KINDS = {               # the options each kind of choice may name
     "fc": ("native", "blas"),
+    "fc_dw": ("native", "blas"),
     "conv2d": ("winograd", "direct", "im2col"),
     "conv2d_dx": ("winograd", "direct", "im2col"),
     "conv2d_dw": ("direct", "im2col"),

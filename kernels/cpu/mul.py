@@ -5,7 +5,8 @@ bias and relu, by the native kernel on the weight packed once (fc_native.py) or 
 BLAS with the bias and relu in place, whichever was the faster for the shape on this
 machine (choices.py; the native kernel where nothing is timed) where the native
 kernel takes the product, else as mul's product with the bias and relu in place
-(mul's and elementwise_add's bits).
+(mul's and elementwise_add's bits). Weight gradients run wgrad_native's kernel or
+BLAS's product, whichever was the faster (weight_grad).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, choices, fc_native, native, prepared
+from minigraph.kernels.cpu import blocks, choices, fc_native, native, prepared, wgrad_native
 
 
 def as_matrix(x, n):
@@ -42,13 +43,25 @@ def mul_cpu(op, ins, ctx):
 
 
 def weight_grad(x2, d2):
-    """x2.T @ d2 (x2 (R, K), d2 (R, M)) by BLAS, computed as (d2.T @ x2).T when K < M
-    and K < R: OpenBLAS runs a product of few output rows over a long inner dimension
-    an order of magnitude slower on two threads than one (a (128, 4096) @ (4096, 512)
-    weight gradient: 350 ms against 28 ms for the (512, 128) one), and the transpose is
-    then a copy of a small result. Over a short inner dimension the direct product is
-    the faster, and the transposed copy of a large result is not small: the wide MLP's
-    (784, 128) @ (128, 2048) took 2.3 ms, against 7.2 ms that way."""
+    """x2.T @ d2 (x2 (R, K), d2 (R, M)): by wgrad_native's kernel or BLAS, whichever
+    was the faster for the shape on this machine where the kernel takes the product
+    (choices.py, kind "fc_dw"), else by BLAS (blas_weight_grad)."""
+    if not wgrad_native.supports(x2, d2):
+        return blas_weight_grad(x2, d2)
+    (r, k), m = x2.shape, d2.shape[1]
+    key = f"{r}x{k}x{m}|t{blocks.get_num_threads()}|b{native.build_key('wgrad_native')}"
+    return choices.choose("fc_dw", key, {"native": lambda: wgrad_native.product(x2, d2),
+                                         "blas": lambda: blas_weight_grad(x2, d2)}, "blas")
+
+
+def blas_weight_grad(x2, d2):
+    """x2.T @ d2 by BLAS, computed as (d2.T @ x2).T when K < M and K < R: OpenBLAS runs
+    a product of few output rows over a long inner dimension an order of magnitude
+    slower on two threads than one (a (128, 4096) @ (4096, 512) weight gradient: 350 ms
+    against 28 ms for the (512, 128) one), and the transpose is then a copy of a small
+    result. Over a short inner dimension the direct product is the faster, and the
+    transposed copy of a large result is not small: the wide MLP's (784, 128) @ (128,
+    2048) took 2.3 ms, against 7.2 ms that way."""
     r, k = x2.shape
     if k < d2.shape[1] and k < r:
         return np.ascontiguousarray((d2.T @ x2).T)
