@@ -1,13 +1,15 @@
 """The native CPU conv kernels (kernels/cpu/conv_native.c) against the float64 reference:
 the forward pass, the filter gradient and the input gradient on every geometry
 the launchers take, the epilogue, the thread counts, bad inputs."""
+import gc
+
 import numpy as np
 import pytest
 from helpers import all_right_from_threads, run_in_forked_child
 from references import conv2d, conv2d_grad
 
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
-from minigraph.kernels.cpu import conv_native, native
+from minigraph.kernels.cpu import conv_native, conv_native_nhwc, native
 
 rng = np.random.default_rng(7)
 
@@ -228,3 +230,75 @@ def test_a_forked_child_runs_threaded_convs():
     code, got = run_in_forked_child(_forked_conv)
     assert code == 0
     assert got == 4 * 3 * 4 * 4 * 18.0
+
+
+def winograd_run(x, w, g, layout, **kwargs):
+    """Winograd's forward pass (whatever its scratch) in `layout`, NCHW in and out."""
+    if layout == "NHWC":
+        out = conv_native_nhwc.forward(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), w, g, 2,
+                                       max_scratch=float("inf"), **kwargs)
+        return out.transpose(0, 3, 1, 2)
+    return conv_native.forward(x, w, g, 2, max_scratch=float("inf"), **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("c, o", [(8, 5), (16, 16), (17, 33), (64, 64)])
+def test_a_fixed_filter_is_transformed_once_with_the_same_bits(layout, c, o):
+    """fused_conv2d's filters (fixed=True): Winograd's transform of the filter is made at
+    the first call and kept; the outputs are those of a transform made per call."""
+    x = rng.standard_normal((3, c, 10, 9)).astype(np.float32)
+    w = rng.standard_normal((o, c, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(o).astype(np.float32)
+    g = conv_cpu.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    stats = {}
+    made = winograd_run(x, w, g, layout, bias=b, relu=True, stats=stats)
+    assert stats["kernel"] == "winograd"
+    kept = winograd_run(x, w, g, layout, bias=b, relu=True, fixed=True)
+    np.testing.assert_array_equal(kept, made)
+    ref, build, transform = conv_native._transforms[id(w)]
+    assert ref() is w and build == native.build_key("conv_native")
+    assert not w.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        w[0, 0, 0, 0] = 1.0
+    again = winograd_run(x, w, g, layout, bias=b, relu=True, fixed=True)
+    np.testing.assert_array_equal(again, made)
+    assert conv_native._transforms[id(w)][2] is transform        # not made again
+
+
+def test_a_fixed_filter_made_writeable_again_is_transformed_again():
+    x = rng.standard_normal((2, 8, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32)
+    g = conv_cpu.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    winograd_run(x, w, g, "NCHW", fixed=True)
+    w.flags.writeable = True
+    w *= -3.0
+    got = winograd_run(x, w, g, "NCHW", fixed=True)
+    np.testing.assert_array_equal(got, winograd_run(x, w.copy(), g, "NCHW"))
+    assert not w.flags.writeable
+
+
+def test_a_fixed_filter_with_nan_runs_the_direct_kernel():
+    """A filter holding a NaN or an infinity is kept as such (no transform): each call
+    then runs the direct kernel, as an unkept one does."""
+    x = rng.standard_normal((2, 8, 9, 9)).astype(np.float32)
+    w = rng.standard_normal((8, 8, 3, 3)).astype(np.float32)
+    w[3, 2, 1, 0] = np.nan
+    g = conv_cpu.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    for _ in range(2):
+        stats = {}
+        got = winograd_run(x, w, g, "NCHW", fixed=True, stats=stats)
+        assert stats == {"kernel": "direct"}
+    assert conv_native._transforms[id(w)][2] is None
+    np.testing.assert_array_equal(got, conv_native.forward(x, w, g, 2, max_scratch=0.0))
+
+
+def test_a_freed_filter_lets_go_of_its_transform():
+    x = np.ones((1, 8, 6, 6), np.float32)
+    w = np.ones((8, 8, 3, 3), np.float32)
+    g = conv_cpu.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    winograd_run(x, w, g, "NCHW", fixed=True)
+    key = id(w)
+    assert key in conv_native._transforms
+    del w
+    gc.collect()
+    assert key not in conv_native._transforms

@@ -232,3 +232,38 @@ def test_conv2d_works_lean_fused_conv2d_in_full_chunks(monkeypatch):
         work[op_type] = made["cols"], sum(made.values())
     assert work["conv2d"][1] <= cap < work["fused_conv2d"][1]
     assert conv_cpu.CHUNK_BYTES / 2 < work["fused_conv2d"][0] <= conv_cpu.CHUNK_BYTES
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_a_new_value_of_a_filter_is_transformed_anew(layout, monkeypatch):
+    """On Winograd's kernel fused_conv2d keeps each filter's transform and makes the filter
+    read-only; Variable.set gives the parameter a new array, which the next run
+    transforms (not the kept transform of the old one)."""
+    from minigraph.kernels.cpu import choices, conv_native
+
+    if not conv_native.available():
+        pytest.skip("native kernels not built")
+    monkeypatch.setattr(conv_native, "MIN_THREAD_WORK", 1)
+    monkeypatch.setattr(conv_native, "WINOGRAD_MAX_SCRATCH_INFERENCE", float("inf"))
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 8, 9, 9) if layout == "NCHW" else (-1, 9, 9, 8))
+    y = L.relu(net, L.conv2d(net, x, 12, 3, padding=1, data_layout=layout, name="c"))
+    fast = mg.passes.optimize_for_inference(net)
+    assert [op.type for op in fast.section("trunk")] == ["fused_conv2d"]
+    v = rng.standard_normal((2, 8, 9, 9) if layout == "NCHW" else (2, 9, 9, 8)).astype(np.float32)
+    w, b = fast.var("c.w"), fast.var("c.b")
+
+    def want():
+        nchw = v if layout == "NCHW" else v.transpose(0, 3, 1, 2)
+        out = np.maximum(conv2d(nchw.astype(np.float64), w.get().astype(np.float64),
+                                paddings=(1, 1)) + b.get().reshape(-1, 1, 1), 0)
+        return out if layout == "NCHW" else out.transpose(0, 2, 3, 1)
+
+    with choices.forcing({"fused_conv2d": "winograd"}):
+        (first,) = fast.infer(feed={"x": v}, fetch=[y.name])
+        np.testing.assert_allclose(first, want(), rtol=1e-4, atol=1e-5)
+        assert not w.value.flags.writeable          # the array the op reads
+        w.set(-2.0 * w.get())
+        (second,) = fast.infer(feed={"x": v}, fetch=[y.name])
+    np.testing.assert_allclose(second, want(), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(first, second)

@@ -2,13 +2,13 @@
 candidates on this machine at their first use, and kept per machine.
 
 A kernel launcher that has more than one way to compute an op (fused_fc and a weight
-gradient (mul.weight_grad): the native kernel or BLAS's product; a convolution: Winograd, the direct native kernel or the
-im2col engine on BLAS; each only where the op's memory rules allow it) calls
-`choose(kind, key, options, default)`. The first call for a key times every
-option: one untimed call each, then ROUNDS rounds of one timed call each in
-alternating order, the least time of each counting; an option replaces the default
-only where it takes at most MARGIN of the default's time (so that noise does not
-flip a choice). Later calls run the chosen option at once. Every option computes
+gradient (mul.weight_grad): the native kernel or BLAS's product; a convolution:
+Winograd, the direct native kernel or the im2col engine on BLAS; each only where the
+op's memory rules allow it) calls `choose(kind, key, options, default)`. The first
+call for a key times every option: one untimed call each, then ROUNDS rounds of one
+timed call each in alternating order, the least time of each counting; an option
+replaces the default only where it takes at most MARGIN of the default's time (so
+that noise does not flip a choice). Later calls run the chosen option at once. Every option computes
 the same result up to float32 rounding (each is tested against the same float64
 reference), so a choice changes the time, not the result beyond the tests'
 tolerances.

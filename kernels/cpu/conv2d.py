@@ -118,8 +118,9 @@ def conv2d_grad_cpu(op, ins, ctx):
 def fused_conv2d_cpu(op, ins, ctx):
     """out = act(conv2d(x, filter) + bias + residual): as conv2d's kernel (the fastest
     of Winograd's, the direct and the im2col engine where the native kernels take the
-    conv), Winograd's with a larger scratch bound than conv2d's (this op runs in
-    inference nets only) and the im2col engine with full chunks."""
+    conv), Winograd's with a larger scratch bound than conv2d's and its transform of
+    the filter kept (this op runs in inference nets only: no op writes its filter,
+    which is made read-only) and the im2col engine with full chunks."""
     x, w = ins["x"], ins["filter"]
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
     epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
@@ -136,7 +137,7 @@ def fused_conv2d_cpu(op, ins, ctx):
                "im2col": im2col}
     if conv_native.forward_winograd(g, threads, bound):
         options["winograd"] = lambda: run.forward(x, w, g, threads, **epilogue,
-                                                  max_scratch=bound)
+                                                  max_scratch=bound, fixed=True)
     extra = "|".join(k for k in ("bias", "residual") if epilogue[k] is not None)
     return {"out": choose("fused_conv2d", op, g, threads, options, extra)}
 

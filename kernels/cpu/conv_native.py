@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 
 import numpy as np
 
@@ -41,6 +42,7 @@ DIRECT = 0.0                    # a max_scratch no Winograd conv fits: the direc
 WINOGRAD_RANGE = 16
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
+_transforms = {}    # id(filter array) -> (weakref to it, build key, transform or None)
 
 
 def _lib():
@@ -48,7 +50,10 @@ def _lib():
     if lib is not None and not getattr(lib, "_typed", False):
         lib.conv2d_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv2d_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
-        lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L, _P]
+        lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L, _P, _P]
+        lib.conv2d_winograd_filter_floats.argtypes = [_P]
+        lib.conv2d_winograd_filter_floats.restype = _L
+        lib.conv2d_winograd_filter.argtypes = [_P, _P, _P]
         lib.conv2d_winograd_scratch.argtypes = [_P, _L]
         lib.conv2d_winograd_scratch.restype = _L
         lib.conv2d_nhwc_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
@@ -95,7 +100,7 @@ def _float32(array, shape, name):
 
 
 def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=None,
-            stats=None):
+            stats=None, fixed=False):
     """out (N, O, Ho, Wo) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0)),
     on `threads` threads; the epilogue runs on each tile of outputs in registers.
     max_scratch: winograd()'s bound on the scratch memory (None: WINOGRAD_MAX_SCRATCH).
@@ -103,16 +108,18 @@ def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=
     past x's end that the windows read are zeros (asymmetric padding: g.ho and
     g.wo need not be x's output size for symmetric padding). stats: a dict, given
     "kernel" ("winograd" or "direct") and, for Winograd, "direct_tiles" (how many
-    tiles it computed directly) and "tiles"."""
+    tiles it computed directly) and "tiles". fixed: `w` is a filter no op writes (an
+    inference net's): Winograd's transform of it is kept (fixed_transform), and `w`
+    made read-only."""
     out = np.empty((g.n, g.o, g.ho, g.wo), dtype=np.float32)
     residual = None if residual is None else _float32(residual, out.shape, "residual")
     _forward_into(out, x, w, g, threads, bias=bias, residual=residual, relu=relu,
-                  max_scratch=max_scratch, stats=stats)
+                  max_scratch=max_scratch, stats=stats, fixed=fixed)
     return out
 
 
 def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, at=(0, 0),
-                  step=(1, 1), max_scratch=None, stats=None):
+                  step=(1, 1), max_scratch=None, stats=None, fixed=False):
     """forward's outputs into out (C-contiguous float32, (N, O, rows, cols)): output
     (y, x) at out[..., at[0] + step[0] y, at[1] + step[1] x], the caller having
     checked that these fit; residual (out's shape) read at the same places."""
@@ -124,7 +131,7 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
     threads = _threads(g, threads)
     args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out))
     if winograd(g, threads, out.shape, at, step, max_scratch) and \
-            run_winograd(args, _winograd_dims(g, relu), threads, g, stats):
+            run_winograd(args, _winograd_dims(g, relu), threads, g, stats, w if fixed else None):
         return
     if stats is not None:
         stats["kernel"] = "direct"
@@ -132,13 +139,19 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
-def run_winograd(args, dims, threads, g, stats=None):
+def run_winograd(args, dims, threads, g, stats=None, fixed=None):
     """conv2d_winograd_f32 on args (x, filter, bias, residual, out pointers): True when
     it ran, False (nothing written) when the filter holds a NaN or an infinity (the
     caller then runs the direct kernel, which spreads them as it should). stats: see
-    forward."""
+    forward. fixed: the filter array where no op writes it (its transform is kept)."""
+    prepared = None
+    if fixed is not None:
+        prepared = fixed_transform(fixed, dims)
+        if prepared is None:
+            return False
     direct = ctypes.c_int64(0)
-    failed = _lib().conv2d_winograd_f32(*args, _ptr(dims), threads, ctypes.byref(direct))
+    failed = _lib().conv2d_winograd_f32(*args, _ptr(dims), threads, ctypes.byref(direct),
+                                        _ptr(prepared))
     if failed == 2:
         return False
     if failed:
@@ -147,6 +160,26 @@ def run_winograd(args, dims, threads, g, stats=None):
         stats.update(kernel="winograd", direct_tiles=direct.value,
                      tiles=g.n * ((g.ho + 3) // 4) * ((g.wo + 3) // 4))
     return True
+
+
+def fixed_transform(w, dims):
+    """Winograd's transform of filter `w` (O, C, 3, 3) float32 for the conv of `dims`
+    (_winograd_dims: only C and O matter), made at its first use and kept while `w`
+    lives, or None where `w` holds a NaN or an infinity. `w` is made read-only, so that
+    what was transformed stays what it holds: a write into it is an error, not a stale
+    result; a new value is a new array, transformed at its first use."""
+    build = native.build_key("conv_native")
+    found = _transforms.get(id(w))
+    if found is not None and found[0]() is w and found[1] == build and not w.flags.writeable:
+        return found[2]
+    lib = _lib()
+    w.flags.writeable = False
+    u = np.zeros(lib.conv2d_winograd_filter_floats(_ptr(dims)), dtype=np.float32)
+    made = None if lib.conv2d_winograd_filter(_ptr(w), _ptr(dims), _ptr(u)) else u
+    key = id(w)
+    _transforms[key] = (weakref.ref(w, lambda _, key=key: _transforms.pop(key, None)), build,
+                        made)
+    return made
 
 
 def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1), max_scratch=None):

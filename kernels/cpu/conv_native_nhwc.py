@@ -31,20 +31,20 @@ def _dims(g, relu=False, out_shape=None, at=(0, 0), step=(1, 1), x_pitch=None):
 
 
 def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=None,
-            stats=None):
+            stats=None, fixed=False):
     """out (N, Ho, Wo, O) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0))
     for x (N, H, W, C), on `threads` threads; as conv_native.forward otherwise
-    (max_scratch, stats and the padding rules)."""
+    (max_scratch, stats, fixed and the padding rules)."""
     out = np.empty((g.n, g.ho, g.wo, g.o), dtype=np.float32)
     residual = None if residual is None else _float32(residual, out.shape, "residual")
     x = _float32(x, (g.n, g.h, g.w, g.c), "x")
     _forward_into(out, x, None, w, g, threads, bias=bias, residual=residual, relu=relu,
-                  max_scratch=max_scratch, stats=stats)
+                  max_scratch=max_scratch, stats=stats, fixed=fixed)
     return out
 
 
 def _forward_into(out, x, x_pitch, w, g, threads, bias=None, residual=None, relu=False,
-                  at=(0, 0), step=(1, 1), max_scratch=None, stats=None):
+                  at=(0, 0), step=(1, 1), max_scratch=None, stats=None, fixed=False):
     """forward's outputs into out (C-contiguous float32, (N, rows, cols, O)): output
     (y, x) at out[:, at[0] + step[0] y, at[1] + step[1] x], the caller having checked
     that these fit; residual (out's shape) read at the same places. x: float32 whose
@@ -61,7 +61,7 @@ def _forward_into(out, x, x_pitch, w, g, threads, bias=None, residual=None, relu
     if conv_native.winograd(g, threads, shape, at, step, max_scratch):
         pitch = (g.w * g.c, g.h * g.w * g.c) if x_pitch is None else x_pitch
         dims = conv_native._winograd_dims(g, relu, nhwc=True, x_row=pitch[0], x_image=pitch[1])
-        if conv_native.run_winograd(args, dims, threads, g, stats):
+        if conv_native.run_winograd(args, dims, threads, g, stats, w if fixed else None):
             return
     if stats is not None:
         stats["kernel"] = "direct"

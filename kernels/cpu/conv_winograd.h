@@ -314,21 +314,49 @@ int64_t conv2d_winograd_scratch(const int64_t *dims, int64_t threads)
     return (int64_t)sizeof(float) * (36 * a.cp * a.op + threads * wg_thread_floats(&a));
 }
 
+/* Floats of a filter's prepared transform for dims (conv2d_winograd_filter): U, then
+ * the filter's largest magnitude. */
+int64_t conv2d_winograd_filter_floats(const int64_t *dims)
+{
+    wg_t a;
+    wg_setup(&a, dims, 1);
+    return 36 * a.cp * a.op + 1;
+}
+
+/* The transform of `filter` for dims into u (conv2d_winograd_filter_floats(dims) floats,
+ * zeroed by the caller), for conv2d_winograd_f32's `prepared`: a filter that does not
+ * change (an inference net's) is transformed once. Returns 0, or 2 (u not to be used)
+ * when the filter holds a NaN or an infinity. */
+int conv2d_winograd_filter(const float *filter, const int64_t *dims, float *u)
+{
+    wg_t a = {.filter = filter, .u = u};
+    wg_setup(&a, dims, 1);
+    if (wg_filter(&a, filter)) return 2;
+    u[36 * a.cp * a.op] = a.gmax;
+    return 0;
+}
+
 /* dims: n c h w o ph pw ho wo relu nhwc x_row x_image range (a 3x3 filter, stride and
  * dilation 1; out is (N, O, ho, wo), or (N, ho, wo, O) with nhwc, whose x's rows and
- * images are x_row and x_image floats apart; range: conv_winograd_range.h). Returns 0;
+ * images are x_row and x_image floats apart; range: conv_winograd_range.h). prepared:
+ * the filter's transform (conv2d_winograd_filter), or NULL to make it here. Returns 0;
  * 1 when memory ran out (out is then incomplete); 2, with nothing written, when the
  * filter holds a NaN or an infinity (the caller runs the direct kernel). *direct_tiles
  * (when not NULL): how many tiles were computed directly. */
 int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
                         const float *residual, float *out, const int64_t *dims,
-                        int64_t threads, int64_t *direct_tiles)
+                        int64_t threads, int64_t *direct_tiles, const float *prepared)
 {
     wg_t a = {.x = x, .bias = bias, .residual = residual, .out = out, .filter = filter};
     threads = wg_setup(&a, dims, threads);
-    a.u = calloc(36 * a.cp * a.op, sizeof(float));
-    if (!a.u) return 1;
-    if (wg_filter(&a, filter)) { free(a.u); return 2; }
+    if (prepared) {
+        a.u = (float *)prepared;                 /* read only, like a fresh one */
+        a.gmax = prepared[36 * a.cp * a.op];
+    } else {
+        a.u = calloc(36 * a.cp * a.op, sizeof(float));
+        if (!a.u) return 1;
+        if (wg_filter(&a, filter)) { free(a.u); return 2; }
+    }
     pthread_mutex_init(&a.lock, NULL);
     int64_t next = 0;
     wg_job_t jobs[MAX_THREADS];
@@ -339,6 +367,6 @@ int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
     pthread_mutex_destroy(&a.lock);
     if (direct_tiles) *direct_tiles = a.direct_tiles;
     free(a.wt);
-    free(a.u);
+    if (!prepared) free(a.u);
     return failed;
 }
