@@ -89,9 +89,9 @@ static void wg_unit(const wg_t *a, int64_t u, float *xb, float *db)
         for (int64_t r = 0; r < count; r++) {          /* x's columns; zeros past K */
             const float *from = a->x + (r0 + r) * a->k + c0;
             for (int64_t j = 0; j < WG_XS; j += VL) {
-                int64_t left = ncols - j;
-                vf_store(xb + r * WG_XS + j, left >= VL ? vf_load(from + j)
-                                                       : vf_load_part(from + j, left > 0 ? left : 0));
+                int64_t left = ncols - j > 0 ? ncols - j : 0;
+                vf_store(xb + r * WG_XS + j,
+                         left >= VL ? vf_load(from + j) : vf_load_part(from + j, left));
             }
         }
         for (int64_t p = p0; p < p1; p++) {
