@@ -159,9 +159,11 @@ class Executor:
 
 def _announce_collectives(c):
     """Announce the step's collectives; the communicator, or None when there are none."""
+    if not c.collective_ops:            # before the import, which took 4 us a run
+        return None
     from minigraph.distributed import world
 
-    if not c.collective_ops or not world.is_initialized():   # its first use checks per call
+    if not world.is_initialized():      # its first use checks per call
         return None
     comm = world.get_comm()
     calls = []
