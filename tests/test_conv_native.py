@@ -255,8 +255,8 @@ def test_a_fixed_filter_is_transformed_once_with_the_same_bits(layout, c, o):
     assert stats["kernel"] == "winograd"
     kept = winograd_run(x, w, g, layout, bias=b, relu=True, fixed=True)
     np.testing.assert_array_equal(kept, made)
-    ref, build, transform = conv_native._transforms[id(w)]
-    assert ref() is w and build == native.build_key("conv_native")
+    ref, made_for, transform = conv_native._transforms[id(w)]
+    assert ref() is w and made_for == (native.build_key("conv_native"), w.shape)
     assert not w.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         w[0, 0, 0, 0] = 1.0

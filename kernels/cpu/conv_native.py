@@ -42,7 +42,7 @@ DIRECT = 0.0                    # a max_scratch no Winograd conv fits: the direc
 WINOGRAD_RANGE = 16
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
-_transforms = {}    # id(filter array) -> (weakref to it, build key, transform or None)
+_transforms = {}    # id(filter) -> (weakref to it, (build key, its shape), transform or None)
 
 
 def _lib():
@@ -168,17 +168,17 @@ def fixed_transform(w, dims):
     lives, or None where `w` holds a NaN or an infinity. `w` is made read-only, so that
     what was transformed stays what it holds: a write into it is an error, not a stale
     result; a new value is a new array, transformed at its first use."""
-    build = native.build_key("conv_native")
+    made_for = (native.build_key("conv_native"), w.shape)
     found = _transforms.get(id(w))
-    if found is not None and found[0]() is w and found[1] == build and not w.flags.writeable:
+    if found is not None and found[0]() is w and found[1] == made_for and not w.flags.writeable:
         return found[2]
     lib = _lib()
     w.flags.writeable = False
     u = np.zeros(lib.conv2d_winograd_filter_floats(_ptr(dims)), dtype=np.float32)
     made = None if lib.conv2d_winograd_filter(_ptr(w), _ptr(dims), _ptr(u)) else u
     key = id(w)
-    _transforms[key] = (weakref.ref(w, lambda _, key=key: _transforms.pop(key, None)), build,
-                        made)
+    _transforms[key] = (weakref.ref(w, lambda _, key=key: _transforms.pop(key, None)),
+                        made_for, made)
     return made
 
 
