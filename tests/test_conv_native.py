@@ -302,3 +302,15 @@ def test_a_freed_filter_lets_go_of_its_transform():
     del w
     gc.collect()
     assert key not in conv_native._transforms
+
+
+def test_a_fixed_filter_reshaped_in_place_is_transformed_again():
+    x = rng.standard_normal((2, 16, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 16, 3, 3)).astype(np.float32)
+    g = conv_cpu.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    winograd_run(x, w, g, "NCHW", fixed=True)
+    w.shape = (16, 8, 3, 3)                  # the same values, other channel counts
+    x8 = np.ascontiguousarray(x[:, :8])
+    g8 = conv_cpu.geometry(x8.shape, w.shape, (1, 1), (1, 1), (1, 1), 1)
+    got = winograd_run(x8, w, g8, "NCHW", fixed=True)
+    np.testing.assert_array_equal(got, winograd_run(x8, w.copy(), g8, "NCHW"))
