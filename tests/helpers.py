@@ -355,3 +355,27 @@ def run_on_thread(fn, name="worker", timeout=120):
     if "error" in out:
         raise out["error"]
     return out.get("value")
+
+
+def native_products(module):
+    """An autouse fixture for the tests of a native product kernel's launcher `module`
+    (its MIN_WORK and MIN_THREAD_WORK): small test products run natively, on as many
+    threads as asked. Assign it in the test module: `small_products = native_products(m)`."""
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def every_product_native(monkeypatch):
+        monkeypatch.setattr(module, "MIN_WORK", 1)
+        monkeypatch.setattr(module, "MIN_THREAD_WORK", 1)
+
+    return every_product_native
+
+
+def native_built(name):
+    """A skip mark for tests of kernels/cpu/<name>.c where it is not built here."""
+    import pytest
+
+    from minigraph.kernels.cpu import native
+
+    return pytest.mark.skipif(native.library(name) is None,
+                              reason=f"native kernels not built: {native.reason(name)}")

@@ -6,21 +6,15 @@ import gc
 
 import numpy as np
 import pytest
+from helpers import native_built, native_products
 
 import minigraph as mg
-from minigraph.kernels.cpu import blocks, fc_native, native
+from minigraph.kernels.cpu import blocks, fc_native
 
 rng = np.random.default_rng(5)
 
-pytestmark = pytest.mark.skipif(fc_native._lib() is None,
-                                reason=f"native kernels not built: {native.reason('fc_native')}")
-
-
-@pytest.fixture(autouse=True)
-def every_product_native(monkeypatch):
-    """Small test products run natively, on as many threads as asked."""
-    monkeypatch.setattr(fc_native, "MIN_WORK", 1)
-    monkeypatch.setattr(fc_native, "MIN_THREAD_WORK", 1)
+pytestmark = native_built("fc_native")
+small_products = native_products(fc_native)
 
 
 def reference(x, w, bias, relu):

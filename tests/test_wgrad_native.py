@@ -6,20 +6,14 @@ import os
 
 import numpy as np
 import pytest
+from helpers import native_built, native_products
 
 from minigraph.kernels.cpu import blocks, choices, mul, native, wgrad_native
 
 rng = np.random.default_rng(17)
 
-pytestmark = pytest.mark.skipif(wgrad_native._fn() is None,
-                                reason=f"native kernels not built: {native.reason('wgrad_native')}")
-
-
-@pytest.fixture(autouse=True)
-def every_product_native(monkeypatch):
-    """Small test products run natively, on as many threads as asked."""
-    monkeypatch.setattr(wgrad_native, "MIN_WORK", 1)
-    monkeypatch.setattr(wgrad_native, "MIN_THREAD_WORK", 1)
+pytestmark = native_built("wgrad_native")
+small_products = native_products(wgrad_native)
 
 
 def operands(r, k, m):
