@@ -164,46 +164,65 @@ static void wg_input(const wg_t *a, const float *bufs, int64_t t0, int64_t nb, f
     }
 }
 
-/* One register block of wg_multiply: tiles b0 .. b0 + WG_TM - 1 by VO vectors of
- * output channels from o0, at position xi. */
+/* One register block of wg_multiply: tiles b0 .. b0 + ROWS - 1 (ROWS <= WG_TM) by VO
+ * vectors of output channels from o0, at position xi. */
 static inline __attribute__((always_inline)) void wg_block(const wg_t *a, const float *v,
                                                            float *m, int64_t xi, int64_t o0,
-                                                           int64_t b0, const int VO)
+                                                           int64_t b0, const int VO,
+                                                           const int ROWS)
 {
     vf acc[WG_TM][2];
 #pragma GCC unroll 12
-    for (int r = 0; r < WG_TM; r++) acc[r][0] = acc[r][1] = (vf){0};
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = (vf){0};
     const int64_t cp = a->cp, op = a->op, c = a->c;
     const float *vr = v + (xi * WG_TB + b0) * cp;
     const float *ur = a->u + xi * cp * op + o0;
     for (int64_t ci = 0; ci < c; ci++) {
         vf u0 = vf_load(ur + ci * op), u1 = VO > 1 ? vf_load(ur + ci * op + VL) : u0;
 #pragma GCC unroll 12                       /* the whole block in registers */
-        for (int r = 0; r < WG_TM; r++) {
+        for (int r = 0; r < ROWS; r++) {
             float s = vr[r * cp + ci];
             acc[r][0] += s * u0;
             if (VO > 1) acc[r][1] += s * u1;
         }
     }
     float *mr = m + (xi * WG_TB + b0) * op + o0;
-    for (int r = 0; r < WG_TM; r++)
+    for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < VO; j++) vf_store(mr + r * op + VL * j, acc[r][j]);
 }
 
+/* The register blocks of tiles b0 .. nb - 1: of WG_TM tiles, the last of a third or two
+ * thirds of that where fewer are left (a 16x16 image's 16 tiles: 12 + 4, not 12 + 12
+ * with 8 computed for nothing). */
+static inline __attribute__((always_inline)) void wg_blocks(const wg_t *a, const float *v,
+                                                            float *m, int64_t xi, int64_t o0,
+                                                            int64_t nb, const int VO)
+{
+    for (int64_t b0 = 0; b0 < nb; b0 += WG_TM) {
+        int64_t left = nb - b0;
+        if (left > 2 * WG_TM / 3)
+            wg_block(a, v, m, xi, o0, b0, VO, WG_TM);
+        else if (left > WG_TM / 3)
+            wg_block(a, v, m, xi, o0, b0, VO, 2 * WG_TM / 3);
+        else
+            wg_block(a, v, m, xi, o0, b0, VO, WG_TM / 3);
+    }
+}
+
 /* m[(xi TB + b) op + oc] = sum over ci of v[(xi TB + b) cp + ci] u[(xi cp + ci) op + oc],
- * for the tiles of the block rounded up to WG_TM (the rows past nb are not read). */
+ * for the tiles of the block rounded up to a third of WG_TM (the rows past nb are not
+ * read). */
 static __attribute__((noinline)) void wg_multiply(const wg_t *a, const float *v, int64_t nb,
                                                   float *m)
 {
     int one = a->o <= VL;
     for (int64_t xi = 0; xi < 36; xi++)
-        for (int64_t o0 = 0; o0 < a->op; o0 += (one ? 1 : 2) * VL)
-            for (int64_t b0 = 0; b0 < nb; b0 += WG_TM) {
-                if (one)
-                    wg_block(a, v, m, xi, o0, b0, 1);
-                else
-                    wg_block(a, v, m, xi, o0, b0, 2);
-            }
+        for (int64_t o0 = 0; o0 < a->op; o0 += (one ? 1 : 2) * VL) {
+            if (one)
+                wg_blocks(a, v, m, xi, o0, nb, 1);
+            else
+                wg_blocks(a, v, m, xi, o0, nb, 2);
+        }
 }
 
 /* Y = A' M A of the block's tiles into the group's output buffers (4 th x 4 tw
