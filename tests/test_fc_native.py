@@ -98,10 +98,10 @@ def test_a_weight_is_packed_once_and_made_read_only():
     assert not w.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         w[0, 0] = 1.0
-    ref, kept = fc_native._packed[id(w)]
+    ref, _, kept = fc_native._packed[id(w)]
     assert ref() is w
     np.testing.assert_array_equal(fc_native.forward(x, w), first)
-    assert fc_native._packed[id(w)][1] is kept              # the same packed copy
+    assert fc_native._packed[id(w)][2] is kept              # the same packed copy
 
 
 def test_a_weight_made_writeable_again_is_packed_again():

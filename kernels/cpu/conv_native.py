@@ -18,11 +18,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import weakref
 
 import numpy as np
 
-from minigraph.kernels.cpu import native
+from minigraph.kernels.cpu import native, prepared
 
 MAX_PHASES = 64              # conv_native.c's bound on a buffer's column phases
 # multiply-adds a thread must have to be worth waking (~25 us to wake the kernels' pool
@@ -144,14 +143,14 @@ def run_winograd(args, dims, threads, g, stats=None, fixed=None):
     it ran, False (nothing written) when the filter holds a NaN or an infinity (the
     caller then runs the direct kernel, which spreads them as it should). stats: see
     forward. fixed: the filter array where no op writes it (its transform is kept)."""
-    prepared = None
+    transform = None
     if fixed is not None:
-        prepared = fixed_transform(fixed, dims)
-        if prepared is None:
+        transform = fixed_transform(fixed, dims)
+        if transform is None:
             return False
     direct = ctypes.c_int64(0)
     failed = _lib().conv2d_winograd_f32(*args, _ptr(dims), threads, ctypes.byref(direct),
-                                        _ptr(prepared))
+                                        _ptr(transform))
     if failed == 2:
         return False
     if failed:
@@ -165,21 +164,14 @@ def run_winograd(args, dims, threads, g, stats=None, fixed=None):
 def fixed_transform(w, dims):
     """Winograd's transform of filter `w` (O, C, 3, 3) float32 for the conv of `dims`
     (_winograd_dims: only C and O matter), made at its first use and kept while `w`
-    lives, or None where `w` holds a NaN or an infinity. `w` is made read-only, so that
-    what was transformed stays what it holds: a write into it is an error, not a stale
-    result; a new value is a new array, transformed at its first use."""
-    made_for = (native.build_key("conv_native"), w.shape)
-    found = _transforms.get(id(w))
-    if found is not None and found[0]() is w and found[1] == made_for and not w.flags.writeable:
-        return found[2]
-    lib = _lib()
-    w.flags.writeable = False
-    u = np.zeros(lib.conv2d_winograd_filter_floats(_ptr(dims)), dtype=np.float32)
-    made = None if lib.conv2d_winograd_filter(_ptr(w), _ptr(dims), _ptr(u)) else u
-    key = id(w)
-    _transforms[key] = (weakref.ref(w, lambda _, key=key: _transforms.pop(key, None)),
-                        made_for, made)
-    return made
+    lives (and made again for another build or shape), or None where `w` holds a NaN or
+    an infinity. `w` is made read-only (prepared.kept)."""
+    def transform():
+        lib = _lib()
+        u = np.zeros(lib.conv2d_winograd_filter_floats(_ptr(dims)), dtype=np.float32)
+        return None if lib.conv2d_winograd_filter(_ptr(w), _ptr(dims), _ptr(u)) else u
+    return prepared.kept(_transforms, w, (native.build_key("conv_native"), w.shape),
+                         transform)
 
 
 def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1), max_scratch=None):

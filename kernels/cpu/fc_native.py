@@ -26,11 +26,10 @@ float32 product it takes, so that a fused op keeps the unfused ops' bits.
 from __future__ import annotations
 
 import ctypes
-import weakref
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, native
+from minigraph.kernels.cpu import blocks, native, prepared
 
 MIN_WORK = 1 << 18          # multiply-adds from which OpenBLAS wakes its threads
 MIN_THREAD_WORK = 1 << 20   # multiply-adds a thread must have to be worth waking
@@ -41,7 +40,7 @@ MIN_ROWS_SPLIT = 1 << 13    # multiply-adds from which fc_rows_f32 splits the co
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _F32 = np.dtype(np.float32)
 _ptr = native.address
-_packed = {}                # id(weight array) -> (weakref to it, packed copy)
+_packed = {}                # id(weight array) -> (weakref to it, None, packed copy)
 
 
 def _lib():
@@ -123,17 +122,14 @@ def rows_forward(x, w, bias=None, relu=False):
 
 def packed_weight(w):
     """w (K, N) float32 in fc_native.c's panels: packed on first use and kept until `w`
-    is freed; `w` is made read-only, so what was packed stays what it holds."""
-    found = _packed.get(id(w))
-    if found is not None and found[0]() is w and not w.flags.writeable:
-        return found[1]
-    k, n = w.shape
-    packed = _aligned(_lib().fc_packed_size(k, n))
-    w.flags.writeable = False
-    _lib().fc_pack_weight_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
-    key = id(w)
-    _packed[key] = (weakref.ref(w, lambda _, key=key: _packed.pop(key, None)), packed)
-    return packed
+    is freed; `w` is made read-only, so what was packed stays what it holds
+    (prepared.kept)."""
+    def pack():
+        k, n = w.shape
+        packed = _aligned(_lib().fc_packed_size(k, n))
+        _lib().fc_pack_weight_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
+        return packed
+    return prepared.kept(_packed, w, None, pack)
 
 
 def _aligned(size):
