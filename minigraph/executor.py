@@ -21,8 +21,11 @@ a signature measures the memory its values hold op by op
 Checks: while the signature of what the plan reads from outside (feeds,
 persistables) is new, each op's inputs go through its schema's inference and
 its kernel is picked for their dtypes (`OpSchema.kernel_for`); once a run with
-that signature has succeeded, later runs skip both, since every value inside
-follows from it. This is the only check cache. Such a run outside training (an
+that signature has succeeded, later runs with it skip both, since every value inside
+follows from it: the compiled plan keeps the picks of its last CHECKED_SIGNATURES
+signatures (minigraph.plan), so that runs alternating between shapes (a prompt's
+pass and a generated token's, an epoch's last short batch) are checked once each.
+This is the only check cache. Such a run outside training (an
 inference plan run again with the same shapes: a generated token's pass) goes
 through one tight loop of kernel calls, with no journal, meter or checks; in mode
 "infer" on the CPU, through the kernels' bound forms (minigraph.bound_run).
@@ -115,7 +118,7 @@ class Executor:
         c = plan.compiled(place)
         signature = tuple(None if v.value is None else (v.value.shape, v.value.dtype)
                           for v in c.external)
-        check = signature != plan.checked
+        check = not c.recall(signature)
         comm = _announce_collectives(c)
         try:
             return self._run_compiled(plan, c, signature, check)
@@ -131,12 +134,12 @@ class Executor:
 
                 fetched = replay.run(plan, c, place, signature)
                 if fetched is not None:
-                    plan.checked = signature
                     return fetched
             if not plan.lean:
                 reuses = _run_steps(c, place.kind, check,
                                     bound=plan.mode == "infer" and place.kind == "cpu")
-                plan.checked = signature
+                if check:
+                    c.remember(signature)
                 return _fetch(place, plan.targets, check_errors=True, copy=reuses)
             journal = Journal(place, plan.saved)
             journal.set_aside_values(c.stale)
@@ -149,11 +152,12 @@ class Executor:
                 journal.roll_back()
                 raise
             journal.commit()
-            plan.checked = signature
             if meter is not None:
                 rooms = meter.rooms([s.op for s in c.steps])
                 c.roomy = tuple(c.plain if room is None else KernelContext(place, (), room)
                                 for room in rooms)
+            if check:
+                c.remember(signature)
             return fetched
 
 

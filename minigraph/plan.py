@@ -13,6 +13,8 @@ from minigraph.schema import KernelContext
 
 ONE, LIST, UNBOUND = 0, 1, 2          # how a slot is bound: a Variable, a list, nothing
 MODES = ("run", "infer", "train")
+CHECKED_SIGNATURES = 8      # signatures a compiled plan keeps the checks' picks of
+                            # (a generated token's and its prompt's; a last short batch)
 
 
 class Step(NamedTuple):
@@ -42,7 +44,8 @@ class Step(NamedTuple):
 class Compiled:
     """A plan compiled for one device kind: its steps, the Variables it reads from
     outside (`external`), the kept gradients it recomputes (`stale`), the kernel
-    picked for each step (on check runs) and the kernels' contexts."""
+    picked for each step (on check runs), the kernels' contexts and the signatures
+    that have run with checks."""
 
     def __init__(self, steps, external, stale, place):
         self.steps, self.external, self.stale = steps, external, stale
@@ -52,6 +55,35 @@ class Compiled:
         self.roomy = None               # per step, the context with its work room
         self.replay = None              # GPU: the plan's CUDA graph (minigraph.replay)
         self.bound = None               # CPU inference: its bound forms (minigraph.bound_run)
+        self.checked = {}               # signature -> (kernels, roomy), oldest first
+        self.in_use = None              # the signature whose picks `kernels` holds
+
+    def recall(self, signature):
+        """Whether a run with this external signature has passed its checks (one of the
+        last CHECKED_SIGNATURES); if so, and it is not the signature in use, the
+        kernels its checked run picked and the work rooms it measured are put back
+        (the bound forms dropped where the kernels differ)."""
+        if signature == self.in_use:
+            return True
+        found = self.checked.get(signature)
+        if found is None:           # a checked run follows: it may pick other kernels
+            self.in_use = None
+            return False
+        kernels, self.roomy = found
+        if kernels != tuple(self.kernels):
+            self.kernels[:] = kernels
+            self.bound = None
+        self.in_use = signature
+        return True
+
+    def remember(self, signature):
+        """After a run with `signature` passed its checks: its kernels and work rooms,
+        the oldest signature forgotten past CHECKED_SIGNATURES."""
+        self.checked.pop(signature, None)
+        if len(self.checked) >= CHECKED_SIGNATURES:
+            del self.checked[next(iter(self.checked))]
+        self.checked[signature] = (tuple(self.kernels), self.roomy)
+        self.in_use = signature
 
 
 class Plan:
@@ -71,7 +103,6 @@ class Plan:
         self.targets, self.keep = tuple(targets), tuple(keep)
         self.needed = tuple(_data_read(self.ops))
         self.lean = mode == "train"     # releases temporaries, journals persistables
-        self.checked = None             # the external signature last run with checks
         self.saved = {}                 # id(persistable) -> the journal's reusable copy
         self._compiled = {}
 

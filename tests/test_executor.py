@@ -66,3 +66,42 @@ def test_runtime_shape_check_runs_when_input_shapes_change():
     x.value = np.ones((4, 3), np.float32)[:, :2]    # bypasses feed checks: the op still checks
     with pytest.raises(mg.OpError, match=r"batch_norm: input 'scale' must have shape \(2,\)"):
         ex.run([op], scope)
+
+
+def test_signatures_run_before_skip_their_checks(monkeypatch):
+    from minigraph import plan
+
+    scope = mg.Scope()
+    op, x, y = _bn_op(scope, is_infer=True, use_global_est=True)
+    ex = mg.Executor()
+    checks = []
+    original = mg.Operator.check_inputs
+    monkeypatch.setattr(mg.Operator, "check_inputs",
+                        lambda self, arrays: (checks.append(arrays["x"].shape),
+                                              original(self, arrays))[1])
+    shapes = [(n, 3, 2, 2) for n in range(1, plan.CHECKED_SIGNATURES + 2)]
+    for shape in shapes[:2] * 3:                        # alternating: each checked once
+        ex.run([op], scope, feed={"x": np.ones(shape, np.float32)}, fetch=[y])
+    assert checks == shapes[:2]
+    for shape in shapes[2:]:                            # the oldest, (1, 3, 2, 2), forgotten
+        ex.run([op], scope, feed={"x": np.ones(shape, np.float32)}, fetch=[y])
+    checks.clear()
+    for shape in (shapes[0], shapes[-1], shapes[0]):
+        ex.run([op], scope, feed={"x": np.ones(shape, np.float32)}, fetch=[y])
+    assert checks == shapes[:1]
+
+
+def test_a_failed_check_is_not_remembered():
+    scope = mg.Scope()
+    op, x, y = _bn_op(scope)
+    ex = mg.Executor()
+    x.set(np.ones((4, 3, 2, 2), np.float32))
+    ex.run([op], scope)
+    bad = np.ones((4, 3), np.float32)[:, :2]
+    for _ in range(2):                                  # checked again each time: raises
+        x.value = bad
+        with pytest.raises(mg.OpError, match=r"batch_norm: input 'scale' must have shape"):
+            ex.run([op], scope)
+    x.value = np.ones((4, 3, 2, 2), np.float32)
+    (out,) = ex.run([op], scope, fetch=[y])
+    assert out.shape == (4, 3, 2, 2)
