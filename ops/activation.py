@@ -78,16 +78,22 @@ def register_activation(op_type, keep, export, cpu_kernels, attrs=(), gpu_scalar
 
 def export_gelu(ctx, op):
     """0.5 x (1 + Erf(x / sqrt 2)): the exact form (opset 17 has no Gelu)."""
-    x, out = op.inputs["x"], op.outputs["out"]
-    dt = ctx.dtype(x)
-    xs = ctx.value(x)
+    out = op.outputs["out"]
+    return gelu_nodes(ctx, ctx.value(op.inputs["x"]), out, ctx.output(out))
+
+
+def gelu_nodes(ctx, xs, out, result):
+    """The ONNX nodes of gelu from the value named `xs` into the one named `result`,
+    their temporaries and constants named after the Variable `out` (which has the
+    dtype)."""
+    dt = ctx.dtype(out)
     scaled, erf, plus, half = (ctx.temp(out, s) for s in ("scaled", "erf", "one_plus", "half_x"))
     return [ctx.node("Div", [xs, ctx.const(out, "sqrt2", np.array(math.sqrt(2.0), dt))],
                      [scaled]),
             ctx.node("Erf", [scaled], [erf]),
             ctx.node("Add", [erf, ctx.const(out, "one", np.array(1.0, dt))], [plus]),
             ctx.node("Mul", [xs, ctx.const(out, "0.5", np.array(0.5, dt))], [half]),
-            ctx.node("Mul", [half, plus], [ctx.output(out)])]
+            ctx.node("Mul", [half, plus], [result])]
 
 
 def export_leaky_relu(ctx, op):
@@ -111,7 +117,8 @@ kernel("relu_grad", "gpu", cuda.relu_grad_gpu, dtypes=GPU_FLOATS)
 register_activation("sigmoid", "out", onnx_export.unary("Sigmoid"),
                     (cpu.sigmoid_cpu, cpu.sigmoid_grad_cpu))
 register_activation("tanh", "out", onnx_export.unary("Tanh"), (cpu.tanh_cpu, cpu.tanh_grad_cpu))
-register_activation("gelu", "x", export_gelu, (cpu.gelu_cpu, cpu.gelu_grad_cpu, cpu.bind_gelu))
+register_activation("gelu", "x", export_gelu, (cpu.gelu_cpu, cpu.gelu_grad_cpu, cpu.bind_gelu),
+                    roles=("gelu",))
 register_activation("leaky_relu", "x", export_leaky_relu,
                     (cpu.leaky_relu_cpu, cpu.leaky_relu_grad_cpu),
                     attrs=(float_attr("alpha", 0.01, finite),), gpu_scalar="alpha")

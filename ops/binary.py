@@ -37,9 +37,9 @@ from minigraph.schema import (
 from minigraph.validators import bool_attr, check_float, check_same_dtype, check_shape, fail
 
 
-def broadcast_shape(op_type, x_shape, y_shape):
+def broadcast_shape(op_type, x_shape, y_shape, names=("x", "y")):
     """numpy's broadcast of two shapes, -1 where unknown; OpError naming input 'y'
-    when two known sizes (neither 1) differ."""
+    (names: what x and y are called) when two known sizes (neither 1) differ."""
     n = max(len(x_shape), len(y_shape))
     xs = (1,) * (n - len(x_shape)) + tuple(x_shape)
     ys = (1,) * (n - len(y_shape)) + tuple(y_shape)
@@ -52,10 +52,15 @@ def broadcast_shape(op_type, x_shape, y_shape):
         elif a < 0 or b < 0:              # unknown vs a known size other than 1: that size
             out.append(max(a, b))
         else:
-            fail(op_type, "y", f"with shape {tuple(y_shape)} does not broadcast with input "
-                               f"'x' with shape {tuple(x_shape)}: aligned dim {i - n} has "
-                               f"sizes {a} and {b} (each pair must be equal, or one of them 1)")
+            fail(op_type, names[1], f"with shape {tuple(y_shape)} does not broadcast with "
+                                    f"{_named(names[0])} with shape {tuple(x_shape)}: aligned "
+                                    f"dim {i - n} has sizes {a} and {b} (each pair must be "
+                                    "equal, or one of them 1)")
     return tuple(out)
+
+
+def _named(name):
+    return f"input {name!r}" if name.isidentifier() else name
 
 
 def infer_binary(op_type):

@@ -51,7 +51,7 @@ def export_fused(ctx, op):
     residual = op.inputs["residual"]
     return ctx.epilogue(op.outputs["out"], "conv", lambda name: conv_nodes(ctx, op, ins, name),
                         [("residual", residual)] if residual is not None else [],
-                        op.attrs["activation"] == "relu")
+                        "relu" if op.attrs["activation"] == "relu" else None)
 
 
 register(OpSchema(

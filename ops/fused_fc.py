@@ -1,11 +1,16 @@
-"""fused_fc: an fc layer's product, its bias and relu as one op (inference).
+"""fused_fc: an fc layer's product, its bias, a residual and an activation as one op
+(inference).
 
-out = act(flatten(x) @ y + bias), act = relu or the identity: mul's x, y and
-x_num_col_dims, `bias` (one value per column of y, optional) and `activation`
-("relu" or "none"). mg.passes.fuse_fc builds it from mul -> elementwise_add
-(the layer's bias, on out's last axis) -> relu chains of an inference net, or of
-a training net's infer branch: one op and one output array where there were
-three.
+out = act(flatten(x) @ y + bias + residual), act = relu, gelu or the identity:
+mul's x, y and x_num_col_dims, `bias` (one value per column of y, optional),
+`residual` (optional: added as add adds, numpy broadcasting both ways; in practice
+a value of the product's shape, a transformer block's residual stream) and
+`activation` ("relu", "gelu": gelu's exact x Phi(x), or "none"). mg.passes.fuse_fc
+builds it from mul -> elementwise_add (the layer's bias, on out's last axis) -> add
+(a residual) -> relu or gelu chains of an inference net, or of a training net's
+infer branch: one op and one output array where there were up to four. Each step
+gives the bits of the op it replaces (the bias add, then the residual add, then the
+activation's kernel).
 
 It is an inference-only op: it has no gradient, and backward through it is an
 error (train the net with fc and fuse its inference copy, or its infer branch).
@@ -16,10 +21,13 @@ training net's infer branch, whose weights the optimizer updates in place) the
 weight is never packed: BLAS's product, then the bias and relu in place on it.
 Kernels (beside mul's): kernels/cpu/mul.py (fc_native.c's kernel, with the bias
 and relu added to each tile of outputs in registers, for float32 products of
-at least fc_native.MIN_WORK multiply-adds and a fixed weight; else BLAS's
-product, then the bias and relu in place on it) and kernels/cuda/matmul.py (the
-mul launcher, then the bias and relu launchers in place on its output). In ONNX
-it is MatMul, then Add of the bias and Relu.
+at least fc_native.MIN_WORK multiply-adds and a fixed weight; its few-rows kernel,
+with the bias, a residual of the product's shape and relu, for a generated
+token's; else BLAS's product, then the bias and relu in place on it; then what is
+left of the residual and activation in place, gelu by gelu's kernel) and
+kernels/cuda/matmul.py (the mul launcher, then the bias, residual and relu
+launcher in place on its output, then gelu's). In ONNX it is MatMul, then Add of
+the bias and of the residual, then Relu or gelu's nodes.
 """
 from __future__ import annotations
 
@@ -28,11 +36,14 @@ import numpy as np
 from minigraph.kernels.cpu import mul as cpu
 from minigraph.kernels.cuda import FLOATS as GPU_FLOATS
 from minigraph.kernels.cuda import matmul as cuda
+from minigraph.ops.activation import gelu_nodes
+from minigraph.ops.binary import broadcast_shape
 from minigraph.ops.mul import infer_mul, matmul_nodes
-from minigraph.schema import OpSchema, Slot, examples, inference_only, kernel, register
+from minigraph.schema import Meta, OpSchema, Slot, examples, inference_only, kernel, register
 from minigraph.validators import (
     bool_attr,
     check_extra_input,
+    check_same_dtype,
     infer_as,
     int_attr,
     one_of,
@@ -47,26 +58,35 @@ def infer_fused(ins, attrs):
     out = infer_as(TYPE, "mul", infer_mul, ins, attrs)["out"]
     check_extra_input(TYPE, "bias", ins.get("bias"), ins["x"], (out.shape[-1],),
                       " (one value per column of 'y')")
-    return {"out": out}
+    residual = ins.get("residual")
+    if residual is None:
+        return {"out": out}
+    check_same_dtype(TYPE, "residual", residual, "x", ins["x"])
+    return {"out": Meta(broadcast_shape(TYPE, out.shape, residual.shape,
+                                                 ("the product", "residual")), out.dtype)}
 
 
 def export_fused(ctx, op):
-    """MatMul (mul's), then Add of the bias, then Relu."""
-    bias = op.inputs["bias"]
+    """MatMul (mul's), then Add of the bias and of the residual, then Relu or gelu's
+    nodes."""
+    adds = [(slot, op.inputs[slot]) for slot in ("bias", "residual")
+            if op.inputs[slot] is not None]
+    act = {"none": None, "relu": "relu",
+           "gelu": ("gelu", lambda x, out: gelu_nodes(ctx, x, op.outputs["out"], out))}
     return ctx.epilogue(op.outputs["out"], "matmul", lambda name: matmul_nodes(ctx, op, name),
-                        [("bias", bias)] if bias is not None else [],
-                        op.attrs["activation"] == "relu")
+                        adds, act[op.attrs["activation"]])
 
 
 register(OpSchema(
     type=TYPE,
-    inputs=(Slot("x"), Slot("y"), Slot("bias", optional=True)),
+    inputs=(Slot("x"), Slot("y"), Slot("bias", optional=True),
+            Slot("residual", optional=True)),
     outputs=(Slot("out"),),
     attrs=(int_attr("x_num_col_dims", 1, positive),
-           str_attr("activation", "none", one_of("none", "relu")),
+           str_attr("activation", "none", one_of("none", "relu", "gelu")),
            bool_attr("weight_fixed", True)),
     infer=infer_fused, export=export_fused, roles=("fused_fc",), doc=__doc__,
-    grad=inference_only(TYPE, "fc (mul, its bias add and relu)")))
+    grad=inference_only(TYPE, "fc (mul, its bias add, a residual add and relu or gelu)")))
 kernel(TYPE, "cpu", cpu.fused_fc_cpu, bind=cpu.bind_fused_fc)
 kernel(TYPE, "gpu", cuda.fused_fc_gpu, dtypes=GPU_FLOATS)
 
@@ -84,7 +104,14 @@ def fused_fc_examples(ex):
              dict(activation="relu"), ()),
             ("trained-weight-f32", {"x": ex.r(3, 5, 8), "y": ex.r(8, 6, seed=1),
                                     "bias": ex.r(6, seed=2)},
-             dict(x_num_col_dims=2, weight_fixed=False), ())]
+             dict(x_num_col_dims=2, weight_fixed=False), ()),
+            ("residual-gelu-f32", {"x": ex.r(2, 3, 8), "y": ex.r(8, 6, seed=1),
+                                   "bias": ex.r(6, seed=2), "residual": ex.r(2, 3, 6, seed=3)},
+             dict(x_num_col_dims=2, activation="gelu", weight_fixed=False), ()),
+            ("broadcast-residual-relu-f64",
+             {"x": ex.r(4, 5, dtype=np.float64), "y": ex.r(5, 3, dtype=np.float64, seed=1),
+              "residual": ex.r(2, 1, 3, dtype=np.float64, seed=2)},
+             dict(activation="relu"), ())]
 
 
 examples(TYPE, fused_fc_examples)

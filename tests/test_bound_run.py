@@ -19,13 +19,15 @@ BOUND = ("layer_norm", "fused_fc", "gelu", "add")
 
 def block_net(seed=0):
     """A training net whose infer branch runs layer_norm, fused_fc (weight_fixed False:
-    fuse_fc on a training net), gelu and a residual add: every op with a bound form."""
+    fuse_fc on a training net; with gelu, and with a residual), gelu and add: every op
+    with a bound form."""
     net = mg.Net(seed=seed)
     x = L.data(net, "x", shape=(-1, 4, 16))
     label = L.data(net, "label", shape=(-1,), dtype="int64")
     h = L.dropout(net, L.layer_norm(net, x, begin_norm_axis=2), 0.1)
     h = L.gelu(net, L.linear(net, h, 32, name="up"))
     h = L.add(net, L.linear(net, h, 16, name="down"), x)
+    h = L.add(net, L.gelu(net, h), h)               # read twice: not fused into down's op
     logits = L.fc(net, h, 3, name="head")
     loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
     mg.optimizer.Adam(1e-2).minimize(net, loss)

@@ -198,6 +198,20 @@ def test_rows_kernel_bits_on_any_threads_and_those_of_the_product_then_the_bias(
     assert outs[0][0].tobytes() == np.maximum(outs[0][1] + b, 0).tobytes()
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 128, 384), (4, 513, 130), (2, 63, 40)])
+def test_rows_kernel_residual_bits_on_any_threads(m, k, n, monkeypatch):
+    """With a residual: the bits of the product and bias, then a numpy residual add,
+    then maximum (mul + elementwise_add + add + relu, unfused), on 1-5 threads."""
+    x, w, b = operands(m, k, n)
+    res = rng.standard_normal((m, n)).astype(np.float32)
+    outs = on_threads(monkeypatch, lambda: fc_native.rows_forward(x, w, b, True, res))
+    want = np.maximum(res + fc_native.rows_forward(x, w, b), 0).tobytes()
+    assert all(out.tobytes() == want for out in outs)
+    assert fc_native.residual_fits(res) and fc_native.residual_fits(None)
+    assert not fc_native.residual_fits(res.astype(np.float64))
+    assert not fc_native.residual_fits(np.ones((m, 2 * n), np.float32)[:, ::2])
+
+
 def test_rows_kernel_nan_and_infinities_and_a_prepared_call_reads_its_arrays_anew():
     x, w = ones_with_nan_and_inf(3, 80, 20, 1, 2)
     out = np.empty((3, 20), np.float32)

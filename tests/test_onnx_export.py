@@ -301,6 +301,28 @@ def test_optimize_for_inference_of_an_mlp_with_fused_fc(tmp_path):
             assert_close(got, want, f"{runtime}, N={n}")
 
 
+def test_fused_fc_with_a_residual_and_gelu(tmp_path):
+    """A transformer MLP's fused_fc ops export as MatMul, Add of the bias, then gelu's
+    five nodes, and MatMul, Add of the bias, Add of the residual; equal to net.infer."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, -1, 6))
+    h = L.linear(net, x, 6, name="inp")
+    m = L.gelu(net, L.linear(net, h, 12, name="fc"))
+    y = L.add(net, h, L.linear(net, m, 6, name="proj"), name="res")
+    fast = mg.passes.optimize_for_inference(net)
+    assert [op.type for op in fast.section("trunk")] == ["fused_fc"] * 3
+    assert [op.attrs["activation"] for op in fast.section("trunk")] == ["none", "gelu", "none"]
+    path = mg.onnx.export(fast, tmp_path / "mlp.onnx", ["x"], [y.name])
+    types = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert types == ["MatMul", "Add", "MatMul", "Add", "Div", "Erf", "Add", "Mul", "Mul",
+                     "MatMul", "Add", "Add"]
+    for shape in ((1, 1, 6), (3, 5, 6)):
+        v = np.random.default_rng(shape[1]).standard_normal(shape).astype(np.float32)
+        (want,) = net.infer(feed={"x": v}, fetch=[y])
+        for runtime, (got,) in onnx_outputs(path, {"x": v}).items():
+            assert_close(got, want, f"{runtime}, shape {shape}")
+
+
 # ---- errors ----------------------------------------------------------------------------
 
 def test_an_op_without_an_exporter_is_an_error_naming_it_and_why(tmp_path):

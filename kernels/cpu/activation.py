@@ -102,12 +102,21 @@ def tanh_grad_cpu(op, ins, ctx):
 def gelu_cpu(op, ins, ctx):
     """out = x * Phi(x), Phi from erfc so the left tail keeps its relative accuracy
     (float32: the native kernel, in float, where it applies)."""
-    x = ins["x"]
-    done = gelu_native.forward(x)
-    if done is not None:
-        return {"out": done}
+    return {"out": gelu(ins["x"])}
+
+
+def gelu(x, out=None):
+    """x * Phi(x) in x's dtype, into `out` (x's shape and dtype; it may be x) when given,
+    else into a new array: the native float32 kernel where it applies, else in float64
+    (gelu_cpu's bits)."""
+    out = np.empty(x.shape, x.dtype) if out is None else out
+    call = gelu_native.prepared_forward(x, out)
+    if call is not None:
+        call()
+        return out
     xw = work(x)
-    return {"out": (xw * normal_cdf(xw)).astype(x.dtype)}
+    out[...] = xw * normal_cdf(xw)
+    return out
 
 
 def bind_gelu(op):

@@ -360,11 +360,12 @@ static void *rows_job(void *arg)
     return NULL;
 }
 
-/* out (M, N) = act(x (M, K) @ w (K, N) + bias) on the weight as it lies, bias (N,) or
- * NULL, relu 0 or 1, its blocks on up to `threads` threads. M, K, N >= 1. Returns 0,
- * or 1 when the sums of the second block could not be allocated (out untouched). */
-int fc_rows_f32(const float *x, const float *w, const float *bias, float *out, int64_t m,
-                int64_t k, int64_t n, int64_t relu, int64_t threads)
+/* out (M, N) = act(x (M, K) @ w (K, N) + bias + residual) on the weight as it lies,
+ * bias (N,) or NULL, residual (M, N) or NULL (not overlapping out), relu 0 or 1, its blocks
+ * on up to `threads` threads. M, K, N >= 1. Returns 0, or 1 when the sums of the second
+ * block could not be allocated (out untouched). */
+int fc_rows_f32(const float *x, const float *w, const float *bias, const float *residual,
+                float *out, int64_t m, int64_t k, int64_t n, int64_t relu, int64_t threads)
 {
     fc_rows_t a = {.x = x, .w = w, .m = m, .k = k, .n = n,
                    .parts = k >= FC_ROWS_MIN_K ? FC_ROWS_PARTS : 1};
@@ -383,12 +384,15 @@ int fc_rows_f32(const float *x, const float *w, const float *bias, float *out, i
     } else {
         for (int64_t p = 0; p < a.parts; p++) rows_job(&jobs[p]);
     }
-    for (int64_t i = 0; i < m; i++) {         /* the blocks' sums added, the bias, relu */
+    for (int64_t i = 0; i < m; i++) {    /* the blocks' sums added, the bias, the residual,
+                                            relu */
         float *restrict to = out + i * n;
         const float *restrict more = a.parts > 1 ? a.sums[1] + i * n : NULL;
+        const float *restrict add = residual != NULL ? residual + i * n : NULL;
         for (int64_t j = 0; j < n; j++) {
             float v = more != NULL ? to[j] + more[j] : to[j];
             if (bias != NULL) v += bias[j];
+            if (add != NULL) v += add[j];
             to[j] = relu && v <= 0 ? 0.0f : v;     /* as max(v, 0): NaN stays, -0 is 0 */
         }
     }

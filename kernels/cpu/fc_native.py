@@ -50,7 +50,7 @@ def _lib():
         lib.fc_pack_weight_f32.argtypes, lib.fc_pack_weight_f32.restype = [_P, _L, _L, _P], None
         lib.fc_forward_f32.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L]
         lib.fc_forward_f32.restype = ctypes.c_int
-        lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
+        lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 5 + [_L] * 5, ctypes.c_int
         lib._typed = True
     return lib
 
@@ -95,16 +95,25 @@ def rows_supports(x, w, bias=None):
             and native.enabled() and _lib() is not None)
 
 
-def prepared_rows(x, w, bias, relu, out):
-    """The product act(x @ w + bias) of rows_supports' arrays into `out` (M, N float32,
-    C-contiguous) by fc_rows_f32, prepared once: a function of no arguments that runs
-    it on what the arrays hold then (minigraph.bound_run). Each output is the sum over
-    K in order, then the bias, then relu: the bits of the product alone (rows_forward)
-    followed by the bias add, on any number of threads."""
+def residual_fits(residual):
+    """True when prepared_rows takes `residual` (the product's size, however shaped):
+    None, or a C-contiguous float32 array."""
+    return residual is None or (residual.dtype == _F32 and residual.flags.c_contiguous)
+
+
+def prepared_rows(x, w, bias, relu, out, residual=None):
+    """The product act(x @ w + bias + residual) of rows_supports' arrays into `out` (M,
+    N float32, C-contiguous) by fc_rows_f32, prepared once: a function of no arguments
+    that runs it on what the arrays hold then (minigraph.bound_run). residual: None, or
+    M * N values as residual_fits takes them (not overlapping out). Each output is the sum
+    over K in order, then the bias, then the residual, then relu: the bits of the
+    product alone (rows_forward) followed by the bias add and the residual add, on any
+    number of threads."""
     m, k = x.shape
     n = w.shape[1]
     fn, split = _lib().fc_rows_f32, m * k * n >= MIN_ROWS_SPLIT
-    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(out), m, k, n, int(bool(relu)))
+    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out), m, k, n,
+            int(bool(relu)))
 
     def call():
         if fn(*args, blocks.get_num_threads() if split else 1):
@@ -112,11 +121,12 @@ def prepared_rows(x, w, bias, relu, out):
     return call
 
 
-def rows_forward(x, w, bias=None, relu=False):
-    """act(x @ w + bias) as a new (M, N) float32 array, for x, w and bias as
-    rows_supports takes them (prepared_rows' product, run once)."""
+def rows_forward(x, w, bias=None, relu=False, residual=None):
+    """act(x @ w + bias + residual) as a new (M, N) float32 array, for x, w and bias as
+    rows_supports takes them and residual as residual_fits does (prepared_rows'
+    product, run once)."""
     out = np.empty((x.shape[0], w.shape[1]), np.float32)
-    prepared_rows(x, w, bias, relu, out)()
+    prepared_rows(x, w, bias, relu, out, residual)()
     return out
 
 

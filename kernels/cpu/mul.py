@@ -15,7 +15,16 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, choices, fc_native, native, prepared, wgrad_native
+from minigraph.kernels.cpu import (
+    activation,
+    blocks,
+    choices,
+    fc_native,
+    gelu_native,
+    native,
+    prepared,
+    wgrad_native,
+)
 
 
 def as_matrix(x, n):
@@ -82,65 +91,102 @@ def mul_grad_cpu(op, ins, ctx):
 
 
 def fused_fc_cpu(op, ins, ctx):
-    """out = act(flatten(x) @ y + bias), reshaped to x.shape[:n] + (M,): the native
-    kernel where it takes the product and the weight is fixed (it makes y read-only),
-    else BLAS's product, then the bias and relu (NaN stays NaN) in place on it: mul's
-    and elementwise_add's bits."""
-    x, y, bias = ins["x"], ins["y"], ins.get("bias")
-    n = op.attrs["x_num_col_dims"]
-    x2, relu = as_matrix(x, n), op.attrs["activation"] == "relu"
-
-    def blas():
-        if fc_native.rows_supports(x2, y, bias):
-            return fc_native.rows_forward(x2, y, bias, relu)
-        out = product(x2, y)
-        if bias is not None:
-            out += bias
-        if relu:
-            np.maximum(out, 0, out=out)
-        return out
-
+    """out = act(flatten(x) @ y + bias + residual), shaped x.shape[:n] + (M,) (broadcast
+    with the residual's shape): the native kernel where it takes the product and the
+    weight is fixed (it makes y read-only), fc_native's few-rows kernel (with a
+    residual of the product's shape), else BLAS's product with the bias and relu in
+    place; then what is left of the residual and activation. The unfused ops' bits:
+    mul's, elementwise_add's, add's, relu's (NaN stays NaN) and gelu's."""
+    x, y, bias, residual = ins["x"], ins["y"], ins.get("bias"), ins.get("residual")
+    n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
+    x2, shape = as_matrix(x, n), x.shape[:n] + (y.shape[1],)
+    relu = act == "relu" and residual is None         # in the product's own epilogue
+    rows_residual = residual is None or (residual.shape == shape
+                                         and fc_native.residual_fits(residual))
     if op.attrs["weight_fixed"] and fc_native.supports(x2, y):
         (m, k), build = x2.shape, native.build_key("fc_native")
         key = (f"{m}x{k}x{y.shape[1]}|bias{int(bias is not None)}|relu{int(relu)}"
                f"|t{blocks.get_num_threads()}|b{build}")
-        out = choices.choose("fc", key, {"native": lambda: fc_native.forward(x2, y, bias, relu),
-                                         "blas": blas}, "native")
+        out = choices.choose("fc", key, {
+            "native": lambda: fc_native.forward(x2, y, bias, relu),
+            "blas": lambda: _product_bias_relu(x2, y, bias, relu)}, "native")
+    elif residual is not None and rows_residual and fc_native.rows_supports(x2, y, bias):
+        out, residual = fc_native.rows_forward(x2, y, bias, act == "relu", residual), None
+        relu = act == "relu"
     else:
-        out = blas()
-    return {"out": out.reshape(x.shape[:n] + (y.shape[1],))}
+        out = _product_bias_relu(x2, y, bias, relu)
+    out = out.reshape(shape)
+    if residual is not None:
+        out = np.add(out, residual, out=out if residual.shape == shape else None)
+    if act == "relu" and not relu:
+        blocks.relu(out, out=out)
+    return {"out": activation.gelu(out, out=out) if act == "gelu" else out}
+
+
+def _product_bias_relu(x2, y, bias, relu):
+    """act(x2 @ y + bias), act = max(., 0) (NaN stays NaN) where relu: fc_native's
+    few-rows kernel where it takes the product, else BLAS's product with the bias and
+    relu in place on it (mul's and elementwise_add's bits)."""
+    if fc_native.rows_supports(x2, y, bias):
+        return fc_native.rows_forward(x2, y, bias, relu)
+    out = product(x2, y)
+    if bias is not None:
+        out += bias
+    if relu:
+        np.maximum(out, 0, out=out)
+    return out
 
 
 def bind_fused_fc(op):
     """fused_fc_cpu's bound form (minigraph.bound_run) for a weight that changes
     (weight_fixed False; a fixed one keeps the kernel's measured choice): its product,
-    bias and relu into the same array every run (fc_native's few-rows call, prepared
-    again only when x, the weight or the bias is another array; else BLAS's)."""
+    bias, residual and activation into the same array every run (fc_native's few-rows
+    call, then gelu's, prepared again only when an input is another array; else BLAS's
+    and numpy's). None (the kernel runs) for a residual of another shape than the
+    product's, and for gelu without its native kernel (float64)."""
     if op.attrs["weight_fixed"]:
         return None
-    n, relu = op.attrs["x_num_col_dims"], op.attrs["activation"] == "relu"
+    n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
     kept = {"key": None}
 
-    def prepare(x, y, bias):
+    def prepare(x, y, bias, residual):
         if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
                 and (bias is None or bias.dtype == x.dtype)):
+            return None
+        shape = x.shape[:n] + (y.shape[1],)
+        if residual is not None and (residual.shape != shape or residual.dtype != x.dtype
+                                     or not residual.flags.c_contiguous):
             return None
         key = (x.shape, y.shape, x.dtype)
         if key != kept["key"]:
             out2 = np.empty((math.prod(x.shape[:n]), y.shape[1]), x.dtype)
-            kept.update(key=key, out2=out2,
-                        out={"out": out2.reshape(x.shape[:n] + (y.shape[1],))})
+            kept.update(key=key, out2=out2, out={"out": out2.reshape(shape)})
         x2, out2 = x.reshape(kept["out2"].shape[0], -1), kept["out2"]
-        if fc_native.rows_supports(x2, y, bias):
-            return fc_native.prepared_rows(x2, y, bias, relu, out2), kept["out"]
-        return functools.partial(_blas_into, x2, y, bias, relu, out2), kept["out"]
-    return prepared.form(("x", "y", "bias"), prepare)
+        if fc_native.rows_supports(x2, y, bias) and fc_native.residual_fits(residual):
+            call = fc_native.prepared_rows(x2, y, bias, act == "relu", out2, residual)
+        else:
+            call = functools.partial(_blas_into, x2, y, bias, residual, act == "relu", out2)
+        if act == "gelu":
+            gelu = gelu_native.prepared_forward(out2, out2)
+            if gelu is None:
+                return None
+            call = functools.partial(_both, call, gelu)
+        return call, kept["out"]
+    return prepared.form(("x", "y", "bias", "residual"), prepare)
 
 
-def _blas_into(x2, y, bias, relu, out):
-    """out = act(x2 @ y + bias) by BLAS, the bias and relu in place (fused_fc's bits)."""
+def _both(first, then):
+    first()
+    then()
+
+
+def _blas_into(x2, y, bias, residual, relu, out):
+    """out = act(x2 @ y + bias + residual) by BLAS, the bias, the residual (the
+    product's size) and relu in place (fused_fc's bits)."""
     np.matmul(x2, y, out=out)
     if bias is not None:
         np.add(out, bias, out=out)
+    if residual is not None:
+        np.add(out, residual.reshape(out.shape), out=out)
     if relu:
-        np.maximum(out, 0, out=out)
+        blocks.relu(out, out=out)

@@ -9,7 +9,8 @@ import math
 import numpy as np
 
 from minigraph.kernels import present
-from minigraph.kernels.cuda import cublas, launch, libraries, loader
+from minigraph.kernels.cuda import broadcast, cublas, launch, libraries, loader
+from minigraph.kernels.cuda import map as maps
 
 MODULE = "matmul"
 GEMM_FORMAT = "iiiPqPqPqi" + "qqqqqq" + "iqqi"
@@ -281,14 +282,22 @@ def mul_gpu(op, ins, ctx):
 
 
 def fused_fc_gpu(op, ins, ctx):
-    """The mul launcher (cuBLAS, or the hand-written GEMM), then the bias and relu in
-    place on its output in one epilogue launch (bias_act)."""
+    """The mul launcher (cuBLAS, or the hand-written GEMM), then the bias, a residual of
+    its shape and relu in place on its output in one epilogue launch (bias_act); a
+    residual that broadcasts by broadcast's add, then relu; gelu by gelu's map in
+    place."""
     out = mul(ins["x"], ins["y"], op.attrs["x_num_col_dims"])
-    bias = ins.get("bias")
+    bias, residual, act = ins.get("bias"), ins.get("residual"), op.attrs["activation"]
     if bias is not None:
         launch.check_array("fused_fc: bias", bias, (out.shape[-1],), out.dtype)
-    return {"out": bias_act(out, bias, None, op.attrs["activation"] == "relu",
-                            what="fused_fc")}
+    late = residual is not None and tuple(residual.shape) != tuple(out.shape)
+    out = bias_act(out, bias, None if late else residual, act == "relu" and not late,
+                   what="fused_fc")
+    if late:
+        out = bias_act(broadcast.add(out, residual), relu=act == "relu", what="fused_fc")
+    if act == "gelu":
+        maps.unary("gelu", "gelu", out, out=out)
+    return {"out": out}
 
 
 def mul_grad_gpu(op, ins, ctx):

@@ -166,17 +166,22 @@ class Context:
         self.initializers.append(self.onnx.numpy_helper.from_array(np.asarray(array), name))
         return name
 
-    def epilogue(self, var, first_step, first, adds=(), relu=False):
+    def epilogue(self, var, first_step, first, adds=(), activation=None):
         """The nodes of a fused op computing `var`: first(name) (nodes whose result is
         `name`, named after `first_step`), then an Add of each (step, Variable) of
-        `adds`, then Relu where `relu`; the last result is `var`."""
-        steps = [first_step] + [step for step, _ in adds] + (["relu"] if relu else [])
+        `adds`, then the activation: None, "relu" (a Relu), or (step, nodes(x, result))
+        for one of several nodes from the value named x into the one named result. The
+        last result is `var`."""
+        if activation == "relu":
+            activation = ("relu", lambda x, result: [self.node("Relu", [x], [result])])
+        steps = [first_step] + [step for step, _ in adds] + ([activation[0]] if activation
+                                                             else [])
         names = [self.temp(var, step) for step in steps[:-1]] + [self.output(var)]
         nodes = list(first(names[0]))
         for k, (_, value) in enumerate(adds):
             nodes.append(self.node("Add", [names[k], self.value(value)], [names[k + 1]]))
-        if relu:
-            nodes.append(self.node("Relu", [names[-2]], [names[-1]]))
+        if activation:
+            nodes.extend(activation[1](names[-2], names[-1]))
         return nodes
 
     def node(self, onnx_type, inputs, outputs, **attrs):

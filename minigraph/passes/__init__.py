@@ -6,7 +6,8 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
     convert_sync_batchnorm(net)   batch_norm -> sync_batch_norm, in place
     fold_batch_norm(net)          a new infer-only net with batch norms folded into conv/fc
     optimize_for_inference(net)   fold_batch_norm, then fuse_conv2d (conv+bias+residual+relu)
-                                  and fuse_fc (mul+bias+relu)
+                                  and fuse_fc (mul+bias+residual+relu or gelu; also the
+                                  infer branch of a training net, in place)
     fuse_batch_norm_relu(net)     batch_norm + relu -> batch_norm_relu, in place, in both
                                   branches (and their grad ops after minimize)
     data_parallel.rewrite(net)    gradient averaging (see minigraph.distributed.data_parallel)

@@ -10,11 +10,13 @@ fuse_conv2d makes a fused_conv2d of each
 and fuse_fc a fused_fc of each
 
     mul -> elementwise_add (a parameter, one value per column, on the last axis)
-        -> relu
+        -> add (another value of the product's dtype; fused_fc      a residual
+                broadcasts it as add does)
+        -> relu or gelu
 
 The ops are found by their declared roles ("conv", "matrix_product", "bias_add",
-"add", "relu"; the fused ops are the ones with the "fused_conv" and "fused_fc"
-roles), never by type name.
+"add", "relu", "gelu"; the fused ops are the ones with the "fused_conv" and
+"fused_fc" roles), never by type name.
 
 Every step after the conv2d is optional; a chain stops where a value has
 another reader, is fetched by default, or the next op does not fit. The
@@ -29,7 +31,8 @@ fuse_fc also takes a training net: it then fuses the chains of its infer branch
 only (the train branch, backward and updates keep their ops), with fused ops that
 leave their weights to the optimizer (fused_fc's weight_fixed=False), so that
 net.infer between training steps runs one op per linear layer (a generated token's
-pass: two ops fewer per attention block and MLP).
+pass: a transformer block's six products with their biases, its two residual adds
+and its gelu are six ops).
 """
 from __future__ import annotations
 
@@ -137,18 +140,21 @@ def _fuse(net, name, role, fused_type, chain_of, verbose, section="trunk", attrs
 
 
 def _fc_chain(ops, mul, kept):
-    """([mul, ...the ops fused after it], fused_fc keyword arguments)."""
-    return _chain(ops, mul, kept, _is_fc_bias, residual=False)
+    """([mul, ...the ops fused after it], fused_fc keyword arguments): fused_fc adds a
+    residual as add does (broadcasting), so any of the product's dtype fits."""
+    return _chain(ops, mul, kept, _is_fc_bias, lambda other, v: other.dtype == v.dtype,
+                  ("relu", "gelu"))
 
 
 def _conv_chain(ops, conv, kept):
     """([conv, ...the ops fused after it], fused_conv2d keyword arguments)."""
-    return _chain(ops, conv, kept, _is_conv_bias, residual=True)
+    return _chain(ops, conv, kept, _is_conv_bias, _same_meta, ("relu",))
 
 
-def _chain(ops, first, kept, is_bias, residual):
-    """([first, then its bias add, a residual add (where `residual`) and relu, as far
-    as they fit], the fused op's keyword arguments)."""
+def _chain(ops, first, kept, is_bias, residual_fits, activations):
+    """([first, then its bias add, a residual add (of a value residual_fits(value, v)
+    takes) and an activation of `activations` (roles), as far as they fit], the fused
+    op's keyword arguments)."""
     chain, parts = [first], {}
     v = first.outputs["out"]
     nxt = _only_reader(ops, v, kept)
@@ -158,15 +164,16 @@ def _chain(ops, first, kept, is_bias, residual):
         chain.append(nxt)
         v = nxt.outputs["out"]
         nxt = _only_reader(ops, v, kept)
-    if residual and nxt is not None and nxt.schema.has_role("add"):
+    if nxt is not None and nxt.schema.has_role("add"):
         other = nxt.inputs["y"] if nxt.inputs["x"] is v else nxt.inputs["x"]
-        if other is not v and _same_meta(other, v):
+        if other is not v and residual_fits(other, v):
             parts["residual"] = other
             chain.append(nxt)
             v = nxt.outputs["out"]
             nxt = _only_reader(ops, v, kept)
-    if nxt is not None and nxt.schema.has_role("relu"):
-        parts["activation"] = "relu"
+    act = next((a for a in activations if nxt is not None and nxt.schema.has_role(a)), None)
+    if act is not None:
+        parts["activation"] = act
         chain.append(nxt)
     return chain, parts
 
