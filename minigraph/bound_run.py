@@ -13,9 +13,9 @@ passed its checks: a generated token's pass, an evaluation loop's batches of one
 A kernel's Python launcher costs a few microseconds an op, as much as the arithmetic of
 a token's small products; bound forms skip most of it (the allocation of each output,
 the shape arithmetic, the argument conversions). A form returns an in-place output as
-its kernel does (its input's array, a persistable's too); ops that write a persistable
-into a new array are never bound (nor those with lists of outputs). Since the output
-arrays are reused:
+its kernel does (its input's array, a persistable's too), and a list of arrays for a
+list of outputs; ops that write a persistable into a new array are never bound. Since
+the output arrays are reused:
 - a run fetches copies of its values (a fetched value may also be a view of one);
 - a Variable's value after a run is rewritten by the plan's next run (as with CUDA
   graphs on the GPU, minigraph.replay);
@@ -56,8 +56,7 @@ def _slots(step):
 def _form(step, fn):
     op = step.op
     in_place = {id(op.outputs.get(slot)) for slot in op.schema.inplace}
-    if any(id(v) not in in_place for v in step.writes) or any(
-            how != ONE for _, _, how in step.outputs):
+    if any(id(v) not in in_place for v in step.writes):
         return None
     bind = next((k.bind for k in op.schema.kernels.get("cpu", ()) if k.fn is fn), None)
     return None if bind is None else bind(op)

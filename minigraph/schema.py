@@ -135,6 +135,8 @@ ROLES = {
                   "attributes, with optional bias and residual inputs and `activation`",
     "fused_fc": "matrix_product (+ bias + residual + activation) in one op: its slots "
                 "and x_num_col_dims, optional bias and residual inputs and `activation`",
+    "fused_fc_group": "fused_fc products of one x: x, the lists y, bias and out, and "
+                      "x_num_col_dims",
     "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "
                       "them hold together; a subset is clipped by the same op with fewer",
 }
@@ -246,8 +248,7 @@ class OpSchema:
         return role in self.roles
 
     def weight_axes(self, op):
-        """(weight slot, the weight's output-channel axis, the output's channel axis) of
-        `op`, a "linear" op of this schema (see `weight`)."""
+        """(weight slot, its output-channel axis, out's channel axis) of a "linear" `op`."""
         slot, w_axis, out_axis = self.weight
         return slot, w_axis, out_axis(op.attrs) if callable(out_axis) else out_axis
 
@@ -387,8 +388,7 @@ def grad_maker(grad_type, keep=("x",), dout=None, wrt=("x",), attrs=True):
 
 
 def grad_schema(forward, inputs, outputs, infer=None, **fields):
-    """The schema of `forward`'s grad op, `<type>_grad`: the given slots, and
-    the forward's attributes (with their checks and canonical forms)."""
+    """`forward`'s grad op `<type>_grad`: these slots, the forward's attributes and checks."""
     fields.setdefault("no_export", "a gradient op (training only)")
     return OpSchema(type=forward.type + "_grad", inputs=tuple(inputs), outputs=tuple(outputs),
                     attrs=forward.attrs, resolve_attrs=forward.resolve_attrs, infer=infer,

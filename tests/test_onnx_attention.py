@@ -105,11 +105,16 @@ def tiny_gpt(cache=True):
 
 
 @pytest.mark.parametrize("opset", [17, 23])
-@pytest.mark.parametrize("cache", [False, True])
-def test_a_small_gpt_exports_whole(tmp_path, opset, cache):
+@pytest.mark.parametrize("cache, fused", [(False, False), (True, False), (True, True)])
+def test_a_small_gpt_exports_whole(tmp_path, opset, cache, fused):
     """A net built with a KV cache exports as one pass over an empty cache: the model is
-    stateless and equals net.infer on an empty cache, at any sequence length."""
+    stateless and equals net.infer on an empty cache, at any sequence length; also with
+    its infer branch fused (fuse_fc: q, k and v as a fused_fc_group, the residual adds
+    and gelu in the products)."""
     net, logits, kv = tiny_gpt(cache)
+    if fused:
+        notes = [n.into for n in mg.passes.fuse_fc(net)]
+        assert notes.count("fused_fc_group") == 2 and notes.count("fused_fc") == 12
     path = mg.onnx.export(net, tmp_path / "gpt.onnx", ["tok"], [logits], opset=opset)
     for t in (1, 6):
         def feed(rng, n, t=t):

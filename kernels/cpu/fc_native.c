@@ -1,6 +1,7 @@
 /* Native CPU kernel of fused_fc (fc_native.py holds the contract): float32
  * out = act(x @ w + bias), x (M, K) and w (K, N) row-major, act = relu or the
- * identity, with w packed once.
+ * identity, with w packed once. The few-rows kernels on unpacked weights (a generated
+ * token's products) are fc_rows.h's, included at the end.
  *
  * A packed weight holds ceil(N / FC_NR) panels, each the K rows of FC_NR
  * consecutive columns (zeros past column N): two vectors of native_simd.h's VL
@@ -289,113 +290,4 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
     return 0;
 }
 
-/* ---- Products of a few rows on a weight as it lies (fc_rows_f32) -------------------
- * out (M, N) = act(x (M, K) @ w + bias) for small M on w (K, N) row-major and unpacked
- * (a weight the optimizer changes: nothing to pack once). A generated token's product
- * reads its whole weight for one row of x, so its time is the weight's trip from
- * memory. The rows of w are split in FC_ROWS_PARTS fixed contiguous blocks, each
- * summed by one job over all the columns: on two threads each core streams half of
- * every weight, the same half token after token (which that core's cache may then
- * keep; a split by columns interleaves the halves' lines, and measured slower). Each
- * output is its blocks' sums (each over k in order) added in order, then + bias, then
- * relu: the bits of the product alone followed by the bias add, whatever the threads.
- * out must not overlap x. */
-#define FC_ROWS_PARTS 2             /* blocks of w's rows (the sums below add two), from
-                                       FC_ROWS_MIN_K rows */
-#define FC_ROWS_MIN_K 64
-#define FC_ROWS_VECTORS 8           /* vectors of sums one pass down a block keeps */
-
-typedef struct {
-    const float *x, *w;
-    float *sums[FC_ROWS_PARTS];            /* each block's (M, N) sums */
-    int64_t m, k, n, parts;
-} fc_rows_t;
-
-typedef struct {
-    const fc_rows_t *a;
-    int64_t part;
-} fc_rows_job_t;
-
-/* Row i's sums over w's rows q0 .. q1 of V vectors of columns from c0 (the last one
- * `last` wide) into `to`. */
-static inline __attribute__((always_inline)) void rows_sums(const fc_rows_t *a, int64_t i,
-                                                            int64_t q0, int64_t q1,
-                                                            int64_t c0, const int V,
-                                                            int64_t last, float *to)
-{
-    const float *xi = a->x + i * a->k, *wq = a->w + q0 * a->n + c0;
-    vf s[FC_ROWS_VECTORS] = {{0}};
-    if (last == VL) {
-        for (int64_t q = q0; q < q1; q++, wq += a->n) {
-            float xq = xi[q];
-#pragma GCC unroll 8
-            for (int v = 0; v < V; v++) s[v] += xq * vf_load(wq + v * VL);
-        }
-    } else {                                /* V is 1: a vector's first `last` columns */
-        for (int64_t q = q0; q < q1; q++, wq += a->n) s[0] += xi[q] * vf_load_part(wq, last);
-    }
-#pragma GCC unroll 8
-    for (int v = 0; v < V; v++) {
-        if (v == V - 1 && last < VL) vf_store_part(to + c0 + v * VL, s[v], last);
-        else vf_store(to + c0 + v * VL, s[v]);
-    }
-}
-
-static void *rows_job(void *arg)
-{
-    const fc_rows_job_t *job = arg;
-    const fc_rows_t *a = job->a;
-    int64_t q0, q1;
-    pool_share(a->k, a->parts, job->part, &q0, &q1);
-    for (int64_t i = 0; i < a->m; i++) {
-        float *to = a->sums[job->part] + i * a->n;
-        int64_t c = 0, full = a->n / VL * VL;
-        for (; c + FC_ROWS_VECTORS * VL <= full; c += FC_ROWS_VECTORS * VL)
-            rows_sums(a, i, q0, q1, c, FC_ROWS_VECTORS, VL, to);
-        for (; c + 4 * VL <= full; c += 4 * VL) rows_sums(a, i, q0, q1, c, 4, VL, to);
-        for (; c + 2 * VL <= full; c += 2 * VL) rows_sums(a, i, q0, q1, c, 2, VL, to);
-        for (; c < full; c += VL) rows_sums(a, i, q0, q1, c, 1, VL, to);
-        if (c < a->n) rows_sums(a, i, q0, q1, c, 1, a->n - c, to);
-    }
-    return NULL;
-}
-
-/* out (M, N) = act(x (M, K) @ w (K, N) + bias + residual) on the weight as it lies,
- * bias (N,) or NULL, residual (M, N) or NULL (not overlapping out), relu 0 or 1, its blocks
- * on up to `threads` threads. M, K, N >= 1. Returns 0, or 1 when the sums of the second
- * block could not be allocated (out untouched). */
-int fc_rows_f32(const float *x, const float *w, const float *bias, const float *residual,
-                float *out, int64_t m, int64_t k, int64_t n, int64_t relu, int64_t threads)
-{
-    fc_rows_t a = {.x = x, .w = w, .m = m, .k = k, .n = n,
-                   .parts = k >= FC_ROWS_MIN_K ? FC_ROWS_PARTS : 1};
-    a.sums[0] = out;
-    for (int64_t p = 1; p < a.parts; p++) {
-        a.sums[p] = malloc((size_t)(m * n) * sizeof(float));
-        if (a.sums[p] == NULL) {
-            while (--p > 0) free(a.sums[p]);
-            return 1;
-        }
-    }
-    fc_rows_job_t jobs[FC_ROWS_PARTS];
-    for (int64_t p = 0; p < a.parts; p++) jobs[p] = (fc_rows_job_t){&a, p};
-    if (threads >= a.parts) {
-        pool_run(rows_job, jobs, sizeof(fc_rows_job_t), a.parts);
-    } else {
-        for (int64_t p = 0; p < a.parts; p++) rows_job(&jobs[p]);
-    }
-    for (int64_t i = 0; i < m; i++) {    /* the blocks' sums added, the bias, the residual,
-                                            relu */
-        float *restrict to = out + i * n;
-        const float *restrict more = a.parts > 1 ? a.sums[1] + i * n : NULL;
-        const float *restrict add = residual != NULL ? residual + i * n : NULL;
-        for (int64_t j = 0; j < n; j++) {
-            float v = more != NULL ? to[j] + more[j] : to[j];
-            if (bias != NULL) v += bias[j];
-            if (add != NULL) v += add[j];
-            to[j] = relu && v <= 0 ? 0.0f : v;     /* as max(v, 0): NaN stays, -0 is 0 */
-        }
-    }
-    for (int64_t p = 1; p < a.parts; p++) free(a.sums[p]);
-    return 0;
-}
+#include "fc_rows.h"

@@ -20,8 +20,10 @@ against.
 `rows_forward` (fc_rows_f32) takes products of at most ROWS_MAX rows on a weight as it
 lies, unpacked (a generated token's, on weights an optimizer changes): the weight's
 rows in two fixed blocks, one a thread, so each core reads the same half of every
-weight token after token (fc_native.c says why). mul and fused_fc use it for every
-float32 product it takes, so that a fused op keeps the unfused ops' bits.
+weight token after token (fc_rows.h says why). mul and fused_fc use it for every
+float32 product it takes, so that a fused op keeps the unfused ops' bits;
+`prepared_rows_group` (fc_rows_group_f32) runs several products of one x in one call
+(fused_fc_group's: a layer's q, k and v).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ MIN_WORK = 1 << 18          # multiply-adds from which OpenBLAS wakes its thread
 MIN_THREAD_WORK = 1 << 20   # multiply-adds a thread must have to be worth waking
 ROWS_MAX = 4                # rows of x up to which a product on an unpacked weight is
                             # fc_rows_f32's (a generated token's: a row a sequence)
+GROUP_MAX = 8               # products of one x fc_rows_group_f32 takes in one call
 MIN_ROWS_SPLIT = 1 << 13    # multiply-adds from which fc_rows_f32 splits the columns
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
@@ -51,6 +54,8 @@ def _lib():
         lib.fc_forward_f32.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L]
         lib.fc_forward_f32.restype = ctypes.c_int
         lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 5 + [_L] * 5, ctypes.c_int
+        lib.fc_rows_group_f32.argtypes = [_P] * 6 + [_L] * 5
+        lib.fc_rows_group_f32.restype = ctypes.c_int
         lib._typed = True
     return lib
 
@@ -118,6 +123,28 @@ def prepared_rows(x, w, bias, relu, out, residual=None):
     def call():
         if fn(*args, blocks.get_num_threads() if split else 1):
             raise MemoryError("fc_native: the few-rows product's sums could not be allocated")
+    return call
+
+
+def prepared_rows_group(x, ws, biases, outs):
+    """The products x @ ws[g] + biases[g] (a bias None or (N_g,)) into outs[g] (M, N_g
+    float32, C-contiguous) for g < GROUP_MAX, x and each (weight, bias) as
+    rows_supports takes them, by fc_rows_group_f32 in one hand-out to the threads (a
+    layer's q, k and v products), prepared once as prepared_rows is: each output has
+    the bits of prepared_rows' product with its bias."""
+    m, k = x.shape
+    ns = [w.shape[1] for w in ws]
+    count = len(ws)
+    pointers = [(ctypes.c_void_p * count)(*(_ptr(a) for a in arrays))
+                for arrays in (ws, biases, outs)]
+    widths = (ctypes.c_int64 * count)(*ns)
+    fn, split = _lib().fc_rows_group_f32, m * k * sum(ns) >= MIN_ROWS_SPLIT
+    args = (_ptr(x), pointers[0], pointers[1], None, pointers[2], widths, count, m, k, 0)
+
+    def call():
+        if fn(*args, blocks.get_num_threads() if split else 1):
+            raise MemoryError("fc_native: the few-rows products' sums could not be allocated")
+    call.keep = (pointers, widths)              # the pointer arrays live as long as the call
     return call
 
 

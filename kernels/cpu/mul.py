@@ -170,14 +170,9 @@ def bind_fused_fc(op):
             gelu = gelu_native.prepared_forward(out2, out2)
             if gelu is None:
                 return None
-            call = functools.partial(_both, call, gelu)
+            call = functools.partial(_each, (call, gelu))
         return call, kept["out"]
     return prepared.form(("x", "y", "bias", "residual"), prepare)
-
-
-def _both(first, then):
-    first()
-    then()
 
 
 def _blas_into(x2, y, bias, residual, relu, out):
@@ -190,3 +185,59 @@ def _blas_into(x2, y, bias, residual, relu, out):
         np.add(out, residual.reshape(out.shape), out=out)
     if relu:
         blocks.relu(out, out=out)
+
+
+def fused_fc_group_cpu(op, ins, ctx):
+    """out[g] = flatten(x) @ y[g] + bias[g], shaped x.shape[:n] + (M_g,): fc_native's
+    group kernel in one call where it takes every product (a generated token's), else
+    each product as fused_fc_cpu runs it without a fixed weight (the same bits)."""
+    x, ys = ins["x"], ins["y"]
+    biases = ins.get("bias") or [None] * len(ys)
+    n = op.attrs["x_num_col_dims"]
+    x2 = as_matrix(x, n)
+    if _group_fits(x2, ys, biases):
+        outs = [np.empty((x2.shape[0], y.shape[1]), x.dtype) for y in ys]
+        fc_native.prepared_rows_group(x2, ys, biases, outs)()
+    else:
+        outs = [_product_bias_relu(x2, y, b, False) for y, b in zip(ys, biases)]
+    return {"out": [out.reshape(x.shape[:n] + (out.shape[1],)) for out in outs]}
+
+
+def _group_fits(x2, ys, biases):
+    return len(ys) <= fc_native.GROUP_MAX and all(
+        fc_native.rows_supports(x2, y, b) for y, b in zip(ys, biases))
+
+
+def bind_fused_fc_group(op):
+    """fused_fc_group_cpu's bound form (minigraph.bound_run): the products into the same
+    arrays every run, by one prepared group call where it takes them, else each as
+    bind_fused_fc runs it (prepared again only when an input is another array)."""
+    n = op.attrs["x_num_col_dims"]
+    kept = {"key": None}
+
+    def prepare(x, ys, biases):
+        biases = biases or [None] * len(ys)
+        if not (x.flags.c_contiguous and x.size and all(y.dtype == x.dtype for y in ys)
+                and all(b is None or b.dtype == x.dtype for b in biases)):
+            return None
+        key = (x.shape, x.dtype, tuple(y.shape for y in ys))
+        if key != kept["key"]:
+            rows = math.prod(x.shape[:n])
+            outs2 = [np.empty((rows, y.shape[1]), x.dtype) for y in ys]
+            kept.update(key=key, outs2=outs2, out={"out": [
+                o.reshape(x.shape[:n] + (o.shape[1],)) for o in outs2]})
+        outs2 = kept["outs2"]
+        x2 = x.reshape(outs2[0].shape[0], -1)
+        if _group_fits(x2, ys, biases):
+            return fc_native.prepared_rows_group(x2, ys, biases, outs2), kept["out"]
+        calls = [fc_native.prepared_rows(x2, y, b, False, out)
+                 if fc_native.rows_supports(x2, y, b)
+                 else functools.partial(_blas_into, x2, y, b, None, False, out)
+                 for y, b, out in zip(ys, biases, outs2)]
+        return functools.partial(_each, calls), kept["out"]
+    return prepared.form(("x", "y", "bias"), prepare, lists=("y", "bias"))
+
+
+def _each(calls):
+    for call in calls:
+        call()

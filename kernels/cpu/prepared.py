@@ -7,23 +7,36 @@ import operator
 import weakref
 
 
-def form(slots, prepare):
+def form(slots, prepare, lists=()):
     """A bound form's run(ins): prepare(*arrays) -> (call, outs), or None where the call
     does not apply, is asked again only when an input of `slots` (in order; every slot
     of the op's schema is in ins, None where unbound) holds another array than at the
-    last run; each run then calls call() and returns outs. While prepare says None, run
-    returns None (the kernel runs)."""
+    last run (the slots of `lists` hold lists of arrays, a duplicable slot's: compared
+    array by array); each run then calls call() and returns outs. While prepare says
+    None, run returns None (the kernel runs)."""
     kept = {"inputs": None, "ready": None}
     pick = operator.itemgetter(*slots)
     if len(slots) == 1:
         one = pick
         pick = lambda ins: (one(ins),)        # noqa: E731 - itemgetter of one slot
+    listed = [slot in lists for slot in slots]
+
+    def arrays_of(picked):
+        """The picked arrays, each list's in its place."""
+        flat = []
+        for value, is_list in zip(picked, listed):
+            if is_list and value is not None:
+                flat.extend(value)
+            else:
+                flat.append(value)
+        return flat
 
     def run(ins):
         arrays = pick(ins)
+        seen = arrays_of(arrays) if lists else arrays
         held = kept["inputs"]
-        if held is None or not all(map(operator.is_, arrays, held)):
-            kept["inputs"], kept["ready"] = arrays, prepare(*arrays)
+        if held is None or len(seen) != len(held) or not all(map(operator.is_, seen, held)):
+            kept["inputs"], kept["ready"] = seen, prepare(*arrays)
         ready = kept["ready"]
         if ready is None:
             return None

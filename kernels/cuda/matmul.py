@@ -300,6 +300,19 @@ def fused_fc_gpu(op, ins, ctx):
     return {"out": out}
 
 
+def fused_fc_group_gpu(op, ins, ctx):
+    """fused_fc's product and epilogue (the bias) for each weight of the group."""
+    ys = ins["y"]
+    biases = ins.get("bias") or [None] * len(ys)
+    outs = []
+    for y, bias in zip(ys, biases):
+        out = mul(ins["x"], y, op.attrs["x_num_col_dims"])
+        if bias is not None:
+            launch.check_array("fused_fc_group: bias", bias, (out.shape[-1],), out.dtype)
+        outs.append(bias_act(out, bias, what="fused_fc_group"))
+    return {"out": outs}
+
+
 def mul_grad_gpu(op, ins, ctx):
     """dx = dout2 @ y.T (x's shape), dy = x2.T @ dout2 on the device; each only when bound."""
     x, y, d = ins["x"], ins["y"], ins["dout"]

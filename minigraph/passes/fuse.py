@@ -30,9 +30,11 @@ ops, and a hidden fc layer with its batch norm and relu is one.
 fuse_fc also takes a training net: it then fuses the chains of its infer branch
 only (the train branch, backward and updates keep their ops), with fused ops that
 leave their weights to the optimizer (fused_fc's weight_fixed=False), so that
-net.infer between training steps runs one op per linear layer (a generated token's
-pass: a transformer block's six products with their biases, its two residual adds
-and its gelu are six ops).
+net.infer between training steps runs one op per linear layer; there, the fused_fc
+ops of one layer that read the same x, with persistable weights and neither a
+residual nor an activation, then become one fused_fc_group (a multi_head_attention's
+q, k and v products). A generated token's pass: a transformer block's six products
+with their biases, its two residual adds and its gelu are four ops.
 """
 from __future__ import annotations
 
@@ -93,9 +95,44 @@ def fuse_fc(net, verbose=False):
     training = any(net.section(s) for s in ("train", "backward", "update"))
     if not training:
         _fix_weights(net)
-    return _fuse(net, FC_NAME, "matrix_product", op_for_role("fused_fc"), _fc_chain, verbose,
-                 section="infer" if training else "trunk",
-                 attrs={"weight_fixed": False} if training else {})
+    notes = _fuse(net, FC_NAME, "matrix_product", op_for_role("fused_fc"), _fc_chain, verbose,
+                  section="infer" if training else "trunk",
+                  attrs={"weight_fixed": False} if training else {})
+    if training:
+        notes += _group(net, "infer", verbose)           # the list net.reports keeps
+    return notes
+
+
+def _group(net, section, verbose):
+    """Replace the fused_fc ops of one layer in `section` that read the same x, with
+    persistable weights (and biases, all or none), weight_fixed False and neither a
+    residual nor an activation, by one fused_fc_group at the first one's place (their
+    inputs are all there by then). FuseNotes of the groups."""
+    groups = {}
+    for op in net.section(section):
+        ins = op.inputs
+        if (op.schema.has_role("fused_fc") and not op.attrs["weight_fixed"]
+                and ins.get("residual") is None and op.attrs["activation"] == "none"
+                and all(ins.get(s) is None or ins[s].persistable for s in ("y", "bias"))):
+            key = (id(ins["x"]), op.layer, op.attrs["x_num_col_dims"], ins.get("bias") is None)
+            groups.setdefault(key, []).append(op)
+    group_type, notes = op_for_role("fused_fc_group"), []
+    for ops in (ops for ops in groups.values() if len(ops) > 1):
+        first = ops[0]
+        biases = {} if first.inputs.get("bias") is None else {
+            "bias": [op.inputs["bias"] for op in ops]}
+        group = Operator(group_type, x=first.inputs["x"], y=[op.inputs["y"] for op in ops],
+                         out=[op.outputs["out"] for op in ops], **biases,
+                         x_num_col_dims=first.attrs["x_num_col_dims"])
+        group.layer = first.layer
+        net.replace_op(section, first, group)
+        for op in ops[1:]:
+            net.remove_op(section, op)
+        notes.append(FuseNote(tuple(op.type for op in ops),
+                              ", ".join(op.outputs["out"].name for op in ops), group_type))
+        if verbose:
+            print(f"{FC_NAME}: {notes[-1]}")
+    return notes
 
 
 def _fix_weights(net):
