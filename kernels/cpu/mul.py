@@ -5,8 +5,10 @@ bias and relu, by the native kernel on the weight packed once (fc_native.py) or 
 BLAS with the bias and relu in place, whichever was the faster for the shape on this
 machine (choices.py; the native kernel where nothing is timed) where the native
 kernel takes the product, else as mul's product with the bias and relu in place
-(mul's and elementwise_add's bits). Weight gradients run wgrad_native's kernel or
-BLAS's product, whichever was the faster (weight_grad).
+(mul's and elementwise_add's bits), then a residual and gelu (add's and gelu's bits);
+and of fused_fc_group (ops/fused_fc_group.py): its products in one call to
+fc_native's few-rows group kernel, else each as fused_fc's. Weight gradients run
+wgrad_native's kernel or BLAS's product, whichever was the faster (weight_grad).
 """
 from __future__ import annotations
 
