@@ -94,22 +94,3 @@ def test_signatures_run_before_skip_their_checks(monkeypatch):
     for shape in (shapes[0], shapes[-1], shapes[0]):
         ex.run([op], scope, feed={"x": np.ones(shape, np.float32)}, fetch=[y])
     assert checks == shapes[:1]
-
-
-
-def test_signature_of_is_each_values_shape_and_dtype_or_none():
-    """executor.signature_of: (shape, dtype) per Variable's value, None where unset, for
-    numpy arrays and for anything else with a shape and a dtype (a device array)."""
-    from types import SimpleNamespace
-
-    from minigraph.executor import signature_of
-
-    a, b = np.zeros((2, 3), np.float32), np.zeros(4, np.int64)
-    device = SimpleNamespace(shape=(5,), dtype=np.dtype(np.float64))
-    vars_ = [SimpleNamespace(value=v) for v in (a, b, device)]
-    assert signature_of(vars_) == (((2, 3), np.float32), ((4,), np.int64),
-                                   ((5,), np.float64))
-    vars_.insert(1, SimpleNamespace(value=None))
-    assert signature_of(vars_) == (((2, 3), np.float32), None, ((4,), np.int64),
-                                   ((5,), np.float64))
-    assert signature_of([]) == ()
