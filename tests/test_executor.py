@@ -94,3 +94,4 @@ def test_signatures_run_before_skip_their_checks(monkeypatch):
     for shape in (shapes[0], shapes[-1], shapes[0]):
         ex.run([op], scope, feed={"x": np.ones(shape, np.float32)}, fetch=[y])
     assert checks == shapes[:1]
+
