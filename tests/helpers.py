@@ -140,6 +140,16 @@ def committed_repo(path, files):
     return path
 
 
+def same_as_twin(net, fetch, twin, twin_fetch, feeds, runs=2, what=""):
+    """Each of `feeds` through net.infer and twin.infer `runs` times (a checked run, then
+    bound ones; one where a KV cache moves on with each run): the fetched bytes agree."""
+    for feed in feeds:
+        for _ in range(runs):
+            (got,) = net.infer(feed=feed, fetch=[fetch])
+            (want,) = twin.infer(feed=feed, fetch=[twin_fetch])
+            assert got.tobytes() == want.tobytes(), (what, {k: v.shape for k, v in feed.items()})
+
+
 def tiny_bn_net(sync, place=None, seed=0, optimizer=None):
     """(net, loss, logits): image (N, 2, 4, 4) -> conv c1 -> batch_norm bn1 (sync_batch_norm
     when `sync`) -> relu -> fc1 (4 classes) -> mean cross entropy; `optimizer.minimize`d

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import helper_test_op
+from helpers import helper_test_op, same_as_twin
 
 import minigraph as mg
 from minigraph import layers as L
@@ -317,12 +317,9 @@ def test_a_transformer_mlp_fuses_its_gelu_and_residual_with_the_unfused_bits():
     assert [op.type for op in net.section("infer")][:4] == ["dropout"] + ["fused_fc"] * 3
     r = np.random.default_rng(5)
     for step in range(3):
-        for shape in ((2, 1, 16), (3, 5, 16)):
-            x = r.standard_normal(shape).astype(np.float32)
-            for _ in range(2):                           # the checked run, then the bound one
-                (got,) = net.infer(feed={"x": x}, fetch=[logits])
-                (want,) = plain.infer(feed={"x": x}, fetch=[plain_logits])
-                assert got.tobytes() == want.tobytes(), (step, shape)
+        same_as_twin(net, logits, plain, plain_logits, [
+            {"x": r.standard_normal(shape).astype(np.float32)}
+            for shape in ((2, 1, 16), (3, 5, 16))], what=step)
         feed = {"x": r.standard_normal((4, 3, 16)).astype(np.float32),
                 "label": r.integers(0, 5, 12)}
         net.train(feed=feed)

@@ -2,7 +2,7 @@
 in a training net's infer branch (a multi_head_attention's q, k and v)."""
 import numpy as np
 import pytest
-from helpers import helper_test_op
+from helpers import helper_test_op, same_as_twin
 
 import minigraph as mg
 from minigraph import layers as L
@@ -132,13 +132,9 @@ def test_fuse_fc_groups_q_k_and_v_with_the_unfused_bits(cached):
         for cache in caches:
             if cache is not None:
                 cache.reset()
-        for shape in shapes:
-            x = r.standard_normal(shape).astype(np.float32)
-            runs = 1 if cached else 2                 # a cache moves on with each run
-            for _ in range(runs):
-                (got,) = net.infer(feed={"x": x}, fetch=[logits])
-                (want,) = plain.infer(feed={"x": x}, fetch=[plain_logits])
-                assert got.tobytes() == want.tobytes(), (step, shape)
+        same_as_twin(net, logits, plain, plain_logits,
+                     [{"x": r.standard_normal(shape).astype(np.float32)} for shape in shapes],
+                     runs=1 if cached else 2, what=step)
         feed = {"x": r.standard_normal((2, 3, 16)).astype(np.float32),
                 "label": r.integers(0, 5, 6)}
         net.train(feed=feed)
