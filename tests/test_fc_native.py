@@ -212,6 +212,22 @@ def test_rows_kernel_residual_bits_on_any_threads(m, k, n, monkeypatch):
     assert not fc_native.residual_fits(np.ones((m, 2 * n), np.float32)[:, ::2])
 
 
+def test_rows_group_bits_and_its_limit():
+    """fc_rows_group_f32: each product the bits of fc_rows_f32's with its bias; more than
+    GROUP_MAX products is an error before any call."""
+    x = rng.standard_normal((2, 70)).astype(np.float32)
+    ws = [rng.standard_normal((70, n)).astype(np.float32) for n in (16, 3, 40)]
+    bs = [rng.standard_normal(16).astype(np.float32), None,
+          rng.standard_normal(40).astype(np.float32)]
+    outs = [np.empty((2, w.shape[1]), np.float32) for w in ws]
+    fc_native.prepared_rows_group(x, ws, bs, outs)()
+    for out, w, b in zip(outs, ws, bs):
+        assert out.tobytes() == fc_native.rows_forward(x, w, b).tobytes()
+    many = fc_native.GROUP_MAX + 1
+    with pytest.raises(ValueError, match=f"1 to {fc_native.GROUP_MAX} products, got {many}"):
+        fc_native.prepared_rows_group(x, ws[:1] * many, [None] * many, outs[:1] * many)
+
+
 def test_rows_kernel_nan_and_infinities_and_a_prepared_call_reads_its_arrays_anew():
     x, w = ones_with_nan_and_inf(3, 80, 20, 1, 2)
     out = np.empty((3, 20), np.float32)

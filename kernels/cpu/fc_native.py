@@ -38,6 +38,7 @@ MIN_THREAD_WORK = 1 << 20   # multiply-adds a thread must have to be worth wakin
 ROWS_MAX = 4                # rows of x up to which a product on an unpacked weight is
                             # fc_rows_f32's (a generated token's: a row a sequence)
 GROUP_MAX = 8               # products of one x fc_rows_group_f32 takes in one call
+                            # (fc_rows.h's FC_ROWS_GROUP)
 MIN_ROWS_SPLIT = 1 << 13    # multiply-adds from which fc_rows_f32 splits the columns
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
@@ -135,6 +136,9 @@ def prepared_rows_group(x, ws, biases, outs):
     m, k = x.shape
     ns = [w.shape[1] for w in ws]
     count = len(ws)
+    if not 1 <= count <= GROUP_MAX:
+        raise ValueError(f"fc_native.prepared_rows_group: 1 to {GROUP_MAX} products, got "
+                         f"{count}")
     pointers = [(ctypes.c_void_p * count)(*(_ptr(a) for a in arrays))
                 for arrays in (ws, biases, outs)]
     widths = (ctypes.c_int64 * count)(*ns)
@@ -144,8 +148,7 @@ def prepared_rows_group(x, ws, biases, outs):
     def call():
         if fn(*args, blocks.get_num_threads() if split else 1):
             raise MemoryError("fc_native: the few-rows products' sums could not be allocated")
-    call.keep = (pointers, widths)              # the pointer arrays live as long as the call
-    return call
+    return call                         # args holds the pointer arrays as long as call lives
 
 
 def rows_forward(x, w, bias=None, relu=False, residual=None):
