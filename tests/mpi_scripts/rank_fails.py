@@ -4,7 +4,8 @@ with an error naming rank 1 and the collective, within the deadline.
 argv[1], what rank 1 does after collective #0 (a sync_batch_norm forward):
   stall  - sleeps for an hour;
   exit   - returns from main (a normal exit, status 0);
-  die    - os._exit(0): gone without MPI_Finalize or atexit handlers;
+  die    - os._exit(0) after LEAVE_AFTER_S: gone without MPI_Finalize or atexit
+           handlers;
   kill   - SIGKILL to itself;
   skip   - skips nothing and makes a different collective (sync_batch_norm again).
 The others then enter collective #1 (c_allreduce_avg [w@GRAD]). A rank that
@@ -24,6 +25,8 @@ import time
 import numpy as np
 
 import minigraph as mg
+
+LEAVE_AFTER_S = 0.2     # die: how long rank 1 waits after collective #0 before it vanishes
 
 
 def ops(scope):
@@ -55,6 +58,9 @@ def main(mode, catch=False):
         elif mode == "exit":
             return
         elif mode == "die":
+            # the others' parts of collective #0 may still wait for rank 1's last
+            # message when its own part returns (three ranks relay); let them end first
+            time.sleep(LEAVE_AFTER_S)
             os._exit(0)
         elif mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
