@@ -169,9 +169,9 @@ class Context:
     def epilogue(self, var, first_step, first, adds=(), activation=None):
         """The nodes of a fused op computing `var`: first(name) (nodes whose result is
         `name`, named after `first_step`), then an Add of each (step, Variable) of
-        `adds`, then the activation: None, "relu" (a Relu), or (step, nodes(x, result))
-        for one of several nodes from the value named x into the one named result. The
-        last result is `var`."""
+        `adds`, then the activation: None, "relu" (a Relu), or (step, nodes(x, result)),
+        nodes(x, result) giving the nodes from the value named x to the one named
+        result. The last result is `var`."""
         if activation == "relu":
             activation = ("relu", lambda x, result: [self.node("Relu", [x], [result])])
         steps = [first_step] + [step for step, _ in adds] + ([activation[0]] if activation
