@@ -153,3 +153,17 @@ def test_products_of_other_inputs_layers_or_with_an_activation_are_not_grouped()
     mg.optimizer.Adam(1e-2).minimize(net, loss)
     mg.passes.fuse_fc(net)
     assert "fused_fc_group" not in [op.type for op in net.section("infer")]
+
+
+def test_a_fused_branch_saves_and_loads_as_an_inference_model(tmp_path):
+    """mg.io.save_inference of a net whose infer branch holds a fused_fc_group (its
+    lists of weights, biases and outputs) loads into a net with the same bits."""
+    net, logits = attention_net()
+    mg.passes.fuse_fc(net)
+    x = np.random.default_rng(8).standard_normal((2, 3, 16)).astype(np.float32)
+    (want,) = net.infer(feed={"x": x}, fetch=[logits])
+    mg.io.save_inference(net, tmp_path / "model", ["x"], [logits])
+    loaded = mg.io.load_inference(tmp_path / "model")
+    assert "fused_fc_group" in [op.type for op in loaded.ops("infer")]
+    (got,) = loaded.infer(feed={"x": x}, fetch=[logits.name])
+    assert got.tobytes() == want.tobytes()
