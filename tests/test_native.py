@@ -365,6 +365,16 @@ def test_the_address_a_kernel_gets():
     assert native.address(a[2:]) == a.ctypes.data + 16
 
 
+def test_packed_ints_hold_a_packed_calls_arguments():
+    """A *_packed entry point's int64 array: ints and addresses in order, None as 0
+    (NULL); its items can be set again between calls."""
+    a = np.arange(3.0)
+    ints = native.packed_ints([native.address(a), None, 7, -2])
+    assert list(ints) == [a.ctypes.data, 0, 7, -2]
+    ints[2] = 5
+    assert ints[2] == 5 and len(ints) == 4
+
+
 def _cpu_has(flag):
     try:
         with open("/proc/cpuinfo") as f:

@@ -42,6 +42,7 @@ GROUP_MAX = 8               # products of one x fc_rows_group_f32 takes in one c
 MIN_ROWS_SPLIT = 1 << 13    # multiply-adds from which fc_rows_f32 splits the columns
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
+_ROWS_THREADS, _GROUP_THREADS = 9, 10   # the threads' places in the *_packed ints
 _F32 = np.dtype(np.float32)
 _ptr = native.address
 _packed = {}                # id(weight array) -> (weakref to it, None, packed copy)
@@ -57,6 +58,8 @@ def _lib():
         lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 5 + [_L] * 5, ctypes.c_int
         lib.fc_rows_group_f32.argtypes = [_P] * 6 + [_L] * 5
         lib.fc_rows_group_f32.restype = ctypes.c_int
+        for packed in (lib.fc_rows_f32_packed, lib.fc_rows_group_f32_packed):
+            packed.argtypes, packed.restype = [ctypes.POINTER(_L)], ctypes.c_int
         lib._typed = True
     return lib
 
@@ -117,12 +120,13 @@ def prepared_rows(x, w, bias, relu, out, residual=None):
     number of threads."""
     m, k = x.shape
     n = w.shape[1]
-    fn, split = _lib().fc_rows_f32, m * k * n >= MIN_ROWS_SPLIT
-    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out), m, k, n,
-            int(bool(relu)))
+    fn, split = _lib().fc_rows_f32_packed, m * k * n >= MIN_ROWS_SPLIT
+    ints = native.packed_ints((_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out), m,
+                               k, n, int(bool(relu)), 1))
 
     def call():
-        if fn(*args, blocks.get_num_threads() if split else 1):
+        ints[_ROWS_THREADS] = blocks.get_num_threads() if split else 1
+        if fn(ints):
             raise MemoryError("fc_native: the few-rows product's sums could not be allocated")
     return call
 
@@ -139,16 +143,19 @@ def prepared_rows_group(x, ws, biases, outs):
     if not 1 <= count <= GROUP_MAX:
         raise ValueError(f"fc_native.prepared_rows_group: 1 to {GROUP_MAX} products, got "
                          f"{count}")
-    pointers = [(ctypes.c_void_p * count)(*(_ptr(a) for a in arrays))
-                for arrays in (ws, biases, outs)]
-    widths = (ctypes.c_int64 * count)(*ns)
-    fn, split = _lib().fc_rows_group_f32, m * k * sum(ns) >= MIN_ROWS_SPLIT
-    args = (_ptr(x), pointers[0], pointers[1], None, pointers[2], widths, count, m, k, 0)
+    arrays = [native.packed_ints([_ptr(a) for a in group]) for group in (ws, biases, outs)]
+    arrays.append(native.packed_ints(ns))
+    fn, split = _lib().fc_rows_group_f32_packed, m * k * sum(ns) >= MIN_ROWS_SPLIT
+    ws_at, biases_at, outs_at, ns_at = map(ctypes.addressof, arrays)
+    ints = native.packed_ints((_ptr(x), ws_at, biases_at, None, outs_at, ns_at, count, m, k,
+                               0, 1))
 
     def call():
-        if fn(*args, blocks.get_num_threads() if split else 1):
+        ints[_GROUP_THREADS] = blocks.get_num_threads() if split else 1
+        if fn(ints):
             raise MemoryError("fc_native: the few-rows products' sums could not be allocated")
-    return call                         # args holds the pointer arrays as long as call lives
+    call.arrays = arrays                # the arrays ints points into live as long as call
+    return call
 
 
 def rows_forward(x, w, bias=None, relu=False, residual=None):

@@ -132,3 +132,23 @@ int fc_rows_f32(const float *x, const float *w, const float *bias, const float *
 {
     return fc_rows_group_f32(x, &w, &bias, &residual, &out, &n, 1, m, k, relu, threads);
 }
+
+/* fc_rows_f32 and fc_rows_group_f32 with their arguments in one int64 array (a prepared
+ * call's: one foreign call converts one pointer, not ten values, for a product of a few
+ * microseconds). ints: x, w, bias, residual, out, m, k, n, relu, threads; for the group
+ * x, ws, biases, residuals, outs, ns, count, m, k, relu, threads (the pointers as
+ * integers). */
+int fc_rows_f32_packed(const int64_t *ints)
+{
+    return fc_rows_f32((const float *)ints[0], (const float *)ints[1], (const float *)ints[2],
+                       (const float *)ints[3], (float *)ints[4], ints[5], ints[6], ints[7],
+                       ints[8], ints[9]);
+}
+
+int fc_rows_group_f32_packed(const int64_t *ints)
+{
+    return fc_rows_group_f32((const float *)ints[0], (const float *const *)ints[1],
+                             (const float *const *)ints[2], (const float *const *)ints[3],
+                             (float *const *)ints[4], (const int64_t *)ints[5], ints[6],
+                             ints[7], ints[8], ints[9], ints[10]);
+}

@@ -70,6 +70,13 @@ int gelu_forward_f32(const float *x, float *out, int64_t n, int threads)
     return 0;
 }
 
+/* gelu_forward_f32 with its arguments in one int64 array (a prepared call's: one foreign
+ * call converts one pointer, not four values). ints: x, out (as integers), n, threads. */
+int gelu_forward_f32_packed(const int64_t *ints)
+{
+    return gelu_forward_f32((const float *)ints[0], (float *)ints[1], ints[2], (int)ints[3]);
+}
+
 /* dx[i] = dout[i] (Phi(x[i]) + x[i] phi(x[i])) for i < n (dx may be dout). Returns 0. */
 int gelu_backward_f32(const float *x, const float *dout, float *dx, int64_t n, int threads)
 {

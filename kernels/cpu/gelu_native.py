@@ -30,7 +30,8 @@ _ptr = native.address           # None for an empty array: never passed one here
 
 def _load(symbol):
     if symbol not in _kernels:
-        args = [_P, _P, _L, _I] if symbol == "gelu_forward_f32" else [_P, _P, _P, _L, _I]
+        args = {"gelu_forward_f32": [_P, _P, _L, _I], "gelu_backward_f32": [_P, _P, _P, _L, _I],
+                "gelu_forward_f32_packed": [ctypes.POINTER(_L)]}[symbol]
         _kernels[symbol] = native.typed_function("gelu_native", symbol, args)
     return _kernels[symbol]
 
@@ -65,8 +66,14 @@ def prepared_forward(x, out):
     fn = _load("gelu_forward_f32") if x.size and _applies(x, out) else None
     if fn is None:
         return None
-    args = (_ptr(x), _ptr(out), x.size)
-    return lambda: fn(*args, blocks.threads_for(x.size, MIN_THREAD_VALUES))
+    ints = native.packed_ints((_ptr(x), _ptr(out), x.size,
+                               blocks.threads_for(x.size, MIN_THREAD_VALUES)))
+    packed = _load("gelu_forward_f32_packed")
+
+    def call():
+        ints[3] = blocks.threads_for(x.size, MIN_THREAD_VALUES)
+        packed(ints)
+    return call
 
 
 def backward(x, dout, dx=None):

@@ -511,6 +511,16 @@ int norm_forward_##S(const T *x, T *y, const T *scale, const T *bias, T *mean, T
                 .mean_out = mean, .var_out = var, .rows = rows, .len = len, .post = post,      \
                 .A = A, .eps = eps};                                                           \
     return forward(&a, threads);                                                               \
+}                                                                                              \
+                                                                                               \
+/* norm_forward_##S with its arguments in two arrays (a prepared call's: one foreign call      \
+ * converts two pointers, not twelve values, for a token's row). ints: x, y, scale, bias,      \
+ * mean, var (as integers), rows, len, post, A, threads; reals: eps. */                      \
+int norm_forward_packed_##S(const int64_t *ints, const double *reals)                          \
+{                                                                                              \
+    return norm_forward_##S((const T *)ints[0], (T *)ints[1], (const T *)ints[2],              \
+                            (const T *)ints[3], (T *)ints[4], (T *)ints[5], ints[6], ints[7],  \
+                            ints[8], ints[9], reals[0], ints[10]);                             \
 }
 
 /* From x, dy (rows, len) and the saved mean, var (rows,): dx, and dscale, dbias (A,)

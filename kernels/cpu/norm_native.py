@@ -42,10 +42,11 @@ def _load():
             return {}
         found = {}
         for dtype, suffix in ((_F32, "f32"), (_F64, "f64")):
-            forward, backward = (getattr(lib, f"norm_{what}_{suffix}")
-                                 for what in ("forward", "backward"))
+            forward, backward, packed = (getattr(lib, f"norm_{what}_{suffix}")
+                                         for what in ("forward", "backward", "forward_packed"))
             forward.argtypes, backward.argtypes = _FORWARD, _BACKWARD
-            found[dtype] = (forward, backward)
+            packed.argtypes = [ctypes.POINTER(_L), ctypes.POINTER(_D)]
+            found[dtype] = (forward, backward, packed)
         _kernels = found
     return _kernels
 
@@ -56,7 +57,7 @@ def available():
 
 
 def kernels(dtype):
-    """(forward, backward) C functions for `dtype` (float32, float64), or None where
+    """(forward, backward, forward_packed) C functions for `dtype` (float32, float64), or None where
     the native kernels are off or cannot be built, or take no such dtype."""
     return (_kernels or _load()).get(dtype) if native.enabled() else None
 
@@ -124,12 +125,14 @@ def prepared_forward(x, rows, length, eps, scale, bias, y, stats):
             a is not None and not (a.dtype == dtype and a.size == length
                                    and a.flags.c_contiguous) for a in (scale, bias)):
         return None
-    forward_fn, values, at = fns[0], rows * length, _ptr(stats)
-    args = (_ptr(x), _ptr(y), _ptr(scale), _ptr(bias), at, at + rows * dtype.itemsize,
-            rows, length, 1, length, eps)
+    values, at = rows * length, _ptr(stats)
+    ints = native.packed_ints((_ptr(x), _ptr(y), _ptr(scale), _ptr(bias), at,
+                               at + rows * dtype.itemsize, rows, length, 1, length, 1))
+    reals, packed = (ctypes.c_double * 1)(eps), fns[2]
 
     def call():
-        if forward_fn(*args, 1 if values < 2 * MIN_THREAD_VALUES else threads_for(values)):
+        ints[10] = 1 if values < 2 * MIN_THREAD_VALUES else threads_for(values)
+        if packed(ints, reals):
             raise MemoryError("norm_native.forward: the kernel's buffers could not be "
                               "allocated")
     return call
