@@ -127,16 +127,16 @@ ROLES = {
                        "and its sync form (fusing builds them; folding leaves a relu)",
     "linear": "out is x times the weight `OpSchema.weight` names (conv2d, fc's mul)",
     "bias_add": "out = x + y, y a vector along x's axis `axis`",
-    "add": "out = x + y, numpy broadcasting",
-    "relu": "out = max(x, 0)", "gelu": "out = x Phi(x), the exact gelu",
+    "add": "out = x + y, numpy broadcasting", "relu": "out = max(x, 0)",
+    "gelu": "out = x Phi(x), the exact gelu", "layer_norm": "layer_norm's slots and attributes",
     "matrix_product": "out = x flattened to a matrix (x_num_col_dims) times y: fc's mul",
     "conv": "a 2-D convolution: x, filter -> out with strides, paddings, dilations, groups",
     "fused_conv": "conv (+ bias + residual + activation) in one op: conv's slots and "
                   "attributes, with optional bias and residual inputs and `activation`",
     "fused_fc": "matrix_product (+ bias + residual + activation) in one op: its slots "
-                "and x_num_col_dims, optional bias and residual inputs and `activation`",
-    "fused_fc_group": "fused_fc products of one x: x, the lists y, bias and out, and "
-                      "x_num_col_dims",
+                "and x_num_col_dims, optional bias and residual inputs and `activation`; "
+                "`normalize`: x is layer_norm'd first (norm_scale, norm_bias, norm_epsilon)",
+    "fused_fc_group": "fused_fc products of one x (lists y, bias, out), normalize as fused_fc",
     "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "
                       "them hold together; a subset is clipped by the same op with fewer",
 }

@@ -108,26 +108,33 @@ def export_layer_norm(ctx, op):
     """LayerNormalization from axis begin_norm_axis (opset 17+; the scale and bias
     reshaped to the normalised axes, ones and zeros when absent), else the moments
     spelled out (onnx_export.moments_normalize)."""
-    x, y = op.inputs["x"], op.outputs["y"]
-    shape, begin = ctx.shape(x), op.attrs["begin_norm_axis"]
+    a, y = op.attrs, op.outputs["y"]
+    return layer_norm_nodes(ctx, op.inputs["x"], op.inputs["scale"], op.inputs["bias"],
+                            a["begin_norm_axis"], a["epsilon"], ctx.output(y), y)
+
+
+def layer_norm_nodes(ctx, x, scale, bias, begin, eps, result, named_after):
+    """The ONNX nodes of layer_norm's y of Variable x (scale and bias Variables or None)
+    into the value named `result`, their helper values named after Variable
+    `named_after` (export_layer_norm's, and a fused op's that normalises its input)."""
+    shape = ctx.shape(x)
     tail = tuple(shape[begin:])
     if min(tail) < 0:
-        raise ValueError(f"layer_norm computing {y.name!r}: the normalised axes of "
+        raise ValueError(f"layer_norm computing {named_after.name!r}: the normalised axes of "
                          f"{x.name!r} (shape {shape}) must be known")
     dt = ctx.dtype(x)
-    affine = [ctx.value(op.inputs[s], shape=tail) if op.inputs[s] is not None else
-              ctx.const(y, s, np.full(tail, 1.0 if s == "scale" else 0.0, dt))
-              for s in ("scale", "bias")]
-    eps = float(op.attrs["epsilon"])
+    affine = [ctx.value(v, shape=tail) if v is not None else
+              ctx.const(named_after, s, np.full(tail, 1.0 if s == "scale" else 0.0, dt))
+              for s, v in (("scale", scale), ("bias", bias))]
     if ctx.opset >= 17:
-        return [ctx.node("LayerNormalization", [ctx.value(x), *affine], [ctx.output(y)],
-                         axis=begin, epsilon=eps)]
-    normed = ctx.temp(y, "normalized")
+        return [ctx.node("LayerNormalization", [ctx.value(x), *affine], [result],
+                         axis=begin, epsilon=float(eps))]
+    normed = ctx.temp(named_after, "normalized")
     nodes = onnx_export.moments_normalize(ctx, ctx.value(x), list(range(begin, len(shape))),
-                                          eps, normed, y, dt)
-    scaled = ctx.temp(y, "scaled")
+                                          float(eps), normed, named_after, dt)
+    scaled = ctx.temp(named_after, "scaled")
     return nodes + [ctx.node("Mul", [normed, affine[0]], [scaled]),
-                    ctx.node("Add", [scaled, affine[1]], [ctx.output(y)])]
+                    ctx.node("Add", [scaled, affine[1]], [result])]
 
 
 SCHEMA = register(OpSchema(
@@ -136,7 +143,7 @@ SCHEMA = register(OpSchema(
     outputs=(Slot("y"), Slot("mean"), Slot("variance")),
     attrs=(int_attr("begin_norm_axis", 1), float_attr("epsilon", 1e-5, non_negative)),
     infer=infer_layer_norm, grad=norm_grad_maker(TYPE), export=export_layer_norm,
-    doc=__doc__))
+    roles=("layer_norm",), doc=__doc__))
 register(grad_schema(SCHEMA, inputs=(Slot("x"), Slot("scale", optional=True), Slot("mean"),
                                      Slot("variance"), Slot("dy")),
                      outputs=(Slot("dx", optional=True), Slot("dscale", optional=True),

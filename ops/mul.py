@@ -67,11 +67,12 @@ def export_mul(ctx, op):
     return matmul_nodes(ctx, op, ctx.output(op.outputs["out"]))
 
 
-def matmul_nodes(ctx, op, name):
-    """The ONNX nodes of a mul or fused_fc op's product, its result named `name`."""
+def matmul_nodes(ctx, op, name, x_name=None):
+    """The ONNX nodes of a mul or fused_fc op's product, its result named `name`; its x
+    the value named x_name where given (a normalised x, of x's shape)."""
     x, n = op.inputs["x"], int(op.attrs["x_num_col_dims"])
     out = op.outputs["out"]
-    rank, xs = len(ctx.shape(x)), ctx.value(x)
+    rank, xs = len(ctx.shape(x)), x_name or ctx.value(x)
     nodes = []
     if rank > n + 1:
         flat = ctx.temp(out, "flat")

@@ -202,7 +202,7 @@ def test_fused_fc_gives_the_reference_whichever_option_runs(name, fresh):
     w = rng.standard_normal((300, 1000)).astype(np.float32)
     b = rng.standard_normal(1000).astype(np.float32)
     op = type("Op", (), {"attrs": {"x_num_col_dims": 1, "activation": "relu",
-                         "weight_fixed": True}})()
+                         "weight_fixed": True, "normalize": False}})()
     with choices.forcing({"fc": name}), mg.kernels.cpu.blocks.num_threads(2):
         got = mul.fused_fc_cpu(op, {"x": x, "y": w, "bias": b}, None)["out"]
     close(got, np.maximum(x.astype(np.float64) @ w + b, 0))

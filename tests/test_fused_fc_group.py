@@ -119,11 +119,14 @@ def test_fuse_fc_groups_q_k_and_v_with_the_unfused_bits(cached):
     net, logits = attention_net(cache=caches[1])
     train_ops = [op.type for op in net.section("train")]
     notes = mg.passes.fuse_fc(net)
-    assert [str(n) for n in notes][-1] == (
+    assert [str(n) for n in notes][-2:] == [
         "fused_fc + fused_fc + fused_fc -> fused_fc_group computing 'attn.q.out, attn.k.out, "
-        "attn.v.out'")
+        "attn.v.out'",
+        "layer_norm + fused_fc_group -> fused_fc_group computing 'attn.q.out, attn.k.out, "
+        "attn.v.out'"]
     group = [op for op in net.section("infer") if op.type == "fused_fc_group"]
-    assert len(group) == 1 and group[0].layer == "attn"
+    assert len(group) == 1 and group[0].layer == "attn" and group[0].attrs["normalize"]
+    assert "layer_norm" not in [op.type for op in net.section("infer")]
     assert [v.name for v in group[0].inputs["y"]] == ["attn.q.w", "attn.k.w", "attn.v.w"]
     assert [op.type for op in net.section("train")] == train_ops
     r = np.random.default_rng(7)

@@ -40,13 +40,13 @@ def normalized(x3, mean, invstd):
     return out
 
 
-def check_rows(op, var, eps):
+def check_rows(op, var, eps, what="epsilon"):
     """With eps 0, an OpError naming the first row (its index on the leading axes) whose
-    variance is 0: nothing to divide by."""
+    variance is 0: nothing to divide by (`what`: the attribute eps is)."""
     if eps == 0 and var.size and not var.all():
         row = tuple(int(i) for i in np.argwhere(var == 0)[0])
-        raise OpError(f"{op.type}: epsilon is 0 and row {row} of input 'x' has variance 0 "
-                      "(all its values are equal): nothing to divide by; use epsilon > 0")
+        raise OpError(f"{op.type}: {what} is 0 and row {row} of input 'x' has variance 0 "
+                      f"(all its values are equal): nothing to divide by; use {what} > 0")
 
 
 def layer_norm_cpu(op, ins, ctx):
@@ -57,16 +57,29 @@ def layer_norm_cpu(op, ins, ctx):
     return out
 
 
+def normalized_input(op, x, scale, bias, begin, eps):
+    """layer_norm's y of x normalised from axis `begin` (its kernel's bits), for an op
+    that normalises its input first (a fused op with layer_norm folded in: attribute
+    norm_epsilon), with its errors."""
+    out = normalize_rows(x, scale, bias, begin, eps)
+    check_rows(op, out["variance"], eps, "norm_epsilon")
+    return out["y"]
+
+
 def layer_norm_rows(op, ins):
     """layer_norm_cpu's outputs, before the check of the variances."""
-    x, scale, bias = ins["x"], ins["scale"], ins["bias"]
     a = op.attrs
-    begin = a["begin_norm_axis"]
+    return normalize_rows(ins["x"], ins["scale"], ins["bias"], a["begin_norm_axis"],
+                          a["epsilon"])
+
+
+def normalize_rows(x, scale, bias, begin, eps):
+    """{y, mean, variance} of x normalised from axis `begin` with epsilon `eps`."""
     shape = x.shape
     stat_shape = shape[:begin]
     r, length = math.prod(stat_shape), math.prod(shape[begin:])
     xw = as_work(x)
-    done = norm_native.forward(xw.reshape(r, length), a["epsilon"], scale, bias)
+    done = norm_native.forward(xw.reshape(r, length), eps, scale, bias)
     if done is not None:
         y, stats = done
         if y.dtype != x.dtype:
@@ -77,7 +90,7 @@ def layer_norm_rows(op, ins):
     _, mean, m2 = local_stats(x3)
     var = m2 / max(length, 1)
     with np.errstate(divide="ignore"):
-        invstd = 1.0 / np.sqrt(var + a["epsilon"])
+        invstd = 1.0 / np.sqrt(var + eps)
     y = normalized(x3, mean, invstd).reshape(r, length)
     if scale is not None:
         y *= scale.astype(y.dtype, copy=False)
@@ -98,17 +111,33 @@ def bind_layer_norm(op):
     kept = {"key": None}
 
     def prepare(x, scale, bias):
-        key = (x.shape, x.dtype)
-        if key != kept["key"]:
-            rows, length = math.prod(x.shape[:begin]), math.prod(x.shape[begin:])
-            y, stats = np.empty(x.shape, x.dtype), np.empty((2, rows), x.dtype)
+        done = prepared_rows(x, scale, bias, begin, eps, kept)
+        if done is None:
+            return None
+        y, stats, call = done
+        if kept.get("out_of") is not y:
             mean, var = stats.reshape((2, *x.shape[:begin]))
-            kept.update(key=key, rows=(rows, length), y=y, stats=stats,
-                        out={"y": y, "mean": mean, "variance": var})
-        call = norm_native.prepared_forward(x, *kept["rows"], eps, scale, bias, kept["y"],
-                                            kept["stats"])
-        return None if call is None else (call, kept["out"])
+            kept.update(out_of=y, out={"y": y, "mean": mean, "variance": var})
+        return call, kept["out"]
     return prepared.form(("x", "scale", "bias"), prepare)
+
+
+def prepared_rows(x, scale, bias, begin, eps, kept):
+    """(y, stats, call) for a bound form (bind_layer_norm's, and a fused op's that
+    normalises its input first): call() writes layer_norm's y of x (its bits) into y and
+    the rows' mean and variance into stats (2, rows), arrays kept in the form's dict
+    `kept` while x's shape and dtype stay; None where the native forward does not apply
+    (or eps is 0: each run would check the variances)."""
+    if eps == 0:
+        return None
+    key = (x.shape, x.dtype)
+    if key != kept.get("key"):
+        rows, length = math.prod(x.shape[:begin]), math.prod(x.shape[begin:])
+        kept.update(key=key, rows=(rows, length), y=np.empty(x.shape, x.dtype),
+                    stats=np.empty((2, rows), x.dtype))
+    call = norm_native.prepared_forward(x, *kept["rows"], eps, scale, bias, kept["y"],
+                                        kept["stats"])
+    return None if call is None else (kept["y"], kept["stats"], call)
 
 
 def layer_norm_grad_cpu(op, ins, ctx):

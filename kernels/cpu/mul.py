@@ -7,7 +7,8 @@ machine (choices.py; the native kernel where nothing is timed) where the native
 kernel takes the product, else as mul's product with the bias and relu in place
 (mul's and elementwise_add's bits), then a residual and gelu (add's and gelu's bits);
 and of fused_fc_group (ops/fused_fc_group.py): its products in one call to
-fc_native's few-rows group kernel, else each as fused_fc's. Weight gradients run
+fc_native's few-rows group kernel, else each as fused_fc's; either fused op first
+normalises x by layer_norm's kernel where it was folded in. Weight gradients run
 wgrad_native's kernel or BLAS's product, whichever was the faster (weight_grad).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from minigraph.kernels.cpu import (
     choices,
     fc_native,
     gelu_native,
+    layer_norm,
     native,
     prepared,
     wgrad_native,
@@ -93,13 +95,14 @@ def mul_grad_cpu(op, ins, ctx):
 
 
 def fused_fc_cpu(op, ins, ctx):
-    """out = act(flatten(x) @ y + bias + residual), shaped x.shape[:n] + (M,) (broadcast
-    with the residual's shape): the native kernel where it takes the product and the
+    """out = act(flatten(x') @ y + bias + residual), shaped x.shape[:n] + (M,) (broadcast
+    with the residual's shape), x' x or its normalisation (normalized_x): the native
+    kernel where it takes the product and the
     weight is fixed (it makes y read-only), fc_native's few-rows kernel (with a
     residual of the product's shape), else BLAS's product with the bias and relu in
     place; then what is left of the residual and activation. The unfused ops' bits:
     mul's, elementwise_add's, add's, relu's (NaN stays NaN) and gelu's."""
-    x, y, bias, residual = ins["x"], ins["y"], ins.get("bias"), ins.get("residual")
+    x, y, bias, residual = normalized_x(op, ins), ins["y"], ins.get("bias"), ins.get("residual")
     n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
     x2, shape = as_matrix(x, n), x.shape[:n] + (y.shape[1],)
     relu = act == "relu" and residual is None         # in the product's own epilogue
@@ -125,6 +128,29 @@ def fused_fc_cpu(op, ins, ctx):
     return {"out": activation.gelu(out, out=out) if act == "gelu" else out}
 
 
+def normalized_x(op, ins):
+    """A fused op's x, or with attribute normalize layer_norm's y of it over the axes
+    from x_num_col_dims (norm_scale, norm_bias, norm_epsilon; layer_norm's bits)."""
+    a = op.attrs
+    if not a["normalize"]:
+        return ins["x"]
+    return layer_norm.normalized_input(op, ins["x"], ins.get("norm_scale"),
+                                       ins.get("norm_bias"), a["x_num_col_dims"],
+                                       a["norm_epsilon"])
+
+
+def _bound_x(op, x, norm_scale, norm_bias, kept):
+    """(the product's x, the calls to run before it) for a bound form: x and none, or
+    layer_norm's prepared call into a kept array and it; None where that does not
+    apply (the kernel runs)."""
+    a = op.attrs
+    if not a["normalize"]:
+        return x, ()
+    done = layer_norm.prepared_rows(x, norm_scale, norm_bias, a["x_num_col_dims"],
+                                    a["norm_epsilon"], kept)
+    return None if done is None else (done[0], (done[2],))
+
+
 def _product_bias_relu(x2, y, bias, relu):
     """act(x2 @ y + bias), act = max(., 0) (NaN stays NaN) where relu: fc_native's
     few-rows kernel where it takes the product, else BLAS's product with the bias and
@@ -141,20 +167,26 @@ def _product_bias_relu(x2, y, bias, relu):
 
 def bind_fused_fc(op):
     """fused_fc_cpu's bound form (minigraph.bound_run) for a weight that changes
-    (weight_fixed False; a fixed one keeps the kernel's measured choice): its product,
-    bias, residual and activation into the same array every run (fc_native's few-rows
+    (weight_fixed False; a fixed one keeps the kernel's measured choice): x's
+    normalisation (layer_norm's prepared call, where the op normalises x), its product,
+    bias, residual and activation into the same arrays every run (fc_native's few-rows
     call, then gelu's, prepared again only when an input is another array; else BLAS's
     and numpy's). None (the kernel runs) for a residual of another shape than the
-    product's, and for gelu without its native kernel (float64)."""
+    product's, for gelu without its native kernel (float64), and for a normalisation
+    without layer_norm's bound form (norm_epsilon 0, or no native kernel)."""
     if op.attrs["weight_fixed"]:
         return None
     n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
-    kept = {"key": None}
+    kept, kept_norm = {"key": None}, {}
 
-    def prepare(x, y, bias, residual):
+    def prepare(x, y, bias, residual, norm_scale, norm_bias):
         if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
                 and (bias is None or bias.dtype == x.dtype)):
             return None
+        done = _bound_x(op, x, norm_scale, norm_bias, kept_norm)
+        if done is None:
+            return None
+        x, before = done
         shape = x.shape[:n] + (y.shape[1],)
         if residual is not None and (residual.shape != shape or residual.dtype != x.dtype
                                      or not residual.flags.c_contiguous):
@@ -165,16 +197,17 @@ def bind_fused_fc(op):
             kept.update(key=key, out2=out2, out={"out": out2.reshape(shape)})
         x2, out2 = x.reshape(kept["out2"].shape[0], -1), kept["out2"]
         if fc_native.rows_supports(x2, y, bias) and fc_native.residual_fits(residual):
-            call = fc_native.prepared_rows(x2, y, bias, act == "relu", out2, residual)
+            calls = [*before, fc_native.prepared_rows(x2, y, bias, act == "relu", out2,
+                                                      residual)]
         else:
-            call = functools.partial(_blas_into, x2, y, bias, residual, act == "relu", out2)
+            calls = [*before, functools.partial(_blas_into, x2, y, bias, residual,
+                                                act == "relu", out2)]
         if act == "gelu":
-            gelu = gelu_native.prepared_forward(out2, out2)
-            if gelu is None:
+            calls.append(gelu_native.prepared_forward(out2, out2))
+            if calls[-1] is None:
                 return None
-            call = functools.partial(_each, (call, gelu))
-        return call, kept["out"]
-    return prepared.form(("x", "y", "bias", "residual"), prepare)
+        return _one_call(calls), kept["out"]
+    return prepared.form(("x", "y", "bias", "residual", "norm_scale", "norm_bias"), prepare)
 
 
 def _blas_into(x2, y, bias, residual, relu, out):
@@ -190,10 +223,11 @@ def _blas_into(x2, y, bias, residual, relu, out):
 
 
 def fused_fc_group_cpu(op, ins, ctx):
-    """out[g] = flatten(x) @ y[g] + bias[g], shaped x.shape[:n] + (M_g,): fc_native's
-    group kernel in one call where it takes every product (a generated token's), else
-    each product as fused_fc_cpu runs it without a fixed weight (the same bits)."""
-    x, ys = ins["x"], ins["y"]
+    """out[g] = flatten(x') @ y[g] + bias[g], shaped x.shape[:n] + (M_g,), x' x or its
+    normalisation (normalized_x): fc_native's group kernel in one call where it takes
+    every product (a generated token's), else each product as fused_fc_cpu runs it
+    without a fixed weight (the same bits)."""
+    x, ys = normalized_x(op, ins), ins["y"]
     biases = ins.get("bias") or [None] * len(ys)
     n = op.attrs["x_num_col_dims"]
     x2 = as_matrix(x, n)
@@ -211,17 +245,22 @@ def _group_fits(x2, ys, biases):
 
 
 def bind_fused_fc_group(op):
-    """fused_fc_group_cpu's bound form (minigraph.bound_run): the products into the same
-    arrays every run, by one prepared group call where it takes them, else each as
-    bind_fused_fc runs it (prepared again only when an input is another array)."""
+    """fused_fc_group_cpu's bound form (minigraph.bound_run): x's normalisation as
+    bind_fused_fc's, then the products into the same arrays every run, by one prepared
+    group call where it takes them, else each as bind_fused_fc runs it (prepared again
+    only when an input is another array)."""
     n = op.attrs["x_num_col_dims"]
-    kept = {"key": None}
+    kept, kept_norm = {"key": None}, {}
 
-    def prepare(x, ys, biases):
+    def prepare(x, ys, biases, norm_scale, norm_bias):
         biases = biases or [None] * len(ys)
         if not (x.flags.c_contiguous and x.size and all(y.dtype == x.dtype for y in ys)
                 and all(b is None or b.dtype == x.dtype for b in biases)):
             return None
+        done = _bound_x(op, x, norm_scale, norm_bias, kept_norm)
+        if done is None:
+            return None
+        x, before = done
         key = (x.shape, x.dtype, tuple(y.shape for y in ys))
         if key != kept["key"]:
             rows = math.prod(x.shape[:n])
@@ -231,13 +270,20 @@ def bind_fused_fc_group(op):
         outs2 = kept["outs2"]
         x2 = x.reshape(outs2[0].shape[0], -1)
         if _group_fits(x2, ys, biases):
-            return fc_native.prepared_rows_group(x2, ys, biases, outs2), kept["out"]
-        calls = [fc_native.prepared_rows(x2, y, b, False, out)
-                 if fc_native.rows_supports(x2, y, b)
-                 else functools.partial(_blas_into, x2, y, b, None, False, out)
-                 for y, b, out in zip(ys, biases, outs2)]
-        return functools.partial(_each, calls), kept["out"]
-    return prepared.form(("x", "y", "bias"), prepare, lists=("y", "bias"))
+            calls = [fc_native.prepared_rows_group(x2, ys, biases, outs2)]
+        else:
+            calls = [fc_native.prepared_rows(x2, y, b, False, out)
+                     if fc_native.rows_supports(x2, y, b)
+                     else functools.partial(_blas_into, x2, y, b, None, False, out)
+                     for y, b, out in zip(ys, biases, outs2)]
+        return _one_call([*before, *calls]), kept["out"]
+    return prepared.form(("x", "y", "bias", "norm_scale", "norm_bias"), prepare,
+                         lists=("y", "bias"))
+
+
+def _one_call(calls):
+    """A function of no arguments running `calls` in order."""
+    return calls[0] if len(calls) == 1 else functools.partial(_each, tuple(calls))
 
 
 def _each(calls):

@@ -8,8 +8,10 @@ import math
 
 import numpy as np
 
+from minigraph import device
 from minigraph.kernels import present
-from minigraph.kernels.cuda import broadcast, cublas, launch, libraries, loader
+from minigraph.kernels.cpu.layer_norm import check_rows
+from minigraph.kernels.cuda import broadcast, cublas, launch, libraries, loader, norm
 from minigraph.kernels.cuda import map as maps
 
 MODULE = "matmul"
@@ -281,12 +283,26 @@ def mul_gpu(op, ins, ctx):
     return {"out": mul(x, y, op.attrs["x_num_col_dims"])}
 
 
+def normalized_x(op, ins):
+    """A fused op's x, or with attribute normalize layer_norm's y of it on the device
+    (norm_scale, norm_bias, norm_epsilon; with the CPU's error for a row of variance 0
+    at norm_epsilon 0, read back to the host)."""
+    a = op.attrs
+    if not a["normalize"]:
+        return ins["x"]
+    y, _, var = norm.layer_norm(ins["x"], ins.get("norm_scale"), ins.get("norm_bias"),
+                                a["x_num_col_dims"], a["norm_epsilon"])
+    if a["norm_epsilon"] == 0:
+        check_rows(op, device.to_host(var), 0.0, "norm_epsilon")
+    return y
+
+
 def fused_fc_gpu(op, ins, ctx):
-    """The mul launcher (cuBLAS, or the hand-written GEMM), then the bias, a residual of
-    its shape and relu in place on its output in one epilogue launch (bias_act); a
-    residual that broadcasts by broadcast's add, then relu; gelu by gelu's map in
-    place."""
-    out = mul(ins["x"], ins["y"], op.attrs["x_num_col_dims"])
+    """x normalised where the op normalises it (normalized_x), the mul launcher (cuBLAS,
+    or the hand-written GEMM), then the bias, a residual of its shape and relu in place
+    on its output in one epilogue launch (bias_act); a residual that broadcasts by
+    broadcast's add, then relu; gelu by gelu's map in place."""
+    out = mul(normalized_x(op, ins), ins["y"], op.attrs["x_num_col_dims"])
     bias, residual, act = ins.get("bias"), ins.get("residual"), op.attrs["activation"]
     if bias is not None:
         launch.check_array("fused_fc: bias", bias, (out.shape[-1],), out.dtype)
@@ -301,12 +317,13 @@ def fused_fc_gpu(op, ins, ctx):
 
 
 def fused_fc_group_gpu(op, ins, ctx):
-    """fused_fc's product and epilogue (the bias) for each weight of the group."""
-    ys = ins["y"]
+    """fused_fc's product and epilogue (the bias) for each weight of the group, on x
+    normalised once where the op normalises it."""
+    x, ys = normalized_x(op, ins), ins["y"]
     biases = ins.get("bias") or [None] * len(ys)
     outs = []
     for y, bias in zip(ys, biases):
-        out = mul(ins["x"], y, op.attrs["x_num_col_dims"])
+        out = mul(x, y, op.attrs["x_num_col_dims"])
         if bias is not None:
             launch.check_array("fused_fc_group: bias", bias, (out.shape[-1],), out.dtype)
         outs.append(bias_act(out, bias, what="fused_fc_group"))

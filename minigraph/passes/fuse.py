@@ -95,11 +95,47 @@ def fuse_fc(net, verbose=False):
     training = any(net.section(s) for s in ("train", "backward", "update"))
     if not training:
         _fix_weights(net)
+    section = "infer" if training else "trunk"
     notes = _fuse(net, FC_NAME, "matrix_product", op_for_role("fused_fc"), _fc_chain, verbose,
-                  section="infer" if training else "trunk",
-                  attrs={"weight_fixed": False} if training else {})
+                  section=section, attrs={"weight_fixed": False} if training else {})
     if training:
-        notes += _group(net, "infer", verbose)           # the list net.reports keeps
+        notes += _group(net, section, verbose)           # the list net.reports keeps
+    notes += _fold_norms(net, section, verbose)
+    return notes
+
+
+def _fold_norms(net, section, verbose):
+    """Fold each layer_norm of `section` into the fused_fc or fused_fc_group op that is
+    the only reader of its y, as its x alone, where it normalises from that op's
+    x_num_col_dims and nothing reads or fetches its mean and variance (the op
+    normalises x itself: attribute normalize). FuseNotes of the folds."""
+    kept = _kept(net)
+    notes = []
+    for norm in [op for op in net.section(section) if op.schema.has_role("layer_norm")]:
+        y = norm.outputs["y"]
+        op = _only_reader(net.section(section), y, kept)
+        if (op is None or not (op.schema.has_role("fused_fc")
+                               or op.schema.has_role("fused_fc_group"))
+                or op.inputs["x"] is not y or op.attrs["normalize"]
+                or sum(u is y for u in op.input_vars()) > 1          # a residual too
+                or op.attrs["x_num_col_dims"] != norm.attrs["begin_norm_axis"]
+                or any(_is_read(net.section(section), norm.outputs[s], kept)
+                       for s in ("mean", "variance"))):
+            continue
+        affine = {f"norm_{s}": norm.inputs[s] for s in ("scale", "bias")
+                  if norm.inputs[s] is not None}
+        folded = Operator(op.type, **{**{s: v for s, v in op.inputs.items() if v is not None},
+                                      "x": norm.inputs["x"], **affine},
+                          **op.outputs, **{**op.attrs, "normalize": True,
+                                           "norm_epsilon": norm.attrs["epsilon"]})
+        folded.layer = op.layer
+        net.replace_op(section, op, folded)
+        net.remove_op(section, norm)
+        out = op.outputs["out"]
+        notes.append(FuseNote((norm.type, op.type), ", ".join(
+            v.name for v in (out if isinstance(out, list) else [out])), op.type))
+        if verbose:
+            print(f"{FC_NAME}: {notes[-1]}")
     return notes
 
 
@@ -154,8 +190,7 @@ def _fuse(net, name, role, fused_type, chain_of, verbose, section="trunk", attrs
                                                            "update")):
         raise ValueError(f"{name}: needs an infer-only net (all ops in its trunk), such as "
                          "mg.passes.fold_batch_norm(net) returns")
-    fetched = [*net.default_fetches, *filter(None, map(net.twin, net.default_fetches))]
-    kept = {id(v) for v in fetched}
+    kept = _kept(net)
     notes = []
     for first in [op for op in net.section(section) if op.schema.has_role(role)]:
         chain, parts = chain_of(net.section(section), first, kept)
@@ -213,6 +248,18 @@ def _chain(ops, first, kept, is_bias, residual_fits, activations):
         parts["activation"] = act
         chain.append(nxt)
     return chain, parts
+
+
+def _kept(net):
+    """The ids of the Variables a chain must leave computed: the net's default fetches
+    and their twins."""
+    return {id(v) for v in [*net.default_fetches,
+                            *filter(None, map(net.twin, net.default_fetches))]}
+
+
+def _is_read(ops, v, kept):
+    """Whether an op of `ops` reads `v`, or `v` is fetched by default."""
+    return id(v) in kept or any(u is v for op in ops for u in op.input_vars())
 
 
 def _only_reader(ops, v, kept):
