@@ -90,11 +90,11 @@ def check_norm(op_type, ins, attrs):
                           f"{x.shape})")
 
 
-def norm_nodes(ctx, op, x_name):
-    """With attribute normalize, layer_norm's ONNX nodes of x into a new value, and its
-    name: (nodes, x's name for the product); else ([], x_name)."""
+def norm_nodes(ctx, op):
+    """(layer_norm's ONNX nodes of x into a new value, its name) with attribute
+    normalize, else ([], None): the product then reads x itself."""
     if not op.attrs["normalize"]:
-        return [], x_name
+        return [], None
     out = op.outputs["out"]
     out = out[0] if isinstance(out, list) else out
     name = ctx.temp(out, "normalized")
@@ -119,7 +119,7 @@ def infer_fused(ins, attrs):
 def export_fused(ctx, op):
     """layer_norm's nodes where x is normalised, MatMul (mul's), then Add of the bias and
     of the residual, then Relu or gelu's nodes."""
-    nodes, x = norm_nodes(ctx, op, None)
+    nodes, x = norm_nodes(ctx, op)
     adds = [(slot, op.inputs[slot]) for slot in ("bias", "residual")
             if op.inputs[slot] is not None]
     act = {"none": None, "relu": "relu",

@@ -68,7 +68,7 @@ def infer_group(ins, attrs):
 def export_group(ctx, op):
     """layer_norm's nodes where x is normalised, then fused_fc's MatMul and Add of the
     bias for each product."""
-    nodes, x = norm_nodes(ctx, op, None)
+    nodes, x = norm_nodes(ctx, op)
     for m in members(op):
         bias = m.inputs["bias"]
         nodes += ctx.epilogue(m.outputs["out"], "matmul",
