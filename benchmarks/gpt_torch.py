@@ -1,6 +1,6 @@
 """The GPT of minigraph.examples.train_gpt against PyTorch: equal in float64, and timed.
 
-    python benchmarks/gpt_torch.py [--check] [--quick] [--rounds 5] [--no-write]
+    python benchmarks/gpt_torch.py [--check] [--quick] [--rounds 7] [--no-write]
 
 - equality (--check runs only this, and exits 1 when it fails): the same GPT (4 layers,
   4 heads, 128 dims; context 64, 4 windows of pydoc_data.topics a step, no dropout) and
@@ -317,7 +317,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7,
+                   help="alternating rounds of each timing (default 7, as nets_cpu.py's)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     p.add_argument("--gen-processes", type=int, default=3,
                    help="fresh processes the generation is timed in (default 3)")
