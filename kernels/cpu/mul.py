@@ -97,11 +97,11 @@ def mul_grad_cpu(op, ins, ctx):
 def fused_fc_cpu(op, ins, ctx):
     """out = act(flatten(x') @ y + bias + residual), shaped x.shape[:n] + (M,) (broadcast
     with the residual's shape), x' x or its normalisation (normalized_x): the native
-    kernel where it takes the product and the
-    weight is fixed (it makes y read-only), fc_native's few-rows kernel (with a
-    residual of the product's shape), else BLAS's product with the bias and relu in
-    place; then what is left of the residual and activation. The unfused ops' bits:
-    mul's, elementwise_add's, add's, relu's (NaN stays NaN) and gelu's."""
+    kernel where it takes the product and the weight is fixed (it makes y read-only),
+    fc_native's few-rows kernel (with a residual of the product's shape), else BLAS's
+    product with the bias and relu in place; then what is left of the residual and
+    activation. The unfused ops' bits: layer_norm's, mul's, elementwise_add's, add's,
+    relu's (NaN stays NaN) and gelu's."""
     x, y, bias, residual = normalized_x(op, ins), ins["y"], ins.get("bias"), ins.get("residual")
     n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
     x2, shape = as_matrix(x, n), x.shape[:n] + (y.shape[1],)

@@ -14,6 +14,11 @@ and fuse_fc a fused_fc of each
                 broadcasts it as add does)
         -> relu or gelu
 
+then folds into a fused_fc (or fused_fc_group) the layer_norm before it whose y it
+alone reads, as its x only, over the same axes (its x_num_col_dims is the norm's
+begin_norm_axis), when nothing reads the norm's mean and variance: the op then
+normalises x itself (normalize, norm_scale, norm_bias, norm_epsilon).
+
 The ops are found by their declared roles ("conv", "matrix_product", "bias_add",
 "add", "relu", "gelu"; the fused ops are the ones with the "fused_conv" and
 "fused_fc" roles), never by type name.
@@ -33,8 +38,8 @@ leave their weights to the optimizer (fused_fc's weight_fixed=False), so that
 net.infer between training steps runs one op per linear layer; there, the fused_fc
 ops of one layer that read the same x, with persistable weights and neither a
 residual nor an activation, then become one fused_fc_group (a multi_head_attention's
-q, k and v products). A generated token's pass: a transformer block's six products
-with their biases, its two residual adds and its gelu are four ops.
+q, k and v products). A generated token's pass: a transformer block's two
+layer_norms, six products with their biases, two residual adds and gelu are four ops.
 """
 from __future__ import annotations
 
@@ -89,8 +94,9 @@ def fuse_fc(net, verbose=False):
     each mul chain of the module doc (an fc layer: its product, bias add and relu)
     into a fused_fc; in a training net, the chains of its infer branch, into fused_fc
     ops whose weights the optimizer goes on updating (weight_fixed=False: nothing is
-    packed; net.infer gives the same bits as before). Returns a FuseNote per fused
-    chain, also kept as `net.reports["fuse_fc"]`."""
+    packed; net.infer gives the same bits as before), then groups (a training net's)
+    and folds layer_norms into them (the module doc). Returns a FuseNote per fused
+    chain, group and fold, also kept as `net.reports["fuse_fc"]`."""
     check_net(net, FC_NAME)
     training = any(net.section(s) for s in ("train", "backward", "update"))
     if not training:
