@@ -150,6 +150,18 @@ def same_as_twin(net, fetch, twin, twin_fetch, feeds, runs=2, what=""):
             assert got.tobytes() == want.tobytes(), (what, {k: v.shape for k, v in feed.items()})
 
 
+def trained_on(net, logits, label):
+    """`net` minimized (Adam, 1e-2) on the mean cross entropy of `logits` (..., classes)
+    against the int64 data `label` (one class per row of logits); (net, logits)."""
+    from minigraph import layers
+
+    classes = logits.shape[-1]
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(
+        net, layers.reshape(net, logits, (-1, classes)), label))
+    mg.optimizer.Adam(1e-2).minimize(net, loss)
+    return net, logits
+
+
 def tiny_bn_net(sync, place=None, seed=0, optimizer=None):
     """(net, loss, logits): image (N, 2, 4, 4) -> conv c1 -> batch_norm bn1 (sync_batch_norm
     when `sync`) -> relu -> fc1 (4 classes) -> mean cross entropy; `optimizer.minimize`d

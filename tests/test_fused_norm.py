@@ -3,7 +3,7 @@ normalised first), and fuse_fc's fold: against the float64 reference, with
 layer_norm's bits, bad inputs, and a GPT's infer branch with an unfused twin's bits."""
 import numpy as np
 import pytest
-from helpers import helper_test_op, same_as_twin
+from helpers import helper_test_op, same_as_twin, trained_on
 from onnx_helpers import max_differences
 from references import layer_norm as ln_reference
 from test_fused_fc import fused_reference
@@ -151,10 +151,7 @@ def tiny_gpt(seed=0, cache=None):
         h = L.add(net, h, L.linear(net, m, 16, name=f"b{i}.proj"))
     logits = L.matmul(net, L.layer_norm(net, h, begin_norm_axis=2), net.var("wte.w"),
                       transpose_y=True)
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.reshape(net, logits, (-1, 13)),
-                                                    label))
-    mg.optimizer.Adam(1e-2).minimize(net, loss)
-    return net, logits
+    return trained_on(net, logits, label)
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -204,10 +201,7 @@ def test_a_norm_whose_outputs_are_read_elsewhere_or_on_other_axes_is_not_folded(
     other = L.layer_norm(net, h, begin_norm_axis=1)                 # over (4, 8)
     b = L.linear(net, other, 8, name="b")                           # on the last axis
     logits = L.linear(net, L.add(net, a, b), 3, name="head")
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.reshape(net, logits, (-1, 3)),
-                                                    label))
-    mg.optimizer.Adam(1e-2).minimize(net, loss)
-    notes = mg.passes.fuse_fc(net)
+    notes = mg.passes.fuse_fc(trained_on(net, logits, label)[0])
     assert not [n for n in notes if n.ops[0] == "layer_norm"]
     assert [op.type for op in net.section("infer")].count("layer_norm") == 2
 
