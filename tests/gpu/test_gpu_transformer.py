@@ -61,15 +61,17 @@ def test_training_gives_the_cpus_losses(gpu):
 @pytest.mark.parametrize("fused", [False, True])
 def test_cached_generation_gives_the_cpus_tokens(gpu, fused):
     """Also with the infer branch fused (fuse_fc: fused_fc with a residual and gelu, and
-    the q, k and v products as a fused_fc_group), on both places."""
+    the q, k and v products as a fused_fc_group with the layer_norm before them folded
+    in), on both places."""
     prompt = np.random.default_rng(1).integers(0, 9, (2, 3))
     outs = []
     for place in (mg.CPUPlace(), gpu):
         cache = L.KVCache(12)
         net, tok, logits, _ = tiny_gpt(place, cache)
         if fused:
-            into = {note.into for note in mg.passes.fuse_fc(net)}
-            assert into == {"fused_fc", "fused_fc_group"}
+            notes = mg.passes.fuse_fc(net)
+            assert {note.into for note in notes} == {"fused_fc", "fused_fc_group"}
+            assert ("layer_norm", "fused_fc_group") in [note.ops for note in notes]
         outs.append(generate(net, tok, logits, prompt, 8, temperature=0, kv_cache=cache))
         outs.append(generate(net, tok, logits, prompt, 8, temperature=0, kv_cache=cache,
                              use_cache=False))
