@@ -8,9 +8,10 @@
   accumulation over 2 steps) from the same initial weights and batches in float64,
   20 steps: every loss equal to 1e-6 relative (PyTorch's attention: the math path).
 - training step: float32, the example's recipe (dropout 0.1), 16 windows, at context 64
-  and 256; median of --repeat steps after warm-up; --rounds rounds of both frameworks
-  in fresh processes back to back (minigraph first in even rounds): times are medians
-  over rounds, the ratio the median of the rounds' ratios.
+  and 256: the median over --repeat accumulation cycles (2 steps, the second updating
+  the parameters) of a cycle's time per step, after warm-up in whole cycles; --rounds
+  rounds of both frameworks in fresh processes back to back (minigraph first in even
+  rounds): times are medians over rounds, the ratio the median of the rounds' ratios.
 - the attention op alone: causal forward + backward on (N, 4 heads, T, 32) at T = 128
   (N 16), 512 (N 4) and 2048 (N 1): time, and the peak resident memory above the inputs
   (VmHWM, in a fresh process), against PyTorch's math path.
@@ -103,7 +104,7 @@ def mg_step_time(args, cfg, weights, batch, vocab):
     net, h = mg_net(cfg, vocab, weights, "float32", 1000)
     feed = {"tokens": batch[0], "targets": batch[1]}
     return {"train": median_ms(lambda: net.train(feed=feed, fetch=[h["loss"]]), args.repeat,
-                               args.warmup)}
+                               args.warmup, cycle=cfg.accumulate)}
 
 
 def mg_attention(args, shape):
@@ -281,7 +282,10 @@ def report(args):
             print(line, flush=True)
             notes.append(line)
     setting = (f"{args.threads} threads per framework, each in its own process; step times: "
-               f"medians of {args.repeat} steps after {args.warmup}, over {args.rounds} "
+               f"medians of {args.repeat} accumulation cycles of {config('step').accumulate} "
+               "steps (a cycle's time per "
+               f"step) after {args.warmup} steps or more (whole cycles), the attention's of "
+               f"{args.repeat} calls; over {args.rounds} "
                "alternating rounds; ratio: the median of the rounds' ratios")
     table = markdown_table(("measurement", "minigraph ms", "PyTorch ms", "ratio",
                             "per round / memory", "target"), rows)

@@ -137,7 +137,7 @@ def torch_step_time(args, cfg, weights, batch, vocab):
     tokens, targets = (torch.from_numpy(a) for a in batch)
     with sdpa_kernel(SDPBackend.MATH):
         return {"train": median_ms(lambda: float(step(tokens, targets)), args.repeat,
-                                   args.warmup)}
+                                   args.warmup, cycle=cfg.accumulate)}
 
 
 def torch_attention(args, shape):

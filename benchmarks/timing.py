@@ -5,16 +5,21 @@ import statistics
 import time
 
 
-def median_ms(fn, repeat, warmup=3):
+def median_ms(fn, repeat, warmup=3, cycle=1):
     """The median over `repeat` calls of fn() of its wall time in ms, after `warmup`
-    untimed calls."""
-    for _ in range(warmup):
+    untimed calls. With `cycle` > 1, calls come in cycles of that many (a training step
+    with GradientMerge(k) updates the parameters on every k-th call only): the warm-up
+    is rounded up to whole cycles, each of the `repeat` samples times a whole cycle, and
+    the result is the median cycle's time per call (a median over single calls would
+    fall between the cheap calls and the updating ones)."""
+    for _ in range(-(-warmup // cycle) * cycle):
         fn()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        for _ in range(cycle):
+            fn()
+        times.append((time.perf_counter() - t) / cycle)
     return statistics.median(times) * 1e3
 
 

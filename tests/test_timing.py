@@ -1,0 +1,45 @@
+"""benchmarks/timing.py: medians over calls, and over whole cycles of calls (a training
+step with GradientMerge), on a fake clock that the timed function advances."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_timing(monkeypatch, clock):
+    spec = importlib.util.spec_from_file_location("timing", ROOT / "benchmarks" / "timing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    return module
+
+
+def stepper(clock, costs):
+    """A function whose n-th call advances the clock by costs[n % len(costs)] seconds;
+    calls[0] counts the calls."""
+    calls = [0]
+
+    def step():
+        clock[0] += costs[calls[0] % len(costs)]
+        calls[0] += 1
+    return step, calls
+
+
+def test_a_cycle_is_timed_whole_and_reported_per_call(monkeypatch):
+    clock = [0.0]
+    timing = load_timing(monkeypatch, clock)
+    step, calls = stepper(clock, (0.010, 0.030))      # a cheap step, then an updating one
+    assert timing.median_ms(step, repeat=5, warmup=3, cycle=2) == pytest.approx(20.0)
+    assert calls[0] == 4 + 5 * 2                       # warm-up rounded up to whole cycles
+
+
+def test_single_calls_are_the_default(monkeypatch):
+    clock = [0.0]
+    timing = load_timing(monkeypatch, clock)
+    step, calls = stepper(clock, (0.010, 0.010, 0.050))
+    assert timing.median_ms(step, repeat=6, warmup=3) == pytest.approx(10.0)
+    assert calls[0] == 3 + 6
