@@ -57,9 +57,10 @@ def embedding_grad_cpu(op, ins, ctx):
     check_ids(op, ids, w.shape[0])
     flat = ids.reshape(-1)
     dw = np.zeros(w.shape, np.float64)
-    if flat.size:                   # rows of each id summed in order (np.add.at's, faster;
-        order = np.argsort(flat, kind="stable")     # reduceat casting as it goes: slower)
+    if flat.size:                   # rows of each id summed in order (np.add.at's, faster)
+        order = np.argsort(flat, kind="stable")
         rows, starts = np.unique(flat[order], return_index=True)
+        # cast once: reduceat with dtype=float64 casts as it goes, the same sums slower
         gathered = d.reshape(flat.size, w.shape[1])[order].astype(np.float64, copy=False)
         dw[rows] = np.add.reduceat(gathered, starts, axis=0)
     if op.attrs["padding_idx"] >= 0:
