@@ -65,6 +65,33 @@ def test_a_choice_is_timed_once_then_kept_in_the_machines_file(fresh):
     assert again[got].calls == 1 and sum(o.calls for o in again.values()) == 1
 
 
+class Clocked(Counted):
+    """An option that takes `seconds` on a fake clock."""
+
+    def __init__(self, name, seconds, clock):
+        super().__init__(name)
+        self.seconds, self.clock = seconds, clock
+
+    def __call__(self):
+        self.clock.now += self.seconds
+        return super().__call__()
+
+
+@pytest.mark.parametrize("slower, more, pick", [(1.05, True, "direct"), (1.2, True, "im2col"),
+                                               (1.3, False, "im2col"), (3.0, False, "im2col")])
+def test_a_close_call_is_timed_for_more_rounds(fresh, monkeypatch, slower, more, pick):
+    """Where both options take at most 1 / MARGIN^2 times the faster's time, both get
+    CLOSE_ROUNDS more rounds, else none; the faster replaces the default (direct) only
+    where it takes at most MARGIN of its time."""
+    clock = type("Clock", (), {"now": 0.0, "perf_counter": lambda self: self.now})()
+    monkeypatch.setattr(choices, "time", clock)
+    opts = {"direct": Clocked("direct", slower, clock), "im2col": Clocked("im2col", 1.0, clock)}
+    assert choices.choose(KIND, f"close-{slower}", opts, "direct") == pick
+    rounds = choices.ROUNDS + (choices.CLOSE_ROUNDS if more else 0)
+    for name, option in opts.items():          # a warm-up call, the rounds, the run
+        assert option.calls == 1 + rounds + (name == pick)
+
+
 def test_the_default_runs_untimed_where_tuning_is_off(fresh, monkeypatch):
     for env in ({choices.ENV: "0"}, {"MINIGRAPH_NATIVE": "0"}):
         with monkeypatch.context() as m:

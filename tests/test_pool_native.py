@@ -3,12 +3,13 @@ they replace (kernels/cpu/pool2d.py, themselves checked against float64 referenc
 and finite differences in test_pool2d.py): the gradient's dx, bit for bit, on tiling,
 strided, overlapping and padded windows, ties, NaN and -inf, 1-3 threads; the 2x2
 tiles' forward, bit for bit, with NaN and infinities, in blocks of rows and their
-remainders; and where the native kernels do not apply, None."""
+remainders; global average pooling against the float64 mean; and where the native
+kernels do not apply, None."""
 import numpy as np
 import pytest
 
 from minigraph.kernels.cpu import blocks, native, pool_native
-from minigraph.kernels.cpu.pool2d import out_hw, pool2d_grad_cpu, tiled_max
+from minigraph.kernels.cpu.pool2d import out_hw, pool2d_cpu, pool2d_grad_cpu, tiled_max
 
 rng = np.random.default_rng(5)
 
@@ -232,3 +233,37 @@ def test_nhwc_tiles_forward_is_the_numpy_kernels(shape, dtype):
     np.testing.assert_array_equal(got, want)
     assert pool_native.max_pool_tiles(x[:, :, :-1], "NHWC") is None            # odd width
     assert pool_native.max_pool_grad(x, x, attrs, (1, 1), "NHWC") is None      # wrong dout
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 7, 9), (32, 64, 8, 8), (3, 5, 1, 13),
+                                   (2, 2, 4, 4)])
+def test_global_average_is_the_float64_mean(shape, threads, monkeypatch):
+    """Planes of 1, 63, 64, 13 and 16 values (eight lanes at a time and the rest): the
+    float64 mean rounded once, the numpy kernel's bits (data of one scale: every
+    float64 sum is exact), NaN and infinities as the mean makes them."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    want = x.astype(np.float64).mean(axis=(2, 3), keepdims=True).astype(np.float32)
+    got = pool_native.global_avg(x)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    attrs = {**attrs_of((1, 1), (1, 1), (0, 0)), "pool_type": "avg", "global_pooling": True}
+    np.testing.assert_array_equal(pool2d_cpu(op_of(attrs), {"x": x}, None)["out"], want)
+    flat = x.reshape(-1)
+    for value in (np.nan, np.inf, -np.inf):
+        flat[rng.integers(flat.size)] = value
+    with np.errstate(invalid="ignore"):
+        want = x.astype(np.float64).mean(axis=(2, 3), keepdims=True).astype(np.float32)
+    np.testing.assert_array_equal(pool_native.global_avg(x), want)
+
+
+def test_global_average_declines_what_it_does_not_take(monkeypatch):
+    x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    assert pool_native.global_avg(x.astype(np.float64)) is None
+    assert pool_native.global_avg(x[:, :, :, ::2]) is None                 # not contiguous
+    assert pool_native.global_avg(x[:, :, :0]) is None                     # empty planes
+    assert pool_native.global_avg(x[0]) is None                            # not 4-D
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert pool_native.global_avg(x) is None

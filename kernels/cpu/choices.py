@@ -6,9 +6,12 @@ gradient (mul.weight_grad): the native kernel or BLAS's product; a convolution:
 Winograd, the direct native kernel or the im2col engine on BLAS; each only where the
 op's memory rules allow it) calls `choose(kind, key, options, default)`. The first
 call for a key times every option: one untimed call each, then ROUNDS rounds of one
-timed call each in alternating order, the least time of each counting; an option
-replaces the default only where it takes at most MARGIN of the default's time (so
-that noise does not flip a choice). Later calls run the chosen option at once. Every option computes
+timed call each in alternating order, the least time of each counting; where more
+than one option takes at most 1 / MARGIN^2 (about 1.23) times the fastest's time (a
+close call, which a drift of this machine's speed could decide), CLOSE_ROUNDS more
+rounds of those. An option replaces the default only where it takes at most MARGIN
+of the default's time (so that noise does not flip a choice). Later calls run the
+chosen option at once. Every option computes
 the same result up to float32 rounding (each is tested against the same float64
 reference), so a choice changes the time, not the result beyond the tests'
 tolerances.
@@ -46,6 +49,7 @@ from minigraph.kernels.cpu import native, native_cache
 ENV = "MINIGRAPH_TUNE"
 FORMAT = 1
 ROUNDS = 3
+CLOSE_ROUNDS = 6
 MARGIN = 0.9
 MAX_FILE_BYTES = 1 << 20
 KINDS = {               # the options each kind of choice may name
@@ -129,6 +133,13 @@ def _measure(options, default):
     best = {name: float("inf") for name in names}
     for r in range(ROUNDS):
         for name in names if r % 2 == 0 else names[::-1]:
+            t = time.perf_counter()
+            options[name]()
+            best[name] = min(best[name], time.perf_counter() - t)
+    limit = min(best.values()) / MARGIN ** 2
+    close = [name for name in names if best[name] <= limit]
+    for r in range(CLOSE_ROUNDS if len(close) > 1 else 0):
+        for name in close if r % 2 == 0 else close[::-1]:
             t = time.perf_counter()
             options[name]()
             best[name] = min(best[name], time.perf_counter() - t)

@@ -15,10 +15,11 @@
  * tiles) from a shared counter. It copies each image into a zero-bordered buffer
  * with the channels innermost (padded to 8, so a position's values for 8 channels
  * are one vector; NCHW is transposed on the way in, NHWC copied row by row), then,
- * per block of WG_TB tiles: transforms the input (vectors of 8 channels), multiplies
- * (WG_TM tiles by two vectors of VL output channels in registers, or one where O <=
- * VL; native_simd.h's VL: 16 with AVX-512, else 8), transforms the outputs into
- * a buffer, channels innermost; the epilogue (bias, residual, relu) runs as that
+ * per block of WG_TB tiles: transforms the input (vectors of 16 channels with AVX-512,
+ * the last 8 of a count not a multiple of 16 and all of them elsewhere in vectors of
+ * 8), multiplies (WG_TM tiles by two vectors of VL output channels in registers, or
+ * one where O <= VL; native_simd.h's VL: 16 with AVX-512, else 8), transforms the
+ * outputs (in vectors of VL channels) into a buffer, channels innermost; the epilogue (bias, residual, relu) runs as that
  * buffer is turned into NCHW (or copied out as NHWC). Tiles whose inputs span too
  * wide a range for the transforms (conv_winograd_range.h) are computed directly
  * instead. Every output is summed by one thread in one order, so the results do not
@@ -49,30 +50,72 @@ typedef struct {
     int failed;
 } wg_job_t;
 
-/* out = B' in (6 values): B' = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0;
- * 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]. */
-static inline __attribute__((always_inline)) void wg_bt(const v8 d[6], v8 r[6])
-{
-    v8 a = d[3] + d[4], b = d[1] + d[2], c = d[4] - d[3], e = d[1] - d[2];
-    v8 f = d[4] - d[2], g = d[3] - d[1];
-    r[0] = 4.0f * d[0] - 5.0f * d[2] + d[4];
-    r[1] = a - 4.0f * b;
-    r[2] = c + 4.0f * e;
-    r[3] = f + 2.0f * g;
-    r[4] = f - 2.0f * g;
-    r[5] = 4.0f * d[1] - 5.0f * d[3] + d[5];
-}
-
-/* out = A' m (4 values of 6): A' = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0;
+/* The data transforms on vectors of type T (v8, or vf where the channels come in whole
+ * vectors of VL), as wg_bt##S and wg_at##S:
+ * r = B' d (6 values): B' = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0;
+ * 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1];
+ * s = A' m (4 values of 6): A' = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0;
  * 0 1 -1 8 -8 1]. */
-static inline __attribute__((always_inline)) void wg_at(const v8 m[6], v8 s[4])
-{
-    v8 p = m[1] + m[2], q = m[1] - m[2], r = m[3] + m[4], t = m[3] - m[4];
-    s[0] = m[0] + p + r;
-    s[1] = q + 2.0f * t;
-    s[2] = p + 4.0f * r;
-    s[3] = q + 8.0f * t + m[5];
-}
+#define WG_DATA_TRANSFORMS(T, S)                                                          \
+    static inline __attribute__((always_inline)) void wg_bt##S(const T d[6], T r[6])      \
+    {                                                                                     \
+        T a = d[3] + d[4], b = d[1] + d[2], c = d[4] - d[3], e = d[1] - d[2];             \
+        T f = d[4] - d[2], g = d[3] - d[1];                                               \
+        r[0] = 4.0f * d[0] - 5.0f * d[2] + d[4];                                          \
+        r[1] = a - 4.0f * b;                                                              \
+        r[2] = c + 4.0f * e;                                                              \
+        r[3] = f + 2.0f * g;                                                              \
+        r[4] = f - 2.0f * g;                                                              \
+        r[5] = 4.0f * d[1] - 5.0f * d[3] + d[5];                                          \
+    }                                                                                     \
+    static inline __attribute__((always_inline)) void wg_at##S(const T m[6], T s[4])      \
+    {                                                                                     \
+        T p = m[1] + m[2], q = m[1] - m[2], r = m[3] + m[4], t = m[3] - m[4];             \
+        s[0] = m[0] + p + r;                                                              \
+        s[1] = q + 2.0f * t;                                                              \
+        s[2] = p + 4.0f * r;                                                              \
+        s[3] = q + 8.0f * t + m[5];                                                       \
+    }
+
+/* One tile's transforms on W channels at a time (vectors T, read and written through U):
+ * wg_in##S: V = B' d B of the 6x6 window at p (positions cp, rows wb cp floats apart)
+ * to q (its 36 positions step floats apart); wg_out##S: Y = A' M A of the 36 positions
+ * at p (step apart) to the 4x4 outputs at q (row and op floats apart). */
+#define WG_LANES(T, U, S)                                                                 \
+    WG_DATA_TRANSFORMS(T, S)                                                              \
+    static inline __attribute__((always_inline)) void wg_in##S(                           \
+        const float *p, int64_t wb, int64_t cp, float *q, int64_t step)                   \
+    {                                                                                     \
+        T d[6], r[6][6], col[6], out[6];                                                  \
+        for (int i = 0; i < 6; i++) {                 /* B' d, by rows of d */            \
+            for (int j = 0; j < 6; j++) d[j] = *(const U *)(p + (i * wb + j) * cp);      \
+            wg_bt##S(d, r[i]);                        /* r[i][j]: d's row i, B */         \
+        }                                                                                 \
+        for (int j = 0; j < 6; j++) {                 /* B' (d B) */                      \
+            for (int i = 0; i < 6; i++) col[i] = r[i][j];                                 \
+            wg_bt##S(col, out);                                                           \
+            for (int i = 0; i < 6; i++) *(U *)(q + (6 * i + j) * step) = out[i];          \
+        }                                                                                 \
+    }                                                                                     \
+    static inline __attribute__((always_inline)) void wg_out##S(                          \
+        const float *p, int64_t step, float *q, int64_t row, int64_t op)                  \
+    {                                                                                     \
+        T s[4][6], col[6], out[4];                                                        \
+        for (int j = 0; j < 6; j++) {                 /* A' M, by columns */              \
+            for (int i = 0; i < 6; i++) col[i] = *(const U *)(p + (6 * i + j) * step);   \
+            wg_at##S(col, out);                                                           \
+            for (int i = 0; i < 4; i++) s[i][j] = out[i];                                 \
+        }                                                                                 \
+        for (int i = 0; i < 4; i++) {                 /* (A' M) A */                      \
+            wg_at##S(s[i], out);                                                          \
+            for (int j = 0; j < 4; j++) *(U *)(q + i * row + j * op) = out[j];            \
+        }                                                                                 \
+    }
+
+WG_LANES(v8, v8u, 8)
+#if VL == 16
+WG_LANES(vf, vfu, 16)
+#endif
 
 /* g G' (6 values of 3): G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6;
  * 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]. */
@@ -148,19 +191,11 @@ static void wg_input(const wg_t *a, const float *bufs, int64_t t0, int64_t nb, f
         int64_t img = (t0 + b) / a->tiles, t = (t0 + b) % a->tiles;
         int64_t ty = t / a->tw, tx = t % a->tw;
         const float *p = bufs + img * a->buf_size + (4 * ty * a->wb + 4 * tx) * a->cp;
-        for (int64_t c8 = 0; c8 < a->cp; c8 += 8) {
-            v8 d[6], r[6][6], col[6], out[6];
-            for (int i = 0; i < 6; i++) {                        /* B' d, by rows of d */
-                for (int j = 0; j < 6; j++) d[j] = load(p + (i * a->wb + j) * a->cp + c8);
-                wg_bt(d, r[i]);                                  /* r[i][j]: d's row i, B */
-            }
-            float *q = v + b * a->cp + c8;
-            for (int j = 0; j < 6; j++) {                        /* B' (d B) */
-                for (int i = 0; i < 6; i++) col[i] = r[i][j];
-                wg_bt(col, out);
-                for (int i = 0; i < 6; i++) *(v8u *)(q + (6 * i + j) * step) = out[i];
-            }
-        }
+        int64_t c8 = 0;
+#if VL == 16
+        for (; c8 + 16 <= a->cp; c8 += 16) wg_in16(p + c8, a->wb, a->cp, v + b * a->cp + c8, step);
+#endif
+        for (; c8 < a->cp; c8 += 8) wg_in8(p + c8, a->wb, a->cp, v + b * a->cp + c8, step);
     }
 }
 
@@ -234,19 +269,11 @@ static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, flo
         int64_t img = (t0 + b) / a->tiles, t = (t0 + b) % a->tiles;
         int64_t ty = t / a->tw, tx = t % a->tw;
         float *q = ys + img * a->y_size + (4 * ty * 4 * a->tw + 4 * tx) * a->op;
-        for (int64_t o8 = 0; o8 < a->op; o8 += 8) {
-            const float *p = m + b * a->op + o8;
-            v8 s[4][6], col[6], out[4];
-            for (int j = 0; j < 6; j++) {                        /* A' M, by columns */
-                for (int i = 0; i < 6; i++) col[i] = load(p + (6 * i + j) * step);
-                wg_at(col, out);
-                for (int i = 0; i < 4; i++) s[i][j] = out[i];
-            }
-            for (int i = 0; i < 4; i++) {                        /* (A' M) A */
-                wg_at(s[i], out);
-                for (int j = 0; j < 4; j++) *(v8u *)(q + i * row + j * a->op + o8) = out[j];
-            }
-        }
+        int64_t o8 = 0;
+#if VL == 16
+        for (; o8 + 16 <= a->op; o8 += 16) wg_out16(m + b * a->op + o8, step, q + o8, row, a->op);
+#endif
+        for (; o8 < a->op; o8 += 8) wg_out8(m + b * a->op + o8, step, q + o8, row, a->op);
     }
 }
 

@@ -2,8 +2,9 @@
 padded copy (padding -inf for max, not counted by the average), and their gradients,
 in either layout: the spatial axes are (2, 3) in NCHW and (1, 2) in NHWC, and every
 function takes the layout from the attributes ("NCHW" when they have none). The
-max-pooling gradient and 2x2 tiles' forward run the native kernels of pool_native
-where they apply; the numpy functions here are their reference.
+max-pooling gradient, 2x2 tiles' forward and float32 NCHW global average pooling run
+the native kernels of pool_native where they apply; the numpy functions here are
+their reference.
 """
 from __future__ import annotations
 
@@ -170,7 +171,10 @@ def pool2d_cpu(op, ins, ctx):
         axes = spatial_axes(layout)
         if a["pool_type"] == "max":
             return {"out": x.max(axis=axes, keepdims=True)}
-        return {"out": x.mean(axis=axes, keepdims=True, dtype=np.float64).astype(x.dtype)}
+        out = pool_native.global_avg(x) if layout == "NCHW" else None
+        if out is None:
+            out = x.mean(axis=axes, keepdims=True, dtype=np.float64).astype(x.dtype)
+        return {"out": out}
     hw = out_hw(x.shape, a)
     if a["pool_type"] == "max":
         return {"out": window_max(x, a, hw)}

@@ -1,4 +1,4 @@
-/* The native CPU kernels of max pooling, on C-contiguous NCHW float32 or float64
+/* The native CPU kernels of max pooling (and float32 global average pooling), on C-contiguous NCHW float32 or float64
  * arrays, with the semantics of the numpy kernels of kernels/cpu/pool2d.py, the
  * reference (channels-last arrays: pool_native_nhwc.h, the same semantics). The gradient (pool2d_grad with pool_type "max", not global): dout
  * routed to each window's first max:
@@ -15,9 +15,9 @@
  * common pooling layer), as the numpy kernel's two passes: the max of each pair of
  * rows, then of each pair of neighbours in that row, NaN propagating (numpy's
  * maximum); float32 in one pass, eight windows at a time (the neighbours paired by
- * shuffles) on the pool's threads, float64 in two vectorized passes. Other
- * forwards stay on numpy: one window at a time was no faster than its vectorized
- * passes.
+ * shuffles) on the pool's threads, float64 in two vectorized passes. And the
+ * float32 NCHW forward of global average pooling (global_avg_pool). Other forwards
+ * stay on numpy: one window at a time was no faster than its vectorized passes.
  * Built and loaded by native.py, launched by pool_native.py.
  *
  * Planes (one image's channel) are split in contiguous ranges over up to
@@ -333,6 +333,41 @@ int max_pool_tiles(int f64, const void *x, void *out, int64_t rows, int64_t w,
     if (!pair) return 1;
     tiles_double(x, out, rows, w, pair);
     free(pair);
+    return 0;
+}
+
+typedef double v8d __attribute__((vector_size(64)));
+
+/* float32 planes [begin, end) of hw values each (tiles_job_t's w) to their means. */
+static void *global_avg_planes(void *arg) {
+    const tiles_job_t *j = arg;
+    const int64_t hw = j->w;
+    for (int64_t p = j->begin; p < j->end; p++) {
+        const float *x = j->x + p * hw;
+        v8d acc = {0};
+        int64_t e = 0;
+        for (; e + 8 <= hw; e += 8) acc += __builtin_convertvector(load8(x + e), v8d);
+        double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3]))
+                     + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; e < hw; e++) sum += x[e];
+        j->out[p] = (float)(sum / (double)hw);
+    }
+    return NULL;
+}
+
+/* out[p] = the mean of plane p of x (planes, hw), float32 (global average pooling,
+ * NCHW): each plane summed in float64, eight lanes at a time, the lanes then added
+ * pairwise and the last hw % 8 values in order, divided by hw in float64 and rounded
+ * once (numpy's float64 mean, up to the order of the float64 sums); planes in
+ * contiguous ranges over up to `threads` threads. Returns 0. */
+int global_avg_pool(const float *x, float *out, int64_t planes, int64_t hw, int threads) {
+    tiles_job_t jobs[POOL_MAX_THREADS];
+    int64_t parts = pool_parts(threads, planes);
+    for (int64_t t = 0; t < parts; t++) {
+        jobs[t] = (tiles_job_t){.x = x, .out = out, .w = hw};
+        pool_share(planes, parts, t, &jobs[t].begin, &jobs[t].end);
+    }
+    pool_run(global_avg_planes, jobs, sizeof(tiles_job_t), parts);
     return 0;
 }
 

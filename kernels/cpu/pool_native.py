@@ -1,9 +1,10 @@
-"""Launchers of the native CPU max-pooling kernels (pool_native.c, built by native.py):
-pool2d_grad with pool_type "max" (not global), and the forward of 2x2 windows at
+"""Launchers of the native CPU pooling kernels (pool_native.c, built by native.py):
+pool2d_grad with pool_type "max" (not global) and the forward of 2x2 windows at
 stride 2 that tile the plane, on C-contiguous NCHW or NHWC (pool_native_nhwc.h:
 vectorized over channels) float32 or float64 arrays, with the numpy kernels'
 semantics (kernels/cpu/pool2d.py, the reference they are tested against; the C
-files say them in full).
+files say them in full); and global average pooling of float32 NCHW arrays, the
+float64 mean of each plane rounded once.
 
 Each returns None where the native kernel does not apply: it is off or
 not built (native.reason says why), or an array is not float32/float64 or not
@@ -24,13 +25,13 @@ MIN_THREAD_VALUES = 1 << 17      # values a thread must have to be worth waking
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_kernel = _tiles = _kernel_nhwc = _tiles_nhwc = None
+_kernel = _tiles = _kernel_nhwc = _tiles_nhwc = _global_avg = None
 
 
 def _load():
     """The typed C function max_pool_grad (and max_pool_tiles, and their NHWC
     versions), or None where the library cannot be built."""
-    global _kernel, _tiles, _kernel_nhwc, _tiles_nhwc
+    global _kernel, _tiles, _kernel_nhwc, _tiles_nhwc, _global_avg
     if _kernel is None:
         lib = native.library("pool_native")
         if lib is None:
@@ -40,6 +41,9 @@ def _load():
         lib.max_pool_tiles_nhwc.argtypes = [ctypes.c_int, _P, _P, _L, _L, _L]
         lib.max_pool_tiles_nhwc.restype = ctypes.c_int
         _tiles, _tiles_nhwc = lib.max_pool_tiles, lib.max_pool_tiles_nhwc
+        lib.global_avg_pool.argtypes = [_P, _P, _L, _L, ctypes.c_int]
+        lib.global_avg_pool.restype = ctypes.c_int
+        _global_avg = lib.global_avg_pool
         lib.max_pool_grad_nhwc.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L, _L,
                                            ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.max_pool_grad_nhwc.restype = ctypes.c_int
@@ -72,6 +76,21 @@ def max_pool_tiles(x, layout="NCHW"):
     threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
     if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w, threads):
         raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be allocated")
+    return out
+
+
+def global_avg(x):
+    """The mean of each plane of a float32 NCHW x (N, C, H, W): (N, C, 1, 1), summed in
+    float64 (pool_native.c says in which order). None where the native kernel does not
+    apply."""
+    if not (native.enabled() and x.dtype == np.float32 and x.ndim == 4
+            and x.flags.c_contiguous and x.shape[2] * x.shape[3] > 0 and _load() is not None):
+        return None
+    n, c, h, w = x.shape
+    out = np.empty((n, c, 1, 1), np.float32)
+    if out.size:
+        _global_avg(x.ctypes.data, out.ctypes.data, n * c, h * w,
+                    blocks.threads_for(x.size, MIN_THREAD_VALUES))
     return out
 
 
