@@ -63,7 +63,7 @@ register(OpSchema(
     infer=infer_fused, resolve_attrs=resolve, export=export_fused,
     grad=inference_only(TYPE, "conv2d (and its bias add and relu)"),
     roles=("fused_conv",), doc=__doc__))
-kernel(TYPE, "cpu", cpu.fused_conv2d_cpu)
+kernel(TYPE, "cpu", cpu.fused_conv2d_cpu, bind=cpu.bind_fused_conv2d)
 kernel(TYPE, "gpu", cuda.fused_conv2d_gpu, dtypes=GPU_FLOATS)
 
 

@@ -88,9 +88,9 @@ def _check_bound_form(op, inputs):
     for step in range(3):
         if step == 2:                   # new arrays (then other values again)
             ins = copied(ins)
-        if step:                        # other values (step 1: in the same arrays)
-            for a in _leaves(ins):
-                if a is not None and _is_float(a):
+        if step:                        # other values (step 1: in the same arrays, where
+            for a in _leaves(ins):      # writeable: not a filter a kernel keeps a transform of)
+                if a is not None and _is_float(a) and a.flags.writeable:
                     a *= 0.5
                     a += 0.25
         before = copied(ins)

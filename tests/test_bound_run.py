@@ -121,6 +121,35 @@ def test_a_new_shape_checks_again_and_the_forms_follow_it():
     assert got.tobytes() == unbound(net, {"x": x}, [logits])[0].tobytes()
 
 
+def test_an_inference_conv_net_runs_its_convs_bound_with_the_bits_of_a_plain_run():
+    """optimize_for_inference's fused_conv2d ops (a strided conv: the direct kernel; 3x3
+    convs of 8 channels: Winograd's, one with a residual) run through their bound forms
+    on a fed batch the plan reads anew every run, with the bits of runs op by op."""
+    from minigraph.kernels.cpu import conv_native
+
+    if not conv_native.available():
+        pytest.skip("native kernels not built here")
+    net = mg.Net(seed=0)
+    image = L.data(net, "image", shape=(-1, 8, 12, 12))
+    h = L.relu(net, L.batch_norm(net, L.conv2d(net, image, 8, 3, padding=1, bias=False)))
+    h = L.relu(net, L.add(net, L.conv2d(net, h, 8, 3, padding=1), image))
+    h = L.relu(net, L.conv2d(net, h, 8, 3, stride=2, padding=1))
+    logits = L.fc(net, L.flatten(net, L.pool2d(net, h, global_pooling=True,
+                                               pool_type="avg")), 3)
+    fast = mg.passes.optimize_for_inference(net)
+    logits = fast.var(logits.name)
+    r = np.random.default_rng(3)
+    batches = [r.standard_normal((2, 8, 12, 12)).astype(np.float32) for _ in range(3)]
+    fed = batches[0].copy()
+    for x in batches:
+        fed[...] = x                                  # the same array, new values
+        got = fast.infer(feed={"image": fed}, fetch=[logits])[0]
+        assert got.tobytes() == unbound(fast, {"image": x}, [logits])[0].tobytes()
+    c = compiled_of(fast, [logits])
+    convs = [f for s, f in zip(c.steps, c.bound.forms) if s.op.type == "fused_conv2d"]
+    assert len(convs) == 3 and all(f is not None for f in convs)
+
+
 def test_a_run_started_while_another_holds_the_plan_runs_op_by_op():
     """hold() gives the forms to one run at a time: a second run of the plan (a kernel
     calling net.infer, another thread) gets None and runs with new arrays."""

@@ -8,6 +8,7 @@ from references import conv2d
 import minigraph as mg
 from minigraph import layers as L
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
+from minigraph.kernels.cpu import conv_native
 
 rng = np.random.default_rng(0)
 
@@ -52,6 +53,28 @@ def test_fused_conv2d_against_the_float64_reference(x_shape, w_shape, attrs, bia
     tol = {} if dtype == "float64" else {"atol": 1e-5, "rtol": 1e-4}
     helper_test_op("fused_conv2d", ins, {**attrs, "activation": activation}, fused_reference,
                    **tol)
+
+
+@pytest.mark.parametrize("bias, residual, activation", [(True, True, "relu"),
+                                                     (False, False, "none")])
+def test_fused_conv2d_on_winograds_kernel(bias, residual, activation, monkeypatch):
+    """A 3x3 conv of 8 channels: Winograd's kernel on the filter's kept transform, and
+    its bound form (prepared on Winograd's kernel) with the same bits (helper_test_op),
+    within Winograd's rounding of outputs near 10 (some 1e-6 relative to them)."""
+    if not conv_native.available():
+        pytest.skip("native kernels not built here")
+    prepared = []
+
+    def spy(*args):
+        prepared.append(args[-1])
+        return prepare(*args)
+    prepare = conv_native.prepared_forward
+    monkeypatch.setattr(conv_native, "prepared_forward", spy)
+    attrs = {"paddings": 1}
+    ins = inputs_for((2, 8, 12, 12), (8, 8, 3, 3), attrs, bias, residual, "float32")
+    helper_test_op("fused_conv2d", ins, {**attrs, "activation": activation}, fused_reference,
+                   atol=2e-4, rtol=1e-4)
+    assert prepared and all(prepared)            # use_winograd
 
 
 def test_fused_conv2d_one_image_per_chunk(monkeypatch):

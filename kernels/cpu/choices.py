@@ -4,7 +4,8 @@ candidates on this machine at their first use, and kept per machine.
 A kernel launcher that has more than one way to compute an op (fused_fc and a weight
 gradient (mul.weight_grad): the native kernel or BLAS's product; a convolution:
 Winograd, the direct native kernel or the im2col engine on BLAS; each only where the
-op's memory rules allow it) calls `choose(kind, key, options, default)`. The first
+op's memory rules allow it) calls `choose(kind, key, options, default)` (or `pick`, for
+the name of the option without running it, as a bound form does). The first
 call for a key times every option: one untimed call each, then ROUNDS rounds of one
 timed call each in alternating order, the least time of each counting; where more
 than one option takes at most 1 / MARGIN^2 (about 1.23) times the fastest's time (a
@@ -76,19 +77,25 @@ def choose(kind, key, options, default):
     """The result of the option chosen for (kind, key): options maps option names (of
     KINDS[kind]) to calls that compute the op; default names the one that runs where
     nothing is timed (see the module doc)."""
+    return options[pick(kind, key, options, default)]()
+
+
+def pick(kind, key, options, default):
+    """The name of the option chosen for (kind, key), as choose runs it: timed (each
+    option called) at the first pick of the key, looked up after."""
     forced = _forced.get(kind)
     if forced in options:
-        return options[forced]()
+        return forced
     if len(options) == 1 or not enabled():
-        return options[default]()
+        return default
     full = f"{kind}|{key}"
     with _lock:
         name = _choices().get(full, {}).get("pick")
     if name in options:
-        return options[name]()
+        return name
     name, times = _measure(options, default)
     _remember(full, name, times)
-    return options[name]()
+    return name
 
 
 @contextlib.contextmanager

@@ -10,7 +10,10 @@ convolution's output while it is in cache.
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
+
+import numpy as np
 
 from minigraph.kernels import present
 from minigraph.kernels.cpu import (
@@ -122,35 +125,91 @@ def fused_conv2d_cpu(op, ins, ctx):
     the filter kept (this op runs in inference nets only: no op writes its filter,
     which is made read-only) and the im2col engine with full chunks."""
     x, w = ins["x"], ins["filter"]
+    epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual")}
+    g, threads, options = _fused_options(op, x, w, epilogue)
+    if threads is None:
+        return {"out": options["im2col"]()}
+    return {"out": choose("fused_conv2d", op, g, threads, options, _extra(epilogue))}
+
+
+def _fused_options(op, x, w, epilogue):
+    """(g, threads, options) of fused_conv2d_cpu: threads None where only the im2col
+    engine takes the conv."""
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
-    epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual"),
-                "relu": op.attrs["activation"] == "relu"}
-
-    def im2col():
-        return run.numpy_forward(x, w, g, **epilogue)
-
+    relu = op.attrs["activation"] == "relu"
+    options = {"im2col": lambda: run.numpy_forward(x, w, g, **epilogue, relu=relu)}
     if not conv_native.supports(g, x.dtype):
-        return {"out": im2col()}
+        return g, None, options
     threads, bound = blocks.get_num_threads(), conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE
-    options = {"direct": lambda: run.forward(x, w, g, threads, **epilogue,
-                                             max_scratch=conv_native.DIRECT),
-               "im2col": im2col}
+    options["direct"] = lambda: run.forward(x, w, g, threads, **epilogue, relu=relu,
+                                            max_scratch=conv_native.DIRECT)
     if conv_native.forward_winograd(g, threads, bound):
-        options["winograd"] = lambda: run.forward(x, w, g, threads, **epilogue,
+        options["winograd"] = lambda: run.forward(x, w, g, threads, **epilogue, relu=relu,
                                                   max_scratch=bound, fixed=True)
-    extra = "|".join(k for k in ("bias", "residual") if epilogue[k] is not None)
-    return {"out": choose("fused_conv2d", op, g, threads, options, extra)}
+    return g, threads, options
+
+
+def bind_fused_conv2d(op):
+    """fused_conv2d_cpu's bound form (minigraph.bound_run) for NCHW: the native kernel
+    the op's choice names (Winograd's on the filter's kept transform, or the direct
+    kernel) into the same output array every run, its C call prepared again only when an
+    input is another array or the thread count changed. None (the kernel runs) where
+    the arrays are not C-contiguous float32 or the choice is the im2col engine."""
+    if op.attrs["data_layout"] != "NCHW":
+        return None
+    relu = op.attrs["activation"] == "relu"
+    kept = {"arrays": None, "call": None, "out": None}
+
+    def prepare(x, w, bias, residual, threads):
+        if not all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous)
+                   for a in (x, w, bias, residual)):
+            return None
+        epilogue = {"bias": bias, "residual": residual}
+        g, threads, options = _fused_options(op, x, w, epilogue)
+        shape = (g.n, g.o, g.ho, g.wo)
+        if threads is None or 0 in shape:
+            return None
+        name = pick("fused_conv2d", op, g, threads, options, _extra(epilogue))
+        if name == "im2col":
+            return None
+        out = kept["out"]
+        if out is None or out.shape != shape:
+            out = kept["out"] = np.empty(shape, np.float32)
+        return conv_native.prepared_forward(x, w, g, threads, bias, residual, relu, out,
+                                            name == "winograd")
+
+    def run(ins):
+        threads = blocks.get_num_threads()
+        now = (ins["x"], ins["filter"], ins.get("bias"), ins.get("residual"), threads)
+        held = kept["arrays"]
+        if held is None or not all(map(operator.is_, now[:4], held[:4])) or threads != held[4]:
+            kept["arrays"], kept["call"] = now, prepare(*now)
+        if kept["call"] is None:
+            return None
+        kept["call"]()
+        return {"out": kept["out"]}
+    return run
+
+
+def _extra(epilogue):
+    """The epilogue's part of a fused conv's choice key."""
+    return "|".join(k for k in ("bias", "residual") if epilogue[k] is not None)
 
 
 def choose(kind, op, g, threads, options, extra=""):
-    """The result of the option chosen for this conv on this machine (choices.choose:
-    timed at its first use, kept per machine; Winograd's where it is an option, else
-    the direct kernel, where nothing is timed or the conv makes fewer than
-    MIN_CHOICE_WORK multiply-adds)."""
+    """The result of the option chosen for this conv on this machine (pick)."""
+    return options[pick(kind, op, g, threads, options, extra)]()
+
+
+def pick(kind, op, g, threads, options, extra=""):
+    """The name of the option chosen for this conv on this machine (choices.pick: timed
+    at its first use, kept per machine; Winograd's where it is an option, else the
+    direct kernel, where nothing is timed or the conv makes fewer than MIN_CHOICE_WORK
+    multiply-adds)."""
     default = "winograd" if "winograd" in options else "direct"
     if g.n * g.o * g.c * g.kh * g.kw * g.ho * g.wo < MIN_CHOICE_WORK:
-        return options[default]()
+        return default
     key = (f"{op.attrs['data_layout']}|{g.n}x{g.c}x{g.h}x{g.w}|{g.o}x{g.kh}x{g.kw}"
            f"|s{g.sh}x{g.sw}|p{g.ph}x{g.pw}|d{g.dh}x{g.dw}|{extra}|t{threads}"
            f"|b{native.build_key('conv_native')}")
-    return choices.choose(kind, key, options, default)
+    return choices.pick(kind, key, options, default)

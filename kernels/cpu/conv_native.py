@@ -138,6 +138,39 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
+def prepared_forward(x, w, g, threads, bias, residual, relu, out, use_winograd):
+    """forward's outputs into `out` ((N, O, Ho, Wo) float32, C-contiguous) prepared once:
+    a function of no arguments that runs the kernel on what the arrays hold then
+    (minigraph.bound_run), with forward's bits: Winograd's on the transform of `w` (kept,
+    `w` made read-only, as forward's `fixed`) where `use_winograd` and `w` is finite,
+    else the direct kernel. x, w, bias and residual C-contiguous float32 of g's
+    shapes."""
+    lib, threads = _lib(), _threads(g, threads)
+    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out))
+    if use_winograd:
+        dims = _winograd_dims(g, relu)
+        transform = fixed_transform(w, dims)
+        if transform is not None:
+            direct = ctypes.c_int64(0)
+            call_args = (*args, _ptr(dims), threads, ctypes.byref(direct), _ptr(transform))
+
+            def call():
+                if lib.conv2d_winograd_f32(*call_args):
+                    raise MemoryError("conv_native.forward: the kernel's buffers could not "
+                                      "be allocated")
+            call.keep = (dims, transform, direct)      # what call_args points into
+            return call
+    dims = _dims(g, relu, out.shape)
+    call_args = (*args, _ptr(dims), threads)
+
+    def call():
+        if lib.conv2d_forward_f32(*call_args):
+            raise MemoryError("conv_native.forward: the kernel's buffers could not be "
+                              "allocated")
+    call.keep = dims
+    return call
+
+
 def run_winograd(args, dims, threads, g, stats=None, fixed=None):
     """conv2d_winograd_f32 on args (x, filter, bias, residual, out pointers): True when
     it ran, False (nothing written) when the filter holds a NaN or an infinity (the
