@@ -123,7 +123,7 @@ register(grad_schema(POOL, inputs=(Slot("x"), Slot("dout")),
                      outputs=(Slot("dx", optional=True),),
                      infer=lambda ins, attrs: {"dx": ins["x"]}, validate=validate_pool))
 
-kernel("pool2d", "cpu", cpu.pool2d_cpu)
+kernel("pool2d", "cpu", cpu.pool2d_cpu, bind=cpu.bind_pool2d)
 kernel("pool2d_grad", "cpu", cpu.pool2d_grad_cpu)
 kernel("pool2d", "gpu", cuda.pool2d_gpu, dtypes=GPU_FLOATS)
 kernel("pool2d_grad", "gpu", cuda.pool2d_grad_gpu, dtypes=GPU_FLOATS)

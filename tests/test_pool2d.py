@@ -41,6 +41,38 @@ def test_pool2d_float32(attrs):
     helper_test_op("pool2d", {"x": x}, attrs, pool_reference)
 
 
+@pytest.mark.parametrize("attrs, dtype", [
+    ({}, "float32"), ({}, "float64"), ({"data_layout": "NHWC"}, "float32"),
+    ({"global_pooling": True, "pool_type": "avg"}, "float32")])
+def test_native_poolings_run_bound(attrs, dtype):
+    """2x2 max windows that tile the plane and float32 NCHW global average pooling have
+    a bound form (minigraph.bound_run): the kernel's bits into the same array every run,
+    new values in the same input array read anew; other poolings have none."""
+    from minigraph.kernels.cpu import pool_native
+
+    if not pool_native.available():
+        pytest.skip("native kernels not built here")
+    r = np.random.default_rng(1)
+    shape = (2, 8, 10, 3) if attrs.get("data_layout") == "NHWC" else (2, 3, 8, 10)
+    x = r.standard_normal(shape).astype(dtype)
+    helper_test_op("pool2d", {"x": x}, attrs, pool_reference)
+    scope = mg.Scope()
+    op = mg.Operator("pool2d", x=scope.new_var("x"), out=scope.new_var("out"), **attrs)
+    run = pool_kernels.bind_pool2d(op)
+    first = run({"x": x})["out"]
+    for values in (x, x * 0.5 + 0.25, r.standard_normal(shape).astype(dtype)):
+        if values is not x:
+            x[...] = values                              # the same array, new values
+        got = run({"x": x})["out"]
+        assert got is first and got.tobytes() == pool_kernels.pool2d_cpu(
+            op, {"x": x}, None)["out"].tobytes()
+    for i, other in enumerate(({"pool_type": "avg"}, {"ksize": 3, "strides": 1},
+                               {"global_pooling": True})):
+        op = mg.Operator("pool2d", x=scope.new_var(f"x{i}"), out=scope.new_var(f"o{i}"),
+                         **other)
+        assert pool_kernels.bind_pool2d(op) is None
+
+
 def test_max_grad_goes_to_first_max_of_each_window():
     x = np.ones((1, 1, 2, 4))
     x[0, 0, 1, 3] = 0.0

@@ -91,6 +91,24 @@ def forward(x, w, bias=None, relu=False):
     return out
 
 
+def prepared_forward(x, w, bias, relu, out):
+    """forward's product into `out` ((M, N) float32, C-contiguous) prepared once: a
+    function of no arguments that runs it on what x and bias hold then (minigraph.
+    bound_run), on the weight packed once (packed_weight: `w` made read-only); x and
+    bias C-contiguous float32, as supports() takes them. forward's bits."""
+    m, k = x.shape
+    n = w.shape[1]
+    fn, packed, work = _lib().fc_forward_f32, packed_weight(w), m * k * n
+    args = (_ptr(x), _ptr(packed), _ptr(bias), _ptr(out), m, k, n, int(bool(relu)))
+
+    def call():
+        if fn(*args, max(1, min(blocks.get_num_threads(), work // MIN_THREAD_WORK))):
+            raise MemoryError("fc_native.forward: the packed copy of x could not be "
+                              "allocated")
+    call.keep = packed
+    return call
+
+
 def rows_supports(x, w, bias=None):
     """True when rows_forward takes x (M, K) @ w (K, N) (+ bias): float32 and
     C-contiguous, 1 <= M <= ROWS_MAX, K and N >= 1, bias None or N values, and the

@@ -109,10 +109,7 @@ def fused_fc_cpu(op, ins, ctx):
     rows_residual = residual is None or (residual.shape == shape
                                          and fc_native.residual_fits(residual))
     if op.attrs["weight_fixed"] and fc_native.supports(x2, y):
-        (m, k), build = x2.shape, native.build_key("fc_native")
-        key = (f"{m}x{k}x{y.shape[1]}|bias{int(bias is not None)}|relu{int(relu)}"
-               f"|t{blocks.get_num_threads()}|b{build}")
-        out = choices.choose("fc", key, {
+        out = choices.choose("fc", _fixed_key(x2, y, bias, relu), {
             "native": lambda: fc_native.forward(x2, y, bias, relu),
             "blas": lambda: _product_bias_relu(x2, y, bias, relu)}, "native")
     elif residual is not None and rows_residual and fc_native.rows_supports(x2, y, bias):
@@ -166,22 +163,21 @@ def _product_bias_relu(x2, y, bias, relu):
 
 
 def bind_fused_fc(op):
-    """fused_fc_cpu's bound form (minigraph.bound_run) for a weight that changes
-    (weight_fixed False; a fixed one keeps the kernel's measured choice): x's
-    normalisation (layer_norm's prepared call, where the op normalises x), its product,
-    bias, residual and activation into the same arrays every run (fc_native's few-rows
-    call, then gelu's, prepared again only when an input is another array; else BLAS's
-    and numpy's). None (the kernel runs) for a residual of another shape than the
+    """fused_fc_cpu's bound form (minigraph.bound_run): x's normalisation (layer_norm's
+    prepared call, where the op normalises x), its product, bias, residual and
+    activation into the same arrays every run, prepared again only when an input is
+    another array. The product: for a fixed weight (weight_fixed) that fc_native takes,
+    the option its choice names (fc_native's kernel on the packed weight, or BLAS's),
+    the residual and relu after it; else fc_native's few-rows call, then gelu's; else
+    BLAS's and numpy's. None (the kernel runs) for a residual of another shape than the
     product's, for gelu without its native kernel (float64), and for a normalisation
     without layer_norm's bound form (norm_epsilon 0, or no native kernel)."""
-    if op.attrs["weight_fixed"]:
-        return None
     n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
     kept, kept_norm = {"key": None}, {}
 
     def prepare(x, y, bias, residual, norm_scale, norm_bias):
         if not (x.flags.c_contiguous and x.dtype == y.dtype and x.size
-                and (bias is None or bias.dtype == x.dtype)):
+                and (bias is None or (bias.dtype == x.dtype and bias.flags.c_contiguous))):
             return None
         done = _bound_x(op, x, norm_scale, norm_bias, kept_norm)
         if done is None:
@@ -196,7 +192,15 @@ def bind_fused_fc(op):
             out2 = np.empty((math.prod(x.shape[:n]), y.shape[1]), x.dtype)
             kept.update(key=key, out2=out2, out={"out": out2.reshape(shape)})
         x2, out2 = x.reshape(kept["out2"].shape[0], -1), kept["out2"]
-        if fc_native.rows_supports(x2, y, bias) and fc_native.residual_fits(residual):
+        if op.attrs["weight_fixed"] and fc_native.supports(x2, y):
+            product = _fixed_product(x2, y, bias, act == "relu" and residual is None, out2)
+            calls = [*before, product]
+            if residual is not None:
+                calls.append(functools.partial(np.add, out2, residual.reshape(out2.shape),
+                                               out=out2))
+                if act == "relu":
+                    calls.append(functools.partial(blocks.relu, out2, out=out2))
+        elif fc_native.rows_supports(x2, y, bias) and fc_native.residual_fits(residual):
             calls = [*before, fc_native.prepared_rows(x2, y, bias, act == "relu", out2,
                                                       residual)]
         else:
@@ -208,6 +212,26 @@ def bind_fused_fc(op):
                 return None
         return _one_call(calls), kept["out"]
     return prepared.form(("x", "y", "bias", "residual", "norm_scale", "norm_bias"), prepare)
+
+
+def _fixed_key(x2, y, bias, relu):
+    """The choice key of a fixed weight's product (fused_fc)."""
+    (m, k), build = x2.shape, native.build_key("fc_native")
+    return (f"{m}x{k}x{y.shape[1]}|bias{int(bias is not None)}|relu{int(relu)}"
+            f"|t{blocks.get_num_threads()}|b{build}")
+
+
+def _fixed_product(x2, y, bias, relu, out):
+    """The product of a fixed weight as fused_fc_cpu's choice runs it (fc_native's
+    kernel, or _product_bias_relu's way), into `out`, prepared."""
+    native_call = fc_native.prepared_forward(x2, y, bias, relu, out)
+    if fc_native.rows_supports(x2, y, bias):
+        other = fc_native.prepared_rows(x2, y, bias, relu, out)
+    else:
+        other = functools.partial(_blas_into, x2, y, bias, None, relu, out)
+    name = choices.pick("fc", _fixed_key(x2, y, bias, relu),
+                        {"native": native_call, "blas": other}, "native")
+    return native_call if name == "native" else other
 
 
 def _blas_into(x2, y, bias, residual, relu, out):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import pool_native
+from minigraph.kernels.cpu import pool_native, prepared
 from minigraph.kernels.layout import spatial_axes
 
 
@@ -183,6 +183,40 @@ def pool2d_cpu(op, ins, ctx):
     for i, j in taps(a):
         total += xp[offset_slices(i, j, hw, a["strides"], layout=layout)]
     return {"out": (total / avg_divisor(x.shape, a, hw, np.float64)).astype(x.dtype)}
+
+
+def bind_pool2d(op):
+    """pool2d_cpu's bound form (minigraph.bound_run) where a native kernel runs the op
+    (max over 2x2 windows that tile the plane; float32 NCHW global average pooling):
+    into the same array every run, prepared again only for another input array. None
+    (the kernel runs) for the other poolings."""
+    a = op.attrs
+    layout = layout_of(a)
+    if a["global_pooling"]:
+        if a["pool_type"] != "avg" or layout != "NCHW":
+            return None
+    elif a["pool_type"] != "max" or a["ksize"] != (2, 2):
+        return None
+    kept = {"out": None}
+
+    def prepare(x):
+        if a["global_pooling"]:
+            if not pool_native.global_avg_takes(x):
+                return None
+            shape = x.shape[:2] + (1, 1)
+        elif x.ndim != 4 or not tiles(x, a, out_hw(x.shape, a)):
+            return None
+        else:
+            shape = pool_native.tiles_shape(x, layout)
+        if shape is None or 0 in shape:
+            return None
+        out = kept["out"]
+        if out is None or out.shape != shape or out.dtype != x.dtype:
+            out = kept["out"] = np.empty(shape, x.dtype)
+        if a["global_pooling"]:
+            return pool_native.prepared_global_avg(x, out), {"out": out}
+        return pool_native.prepared_max_tiles(x, out, layout), {"out": out}
+    return prepared.form(("x",), prepare)
 
 
 def _global_max_grad(x, d, layout):

@@ -16,6 +16,7 @@ so results do not depend on the count.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -55,43 +56,77 @@ def _load():
     return _kernel
 
 
+def tiles_shape(x, layout="NCHW"):
+    """The shape of max_pool_tiles(x, layout)'s result, or None where the native kernel
+    does not take x."""
+    nhwc = layout == "NHWC"
+    if not (x.ndim == 4 and native.enabled() and x.dtype in _TYPES and x.flags.c_contiguous
+            and _load() is not None):
+        return None
+    h, w = x.shape[1:3] if nhwc else x.shape[2:4]
+    if h % 2 or w % 2:
+        return None
+    return (x.shape[0], h // 2, w // 2, x.shape[3]) if nhwc else x.shape[:2] + (h // 2, w // 2)
+
+
 def max_pool_tiles(x, layout="NCHW"):
     """The max of every 2x2 window of x (N, C, H, W), or (N, H, W, C) in NHWC, H and W
     even, at stride 2: (N, C, H / 2, W / 2) (or (N, H / 2, W / 2, C)). None where the
     native kernel does not apply."""
-    nhwc = layout == "NHWC"
-    h, w = x.shape[1:3] if nhwc else x.shape[2:4]
-    if not (native.enabled() and x.dtype in _TYPES and x.ndim == 4 and x.flags.c_contiguous
-            and h % 2 == 0 and w % 2 == 0 and _load() is not None):
+    shape = tiles_shape(x, layout)
+    if shape is None:
         return None
-    f64 = int(x.dtype == np.float64)
-    if nhwc:
-        n, _, _, c = x.shape
-        out = np.empty((n, h // 2, w // 2, c), x.dtype)
-        if out.size:
-            _tiles_nhwc(f64, x.ctypes.data, out.ctypes.data, n * h // 2, w, c)
-        return out
-    n, c = x.shape[:2]
-    out = np.empty((n, c, h // 2, w // 2), x.dtype)
-    threads = blocks.threads_for(x.size, MIN_THREAD_VALUES)
-    if out.size and _tiles(f64, x.ctypes.data, out.ctypes.data, n * c * h // 2, w, threads):
-        raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be allocated")
+    out = np.empty(shape, x.dtype)
+    if out.size:
+        prepared_max_tiles(x, out, layout)()
     return out
+
+
+def prepared_max_tiles(x, out, layout="NCHW"):
+    """max_pool_tiles(x, layout) into `out` (C-contiguous, of tiles_shape(x, layout) and
+    x's dtype, not empty) prepared once: a function of no arguments that runs it on what
+    x holds then (minigraph.bound_run)."""
+    f64, at, to = int(x.dtype == np.float64), native.address(x), native.address(out)
+    if layout == "NHWC":
+        n, h, w, c = x.shape
+        return functools.partial(_tiles_nhwc, f64, at, to, n * h // 2, w, c)
+    n, c, h, w = x.shape
+
+    def call():
+        if _tiles(f64, at, to, n * c * h // 2, w, blocks.threads_for(x.size, MIN_THREAD_VALUES)):
+            raise MemoryError("pool_native.max_pool_tiles: the row buffer could not be "
+                              "allocated")
+    return call
 
 
 def global_avg(x):
     """The mean of each plane of a float32 NCHW x (N, C, H, W): (N, C, 1, 1), summed in
     float64 (pool_native.c says in which order). None where the native kernel does not
     apply."""
-    if not (native.enabled() and x.dtype == np.float32 and x.ndim == 4
-            and x.flags.c_contiguous and x.shape[2] * x.shape[3] > 0 and _load() is not None):
+    if not global_avg_takes(x):
         return None
-    n, c, h, w = x.shape
-    out = np.empty((n, c, 1, 1), np.float32)
+    out = np.empty(x.shape[:2] + (1, 1), np.float32)
     if out.size:
-        _global_avg(x.ctypes.data, out.ctypes.data, n * c, h * w,
-                    blocks.threads_for(x.size, MIN_THREAD_VALUES))
+        prepared_global_avg(x, out)()
     return out
+
+
+def global_avg_takes(x):
+    """True when global_avg's native kernel takes x: float32 NCHW, C-contiguous, planes
+    of at least one value, the kernels built."""
+    return (native.enabled() and x.dtype == np.float32 and x.ndim == 4
+            and x.flags.c_contiguous and x.shape[2] * x.shape[3] > 0 and _load() is not None)
+
+
+def prepared_global_avg(x, out):
+    """global_avg(x) into `out` ((N, C, 1, 1) float32, C-contiguous, not empty) prepared
+    once, as prepared_max_tiles."""
+    n, c, h, w = x.shape
+    args = (native.address(x), native.address(out), n * c, h * w)
+
+    def call():
+        _global_avg(*args, blocks.threads_for(x.size, MIN_THREAD_VALUES))
+    return call
 
 
 def available():
