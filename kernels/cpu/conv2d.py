@@ -6,7 +6,8 @@ im2col engine of the layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc)
 with lean work arrays, or up to the room a training step leaves them
 (KernelContext.room, OpSchema.work_room); and of fused_conv2d (ops/fused_conv2d.py),
 whose bias, residual and relu are applied to each tile or chunk of the
-convolution's output while it is in cache.
+convolution's output while it is in cache, and whose bound form (bind_fused_conv2d)
+runs a checked inference plan's native convs as prepared calls.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ padded copy (padding -inf for max, not counted by the average), and their gradie
 in either layout: the spatial axes are (2, 3) in NCHW and (1, 2) in NHWC, and every
 function takes the layout from the attributes ("NCHW" when they have none). The
 max-pooling gradient, 2x2 tiles' forward and float32 NCHW global average pooling run
-the native kernels of pool_native where they apply; the numpy functions here are
-their reference.
+the native kernels of pool_native where they apply (the forwards also as a bound
+form's prepared calls: bind_pool2d); the numpy functions here are their reference.
 """
 from __future__ import annotations
 
