@@ -287,8 +287,22 @@ static inline v8 tiles8_max(v8 t0, v8 t1, v8 b0, v8 b1) {
 typedef struct {
     const float *x;
     float *out;
-    int64_t begin, end, w;          /* output rows [begin, end) of w / 2 values */
+    int64_t begin, end, w;   /* items [begin, end): output rows of w / 2 values (2x2 tiles)
+                                or planes of w values (global average) */
 } tiles_job_t;
+
+/* fn on jobs of contiguous ranges of `items` (tiles_job_t: x, out, w) over up to
+ * `threads` threads. */
+static void run_ranges(void *(*fn)(void *), const void *x, void *out, int64_t items,
+                       int64_t w, int threads) {
+    tiles_job_t jobs[POOL_MAX_THREADS];
+    int64_t parts = pool_parts(threads, items);
+    for (int64_t t = 0; t < parts; t++) {
+        jobs[t] = (tiles_job_t){.x = x, .out = out, .w = w};
+        pool_share(items, parts, t, &jobs[t].begin, &jobs[t].end);
+    }
+    pool_run(fn, jobs, sizeof(tiles_job_t), parts);
+}
 
 /* float32 output rows of one job in one pass, eight windows at a time, a row's last
  * ones through masked loads and stores. */
@@ -320,13 +334,7 @@ static void *tiles_float_rows(void *arg) {
 int max_pool_tiles(int f64, const void *x, void *out, int64_t rows, int64_t w,
                    int threads) {
     if (!f64) {
-        tiles_job_t jobs[POOL_MAX_THREADS];
-        int64_t parts = pool_parts(threads, rows);
-        for (int64_t t = 0; t < parts; t++) {
-            jobs[t] = (tiles_job_t){.x = x, .out = out, .w = w};
-            pool_share(rows, parts, t, &jobs[t].begin, &jobs[t].end);
-        }
-        pool_run(tiles_float_rows, jobs, sizeof(tiles_job_t), parts);
+        run_ranges(tiles_float_rows, x, out, rows, w, threads);
         return 0;
     }
     void *pair = malloc((size_t)TILE_BLOCK * (w > 0 ? w : 1) * sizeof(double));
@@ -361,13 +369,7 @@ static void *global_avg_planes(void *arg) {
  * once (numpy's float64 mean, up to the order of the float64 sums); planes in
  * contiguous ranges over up to `threads` threads. Returns 0. */
 int global_avg_pool(const float *x, float *out, int64_t planes, int64_t hw, int threads) {
-    tiles_job_t jobs[POOL_MAX_THREADS];
-    int64_t parts = pool_parts(threads, planes);
-    for (int64_t t = 0; t < parts; t++) {
-        jobs[t] = (tiles_job_t){.x = x, .out = out, .w = hw};
-        pool_share(planes, parts, t, &jobs[t].begin, &jobs[t].end);
-    }
-    pool_run(global_avg_planes, jobs, sizeof(tiles_job_t), parts);
+    run_ranges(global_avg_planes, x, out, planes, hw, threads);
     return 0;
 }
 
