@@ -260,8 +260,10 @@ def test_conv2d_works_lean_fused_conv2d_in_full_chunks(monkeypatch):
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_a_new_value_of_a_filter_is_transformed_anew(layout, monkeypatch):
     """On Winograd's kernel fused_conv2d keeps each filter's transform and makes the filter
-    read-only; Variable.set gives the parameter a new array, which the next run
-    transforms (not the kept transform of the old one)."""
+    read-only; Variable.set gives the parameter a new array, which the next run (through
+    the bound form in NCHW) transforms (not the kept transform of the old one), or runs
+    on the direct kernel where it holds a NaN (a value written past Variable.set's
+    check), which spreads as the direct conv spreads it."""
     from minigraph.kernels.cpu import choices, conv_native
 
     if not conv_native.available():
@@ -290,3 +292,11 @@ def test_a_new_value_of_a_filter_is_transformed_anew(layout, monkeypatch):
         (second,) = fast.infer(feed={"x": v}, fetch=[y.name])
     np.testing.assert_allclose(second, want(), rtol=1e-4, atol=1e-5)
     assert not np.allclose(first, second)
+    bad = w.get()
+    bad[0, 0, 0, 0] = np.nan          # no transform: the direct kernel (set refuses NaN)
+    w.value = bad
+    (third,) = fast.infer(feed={"x": v}, fetch=[y.name])
+    channel = third[:, 0] if layout == "NCHW" else third[..., 0]
+    assert np.isnan(channel).all() and not np.isnan(np.delete(third, 0, axis=(
+        1 if layout == "NCHW" else 3))).any()
+    np.testing.assert_allclose(third, want(), rtol=1e-4, atol=1e-5)
