@@ -154,7 +154,8 @@ def bind_fused_conv2d(op):
     """fused_conv2d_cpu's bound form (minigraph.bound_run) for NCHW: the native kernel
     the op's choice names (Winograd's on the filter's kept transform, or the direct
     kernel) into the same output array every run, its C call prepared again only when an
-    input is another array or the thread count changed. None (the kernel runs) where
+    input is another array, the filter was made writeable (its transform is made anew)
+    or the thread count changed. None (the kernel runs) where
     the arrays are not C-contiguous float32 or the choice is the im2col engine."""
     if op.attrs["data_layout"] != "NCHW":
         return None
@@ -183,7 +184,8 @@ def bind_fused_conv2d(op):
         threads = blocks.get_num_threads()
         now = (ins["x"], ins["filter"], ins.get("bias"), ins.get("residual"), threads)
         held = kept["arrays"]
-        if held is None or not all(map(operator.is_, now[:4], held[:4])) or threads != held[4]:
+        if (held is None or not all(map(operator.is_, now[:4], held[:4])) or threads != held[4]
+                or now[1].flags.writeable):          # a filter made writeable since
             kept["arrays"], kept["call"] = now, prepare(*now)
         if kept["call"] is None:
             return None

@@ -193,8 +193,8 @@ def bind_fused_fc(op):
             kept.update(key=key, out2=out2, out={"out": out2.reshape(shape)})
         x2, out2 = x.reshape(kept["out2"].shape[0], -1), kept["out2"]
         if op.attrs["weight_fixed"] and fc_native.supports(x2, y):
-            product = _fixed_product(x2, y, bias, act == "relu" and residual is None, out2)
-            calls = [*before, product]
+            calls = [*before, _fixed_product(x2, y, bias, act == "relu" and residual is None,
+                                             out2)]
             if residual is not None:
                 calls.append(functools.partial(np.add, out2, residual.reshape(out2.shape),
                                                out=out2))
@@ -223,15 +223,27 @@ def _fixed_key(x2, y, bias, relu):
 
 def _fixed_product(x2, y, bias, relu, out):
     """The product of a fixed weight as fused_fc_cpu's choice runs it (fc_native's
-    kernel, or _product_bias_relu's way), into `out`, prepared."""
-    native_call = fc_native.prepared_forward(x2, y, bias, relu, out)
-    if fc_native.rows_supports(x2, y, bias):
-        other = fc_native.prepared_rows(x2, y, bias, relu, out)
-    else:
-        other = functools.partial(_blas_into, x2, y, bias, None, relu, out)
-    name = choices.pick("fc", _fixed_key(x2, y, bias, relu),
-                        {"native": native_call, "blas": other}, "native")
-    return native_call if name == "native" else other
+    kernel, or _product_bias_relu's way), into `out`, prepared; prepared again where
+    fc_native's kernel runs and the weight was made writeable since (it packs it
+    anew)."""
+    def prepare():
+        if fc_native.rows_supports(x2, y, bias):
+            other = fc_native.prepared_rows(x2, y, bias, relu, out)
+        else:
+            other = functools.partial(_blas_into, x2, y, bias, None, relu, out)
+        name = choices.pick("fc", _fixed_key(x2, y, bias, relu), {
+            "native": lambda: fc_native.prepared_forward(x2, y, bias, relu, out)(),
+            "blas": other}, "native")
+        if name == "native":
+            return fc_native.prepared_forward(x2, y, bias, relu, out), True
+        return other, False
+    kept = list(prepare())                  # [the call, whether it reads the packed copy]
+
+    def call():
+        if kept[1] and y.flags.writeable:
+            kept[:] = prepare()
+        kept[0]()
+    return call
 
 
 def _blas_into(x2, y, bias, residual, relu, out):
