@@ -195,8 +195,8 @@ register(grad_schema(TRANSPOSE, inputs=(Slot("dout"),), outputs=(Slot("dx", opti
                      infer=infer_transpose_grad))
 
 
-kernel("reshape", "cpu", cpu.reshape_cpu)
-kernel("flatten", "cpu", cpu.flatten_cpu)
+kernel("reshape", "cpu", cpu.reshape_cpu, bind=cpu.bind_reshape)
+kernel("flatten", "cpu", cpu.flatten_cpu, bind=cpu.bind_reshape)
 kernel("reshape_grad", "cpu", cpu.reshape_grad_cpu)
 kernel("transpose", "cpu", cpu.transpose_cpu)
 kernel("transpose_grad", "cpu", cpu.transpose_grad_cpu)

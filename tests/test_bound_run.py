@@ -121,14 +121,20 @@ def test_a_new_shape_checks_again_and_the_forms_follow_it():
     assert got.tobytes() == unbound(net, {"x": x}, [logits])[0].tobytes()
 
 
-def test_an_inference_conv_net_runs_its_convs_bound_with_the_bits_of_a_plain_run():
+def test_an_inference_conv_net_runs_its_convs_bound_with_the_bits_of_a_plain_run(
+        monkeypatch):
     """optimize_for_inference's fused_conv2d ops (a strided conv: the direct kernel; 3x3
     convs of 8 channels: Winograd's, one with a residual) run through their bound forms
-    on a fed batch the plan reads anew every run, with the bits of runs op by op."""
+    on a fed batch the plan reads anew every run, with the bits of runs op by op; each
+    conv's call is prepared once (a new fed array of the same shape takes it too)."""
     from minigraph.kernels.cpu import conv_native
 
     if not conv_native.available():
         pytest.skip("native kernels not built here")
+    prepared = []
+    prepare = conv_native.prepared_forward
+    monkeypatch.setattr(conv_native, "prepared_forward",
+                        lambda *args: prepared.append(args) or prepare(*args))
     net = mg.Net(seed=0)
     image = L.data(net, "image", shape=(-1, 8, 12, 12))
     h = L.relu(net, L.batch_norm(net, L.conv2d(net, image, 8, 3, padding=1, bias=False)))
@@ -148,6 +154,7 @@ def test_an_inference_conv_net_runs_its_convs_bound_with_the_bits_of_a_plain_run
     c = compiled_of(fast, [logits])
     convs = [f for s, f in zip(c.steps, c.bound.forms) if s.op.type == "fused_conv2d"]
     assert len(convs) == 3 and all(f is not None for f in convs)
+    assert len(prepared) == 3
 
 
 def test_a_fixed_weight_written_in_place_is_prepared_anew():

@@ -11,7 +11,6 @@ runs a checked inference plan's native convs as prepared calls.
 """
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -153,9 +152,10 @@ def _fused_options(op, x, w, epilogue):
 def bind_fused_conv2d(op):
     """fused_conv2d_cpu's bound form (minigraph.bound_run) for NCHW: the native kernel
     the op's choice names (Winograd's on the filter's kept transform, or the direct
-    kernel) into the same output array every run, its C call prepared again only when an
-    input is another array, the filter was made writeable (its transform is made anew)
-    or the thread count changed. None (the kernel runs) where
+    kernel) into the same output array every run, its C call prepared again only when
+    the filter or bias is another array, x or the residual of another shape or layout,
+    the filter was made writeable (its transform is made anew) or the thread count
+    changed. None (the kernel runs) where
     the arrays are not C-contiguous float32 or the choice is the im2col engine."""
     if op.attrs["data_layout"] != "NCHW":
         return None
@@ -177,21 +177,33 @@ def bind_fused_conv2d(op):
         out = kept["out"]
         if out is None or out.shape != shape:
             out = kept["out"] = np.empty(shape, np.float32)
-        return conv_native.prepared_forward(x, w, g, threads, bias, residual, relu, out,
+        return conv_native.prepared_forward(w, g, threads, bias, relu, out,
                                             name == "winograd")
 
     def run(ins):
         threads = blocks.get_num_threads()
         now = (ins["x"], ins["filter"], ins.get("bias"), ins.get("residual"), threads)
         held = kept["arrays"]
-        if (held is None or not all(map(operator.is_, now[:4], held[:4])) or threads != held[4]
-                or now[1].flags.writeable):          # a filter made writeable since
+        if (held is None or now[1] is not held[1] or now[2] is not held[2]
+                or threads != held[4] or not _like(now[0], held[0])
+                or not _like(now[3], held[3])
+                or (kept["call"] is not None and kept["call"].transform is not None
+                    and now[1].flags.writeable)):     # made writeable since its transform
             kept["arrays"], kept["call"] = now, prepare(*now)
         if kept["call"] is None:
             return None
-        kept["call"]()
+        kept["call"](now[0], now[3])
         return {"out": kept["out"]}
     return run
+
+
+def _like(x, held):
+    """True when the prepared call of a conv on `held` (its x or residual, or None) runs
+    on x too: the same array (or None), or a C-contiguous one of its shape and dtype (a
+    fed batch: a new array every run)."""
+    return x is held or (x is not None and held is not None and x.shape == held.shape
+                         and x.dtype == held.dtype and x.flags.c_contiguous
+                         and held.flags.c_contiguous)
 
 
 def _extra(epilogue):

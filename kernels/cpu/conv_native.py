@@ -138,36 +138,38 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
-def prepared_forward(x, w, g, threads, bias, residual, relu, out, use_winograd):
+def prepared_forward(w, g, threads, bias, relu, out, use_winograd):
     """forward's outputs into `out` ((N, O, Ho, Wo) float32, C-contiguous) prepared once:
-    a function of no arguments that runs the kernel on what the arrays hold then
-    (minigraph.bound_run), with forward's bits: Winograd's on the transform of `w` (kept,
-    `w` made read-only, as forward's `fixed`) where `use_winograd` and `w` is finite,
-    else the direct kernel. x, w, bias and residual C-contiguous float32 of g's
-    shapes."""
+    a function call(x, residual) that runs the kernel on x and the residual (None where
+    `residual` is; else C-contiguous float32 of g's shapes, as `residual`) and what the
+    other arrays hold then (minigraph.bound_run), with forward's bits:
+    Winograd's on the transform of `w` (kept, `w` made read-only, as forward's
+    `fixed`) where `use_winograd` and `w` is finite, else the direct kernel. w and bias
+    C-contiguous float32 of g's shapes. call.transform: the transform it reads, or
+    None (the direct kernel)."""
     lib, threads = _lib(), _threads(g, threads)
-    args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out))
+    filter_bias, to = (_ptr(w), _ptr(bias)), _ptr(out)
     if use_winograd:
         dims = _winograd_dims(g, relu)
         transform = fixed_transform(w, dims)
         if transform is not None:
             direct = ctypes.c_int64(0)
-            call_args = (*args, _ptr(dims), threads, ctypes.byref(direct), _ptr(transform))
+            rest = (to, _ptr(dims), threads, ctypes.byref(direct), _ptr(transform))
 
-            def call():
-                if lib.conv2d_winograd_f32(*call_args):
+            def call(x, residual):
+                if lib.conv2d_winograd_f32(_ptr(x), *filter_bias, _ptr(residual), *rest):
                     raise MemoryError("conv_native.forward: the kernel's buffers could not "
                                       "be allocated")
-            call.keep = (dims, transform, direct)      # what call_args points into
+            call.keep, call.transform = (dims, direct), transform   # what rest points into
             return call
     dims = _dims(g, relu, out.shape)
-    call_args = (*args, _ptr(dims), threads)
+    rest = (to, _ptr(dims), threads)
 
-    def call():
-        if lib.conv2d_forward_f32(*call_args):
+    def call(x, residual):
+        if lib.conv2d_forward_f32(_ptr(x), *filter_bias, _ptr(residual), *rest):
             raise MemoryError("conv_native.forward: the kernel's buffers could not be "
                               "allocated")
-    call.keep = dims
+    call.keep, call.transform = dims, None
     return call
 
 

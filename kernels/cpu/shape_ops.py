@@ -1,12 +1,15 @@
 """CPU kernels of reshape, flatten and transpose (ops/shape_ops.py): new C-contiguous
 arrays, never views of x. `out_shape` gives the concrete output shape of reshape and
-flatten (the GPU kernels use it too).
+flatten (the GPU kernels use it too); `bind_reshape` is their bound form.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
+
+from minigraph.kernels.cpu import prepared
 
 
 def out_shape(op, x_shape):
@@ -32,6 +35,23 @@ def flatten_cpu(op, ins, ctx):
     """out = a copy of x with dims start_axis..stop_axis merged."""
     x = ins["x"]
     return {"out": x.reshape(out_shape(op, x.shape)).copy()}
+
+
+def bind_reshape(op):
+    """reshape_cpu's and flatten_cpu's bound form (minigraph.bound_run): a C-contiguous
+    x copied into the same array of the output shape every run (the kernels' copy),
+    prepared again only for another input array. None (the kernel runs) for another x."""
+    kept = {"out": None}
+
+    def prepare(x):
+        if not x.flags.c_contiguous:             # x.reshape would be a copy, not a view
+            return None
+        shape = out_shape(op, x.shape)
+        out = kept["out"]
+        if out is None or out.shape != shape or out.dtype != x.dtype:
+            out = kept["out"] = np.empty(shape, x.dtype)
+        return functools.partial(np.copyto, out, x.reshape(shape)), {"out": out}
+    return prepared.form(("x",), prepare)
 
 
 def reshape_grad_cpu(op, ins, ctx):
