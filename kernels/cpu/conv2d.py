@@ -155,8 +155,8 @@ def bind_fused_conv2d(op):
     kernel) into the same output array every run, its C call prepared again only when
     the filter or bias is another array, x or the residual of another shape or layout,
     the filter was made writeable (its transform is made anew) or the thread count
-    changed. None (the kernel runs) where
-    the arrays are not C-contiguous float32 or the choice is the im2col engine."""
+    changed. None (the kernel runs) where the arrays are not C-contiguous float32 or
+    the choice is the im2col engine."""
     if op.attrs["data_layout"] != "NCHW":
         return None
     relu = op.attrs["activation"] == "relu"
