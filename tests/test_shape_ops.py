@@ -65,6 +65,23 @@ def transpose_reference(x, perm):
     return {"out": out}
 
 
+def test_the_bound_form_copies_a_contiguous_x_and_leaves_the_rest_to_the_kernel():
+    """reshape's and flatten's bound form (minigraph.bound_run): the kernel's copy into
+    one kept array, new values of the same x read anew; None for a non-contiguous x
+    (x.reshape would copy it when prepared, and later values would go unread)."""
+    from minigraph.kernels.cpu import shape_ops
+
+    scope = mg.Scope()
+    op = mg.Operator("flatten", x=scope.new_var("x"), out=scope.new_var("out"))
+    run = shape_ops.bind_reshape(op)
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    first = run({"x": x})["out"]
+    x *= 2
+    again = run({"x": x})["out"]
+    assert again is first and np.array_equal(again, x.reshape(2, 12))
+    assert run({"x": x.transpose(0, 2, 1)}) is None
+
+
 @pytest.mark.parametrize("x_shape, perm", [
     ((2, 3, 4), (0, 1, 2)), ((2, 3, 4), (2, 0, 1)), ((2, 3, 4), (1, 0, 2)), ((3, 5), (1, 0)),
     ((2, 3, 4, 5), (0, 2, 3, 1)), ((4,), (0,)), ((), ()),

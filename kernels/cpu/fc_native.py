@@ -78,16 +78,11 @@ def forward(x, w, bias=None, relu=False):
     supports() takes them. Every output is summed by one thread in one order (the
     same result on any number of threads). Marks `w` read-only (see the module doc)."""
     x = np.ascontiguousarray(x)
-    m, k = x.shape
-    n = w.shape[1]
+    m, n = x.shape[0], w.shape[1]
     bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     out = np.empty((m, n), dtype=np.float32)
-    if m == 0 or n == 0:
-        return out
-    threads = max(1, min(blocks.get_num_threads(), m * k * n // MIN_THREAD_WORK))
-    if _lib().fc_forward_f32(_ptr(x), _ptr(packed_weight(w)), _ptr(bias), _ptr(out), m, k, n,
-                             int(bool(relu)), threads):
-        raise MemoryError("fc_native.forward: the packed copy of x could not be allocated")
+    if m and n:
+        prepared_forward(x, w, bias, relu, out)()
     return out
 
 
