@@ -4,8 +4,9 @@ its work without raising the step's peak (OpSchema.work_room; minigraph.executor
 A training step's values peak where the most of them are alive: late in the
 forward pass and as the backward pass starts, when every activation the
 gradients need is held. Ops elsewhere run beside much less, and a kernel whose
-speed grows with its work arrays (conv2d's, whose columns are cut in chunks of
-images) can take that difference. Kernels keep their work lean at the peak
+speed grows with its work arrays (conv2d's: the im2col engine's columns, cut in
+chunks of images; Winograd's scratch, where it outgrows the output) can take that
+difference. Kernels keep their work lean at the peak
 and take the room elsewhere, so the peak stays where it was.
 
 The first run of a plan with a signature (minigraph.executor's check run, which

@@ -9,6 +9,8 @@ from helpers import spying
 import minigraph as mg
 from minigraph import layers as L
 from minigraph import work_room
+from minigraph.kernels.cpu import choices, conv_native
+from minigraph.kernels.cpu import conv2d as conv2d_kernels
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
 from minigraph.plan import ONE
 from minigraph.schema import get_schema
@@ -159,3 +161,108 @@ def test_the_check_run_passes_no_room_and_a_new_shape_measures_again(conv_rooms)
     rooms.clear()
     net.train(feed=small, fetch=[loss])
     assert rooms[0] == pytest.approx(first[0] / 4, rel=0.05)
+
+
+def wide_convs(n=128, c=16, hw=4):
+    """A net of three 3x3 convs of `c` channels on hw x hw images (many channels on small
+    images: Winograd's scratch outgrows the output), its train ops and a feed."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", shape=(-1, c, hw, hw))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = img
+    for _ in range(3):
+        h = L.relu(net, L.conv2d(net, h, c, 3, padding=1, bias=False))
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.flatten(net, h), 4), lbl))
+    mg.optimizer.Momentum(0.1, 0.9).minimize(net, loss)
+    r = np.random.default_rng(1)
+    return net, {"image": r.standard_normal((n, c, hw, hw)).astype(np.float32),
+                 "label": r.integers(0, 4, n)}
+
+
+def winograd_scratch(g, threads=2):
+    return conv_native._winograd_scratch(g, conv_native._threads(g, threads))
+
+
+def test_room_buys_winograd_where_its_scratch_outgrows_the_output():
+    g = conv_cpu.geometry((32, 32, 4, 4), (32, 32, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    out = g.n * g.o * g.ho * g.wo
+    scratch = winograd_scratch(g)
+    assert scratch > 4 * out * conv_native.WINOGRAD_MAX_SCRATCH
+    bound = conv2d_kernels.winograd_bound
+    takes = conv_native.forward_winograd
+    assert bound(takes, g, 2, None, out) == (None, "")
+    assert bound(takes, g, 2, scratch - 1, out) == (None, "")
+    limit, extra = bound(takes, g, 2, scratch, out)
+    assert extra == "room" and takes(g, 2, limit)
+    dx_room = 64 << 20
+    limit, extra = bound(conv_native.input_grad_winograd, g, 2, dx_room, g.n * g.c * g.h * g.w)
+    assert extra == "room" and conv_native.input_grad_winograd(g, 2, limit)
+    assert bound(conv_native.input_grad_winograd, g, 2, None, out) == (None, "")
+    small = conv_cpu.geometry((32, 16, 32, 32), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    for room in (None, 0, 64 << 20):     # within the default bound: room changes nothing
+        assert bound(takes, small, 2, room, 32 * 16 * 32 * 32) == (
+            conv_native.WINOGRAD_MAX_SCRATCH, "")
+
+
+def test_convs_run_winograd_within_the_room_the_step_leaves_them(monkeypatch):
+    """After the check run (no room), conv2d and conv2d_grad on many channels and small
+    images run Winograd's kernel where the step leaves room for its scratch, under keys
+    of their own, and never take more scratch than that room; the results equal a
+    step without rooms."""
+    if not conv_native.available():
+        pytest.skip("the native kernels are not built here")
+    calls, room = [], [None]
+
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            room[0] = ctx.room
+            return plain(op, ins, ctx)
+        return spy
+
+    real = conv_native.run_winograd
+
+    def run_winograd(args, dims, threads, g, stats, w):
+        calls.append((room[0], winograd_scratch(g, threads), 4 * g.n * g.o * g.ho * g.wo))
+        return real(args, dims, threads, g, stats, w)
+
+    keys, pick = [], choices.pick
+
+    def spy_pick(kind, key, options, default):
+        keys.append((kind, key, tuple(options)))
+        return pick(kind, key, options, default)
+
+    def steps(rooms):
+        with monkeypatch.context() as m:
+            if not rooms:
+                m.setattr(work_room.Meter, "rooms", lambda self, ops: [None] * len(ops))
+            m.setattr(conv_native, "run_winograd", run_winograd)
+            m.setattr(choices, "pick", spy_pick)
+            net, feed = wide_convs()
+            losses = []
+            forced = {"conv2d": "winograd", "conv2d_dx": "winograd"}
+            with spying("conv2d", make_spy), spying("conv2d_grad", make_spy), \
+                    choices.forcing(forced):
+                for step in range(3):
+                    calls.clear()
+                    keys.clear()
+                    losses.append(float(net.train(feed=feed, fetch=[loss_of(net)])[0]))
+                    if step == 0:
+                        assert calls == []          # the check run: no room, no Winograd
+            return losses, [p.get().copy() for p in net.parameters()], list(calls), list(keys)
+
+    losses, params, roomy, roomy_keys = steps(True)
+    assert roomy, "no conv ran Winograd's kernel within its room"
+    for given, scratch, out in roomy:
+        assert scratch > out and given is not None and scratch <= given
+    for kind in ("conv2d", "conv2d_dx"):
+        assert any(k == kind and "|room|" in key and "winograd" in options
+                   for k, key, options in roomy_keys), kind
+    lean_losses, lean_params, lean, lean_keys = steps(False)
+    assert lean == [] and not any("|room|" in key for _, key, _ in lean_keys)
+    np.testing.assert_allclose(losses, lean_losses, rtol=1e-5)
+    for a, b in zip(params, lean_params):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def loss_of(net):
+    return next(op.outputs["out"] for op in net.ops("train") if op.type == "mean")

@@ -4,10 +4,12 @@ for NHWC), the fastest on this machine of Winograd's kernel, the direct kernel a
 the im2col engine (timed at first use and kept per machine: choices.py), else the
 im2col engine of the layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc),
 with lean work arrays, or up to the room a training step leaves them
-(KernelContext.room, OpSchema.work_room); and of fused_conv2d (ops/fused_conv2d.py),
-whose bias, residual and relu are applied to each tile or chunk of the
-convolution's output while it is in cache, and whose bound form (bind_fused_conv2d)
-runs a checked inference plan's native convs as prepared calls.
+(KernelContext.room, OpSchema.work_room; the room also lets Winograd's kernel
+take a conv whose scratch outgrows its output: winograd_bound); and of
+fused_conv2d (ops/fused_conv2d.py), whose bias, residual and relu are applied to
+each tile or chunk of the convolution's output while it is in cache, and whose
+bound form (bind_fused_conv2d) runs a checked inference plan's native convs as
+prepared calls.
 """
 from __future__ import annotations
 
@@ -80,9 +82,28 @@ def conv2d_cpu(op, ins, ctx):
     threads = blocks.get_num_threads()
     options = {"direct": lambda: run.forward(x, w, g, threads, max_scratch=conv_native.DIRECT),
                "im2col": im2col}
-    if conv_native.forward_winograd(g, threads):
-        options["winograd"] = lambda: run.forward(x, w, g, threads)
-    return {"out": choose("conv2d", op, g, threads, options)}
+    bound, extra = winograd_bound(conv_native.forward_winograd, g, threads,
+                                  None if ctx is None else ctx.room, g.n * g.o * g.ho * g.wo)
+    if bound is not None:
+        options["winograd"] = lambda: run.forward(x, w, g, threads, max_scratch=bound)
+    return {"out": choose("conv2d", op, g, threads, options, extra)}
+
+
+def winograd_bound(takes, g, threads, room, out_floats):
+    """(max_scratch, key extra) for a training conv pass: Winograd's kernel takes it
+    (takes(g, threads, max_scratch): conv_native.forward_winograd or
+    input_grad_winograd) within the default scratch bound (None, ""), or within the
+    work room the step leaves the op (its bytes over the pass's output's, "room": a
+    choice of its own, since more kernels compete), else (None, "") and no Winograd.
+    A conv of many channels on small images (a ResNet's last stage) needs scratch
+    larger than its output: where the step's values are below their peak, it fits."""
+    if takes(g, threads):
+        return conv_native.WINOGRAD_MAX_SCRATCH, ""
+    if room and out_floats:
+        bound = room / (4 * out_floats)
+        if bound > conv_native.WINOGRAD_MAX_SCRATCH and takes(g, threads, bound):
+            return bound, "room"
+    return None, ""
 
 
 def conv2d_grad_cpu(op, ins, ctx):
@@ -107,9 +128,11 @@ def conv2d_grad_cpu(op, ins, ctx):
                                                     max_scratch=conv_native.DIRECT),
                    "im2col": lambda: run.numpy_backward(x, w, d, g, need_dx=True,
                                                         need_dw=False, room=ctx.room)[0]}
-        if conv_native.input_grad_winograd(g, threads):
-            options["winograd"] = lambda: run.input_grad(w, d, g, threads)
-        dx = choose("conv2d_dx", op, g, threads, options)
+        bound, extra = winograd_bound(conv_native.input_grad_winograd, g, threads,
+                                      None if ctx is None else ctx.room, g.n * g.c * g.h * g.w)
+        if bound is not None:
+            options["winograd"] = lambda: run.input_grad(w, d, g, threads, max_scratch=bound)
+        dx = choose("conv2d_dx", op, g, threads, options, extra)
     if need_dw:
         options = {"direct": lambda: run.filter_grad(x, d, g, threads),
                    "im2col": lambda: run.numpy_backward(x, w, d, g, need_dx=False,

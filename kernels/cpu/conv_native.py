@@ -218,7 +218,8 @@ def winograd(g, threads=1, out_shape=None, at=(0, 0), step=(1, 1), max_scratch=N
     off (MINIGRAPH_WINOGRAD=0). The default bound keeps a training step's peak
     memory that of the direct kernel: a conv of many channels on small images (a
     ResNet's last stage) needs a transform of the filter larger than its outputs,
-    and stays direct. fused_conv2d, which no training step runs, passes
+    and stays direct unless the step leaves it room (kernels/cpu/conv2d.py's
+    winograd_bound). fused_conv2d, which no training step runs, passes
     WINOGRAD_MAX_SCRATCH_INFERENCE: up to there Winograd was the faster (the
     filter's transform, made at each call, is paid back by the images that use it;
     past it, on few small images, the direct kernel can be several times faster)."""
