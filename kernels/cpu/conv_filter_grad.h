@@ -6,7 +6,8 @@
  * vector has as few of 6, 9 and 12 taps as hold the taps left): per output, dout's
  * values (dout transposed per image to (outputs, O padded to a whole tile), eight by
  * eight through vector transposes) times one broadcast input value per tap, summed
- * over every output of a group of images (group_size). Each thread sums a fixed range
+ * over every output of a group of images (group_size; adjacent outputs of a one-vector
+ * tile share their input values: fg_shared). Each thread sums a fixed range
  * of images into its own K x O array; the calling thread adds those in thread order
  * (results depend on the number of threads only). */
 
@@ -56,6 +57,33 @@ static void fg_transpose(const float *d, float *dt, int64_t o, int64_t plane, in
         for (int64_t q = 0; q < plane; q++) dt[q * opad + oc] = d[oc * plane + q];
 }
 
+/* In a tile of one vector by taps in threes (T3), adjacent outputs share input values:
+ * tap kx of output x + p reads the value at offset kx + p. FG_SHARE outputs at a time,
+ * each value of a three is broadcast once for the (up to 3) products that use it, which
+ * halves the loads per product (more outputs would not fit in registers); every sum
+ * still adds its outputs in order, so the bits are those of one output at a time. */
+#define FG_SHARE (VL == 16 ? 4 : 2)
+
+static inline __attribute__((always_inline)) void fg_shared(
+    const float *brow, const float *drow, int64_t opad, const int64_t *off, int64_t x,
+    vf *acc, const int KT)
+{
+    vf dv[FG_SHARE];
+#pragma GCC unroll 4
+    for (int p = 0; p < FG_SHARE; p++) dv[p] = vf_load(drow + (x + p) * opad);
+#pragma GCC unroll 32
+    for (int t = 0; t < KT; t += 3) {
+        const float *src = brow + off[t] + x;
+#pragma GCC unroll 6
+        for (int j = 0; j < FG_SHARE + 2; j++) {
+            float b = src[j];
+#pragma GCC unroll 3
+            for (int kx = 0; kx < 3; kx++)
+                if (j - kx >= 0 && j - kx < FG_SHARE) acc[t + kx] += dv[j - kx] * b;
+        }
+    }
+}
+
 /* The sums of one tile, VO vectors of output channels from o0 by KT taps from k0, over
  * the m images of a group (buffers buf, transposed dout dt), added to dw (K x opad).
  * T3: the taps come in threes of adjacent buffer offsets (3 taps across, stride and
@@ -79,7 +107,11 @@ static inline __attribute__((always_inline)) void fg_tile(
         for (int64_t y = 0; y < ho; y++) {
             const float *drow = dt + g * dsize + y * wo * opad + o0;
             const float *brow = buf + g * buf_size + y * row_step;
-            for (int64_t x = 0; x < wo; x++) {
+            int64_t x = 0;
+            if (T3 && VO == 1)        /* FG_SHARE outputs at a time: see fg_shared */
+                for (; x + FG_SHARE <= wo; x += FG_SHARE)
+                    fg_shared(brow, drow, opad, off, x, acc[0], KT);
+            for (; x < wo; x++) {
                 vf dv[GV];
 #pragma GCC unroll 2
                 for (int v = 0; v < VO; v++) dv[v] = vf_load(drow + x * opad + VL * v);
