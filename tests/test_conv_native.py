@@ -43,6 +43,10 @@ GEOMETRIES = [
     ((2, 12, 9, 9), (17, 12, 3, 3), (2, 2), (1, 1), (1, 1)),
     # rows of at most 8 outputs, two to a vector with AVX-512: an odd number of them
     ((2, 5, 7, 7), (6, 5, 3, 3), (1, 1), (1, 1), (1, 1)),
+    # stride 2 across: the input gradient's phases write every other value of rows of
+    # 8 (16 wide) and of 19 and 18 (37 wide: a whole vector and a part)
+    ((2, 5, 16, 16), (6, 5, 3, 3), (2, 2), (1, 1), (1, 1)),
+    ((2, 3, 6, 37), (4, 3, 3, 3), (2, 2), (1, 1), (1, 1)),
 ]
 
 

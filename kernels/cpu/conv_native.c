@@ -160,6 +160,16 @@ static inline void store8(const conv_t *a, int64_t at, v8 val, int64_t lanes)
     }
     if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
         if (a->relu) val = (v8)((v8i)val & ~(val < 0));
+#if VL == 16
+        if (a->osw == 2) {                 /* lane l to lane 2 l, as store_row's */
+            const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6,
+                                                     7, 7);
+            _mm512_mask_storeu_ps(a->out + at, (__mmask16)0x5555u,
+                                  _mm512_permutexvar_ps(spread,
+                                                        _mm512_castps256_ps512((__m256)val)));
+            return;
+        }
+#endif
         for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
         return;
     }
@@ -190,6 +200,20 @@ static inline void store_row(const conv_t *a, int64_t at, vf val, int64_t lanes)
             vf_store(a->out + at, val);
         else
             vf_store_part(a->out + at, val, lanes);
+        return;
+    }
+    if (!a->residual && a->osw == 2) {    /* a phase of dx at stride 2: every other output */
+        if (a->relu) val = vf_relu(val);
+        /* lane l to lane 2 l of two vectors, stored under a mask of the even lanes:
+         * two permutes and two masked stores where a scatter took 16 stores */
+        const __m512i low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+        uint64_t even = 0x55555555u & ((1ull << (2 * lanes)) - 1);
+        _mm512_mask_storeu_ps(a->out + at, (__mmask16)even,
+                              _mm512_permutexvar_ps(low, (__m512)val));
+        if (lanes > 8)
+            _mm512_mask_storeu_ps(a->out + at + 16, (__mmask16)(even >> 16),
+                                  _mm512_permutexvar_ps(high, (__m512)val));
         return;
     }
     if (!a->residual && a->osw < (1 << 20)) {    /* a phase of dx: every osw-th output */
