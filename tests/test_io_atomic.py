@@ -165,9 +165,11 @@ def test_ctrl_c_during_a_load_leaves_the_net_as_it_was_or_fully_loaded(tmp_path)
         for _ in range(150):
             io.load(net, old_path)
             fired.clear()
-            signal.setitimer(signal.ITIMER_REAL, pick.uniform(1e-5, seconds))
             try:
                 try:
+                    # armed inside the try: a timer of a few microseconds can fire as
+                    # setitimer returns, before the load starts
+                    signal.setitimer(signal.ITIMER_REAL, pick.uniform(1e-5, seconds))
                     io.load(net, new_path)
                     time.sleep(seconds)     # an interrupt after the load lands here
                 finally:
