@@ -1,17 +1,21 @@
 """Why an inference slowed down between training steps, measured again on each run:
 the wide MLP's optimized inference net (all native fused_fc products) alone, right
-after a training step, after a training step and a 150 ms pause, and after
-writing 256 MiB of memory (no computation, no threads: caches emptied), with the
-CPU time every thread of the process spent meanwhile.
+after a training step, after a training step and a 150 ms pause, after writing 256
+MiB of memory (no computation, no threads: caches emptied) and after 2 ms of a
+Python loop that reads the clock (no memory traffic, no threads), with the CPU time
+every thread of the process spent meanwhile; the same for the CNNs of --nets.
 
-    python benchmarks/between_steps.py [--threads 2] [--rounds 15] [--no-write]
+    python benchmarks/between_steps.py [--threads 2] [--rounds 15] [--nets mlp mnist digits]
+                                       [--no-write]
 
 Each mode runs in a fresh process (this script with --worker): minigraph as it is
 (OpenBLAS's parallel work on minigraph's own pool: kernels/cpu/blas_threads.py),
 with MINIGRAPH_BLAS_POOL=0 (OpenBLAS's own worker threads, as before that pool),
 the same with OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS's workers sleep as soon as a
 call ends instead of spinning for 2^28 cycles), and with MINIGRAPH_NATIVE=0 (every
-kernel on numpy; the inference's products on BLAS too). In each, the threads
+kernel on numpy; the inference's products on BLAS too); the other nets run as
+minigraph is (their inference nets' convolutions, pools and products native). In
+each, the threads
 OpenBLAS started when numpy loaded are noted before minigraph is imported; then
 --rounds rounds each time 5 inferences of every case, the cases in turn (so that a
 drift of the machine's speed slows them alike). A
@@ -38,7 +42,7 @@ MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
              "MINIGRAPH_BLAS_POOL": "0", "OPENBLAS_THREAD_TIMEOUT": "4"},
          "MINIGRAPH_NATIVE=0": {"MINIGRAPH_NATIVE": "0"}}
 CASES = ("alone", "after a training step", "after a step and 150 ms",
-         "after writing 256 MiB")
+         "after writing 256 MiB", "after 2 ms of Python")
 FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches emptied
 
 
@@ -63,8 +67,8 @@ def worker(args):
     import minigraph as mg
 
     mg.set_num_threads(args.threads)
-    net, _, logits, loss = mg_net("mlp")
-    x, y = batch("mlp")
+    net, _, logits, loss = mg_net(args.net)
+    x, y = batch(args.net)
     feed = {"image": x, "label": y}
 
     def step():
@@ -82,7 +86,8 @@ def worker(args):
     flush = numpy.ones(FLUSH_FLOATS, numpy.float32)
     before = {"alone": lambda: None, "after a training step": step,
               "after a step and 150 ms": lambda: (step(), time.sleep(0.15)),
-              "after writing 256 MiB": lambda: flush.fill(1.0)}
+              "after writing 256 MiB": lambda: flush.fill(1.0),
+              "after 2 ms of Python": lambda: busy(0.002)}
     got = {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
@@ -100,10 +105,20 @@ def worker(args):
             for case, rows in got.items()}
 
 
+def busy(seconds):
+    """Run Python for `seconds`, reading the clock: no memory traffic, no other thread."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--nets", nargs="+", default=["mlp", "mnist", "digits"],
+                        choices=("mlp", "digits", "mnist", "recipe", "resnet"))
+    parser.add_argument("--net", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -112,25 +127,26 @@ def main(argv=None):
         return
     from report import machine_line, markdown_table, write_section
 
-    header = ("mode", "inference", "wall ms", "OpenBLAS's workers, CPU ms",
+    header = ("net", "mode", "inference", "wall ms", "OpenBLAS's workers, CPU ms",
               "calling thread, CPU ms", "other threads, CPU ms")
     rows = []
     load = os.getloadavg()[0]
     print(f"load average before: {load:.2f}")
-    for mode, env in MODES.items():
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads",
-               str(args.threads), "--rounds", str(args.rounds)]
-        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
-                              check=True)
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        for case in CASES:
-            rows.append((mode, case, *(f"{v:.2f}" for v in result[case])))
-            print(" | ".join(rows[-1]))
+    for net in args.nets:
+        for mode, env in MODES.items() if net == "mlp" else [("minigraph", {})]:
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--threads",
+                   str(args.threads), "--rounds", str(args.rounds), "--net", net]
+            done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True,
+                                  text=True, check=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            for case in CASES:
+                rows.append((net, mode, case, *(f"{v:.2f}" for v in result[case])))
+                print(" | ".join(rows[-1]))
     text = "\n\n".join([machine_line(
-        f"The wide MLP's optimized inference (128x784), {args.threads} threads, each mode in "
-        f"its own process; medians over {args.rounds} rounds of 5 inferences per case, the "
-        "cases in turn; CPU time per thread from /proc/self/task/*/schedstat; load average "
-        f"{load:.2f} before."),
+        f"The optimized inference nets of nets_cpu.py ({', '.join(args.nets)}), "
+        f"{args.threads} threads, each net and mode in its own process; medians over "
+        f"{args.rounds} rounds of 5 inferences per case, the cases in turn; CPU time per "
+        f"thread from /proc/self/task/*/schedstat; load average {load:.2f} before."),
         markdown_table(header, rows)])
     write_section("between_steps", text, enabled=not args.no_write)
 
