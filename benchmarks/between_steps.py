@@ -17,12 +17,15 @@ kernel on numpy; the inference's products on BLAS too); the other nets run as
 minigraph is (their inference nets' convolutions, pools and products native). In
 each, the threads
 OpenBLAS started when numpy loaded are noted before minigraph is imported; then
---rounds rounds each time 5 inferences of every case, the cases in turn (so that a
-drift of the machine's speed slows them alike). A
-thread's CPU time is the first field of /proc/self/task/<tid>/schedstat
-(nanoseconds; Linux). The table: the median wall time of an inference, and the
-median CPU time of OpenBLAS's own workers, of the calling thread and of every other
-thread (the native kernels' pools) during one. It prints its table and writes it
+--rounds rounds each time 10 inferences of every case, the cases in turn (so that a
+drift of the machine's speed slows them alike): 5 timed, then 5 with the CPU time
+of every thread read around them (reading /proc is work of its own, which would
+slow a small net's inference). A thread's CPU time is the first field of
+/proc/self/task/<tid>/schedstat (nanoseconds; Linux; it is brought up to date at
+the kernel's ticks, so a short inference may count some of what ran before it).
+The table: the median wall time of an inference, and the median CPU time of
+OpenBLAS's own workers, of the calling thread and of every other thread (the
+native kernels' pools) during one. It prints its table and writes it
 into the `between_steps` section of docs/performance.md; --no-write only prints.
 """
 from __future__ import annotations
@@ -88,21 +91,27 @@ def worker(args):
               "after a step and 150 ms": lambda: (step(), time.sleep(0.15)),
               "after writing 256 MiB": lambda: flush.fill(1.0),
               "after 2 ms of Python": lambda: busy(0.002)}
-    got = {case: [] for case in CASES}
+    walls, cpus = {case: [] for case in CASES}, {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
-            for _ in range(5):
+            for _ in range(5):              # wall time: nothing else around the inference
                 before[case]()
-                c0, t0 = thread_cpu_ns(), time.perf_counter()
+                t0 = time.perf_counter()
                 infer()
-                wall, c1 = time.perf_counter() - t0, thread_cpu_ns()
+                walls[case].append((time.perf_counter() - t0) * 1e3)
+            for _ in range(5):              # CPU times: reading them is work of its own
+                before[case]()
+                c0 = thread_cpu_ns()
+                infer()
+                c1 = thread_cpu_ns()
                 spent = {t: (c1[t] - c0.get(t, 0)) / 1e6 for t in c1}
-                got[case].append((wall * 1e3, sum(v for t, v in spent.items() if t in blas),
-                                  spent.get(os.getpid(), 0.0),
-                                  sum(v for t, v in spent.items()
-                                      if t not in blas and t != os.getpid())))
-    return {case: [statistics.median(r[i] for r in rows) for i in range(4)]
-            for case, rows in got.items()}
+                cpus[case].append((sum(v for t, v in spent.items() if t in blas),
+                                   spent.get(os.getpid(), 0.0),
+                                   sum(v for t, v in spent.items()
+                                       if t not in blas and t != os.getpid())))
+    return {case: [statistics.median(walls[case])]
+            + [statistics.median(r[i] for r in cpus[case]) for i in range(3)]
+            for case in CASES}
 
 
 def busy(seconds):
@@ -145,8 +154,9 @@ def main(argv=None):
     text = "\n\n".join([machine_line(
         f"The optimized inference nets of nets_cpu.py ({', '.join(args.nets)}), "
         f"{args.threads} threads, each net and mode in its own process; medians over "
-        f"{args.rounds} rounds of 5 inferences per case, the cases in turn; CPU time per "
-        f"thread from /proc/self/task/*/schedstat; load average {load:.2f} before."),
+        f"{args.rounds} rounds of 5 timed inferences and 5 with CPU times per case, the cases "
+        f"in turn; CPU time per thread from /proc/self/task/*/schedstat; load average "
+        f"{load:.2f} before."),
         markdown_table(header, rows)])
     write_section("between_steps", text, enabled=not args.no_write)
 
