@@ -92,9 +92,10 @@ def conv2d_cpu(op, ins, ctx):
 def winograd_bound(takes, g, threads, room, out_floats):
     """(max_scratch, key extra) for a training conv pass: Winograd's kernel takes it
     (takes(g, threads, max_scratch): conv_native.forward_winograd or
-    input_grad_winograd) within the default scratch bound (None, ""), or within the
-    work room the step leaves the op (its bytes over the pass's output's, "room": a
-    choice of its own, since more kernels compete), else (None, "") and no Winograd.
+    input_grad_winograd) within the default scratch bound (WINOGRAD_MAX_SCRATCH, ""),
+    or within the `room` bytes the step leaves the op (the room over the pass's
+    output's bytes, "room": a choice of its own, since more kernels compete), else
+    (None, "") and no Winograd.
     A conv of many channels on small images (a ResNet's last stage) needs scratch
     larger than its output: where the step's values are below their peak, it fits."""
     if takes(g, threads):
