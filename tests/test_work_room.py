@@ -164,8 +164,8 @@ def test_the_check_run_passes_no_room_and_a_new_shape_measures_again(conv_rooms)
 
 
 def wide_convs(n=128, c=16, hw=4):
-    """A net of three 3x3 convs of `c` channels on hw x hw images (many channels on small
-    images: Winograd's scratch outgrows the output), its train ops and a feed."""
+    """(net, feed): three 3x3 convs of `c` channels on hw x hw images (many channels on
+    small images: Winograd's scratch outgrows the output), trained with Momentum."""
     net = mg.Net(seed=0)
     img = L.data(net, "image", shape=(-1, c, hw, hw))
     lbl = L.data(net, "label", shape=(-1,), dtype="int64")
@@ -183,6 +183,11 @@ def winograd_scratch(g, threads=2):
     return conv_native._winograd_scratch(g, conv_native._threads(g, threads))
 
 
+needs_native = pytest.mark.skipif(not conv_native.available(),
+                                  reason="the native kernels are not built here")
+
+
+@needs_native
 def test_room_buys_winograd_where_its_scratch_outgrows_the_output():
     g = conv_cpu.geometry((32, 32, 4, 4), (32, 32, 3, 3), (1, 1), (1, 1), (1, 1), 1)
     out = g.n * g.o * g.ho * g.wo
@@ -204,13 +209,12 @@ def test_room_buys_winograd_where_its_scratch_outgrows_the_output():
             conv_native.WINOGRAD_MAX_SCRATCH, "")
 
 
+@needs_native
 def test_convs_run_winograd_within_the_room_the_step_leaves_them(monkeypatch):
     """After the check run (no room), conv2d and conv2d_grad on many channels and small
     images run Winograd's kernel where the step leaves room for its scratch, under keys
     of their own, and never take more scratch than that room; the results equal a
     step without rooms."""
-    if not conv_native.available():
-        pytest.skip("the native kernels are not built here")
     calls, room = [], [None]
 
     def make_spy(plain):
