@@ -27,6 +27,7 @@ from minigraph.kernels.cpu import (
     conv_native,
     conv_native_nhwc,
     native,
+    prepared,
 )
 from minigraph.kernels.layout import nchw_sizes
 
@@ -198,9 +199,7 @@ def bind_fused_conv2d(op):
         name = pick("fused_conv2d", op, g, threads, options, _extra(epilogue))
         if name == "im2col":
             return None
-        out = kept["out"]
-        if out is None or out.shape != shape:
-            out = kept["out"] = np.empty(shape, np.float32)
+        out = prepared.output(kept, shape, np.float32)
         return conv_native.prepared_forward(w, g, threads, bias, relu, out,
                                             name == "winograd")
 

@@ -210,9 +210,7 @@ def bind_pool2d(op):
             shape = pool_native.tiles_shape(x, layout)
         if shape is None or 0 in shape:
             return None
-        out = kept["out"]
-        if out is None or out.shape != shape or out.dtype != x.dtype:
-            out = kept["out"] = np.empty(shape, x.dtype)
+        out = prepared.output(kept, shape, x.dtype)
         if a["global_pooling"]:
             return pool_native.prepared_global_avg(x, out), {"out": out}
         return pool_native.prepared_max_tiles(x, out, layout), {"out": out}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import operator
 import weakref
 
+import numpy as np
+
 
 def form(slots, prepare, lists=()):
     """A bound form's run(ins): prepare(*arrays) -> (call, outs), or None where the call
@@ -43,6 +45,15 @@ def form(slots, prepare, lists=()):
         ready[0]()
         return ready[1]
     return run
+
+
+def output(kept, shape, dtype):
+    """A bound form's output array: kept["out"] where it has this shape and dtype, else
+    a new (uninitialised) one, kept there for the next runs."""
+    out = kept.get("out")
+    if out is None or out.shape != tuple(shape) or out.dtype != dtype:
+        out = kept["out"] = np.empty(shape, dtype)
+    return out
 
 
 def kept(table, array, tag, make):

@@ -47,9 +47,7 @@ def bind_reshape(op):
         if not x.flags.c_contiguous:             # x.reshape would be a copy, not a view
             return None
         shape = out_shape(op, x.shape)
-        out = kept["out"]
-        if out is None or out.shape != shape or out.dtype != x.dtype:
-            out = kept["out"] = np.empty(shape, x.dtype)
+        out = prepared.output(kept, shape, x.dtype)
         return functools.partial(np.copyto, out, x.reshape(shape)), {"out": out}
     return prepared.form(("x",), prepare)
 
