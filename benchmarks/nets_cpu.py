@@ -11,7 +11,9 @@ builds minigraph's, nets_torch.py PyTorch's): digits, resnet, mnist, mlp and rec
 (a user's first CNN: conv32 and conv64 blocks, AdamW with two parameter groups).
 minigraph runs every BN-ReLU pair as one batch_norm_relu op
 (mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
-residual add stays a batch_norm.
+residual add stays a batch_norm; the Momentum nets (digits, resnet) make their
+updates in one merged_momentum op (mg.passes.merge_updates), PyTorch's SGD with
+foreach=True.
 
 Every measurement runs in a fresh process of its own (this script with
 --worker): numpy's OpenBLAS threads and PyTorch's OpenMP threads slow each

@@ -16,7 +16,9 @@ PyTorch twins are in nets_torch.py.
   1), fc128-BN-ReLU, dropout 0.5, fc10.
 minigraph runs every BN-ReLU pair as one batch_norm_relu op
 (mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
-residual add stays a batch_norm.
+residual add stays a batch_norm. The Momentum nets' updates run as one
+merged_momentum op (mg.passes.merge_updates, after minimize; PyTorch's SGD gets
+foreach=True, its counterpart).
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ def mg_resnet(seed=0, place=None):
     loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
     mg.passes.fuse_batch_norm_relu(net)
     mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
+    mg.passes.merge_updates(net)
     return net, image, logits, loss
 
 
@@ -112,9 +115,11 @@ def mg_net(net_name, place=None):
         return mg_resnet(place=place)
     if net_name in ADAM_NETS + ADAMW_NETS:
         return mg_cnn(net_name, place=place)
+    import minigraph as mg
     from minigraph.examples.train_digits import build_net
 
     net, h = build_net(place=place, seed=0, learning_rate=LEARNING_RATE, momentum=MOMENTUM)
+    mg.passes.merge_updates(net)
     return net, h["image"], h["logits"], h["loss"]
 
 

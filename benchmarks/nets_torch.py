@@ -69,7 +69,8 @@ def torch_model(net_name):
 
 def torch_optimizer(net_name, model):
     """The optimizer nets_models.py gives `net_name`: Adam, AdamW with two groups (no
-    decay on biases and batch norms' parameters), or SGD with momentum."""
+    decay on biases and batch norms' parameters), or SGD with momentum (all parameters'
+    updates in one foreach call, as minigraph's merged_momentum)."""
     import torch
 
     if net_name in ADAM_NETS:
@@ -79,7 +80,8 @@ def torch_optimizer(net_name, model):
         return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2]},
                                   {"params": [p for p in params if p.ndim < 2],
                                    "weight_decay": 0.0}], lr=1e-3, weight_decay=WEIGHT_DECAY)
-    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM,
+                           foreach=True)        # minigraph's side merges its updates
 
 
 def torch_worker(args):

@@ -55,7 +55,7 @@ def _slots(step):
 
 def _form(step, fn):
     op = step.op
-    in_place = {id(op.outputs.get(slot)) for slot in op.schema.inplace}
+    in_place = {id(v) for v in op.in_place_outputs()}
     if any(id(v) not in in_place for v in step.writes):
         return None
     bind = next((k.bind for k in op.schema.kernels.get("cpu", ()) if k.fn is fn), None)

@@ -204,8 +204,7 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
             if step.writes:
                 first = journal.save(step.writes, step.untouched)
                 if step.spares:
-                    spares = {slot: journal.spare(var) for slot, var in step.spares
-                              if id(var) in first}
+                    spares = _spares(step, journal, first)
                     if spares:
                         ctx = ctx.with_spares(spares)
             if step.donors:
@@ -227,6 +226,20 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     if check and tuple(c.kernels) != picked:
         c.bound = None                  # its forms were made for the kernels before
     return False
+
+
+def _spares(step, journal, first):
+    """{in-place output slot: spare array (a list for a list slot, None where it gets
+    none)} for the step's persistables the journal noted first now."""
+    spares = {}
+    for slot, var, i in step.spares:
+        if id(var) in first:
+            if i is None:
+                spares[slot] = journal.spare(var)
+            else:
+                spares.setdefault(slot, [None] * len(step.op.outputs[slot]))[i] = \
+                    journal.spare(var)
+    return spares
 
 
 def _run_checked_steps(c, contexts):

@@ -215,9 +215,8 @@ def check_no_infer_state(ops, what, error=ValueError):
     lives in the net that built it: layers.KVCache). A model made from such ops would
     read state that nothing there computes."""
     for op in ops:
-        for out_slot in op.schema.inplace:
-            var = op.outputs.get(out_slot)
-            if var is not None and not var.persistable:
+        for var in op.in_place_outputs():
+            if not var.persistable:
                 raise error(f"{what}: op {op.type!r} keeps state of the infer branch in "
                             f"{var.name!r} (a KV cache, for generation in the net that built "
                             "it); export to ONNX (stateless), or build the layers again "

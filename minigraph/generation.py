@@ -101,8 +101,7 @@ def _check_cache(net, kv_cache):
 
     if kv_cache is None:
         for op in net.ops("infer"):
-            if any(op.outputs.get(s) is not None and not op.outputs[s].persistable
-                   for s in op.schema.inplace):
+            if any(not v.persistable for v in op.in_place_outputs()):
                 raise ValueError("generate: the net was built with a KV cache (its op "
                                  f"{op.type!r} keeps one); pass it as kv_cache= (with "
                                  "use_cache=False for full passes)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from minigraph.operator import Operator
 
 CLIP_ROLE = "clip_gradients"
+MERGED_ROLE = "merged_update"
 
 
 def frozen(net):
@@ -48,10 +49,16 @@ def plan_ops(net, mode, update, frozen_ids):
 def without_frozen(ops, frozen_ids):
     """The update-section `ops` without the update ops writing a parameter whose id
     is in `frozen_ids`, and each clipping op (schema role "clip_gradients", slots
-    x and out) without those parameters' gradients (dropped when none is left)."""
+    x and out) without those parameters' gradients (dropped when none is left). A
+    merged update (role "merged_update") keeps the parameters that are not frozen."""
     frozen_ids = set(frozen_ids)
     kept, grads = [], set()
     for op in ops:
+        if op.schema.has_role(MERGED_ROLE):
+            op = _merged_without(op, frozen_ids, grads)
+            if op is not None:
+                kept.append(op)
+            continue
         if any(id(v) in frozen_ids for v in op.output_vars()):
             grad = op.inputs.get("grad")
             if grad is not None:
@@ -70,3 +77,22 @@ def without_frozen(ops, frozen_ids):
                               **op.attrs)
         out.append(op)
     return out
+
+
+def _merged_without(op, frozen_ids, grads):
+    """The merged update `op` with each list cut to the parameters whose in-place
+    outputs are not in `frozen_ids` (`op` itself when none is; None when all are);
+    the cut parameters' gradients are added to `grads`."""
+    lists = {slot: v for slot, v in {**op.inputs, **op.outputs}.items() if isinstance(v, list)}
+    count = len(op.inputs["param"])
+    out_lists = [op.outputs[slot] for slot in op.schema.inplace]
+    keep = [i for i in range(count) if not any(id(o[i]) in frozen_ids for o in out_lists)]
+    if len(keep) == count:
+        return op
+    grads.update(id(op.inputs["grad"][i]) for i in range(count) if i not in keep)
+    if not keep:
+        return None
+    singles = {slot: v for slot, v in {**op.inputs, **op.outputs}.items()
+               if v is not None and not isinstance(v, list)}
+    return Operator(op.type, **singles, **{slot: [v[i] for i in keep] for slot, v in
+                                          lists.items()}, **op.attrs)

@@ -74,7 +74,7 @@ class Operator:
             attrs[attr.name] = _attr_value(type, attr, kwargs)
         for out_slot, in_slot in schema.inplace.items():
             out, src = self.outputs[out_slot], self.inputs[in_slot]
-            if out is not src:
+            if not _same_vars(out, src):
                 raise OpError(f"{type}: output {out_slot!r} must be the same Variable as "
                               f"input {in_slot!r} (they are an in-place pair); got "
                               f"{_name(out)} and {_name(src)}")
@@ -101,6 +101,10 @@ class Operator:
     def output_vars(self):
         """Every bound output Variable, in slot order."""
         return _flatten(self.outputs)
+
+    def in_place_outputs(self):
+        """The bound Variables of the in-place output slots (each list flattened)."""
+        return _flatten({slot: self.outputs.get(slot) for slot in self.schema.inplace})
 
     def infer(self, metas):
         """Run the schema's shape/dtype inference on input metas; returns output metas."""
@@ -148,6 +152,13 @@ def as_operator(op):
     if not isinstance(op, Operator):
         raise TypeError(f"expected an Operator or an OpDesc, got {type(op).__name__}")
     return op
+
+
+def _same_vars(a, b):
+    """True when `a` and `b` bind the same Variable, or lists of the same Variables."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a is b
 
 
 def _bind(op_type, slot, value, valid):

@@ -23,8 +23,9 @@ class Step(NamedTuple):
     inputs / outputs: (slot, Variable or list of them or None, ONE/LIST/UNBOUND);
     writes: the persistables it writes (noted by the journal before it runs);
     untouched: the ids of those whose old arrays it leaves as they are (no copy);
-    spares: (in-place output slot, persistable) pairs it writes into spare arrays
-      (OpSchema.spares, CPU training steps);
+    spares: (in-place output slot, persistable, its index in the slot's list or None)
+      for the persistables it writes into spare arrays (OpSchema.spares, CPU training
+      steps);
     drops: Variables whose values a training step drops after it;
     thins: Variables whose values it replaces by stand-ins after it (read later
       only for their shapes);
@@ -159,16 +160,27 @@ def compile_plan(plan, place):
         outs = tuple((slot, v, LIST if isinstance(v, list) else ONE)
                      for slot, v in op.outputs.items() if v is not None)
         writes = tuple(v for v in op.output_vars() if v.persistable)
-        in_place = [(slot, op.outputs.get(slot)) for slot in op.schema.inplace]
-        spares = tuple((slot, v) for slot, v in in_place if v is not None and v.persistable) \
+        in_place = [(slot, v, i) for slot in op.schema.inplace
+                    for v, i in _positions(op.outputs.get(slot))]
+        spares = tuple((slot, v, i) for slot, v, i in in_place if v.persistable) \
             if op.schema.spares and place.kind == "cpu" else ()
-        changed = {id(v) for slot, v in in_place if v is not None} - {id(v) for _, v in spares}
+        changed = {id(v) for _, v, _ in in_place} - {id(v) for _, v, _ in spares}
         untouched = frozenset(id(v) for v in writes if id(v) not in changed)
         donors = handover.donors(op, dropped + thinned) if plan.lean and place.kind == "cpu" \
             else ()
         steps.append(Step(op, ins, outs, writes, untouched, spares, tuple(dropped),
                           tuple(thinned), donors))
     return Compiled(tuple(steps), tuple(external), stale, place)
+
+
+def _positions(bound):
+    """(Variable, index) of each Variable a slot binds: index None for a lone Variable,
+    its place for a list; nothing for an unbound slot."""
+    if bound is None:
+        return ()
+    if isinstance(bound, list):
+        return tuple((v, i) for i, v in enumerate(bound))
+    return ((bound, None),)
 
 
 def _data_read(ops):

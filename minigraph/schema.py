@@ -137,6 +137,8 @@ ROLES = {
                 "and x_num_col_dims, optional bias and residual inputs and `activation`; "
                 "`normalize`: x is layer_norm'd first (norm_scale, norm_bias, norm_epsilon)",
     "fused_fc_group": "fused_fc products of one x (lists y, bias, out), normalize as fused_fc",
+    "merged_update": "several parameters' updates in one op: param, grad and every other "
+                     "list aligned by parameter (cut the lists to update fewer)",
     "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "
                       "them hold together; a subset is clipped by the same op with fewer",
 }
@@ -178,6 +180,8 @@ class OpSchema:
       reads it for one op.
     sync_variant: the op type that computes the same over every rank's batch
       (convert_sync_batchnorm rewrites this op into it).
+    merged_variant: the "merged_update" op making this update op's update for a list
+      of parameters (passes.merge_updates merges such ops into it).
     presummed(op) -> output slots whose values are already sums over every
       rank and identical on each (sync_batch_norm_grad's dscale and dbias).
     presummed_average: the bool attribute that makes the op itself divide its
@@ -223,6 +227,7 @@ class OpSchema:
     roles: tuple = ()
     weight: tuple | None = None
     sync_variant: str | None = None
+    merged_variant: str | None = None
     presummed: Callable | None = None
     presummed_average: str | None = None
     collectives: Callable | None = None

@@ -62,6 +62,11 @@ def infer_momentum(ins, attrs):
                          check_update_inputs("momentum", ins, ("velocity",)))
 
 
+def momentum_attrs():
+    """mu (the momentum, in [0, 1]) and use_nesterov: momentum's own attributes."""
+    return float_attr("mu", 0.9, in_range(0.0, 1.0)), bool_attr("use_nesterov", False)
+
+
 def decay_attr():
     """weight_decay: the L2 coefficient added to the gradient (>= 0)."""
     return float_attr("weight_decay", 0.0, non_negative)
@@ -78,8 +83,7 @@ register(OpSchema(
     inputs=(Slot("param"), Slot("grad"), Slot("velocity"), Slot("learning_rate"),
             Slot("mu_value", optional=True)),
     outputs=(Slot("param_out"), Slot("velocity_out")),
-    attrs=(float_attr("mu", 0.9, in_range(0.0, 1.0)), bool_attr("use_nesterov", False),
-           decay_attr()),
+    attrs=momentum_attrs() + (decay_attr(),), merged_variant="merged_momentum",
     inplace={"param_out": "param", "velocity_out": "velocity"}, spares=True,
     infer=infer_momentum, no_export=UPDATE, doc=__doc__))
 

@@ -125,6 +125,16 @@ def test_data_parallel_ops(one_rank):
         mg.distributed.data_parallel(net)
 
 
+def test_data_parallel_finds_the_gradients_of_merged_updates(one_rank):
+    net, _ = small_net()
+    mg.passes.merge_updates(net)
+    assert [op.type for op in net.section("update")] == ["merged_momentum"]
+    mg.distributed.data_parallel(net)
+    (avg,) = [op for op in net.section("backward") if op.type == "c_allreduce_avg"]
+    assert {v.name for v in avg.inputs["x"]} == {"c1.w@GRAD", "c1.b@GRAD", "fc1.w@GRAD",
+                                                 "fc1.b@GRAD"}
+
+
 def test_data_parallel_under_gradient_merge_averages_on_update_steps_only(one_rank):
     """GradientMerge's means are made in the update section; their allreduce follows
     them there (so it runs only on the steps that update), and nothing is averaged at

@@ -8,7 +8,9 @@
  *
  * Arrays of at least MIN_SPLIT values are split in contiguous ranges over up to
  * `threads` threads (native_pool.h); every value is computed by one thread in one
- * way, so the results do not depend on the number of threads. */
+ * way, so the results do not depend on the number of threads. optim_update_list
+ * makes the update of a list of arrays in one call (merged_momentum's), splitting
+ * their values laid end to end the same way. */
 #include <math.h>
 #include <stdint.h>
 
@@ -120,5 +122,64 @@ int optim_update(int kind, int f64, const void *p, const void *g, const void *m,
         j->nesterov = nesterov; j->decoupled = decoupled;
     }
     pool_run(run, jobs, sizeof(job_t), parts);
+    return 0;
+}
+
+/* A job of optim_update_list: values [begin, end) of the arrays laid end to end. */
+typedef struct {
+    const job_t *base;                 /* kind, dtype, scalars and flags */
+    int64_t count;
+    void *const *ptrs;                 /* 7 per array: p, g, m, v, p_out, m_out, v_out */
+    const int64_t *starts;             /* count + 1: where each array starts */
+    int64_t begin, end;
+} list_job_t;
+
+static void *run_list(void *arg) {
+    const list_job_t *l = arg;
+    for (int64_t k = 0; k < l->count; k++) {
+        int64_t lo = l->starts[k], hi = l->starts[k + 1];
+        if (hi <= l->begin || lo >= l->end) continue;
+        void *const *a = l->ptrs + 7 * k;
+        job_t j = *l->base;
+        j.p = a[0]; j.g = a[1]; j.m = a[2]; j.v = a[3];
+        j.p_out = a[4]; j.m_out = a[5]; j.v_out = a[6];
+        j.begin = (l->begin > lo ? l->begin : lo) - lo;
+        j.end = (l->end < hi ? l->end : hi) - lo;
+        run(&j);
+    }
+    return 0;
+}
+
+/* The update of `count` arrays in one call, each as optim_update would make it
+ * (ptrs: 7 per array, as optim_update's p, g, m, v, p_out, m_out, v_out; sizes: their
+ * lengths). The arrays' values, laid end to end, are split in contiguous ranges over
+ * up to `threads` threads once there are MIN_SPLIT of them in all. */
+int optim_update_list(int kind, int f64, int64_t count, void *const *ptrs,
+                      const int64_t *sizes, const double *scalars, int nesterov, int decoupled,
+                      int threads) {
+    int64_t small_starts[65], *starts = small_starts;
+    if (count > 64 && !(starts = malloc((size_t)(count + 1) * sizeof *starts))) return 1;
+    starts[0] = 0;
+    for (int64_t k = 0; k < count; k++) starts[k + 1] = starts[k] + sizes[k];
+    int64_t n = starts[count];
+    job_t base = {0};
+    base.kind = kind; base.f64 = f64;
+    base.lr = scalars[0]; base.wd = scalars[1]; base.mu = scalars[2]; base.b1 = scalars[3];
+    base.b2 = scalars[4]; base.eps = scalars[5]; base.c1 = scalars[6]; base.c2 = scalars[7];
+    base.nesterov = nesterov; base.decoupled = decoupled;
+    list_job_t jobs[MAX_THREADS];
+    int64_t parts = n >= MIN_SPLIT ? threads : 1;
+    if (parts < 1) parts = 1;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    int64_t chunk = (n + parts - 1) / parts;
+    chunk = (chunk + 15) / 16 * 16;
+    for (int64_t t = 0; t < parts; t++) {
+        list_job_t *l = &jobs[t];
+        l->base = &base; l->count = count; l->ptrs = ptrs; l->starts = starts;
+        l->begin = t * chunk < n ? t * chunk : n;
+        l->end = (t + 1) * chunk < n ? (t + 1) * chunk : n;
+    }
+    pool_run(run_list, jobs, sizeof(list_job_t), parts);
+    if (starts != small_starts) free(starts);
     return 0;
 }

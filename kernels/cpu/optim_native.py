@@ -2,6 +2,9 @@
 sgd, momentum and adam over C-contiguous float32 or float64 arrays in one pass,
 each value read once and written once.
 
+`update_list(kind, ...)` makes the update of several parameters in one call, each as
+`update` would make it (merged_momentum's kernel).
+
 `update(kind, ...)` returns False where the native kernels are not available or do
 not take the arrays (another dtype, not contiguous, mixed dtypes): the caller then
 runs its numpy kernel, which is the reference the native one is tested against.
@@ -35,6 +38,9 @@ def _lib():
         lib.optim_update.argtypes = [_I, _I, _P, _P, _P, _P, _P, _P, _P, _L,
                                      ctypes.POINTER(ctypes.c_double), _I, _I, _I]
         lib.optim_update.restype = _I
+        lib.optim_update_list.argtypes = [_I, _I, _L, _P, _P, ctypes.POINTER(ctypes.c_double),
+                                          _I, _I, _I]
+        lib.optim_update_list.restype = _I
         lib._typed = True
     return lib
 
@@ -46,6 +52,7 @@ def available():
 
 _SCALARS = ctypes.c_double * 8
 _ptr = native.address
+_char, _address = ctypes.c_char.from_buffer, ctypes.addressof   # native.address's way
 
 
 def _fits(arrays, dtype, shape):
@@ -77,4 +84,39 @@ def update(kind, param, grad, state=(None, None), out=(None, None, None), lr=0.0
                      _ptr(v), _ptr(po), _ptr(mo), _ptr(vo), param.size,
                      _SCALARS(lr, wd, mu, betas[0], betas[1], eps, *corrections),
                      int(bool(nesterov)), int(bool(decoupled)), int(threads))
+    return True
+
+
+def update_list(kind, params, grads, state, out, lr=0.0, wd=0.0, mu=0.0, nesterov=False,
+                threads=1):
+    """`update` of each parameter in the list `params` (one dtype, float32 or float64),
+    in one native call. grads, and each entry of state ((velocities, None) for
+    momentum) and out ((params, state 1, state 2) to write), are lists aligned with
+    params, or None. Returns False, having changed nothing, where the kernels are not
+    built or an array does not fit (then the caller updates each parameter itself)."""
+    dtype = params[0].dtype if params else None
+    if dtype != _F32 and dtype != _F64:
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    count = len(params)
+    sizes = [p.size for p in params]
+    columns = (params, grads, *state, *out)
+    addresses = [0] * (7 * count)
+    try:
+        for j, column in enumerate(columns):
+            if column is None:
+                continue
+            if [a.size for a in column] != sizes or any(a.dtype != dtype for a in column):
+                return False
+            addresses[j::7] = [_address(_char(a)) for a in column]
+    except (TypeError, ValueError):     # not C-contiguous, read-only, or empty
+        return False
+    table = np.array(addresses + sizes, dtype=np.int64)   # the pointers, then the sizes
+    at = _address(_char(table))
+    if lib.optim_update_list(KINDS[kind], int(dtype == _F64), count, at, at + 8 * len(addresses),
+                             _SCALARS(lr, wd, mu, 0.0, 0.0, 0.0, 0.0, 1.0),
+                             int(bool(nesterov)), 0, int(threads)):
+        raise MemoryError(f"optim_update_list: no memory for the offsets of {count} arrays")
     return True

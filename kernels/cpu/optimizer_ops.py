@@ -7,6 +7,8 @@ place, or into the spare arrays a training step offers for them
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from minigraph.kernels.cpu import optim_native
@@ -59,11 +61,39 @@ def momentum_cpu(op, ins, ctx):
             "momentum", param, ins["grad"], (velocity, None), (po, vo, None), lr=lr,
             wd=a["weight_decay"], mu=mu, nesterov=a["use_nesterov"],
             threads=get_num_threads()):
-        grad = decayed_grad(op, ins)
-        mu = param.dtype.type(mu)
-        new_velocity = mu * velocity + grad
-        step = grad + mu * new_velocity if a["use_nesterov"] else new_velocity
-        step = param.dtype.type(lr) * step
-        np.copyto(vo, new_velocity)
-        np.subtract(param, step, out=po)
+        _momentum_numpy(param, ins["grad"], velocity, po, vo, lr, mu, a)
     return {"param_out": po, "velocity_out": vo}
+
+
+def _momentum_numpy(param, grad, velocity, po, vo, lr, mu, attrs):
+    """momentum's numpy update of one parameter into po and vo (the reference)."""
+    wd = attrs["weight_decay"]
+    grad = grad + param.dtype.type(wd) * param if wd else grad
+    mu = param.dtype.type(mu)
+    new_velocity = mu * velocity + grad
+    step = grad + mu * new_velocity if attrs["use_nesterov"] else new_velocity
+    step = param.dtype.type(lr) * step
+    np.copyto(vo, new_velocity)
+    np.subtract(param, step, out=po)
+
+
+def merged_momentum_cpu(op, ins, ctx):
+    """momentum_cpu's update of every parameter in the lists (ops/merged_momentum.py): one
+    native call for all of them where it takes the arrays, else momentum's numpy update
+    per parameter. ctx.spares offers a list per in-place slot (None: in place)."""
+    params, velocities = ins["param"], ins["velocity"]
+    outs = {}
+    for slot, inputs in (("param_out", params), ("velocity_out", velocities)):
+        offered = ctx.spares.get(slot) or ()
+        outs[slot] = [a if a is not None else x
+                      for a, x in itertools.zip_longest(offered, inputs)]
+    a = op.attrs
+    lr, mu = learning_rate(ins), momentum_value(op, ins)
+    if not optim_native.update_list(
+            "momentum", params, ins["grad"], (velocities, None),
+            (outs["param_out"], outs["velocity_out"], None), lr=lr, wd=a["weight_decay"],
+            mu=mu, nesterov=a["use_nesterov"], threads=get_num_threads()):
+        for param, grad, velocity, po, vo in zip(params, ins["grad"], velocities,
+                                                 outs["param_out"], outs["velocity_out"]):
+            _momentum_numpy(param, grad, velocity, po, vo, lr, mu, a)
+    return outs

@@ -117,6 +117,16 @@ def momentum_gpu(op, ins, ctx):
     return {"param_out": param, "velocity_out": velocity}
 
 
+def merged_momentum_gpu(op, ins, ctx):
+    """momentum_gpu's update of every parameter in the lists (ops/merged_momentum.py), one
+    launch per parameter, in place on the device."""
+    a = op.attrs
+    for param, grad, velocity in zip(ins["param"], ins["grad"], ins["velocity"]):
+        momentum(param, grad, velocity, ins["learning_rate"], a["mu"], a["use_nesterov"],
+                 a["weight_decay"], ins.get("mu_value"))
+    return {"param_out": list(ins["param"]), "velocity_out": list(ins["velocity"])}
+
+
 def adam_gpu(op, ins, ctx):
     """One Adam/AdamW step on the device, every state array (the beta powers too)
     updated in place there; returns them."""

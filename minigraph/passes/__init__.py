@@ -10,12 +10,16 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
                                   infer branch of a training net, in place)
     fuse_batch_norm_relu(net)     batch_norm + relu -> batch_norm_relu, in place, in both
                                   branches (and their grad ops after minimize)
+    merge_updates(net)            the optimizer's per-parameter update ops -> one merged op
+                                  per run (momentum -> merged_momentum), in place
     data_parallel.rewrite(net)    gradient averaging (see minigraph.distributed.data_parallel)
 """
 from minigraph.passes.fold_bn import FoldNote, fold_batch_norm
 from minigraph.passes.fuse import FuseNote, fuse_conv2d, fuse_fc, optimize_for_inference
 from minigraph.passes.fuse_bn_relu import FusedPair, fuse_batch_norm_relu
+from minigraph.passes.merge_updates import MergedRun, merge_updates
 from minigraph.passes.sync_bn import convert_sync_batchnorm
 
-__all__ = ["FoldNote", "FuseNote", "FusedPair", "convert_sync_batchnorm", "fold_batch_norm",
-           "fuse_batch_norm_relu", "fuse_conv2d", "fuse_fc", "optimize_for_inference"]
+__all__ = ["FoldNote", "FuseNote", "FusedPair", "MergedRun", "convert_sync_batchnorm",
+           "fold_batch_norm", "fuse_batch_norm_relu", "fuse_conv2d", "fuse_fc", "merge_updates",
+           "optimize_for_inference"]

@@ -45,11 +45,12 @@ def rewrite(net, batch_size_from=None):
     partial = {}
     seen = set()
     for op in net.section("update"):
-        grad = op.inputs.get("grad")
-        if grad is None or id(grad) in seen or _replicated(grad, producers):
-            continue
-        seen.add(id(grad))
-        partial.setdefault(grad.dtype, []).append(grad)
+        grads = op.inputs.get("grad")
+        for grad in grads if isinstance(grads, list) else [grads]:
+            if grad is None or id(grad) in seen or _replicated(grad, producers):
+                continue
+            seen.add(id(grad))
+            partial.setdefault(grad.dtype, []).append(grad)
     count = 0
     for grads in partial.values():
         makers = _update_makers(net.section("update"), grads)

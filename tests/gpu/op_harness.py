@@ -52,14 +52,17 @@ def run_op(place, op_type, inputs, attrs=None, grad_sets=(), dout_slots=None, se
             continue                # an in-place output of an unbound optional input
         out_vars[slot.name] = in_vars[src] if src else scope.new_var(f"out.{slot.name}")
     op = mg.Operator(op_type, **in_vars, **out_vars, **(attrs or {}))
-    fetched = ex.run([op], scope, fetch=list(out_vars.values()))
-    outs = dict(zip(out_vars, fetched, strict=True))
-    for slot, var in out_vars.items():
-        if place.kind == "gpu":
-            assert is_device_array(var.value), f"{op_type}: output {slot!r} is not on the device"
-        if slot in schema.inplace:
-            assert var.value is originals[var.name], \
-                f"{op_type}: in-place output {slot!r} is not the input's own buffer"
+    fetched = iter(ex.run([op], scope, fetch=[v for vs in out_vars.values() for v in _leaves(vs)]))
+    outs = {slot: [next(fetched) for _ in vs] if isinstance(vs, list) else next(fetched)
+            for slot, vs in out_vars.items()}
+    for slot, vs in out_vars.items():
+        for var in _leaves(vs):
+            if place.kind == "gpu":
+                assert is_device_array(var.value), \
+                    f"{op_type}: output {slot!r} is not on the device"
+            if slot in schema.inplace:
+                assert var.value is originals[var.name], \
+                    f"{op_type}: in-place output {slot!r} is not the input's own buffer"
     grads = {}
     for wanted in grad_sets:
         gscope = scope.new_scope()
@@ -93,7 +96,13 @@ def run_op(place, op_type, inputs, attrs=None, grad_sets=(), dout_slots=None, se
 
 def assert_close(got, want, where):
     """got has want's shape and dtype and (floats) a relative error under TOL[dtype], or
-    (others) equal values; `where` names the case in the failure."""
+    (others) equal values; `where` names the case in the failure. Lists (a duplicable
+    slot's) item by item."""
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), f"{where}: {len(want)} values"
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, f"{where}[{k}]")
+        return
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == want.dtype, \
         f"{where}: {got.dtype}{got.shape}, expected {want.dtype}{want.shape}"
