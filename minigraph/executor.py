@@ -46,7 +46,7 @@ import itertools
 
 import numpy as np
 
-from minigraph import bound_run, handover, work_room
+from minigraph import bound_run, handover, op_threads, work_room
 from minigraph.feeds import check_feed, check_feed_mapping, scope_targets
 from minigraph.journal import Journal
 from minigraph.place import CPUPlace
@@ -199,30 +199,49 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
             held.lock.release()
         return held.reuses
     picked = tuple(c.kernels) if check else None
-    for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
-        if journal is not None:
-            if step.writes:
-                first = journal.save(step.writes, step.untouched)
-                if step.spares:
-                    spares = _spares(step, journal, first)
-                    if spares:
-                        ctx = ctx.with_spares(spares)
-            if step.donors:
-                donated = handover.handed_over(step.donors)
-                if donated:
-                    ctx = ctx.with_donated(donated)
-        if check:
-            c.kernels[i] = _run_op(step, None, ctx, kind)
-        else:
-            _run_op(step, c.kernels[i], ctx, kind)
-        if meter is not None:
-            meter.ran(step.outputs, step.drops + step.thins)
-        if journal is not None:
-            for var in step.drops:
-                var.value = None
-            for var in step.thins:
-                if var.value is not None:
-                    var.value = _stand_in(var.value)
+    threads = op_threads.choice_for(c, check) if journal is not None and kind == "cpu" \
+        else None
+    measuring = threads is not None and threads.counts is None
+    now = None                          # the threads the kernels run on (None: all)
+    try:
+        for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
+            if threads is not None:
+                count = threads.this_step() if measuring else threads.counts[i]
+                if count != now:
+                    op_threads.use(count)
+                    now = count
+            if journal is not None:
+                if step.writes:
+                    first = journal.save(step.writes, step.untouched)
+                    if step.spares:
+                        spares = _spares(step, journal, first)
+                        if spares:
+                            ctx = ctx.with_spares(spares)
+                if step.donors:
+                    donated = handover.handed_over(step.donors)
+                    if donated:
+                        ctx = ctx.with_donated(donated)
+            if check:
+                c.kernels[i] = _run_op(step, None, ctx, kind)
+            elif measuring:
+                start = op_threads.clock()
+                _run_op(step, c.kernels[i], ctx, kind)
+                threads.ran(i, now, op_threads.clock() - start)
+            else:
+                _run_op(step, c.kernels[i], ctx, kind)
+            if meter is not None:
+                meter.ran(step.outputs, step.drops + step.thins)
+            if journal is not None:
+                for var in step.drops:
+                    var.value = None
+                for var in step.thins:
+                    if var.value is not None:
+                        var.value = _stand_in(var.value)
+    finally:
+        if now is not None:
+            op_threads.use(None)
+    if measuring:
+        threads.step_done()
     if check and tuple(c.kernels) != picked:
         c.bound = None                  # its forms were made for the kernels before
     return False

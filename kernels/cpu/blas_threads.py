@@ -39,6 +39,7 @@ _AFFIXES = tuple(itertools.product(("", "scipy_"), ("", "64_", "_64")))
 
 _lock = threading.RLock()     # install -> native.library -> install (the first load)
 _installed = {}             # OpenBLAS's path -> its setter
+_thread_setters = None      # each OpenBLAS's openblas_set_num_threads (set_threads)
 _reason = "not tried yet"
 
 
@@ -92,6 +93,20 @@ def uninstall():
         _installed.clear()
 
 
+def set_threads(n):
+    """Set the threads of every OpenBLAS loaded when first called
+    (openblas_set_num_threads, about 1 us; threadpoolctl's way takes far longer): a
+    training step's op by op (minigraph.op_threads)."""
+    global _thread_setters
+    with _lock:
+        if _thread_setters is None:
+            _thread_setters = [fn for fn in (_symbol(path, "openblas_set_num_threads",
+                                                     [ctypes.c_int])
+                                             for path in _openblas_paths()) if fn is not None]
+    for setter in _thread_setters:
+        setter(int(n))
+
+
 def installed():
     """The paths of the OpenBLAS libraries running on the pool."""
     return sorted(_installed)
@@ -127,15 +142,21 @@ def _openblas_paths():
 
 
 def _setter(path):
-    """OpenBLAS's callback setter in the library at `path` (its symbols may carry a
-    prefix and suffix, as numpy's scipy_openblas64_ does), or None."""
+    """OpenBLAS's callback setter in the library at `path`, or None."""
+    return _symbol(path, SETTER, [ctypes.c_void_p])
+
+
+def _symbol(path, name, argtypes):
+    """OpenBLAS's function `name` (returning nothing) in the library at `path` (its
+    symbols may carry a prefix and suffix, as numpy's scipy_openblas64_ does), or
+    None."""
     try:
         dll = ctypes.CDLL(path)
     except OSError:
         return None
     for prefix, suffix in _AFFIXES:
-        fn = getattr(dll, f"{prefix}{SETTER}{suffix}", None)
+        fn = getattr(dll, f"{prefix}{name}{suffix}", None)
         if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_void_p], None
+            fn.argtypes, fn.restype = argtypes, None
             return fn
     return None

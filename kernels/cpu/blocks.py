@@ -45,6 +45,7 @@ if hasattr(os, "sched_getaffinity"):
     _threads = len(os.sched_getaffinity(0))
 else:
     _threads = os.cpu_count() or 1
+_cap = threading.local()       # .n: the op's own thread count (cap_threads), per thread
 _pool = None
 _pool_lock = threading.Lock()
 _ones_cache = {}
@@ -96,8 +97,16 @@ def num_threads(n):
 
 
 def get_num_threads():
-    """The number of threads minigraph's CPU kernels use."""
-    return _threads
+    """The number of threads minigraph's CPU kernels use (on this thread, at most what
+    cap_threads set for the op running now)."""
+    cap = getattr(_cap, "n", None)
+    return _threads if cap is None else min(_threads, cap)
+
+
+def cap_threads(n):
+    """Run this thread's next kernels on at most `n` threads (None: no cap); a training
+    step sets each op's own count (minigraph.op_threads)."""
+    _cap.n = n
 
 
 def threads_for(values, per_thread):

@@ -1,0 +1,94 @@
+"""Threads per op of a CPU training step, chosen by measuring its first steps.
+
+An op on a few hundred kilobytes often runs faster on the one thread that made its
+inputs, whose core's cache holds them, than split over threads that must first
+fetch them and then wait for each other: in the digits net's step on a 2-core
+machine, its 64x256 product took 33 us on one thread and 79 us on two, and the
+whole step 0.92 ms against 1.21 (benchmarks/nets_cpu.py; docs/performance.md).
+Larger ops gain from every thread. Which op is which depends on the machine, so
+it is measured:
+
+- A CPU training plan, once its check run has picked its kernels, runs its next
+  2 * ROUNDS steps with every op alternately on all the threads (`get_num_threads()`)
+  and on one, step by step, timing each kernel call.
+- Then an op runs on one thread where its least time on one is below MARGIN times
+  its least on all, on all where the reverse holds, and else (a close call) on
+  the count of the op before it; later steps set the threads op by op:
+  `blocks.cap_threads` for the native kernels and numpy's engine (this thread
+  only), `blas_threads.set_threads` for OpenBLAS (the process's); after the step,
+  every thread again.
+- A thread count other than the one measured for (`mg.set_num_threads`)
+  measures again, and so does a new check run (new shapes); a step on one
+  thread keeps the choice. With one thread, or MINIGRAPH_TUNE=0 (or MINIGRAPH_NATIVE=0),
+  nothing is measured and every op runs on all the threads.
+
+Every native kernel computes each value on one thread in one way, so its results
+do not depend on the count; OpenBLAS's products of some shapes round differently
+on one thread than on two (as they do between any two thread counts).
+"""
+from __future__ import annotations
+
+import time
+
+ROUNDS = 8          # steps on each count before choosing
+MARGIN = 0.95       # a count wins where it takes less than this share of the other's time
+
+
+class Choice:
+    """A plan's threads per op: measured over its first steps, then fixed.
+    `threads`: the count it was measured for; `counts`: per op, None (all) or 1,
+    once chosen; `times`: {count: per op, the least seconds so far} while measuring."""
+
+    def __init__(self, threads, ops):
+        self.threads, self.steps = threads, 0
+        self.counts = None
+        self.times = {threads: [float("inf")] * ops, 1: [float("inf")] * ops}
+
+    def this_step(self):
+        """The count every op runs on this step while measuring (None: all), else None."""
+        return None if self.steps % 2 == 0 else 1
+
+    def ran(self, i, count, seconds):
+        """Op i ran on `count` (None: all) for `seconds`."""
+        row = self.times[self.threads if count is None else 1]
+        if seconds < row[i]:
+            row[i] = seconds
+
+    def step_done(self):
+        """A measured step is over: after 2 * ROUNDS of them, choose."""
+        self.steps += 1
+        if self.steps == 2 * ROUNDS:
+            counts, count = [], None
+            for everyone, one in zip(self.times[self.threads], self.times[1]):
+                if one < MARGIN * everyone:
+                    count = 1
+                elif everyone < MARGIN * one:
+                    count = None
+                counts.append(count)        # a close call keeps the op before's count
+            self.counts, self.times = tuple(counts), None
+
+
+def choice_for(c, check):
+    """The compiled CPU training plan `c`'s Choice for a step (made or renewed as the
+    module doc says), or None: nothing to measure or set."""
+    from minigraph.kernels.cpu import blocks, choices
+
+    threads = blocks.get_num_threads()
+    if check or threads == 1 or not choices.enabled():
+        if check:
+            c.op_threads = None
+        return None
+    if c.op_threads is None or c.op_threads.threads != threads:
+        c.op_threads = Choice(threads, len(c.steps))
+    return c.op_threads
+
+
+def use(count):
+    """Run the next kernels on `count` threads (None: all of get_num_threads())."""
+    from minigraph.kernels.cpu import blas_threads, blocks
+
+    blocks.cap_threads(count)
+    blas_threads.set_threads(count or blocks.get_num_threads())
+
+
+clock = time.perf_counter
