@@ -77,7 +77,7 @@ def worker(args):
     def step():
         net.train(feed=feed, fetch=[loss])
 
-    for _ in range(3):
+    for _ in range(20):                 # past the steps that measure threads per op
         step()
     fast, name = mg_optimized(net), logits.name
 

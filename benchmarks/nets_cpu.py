@@ -28,7 +28,9 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
 2x over minutes, so a lone pair of processes can be far off).
 
 - train: median wall time of one training step (forward, backward, update; the
-  loss fetched / `.item()`), after warm-up steps.
+  loss fetched / `.item()`), after --warmup (20) warm-up steps: past the 17 first
+  steps in which minigraph measures each op on one thread and on all
+  (minigraph.op_threads).
 - infer: median time of one inference batch: minigraph's net after
   `mg.passes.optimize_for_inference` (batch norms folded, ops fused), PyTorch's
   model in eval mode under torch.inference_mode(). "infer (net)" is minigraph's
@@ -330,7 +332,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=30, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="untimed steps first (minigraph measures threads per op in "
+                             "its first 17: minigraph.op_threads)")
     parser.add_argument("--mem-steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7,
                         help="fresh minigraph and PyTorch processes per timing, alternated")

@@ -31,11 +31,13 @@ def _spy(op, ins, ctx):
 
 
 def blas_now():
-    """OpenBLAS's thread count (the engine's where numpy's BLAS is not OpenBLAS)."""
+    """numpy's OpenBLAS's thread count (the engine's where numpy's BLAS is not OpenBLAS;
+    libraries loaded later, scipy's, run no kernel's products)."""
     import threadpoolctl
 
     return max((i["num_threads"] for i in threadpoolctl.threadpool_info()
-                if i.get("internal_api") == "openblas"), default=blocks.get_num_threads())
+                if i.get("internal_api") == "openblas" and "numpy" in i["filepath"]),
+               default=blocks.get_num_threads())
 
 
 @pytest.fixture
