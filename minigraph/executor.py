@@ -199,14 +199,14 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
             held.lock.release()
         return held.reuses
     picked = tuple(c.kernels) if check else None
-    threads = op_threads.choice_for(c, check) if journal is not None and kind == "cpu" \
+    choice = op_threads.choice_for(c, check) if journal is not None and kind == "cpu" \
         else None
-    measuring = threads is not None and threads.counts is None
+    measuring = choice is not None and choice.counts is None
     now = None                          # the threads the kernels run on (None: all)
     try:
         for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
-            if threads is not None:
-                count = threads.this_step() if measuring else threads.counts[i]
+            if choice is not None:
+                count = choice.this_step() if measuring else choice.counts[i]
                 if count != now:
                     op_threads.use(count)
                     now = count
@@ -226,7 +226,7 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
             elif measuring:
                 start = op_threads.clock()
                 _run_op(step, c.kernels[i], ctx, kind)
-                threads.ran(i, now, op_threads.clock() - start)
+                choice.ran(i, now, op_threads.clock() - start)
             else:
                 _run_op(step, c.kernels[i], ctx, kind)
             if meter is not None:
@@ -241,7 +241,7 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
         if now is not None:
             op_threads.use(None)
     if measuring:
-        threads.step_done()
+        choice.step_done()
     if check and tuple(c.kernels) != picked:
         c.bound = None                  # its forms were made for the kernels before
     return False

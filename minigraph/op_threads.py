@@ -17,9 +17,9 @@ it is measured:
   `blocks.cap_threads` for the native kernels and numpy's engine (this thread
   only), `blas_threads.set_threads` for OpenBLAS (the process's); after the step,
   every thread again.
-- A thread count other than the one measured for (`mg.set_num_threads`)
-  measures again, and so does a new check run (new shapes); a step on one
-  thread keeps the choice. With one thread, or MINIGRAPH_TUNE=0 (or MINIGRAPH_NATIVE=0),
+- A plan keeps a choice per input signature (a last short batch has its own)
+  and thread count (`mg.set_num_threads`), the last KEPT of them; a step on one
+  thread measures nothing. With one thread, or MINIGRAPH_TUNE=0 (or MINIGRAPH_NATIVE=0),
   nothing is measured and every op runs on all the threads.
 
 Every native kernel computes each value on one thread in one way, so its results
@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 
 ROUNDS = 8          # steps on each count before choosing
+KEPT = 8            # choices a plan keeps (by input signature and thread count)
 MARGIN = 0.95       # a count wins where it takes less than this share of the other's time
 
 
@@ -69,18 +70,21 @@ class Choice:
 
 
 def choice_for(c, check):
-    """The compiled CPU training plan `c`'s Choice for a step (made or renewed as the
-    module doc says), or None: nothing to measure or set."""
+    """The compiled CPU training plan `c`'s Choice for a step with the signature in use
+    and the thread count now (made at its first step after the check run), or None:
+    nothing to measure or set."""
     from minigraph.kernels.cpu import blocks, choices
 
     threads = blocks.get_num_threads()
     if check or threads == 1 or not choices.enabled():
-        if check:
-            c.op_threads = None
         return None
-    if c.op_threads is None or c.op_threads.threads != threads:
-        c.op_threads = Choice(threads, len(c.steps))
-    return c.op_threads
+    key = (c.in_use, threads)
+    choice = c.op_threads.get(key)
+    if choice is None:
+        if len(c.op_threads) >= KEPT:
+            del c.op_threads[next(iter(c.op_threads))]
+        choice = c.op_threads[key] = Choice(threads, len(c.steps))
+    return choice
 
 
 def use(count):

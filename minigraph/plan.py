@@ -56,7 +56,7 @@ class Compiled:
         self.roomy = None               # per step, the context with its work room
         self.replay = None              # GPU: the plan's CUDA graph (minigraph.replay)
         self.bound = None               # CPU inference: its bound forms (minigraph.bound_run)
-        self.op_threads = None          # CPU training: threads per op (minigraph.op_threads)
+        self.op_threads = {}            # CPU training: threads per op (minigraph.op_threads)
         self.checked = {}               # signature -> (kernels, roomy), oldest first
         self.in_use = None              # the signature whose picks `kernels` holds
 

@@ -71,6 +71,11 @@ def compiled(net, loss):
     return net.plan("train", (loss,)).compiled(net.place)
 
 
+def choice(c, threads=2):
+    """The plan's choice for the signature in use and `threads`, or None."""
+    return c.op_threads.get((c.in_use, threads))
+
+
 def spy_index(c):
     return next(i for i, s in enumerate(c.steps) if s.op.type == "test_threads_spy")
 
@@ -79,16 +84,17 @@ def test_the_first_steps_measure_each_op_on_both_counts_then_choose(two_threads)
     net, loss = spied_net()
     net.train(feed=FEED, fetch=[loss])                               # the check run measures nothing
     c = compiled(net, loss)
-    assert c.op_threads is None and SEEN == [(2, 2)]
+    assert c.op_threads == {} and SEEN == [(2, 2)]
     for _ in range(2 * op_threads.ROUNDS):
         net.train(feed=FEED, fetch=[loss])
         assert blocks.get_num_threads() == 2 and blas_now() == 2   # back after each step
     assert SEEN[1:] == [(2, 2), (1, 1)] * op_threads.ROUNDS          # all, one, all, one...
-    choice = c.op_threads
-    assert choice.threads == 2 and choice.times is None
-    assert len(choice.counts) == len(c.steps) and set(choice.counts) <= {None, 1}
+    chosen = choice(c)
+    assert list(c.op_threads) == [(c.in_use, 2)]
+    assert chosen.threads == 2 and chosen.times is None
+    assert len(chosen.counts) == len(c.steps) and set(chosen.counts) <= {None, 1}
     SEEN.clear()
-    choice.counts = tuple(1 if i == spy_index(c) else None for i in range(len(c.steps)))
+    chosen.counts = tuple(1 if i == spy_index(c) else None for i in range(len(c.steps)))
     net.train(feed=FEED, fetch=[loss])
     assert SEEN == [(1, 1)] and blocks.get_num_threads() == 2 and blas_now() == 2
 
@@ -110,7 +116,7 @@ def test_a_failed_step_gives_every_thread_back_and_is_not_counted(two_threads):
     for _ in range(2):
         net.train(feed=FEED, fetch=[loss])
     c = compiled(net, loss)
-    steps = c.op_threads.steps
+    steps = choice(c).steps
     FAIL["on"] = True
     try:
         with pytest.raises(RuntimeError, match="failing"):
@@ -119,26 +125,30 @@ def test_a_failed_step_gives_every_thread_back_and_is_not_counted(two_threads):
         FAIL["on"] = False
     assert SEEN[-1] == (1, 1)
     assert blocks.get_num_threads() == 2 and blas_now() == 2
-    assert c.op_threads.steps == steps
+    assert choice(c).steps == steps
 
 
-def test_a_new_thread_count_measures_again_and_one_thread_measures_nothing(two_threads):
+def test_each_signature_and_thread_count_has_its_choice(two_threads):
     net, loss = spied_net()
     for _ in range(1 + 2 * op_threads.ROUNDS):
         net.train(feed=FEED, fetch=[loss])
     c = compiled(net, loss)
-    assert c.op_threads.counts is not None
-    chosen = c.op_threads
+    chosen, full = choice(c), c.in_use
+    assert chosen.counts is not None
     mg.set_num_threads(1)
     net.train(feed=FEED, fetch=[loss])
-    assert c.op_threads is chosen and SEEN[-1] == (1, 1)          # nothing to choose on 1
-    mg.set_num_threads(2)
-    net.train(feed=FEED, fetch=[loss])
-    assert c.op_threads is chosen                                   # still 2's choice
+    assert list(c.op_threads.values()) == [chosen] and SEEN[-1] == (1, 1)   # nothing on 1
     mg.set_num_threads(3)
     net.train(feed=FEED, fetch=[loss])
-    assert c.op_threads.threads == 3 and c.op_threads.counts is None   # measuring anew
-    assert SEEN[-1][0] == 3
+    assert choice(c, 3).counts is None and SEEN[-1][0] == 3            # measuring for 3
+    mg.set_num_threads(2)
+    short = {name: value[:8] for name, value in FEED.items()}           # a last short batch
+    net.train(feed=short, fetch=[loss])                                 # its check run
+    net.train(feed=short, fetch=[loss])
+    assert c.in_use != full and choice(c).counts is None and choice(c).steps == 1
+    net.train(feed=FEED, fetch=[loss])
+    assert c.in_use == full and choice(c) is chosen                     # kept
+    assert len(c.op_threads) == 3 <= op_threads.KEPT
 
 
 def test_tuning_off_runs_every_op_on_every_thread(two_threads, monkeypatch):
@@ -146,7 +156,7 @@ def test_tuning_off_runs_every_op_on_every_thread(two_threads, monkeypatch):
     net, loss = spied_net()
     for _ in range(4):
         net.train(feed=FEED, fetch=[loss])
-    assert compiled(net, loss).op_threads is None and set(SEEN) == {(2, 2)}
+    assert compiled(net, loss).op_threads == {} and set(SEEN) == {(2, 2)}
 
 
 def test_the_values_are_those_of_steps_on_every_thread(two_threads, monkeypatch):
