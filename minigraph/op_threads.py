@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-ROUNDS = 8          # steps on each count before choosing
+ROUNDS = 8          # steps on each count before choosing (after the check run)
 KEPT = 8            # choices a plan keeps (by input signature and thread count)
 MARGIN = 0.95       # a count wins where it takes less than this share of the other's time
 
@@ -85,6 +85,20 @@ def choice_for(c, check):
             del c.op_threads[next(iter(c.op_threads))]
         choice = c.op_threads[key] = Choice(threads, len(c.steps))
     return choice
+
+
+def settled(plan, place):
+    """Whether `plan`'s next steps on `place` run on a choice already made, or on every
+    thread with nothing to measure (an inference plan, a GPU, one thread), rather than
+    on the counts of the steps that measure them (net.profile warms up past those)."""
+    from minigraph.kernels.cpu import blocks, choices
+
+    threads = blocks.get_num_threads()
+    if not plan.lean or place.kind != "cpu" or threads == 1 or not choices.enabled():
+        return True
+    c = plan.compiled(place)
+    choice = c.op_threads.get((c.in_use, threads))
+    return choice is not None and choice.counts is not None
 
 
 def use(count):

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import minigraph as mg
+from minigraph import op_threads
 from minigraph.examples.train_digits import build_net
+from minigraph.kernels.cpu import blocks, choices
 from minigraph.pictures import profile as profile_mod
 
 STEPS = 3
@@ -113,8 +115,20 @@ def test_timed_and_untimed_steps_take_turns_after_the_warmup(digits, feed, monke
 
     monkeypatch.setattr(net, "train", train)
     table = net.profile(feed, steps=STEPS, warmup=2)
-    assert seen == [False, False] + [False, True] * STEPS
+    warm = len(seen) - 2 * STEPS         # 2, and on threads the steps measuring them
+    assert seen == [False] * warm + [False, True] * STEPS and warm >= 2
     assert len(table.step_times_ms) == table.steps == STEPS
+
+
+def test_the_warmup_runs_past_the_steps_that_measure_threads_per_op(digits, feed):
+    net, h = digits
+    with blocks.num_threads(2):
+        plan = net.plan("train", (net.loss,))
+        net.profile(feed, steps=1, warmup=1)
+        assert op_threads.settled(plan, net.place)
+        if choices.enabled():
+            c = plan.compiled(net.place)
+            assert [choice.counts is not None for choice in c.op_threads.values()] == [True]
 
 
 def test_a_step_that_raises_puts_back_the_kernels_and_the_persistables(digits, feed,

@@ -1,6 +1,8 @@
 """net.profile(): where the time of a step goes, per op type and per layer.
 
-`profile(net, feed, steps=10, mode="train")` runs `warmup` steps, then, in
+`profile(net, feed, steps=10, mode="train")` runs `warmup` steps (in training on
+the CPU, more while the plan still measures its threads per op: minigraph.op_threads),
+then, in
 turn, a step of `net.train` (or `net.infer`) as it is and a step whose
 kernels are timed, `steps` of each, all with the same feed: the net's own
 path, its compiled plan and kernels. For a timed step only, the kernels the
@@ -31,7 +33,7 @@ import time
 import weakref
 from typing import NamedTuple
 
-from minigraph import feeds
+from minigraph import feeds, op_threads
 from minigraph.pictures.layer_map import LayerMap
 
 MODES = ("train", "infer")
@@ -186,6 +188,10 @@ def profile(net, feed, steps=10, mode="train", fetch=None, warmup=2):
         timers, plain, timed = [], [], []
         try:
             for _ in range(max(warmup, block)):
+                run(feed=feed, fetch=list(fetch))
+            for _ in range((2 * op_threads.ROUNDS + 1) * block):    # past threads measured
+                if all(op_threads.settled(plan, net.place) for plan in plans):
+                    break
                 run(feed=feed, fetch=list(fetch))
             while len(timed) < steps:
                 for times, wrap in ((plain, False), (timed, True)):
