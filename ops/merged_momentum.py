@@ -4,9 +4,12 @@ merged_momentum, PyTorch's foreach momentum), made by passes.merge_updates.
 Its lists param, grad and velocity (and param_out, velocity_out, the same
 Variables: in-place pairs) are aligned by parameter; learning_rate and the
 optional mu_value are shared, and so are the attributes mu, use_nesterov and
-weight_decay. Each parameter gets exactly what the momentum op (ops/optimizer_ops.py)
-would give it, bit for bit: the op saves a step the executor's and the kernel's
-per-op costs, one per parameter, which on a small net are most of the update.
+weight_decay. Each parameter gets the momentum op's update (ops/optimizer_ops.py), its
+formulas in the same order, all through the native kernel that momentum runs for
+parameters of 2^14 values and more (below, numpy's separate steps may round a last
+bit otherwise than its fused multiply-adds). The op saves the executor's and the
+kernel's per-op costs, one per parameter, which on a small net are most of the
+update.
 Kernels: kernels/cpu/optimizer_ops.py (one native call for the whole list),
 kernels/cuda/optimizer_ops.py (the momentum kernel per parameter).
 """
@@ -32,7 +35,7 @@ LISTS = ("param", "grad", "velocity")
 
 
 def infer_merged(ins, attrs):
-    """Each parameter checked as momentum checks it (slots named `param[i]`)."""
+    """Each parameter checked as momentum checks it (errors name `parameter i`)."""
     check_scalar(OP, "mu_value", ins.get("mu_value"), np.float64)
     lengths = {slot: len(ins[slot]) for slot in LISTS}
     if len(set(lengths.values())) != 1:

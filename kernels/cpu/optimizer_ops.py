@@ -1,7 +1,8 @@
-"""CPU kernels of sgd and momentum (ops/optimizer_ops.py). The native kernels
-(optim_native) make each update in one pass where they take the arrays and the
-parameter is large enough to be worth the call (optim_native.worth_it); the numpy
-paths are their reference. New values go into the parameter and state arrays in
+"""CPU kernels of sgd and momentum (ops/optimizer_ops.py) and merged_momentum
+(ops/merged_momentum.py). The native kernels (optim_native) make each update in one
+pass where they take the arrays and the parameter is large enough to be worth the
+call (optim_native.worth_it; merged_momentum's one call for its whole list always
+is); the numpy paths are their reference. New values go into the parameter and state arrays in
 place, or into the spare arrays a training step offers for them
 (KernelContext.spares), after every new value is computed.
 """
