@@ -99,27 +99,41 @@ static void *run(void *arg) {
     return 0;
 }
 
+/* A job of `kind` without its arrays and range: scalars lr, wd, mu, b1, b2, eps, c1,
+ * c2 (those a kind does not use are ignored); flags nesterov, decoupled. */
+static job_t job_of(int kind, int f64, const double *scalars, int nesterov, int decoupled) {
+    job_t j = {0};
+    j.kind = kind; j.f64 = f64;
+    j.lr = scalars[0]; j.wd = scalars[1]; j.mu = scalars[2]; j.b1 = scalars[3];
+    j.b2 = scalars[4]; j.eps = scalars[5]; j.c1 = scalars[6]; j.c2 = scalars[7];
+    j.nesterov = nesterov; j.decoupled = decoupled;
+    return j;
+}
+
+/* How many contiguous ranges n values split in (1 below MIN_SPLIT, else `threads`,
+ * at most MAX_THREADS), and the length of each (*chunk, a multiple of 16). */
+static int64_t parts_of(int64_t n, int threads, int64_t *chunk) {
+    int64_t parts = n >= MIN_SPLIT ? threads : 1;
+    if (parts < 1) parts = 1;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    *chunk = ((n + parts - 1) / parts + 15) / 16 * 16;
+    return parts;
+}
+
 /* The update of n values (see the file comment). kind: 0 sgd, 1 momentum, 2 adam;
- * scalars: lr, wd, mu, b1, b2, eps, c1, c2 (those a kind does not use are ignored);
- * flags: nesterov, decoupled. */
+ * scalars and flags as job_of takes them. */
 int optim_update(int kind, int f64, const void *p, const void *g, const void *m,
                  const void *v, void *p_out, void *m_out, void *v_out, int64_t n,
                  const double *scalars, int nesterov, int decoupled, int threads) {
     job_t jobs[MAX_THREADS];
-    int64_t parts = n >= MIN_SPLIT ? threads : 1;
-    if (parts < 1) parts = 1;
-    if (parts > MAX_THREADS) parts = MAX_THREADS;
-    int64_t chunk = (n + parts - 1) / parts;
-    chunk = (chunk + 15) / 16 * 16;
+    int64_t chunk, parts = parts_of(n, threads, &chunk);
     for (int64_t t = 0; t < parts; t++) {
         job_t *j = &jobs[t];
-        j->kind = kind; j->f64 = f64; j->p = p; j->g = g; j->m = m; j->v = v;
+        *j = job_of(kind, f64, scalars, nesterov, decoupled);
+        j->p = p; j->g = g; j->m = m; j->v = v;
         j->p_out = p_out; j->m_out = m_out; j->v_out = v_out;
         j->begin = t * chunk < n ? t * chunk : n;
         j->end = (t + 1) * chunk < n ? (t + 1) * chunk : n;
-        j->lr = scalars[0]; j->wd = scalars[1]; j->mu = scalars[2]; j->b1 = scalars[3];
-        j->b2 = scalars[4]; j->eps = scalars[5]; j->c1 = scalars[6]; j->c2 = scalars[7];
-        j->nesterov = nesterov; j->decoupled = decoupled;
     }
     pool_run(run, jobs, sizeof(job_t), parts);
     return 0;
@@ -162,17 +176,9 @@ int optim_update_list(int kind, int f64, int64_t count, void *const *ptrs,
     starts[0] = 0;
     for (int64_t k = 0; k < count; k++) starts[k + 1] = starts[k] + sizes[k];
     int64_t n = starts[count];
-    job_t base = {0};
-    base.kind = kind; base.f64 = f64;
-    base.lr = scalars[0]; base.wd = scalars[1]; base.mu = scalars[2]; base.b1 = scalars[3];
-    base.b2 = scalars[4]; base.eps = scalars[5]; base.c1 = scalars[6]; base.c2 = scalars[7];
-    base.nesterov = nesterov; base.decoupled = decoupled;
+    const job_t base = job_of(kind, f64, scalars, nesterov, decoupled);
     list_job_t jobs[MAX_THREADS];
-    int64_t parts = n >= MIN_SPLIT ? threads : 1;
-    if (parts < 1) parts = 1;
-    if (parts > MAX_THREADS) parts = MAX_THREADS;
-    int64_t chunk = (n + parts - 1) / parts;
-    chunk = (chunk + 15) / 16 * 16;
+    int64_t chunk, parts = parts_of(n, threads, &chunk);
     for (int64_t t = 0; t < parts; t++) {
         list_job_t *l = &jobs[t];
         l->base = &base; l->count = count; l->ptrs = ptrs; l->starts = starts;
