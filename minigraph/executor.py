@@ -206,7 +206,7 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     try:
         for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
             if choice is not None:
-                count = choice.this_step() if measuring else choice.counts[i]
+                count = choice.count_for(i) if measuring else choice.counts[i]
                 if count != now:
                     op_threads.use(count)
                     now = count

@@ -11,9 +11,14 @@ it is measured:
 - A CPU training plan, once its check run has picked its kernels, runs its next
   2 * ROUNDS steps with every op alternately on all the threads (`get_num_threads()`)
   and on one, step by step, timing each kernel call.
+- An op stops being tried on one thread once it has taken LONG_OP (1 ms) on all
+  of them, or on one SLOWER (2x) its time on all: on a machine of many cores a
+  large op's run on one thread could take that many times longer, so each op
+  costs at most one such run.
 - Then an op runs on one thread where its least time on one is below MARGIN times
-  its least on all, on all where the reverse holds, and else (a close call) on
-  the count of the op before it; later steps set the threads op by op:
+  its least on all, on all where the reverse holds or it was no longer tried,
+  and else (a close call) on the count of the op before it; later steps set the
+  threads op by op:
   `blocks.cap_threads` for the native kernels and numpy's engine (this thread
   only), `blas_threads.set_threads` for OpenBLAS (the process's); after the step,
   every thread again.
@@ -33,35 +38,49 @@ import time
 ROUNDS = 8          # steps on each count before choosing (after the check run)
 KEPT = 8            # choices a plan keeps (by input signature and thread count)
 MARGIN = 0.95       # a count wins where it takes less than this share of the other's time
+LONG_OP = 1e-3      # seconds on all threads from which an op is no longer tried on one
+SLOWER = 2.0        # an op this many times slower on one thread is no longer tried there
 
 
 class Choice:
     """A plan's threads per op: measured over its first steps, then fixed.
     `threads`: the count it was measured for; `counts`: per op, None (all) or 1,
-    once chosen; `times`: {count: per op, the least seconds so far} while measuring."""
+    once chosen; `times`: {count: per op, the least seconds so far} while measuring;
+    `tried`: per op, whether its measuring steps on one thread still try it there."""
 
     def __init__(self, threads, ops):
         self.threads, self.steps = threads, 0
         self.counts = None
         self.times = {threads: [float("inf")] * ops, 1: [float("inf")] * ops}
+        self.tried = [True] * ops
 
-    def this_step(self):
-        """The count every op runs on this step while measuring (None: all), else None."""
-        return None if self.steps % 2 == 0 else 1
+    def count_for(self, i):
+        """The count op i runs on in this measuring step (None: all): every op on all
+        threads in even steps, on one in odd steps where it is still tried there."""
+        return 1 if self.steps % 2 and self.tried[i] else None
 
     def ran(self, i, count, seconds):
-        """Op i ran on `count` (None: all) for `seconds`."""
-        row = self.times[self.threads if count is None else 1]
+        """Op i ran on `count` (None: all) for `seconds`. An op stops being tried on one
+        thread once it took LONG_OP on all (one thread cannot gain much where the split
+        costs so little of its time) or SLOWER times its time on all on one (so that on
+        many cores the measuring costs a big op one slow run at most)."""
+        everyone, one = self.times[self.threads], self.times[1]
+        row = everyone if count is None else one
         if seconds < row[i]:
             row[i] = seconds
+        if everyone[i] > LONG_OP or (count == 1 and one[i] > SLOWER * everyone[i]):
+            self.tried[i] = False
 
     def step_done(self):
         """A measured step is over: after 2 * ROUNDS of them, choose."""
         self.steps += 1
         if self.steps == 2 * ROUNDS:
             counts, count = [], None
-            for everyone, one in zip(self.times[self.threads], self.times[1]):
-                if one < MARGIN * everyone:
+            for everyone, one, tried in zip(self.times[self.threads], self.times[1],
+                                            self.tried):
+                if not tried:
+                    count = None
+                elif one < MARGIN * everyone:
                     count = 1
                 elif everyone < MARGIN * one:
                     count = None

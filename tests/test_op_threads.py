@@ -41,7 +41,10 @@ def blas_now():
 
 
 @pytest.fixture
-def two_threads():
+def two_threads(monkeypatch):
+    """Two threads; the spy (which reads OpenBLAS's count through threadpoolctl, some
+    milliseconds) is tried on one thread however long it takes."""
+    monkeypatch.setattr(op_threads, "LONG_OP", float("inf"))
     before = blocks.get_num_threads()
     mg.set_num_threads(2)
     SEEN.clear()
@@ -99,16 +102,34 @@ def test_the_first_steps_measure_each_op_on_both_counts_then_choose(two_threads)
     assert SEEN == [(1, 1)] and blocks.get_num_threads() == 2 and blas_now() == 2
 
 
+def measure(choice, times):
+    """Run `choice`'s measuring steps with op i taking times[i] = (on all, on one) ms
+    (plus a drift of 1 us a step); returns the counts each op ran on, per step."""
+    seen = []
+    for step in range(2 * op_threads.ROUNDS):
+        counts = [choice.count_for(i) for i in range(len(times))]
+        for i, (everyone, one) in enumerate(times):
+            choice.ran(i, counts[i], ((everyone if counts[i] is None else one) + step * 1e-3)
+                       * 1e-3)
+        choice.step_done()
+        seen.append(counts)
+    return seen
+
+
 def test_choosing_takes_the_faster_count_and_a_close_call_keeps_the_op_befores():
     choice = op_threads.Choice(4, 5)
-    for step in range(2 * op_threads.ROUNDS):
-        count = choice.this_step()
-        assert count == (None if step % 2 == 0 else 1)
-        for i, (everyone, one) in enumerate([(10, 5), (10, 9.8), (5, 10), (10, 10.2),
-                                             (1, 1)]):
-            choice.ran(i, count, (everyone if count is None else one) + step * 1e-3)
-        choice.step_done()
+    seen = measure(choice, [(0.10, 0.05), (0.10, 0.098), (0.05, 0.09), (0.10, 0.102),
+                            (0.01, 0.01)])
+    assert seen == [[None] * 5, [1] * 5] * op_threads.ROUNDS
     assert choice.counts == (1, 1, None, None, None)
+
+
+def test_long_ops_and_ops_far_slower_on_one_thread_are_not_tried_there_again():
+    choice = op_threads.Choice(64, 3)
+    seen = measure(choice, [(2.0, 1.0), (0.2, 5.0), (0.2, 0.1)])
+    assert seen[1] == [None, 1, 1]                  # 2 ms on all: never on one
+    assert all(counts == [None, None, 1] for counts in seen[3::2])   # 25x slower: once
+    assert choice.counts == (None, None, 1)
 
 
 def test_a_failed_step_gives_every_thread_back_and_is_not_counted(two_threads):
