@@ -43,8 +43,9 @@ def blas_now():
 @pytest.fixture
 def two_threads(monkeypatch):
     """Two threads; the spy (which reads OpenBLAS's count through threadpoolctl, some
-    milliseconds) is tried on one thread however long it takes."""
+    milliseconds, varying) is tried on one thread however long it takes."""
     monkeypatch.setattr(op_threads, "LONG_OP", float("inf"))
+    monkeypatch.setattr(op_threads, "SLOWER", float("inf"))
     before = blocks.get_num_threads()
     mg.set_num_threads(2)
     SEEN.clear()
