@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import time
 
+# minigraph.kernels.cpu is imported inside the functions: its native build imports
+# minigraph.io, which imports minigraph.net, which imports the executor and this.
+
 ROUNDS = 8          # steps on each count before choosing (after the check run)
 KEPT = 8            # choices a plan keeps (by input signature and thread count)
 MARGIN = 0.95       # a count wins where it takes less than this share of the other's time
