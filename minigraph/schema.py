@@ -91,8 +91,11 @@ ROLES = {
     "gelu": "out = x Phi(x), the exact gelu", "layer_norm": "layer_norm's slots and attributes",
     "matrix_product": "out = x flattened to a matrix (x_num_col_dims) times y: fc's mul",
     "conv": "a 2-D convolution: x, filter -> out with strides, paddings, dilations, groups",
-    "fused_conv": "conv (+ bias + residual + activation) in one op: conv's slots and "
-                  "attributes, with optional bias and residual inputs and `activation`",
+    "fused_conv": "conv (+ bias + residual + activation + pool) in one op: conv's slots "
+                  "and attributes, with optional bias and residual inputs, `activation` "
+                  "and `pool` (\"none\" or \"max2x2\": 2x2 windows at stride 2)",
+    "pool": "pool2d's slots and attributes (pool_type, ksize, strides, paddings, "
+            "global_pooling, data_layout)",
     "fused_fc": "matrix_product (+ bias + residual + activation) in one op: its slots "
                 "and x_num_col_dims, optional bias and residual inputs and `activation`; "
                 "`normalize`: x is layer_norm'd first (norm_scale, norm_bias, norm_epsilon)",

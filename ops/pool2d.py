@@ -117,7 +117,7 @@ def export_pool2d(ctx, op):
 POOL = register(OpSchema(
     type="pool2d", inputs=(Slot("x"),), outputs=(Slot("out"),), attrs=pool_attrs(),
     infer=infer_pool, validate=validate_pool, resolve_attrs=resolve, export=export_pool2d,
-    doc=__doc__,
+    doc=__doc__, roles=("pool",),
     grad=grad_maker("pool2d_grad")))   # dx from x and dout: the max is located again
 register(grad_schema(POOL, inputs=(Slot("x"), Slot("dout")),
                      outputs=(Slot("dx", optional=True),),

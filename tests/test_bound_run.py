@@ -134,7 +134,7 @@ def test_an_inference_conv_net_runs_its_convs_bound_with_the_bits_of_a_plain_run
     prepared = []
     prepare = conv_native.prepared_forward
     monkeypatch.setattr(conv_native, "prepared_forward",
-                        lambda *args: prepared.append(args) or prepare(*args))
+                        lambda *args, **kw: prepared.append(args) or prepare(*args, **kw))
     net = mg.Net(seed=0)
     image = L.data(net, "image", shape=(-1, 8, 12, 12))
     h = L.relu(net, L.batch_norm(net, L.conv2d(net, image, 8, 3, padding=1, bias=False)))

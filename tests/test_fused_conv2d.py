@@ -65,9 +65,9 @@ def test_fused_conv2d_on_winograds_kernel(bias, residual, activation, monkeypatc
         pytest.skip("native kernels not built here")
     prepared = []
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         prepared.append(args[-1])
-        return prepare(*args)
+        return prepare(*args, **kwargs)
     prepare = conv_native.prepared_forward
     monkeypatch.setattr(conv_native, "prepared_forward", spy)
     attrs = {"paddings": 1}

@@ -7,9 +7,10 @@ with lean work arrays, or up to the room a training step leaves them
 (KernelContext.room, OpSchema.work_room; the room also lets Winograd's kernel
 take a conv whose scratch outgrows its output: winograd_bound); and of
 fused_conv2d (ops/fused_conv2d.py), whose bias, residual and relu are applied to
-each tile or chunk of the convolution's output while it is in cache, and whose
-bound form (bind_fused_conv2d) runs a checked inference plan's native convs as
-prepared calls.
+each tile or chunk of the convolution's output while it is in cache (and its 2x2 max
+pooling by the native NCHW kernels, on each image's outputs in cache; by pool2d's
+kernel after the other engines), and whose bound form (bind_fused_conv2d) runs a
+checked inference plan's native convs as prepared calls.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from minigraph.kernels.cpu import (
     conv_native,
     conv_native_nhwc,
     native,
+    pool2d,
     prepared,
 )
 from minigraph.kernels.layout import nchw_sizes
@@ -154,37 +156,61 @@ def fused_conv2d_cpu(op, ins, ctx):
     g, threads, options = _fused_options(op, x, w, epilogue)
     if threads is None:
         return {"out": options["im2col"]()}
-    return {"out": choose("fused_conv2d", op, g, threads, options, _extra(epilogue))}
+    return {"out": choose("fused_conv2d", op, g, threads, options, _extra(op, epilogue))}
 
 
 def _fused_options(op, x, w, epilogue):
     """(g, threads, options) of fused_conv2d_cpu: threads None where only the im2col
     engine takes the conv."""
-    g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
-    relu = op.attrs["activation"] == "relu"
-    options = {"im2col": lambda: run.numpy_forward(x, w, g, **epilogue, relu=relu)}
+    g, layout = cpu_geometry(op, x, w), op.attrs["data_layout"]
+    run, relu, pool = ENGINES[layout], op.attrs["activation"] == "relu", _pools(op)
+    options = {"im2col": _pooled(lambda: run.numpy_forward(x, w, g, **epilogue, relu=relu),
+                                 pool, layout)}
     if not conv_native.supports(g, x.dtype):
         return g, None, options
     threads, bound = blocks.get_num_threads(), conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE
-    options["direct"] = lambda: run.forward(x, w, g, threads, **epilogue, relu=relu,
-                                            max_scratch=conv_native.DIRECT)
+    native_pool = {"pool": True} if pool and layout == "NCHW" else {}
+    after = pool and not native_pool              # channels last: pool2d's kernel after
+    options["direct"] = _pooled(lambda: run.forward(x, w, g, threads, **epilogue, relu=relu,
+                                                    max_scratch=conv_native.DIRECT,
+                                                    **native_pool), after, layout)
     if conv_native.forward_winograd(g, threads, bound):
-        options["winograd"] = lambda: run.forward(x, w, g, threads, **epilogue, relu=relu,
-                                                  max_scratch=bound, fixed=True)
+        options["winograd"] = _pooled(
+            lambda: run.forward(x, w, g, threads, **epilogue, relu=relu, max_scratch=bound,
+                                fixed=True, **native_pool), after, layout)
     return g, threads, options
+
+
+def _pools(op):
+    """Whether the fused op max-pools its outputs (attribute pool)."""
+    return op.attrs.get("pool") == "max2x2"
+
+
+def _pooled(compute, pool, layout):
+    """compute, or (pool) a function of the max of each 2x2 window at stride 2 of its
+    result, as pool2d's kernel takes it."""
+    if not pool:
+        return compute
+    attrs = {"ksize": (2, 2), "strides": (2, 2), "paddings": (0, 0), "data_layout": layout}
+
+    def pooled():
+        out = compute()
+        return pool2d.window_max(out, attrs, pool2d.out_hw(out.shape, attrs))
+    return pooled
 
 
 def bind_fused_conv2d(op):
     """fused_conv2d_cpu's bound form (minigraph.bound_run) for NCHW: the native kernel
     the op's choice names (Winograd's on the filter's kept transform, or the direct
-    kernel) into the same output array every run, its C call prepared again only when
+    kernel; pooling its outputs where the op does) into the same output array every
+    run, its C call prepared again only when
     the filter or bias is another array, x or the residual of another shape or layout,
     the filter was made writeable (its transform is made anew) or the thread count
     changed. None (the kernel runs) where the arrays are not C-contiguous float32 or
     the choice is the im2col engine."""
     if op.attrs["data_layout"] != "NCHW":
         return None
-    relu = op.attrs["activation"] == "relu"
+    relu, pool = op.attrs["activation"] == "relu", _pools(op)
     kept = {"arrays": None, "call": None, "out": None}
 
     def prepare(x, w, bias, residual, threads):
@@ -193,15 +219,15 @@ def bind_fused_conv2d(op):
             return None
         epilogue = {"bias": bias, "residual": residual}
         g, threads, options = _fused_options(op, x, w, epilogue)
-        shape = (g.n, g.o, g.ho, g.wo)
+        shape = conv_native.pooled_shape(g) if pool else (g.n, g.o, g.ho, g.wo)
         if threads is None or 0 in shape:
             return None
-        name = pick("fused_conv2d", op, g, threads, options, _extra(epilogue))
+        name = pick("fused_conv2d", op, g, threads, options, _extra(op, epilogue))
         if name == "im2col":
             return None
         out = prepared.output(kept, shape, np.float32)
         return conv_native.prepared_forward(w, g, threads, bias, relu, out,
-                                            name == "winograd")
+                                            name == "winograd", pool=pool)
 
     def run(ins):
         threads = blocks.get_num_threads()
@@ -229,9 +255,10 @@ def _like(x, held):
                          and held.flags.c_contiguous)
 
 
-def _extra(epilogue):
+def _extra(op, epilogue):
     """The epilogue's part of a fused conv's choice key."""
-    return "|".join(k for k in ("bias", "residual") if epilogue[k] is not None)
+    return "|".join([k for k in ("bias", "residual") if epilogue[k] is not None]
+                    + (["pool"] if _pools(op) else []))
 
 
 def choose(kind, op, g, threads, options, extra=""):

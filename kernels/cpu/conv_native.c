@@ -28,6 +28,12 @@
  * output is summed by one thread in one order, so results do not depend on
  * them.
  *
+ * With `pool` (dims[22]), `out` is (N, O, ho / 2, wo / 2): each unit's outputs go,
+ * with the epilogue, to planes of the thread's own (ho, wo) in cache, then their max
+ * over each 2x2 window at stride 2 (an odd last row or column left out, as pool2d's)
+ * to out, as pool2d's max makes it (pool_native.c: rows first, then neighbours, NaN
+ * propagating); the full-size outputs are never written to memory.
+ *
  * Included at the end: conv_filter_grad.h, the filter gradient (on the same
  * buffers); conv_winograd.h, Winograd's F(4x4, 3x3) for the forward passes of 3x3
  * convs of stride 1 (conv_native.py's winograd() picks); conv_nhwc.h, the
@@ -51,8 +57,8 @@ typedef int v8i __attribute__((vector_size(32)));
 
 typedef struct {
     const float *x, *filter, *bias, *residual, *dout;
-    float *out;
-    int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu;
+    float *out, *pooled;                /* pooled: pool's out (then `out` is per unit) */
+    int64_t n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw, ho, wo, relu, pooling;
     int64_t out_h, out_w, oy0, ox0, osh, osw;   /* output (y, x) at (oy0 + osh y, ox0 + osw x) */
     int64_t hb, wb, k, nblk, vpr, nvec, slices, units, buf_size, phases;
     int64_t pair, vw, pair_base, pair_out;  /* forward: vectors of two rows of 8 (pair), each
@@ -73,6 +79,7 @@ static void setup(conv_t *a, const int64_t *d)
     a->kw = d[6]; a->sh = d[7]; a->sw = d[8]; a->ph = d[9]; a->pw = d[10]; a->dh = d[11];
     a->dw = d[12]; a->ho = d[13]; a->wo = d[14]; a->relu = d[15]; a->out_h = d[16];
     a->out_w = d[17]; a->oy0 = d[18]; a->ox0 = d[19]; a->osh = d[20]; a->osw = d[21];
+    a->pooling = d[22];
     a->pair = VL == 16 && a->wo <= 8;      /* rows of 8: two in a vector of 16 */
     a->vw = a->pair ? 8 : VL;
     a->vpr = (a->wo + a->vw - 1) / a->vw;
@@ -316,25 +323,75 @@ typedef struct {
     int failed;
 } job_t;
 
+/* numpy's maximum lane by lane, NaN when either is NaN: a where a > b or a is NaN */
+static inline v8 max_nan8(v8 a, v8 b)
+{
+    v8i mask = (a > b) | (a != a);
+    return (v8)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+/* Eight windows' max from the 16 columns of their top and bottom rows. */
+static inline v8 pool8(v8 t0, v8 t1, v8 b0, v8 b1)
+{
+    v8 m0 = max_nan8(t0, b0), m1 = max_nan8(t1, b1);
+    return max_nan8(__builtin_shufflevector(m0, m1, 0, 2, 4, 6, 8, 10, 12, 14),
+                    __builtin_shufflevector(m0, m1, 1, 3, 5, 7, 9, 11, 13, 15));
+}
+
+/* Channels [c0, c1) of one image's outputs `y` (planes of h x w) to `out` (planes of
+ * h / 2 x w / 2): the max of each 2x2 window at stride 2, pool_native.c's way (the max
+ * of the two rows, then of the two neighbours, NaN propagating), eight windows at a
+ * time from 16 columns of their two rows (a row's last ones through masked moves). */
+static void pool_planes(const float *y, float *out, int64_t c0, int64_t c1, int64_t h,
+                        int64_t w)
+{
+    const int64_t ho = h / 2, wo = w / 2;
+    for (int64_t c = c0; c < c1; c++)
+        for (int64_t r = 0; r < ho; r++) {
+            const float *top = y + (c * h + 2 * r) * w, *bottom = top + w;
+            float *o = out + (c * ho + r) * wo;
+            int64_t q = 0;
+            for (; q + 8 <= wo; q += 8)
+                *(v8u *)(o + q) = pool8(load(top + 2 * q), load(top + 2 * q + 8),
+                                        load(bottom + 2 * q), load(bottom + 2 * q + 8));
+            if (q < wo) {
+                int64_t left = wo - q, lo = 2 * left < 8 ? 2 * left : 8, hi = 2 * left - lo;
+                v8f_store_part(o + q, pool8(v8f_load_part(top + 2 * q, lo),
+                                            v8f_load_part(top + 2 * q + 8, hi),
+                                            v8f_load_part(bottom + 2 * q, lo),
+                                            v8f_load_part(bottom + 2 * q + 8, hi)), left);
+            }
+        }
+}
+
 static void *forward_job(void *p)
 {
     job_t *job = p;
     const conv_t *a = job->a;
-    float *buf = calloc(a->buf_size, sizeof(float));
+    int64_t plane = a->out_h * a->out_w;
+    float *buf = calloc(a->buf_size + (a->pooling ? a->o * plane : 0), sizeof(float));
     if (!buf) { job->failed = 1; return NULL; }
+    conv_t unit = *a;           /* pool: a unit's outputs to this thread's planes */
+    const conv_t *to = a->pooling ? &unit : a;
+    unit.out = buf + a->buf_size;
     int64_t shown = -1;
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
-        int64_t img = u / a->slices, s = u % a->slices;
+        int64_t img = u / a->slices, s = u % a->slices, at = a->pooling ? 0 : img;
+        int64_t first = s * a->nblk / a->slices, end = (s + 1) * a->nblk / a->slices;
         if (img != shown) fill_buffer(a, img, buf), shown = img;
-        for (int64_t blk = s * a->nblk / a->slices; blk < (s + 1) * a->nblk / a->slices; blk++) {
+        if (a->pooling && a->residual) unit.residual = a->residual + img * a->o * plane;
+        for (int64_t blk = first; blk < end; blk++) {
             const float *wp[MR];          /* the block's filter rows; past O: the last */
             for (int r = 0; r < MR; r++)
                 wp[r] = a->filter + (blk * MR + r < a->o ? blk * MR + r : a->o - 1) * a->k;
             if (a->pair)
-                forward_block(a, buf, wp, blk, img, 1);
+                forward_block(to, buf, wp, blk, at, 1);
             else
-                forward_block(a, buf, wp, blk, img, 0);
+                forward_block(to, buf, wp, blk, at, 0);
         }
+        if (a->pooling)
+            pool_planes(unit.out, a->pooled + img * a->o * (a->ho / 2) * (a->wo / 2),
+                        first * MR, end * MR < a->o ? end * MR : a->o, a->ho, a->wo);
     }
     free(buf);
     return NULL;
@@ -358,14 +415,17 @@ static int64_t clamp_threads(int64_t threads, int64_t units)
 }
 
 /* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu, then where the outputs go:
- * out (N, O, out_h, out_w), output (y, x) at (oy0 + osh y, ox0 + osw x). Returns 0, or 1 when
- * memory ran out (out is then incomplete). */
+ * out (N, O, out_h, out_w), output (y, x) at (oy0 + osh y, ox0 + osw x), then pool (1:
+ * out is (N, O, ho / 2, wo / 2), the max of each 2x2 window at stride 2; out_h, out_w
+ * are then ho, wo and the outputs go to (y, x)). Returns 0, or 1 when memory ran out
+ * (out is then incomplete). */
 int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
                        const float *residual, float *out, const int64_t *dims, int64_t threads)
 {
     conv_t a = {.x = x, .filter = filter, .bias = bias, .residual = residual, .out = out};
     setup(&a, dims);
     if (!a.koff) return 1;
+    if (a.pooling) a.pooled = out, a.out = NULL;
     if (!vector_tables(&a)) { free(a.koff); return 1; }
     threads = threads < 1 ? 1 : threads;
     a.slices = a.n >= threads ? 1 : (threads + a.n - 1) / a.n;   /* few images: split O */

@@ -79,12 +79,21 @@ def _threads(g, threads):
     return max(1, min(int(threads), work // MIN_THREAD_WORK))
 
 
-def _dims(g, relu=False, out_shape=None, at=(0, 0), step=(1, 1)):
+def _dims(g, relu=False, out_shape=None, at=(0, 0), step=(1, 1), pool=False):
     """The C kernels' sizes: g, then the output array's planes (out_shape's last two,
-    default g.ho, g.wo) and where output (y, x) goes in them: (at + step * (y, x))."""
-    out_h, out_w = (g.ho, g.wo) if out_shape is None else out_shape[2:]
+    default g.ho, g.wo) and where output (y, x) goes in them: (at + step * (y, x)), then
+    whether the outputs are max-pooled (pooled_shape)."""
+    out_h, out_w = (g.ho, g.wo) if out_shape is None or pool else out_shape[2:]
     return np.array([g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw,
-                     g.ho, g.wo, int(bool(relu)), out_h, out_w, *at, *step], dtype=np.int64)
+                     g.ho, g.wo, int(bool(relu)), out_h, out_w, *at, *step, int(bool(pool))],
+                    dtype=np.int64)
+
+
+def pooled_shape(g):
+    """The output shape of a forward pass with `pool`: (N, O, Ho // 2, Wo // 2), the max
+    of each 2x2 window at stride 2 of the conv's outputs (an odd last row or column
+    left out, as pool2d's)."""
+    return (g.n, g.o, g.ho // 2, g.wo // 2)
 
 
 _ptr = native.address
@@ -99,7 +108,7 @@ def _float32(array, shape, name):
 
 
 def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=None,
-            stats=None, fixed=False):
+            stats=None, fixed=False, pool=False):
     """out (N, O, Ho, Wo) float32 = conv(x, w) (+ bias[o]) (+ residual) (then max(., 0)),
     on `threads` threads; the epilogue runs on each tile of outputs in registers.
     max_scratch: winograd()'s bound on the scratch memory (None: WINOGRAD_MAX_SCRATCH).
@@ -109,19 +118,22 @@ def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=
     "kernel" ("winograd" or "direct") and, for Winograd, "direct_tiles" (how many
     tiles it computed directly) and "tiles". fixed: `w` is a filter no op writes (an
     inference net's): Winograd's transform of it is kept (fixed_transform), and `w`
-    made read-only."""
-    out = np.empty((g.n, g.o, g.ho, g.wo), dtype=np.float32)
-    residual = None if residual is None else _float32(residual, out.shape, "residual")
+    made read-only. pool: out is pooled_shape(g), the max of each 2x2 window of the
+    outputs (after the epilogue) at stride 2, the full outputs never in memory."""
+    full = (g.n, g.o, g.ho, g.wo)
+    out = np.empty(pooled_shape(g) if pool else full, dtype=np.float32)
+    residual = None if residual is None else _float32(residual, full, "residual")
     _forward_into(out, x, w, g, threads, bias=bias, residual=residual, relu=relu,
-                  max_scratch=max_scratch, stats=stats, fixed=fixed)
+                  max_scratch=max_scratch, stats=stats, fixed=fixed, pool=pool)
     return out
 
 
 def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, at=(0, 0),
-                  step=(1, 1), max_scratch=None, stats=None, fixed=False):
+                  step=(1, 1), max_scratch=None, stats=None, fixed=False, pool=False):
     """forward's outputs into out (C-contiguous float32, (N, O, rows, cols)): output
     (y, x) at out[..., at[0] + step[0] y, at[1] + step[1] x], the caller having
-    checked that these fit; residual (out's shape) read at the same places."""
+    checked that these fit; residual (out's shape) read at the same places. pool (at
+    and step the defaults): out is pooled_shape(g), the residual the conv's shape."""
     x = _float32(x, (g.n, g.c, g.h, g.w), "x")
     w = _float32(w, (g.o, g.c, g.kh, g.kw), "filter")
     bias = None if bias is None else _float32(bias, (g.o,), "bias")
@@ -129,17 +141,20 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
         return
     threads = _threads(g, threads)
     args = (_ptr(x), _ptr(w), _ptr(bias), _ptr(residual), _ptr(out))
-    if winograd(g, threads, out.shape, at, step, max_scratch) and \
-            run_winograd(args, _winograd_dims(g, relu), threads, g, stats, w if fixed else None):
+    if winograd(g, threads, None if pool else out.shape, at, step, max_scratch) and \
+            run_winograd(args, _winograd_dims(g, relu, pool=pool), threads, g, stats,
+                         w if fixed else None):
         return
     if stats is not None:
         stats["kernel"] = "direct"
-    if _lib().conv2d_forward_f32(*args, _ptr(_dims(g, relu, out.shape, at, step)), threads):
+    if _lib().conv2d_forward_f32(*args, _ptr(_dims(g, relu, out.shape, at, step, pool)),
+                                 threads):
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
-def prepared_forward(w, g, threads, bias, relu, out, use_winograd):
-    """forward's outputs into `out` ((N, O, Ho, Wo) float32, C-contiguous) prepared once:
+def prepared_forward(w, g, threads, bias, relu, out, use_winograd, pool=False):
+    """forward's outputs into `out` ((N, O, Ho, Wo) float32, C-contiguous; with pool,
+    pooled_shape(g) and forward's pooled outputs) prepared once:
     a function call(x, residual) that runs the kernel on x and the residual (None where
     `residual` is; else C-contiguous float32 of g's shapes, as `residual`) and what the
     other arrays hold then (minigraph.bound_run), with forward's bits:
@@ -150,7 +165,7 @@ def prepared_forward(w, g, threads, bias, relu, out, use_winograd):
     lib, threads = _lib(), _threads(g, threads)
     filter_bias, to = (_ptr(w), _ptr(bias)), _ptr(out)
     if use_winograd:
-        dims = _winograd_dims(g, relu)
+        dims = _winograd_dims(g, relu, pool=pool)
         transform = fixed_transform(w, dims)
         if transform is not None:
             direct = ctypes.c_int64(0)
@@ -162,7 +177,7 @@ def prepared_forward(w, g, threads, bias, relu, out, use_winograd):
                                       "be allocated")
             call.keep, call.transform = (dims, direct), transform   # what rest points into
             return call
-    dims = _dims(g, relu, out.shape)
+    dims = _dims(g, relu, out.shape, pool=pool)
     rest = (to, _ptr(dims), threads)
 
     def call(x, residual):
@@ -244,11 +259,12 @@ def _winograd_scratch(g, threads):
     return _lib().conv2d_winograd_scratch(_ptr(_winograd_dims(g)), threads)
 
 
-def _winograd_dims(g, relu=False, nhwc=False, x_row=0, x_image=0):
+def _winograd_dims(g, relu=False, nhwc=False, x_row=0, x_image=0, pool=False):
     """conv2d_winograd_f32's sizes (x_row, x_image: channels-last x's row and image
-    pitches in floats)."""
+    pitches in floats; pool: NCHW outputs max-pooled, as forward's)."""
     return np.array([g.n, g.c, g.h, g.w, g.o, g.ph, g.pw, g.ho, g.wo, int(bool(relu)),
-                     int(bool(nhwc)), x_row, x_image, WINOGRAD_RANGE], dtype=np.int64)
+                     int(bool(nhwc)), x_row, x_image, WINOGRAD_RANGE, int(bool(pool))],
+                    dtype=np.int64)
 
 
 def filter_grad(x, d, g, threads):

@@ -23,7 +23,8 @@
  * buffer is turned into NCHW (or copied out as NHWC). Tiles whose inputs span too
  * wide a range for the transforms (conv_winograd_range.h) are computed directly
  * instead. Every output is summed by one thread in one order, so the results do not
- * depend on the number of threads. */
+ * depend on the number of threads. With pool (NCHW), an image's outputs go to the
+ * thread's own planes, then their 2x2 maxima to out (pool_planes, conv_native.c). */
 
 /* a register block of the products: WG_TM tiles by two vectors of VL output channels
  * (native_simd.h: 24 of AVX-512's 32 registers, 12 of AVX2's 16), or by one vector
@@ -34,10 +35,11 @@
 typedef struct {
     const float *x, *bias, *residual, *filter;
     float *out, *u;                       /* u: [36][cp][op], the filter's transform */
+    float *pooled;                        /* pool: the pooled out (then out: a thread's) */
     float *wt;                            /* [9][cp][op]: the filter of direct tiles, made
                                              when the first one needs it (under `lock`) */
     pthread_mutex_t lock;
-    int64_t n, c, h, w, o, ph, pw, ho, wo, relu, nhwc, x_row, x_image;
+    int64_t n, c, h, w, o, ph, pw, ho, wo, relu, nhwc, x_row, x_image, pooling;
     int64_t cp, op, th, tw, tiles, hb, wb, group, units;
     int64_t buf_size, y_size, mag_size;   /* per image of a group */
     float range, gmax;                    /* see conv_winograd_range.h */
@@ -200,7 +202,7 @@ static void wg_output(const wg_t *a, const float *m, int64_t t0, int64_t nb, flo
     }
 }
 
-/* a's sizes from dims (n c h w o ph pw ho wo relu nhwc x_row x_image range) for
+/* a's sizes from dims (n c h w o ph pw ho wo relu nhwc x_row x_image range pool) for
  * `threads` threads (clamped). */
 static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
 {
@@ -208,6 +210,7 @@ static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
     a->ph = dims[5]; a->pw = dims[6]; a->ho = dims[7]; a->wo = dims[8]; a->relu = dims[9];
     a->nhwc = dims[10]; a->x_row = dims[11]; a->x_image = dims[12];
     a->range = (float)dims[13];
+    a->pooling = dims[14];
     a->cp = (a->c + 7) / 8 * 8;
     int64_t ov = (a->o <= VL ? 1 : 2) * VL;                /* wg_multiply's channels */
     a->op = (a->o + ov - 1) / ov * ov;
@@ -231,7 +234,7 @@ static int64_t wg_setup(wg_t *a, const int64_t *dims, int64_t threads)
 static int64_t wg_thread_floats(const wg_t *a)
 {
     return a->group * (a->buf_size + a->y_size + a->mag_size) + 36 * WG_TB * (a->cp + a->op)
-           + 16;
+           + 16 + (a->pooling ? a->o * a->ho * a->wo : 0);
 }
 
 static void *wg_job(void *p)
@@ -243,6 +246,9 @@ static void *wg_job(void *p)
     float *buf = calloc(wg_thread_floats(a), sizeof(float));
     if (!buf) { job->failed = 1; return NULL; }
     float *v = buf + bufs, *m = v + v_size, *y = m + m_size, *mags = y + y_all;
+    wg_t image_out = *a;               /* pool: an image's outputs to this thread's planes */
+    image_out.out = mags + a->group * a->mag_size;
+    int64_t plane = a->ho * a->wo;
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < a->units;) {
         int64_t first = u * a->group;
         int64_t count = a->n - first < a->group ? a->n - first : a->group;
@@ -266,8 +272,16 @@ static void *wg_job(void *p)
             if (wide < 0) { job->failed = 1; break; }
             direct += wide;
         }
-        for (int64_t g = 0; g < count; g++)
-            (a->nhwc ? wg_store_nhwc : wg_store)(a, y + g * a->y_size, first + g);
+        for (int64_t g = 0; g < count; g++) {
+            if (!a->pooling) {
+                (a->nhwc ? wg_store_nhwc : wg_store)(a, y + g * a->y_size, first + g);
+                continue;
+            }
+            if (a->residual) image_out.residual = a->residual + (first + g) * a->o * plane;
+            wg_store(&image_out, y + g * a->y_size, 0);
+            float *to = a->pooled + (first + g) * a->o * (a->ho / 2) * (a->wo / 2);
+            pool_planes(image_out.out, to, 0, a->o, a->ho, a->wo);
+        }
     }
     __atomic_fetch_add(&a->direct_tiles, direct, __ATOMIC_RELAXED);
     free(buf);
@@ -305,9 +319,10 @@ int conv2d_winograd_filter(const float *filter, const int64_t *dims, float *u)
     return 0;
 }
 
-/* dims: n c h w o ph pw ho wo relu nhwc x_row x_image range (a 3x3 filter, stride and
- * dilation 1; out is (N, O, ho, wo), or (N, ho, wo, O) with nhwc, whose x's rows and
- * images are x_row and x_image floats apart; range: conv_winograd_range.h). prepared:
+/* dims: n c h w o ph pw ho wo relu nhwc x_row x_image range pool (a 3x3 filter, stride
+ * and dilation 1; out is (N, O, ho, wo), or (N, ho, wo, O) with nhwc, whose x's rows and
+ * images are x_row and x_image floats apart; range: conv_winograd_range.h; pool (NCHW
+ * only): out is (N, O, ho / 2, wo / 2), the max of each 2x2 window at stride 2). prepared:
  * the filter's transform (conv2d_winograd_filter), or NULL to make it here. Returns 0;
  * 1 when memory ran out (out is then incomplete); 2, with nothing written, when the
  * filter holds a NaN or an infinity (the caller runs the direct kernel). *direct_tiles
@@ -318,6 +333,7 @@ int conv2d_winograd_f32(const float *x, const float *filter, const float *bias,
 {
     wg_t a = {.x = x, .bias = bias, .residual = residual, .out = out, .filter = filter};
     threads = wg_setup(&a, dims, threads);
+    if (a.pooling) a.pooled = out, a.out = NULL;
     if (prepared) {
         a.u = (float *)prepared;                 /* read only, like a fresh one */
         a.gmax = prepared[36 * a.cp * a.op];

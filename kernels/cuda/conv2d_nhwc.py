@@ -15,7 +15,15 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import present
-from minigraph.kernels.cuda import activation, broadcast, conv2d, elementwise, launch, loader
+from minigraph.kernels.cuda import (
+    activation,
+    broadcast,
+    conv2d,
+    elementwise,
+    launch,
+    loader,
+    pool2d,
+)
 from minigraph.kernels.cuda.matmul import gemm_plan
 from minigraph.kernels.layout import nchw_sizes
 
@@ -176,9 +184,15 @@ def conv2d_grad_gpu(op, ins, ctx):
 
 def fused_conv2d_gpu(op, ins, ctx):
     """NHWC: the conv2d_nhwc launcher, then bias (on the last axis), residual and relu in
-    place on its output; NCHW by kernels/conv2d.py."""
-    if not _nhwc(op):
-        return conv2d.fused_conv2d_gpu(op, ins, ctx)
+    place on its output; NCHW by kernels/conv2d.py; then, with attribute pool, pool2d's
+    max over 2x2 windows at stride 2."""
+    out = _fused_nhwc(op, ins) if _nhwc(op) else conv2d.fused_conv2d_gpu(op, ins, ctx)["out"]
+    if op.attrs["pool"] == "max2x2":
+        out = pool2d.pool2d(out, "max", 2, 2, 0, data_layout=op.attrs["data_layout"])
+    return {"out": out}
+
+
+def _fused_nhwc(op, ins):
     out = conv2d_nhwc(ins["x"], ins["filter"], **conv2d.conv_geometry(op))
     if ins.get("bias") is not None:
         elementwise.add(out, ins["bias"], axis=3, out=out)
@@ -186,4 +200,4 @@ def fused_conv2d_gpu(op, ins, ctx):
         broadcast.add(out, ins["residual"], out=out)
     if op.attrs["activation"] == "relu":
         activation.relu(out, out=out)
-    return {"out": out}
+    return out

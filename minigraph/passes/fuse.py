@@ -6,6 +6,8 @@ fuse_conv2d makes a fused_conv2d of each
                                channel axis: 1, or 3 in NHWC)
            -> add (another value of the same shape)               a residual
            -> relu
+           -> pool2d (max over 2x2 windows at stride 2, no        pool "max2x2"
+                      padding, in the conv's layout)
 
 and fuse_fc a fused_fc of each
 
@@ -20,7 +22,7 @@ begin_norm_axis), when nothing reads the norm's mean and variance: the op then
 normalises x itself (normalize, norm_scale, norm_bias, norm_epsilon).
 
 The ops are found by their declared roles ("conv", "matrix_product", "bias_add",
-"add", "relu", "gelu"; the fused ops are the ones with the "fused_conv" and
+"add", "relu", "gelu", "pool"; the fused ops are the ones with the "fused_conv" and
 "fused_fc" roles), never by type name.
 
 Every step after the conv2d is optional; a chain stops where a value has
@@ -225,8 +227,19 @@ def _fc_chain(ops, mul, kept):
 
 
 def _conv_chain(ops, conv, kept):
-    """([conv, ...the ops fused after it], fused_conv2d keyword arguments)."""
-    return _chain(ops, conv, kept, _is_conv_bias, _same_meta, ("relu",))
+    """([conv, ...the ops fused after it], fused_conv2d keyword arguments): _chain's,
+    then a max pooling of 2x2 windows at stride 2 (pool "max2x2")."""
+    chain, parts = _chain(ops, conv, kept, _is_conv_bias, _same_meta, ("relu",))
+    v = chain[-1].outputs["out"]
+    pool = _only_reader(ops, v, kept)
+    if pool is not None and pool.schema.has_role("pool") and pool.inputs["x"] is v:
+        a = pool.attrs
+        if (a["pool_type"] == "max" and not a["global_pooling"] and a["ksize"] == (2, 2)
+                and a["strides"] == (2, 2) and a["paddings"] == (0, 0)
+                and a["data_layout"] == conv.attrs["data_layout"]):
+            parts["pool"] = "max2x2"
+            chain.append(pool)
+    return chain, parts
 
 
 def _chain(ops, first, kept, is_bias, residual_fits, activations):
