@@ -94,6 +94,7 @@ ROLES = {
     "fused_conv": "conv (+ bias + residual + activation + pool) in one op: conv's slots "
                   "and attributes, with optional bias and residual inputs, `activation` "
                   "and `pool` (\"none\" or \"max2x2\": 2x2 windows at stride 2)",
+    "dropout": "x -> out; with is_infer (inference) out holds x's values",
     "pool": "pool2d's slots and attributes (pool_type, ksize, strides, paddings, "
             "global_pooling, data_layout)",
     "fused_fc": "matrix_product (+ bias + residual + activation) in one op: its slots "

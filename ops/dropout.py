@@ -87,7 +87,7 @@ DROPOUT = register(OpSchema(
     attrs=(float_attr("p", 0.5, probability), bool_attr("is_infer", False),
            int_attr("seed", 0, seed_range)),
     inplace={"step_out": "step"}, mode_attr="is_infer", infer=infer_dropout,
-    grad=grad_dropout, export=export_dropout, doc=__doc__))
+    grad=grad_dropout, export=export_dropout, doc=__doc__, roles=("dropout",)))
 register(grad_schema(DROPOUT, inputs=(Slot("mask", optional=True), Slot("dout")),
                      outputs=(Slot("dx", optional=True),), infer=infer_dropout_grad))
 

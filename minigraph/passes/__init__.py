@@ -5,9 +5,11 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
 
     convert_sync_batchnorm(net)   batch_norm -> sync_batch_norm, in place
     fold_batch_norm(net)          a new infer-only net with batch norms folded into conv/fc
-    optimize_for_inference(net)   fold_batch_norm, then fuse_conv2d (conv+bias+residual+relu)
-                                  and fuse_fc (mul+bias+residual+relu or gelu; also the
-                                  infer branch of a training net, in place)
+    optimize_for_inference(net)   fold_batch_norm, remove_dropout, then fuse_conv2d
+                                  (conv+bias+residual+relu+2x2 max pool) and fuse_fc
+                                  (mul+bias+residual+relu or gelu; also the infer branch
+                                  of a training net, in place)
+    remove_dropout(net)           an inference net's dropouts removed, in place
     fuse_batch_norm_relu(net)     batch_norm + relu -> batch_norm_relu, in place, in both
                                   branches (and their grad ops after minimize)
     merge_updates(net)            the optimizer's per-parameter update ops -> one merged op
@@ -18,8 +20,9 @@ from minigraph.passes.fold_bn import FoldNote, fold_batch_norm
 from minigraph.passes.fuse import FuseNote, fuse_conv2d, fuse_fc, optimize_for_inference
 from minigraph.passes.fuse_bn_relu import FusedPair, fuse_batch_norm_relu
 from minigraph.passes.merge_updates import MergedRun, merge_updates
+from minigraph.passes.remove_dropout import remove_dropout
 from minigraph.passes.sync_bn import convert_sync_batchnorm
 
 __all__ = ["FoldNote", "FuseNote", "FusedPair", "MergedRun", "convert_sync_batchnorm",
            "fold_batch_norm", "fuse_batch_norm_relu", "fuse_conv2d", "fuse_fc", "merge_updates",
-           "optimize_for_inference"]
+           "optimize_for_inference", "remove_dropout"]

@@ -30,9 +30,9 @@ another reader, is fetched by default, or the next op does not fit. The
 chain's last output Variable becomes the fused op's output, so what reads it
 is unchanged; the values inside a chain are no longer computed (fetch the
 net's outputs, not those). `optimize_for_inference(net)` = fold_batch_norm,
-which returns a new infer-only net, then these passes on it: with the batch
-norms folded into the convolutions and fc layers, a ResNet block is two fused
-ops, and a hidden fc layer with its batch norm and relu is one.
+which returns a new infer-only net, then remove_dropout and these passes on it:
+with the batch norms folded into the convolutions and fc layers, a ResNet block is
+two fused ops, and a hidden fc layer with its batch norm and relu is one.
 
 fuse_fc also takes a training net: it then fuses the chains of its infer branch
 only (the train branch, backward and updates keep their ops), with fused ops that
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from minigraph.operator import Operator
 from minigraph.passes.fold_bn import fold
 from minigraph.passes.infer_clone import check_net
+from minigraph.passes.remove_dropout import remove_dropout
 from minigraph.schema import op_for_role
 
 NAME = "fuse_conv2d"
@@ -72,12 +73,14 @@ class FuseNote:
 def optimize_for_inference(net, fetches=None, verbose=False):
     """A new infer-only Net equal to `net.infer` for `fetches` (to float rounding;
     fetches as in fold_batch_norm, by default the net's predictions): batch norms
-    folded into the convolutions and fc layers before them (fold_batch_norm), then
-    conv2d chains fused (fuse_conv2d), then fc chains (fuse_fc). `net` is
-    untouched; the new net's `reports` hold the three passes' notes. Fetch from it
+    folded into the convolutions and fc layers before them (fold_batch_norm), its
+    dropouts removed (remove_dropout: in inference they copy), then conv2d chains
+    fused (fuse_conv2d), then fc chains (fuse_fc). `net` is untouched; the new net's
+    `reports` hold the four passes' notes. Fetch from it
     by name, or fetch nothing to get its default fetches."""
     check_net(net, "optimize_for_inference")
     fast = fold(net, fetches, verbose, "optimize_for_inference")
+    remove_dropout(fast, verbose=verbose)
     fuse_conv2d(fast, verbose=verbose)
     fuse_fc(fast, verbose=verbose)
     return fast
