@@ -12,7 +12,7 @@ that inference equalled the inference's (per-thread CPU time from
 `install()` gives OpenBLAS a threads callback (openblas_set_threads_callback_
 function, OpenBLAS 0.3.27 and later): the jobs of each parallel BLAS call then run
 on the pool every native kernel runs on (native_pool.h, shared by all the native
-libraries), whose workers watch for the next job for at most MINIGRAPH_SPIN_US (100
+libraries), whose workers watch for the next job for at most MINIGRAPH_SPIN_US (1000
 us) and then sleep, so no thread of the process spins for long and no kernel waits
 for a core held by another pool's thread. OpenBLAS still decides how a product is split (into
 as many jobs as its thread count, which mg.set_num_threads sets), so results are

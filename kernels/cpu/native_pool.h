@@ -11,7 +11,8 @@
  * for up to MINIGRAPH_SPIN_US microseconds (POOL_SPIN_US by default), yielding the
  * core between looks, then sleeps on a condition variable: a wake-up from that sleep
  * costs 15-30 us, more than a small pass, and passes follow each other within tens
- * of microseconds in a step, while an idle pool takes no core from anyone. One call
+ * of microseconds in a step, or a few hundred where a one-thread op runs between
+ * (threads per op, a small conv), while an idle pool takes no core from anyone. One call
  * uses the pool at a time; a call that finds it busy (another thread's pass) starts
  * threads of its own, and a job no thread could be started for runs on the caller.
  * A forked child starts with an empty pool. */
@@ -22,7 +23,7 @@
 #include <time.h>
 
 #define POOL_MAX_THREADS 64
-#define POOL_SPIN_US 100        /* how long a wait spins before it sleeps, by default */
+#define POOL_SPIN_US 1000       /* how long a wait spins before it sleeps, by default */
 
 typedef void *(*pool_fn)(void *);
 
