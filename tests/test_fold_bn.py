@@ -252,3 +252,26 @@ def test_a_net_without_a_loss_keeps_its_final_outputs():
     with pytest.raises(ValueError, match="cannot tell what the inference net computes; pass "
                                          "fetches="):
         mg.passes.fold_batch_norm(empty)
+
+
+def test_default_fetches_of_the_train_branch_or_of_nothing_computed():
+    """A default fetch set to a train-branch Variable (a layer's output after a dropout
+    forks the net) stands for its infer copy, as a fetch does; one the infer branch
+    neither computes nor reads is an error naming it (both were a bare KeyError)."""
+    net = mg.Net(seed=3)
+    x = L.data(net, "x", shape=(-1, 6))
+    h = L.dropout(net, L.fc(net, x, 4, name="f1"), 0.5, name="d1")
+    pred = L.fc(net, h, 2, name="head")
+    mg.optimizer.SGD(0.1).minimize(net, L.mean(net, pred))
+    train_copy = net.scopes["train"].find_var("head.out")
+    assert train_copy is not None and net.twin(train_copy) is not None
+    net.default_fetches = (train_copy,)
+    folded = mg.passes.fold_batch_norm(net)
+    assert [v.name for v in folded.default_fetches] == ["head.out"]
+    xb = rng.standard_normal((3, 6)).astype(np.float32)
+    np.testing.assert_allclose(folded.infer(feed={"x": xb})[0],
+                               net.infer(feed={"x": xb}, fetch=[pred])[0], rtol=1e-6)
+    net.default_fetches = (net.var("head.w"),)                 # no infer op writes it
+    with pytest.raises(ValueError, match="fold_batch_norm: no op of the infer branch "
+                                         "computes or reads 'head.w'"):
+        mg.passes.fold_batch_norm(net)

@@ -82,6 +82,10 @@ def clone_for_inference(net, made_by="clone_for_inference", fetches=None):
                         **op.attrs)
         copy.layer = op.layer
         new.append_op(copy, "trunk")
+    lost = next((v for v in outputs if id(v) not in made), None)
+    if lost is not None:
+        raise ValueError(f"{made_by}: no op of the infer branch computes or reads "
+                         f"{lost.name!r}, which it is to fetch; fetch an output of the net")
     new.default_fetches = tuple(made[id(v)] for v in outputs)
     return new, made
 
@@ -100,8 +104,9 @@ def inference_outputs(net, fetches=None, who="clone_for_inference"):
         if not fetches:
             raise ValueError(f"{who}: fetches is empty; name what the inference net computes")
         return tuple(dict.fromkeys(feeds.fetch_target(net, "infer", f) for f in fetches))
-    if net.default_fetches:
-        return tuple(net.default_fetches)
+    if net.default_fetches:             # a train-branch Variable: its infer copy
+        return tuple(dict.fromkeys(feeds.fetch_target(net, "infer", v)
+                                   for v in net.default_fetches))
     ops = net.ops("infer")
     roles = {rec.name: rec.role for rec in net.layers}
     left_out, inputs = set(), []
