@@ -24,7 +24,7 @@
  * wide a range for the transforms (conv_winograd_range.h) are computed directly
  * instead. Every output is summed by one thread in one order, so the results do not
  * depend on the number of threads. With pool (NCHW), an image's outputs go to the
- * thread's own planes, then their 2x2 maxima to out (pool_planes, conv_native.c). */
+ * thread's own planes, then their 2x2 maxima to out (pool_planes, conv_pool.h). */
 
 /* a register block of the products: WG_TM tiles by two vectors of VL output channels
  * (native_simd.h: 24 of AVX-512's 32 registers, 12 of AVX2's 16), or by one vector
