@@ -101,10 +101,20 @@ def build(x_shape, w_shape, bias_shape=None, residual_shape=None, **attrs):
                                         r"\(2, 4, 8, 8\)"),
     (dict(activation="gelu"), r"fused_conv2d: attribute 'activation' must be one of"),
     (dict(groups=2), r"fused_conv2d: input 'x' has 3 channels"),
+    (dict(pool="avg2x2"), r"fused_conv2d: attribute 'pool' must be one of"),
 ])
 def test_fused_conv2d_bad_inputs_name_the_op_and_slot(kwargs, match):
     with pytest.raises(mg.OpError, match=match):
         build((2, 3, 8, 8), (4, 3, 3, 3), paddings=1, **kwargs)
+
+
+def test_a_pool_needs_outputs_of_at_least_2x2():
+    with pytest.raises(mg.OpError, match=r"fused_conv2d: attribute 'pool' 'max2x2' needs the "
+                                         r"convolution's output to be at least 2x2, got "
+                                         r"shape \(2, 4, 1, 8\)"):
+        build((2, 3, 3, 8), (4, 3, 3, 3), paddings=(0, 1), pool="max2x2")
+    op = build((-1, 3, 9, 8), (4, 3, 3, 3), paddings=1, pool="max2x2")
+    assert op.outputs["out"].shape == (-1, 4, 4, 4)
 
 
 def test_fused_conv2d_has_no_gradient():

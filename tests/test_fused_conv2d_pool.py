@@ -108,25 +108,6 @@ def test_the_native_kernels_pool_the_unpooled_outputs_bit_for_bit(x_shape, w_sha
         mg.set_num_threads(before)
 
 
-def build(x_shape, w_shape, **attrs):
-    scope = mg.Scope()
-    x, w = scope.new_var("x"), scope.new_var("filter")
-    x.declare(x_shape, "float32")
-    w.declare(w_shape, "float32")
-    return mg.Operator("fused_conv2d", x=x, filter=w, out=scope.new_var("out"), **attrs)
-
-
-def test_bad_pool_attributes_name_the_op():
-    with pytest.raises(mg.OpError, match=r"fused_conv2d: attribute 'pool' must be one of"):
-        build((2, 3, 8, 8), (4, 3, 3, 3), pool="avg2x2")
-    with pytest.raises(mg.OpError, match=r"fused_conv2d: attribute 'pool' 'max2x2' needs the "
-                                         r"convolution's output to be at least 2x2, got "
-                                         r"shape \(2, 4, 1, 8\)"):
-        build((2, 3, 3, 8), (4, 3, 3, 3), paddings=(0, 1), pool="max2x2")
-    op = build((-1, 3, 9, 8), (4, 3, 3, 3), paddings=1, pool="max2x2")
-    assert op.outputs["out"].shape == (-1, 4, 4, 4)
-
-
 def cnn(layout="NCHW", pool=None):
     """conv-BN-ReLU-maxpool twice, fc (a small MNIST CNN), trained a few steps."""
     net = mg.Net(seed=0)
