@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from minigraph.operator import Operator
 from minigraph.passes.fold_bn import fold
-from minigraph.passes.infer_clone import check_net
+from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids
 from minigraph.passes.remove_dropout import remove_dropout
 from minigraph.schema import op_for_role
 
@@ -120,7 +120,7 @@ def _fold_norms(net, section, verbose):
     the only reader of its y, as its x alone, where it normalises from that op's
     x_num_col_dims and nothing reads or fetches its mean and variance (the op
     normalises x itself: attribute normalize). FuseNotes of the folds."""
-    kept = _kept(net)
+    kept = kept_ids(net)
     notes = []
     for norm in [op for op in net.section(section) if op.schema.has_role("layer_norm")]:
         y = norm.outputs["y"]
@@ -197,11 +197,9 @@ def _fuse(net, name, role, fused_type, chain_of, verbose, section="trunk", attrs
     """Replace each chain chain_of finds in `section` from an op of `role` with one
     `fused_type` (with `attrs` besides the first op's)."""
     check_net(net, name)
-    if section == "trunk" and any(net.section(s) for s in ("train", "infer", "backward",
-                                                           "update")):
-        raise ValueError(f"{name}: needs an infer-only net (all ops in its trunk), such as "
-                         "mg.passes.fold_batch_norm(net) returns")
-    kept = _kept(net)
+    if section == "trunk":
+        check_infer_only(net, name)
+    kept = kept_ids(net)
     notes = []
     for first in [op for op in net.section(section) if op.schema.has_role(role)]:
         chain, parts = chain_of(net.section(section), first, kept)
@@ -270,13 +268,6 @@ def _chain(ops, first, kept, is_bias, residual_fits, activations):
         parts["activation"] = act
         chain.append(nxt)
     return chain, parts
-
-
-def _kept(net):
-    """The ids of the Variables a chain must leave computed: the net's default fetches
-    and their twins."""
-    return {id(v) for v in [*net.default_fetches,
-                            *filter(None, map(net.twin, net.default_fetches))]}
 
 
 def _is_read(ops, v, kept):

@@ -44,6 +44,21 @@ def check_net(net, who):
                         f"{net!r:.60}")
 
 
+def check_infer_only(net, who):
+    """A ValueError naming `who` unless every op of `net` is in its trunk (an infer-only
+    net, such as fold_batch_norm returns)."""
+    if any(net.section(s) for s in ("train", "infer", "backward", "update")):
+        raise ValueError(f"{who}: needs an infer-only net (all ops in its trunk), such as "
+                         "mg.passes.fold_batch_norm(net) returns")
+
+
+def kept_ids(net):
+    """The ids of the Variables a rewrite must leave computed: the net's default fetches
+    and their twins."""
+    return {id(v) for v in [*net.default_fetches,
+                            *filter(None, map(net.twin, net.default_fetches))]}
+
+
 def clone_for_inference(net, made_by="clone_for_inference", fetches=None):
     """A new infer-only Net (InferOnlyNet, `made_by` naming the pass in its errors)
     holding the ops `net.infer` runs for `fetches` (all in its trunk, pruned to

@@ -12,7 +12,7 @@ dropout's x, which others may read). The dropout's step counter is left as it is
 from __future__ import annotations
 
 from minigraph.operator import Operator
-from minigraph.passes.infer_clone import check_net
+from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids
 
 NAME = "remove_dropout"
 
@@ -23,11 +23,8 @@ def remove_dropout(net, verbose=False):
     the names of the removed dropouts' outputs, also kept as
     `net.reports["remove_dropout"]`."""
     check_net(net, NAME)
-    if any(net.section(s) for s in ("train", "infer", "backward", "update")):
-        raise ValueError(f"{NAME}: needs an infer-only net (all ops in its trunk), such as "
-                         "mg.passes.fold_batch_norm(net) returns")
-    kept = {id(v) for v in [*net.default_fetches,
-                            *filter(None, map(net.twin, net.default_fetches))]}
+    check_infer_only(net, NAME)
+    kept = kept_ids(net)
     removed = []
     for dropout in [op for op in net.section("trunk") if op.schema.has_role("dropout")]:
         out, x = dropout.outputs["out"], dropout.inputs["x"]
