@@ -25,7 +25,9 @@ training net's infer branch, whose weights the optimizer updates in place) the
 weight is never packed: BLAS's product, then the bias and relu in place on it.
 Kernels (beside mul's): kernels/cpu/mul.py (fc_native.c's kernel, with the bias
 and relu added to each tile of outputs in registers, for float32 products of
-at least fc_native.MIN_WORK multiply-adds and a fixed weight; its few-rows kernel,
+a fixed weight with at least fc_native.MIN_WORK multiply-adds, or at most
+fc_native.COLS_MAX columns (fc_cols.h's kernel), where that was faster than BLAS
+on the machine; its few-rows kernel,
 with the bias, a residual of the product's shape and relu, for a generated
 token's; else BLAS's product, then the bias and relu in place on it; then what is
 left of the residual and activation in place, gelu by gelu's kernel) and

@@ -217,8 +217,9 @@ def close(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
+@pytest.mark.parametrize("columns", [1000, 10])        # panels; few columns (fc_cols.h)
 @pytest.mark.parametrize("name", ["native", "blas"])
-def test_fused_fc_gives_the_reference_whichever_option_runs(name, fresh):
+def test_fused_fc_gives_the_reference_whichever_option_runs(name, columns, fresh):
     import minigraph as mg
     from minigraph.kernels.cpu import mul
 
@@ -226,13 +227,38 @@ def test_fused_fc_gives_the_reference_whichever_option_runs(name, fresh):
         pytest.skip("no native kernels here")
     rng = np.random.default_rng(3)
     x = rng.standard_normal((64, 300)).astype(np.float32)
-    w = rng.standard_normal((300, 1000)).astype(np.float32)
-    b = rng.standard_normal(1000).astype(np.float32)
+    w = rng.standard_normal((300, columns)).astype(np.float32)
+    b = rng.standard_normal(columns).astype(np.float32)
     op = type("Op", (), {"attrs": {"x_num_col_dims": 1, "activation": "relu",
                          "weight_fixed": True, "normalize": False}})()
     with choices.forcing({"fc": name}), mg.kernels.cpu.blocks.num_threads(2):
         got = mul.fused_fc_cpu(op, {"x": x, "y": w, "bias": b}, None)["out"]
     close(got, np.maximum(x.astype(np.float64) @ w + b, 0))
+
+
+def test_a_fixed_products_native_option_is_timed_as_it_runs(fresh, monkeypatch):
+    """The bound form times fc_native's call prepared once (the weight packed, the
+    arguments made), as the chosen option then runs, not a preparation per call: a
+    small product's would cost more than its arithmetic."""
+    from minigraph.kernels.cpu import mul
+
+    if fc_native._lib() is None:
+        pytest.skip("no native kernels here")
+    made = []
+    real = fc_native.prepared_forward
+
+    def counted(*args):
+        made.append(args)
+        return real(*args)
+    monkeypatch.setattr(fc_native, "prepared_forward", counted)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    w = rng.standard_normal((128, 10)).astype(np.float32)
+    out = np.empty((64, 10), np.float32)
+    call = mul._fixed_product(x, w, None, False, out)        # timed: a fresh choice
+    call()
+    assert len(made) == 1
+    close(out, x.astype(np.float64) @ w)
 
 
 CONVS = [((16, 16, 14, 14), (32, 16, 3, 3), (1, 1), (1, 1)),   # Winograd, direct, im2col

@@ -1,7 +1,7 @@
 """The native kernel of fused_fc (kernels/cpu/fc_native.c): its results against the
 float64 reference for every remainder of the register tile, blocks of x's columns,
-packed and unpacked x, bias and relu, any number of threads; and the packed copies
-of weights it keeps."""
+packed and unpacked x, bias and relu, any number of threads; the few-columns kernel
+(fc_cols.h) the same way; and the packed copies of weights they keep."""
 import gc
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 from helpers import native_built, native_products
 
 import minigraph as mg
-from minigraph.kernels.cpu import blocks, fc_native
+from minigraph.kernels.cpu import blocks, fc_native, native
 
 rng = np.random.default_rng(5)
 
@@ -25,16 +25,25 @@ def reference(x, w, bias, relu):
 
 
 # rows: 1, a tile (6), every remainder (the last rows in tiles of 4: one, two or none),
-# packed and read in place; columns: 1, a vector, a panel (16 with AVX2, 32 with
-# AVX-512), short of it and past it, and enough panels (8 and more) that x is packed;
-# x's columns: 1, one block (512), blocks split evenly (513, 784, 1100)
-SHAPES = [(1, 1, 1), (5, 3, 16), (6, 16, 17), (7, 40, 10), (13, 512, 33), (128, 513, 130),
-          (131, 784, 129), (2, 1100, 200), (12, 300, 256), (64, 77, 8), (3, 20, 140),
+# packed and read in place; columns (more than COLS_MAX: fewer are fc_cols.h's): a
+# panel (32 with AVX-512; 16 with AVX2 is past it here), short of it and past it, and
+# enough panels (8 and more) that x is packed; x's columns: 1, one block (512), blocks
+# split evenly (513, 784, 1100)
+SHAPES = [(1, 1, 17), (5, 3, 18), (6, 16, 17), (7, 40, 23), (13, 512, 33), (128, 513, 130),
+          (131, 784, 129), (2, 1100, 200), (12, 300, 256), (64, 77, 30), (3, 20, 140),
           (9, 30, 24), (10, 64, 200), (8, 33, 129), (21, 50, 40), (128, 96, 20),
           (7, 50, 31), (6, 40, 32), (11, 70, 47), (20, 64, 300), (4, 9, 520)]
+# the few-columns kernel: columns 1 to COLS_MAX in tiles of every width (1 to 6) and
+# ragged last tiles (7: 4 + 3, 11: 6 + 5, 13: 5 + 5 + 3); x's columns short of a
+# vector, one, past it, many and a ragged end; rows 1, a pair, an odd last row
+COLS_SHAPES = [(1, 1, 1), (2, 15, 2), (3, 16, 3), (64, 17, 4), (5, 100, 5), (7, 128, 6),
+               (9, 33, 7), (64, 128, 10), (2, 2048, 10), (129, 300, 11), (4, 47, 13),
+               (33, 64, 16), (1, 1568, 12), (128, 2048, 10)]
+assert max(n for _, _, n in COLS_SHAPES) == fc_native.COLS_MAX
+assert min(n for _, _, n in SHAPES) > fc_native.COLS_MAX
 
 
-@pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("m, k, n", SHAPES + COLS_SHAPES)
 @pytest.mark.parametrize("bias, relu", [(True, True), (True, False), (False, True),
                                         (False, False)])
 def test_forward_against_the_float64_reference(m, k, n, bias, relu):
@@ -64,7 +73,8 @@ def on_threads(monkeypatch, compute):
     return outs
 
 
-@pytest.mark.parametrize("m, k, n", [(128, 700, 300), (9, 64, 20), (50, 1030, 140)])
+@pytest.mark.parametrize("m, k, n", [(128, 700, 300), (9, 64, 20), (50, 1030, 140),
+                                     (128, 2048, 10), (9, 700, 16), (64, 130, 3)])
 def test_the_same_result_on_any_number_of_threads(m, k, n, monkeypatch):
     x, w, b = operands(m, k, n)
     outs = on_threads(monkeypatch, lambda: fc_native.forward(x, w, b, True))
@@ -83,47 +93,68 @@ def ones_with_nan_and_inf(m, k, n, nan_row, inf_row):
     return x, w
 
 
-def test_nan_and_infinities():
-    x, w = ones_with_nan_and_inf(7, 20, 30, 2, 4)
+@pytest.mark.parametrize("n", [30, 10])                   # a panel; the few-columns kernel
+def test_nan_and_infinities(n):
+    x, w = ones_with_nan_and_inf(7, 20, n, 2, 4)
     got = fc_native.forward(x, w, None, relu=True)
     assert np.isnan(got[2]).all()                              # NaN stays NaN through relu
     assert np.isinf(got[4, 0]) and got[4, 7] == 0.0            # -inf: relu gives 0
     assert np.isfinite(got[[0, 1, 3, 5, 6]]).all()             # the other rows are untouched
 
 
-def test_a_weight_is_packed_once_and_made_read_only():
+# a weight of panels, and one of few columns (packed transposed, in a table of its own)
+PACKED = pytest.mark.parametrize("n, table", [(20, "_packed"), (5, "_packed_cols")])
+
+
+@PACKED
+def test_a_weight_is_packed_once_and_made_read_only(n, table):
     x = rng.standard_normal((4, 8)).astype(np.float32)
-    w = rng.standard_normal((8, 20)).astype(np.float32)
+    w = rng.standard_normal((8, n)).astype(np.float32)
     first = fc_native.forward(x, w)
     assert not w.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         w[0, 0] = 1.0
-    ref, _, kept = fc_native._packed[id(w)]
+    ref, _, kept = getattr(fc_native, table)[id(w)]
     assert ref() is w
     np.testing.assert_array_equal(fc_native.forward(x, w), first)
-    assert fc_native._packed[id(w)][2] is kept              # the same packed copy
+    assert getattr(fc_native, table)[id(w)][2] is kept      # the same packed copy
 
 
-def test_a_weight_made_writeable_again_is_packed_again():
+@PACKED
+def test_a_weight_made_writeable_again_is_packed_again(n, table):
     x = rng.standard_normal((3, 8)).astype(np.float32)
-    w = rng.standard_normal((8, 5)).astype(np.float32)
+    w = rng.standard_normal((8, n)).astype(np.float32)
     fc_native.forward(x, w)
+    kept = getattr(fc_native, table)[id(w)][2]
     w.flags.writeable = True
     w *= -2.0
     np.testing.assert_allclose(fc_native.forward(x, w), reference(x, w, None, False),
                                rtol=1e-5, atol=1e-5)
-    assert not w.flags.writeable
+    assert not w.flags.writeable and getattr(fc_native, table)[id(w)][2] is not kept
 
 
-def test_a_freed_weight_lets_go_of_its_packed_copy():
+@PACKED
+def test_a_freed_weight_lets_go_of_its_packed_copy(n, table):
     x = np.ones((2, 4), np.float32)
-    w = np.ones((4, 6), np.float32)
+    w = np.ones((4, n), np.float32)
     fc_native.forward(x, w)
     key = id(w)
-    assert key in fc_native._packed
+    assert key in getattr(fc_native, table)
     del w
     gc.collect()
-    assert key not in fc_native._packed
+    assert key not in getattr(fc_native, table)
+
+
+def test_the_few_columns_packing():
+    """Each column's values side by side, zeros to a whole vector, and zero columns to
+    whole tiles: 7 columns are tiles of 4 and 3, packed as 8."""
+    w = np.arange(1, 22, dtype=np.float32).reshape(3, 7)
+    packed = fc_native.packed_columns(w)
+    length = native.vector_floats("fc_native")
+    assert packed.size == 8 * length
+    got = packed.reshape(8, length)
+    np.testing.assert_array_equal(got[:7, :3], w.T)
+    assert not got[:, 3:].any() and not got[7].any()
 
 
 def test_a_new_value_of_the_parameter_is_used(monkeypatch):
@@ -160,8 +191,15 @@ def test_off_with_minigraph_native_0(monkeypatch):
 def test_only_products_that_would_wake_blas_threads_by_default(monkeypatch):
     monkeypatch.undo()
     small = np.ones((8, 64), np.float32), np.ones((64, 64), np.float32)       # 32 K
-    large = np.ones((128, 2048), np.float32), np.ones((2048, 16), np.float32)  # 4 M
+    large = np.ones((128, 2048), np.float32), np.ones((2048, 17), np.float32)  # 4 M
     assert not fc_native.supports(*small) and fc_native.supports(*large)
+
+
+def test_few_columns_at_any_size(monkeypatch):
+    monkeypatch.undo()
+    x = np.ones((8, 64), np.float32)
+    assert fc_native.supports(x, np.ones((64, fc_native.COLS_MAX), np.float32))
+    assert not fc_native.supports(x, np.ones((64, fc_native.COLS_MAX + 1), np.float32))
 
 
 # ---- the few-rows kernel on an unpacked weight (fc_rows_f32) -----------------------------

@@ -1,7 +1,8 @@
 /* Native CPU kernel of fused_fc (fc_native.py holds the contract): float32
  * out = act(x @ w + bias), x (M, K) and w (K, N) row-major, act = relu or the
  * identity, with w packed once. The few-rows kernels on unpacked weights (a generated
- * token's products) are fc_rows.h's, included at the end.
+ * token's products) are fc_rows.h's, and those of a few columns on a packed weight (a
+ * classifier's last product) fc_cols.h's, both included at the end.
  *
  * A packed weight holds ceil(N / FC_NR) panels, each the K rows of FC_NR
  * consecutive columns (zeros past column N): two vectors of native_simd.h's VL
@@ -291,3 +292,4 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
 }
 
 #include "fc_rows.h"
+#include "fc_cols.h"

@@ -10,12 +10,16 @@ an error instead of a stale result. A new value (Variable.set, a load) is a new
 array and is packed again at its first use. Each packed copy takes the weight's
 memory again (rounded up to whole panels).
 
+A weight of at most COLS_MAX columns (a classifier's last product) is packed
+transposed instead, for fc_cols.h's kernel: a panel would be mostly zeros. Each
+output is still summed by one thread in one order.
+
 `supports(x, w)` says whether the kernel takes a product: float32, built (native.
 reason says why not) and at least MIN_WORK multiply-adds (the size from which
-OpenBLAS would run it on threads). Where it does, the op runs whichever of this
-kernel and BLAS's product was the faster for the shape on this machine (kernels/
-cpu/choices.py); numpy's product otherwise, which is the reference this is tested
-against.
+OpenBLAS would run it on threads), or at most COLS_MAX columns at any size. Where
+it does, the op runs whichever of this kernel and BLAS's product was the faster for
+the shape on this machine (kernels/cpu/choices.py); numpy's product otherwise,
+which is the reference this is tested against.
 
 `rows_forward` (fc_rows_f32) takes products of at most ROWS_MAX rows on a weight as it
 lies, unpacked (a generated token's, on weights an optimizer changes): the weight's
@@ -40,12 +44,15 @@ ROWS_MAX = 4                # rows of x up to which a product on an unpacked wei
 GROUP_MAX = 8               # products of one x fc_rows_group_f32 takes in one call
                             # (fc_rows.h's FC_ROWS_GROUP)
 MIN_ROWS_SPLIT = 1 << 13    # multiply-adds from which fc_rows_f32 splits the columns
+COLS_MAX = 16               # columns up to which forward runs fc_cols_f32 (fc_cols.h's
+                            # FC_COLS_MAX)
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _ROWS_THREADS, _GROUP_THREADS = 9, 10   # the threads' places in the *_packed ints
 _F32 = np.dtype(np.float32)
 _ptr = native.address
 _packed = {}                # id(weight array) -> (weakref to it, None, packed copy)
+_packed_cols = {}           # the same for fc_cols_f32's transposed copies
 
 
 def _lib():
@@ -55,6 +62,9 @@ def _lib():
         lib.fc_pack_weight_f32.argtypes, lib.fc_pack_weight_f32.restype = [_P, _L, _L, _P], None
         lib.fc_forward_f32.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L]
         lib.fc_forward_f32.restype = ctypes.c_int
+        lib.fc_cols_packed_size.argtypes, lib.fc_cols_packed_size.restype = [_L, _L], _L
+        lib.fc_cols_pack_f32.argtypes, lib.fc_cols_pack_f32.restype = [_P, _L, _L, _P], None
+        lib.fc_cols_f32.argtypes, lib.fc_cols_f32.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
         lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 5 + [_L] * 5, ctypes.c_int
         lib.fc_rows_group_f32.argtypes = [_P] * 6 + [_L] * 5
         lib.fc_rows_group_f32.restype = ctypes.c_int
@@ -66,10 +76,10 @@ def _lib():
 
 def supports(x, w):
     """True when forward takes x (M, K) @ w (K, N): both float32, K >= 1, at least
-    MIN_WORK multiply-adds, and the native kernels built."""
-    m, k = x.shape
+    MIN_WORK multiply-adds or 1 <= N <= COLS_MAX, and the native kernels built."""
+    (m, k), n = x.shape, w.shape[1]
     return (x.dtype == _F32 and w.dtype == _F32 and k >= 1
-            and m * k * w.shape[1] >= MIN_WORK and _lib() is not None)
+            and (m * k * n >= MIN_WORK or 1 <= n <= COLS_MAX) and _lib() is not None)
 
 
 def forward(x, w, bias=None, relu=False):
@@ -90,10 +100,14 @@ def prepared_forward(x, w, bias, relu, out):
     """forward's product into `out` ((M, N) float32, C-contiguous) prepared once: a
     function of no arguments that runs it on what x and bias hold then (minigraph.
     bound_run), on the weight packed once (packed_weight: `w` made read-only); x and
-    bias C-contiguous float32, as supports() takes them. forward's bits."""
+    bias C-contiguous float32, as supports() takes them (with at most COLS_MAX columns:
+    fc_cols_f32 on the weight packed transposed, packed_columns). forward's bits."""
     m, k = x.shape
-    n = w.shape[1]
-    fn, packed, work = _lib().fc_forward_f32, packed_weight(w), m * k * n
+    n, work = w.shape[1], m * k * w.shape[1]
+    if n <= COLS_MAX:
+        fn, packed = _lib().fc_cols_f32, packed_columns(w)
+    else:
+        fn, packed = _lib().fc_forward_f32, packed_weight(w)
     args = (_ptr(x), _ptr(packed), _ptr(bias), _ptr(out), m, k, n, int(bool(relu)))
 
     def call():
@@ -190,6 +204,17 @@ def packed_weight(w):
         _lib().fc_pack_weight_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
         return packed
     return prepared.kept(_packed, w, None, pack)
+
+
+def packed_columns(w):
+    """w (K, N <= COLS_MAX) float32 transposed for fc_cols.h (each column's values side
+    by side), kept as packed_weight keeps its panels."""
+    def pack():
+        k, n = w.shape
+        packed = _aligned(_lib().fc_cols_packed_size(k, n))
+        _lib().fc_cols_pack_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
+        return packed
+    return prepared.kept(_packed_cols, w, None, pack)
 
 
 def _aligned(size):
