@@ -201,12 +201,14 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     picked = tuple(c.kernels) if check else None
     choice = op_threads.choice_for(c, check) if journal is not None and kind == "cpu" \
         else None
-    measuring = choice is not None and choice.counts is None
+    alone = choice is not None and op_threads.contended()       # every op on one thread
+    measuring = choice is not None and choice.counts is None and not alone
     now = None                          # the threads the kernels run on (None: all)
     try:
         for i, (step, ctx) in enumerate(zip(c.steps, contexts)):
             if choice is not None:
-                count = choice.count_for(i) if measuring else choice.counts[i]
+                count = 1 if alone else choice.count_for(i) if measuring else \
+                    choice.counts[i]
                 if count != now:
                     op_threads.use(count)
                     now = count

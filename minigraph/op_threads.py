@@ -22,6 +22,10 @@ it is measured:
   `blocks.cap_threads` for the native kernels and numpy's engine (this thread
   only), `blas_threads.set_threads` for OpenBLAS (the process's); after the step,
   every thread again.
+- While another process wants the cores (kernels/cpu/native_pool.h counts them
+  contended), a step runs every op on one thread and measures nothing: a split op
+  would wait for a thread that has no core, and the times would not be the
+  machine's.
 - A plan keeps a choice per input signature (a last short batch has its own)
   and thread count (`mg.set_num_threads`), the last KEPT of them; a step on one
   thread measures nothing. With one thread, or MINIGRAPH_TUNE=0 (or MINIGRAPH_NATIVE=0),
@@ -89,6 +93,16 @@ class Choice:
                     count = None
                 counts.append(count)        # a close call keeps the op before's count
             self.counts, self.times = tuple(counts), None
+
+
+def contended():
+    """Whether another process lately wanted the cores (the native pool saw a yield
+    give its core away: kernels/cpu/native_pool.h). A step then runs every op on one
+    thread, and measures nothing: a split op would wait for a thread that has no
+    core, and its times would not be the machine's."""
+    from minigraph.kernels.cpu import native
+
+    return native.pool_contended()
 
 
 def choice_for(c, check):

@@ -173,6 +173,33 @@ def test_each_signature_and_thread_count_has_its_choice(two_threads):
     assert len(c.op_threads) == 3 <= op_threads.KEPT
 
 
+def test_steps_while_the_cores_are_contended_run_on_one_thread_and_measure_nothing(
+        two_threads, monkeypatch):
+    """Another process wants the cores (the native pool saw it): every op of a step runs
+    on one thread, before a choice and after it, and those steps are not measured."""
+    net, loss = spied_net()
+    net.train(feed=FEED, fetch=[loss])                                 # the check run
+    busy = {"on": True}
+    monkeypatch.setattr(op_threads, "contended", lambda: busy["on"])
+    for _ in range(3):
+        net.train(feed=FEED, fetch=[loss])
+    c = compiled(net, loss)
+    assert SEEN[1:] == [(1, 1)] * 3 and choice(c).steps == 0           # nothing measured
+    assert blocks.get_num_threads() == 2 and blas_now() == 2           # back after each
+    busy["on"] = False
+    for _ in range(2 * op_threads.ROUNDS):
+        net.train(feed=FEED, fetch=[loss])
+    assert choice(c).counts is not None
+    chosen = choice(c)
+    chosen.counts = (None,) * len(c.steps)                             # all, when calm
+    SEEN.clear()
+    busy["on"] = True
+    net.train(feed=FEED, fetch=[loss])
+    busy["on"] = False
+    net.train(feed=FEED, fetch=[loss])
+    assert SEEN == [(1, 1), (2, 2)]
+
+
 def test_tuning_off_runs_every_op_on_every_thread(two_threads, monkeypatch):
     monkeypatch.setenv("MINIGRAPH_TUNE", "0")
     net, loss = spied_net()

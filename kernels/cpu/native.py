@@ -219,12 +219,20 @@ def _share_pool(lib):
     lib.native_pool_get.restype = ctypes.c_void_p
     lib.native_pool_use.argtypes, lib.native_pool_use.restype = [ctypes.c_void_p], None
     if not _pool:
-        _pool.append(lib.native_pool_get())
+        lib.native_pool_contended.restype = ctypes.c_int64
+        _pool.extend((lib.native_pool_get(), lib.native_pool_contended))
     lib.native_pool_use(_pool[0])
     return lib
 
 
-_pool = []              # the address of the pool every library shares
+def pool_contended():
+    """Whether other threads (another process's) lately wanted the cores the native
+    pool runs on (native_pool.h); False before any native library is loaded."""
+    return bool(_pool) and bool(_pool[1]())
+
+
+_pool = []              # the address of the pool every library shares, its
+                        # native_pool_contended
 
 
 class _Refused(Exception):

@@ -12,7 +12,16 @@
  * core between looks, then sleeps on a condition variable: a wake-up from that sleep
  * costs 15-30 us, more than a small pass, and passes follow each other within tens
  * of microseconds in a step, or a few hundred where a one-thread op runs between
- * (threads per op, a small conv), while an idle pool takes no core from anyone. One call
+ * (threads per op, a small conv), while an idle pool takes no core from anyone. A look
+ * that comes back from its yield POOL_YIELD_TAKEN_US or more later found the core
+ * wanted by another thread, and that watch ends. Where that happens POOL_CONTENDED_YIELDS
+ * times within POOL_CONTENDED_WITHIN_MS, another process wants the cores for long (a busy
+ * loop's yields take its whole turn, milliseconds; the machine's own chores, a few
+ * times a second): a watching thread would hold its core until the scheduler takes it
+ * away, and a job handed to it meanwhile would wait for its next turn there (the digits
+ * net's training step took 16 ms instead of 1 beside one busy loop on 2 cores), while a
+ * sleeping one is woken ahead of the busy thread. So for the next POOL_CONTENDED_MS
+ * (renewed while it lasts) no wait watches: each sleeps at once. One call
  * uses the pool at a time; a call that finds it busy (another thread's pass) starts
  * threads of its own, and a job no thread could be started for runs on the caller.
  * A forked child starts with an empty pool. */
@@ -24,6 +33,10 @@
 
 #define POOL_MAX_THREADS 64
 #define POOL_SPIN_US 1000       /* how long a wait spins before it sleeps, by default */
+#define POOL_YIELD_TAKEN_US 1000   /* a yield this long ran another thread on the core */
+#define POOL_CONTENDED_YIELDS 6    /* so many such yields within POOL_CONTENDED_WITHIN_MS: */
+#define POOL_CONTENDED_WITHIN_MS 100
+#define POOL_CONTENDED_MS 200      /* the cores then count as contended this long */
 
 typedef void *(*pool_fn)(void *);
 
@@ -54,11 +67,13 @@ typedef struct {
     size_t job_size;
     int fork_handler;
     int64_t spin_ns;                       /* how long a wait watches; -1: not read yet */
+    int64_t contended_until, contentions;  /* no watch before this time (ns); times seen */
+    int64_t taken_since, taken;            /* long yields since this time (ns): how many */
 } pool_t;
 
 static pool_t pool_own = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER,
                           PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0,
-                          {0}, NULL, NULL, 0, 0, -1};
+                          {0}, NULL, NULL, 0, 0, -1, 0, 0, 0, 0};
 static pool_t *pool_at = &pool_own;
 #define pool (*pool_at)
 
@@ -72,6 +87,23 @@ void native_pool_use(void *other) { pool_at = other; }
 void native_pool_spin(int64_t us)
 {
     __atomic_store_n(&pool.spin_ns, us < 0 ? -1 : us * 1000, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.contended_until, 0, __ATOMIC_RELAXED);
+}
+
+static inline int64_t pool_now_ns(void);
+
+/* How many times the watches found the cores contended (for the tests). */
+int64_t native_pool_contentions(void)
+{
+    return __atomic_load_n(&pool.contentions, __ATOMIC_RELAXED);
+}
+
+/* 1 while the cores are contended (a watch found one wanted by another thread in the
+ * last POOL_CONTENDED_MS), else 0: a training step then runs its ops on one thread
+ * (minigraph/op_threads.py). */
+int64_t native_pool_contended(void)
+{
+    return pool_now_ns() < __atomic_load_n(&pool.contended_until, __ATOMIC_RELAXED);
 }
 
 static void pool_after_fork(void)
@@ -90,9 +122,30 @@ static inline int64_t pool_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* A yield that ended at `now` gave the core away (see the top of this file). The
+ * counts are shared by the threads without a lock: a lost count only delays the call. */
+static void pool_yield_taken(int64_t now)
+{
+    if (now - __atomic_load_n(&pool.taken_since, __ATOMIC_RELAXED) >
+        POOL_CONTENDED_WITHIN_MS * 1000000) {
+        __atomic_store_n(&pool.taken_since, now, __ATOMIC_RELAXED);
+        __atomic_store_n(&pool.taken, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    if (__atomic_add_fetch(&pool.taken, 1, __ATOMIC_RELAXED) >= POOL_CONTENDED_YIELDS) {
+        __atomic_store_n(&pool.contended_until, now + POOL_CONTENDED_MS * 1000000,
+                         __ATOMIC_RELAXED);
+        __atomic_store_n(&pool.taken_since, now, __ATOMIC_RELAXED);
+        __atomic_store_n(&pool.taken, 0, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&pool.contentions, 1, __ATOMIC_RELAXED);
+    }
+}
+
 /* Watch *at (without the lock) for up to the spin time while it equals `value`
- * (equal) or while it does not (!equal), yielding the core between looks. The caller
- * then takes the lock and checks again: the watch only saves a sleep, never decides. */
+ * (equal) or while it does not (!equal), yielding the core between looks; not at all
+ * while the cores are contended (see the top of this file), and a yield that shows
+ * they are ends the watch. The caller then takes the lock and checks again: the watch
+ * only saves a sleep, never decides. */
 static inline void pool_watch(const int64_t *at, int64_t value, int equal)
 {
     int64_t spin = __atomic_load_n(&pool.spin_ns, __ATOMIC_RELAXED);
@@ -102,14 +155,20 @@ static inline void pool_watch(const int64_t *at, int64_t value, int equal)
         __atomic_store_n(&pool.spin_ns, spin > 0 ? spin : 0, __ATOMIC_RELAXED);
     }
     if (spin <= 0) return;
-    int64_t end = 0;
+    int64_t now = pool_now_ns();
+    if (now < __atomic_load_n(&pool.contended_until, __ATOMIC_RELAXED)) return;
+    const int64_t end = now + spin;
     for (;;) {
         for (int i = 0; i < 64; i++)
             if ((__atomic_load_n(at, __ATOMIC_ACQUIRE) == value) != equal) return;
-        const int64_t now = pool_now_ns();
-        if (end == 0) end = now + spin;
-        else if (now >= end) return;
+        const int64_t before = pool_now_ns();
+        if (before >= end) return;
         sched_yield();
+        now = pool_now_ns();
+        if (now - before >= POOL_YIELD_TAKEN_US * 1000) {      /* another thread ran here */
+            pool_yield_taken(now);
+            return;
+        }
     }
 }
 
