@@ -20,8 +20,9 @@
  * times a second): a watching thread would hold its core until the scheduler takes it
  * away, and a job handed to it meanwhile would wait for its next turn there (the digits
  * net's training step took 16 ms instead of 1 beside one busy loop on 2 cores), while a
- * sleeping one is woken ahead of the busy thread. So for the next POOL_CONTENDED_MS
- * (renewed while it lasts) no wait watches: each sleeps at once. One call
+ * sleeping one is woken ahead of the busy thread. So for the next POOL_CONTENDED_MS no
+ * wait watches: each sleeps at once (and a training step runs on one thread,
+ * minigraph/op_threads.py); then the watches look again. One call
  * uses the pool at a time; a call that finds it busy (another thread's pass) starts
  * threads of its own, and a job no thread could be started for runs on the caller.
  * A forked child starts with an empty pool. */
@@ -83,7 +84,7 @@ void *native_pool_get(void) { return pool_at; }
 void native_pool_use(void *other) { pool_at = other; }
 
 /* Sets how long the pool's waits watch before they sleep (microseconds; < 0: read
- * MINIGRAPH_SPIN_US again at the next wait). */
+ * MINIGRAPH_SPIN_US again at the next wait), and forgets a contention. */
 void native_pool_spin(int64_t us)
 {
     __atomic_store_n(&pool.spin_ns, us < 0 ? -1 : us * 1000, __ATOMIC_RELAXED);
@@ -98,9 +99,7 @@ int64_t native_pool_contentions(void)
     return __atomic_load_n(&pool.contentions, __ATOMIC_RELAXED);
 }
 
-/* 1 while the cores are contended (a watch found one wanted by another thread in the
- * last POOL_CONTENDED_MS), else 0: a training step then runs its ops on one thread
- * (minigraph/op_threads.py). */
+/* 1 while the cores count as contended (see the top of this file), else 0. */
 int64_t native_pool_contended(void)
 {
     return pool_now_ns() < __atomic_load_n(&pool.contended_until, __ATOMIC_RELAXED);
