@@ -198,23 +198,24 @@ def packed_weight(w):
     """w (K, N) float32 in fc_native.c's panels: packed on first use and kept until `w`
     is freed; `w` is made read-only, so what was packed stays what it holds
     (prepared.kept)."""
-    def pack():
-        k, n = w.shape
-        packed = _aligned(_lib().fc_packed_size(k, n))
-        _lib().fc_pack_weight_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
-        return packed
-    return prepared.kept(_packed, w, None, pack)
+    return _kept_copy(_packed, w, _lib().fc_packed_size, _lib().fc_pack_weight_f32)
 
 
 def packed_columns(w):
     """w (K, N <= COLS_MAX) float32 transposed for fc_cols.h (each column's values side
     by side), kept as packed_weight keeps its panels."""
+    return _kept_copy(_packed_cols, w, _lib().fc_cols_packed_size, _lib().fc_cols_pack_f32)
+
+
+def _kept_copy(table, w, size, pack_into):
+    """pack_into(w, K, N, copy)'s copy of size(K, N) floats, made at w's first use and
+    kept in `table` (prepared.kept)."""
     def pack():
         k, n = w.shape
-        packed = _aligned(_lib().fc_cols_packed_size(k, n))
-        _lib().fc_cols_pack_f32(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
+        packed = _aligned(size(k, n))
+        pack_into(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
         return packed
-    return prepared.kept(_packed_cols, w, None, pack)
+    return prepared.kept(table, w, None, pack)
 
 
 def _aligned(size):
