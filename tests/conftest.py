@@ -30,6 +30,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.quick)
 
 
+@pytest.fixture(autouse=True)
+def calm_cores(monkeypatch):
+    """Training steps never count the cores contended (minigraph.op_threads.contended):
+    what a test checks must not depend on what else the machine runs (pytest's other
+    workers). test_op_threads.py sets it where it tests those steps, and
+    test_native_pool.py tests the pool's own watch in a process of its own."""
+    from minigraph import op_threads
+
+    monkeypatch.setattr(op_threads, "contended", lambda: False)
+
+
 DEVICES = ["emulated", pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
