@@ -50,7 +50,8 @@ void fc_cols_pack_f32(const float *w, int64_t k, int64_t n, float *wt)
 
 /* The sum of v's lanes, halves added pairwise (lane i + lane i + VL / 2, and so on down
  * to one): the same order every time, by vector adds of halves where the target has
- * AVX. v is never addressed: that would keep a tile's sums in memory through its loop. */
+ * AVX2 or AVX-512. v is never addressed: that would keep a tile's sums in memory
+ * through its loop. */
 static inline __attribute__((always_inline)) float lanes_sum(vf v)
 {
 #if defined(__AVX512F__) || defined(__AVX2__)
