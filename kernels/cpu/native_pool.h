@@ -91,20 +91,6 @@ void native_pool_spin(int64_t us)
     __atomic_store_n(&pool.contended_until, 0, __ATOMIC_RELAXED);
 }
 
-static inline int64_t pool_now_ns(void);
-
-/* How many times the watches found the cores contended (for the tests). */
-int64_t native_pool_contentions(void)
-{
-    return __atomic_load_n(&pool.contentions, __ATOMIC_RELAXED);
-}
-
-/* 1 while the cores count as contended (see the top of this file), else 0. */
-int64_t native_pool_contended(void)
-{
-    return pool_now_ns() < __atomic_load_n(&pool.contended_until, __ATOMIC_RELAXED);
-}
-
 static void pool_after_fork(void)
 {
     pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
@@ -119,6 +105,18 @@ static inline int64_t pool_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* How many times the watches found the cores contended (for the tests). */
+int64_t native_pool_contentions(void)
+{
+    return __atomic_load_n(&pool.contentions, __ATOMIC_RELAXED);
+}
+
+/* 1 while the cores count as contended (see the top of this file), else 0. */
+int64_t native_pool_contended(void)
+{
+    return pool_now_ns() < __atomic_load_n(&pool.contended_until, __ATOMIC_RELAXED);
 }
 
 /* A yield that ended at `now` gave the core away (see the top of this file). The
