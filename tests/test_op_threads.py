@@ -200,6 +200,54 @@ def test_steps_while_the_cores_are_contended_run_on_one_thread_and_measure_nothi
     assert SEEN == [(1, 1), (2, 2)]
 
 
+def test_an_inference_while_the_cores_are_contended_runs_on_one_thread(two_threads,
+                                                                       monkeypatch):
+    """Inference plans measure nothing, but while contended they too run on one thread
+    (after a signature's check run, which picks the kernels), and every thread again
+    after each run."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 20))
+    h = L.fc(net, x, 8, name="f1")
+    net.append_op(mg.Operator("test_threads_spy", x=h, out=h))
+    busy = {"on": False}
+    monkeypatch.setattr(op_threads, "contended", lambda: busy["on"])
+    feed = {"x": FEED["x"]}
+    want = net.infer(feed=feed, fetch=[h])[0].copy()
+    for _ in range(3):
+        net.infer(feed=feed, fetch=[h])
+    busy["on"] = True
+    for _ in range(3):
+        np.testing.assert_array_equal(net.infer(feed=feed, fetch=[h])[0], want)
+    assert blocks.get_num_threads() == 2 and blas_now() == 2            # back after each
+    busy["on"] = False
+    net.infer(feed=feed, fetch=[h])
+    assert SEEN == [(2, 2)] * 4 + [(1, 1)] * 3 + [(2, 2)]
+    SEEN.clear()
+    busy["on"] = True
+    for _ in range(2):
+        net.infer(feed={"x": FEED["x"][:5]}, fetch=[h])                # a new signature
+    assert SEEN == [(2, 2), (1, 1)] and blocks.get_num_threads() == 2   # its check run
+
+
+def test_a_run_nested_in_a_step_keeps_the_steps_count(two_threads, monkeypatch):
+    """A count already set on this thread (a step's op that runs an inference inside
+    its kernel) is left as it is, whether or not the cores are contended."""
+    net = mg.Net(seed=0)
+    x = L.data(net, "x", shape=(-1, 20))
+    net.append_op(mg.Operator("test_threads_spy", x=x, out=x))
+    monkeypatch.setattr(op_threads, "contended", lambda: True)
+    op_threads.use(2)
+    try:
+        assert not op_threads.one_while_contended()
+        for _ in range(3):
+            net.infer(feed={"x": FEED["x"]}, fetch=[x])
+        assert blocks.thread_cap() == 2 and SEEN == [(2, 2)] * 3
+    finally:
+        op_threads.use(None)
+    assert op_threads.one_while_contended() and blocks.thread_cap() == 1
+    op_threads.use(None)
+
+
 def test_tuning_off_runs_every_op_on_every_thread(two_threads, monkeypatch):
     monkeypatch.setenv("MINIGRAPH_TUNE", "0")
     net, loss = spied_net()
