@@ -15,7 +15,7 @@ from minigraph.kernels.cpu import pool2d as pool_cpu
 rng = np.random.default_rng(3)
 
 # (x, filter, conv attributes): Winograd's kernel (3x3, stride 1, >= 8 channels), the
-# direct kernel (few channels, a stride, 5x5), odd output rows or columns
+# direct kernel (few channels, a stride, 5x5), odd output rows or columns, outputs 8 wide
 GEOMETRIES = [
     ((2, 8, 10, 12), (6, 8, 3, 3), {"paddings": 1}),
     ((3, 9, 9, 7), (5, 9, 3, 3), {"paddings": 1}),
@@ -23,6 +23,8 @@ GEOMETRIES = [
     ((2, 3, 11, 10), (5, 3, 5, 5), {"paddings": 2}),
     ((2, 4, 13, 12), (3, 4, 3, 3), {"strides": 2, "paddings": 1}),
     ((1, 16, 9, 8), (20, 16, 1, 1), {}),
+    ((2, 8, 8, 8), (6, 8, 3, 3), {"paddings": 1}),             # 8 wide: rows two at a time
+    ((2, 3, 6, 8), (4, 3, 3, 3), {"paddings": 1}),             # ... and an odd one left
 ]
 
 

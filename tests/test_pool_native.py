@@ -136,12 +136,14 @@ def test_the_op_kernel_runs_it(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(1, 1, 2, 2), (3, 5, 6, 10), (2, 70, 4, 6), (64, 16, 8, 8),
-                                   (2, 3, 4, 36), (4, 3, 28, 28), (2, 4, 14, 14)])
+                                   (3, 1, 2, 8), (2, 3, 4, 36), (4, 3, 28, 28),
+                                   (2, 4, 14, 14)])
 def test_tiles_forward_is_the_numpy_kernels(shape, dtype, threads, monkeypatch):
     """2x2 windows at stride 2: numpy's tiled max, NaN propagating, bit for bit; rows of
     pairs fewer than, more than and not a multiple of the kernel's block (float64);
     rows of fewer than 8 windows, of 8 and more, and of 8 and a remainder (float32:
-    eight at a time, the rest through masked loads), on one thread and on three."""
+    eight at a time, the rest through masked loads; rows of 4 two at a time, an odd
+    count of them), on one thread and on three."""
     monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
     attrs = attrs_of((2, 2), (2, 2), (0, 0))
     x = rng.standard_normal(shape).astype(dtype)

@@ -22,13 +22,21 @@ static inline v8 pool8(v8 t0, v8 t1, v8 b0, v8 b1)
 /* Channels [c0, c1) of one image's outputs `y` (planes of h x w) to `out` (planes of
  * h / 2 x w / 2): the max of each 2x2 window at stride 2, pool_native.c's way (the max
  * of the two rows, then of the two neighbours, NaN propagating), eight windows at a
- * time from 16 columns of their two rows (a row's last ones through masked moves). */
+ * time from 16 columns of their two rows (a row's last ones through masked moves;
+ * planes 8 wide: two output rows of 4 windows at a time). */
 static void pool_planes(const float *y, float *out, int64_t c0, int64_t c1, int64_t h,
                         int64_t w)
 {
     const int64_t ho = h / 2, wo = w / 2;
-    for (int64_t c = c0; c < c1; c++)
-        for (int64_t r = 0; r < ho; r++) {
+    for (int64_t c = c0; c < c1; c++) {
+        int64_t r = 0;
+        if (w == 8)
+            for (; r + 2 <= ho; r += 2) {
+                const float *top = y + (c * h + 2 * r) * w;
+                *(v8u *)(out + (c * ho + r) * wo) = pool8(load(top), load(top + 2 * w),
+                                                          load(top + w), load(top + 3 * w));
+            }
+        for (; r < ho; r++) {
             const float *top = y + (c * h + 2 * r) * w, *bottom = top + w;
             float *o = out + (c * ho + r) * wo;
             int64_t q = 0;
@@ -43,4 +51,5 @@ static void pool_planes(const float *y, float *out, int64_t c0, int64_t c1, int6
                                             v8f_load_part(bottom + 2 * q + 8, hi)), left);
             }
         }
+    }
 }
