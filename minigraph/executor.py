@@ -189,12 +189,12 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     run rewrites (a fetch copies them)."""
     contexts = c.roomy if c.roomy is not None and not check else itertools.repeat(c.plain)
     if journal is None and meter is None and not check:
-        alone = kind == "cpu" and op_threads.one_while_contended()
+        alone = kind == "cpu" and op_threads.cap_while_contended()
         try:
             return _run_unjournaled(c, contexts, bound)
         finally:
             if alone:
-                op_threads.use(None)
+                op_threads.uncap()
     picked = tuple(c.kernels) if check else None
     choice = op_threads.choice_for(c, check) if journal is not None and kind == "cpu" \
         else None

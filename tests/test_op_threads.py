@@ -202,9 +202,10 @@ def test_steps_while_the_cores_are_contended_run_on_one_thread_and_measure_nothi
 
 def test_an_inference_while_the_cores_are_contended_runs_on_one_thread(two_threads,
                                                                        monkeypatch):
-    """Inference plans measure nothing, but while contended they too run on one thread
-    (after a signature's check run, which picks the kernels), and every thread again
-    after each run."""
+    """Inference plans measure nothing, but while contended their native kernels too run
+    on one thread (after a signature's check run, which picks the kernels), OpenBLAS's
+    products on as many as before (the same bits), and every thread again after each
+    run."""
     net = mg.Net(seed=0)
     x = L.data(net, "x", shape=(-1, 20))
     h = L.fc(net, x, 8, name="f1")
@@ -221,12 +222,36 @@ def test_an_inference_while_the_cores_are_contended_runs_on_one_thread(two_threa
     assert blocks.get_num_threads() == 2 and blas_now() == 2            # back after each
     busy["on"] = False
     net.infer(feed=feed, fetch=[h])
-    assert SEEN == [(2, 2)] * 4 + [(1, 1)] * 3 + [(2, 2)]
+    assert SEEN == [(2, 2)] * 4 + [(1, 2)] * 3 + [(2, 2)]
     SEEN.clear()
     busy["on"] = True
     for _ in range(2):
         net.infer(feed={"x": FEED["x"][:5]}, fetch=[h])                # a new signature
-    assert SEEN == [(2, 2), (1, 1)] and blocks.get_num_threads() == 2   # its check run
+    assert SEEN == [(2, 2), (1, 2)] and blocks.get_num_threads() == 2   # its check run
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_an_inference_gives_the_same_bits_contended_or_not(two_threads, monkeypatch,
+                                                           optimized):
+    """A CNN's inference (its own net, and optimize_for_inference's: fused convs with
+    their pools, fused products) while contended equals it while calm bit for bit."""
+    net = mg.Net(seed=2)
+    x = L.data(net, "x", shape=(-1, 3, 16, 16))
+    h = L.pool2d(net, L.relu(net, L.batch_norm(net, L.conv2d(net, x, 16, 3, padding=1))), 2)
+    h = L.relu(net, L.batch_norm(net, L.fc(net, h, 48)))
+    out = L.fc(net, h, 10)
+    if optimized:
+        net = mg.passes.optimize_for_inference(net)
+    feed = {"x": np.random.default_rng(4).standard_normal((32, 3, 16, 16)).astype(np.float32)}
+    busy, caps = {"on": False}, []
+    monkeypatch.setattr(op_threads, "contended", lambda: busy["on"])
+    cap = blocks.cap_threads
+    monkeypatch.setattr(blocks, "cap_threads", lambda n: caps.append(n) or cap(n))
+    calm = [net.infer(feed=feed, fetch=[out.name])[0].copy() for _ in range(3)][-1]
+    busy["on"] = True
+    for _ in range(3):
+        np.testing.assert_array_equal(net.infer(feed=feed, fetch=[out.name])[0], calm)
+    assert caps == [1, None] * 3                                        # on one thread
 
 
 def test_a_run_nested_in_a_step_keeps_the_steps_count(two_threads, monkeypatch):
@@ -238,14 +263,15 @@ def test_a_run_nested_in_a_step_keeps_the_steps_count(two_threads, monkeypatch):
     monkeypatch.setattr(op_threads, "contended", lambda: True)
     op_threads.use(2)
     try:
-        assert not op_threads.one_while_contended()
+        assert not op_threads.cap_while_contended()
         for _ in range(3):
             net.infer(feed={"x": FEED["x"]}, fetch=[x])
         assert blocks.thread_cap() == 2 and SEEN == [(2, 2)] * 3
     finally:
         op_threads.use(None)
-    assert op_threads.one_while_contended() and blocks.thread_cap() == 1
-    op_threads.use(None)
+    assert op_threads.cap_while_contended() and blocks.thread_cap() == 1
+    op_threads.uncap()
+    assert blocks.thread_cap() is None
 
 
 def test_tuning_off_runs_every_op_on_every_thread(two_threads, monkeypatch):
