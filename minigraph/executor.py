@@ -189,12 +189,15 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     run rewrites (a fetch copies them)."""
     contexts = c.roomy if c.roomy is not None and not check else itertools.repeat(c.plain)
     if journal is None and meter is None and not check:
-        alone = kind == "cpu" and op_threads.cap_while_contended()
+        held = bound_run.hold(c) if bound else None
+        if held is None:
+            _run_checked_steps(c, contexts)
+            return False
         try:
-            return _run_unjournaled(c, contexts, bound)
+            bound_run.run_steps(c, held)
         finally:
-            if alone:
-                op_threads.uncap()
+            held.lock.release()
+        return held.reuses
     picked = tuple(c.kernels) if check else None
     choice = op_threads.choice_for(c, check) if journal is not None and kind == "cpu" \
         else None
@@ -244,20 +247,6 @@ def _run_steps(c, kind, check, journal=None, meter=None, bound=False):
     if check and tuple(c.kernels) != picked:
         c.bound = None                  # its forms were made for the kernels before
     return False
-
-
-def _run_unjournaled(c, contexts, bound):
-    """_run_steps without a journal, meter or check: through the bound forms where
-    `bound` and they hold, else kernel by kernel."""
-    held = bound_run.hold(c) if bound else None
-    if held is None:
-        _run_checked_steps(c, contexts)
-        return False
-    try:
-        bound_run.run_steps(c, held)
-    finally:
-        held.lock.release()
-    return held.reuses
 
 
 def _spares(step, journal, first):

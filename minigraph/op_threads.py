@@ -25,9 +25,7 @@ it is measured:
 - While another process wants the cores (kernels/cpu/native_pool.h counts them
   contended), a step runs every op on one thread and measures nothing: a split op
   would wait for a thread that has no core, and the times would not be the
-  machine's. An inference then runs its native kernels on one thread too
-  (cap_while_contended; not a check run, which picks the kernels), its BLAS
-  products as before, so that its values do not depend on the machine's load.
+  machine's.
 - A plan keeps a choice per input signature (a last short batch has its own)
   and thread count (`mg.set_num_threads`), the last KEPT of them; a step on one
   thread measures nothing. With one thread, or MINIGRAPH_TUNE=0 (or MINIGRAPH_NATIVE=0),
@@ -105,29 +103,6 @@ def contended():
     from minigraph.kernels.cpu import native
 
     return native.pool_contended()
-
-
-def cap_while_contended():
-    """For a run outside a training step's measured ops (an inference): while the cores
-    count as contended, cap this thread's native kernels and numpy engines at one
-    thread and return True (the caller calls uncap() after the run). OpenBLAS keeps its
-    count, so that an inference's values never depend on the machine's load (its
-    products of some shapes round differently on one thread; the native kernels do
-    not). False, with nothing set, when the cores are calm or a count is already set
-    here (a run nested in a step's kernel keeps the step's)."""
-    from minigraph.kernels.cpu import blocks
-
-    if blocks.thread_cap() is not None or not contended():
-        return False
-    blocks.cap_threads(1)
-    return True
-
-
-def uncap():
-    """End cap_while_contended's cap."""
-    from minigraph.kernels.cpu import blocks
-
-    blocks.cap_threads(None)
 
 
 def choice_for(c, check):

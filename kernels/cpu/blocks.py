@@ -109,11 +109,6 @@ def cap_threads(n):
     _cap.n = n
 
 
-def thread_cap():
-    """The count cap_threads last set on this thread (None: no cap)."""
-    return getattr(_cap, "n", None)
-
-
 def threads_for(values, per_thread):
     """The threads a pass over `values` values runs on: at most get_num_threads(), at
     least 1, one per `per_thread` values."""
