@@ -1,12 +1,14 @@
-"""Why an inference slowed down between training steps, measured again on each run:
+"""Why an inference slows down between training steps, measured again on each run:
 the wide MLP's optimized inference net (all native fused_fc products) alone, right
 after a training step, after a training step and a 150 ms pause, after writing 256
-MiB of memory (no computation, no threads: caches emptied) and after 2 ms of a
-Python loop that reads the clock (no memory traffic, no threads), with the CPU time
-every thread of the process spent meanwhile; the same for the CNNs of --nets.
+MiB of memory (no computation, no threads: caches emptied) and after a Python loop
+that reads the clock for as long as a training step takes (no memory traffic, no
+threads), with the CPU time every thread of the process spent meanwhile; the same
+for the CNNs of --nets. Then the machine without minigraph: how long a few tiny
+pieces of work take right after themselves and after a Python loop of 1, 4 and 16 ms.
 
-    python benchmarks/between_steps.py [--threads 2] [--rounds 15] [--nets mlp mnist digits]
-                                       [--no-write]
+    python benchmarks/between_steps.py [--threads 2] [--rounds 15]
+                                       [--nets mlp mnist digits recipe] [--no-write]
 
 Each mode runs in a fresh process (this script with --worker): minigraph as it is
 (OpenBLAS's parallel work on minigraph's own pool: kernels/cpu/blas_threads.py),
@@ -25,8 +27,9 @@ slow a small net's inference). A thread's CPU time is the first field of
 the kernel's ticks, so a short inference may count some of what ran before it).
 The table: the median wall time of an inference, and the median CPU time of
 OpenBLAS's own workers, of the calling thread and of every other thread (the
-native kernels' pools) during one. It prints its table and writes it
-into the `between_steps` section of docs/performance.md; --no-write only prints.
+native kernels' pools) during one. The machine's table comes from a process that
+imports numpy only (--probe). It prints both tables and writes them into the
+`between_steps` section of docs/performance.md; --no-write only prints.
 """
 from __future__ import annotations
 
@@ -45,7 +48,9 @@ MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
              "MINIGRAPH_BLAS_POOL": "0", "OPENBLAS_THREAD_TIMEOUT": "4"},
          "MINIGRAPH_NATIVE=0": {"MINIGRAPH_NATIVE": "0"}}
 CASES = ("alone", "after a training step", "after a step and 150 ms",
-         "after writing 256 MiB", "after 2 ms of Python")
+         "after writing 256 MiB", "after Python as long as a step")
+PROBE_WAITS_MS = (0, 1, 4, 16)  # the Python loop before each piece of the machine's table
+PROBE_RUNS = 60
 FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches emptied
 
 
@@ -79,6 +84,7 @@ def worker(args):
 
     for _ in range(20):                 # past the steps that measure threads per op
         step()
+    step_seconds = statistics.median(timed(step) for _ in range(10))
     fast, name = mg_optimized(net), logits.name
 
     def infer():
@@ -90,7 +96,7 @@ def worker(args):
     before = {"alone": lambda: None, "after a training step": step,
               "after a step and 150 ms": lambda: (step(), time.sleep(0.15)),
               "after writing 256 MiB": lambda: flush.fill(1.0),
-              "after 2 ms of Python": lambda: busy(0.002)}
+              "after Python as long as a step": lambda: busy(step_seconds)}
     walls, cpus = {case: [] for case in CASES}, {case: [] for case in CASES}
     for _ in range(args.rounds):
         for case in CASES:
@@ -114,6 +120,42 @@ def worker(args):
             for case in CASES}
 
 
+def timed(fn):
+    """fn()'s wall time in seconds."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def probe():
+    """The machine without minigraph: {piece of work: [median us right after itself,
+    then after a Python loop of each PROBE_WAITS_MS ms]}."""
+    import numpy
+
+    small, src = numpy.ones(1, numpy.float32), numpy.ones(16 << 10, numpy.float32)
+    small_out, out = numpy.empty_like(small), numpy.empty_like(src)
+
+    def python_loop():
+        total = 0
+        for i in range(200):
+            total += i
+        return total
+
+    work = {"numpy copy of 4 bytes": lambda: numpy.copyto(small_out, small),
+            "numpy copy of 64 KiB": lambda: numpy.copyto(out, src),
+            "Python loop of 200 additions": python_loop}
+    times = {(name, wait): [] for name in work for wait in PROBE_WAITS_MS}
+    for _ in range(PROBE_RUNS):         # every case in turn: a drift slows them alike
+        for (name, wait), runs in times.items():
+            if wait:
+                busy(wait / 1e3)
+            else:
+                work[name]()            # the same work right before
+            runs.append(timed(work[name]) * 1e6)
+    return {name: [statistics.median(times[name, wait]) for wait in PROBE_WAITS_MS]
+            for name in work}
+
+
 def busy(seconds):
     """Run Python for `seconds`, reading the clock: no memory traffic, no other thread."""
     end = time.perf_counter() + seconds
@@ -125,14 +167,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--nets", nargs="+", default=["mlp", "mnist", "digits"],
+    parser.add_argument("--nets", nargs="+", default=["mlp", "mnist", "digits", "recipe"],
                         choices=("mlp", "digits", "mnist", "recipe", "resnet"))
     parser.add_argument("--net", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args)))
+    if args.worker or args.probe:
+        print(json.dumps(probe() if args.probe else worker(args)))
         return
     from report import machine_line, markdown_table, write_section
 
@@ -151,13 +194,25 @@ def main(argv=None):
             for case in CASES:
                 rows.append((net, mode, case, *(f"{v:.2f}" for v in result[case])))
                 print(" | ".join(rows[-1]))
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe"],
+                          capture_output=True, text=True, check=True)
+    probed = json.loads(done.stdout.strip().splitlines()[-1])
+    waits = [f"after {w} ms of Python, us" for w in PROBE_WAITS_MS[1:]]
+    probe_rows = [(name, *(f"{v:.1f}" for v in times)) for name, times in probed.items()]
+    for row in probe_rows:
+        print(" | ".join(row))
     text = "\n\n".join([machine_line(
         f"The optimized inference nets of nets_cpu.py ({', '.join(args.nets)}), "
         f"{args.threads} threads, each net and mode in its own process; medians over "
         f"{args.rounds} rounds of 5 timed inferences and 5 with CPU times per case, the cases "
         f"in turn; CPU time per thread from /proc/self/task/*/schedstat; load average "
         f"{load:.2f} before."),
-        markdown_table(header, rows)])
+        markdown_table(header, rows),
+        f"The machine alone (a process with numpy and no minigraph): medians of "
+        f"{PROBE_RUNS} runs of each piece of work, each right after a Python loop that "
+        "reads the clock for the time given or right after the same work, the cases in "
+        "turn:",
+        markdown_table(("work", "right after itself, us", *waits), probe_rows)])
     write_section("between_steps", text, enabled=not args.no_write)
 
 
