@@ -71,6 +71,7 @@ def worker(args):
 
     blas = set(thread_cpu_ns()) - {os.getpid()}
     from nets_models import batch, mg_net, mg_optimized
+    from timing import median_ms
 
     import minigraph as mg
 
@@ -84,7 +85,7 @@ def worker(args):
 
     for _ in range(20):                 # past the steps that measure threads per op
         step()
-    step_seconds = statistics.median(timed(step) for _ in range(10))
+    step_seconds = median_ms(step, 10, warmup=0) / 1e3
     fast, name = mg_optimized(net), logits.name
 
     def infer():
