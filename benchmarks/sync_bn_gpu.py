@@ -228,6 +228,8 @@ def main(argv=None):
     n, c, h, w = args.shape
     print(f"sync batch norm, forward + backward, fp32 NCHW ({n}, {c}, {h}, {w}) per rank; "
           f"the slowest rank's median of {args.repeat} steps")
+    if not os.path.exists(MPIEXEC):
+        raise SystemExit(f"no mpiexec next to {sys.executable}: pip install mpi4py mpich")
     print("| ranks | minigraph ms (backend) | PyTorch SyncBatchNorm ms (backend) | ratio |")
     print("|---|---|---|---|")
     for k in args.ranks:

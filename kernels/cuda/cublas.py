@@ -156,6 +156,9 @@ def gemm_plan(dtype, trans_a, trans_b, m, n, k, lda, ldb, ldc, beta=False, inner
         raise TypeError(f"cuBLAS products take float32 or float64, got {dtype}")
     one, zero = scalar(1.0), scalar(0.0)
     itemsize = dtype.itemsize
+    # cuBLAS refuses a leading dimension below 1, which an empty operand (k = 0) has;
+    # the product is then beta * c, as the BLAS defines it
+    lda, ldb, ldc = max(lda, 1), max(ldb, 1), max(ldc, 1)
     op_b, op_a = (OP_T if trans_b else OP_N), (OP_T if trans_a else OP_N)
     calls = []
     for r in range(red):

@@ -125,9 +125,10 @@ def test_the_next_group_is_double_buffered_when_there_are_more_groups_than_ctas(
     train_and_backward(device, (128, 32, 7, 7), np.float64, relu=True, steps=1)
 
 
-def test_dx_may_be_written_over_dy(device):
+def test_dx_may_be_written_over_dy(device, monkeypatch):
     """dx into dy's own array: a group's dy is resident before its dx is stored, and
-    groups do not overlap."""
+    groups do not overlap. Six channels are too few for the resident kernels on a
+    large GPU: the plan is made for this device with that limit lifted."""
     from minigraph.kernels.cuda import loader
 
     shape, eps = (8, 6, 7, 7), 1e-5
@@ -139,7 +140,9 @@ def test_dx_may_be_written_over_dy(device):
     xd, dyd, sd, md, vd = (device.put(a) for a in (x, dy, scale, mean, var))
     dscale, dbias = device.put(np.zeros(6, np.float32)), device.put(np.zeros(6, np.float32))
     ptr = loader.ptr
-    p = bn_resident.cached_plan(xd, 8, 6, 49, True, 2)
+    monkeypatch.setattr(bn_resident, "MIN_CHANNEL_SHARE", 0)
+    p = bn_resident.plan(8, 6, 49, 4, True, loader.device(), 2)
+    assert p is not None
     bn_resident.grad(p, xd, (ptr(xd), ptr(dyd), 0, ptr(dyd)), 8, 6, 49,
                      (ptr(sd), ptr(md), ptr(vd), ptr(dscale), ptr(dbias)), eps, False)
     for got, ref in zip((dyd, dscale, dbias), want, strict=True):

@@ -122,6 +122,23 @@ def test_matmul_every_path_matches_the_reference(libs, m, k, n):
     assert rel_err(device.get(got), np.matmul(x, y)) < 1e-12
 
 
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True)])
+def test_a_product_over_nothing_is_zero_on_every_path(libs, ta, tb):
+    """k = 0: the leading dimension of an empty operand is 0, which cuBLAS refuses; the
+    product is zeros, and an accumulated one leaves the output as it was."""
+    device, _, _ = libs
+    a, b = np.ones((3, 0)), np.ones((0, 4))
+    aa, bb = (a.T.copy() if ta else a), (b.T.copy() if tb else b)
+    got = matmul.matmul(device.put(aa), device.put(bb), trans_a=ta, trans_b=tb)
+    np.testing.assert_array_equal(device.get(got), np.zeros((3, 4)))
+    acc = device.put(np.full((3, 4), 2.0))
+    matmul.matmul(device.put(aa), device.put(bb), trans_a=ta, trans_b=tb, out=acc,
+                  accumulate=True)
+    np.testing.assert_array_equal(device.get(acc), np.full((3, 4), 2.0))
+    got = batched_matmul.batched(device.put(np.ones((2, 3, 0))), device.put(np.ones((0, 4))))
+    np.testing.assert_array_equal(device.get(got), np.zeros((2, 3, 4)))
+
+
 def test_fused_fc_epilogue_is_one_launch(libs):
     device, _, _ = libs
     r = rng(6)
