@@ -226,10 +226,10 @@ def main(argv=None):
     if not args.no_chain:
         chain(args)
     n, c, h, w = args.shape
-    print(f"sync batch norm, forward + backward, fp32 NCHW ({n}, {c}, {h}, {w}) per rank; "
-          f"the slowest rank's median of {args.repeat} steps")
     if not os.path.exists(MPIEXEC):
         raise SystemExit(f"no mpiexec next to {sys.executable}: pip install mpi4py mpich")
+    print(f"sync batch norm, forward + backward, fp32 NCHW ({n}, {c}, {h}, {w}) per rank; "
+          f"the slowest rank's median of {args.repeat} steps")
     print("| ranks | minigraph ms (backend) | PyTorch SyncBatchNorm ms (backend) | ratio |")
     print("|---|---|---|---|")
     for k in args.ranks:

@@ -150,3 +150,16 @@ def test_the_sync_chain_runs_the_sync_kernels_in_a_world_of_one(monkeypatch, cap
     for name in ("bn_grad_sums_", "bn_grad_from_sums_f32", "bn_grad_dx_f32"):
         assert name in backward, backward
     assert "bn_resident" not in forward + backward
+
+
+def test_the_sync_benchmark_says_when_mpiexec_is_missing(monkeypatch, tmp_path):
+    """Its rows launch `mpiexec -n K` beside the interpreter: without one it stops with
+    that said, before any row, not with a traceback."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("sync_bn_gpu_no_mpiexec",
+                                                  BENCH.parent / "sync_bn_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "MPIEXEC", str(tmp_path / "mpiexec"))
+    with pytest.raises(SystemExit, match="no mpiexec next to .*pip install mpi4py mpich"):
+        module.main(["--no-chain"])
