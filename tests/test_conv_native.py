@@ -47,6 +47,11 @@ GEOMETRIES = [
     # 8 (16 wide) and of 19 and 18 (37 wide: a whole vector and a part)
     ((2, 5, 16, 16), (6, 5, 3, 3), (2, 2), (1, 1), (1, 1)),
     ((2, 3, 6, 37), (4, 3, 3, 3), (2, 2), (1, 1), (1, 1)),
+    # 1x1 at stride 2 (the rows between never copied): rows of 16, 17 and 35 every
+    # other value, one whole vector of 16 and none, one and two with a part after
+    ((2, 3, 5, 32), (4, 3, 1, 1), (2, 2), (0, 0), (1, 1)),
+    ((2, 2, 5, 34), (3, 2, 1, 1), (2, 2), (0, 0), (1, 1)),
+    ((1, 2, 4, 70), (3, 2, 1, 1), (2, 2), (0, 0), (1, 1)),
 ]
 
 

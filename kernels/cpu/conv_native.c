@@ -133,12 +133,21 @@ static int vector_tables(conv_t *a)
     return 1;
 }
 
+/* Whether the windows read row r of the zero-bordered input (conservative: true
+ * unless every tap's row offset is below the stride, as a 1x1 conv's at stride 2). */
+static inline int row_read(const conv_t *a, int64_t r)
+{
+    if ((a->kh - 1) * a->dh >= a->sh) return 1;
+    int64_t m = r % a->sh;
+    return m % a->dh == 0 && m / a->dh < a->kh;
+}
+
 /* Image `img` of x into buf, whose zeros were set once (the same places are
- * written for every image). */
+ * written for every image; rows the windows never read are left out). */
 static void fill_buffer(const conv_t *a, int64_t img, float *buf)
 {
     for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++)
-        for (int64_t q = 0; q < a->phases; q++) {
+        for (int64_t q = 0; q < a->phases && row_read(a, a->ph + y); q++) {
             int64_t x0 = a->x0[q], count = a->x1[q] - x0;
             const int64_t sw = a->sw;   /* a local: a field could alias dst's stores */
             for (int64_t ci = 0; ci < a->c && count > 0; ci++) {
@@ -146,8 +155,8 @@ static void fill_buffer(const conv_t *a, int64_t img, float *buf)
                 const float *from = a->x + ((img * a->c + ci) * a->h + y) * a->w + a->c0[q];
                 if (sw == 1) {
                     memcpy(dst, from, count * sizeof(float));
-                } else if (sw == 2) {               /* a constant stride: vectorized */
-                    for (int64_t x = 0; x < count; x++) dst[x] = from[2 * x];
+                } else if (sw == 2) {
+                    copy_every_other(dst, from, count);
                 } else {
                     for (int64_t x = 0; x < count; x++) dst[x] = from[sw * x];
                 }

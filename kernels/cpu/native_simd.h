@@ -7,7 +7,8 @@
  * vf_load_part / vf_store_part read and write the first `count` (< VL) lanes only: the
  * ragged end of a row, without scalar loops (AVX-512 and AVX2 masked moves; a copy
  * through a buffer elsewhere). Lanes past `count` read as zeros. v8f and its
- * v8f_load_part / v8f_store_part: the same for vectors of 8 floats, whatever VL is. */
+ * v8f_load_part / v8f_store_part: the same for vectors of 8 floats, whatever VL is.
+ * copy_every_other: a row's values at stride 2 into a dense row. */
 #ifndef NATIVE_SIMD_H
 #define NATIVE_SIMD_H
 #include <stdint.h>
@@ -133,4 +134,30 @@ static inline void vf_store_part(float *p, vf v, int64_t count)
     memcpy(p, lanes, (size_t)count * sizeof(float));
 }
 #endif
+
+/* dst[x] = from[2 x] for x < count, reading nothing past from[2 count - 2]. With
+ * AVX-512, 16 at a time: the even lanes of two loads, masked in the last block (the
+ * compiler leaves the loop scalar). */
+static inline void copy_every_other(float *dst, const float *from, int64_t count)
+{
+    int64_t x = 0;
+#if defined(__AVX512F__)
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    for (; x + 16 < count; x += 16)
+        _mm512_storeu_ps(dst + x, _mm512_permutex2var_ps(_mm512_loadu_ps(from + 2 * x), even,
+                                                         _mm512_loadu_ps(from + 2 * x + 16)));
+    if (x < count) {
+        int64_t rest = count - x, n = 2 * rest - 1;          /* 1..16 values, 1..31 reads */
+        __m512 lo = _mm512_maskz_loadu_ps((__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1),
+                                          from + 2 * x);
+        __m512 hi = _mm512_maskz_loadu_ps((__mmask16)(n > 16 ? (1u << (n - 16)) - 1 : 0),
+                                          from + 2 * x + 16);
+        _mm512_mask_storeu_ps(dst + x, (__mmask16)((1u << rest) - 1),
+                              _mm512_permutex2var_ps(lo, even, hi));
+        return;
+    }
+#endif
+    for (; x < count; x++) dst[x] = from[2 * x];
+}
 #endif
