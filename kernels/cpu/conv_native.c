@@ -23,7 +23,8 @@
  * of C kh kw; a last block short of MR repeats row O - 1 and does not store
  * it). Outputs past wo in a vector are computed on the buffer's zeros and
  * never stored. The outputs may go to every osh-th row and osw-th column of
- * a larger array (a phase of a strided conv's input gradient). Threads take
+ * a larger array (a phase of a strided conv's input gradient). The epilogue
+ * (bias, residual, relu, the stores) is conv_epilogue.h's. Threads take
  * (image, slice of output channels) units from a shared counter; every
  * output is summed by one thread in one order, so results do not depend on
  * them.
@@ -164,118 +165,7 @@ static void fill_buffer(const conv_t *a, int64_t img, float *buf)
         }
 }
 
-/* One output vector's epilogue of 8 lanes: val (+ residual) (then max(., 0)) to the
- * `lanes` outputs from `at` (every osw-th). */
-static inline void store8(const conv_t *a, int64_t at, v8 val, int64_t lanes)
-{
-    if (lanes == 8 && a->osw == 1) {
-        if (a->residual) val += load(a->residual + at);
-        if (a->relu) val = (v8)((v8i)val & ~(val < 0));   /* NaN stays NaN */
-        *(v8u *)(a->out + at) = val;
-        return;
-    }
-    if (lanes == 8 && !a->residual) {      /* a phase of dx: every osw-th output */
-        if (a->relu) val = (v8)((v8i)val & ~(val < 0));
-#if VL == 16
-        if (a->osw == 2) {                 /* lane l to lane 2 l, as store_row's */
-            const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6,
-                                                     7, 7);
-            _mm512_mask_storeu_ps(a->out + at, (__mmask16)0x5555u,
-                                  _mm512_permutexvar_ps(spread,
-                                                        _mm512_castps256_ps512((__m256)val)));
-            return;
-        }
-#endif
-        for (int l = 0; l < 8; l++) a->out[at + a->osw * l] = val[l];
-        return;
-    }
-    if (a->osw == 1) {                     /* a row's last outputs: masked moves */
-        if (a->residual) val += v8f_load_part(a->residual + at, lanes);
-        if (a->relu) val = (v8)((v8i)val & ~(val < 0));
-        v8f_store_part(a->out + at, val, lanes);
-        return;
-    }
-    for (int64_t l = 0; l < lanes; l++) {
-        int64_t to = at + a->osw * l;
-        float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
-        a->out[to] = a->relu && s < 0 ? 0.0f : s;
-    }
-}
-
-/* The same for a vector of VL lanes in one row. */
-static inline void store_row(const conv_t *a, int64_t at, vf val, int64_t lanes)
-{
-#if VL == 8
-    store8(a, at, val, lanes);
-#else
-    if (a->osw == 1) {
-        if (a->residual) val += lanes == VL ? vf_load(a->residual + at)
-                                            : vf_load_part(a->residual + at, lanes);
-        if (a->relu) val = vf_relu(val);
-        if (lanes == VL)
-            vf_store(a->out + at, val);
-        else
-            vf_store_part(a->out + at, val, lanes);
-        return;
-    }
-    if (!a->residual && a->osw == 2) {    /* a phase of dx at stride 2: every other output */
-        if (a->relu) val = vf_relu(val);
-        /* lane l to lane 2 l of two vectors, stored under a mask of the even lanes:
-         * two permutes and two masked stores where a scatter took 16 stores */
-        const __m512i low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-        uint64_t even = 0x55555555u & ((1ull << (2 * lanes)) - 1);
-        _mm512_mask_storeu_ps(a->out + at, (__mmask16)even,
-                              _mm512_permutexvar_ps(low, (__m512)val));
-        if (lanes > 8)
-            _mm512_mask_storeu_ps(a->out + at + 16, (__mmask16)(even >> 16),
-                                  _mm512_permutexvar_ps(high, (__m512)val));
-        return;
-    }
-    if (!a->residual && a->osw < (1 << 20)) {    /* a phase of dx: every osw-th output */
-        if (a->relu) val = vf_relu(val);
-        __m512i index = _mm512_mullo_epi32(_mm512_set1_epi32((int)a->osw),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                             11, 12, 13, 14, 15));
-        _mm512_mask_i32scatter_ps(a->out + at, (__mmask16)((1u << lanes) - 1), index,
-                                  (__m512)val, 4);
-        return;
-    }
-    for (int64_t l = 0; l < lanes; l++) {
-        int64_t to = at + a->osw * l;
-        float s = val[l] + (a->residual ? a->residual[to] : 0.0f);
-        a->out[to] = a->relu && s < 0 ? 0.0f : s;
-    }
-#endif
-}
-
-/* The epilogue of a forward tile: acc (+ bias) (+ residual) (then max(., 0)) to
- * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1 (a pair's halves to
- * its two rows). */
-static __attribute__((noinline)) void store_tile(const conv_t *a, vf acc[MR][NV], int nv,
-                                                 int64_t blk, int64_t v0, int64_t img)
-{
-    int64_t plane = a->out_h * a->out_w;
-    for (int r = 0; r < MR && blk * MR + r < a->o; r++) {
-        int64_t oc = blk * MR + r;
-        float bias = a->bias ? a->bias[oc] : 0.0f;
-        for (int v = 0; v < nv; v++) {
-            int64_t at = (img * a->o + oc) * plane + a->vout[v0 + v], lanes = a->vlanes[v0 + v];
-            vf val = acc[r][v] + bias;
-#if VL == 16
-            if (a->pair) {
-                store8(a, at, __builtin_shufflevector(val, val, 0, 1, 2, 3, 4, 5, 6, 7), lanes);
-                if (2 * (v0 + v) + 1 < a->ho)
-                    store8(a, at + a->pair_out,
-                           __builtin_shufflevector(val, val, 8, 9, 10, 11, 12, 13, 14, 15),
-                           lanes);
-                continue;
-            }
-#endif
-            store_row(a, at, val, lanes);
-        }
-    }
-}
+#include "conv_epilogue.h"
 
 /* A vector of the buffer: VL values from p, or (PAIR) 8 from p and 8 from p + step. */
 static inline vf load_vector(const float *p, int64_t step, const int PAIR)
