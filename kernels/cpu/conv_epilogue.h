@@ -1,10 +1,11 @@
 /* The forward tile's epilogue of conv_native.c (included there, after conv_t and the
  * tile's sizes): acc (+ bias) (+ residual) (then max(., 0)) to the tile's outputs.
- * store_tile takes the dense case (every output in place: osw 1) through store_dense,
- * with what it reads of the conv in locals (a float store could alias the struct under
- * -fno-strict-aliasing) and the residual and relu branches taken once a tile; the
- * phases of an input gradient (every osw-th output) through store_row and store8.
- * Both do the same operations in the same order. */
+ * store_tile's one loop (store_outputs) takes the dense case (every output in place:
+ * osw 1) through store_row_dense and store8_dense, with what it reads of the conv in
+ * locals (a float store could alias the struct under -fno-strict-aliasing) and the
+ * residual and relu branches taken once a tile; the phases of an input gradient
+ * (every osw-th output) through store_row and store8. Both do the same operations in
+ * the same order. */
 
 /* One output vector's epilogue of 8 lanes where the outputs are not dense: val
  * (+ residual) (then max(., 0)) to the `lanes` outputs from `at`, every osw-th. */
@@ -86,12 +87,29 @@ static inline __attribute__((always_inline)) void store8_dense(float *out, const
     v8f_store_part(out, val, lanes);
 }
 
-/* store_tile's epilogue where the outputs are dense (osw 1): what the tile reads of
- * `a` is in locals first (a float store could alias it) and the residual and relu
- * branches are taken once. The same operations as store_row's and store8's. */
-static inline __attribute__((always_inline)) void store_dense(
+/* A vector of VL lanes of a row to `lanes` outputs at out (+ the residual at res). */
+static inline __attribute__((always_inline)) void store_row_dense(float *out, const float *res,
+                                                                 vf val, int64_t lanes,
+                                                                 const int RES, const int RELU)
+{
+    if (lanes == VL) {
+        if (RES) val += vf_load(res);
+        if (RELU) val = vf_relu(val);
+        vf_store(out, val);
+        return;
+    }
+    if (RES) val += vf_load_part(res, lanes);
+    if (RELU) val = vf_relu(val);
+    vf_store_part(out, val, lanes);
+}
+
+/* store_tile's loop over the tile's outputs. DENSE (osw 1): through store_row_dense
+ * and store8_dense, with what they read of `a` in locals first (a float store could
+ * alias it) and the residual and relu branches (RES, RELU) taken once; else through
+ * store_row and store8. The same operations either way. */
+static inline __attribute__((always_inline)) void store_outputs(
     const conv_t *a, vf acc[MR][NV], int nv, int64_t blk, int64_t v0, int64_t img,
-    const int RES, const int RELU, const int PAIR)
+    const int DENSE, const int RES, const int RELU, const int PAIR)
 {
     float *const out = a->out;
     const float *const res = a->residual, *const bias = a->bias;
@@ -105,66 +123,43 @@ static inline __attribute__((always_inline)) void store_dense(
             int64_t at = base + vout[v], lanes = vlanes[v];
             vf val = acc[r][v] + b;
 #if VL == 16
-            if (PAIR) {
-                store8_dense(out + at, RES ? res + at : NULL,
-                             __builtin_shufflevector(val, val, 0, 1, 2, 3, 4, 5, 6, 7), lanes,
-                             RES, RELU);
-                if (2 * (v0 + v) + 1 < ho)
-                    store8_dense(out + at + pair_out, RES ? res + at + pair_out : NULL,
-                                 __builtin_shufflevector(val, val, 8, 9, 10, 11, 12, 13, 14, 15),
-                                 lanes, RES, RELU);
+            if (PAIR) {             /* the pair's halves to its two rows */
+                v8 first = __builtin_shufflevector(val, val, 0, 1, 2, 3, 4, 5, 6, 7);
+                v8 second = __builtin_shufflevector(val, val, 8, 9, 10, 11, 12, 13, 14, 15);
+                int both = 2 * (v0 + v) + 1 < ho;
+                if (DENSE) {
+                    store8_dense(out + at, RES ? res + at : NULL, first, lanes, RES, RELU);
+                    if (both)
+                        store8_dense(out + at + pair_out, RES ? res + at + pair_out : NULL,
+                                     second, lanes, RES, RELU);
+                } else {
+                    store8(a, at, first, lanes);
+                    if (both) store8(a, at + pair_out, second, lanes);
+                }
                 continue;
             }
 #endif
-            if (lanes == VL) {
-                if (RES) val += vf_load(res + at);
-                if (RELU) val = vf_relu(val);
-                vf_store(out + at, val);
-            } else {
-                if (RES) val += vf_load_part(res + at, lanes);
-                if (RELU) val = vf_relu(val);
-                vf_store_part(out + at, val, lanes);
-            }
+            if (DENSE)
+                store_row_dense(out + at, RES ? res + at : NULL, val, lanes, RES, RELU);
+            else
+                store_row(a, at, val, lanes);
         }
     }
 }
 
 /* The epilogue of a forward tile: acc (+ bias) (+ residual) (then max(., 0)) to
- * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1 (a pair's halves to
- * its two rows). */
+ * the outputs of channels blk MR .. and vectors v0 .. v0 + nv - 1. */
 static __attribute__((noinline)) void store_tile(const conv_t *a, vf acc[MR][NV], int nv,
                                                  int64_t blk, int64_t v0, int64_t img)
 {
-    if (a->osw == 1) {
-        int res = a->residual != NULL, relu = a->relu != 0;
-#define DENSE(R, L)                                                                    \
-        (a->pair ? store_dense(a, acc, nv, blk, v0, img, R, L, 1)                       \
-                 : store_dense(a, acc, nv, blk, v0, img, R, L, 0))
-        if (res && relu) DENSE(1, 1);
-        else if (res) DENSE(1, 0);
-        else if (relu) DENSE(0, 1);
-        else DENSE(0, 0);
-#undef DENSE
-        return;
-    }
-    int64_t plane = a->out_h * a->out_w;
-    for (int r = 0; r < MR && blk * MR + r < a->o; r++) {
-        int64_t oc = blk * MR + r;
-        float bias = a->bias ? a->bias[oc] : 0.0f;
-        for (int v = 0; v < nv; v++) {
-            int64_t at = (img * a->o + oc) * plane + a->vout[v0 + v], lanes = a->vlanes[v0 + v];
-            vf val = acc[r][v] + bias;
-#if VL == 16
-            if (a->pair) {
-                store8(a, at, __builtin_shufflevector(val, val, 0, 1, 2, 3, 4, 5, 6, 7), lanes);
-                if (2 * (v0 + v) + 1 < a->ho)
-                    store8(a, at + a->pair_out,
-                           __builtin_shufflevector(val, val, 8, 9, 10, 11, 12, 13, 14, 15),
-                           lanes);
-                continue;
-            }
-#endif
-            store_row(a, at, val, lanes);
-        }
-    }
+#define STORE(D, R, L)                                                                 \
+    (a->pair ? store_outputs(a, acc, nv, blk, v0, img, D, R, L, 1)                      \
+             : store_outputs(a, acc, nv, blk, v0, img, D, R, L, 0))
+    int res = a->residual != NULL, relu = a->relu != 0;
+    if (a->osw != 1) STORE(0, 0, 0);
+    else if (res && relu) STORE(1, 1, 1);
+    else if (res) STORE(1, 1, 0);
+    else if (relu) STORE(1, 0, 1);
+    else STORE(1, 0, 0);
+#undef STORE
 }

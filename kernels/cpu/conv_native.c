@@ -148,7 +148,7 @@ static inline int row_read(const conv_t *a, int64_t r)
 static void fill_buffer(const conv_t *a, int64_t img, float *buf)
 {
     for (int64_t y = 0; y < a->h && a->ph + y < a->hb; y++)
-        for (int64_t q = 0; q < a->phases && row_read(a, a->ph + y); q++) {
+        for (int64_t q = 0, read = row_read(a, a->ph + y); q < a->phases && read; q++) {
             int64_t x0 = a->x0[q], count = a->x1[q] - x0;
             const int64_t sw = a->sw;   /* a local: a field could alias dst's stores */
             for (int64_t ci = 0; ci < a->c && count > 0; ci++) {
