@@ -135,9 +135,9 @@ def test_the_update_section_and_its_order():
     net, _ = build(mg.optimizer.GradientMerge(mg.optimizer.SGD(
         mg.optimizer.lr.StepDecay(0.1, 2)), 2))
     backward = [op.type for op in net.section("backward")]
-    assert backward[-4:] == ["sum"] * 4
+    assert backward[-4:] == ["add_inplace"] * 4
     assert [op.type for op in net.section("update")] == \
-        ["scale"] * 4 + ["lr_schedule"] + ["sgd"] * 4 + ["fill_constant"] * 4
+        ["scale"] * 4 + ["lr_schedule"] + ["sgd"] * 4 + ["fill_inplace"] * 4
 
 
 @pytest.mark.parametrize("args, error, message", [

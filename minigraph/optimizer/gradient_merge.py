@@ -4,9 +4,10 @@
     opt.minimize(net, loss)
 
 Every train step adds each parameter's gradient into the persistable
-`gradient_merge_<i>.<param>.merged_grad`; on every k-th step the inner
-optimizer's update section runs with their mean (avg=True; the sum with
-avg=False), then the sums are zeroed.
+`gradient_merge_<i>.<param>.merged_grad` (add_inplace); on every k-th step the
+inner optimizer's update section runs with their mean (avg=True; the sum with
+avg=False), then the sums are zeroed (fill_inplace). Both write the sums' own
+arrays, so a GPU step can be replayed as a CUDA graph.
 This is PyTorch's accumulation loop (loss / k, backward() on each micro-batch,
 optimizer.step() and zero_grad() every k-th): k steps of batch B train like one
 step of batch k·B for ops whose loss is a mean over rows. The inner optimizer's
@@ -68,7 +69,7 @@ class GradientMerge:
                 continue
             total = self._state(net, f"{param.name}.merged_grad", param.shape, param.dtype,
                                 0.0)
-            net.append_op(OpDesc("sum", dict(x=[total, grad], out=total)), "backward")
+            net.append_op(OpDesc("add_inplace", dict(x=total, y=grad, x_out=total)), "backward")
             sums.append(total)
             if self.avg and self.k_steps > 1:
                 mean = net.scopes["train"].new_var(f"{total.name}_mean")
@@ -79,8 +80,7 @@ class GradientMerge:
                 updates.append((setting, total))
         self.inner.append_updates(net, updates)
         for total in sums:
-            net.append_op(OpDesc("fill_constant", dict(out=total, shape=tuple(total.shape),
-                                                       dtype=str(total.dtype), value=0.0)),
+            net.append_op(OpDesc("fill_inplace", dict(x=total, x_out=total, value=0.0)),
                           "update")
         self.merged = sums
         self.counter = self._state(net, "step", (), "int64", 0)

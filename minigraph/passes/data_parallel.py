@@ -145,7 +145,7 @@ def _producers(ops):
 def _replicated(var, producers, visiting=frozenset()):
     """True when `var` has the same value on every rank, by what the schemas of
     the ops that made it declare. A value that feeds its own update (an
-    accumulator such as GradientMerge's `sum` into its merged gradient) is
+    accumulator such as GradientMerge's `add_inplace` into its merged gradient) is
     replicated when everything else added to it is: it starts replicated
     (data_parallel broadcasts the persistables)."""
     if id(var) in visiting:

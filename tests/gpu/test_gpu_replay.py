@@ -8,6 +8,7 @@ nothing runs on the legacy default stream inside a step."""
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -21,16 +22,18 @@ from minigraph.kernels.cuda import activation
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 
 
-def trained(feeds, graphs=True, monkeypatch=None):
-    """(losses, parameters, the fake driver's counts) of small_net trained on `feeds`."""
+def trained(feeds, graphs=True, monkeypatch=None, optimizer=None):
+    """(losses, persistables, the fake driver's counts) of small_net trained on `feeds`
+    (with Momentum, or what optimizer() makes)."""
     if not graphs:
         monkeypatch.setenv("MINIGRAPH_CUDA_GRAPHS", "off")
     cuda = fake_pycuda.FakeCuda(devices=1)
     with cuda.install():
         place = mg.GPUPlace(0)
-        net, _, loss = small_net(place, mg.optimizer.Momentum(0.1, 0.9))
+        opt = optimizer() if optimizer else mg.optimizer.Momentum(0.1, 0.9)
+        net, _, loss = small_net(place, opt)
         losses = [float(net.train(feed=f, fetch=[loss])[0]) for f in feeds]
-        params = {p.name: place.to_host(p.value) for p in net.parameters()}
+        params = {p.name: place.to_host(p.value) for p in net.persistables()}
     monkeypatch.delenv("MINIGRAPH_CUDA_GRAPHS", raising=False)
     return losses, params, cuda.counts
 
@@ -46,6 +49,51 @@ def test_replayed_steps_equal_steps_run_op_by_op(monkeypatch):
     assert counts["graph_launch"] == 7 - 1 - replay.WARM_RUNS
     assert plain["graph_launch"] == 0
     assert counts["launch"] < plain["launch"]       # replayed kernels go through the graph
+
+
+def test_gradient_merge_steps_are_replayed(monkeypatch):
+    """Its sums are added and zeroed in place (add_inplace, fill_inplace): the steps that
+    update and the steps that only add are two plans, each captured once."""
+    def merged():
+        return mg.optimizer.GradientMerge(mg.optimizer.AdamW(0.01, weight_decay=0.1), 2)
+
+    feeds = batches(12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)      # no "runs op by op"
+        got, got_state, counts = trained(feeds, True, monkeypatch, merged)
+    want, want_state, _ = trained(feeds, False, monkeypatch, merged)
+    assert got == want
+    assert any(".merged_grad" in name for name in want_state)
+    for name, value in want_state.items():
+        np.testing.assert_array_equal(got_state[name], value, err_msg=name)
+    assert counts["capture_begin"] == 2
+    assert counts["graph_launch"] == 2 * (6 - 1 - replay.WARM_RUNS)
+
+
+def test_a_replayed_gradient_merge_step_that_fails_changes_nothing():
+    """The graph adds into the sums before the device's error flags are read: a step
+    that fails there puts the sums and parameters back, on both plans."""
+    cuda = fake_pycuda.FakeCuda(devices=1)
+    with cuda.install():
+        place = mg.GPUPlace(0)
+        opt = mg.optimizer.GradientMerge(mg.optimizer.Momentum(0.1, 0.9), 2)
+        net, _, loss = small_net(place, opt)
+        feeds = batches(10)
+        for f in feeds[:8]:
+            net.train(feed=f, fetch=[loss])
+        assert cuda.counts["capture_begin"] == 2
+        for f in feeds[8:]:                       # one step that only adds, one that updates
+            before = {v.name: place.to_host(v.value) for v in net.persistables()}
+            bad = {**f, "label": f["label"].copy()}
+            bad["label"][1] = 9
+            launches = cuda.counts["graph_launch"]
+            with pytest.raises(ValueError, match="outside"):
+                net.train(feed=bad, fetch=[loss])
+            assert cuda.counts["graph_launch"] == launches + 1
+            for name, value in before.items():
+                np.testing.assert_array_equal(place.to_host(net.var(name).value), value,
+                                              err_msg=name)
+            net.train(feed=f, fetch=[loss])
 
 
 def test_a_new_batch_size_is_captured_anew(monkeypatch):
