@@ -4,7 +4,9 @@ stream and replay it at cuGraphLaunch; kernels run on the emulator. Replayed ste
 equal steps run op by op (new feeds each step, a new batch size captured anew); a
 capture that fails (a host read inside the step) warns, names the reason and changes
 no result; a parameter given a new array from outside is read, not the old one;
-nothing runs on the legacy default stream inside a step."""
+nothing runs on the legacy default stream inside a step; GradientMerge's two plans (and
+so the GPT example's training step) are replayed, and a replayed step that fails puts
+its sums back."""
 from __future__ import annotations
 
 import shutil
@@ -94,6 +96,36 @@ def test_a_replayed_gradient_merge_step_that_fails_changes_nothing():
                 np.testing.assert_array_equal(place.to_host(net.var(name).value), value,
                                               err_msg=name)
             net.train(feed=f, fetch=[loss])
+
+
+def test_the_gpt_examples_training_step_is_replayed(monkeypatch):
+    """examples/train_gpt.py's recipe (GradientMerge(AdamW), clipping, dropout, a
+    schedule) at a tiny size: both plans captured, each later step one graph launch and no
+    kernel launched outside it, the losses those of steps run op by op."""
+    from minigraph.examples import train_gpt as G
+
+    cfg = G.Config(layers=1, heads=2, width=32, context=16)
+    rng = np.random.default_rng(0)
+    feeds = [{"tokens": rng.integers(0, 65, (2, 16)), "targets": rng.integers(0, 65, (2, 16))}
+             for _ in range(10)]
+    runs = []
+    for graphs in (True, False):
+        if not graphs:
+            monkeypatch.setenv("MINIGRAPH_CUDA_GRAPHS", "off")
+        cuda = fake_pycuda.FakeCuda(devices=1)
+        with cuda.install(), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            net, h = G.build_gpt(65, cfg, place=mg.GPUPlace(0))
+            G.make_optimizer(cfg, 100).minimize(
+                net, h["loss"], parameters=G.param_groups(net, cfg.weight_decay))
+            losses = []
+            for f in feeds:
+                before = cuda.counts["launch"]
+                losses.append(float(net.train(feed=f, fetch=[h["loss"]])[0]))
+            runs.append((losses, cuda.counts["capture_begin"], cuda.counts["launch"] - before))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1:] == (2, 0)              # the last step: a graph launch only
+    assert runs[1][1] == 0 and runs[1][2] > 0
 
 
 def test_a_new_batch_size_is_captured_anew(monkeypatch):
