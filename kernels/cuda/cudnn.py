@@ -11,15 +11,17 @@ cudnn.benchmark): the fastest deterministic one (results never depend on timing;
 the fastest of any kind only where none is deterministic) that fits
 FIND_WORKSPACE_BYTES. The search runs on the first call with a new shape (it
 synchronises; a CUDA graph capture never sees it: captures come after a step
-that ran); workspaces come from the device's memory pool, sized for the chosen
-algorithm. Math: float32 with FMA math only (no TF32) unless
-minigraph.device.set_tf32(True) (tensor-op math); float64 as it is. A tensor
-of 2**31 elements or more runs in chunks of images that fit the API's int
-sizes. The C interface (prototypes, structs, enums, loading) is kernels/cuda/cudnn_api.py.
+that ran); every call then works in one workspace per device and thread, as large
+as the largest chosen algorithm needs (`_workspace`). Math: float32 with FMA math
+only (no TF32) unless minigraph.device.set_tf32(True) (tensor-op math); float64 as
+it is. A tensor of 2**31 elements or more runs in chunks of images that fit the
+API's int sizes. The C interface (prototypes, structs, enums, loading) is
+kernels/cuda/cudnn_api.py.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -183,11 +185,18 @@ def plan_for(kind, x, w, strides, paddings, dilations, groups):
 
 
 def _workspace(nbytes):
-    """(keep-alive array or None, address) of a workspace of `nbytes` from the pool."""
+    """The address of room for `nbytes` (0 for none): the device's one cuDNN workspace
+    for this thread, grown to the largest size asked, so that every call shares it (in a
+    CUDA graph too: a graph holds one workspace, not one per convolution). Safe: one
+    thread's calls run in order on the device's stream."""
     if not nbytes:
-        return None, 0
-    ws = loader.empty((nbytes,), np.uint8)
-    return ws, int(ws.gpudata)
+        return 0
+    state = device.current()
+    key = ("cudnn workspace", threading.get_ident())
+    have = state.scratch.get(key)
+    if have is None or have.nbytes < nbytes:
+        have = state.scratch[key] = loader.empty((nbytes,), np.uint8)
+    return int(have.gpudata)
 
 
 def _check(plan, name, code):
@@ -219,7 +228,7 @@ def forward(x, w, strides=1, paddings=0, dilations=1, groups=1, out=None):
         if found is None:
             return None
         algo, size = found
-        ws, wsp = _workspace(size)
+        wsp = _workspace(size)
         _check(plan, "cudnnConvolutionForward", fn(
             plan.h.value, plan.ptr(plan.one), xd.value, xs, plan.filter.value, wp,
             plan.conv.value, algo, wsp, size, plan.ptr(plan.zero), yd.value, ys))
@@ -253,7 +262,7 @@ def fused_forward(x, w, bias, residual, relu, strides=1, paddings=0, dilations=1
         plan.relu = Descriptor(plan.lib, "fused_conv2d", "Activation", RELU, NOT_PROPAGATE_NAN,
                                0.0)
     algo, size = found
-    ws, wsp = _workspace(size)
+    wsp = _workspace(size)
     z = loader.ptr(residual, "fused_conv2d: residual") if residual is not None else op
     alpha2 = plan.one if residual is not None else plan.zero
     name = "cudnnConvolutionBiasActivationForward"
@@ -287,14 +296,15 @@ def backward(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_dx=T
         xd, yd = plan.tensors[count]
         xs, ds = xp + n0 * g["C"] * g["H"] * g["W"] * item, dp + n0 * g["O"] * g["HW"] * item
         if dw is not None:
-            trial = loader.empty(w.shape, w.dtype)      # the search writes its results here
+            searched = ("backward_filter", count) not in plan.algos
+            trial = loader.empty(w.shape, w.dtype) if searched else None  # the search's output
             found = plan.algo("backward_filter", count, (
                 plan.h.value, xd.value, xs, yd.value, ds, plan.conv.value, plan.filter.value,
                 loader.address(trial)))
             if found is None:
                 return None
             algo, size = found
-            ws, wsp = _workspace(size)
+            wsp = _workspace(size)
             _check(plan, "cudnnConvolutionBackwardFilter", plan.lib.fn(
                 "cudnnConvolutionBackwardFilter")(
                 plan.h.value, plan.ptr(plan.one), xd.value, xs, yd.value, ds, plan.conv.value,
@@ -307,7 +317,7 @@ def backward(x, w, dout, strides=1, paddings=0, dilations=1, groups=1, need_dx=T
             if found is None:
                 return None
             algo, size = found
-            ws, wsp = _workspace(size)
+            wsp = _workspace(size)
             _check(plan, "cudnnConvolutionBackwardData", plan.lib.fn(
                 "cudnnConvolutionBackwardData")(
                 plan.h.value, plan.ptr(plan.one), plan.filter.value, wp, yd.value, ds,

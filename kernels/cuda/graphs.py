@@ -5,15 +5,17 @@ comes with nccl4py (the `gpu` extra); where it is missing, nothing is captured.
 `Capture(state)` begins capturing the device's stream in relaxed mode (the
 capturing thread may still allocate), and routes the device's allocations through a
 `CaptureAllocator`: blocks taken from the memory pool during the capture belong to
-the graph for its whole life (a block freed during the capture is reused only
-inside it; after it, only by the graph's own arrays), so replaying never writes
-memory that something else was given since. `end()` instantiates the graph;
-`Graph.launch()` replays it on the stream. Anything that synchronises during the
+the graph for its whole life (a block freed during the capture is lent again only
+inside it, for an array of at most its size and at least half of it; after it, only
+to the graph's own arrays), so replaying never writes memory that something else was
+given since. `end()` instantiates the graph; `Graph.launch()` replays it on the
+stream. Anything that synchronises during the
 capture (a host read, a copy on the legacy stream) invalidates it: `end()` then
 raises CaptureError with the driver's reason, and nothing captured has run.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import weakref
 
@@ -74,27 +76,36 @@ class Lease(int):
     def __del__(self):
         owner = self.owner()
         if owner is not None:
-            owner.free.setdefault(self.nbytes, []).append(self.allocation)
+            owner.give_back(self.allocation, self.nbytes)
 
 
 class CaptureAllocator:
-    """allocate(nbytes) for a graph: reuses the blocks its own arrays gave back, takes
-    new ones from `take` (the pool's allocate) and keeps every block it took in
-    `blocks` for as long as it lives."""
+    """allocate(nbytes) for a graph: lends the smallest block its own arrays gave back
+    that holds nbytes and is at most REUSE_SLACK times as large, else takes a new one
+    from `take` (the pool's allocate); keeps every block it took in `blocks` for as
+    long as it lives. Lending a block again is safe: the capture's work runs in order
+    on one stream, as the step's work did."""
+
+    REUSE_SLACK = 2
 
     def __init__(self, take):
-        self.take, self.blocks, self.free = take, [], {}
+        self.take, self.blocks, self.free, self.given = take, [], [], 0
         self._self = weakref.ref(self)
 
     def __call__(self, nbytes):
         nbytes = int(nbytes)
-        spare = self.free.get(nbytes)
-        if spare:
-            block = spare.pop()
+        i = bisect.bisect_left(self.free, (nbytes,))
+        if i < len(self.free) and self.free[i][0] <= self.REUSE_SLACK * max(nbytes, 1):
+            size, _, block = self.free.pop(i)
         else:
-            block = self.take(nbytes)
+            size, block = nbytes, self.take(nbytes)
             self.blocks.append(block)
-        return Lease(self._self, block, nbytes)
+        return Lease(self._self, block, size)
+
+    def give_back(self, block, nbytes):
+        """A lent block of nbytes is free again (its array was dropped)."""
+        self.given += 1
+        bisect.insort(self.free, (nbytes, self.given, block))
 
     @property
     def nbytes(self):

@@ -83,6 +83,38 @@ def test_cudnn_picks_the_fastest_deterministic_algorithm_once_per_shape(libs):
     assert plan.algos[("forward", 2)] == (2, 4096)     # algorithm 1 is faster, not deterministic
 
 
+def test_cudnn_calls_share_one_workspace_and_allocate_only_their_outputs(libs, monkeypatch):
+    """Every call works in the device's one workspace (a CUDA graph then holds one, not
+    one per convolution); once the algorithms are found, a forward pass allocates its
+    output only and a backward pass its dx and dfilter only."""
+    from minigraph.kernels.cuda import conv2d, loader
+
+    device, _, fd = libs
+    if fd is None:
+        pytest.skip("cuDNN stand-in only")
+    made, empty = [], loader.empty
+
+    def counting(shape, dtype, *args, **kwargs):
+        made.append((tuple(shape), np.dtype(dtype)))
+        return empty(shape, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "empty", counting)
+    shapes = [((2, 3, 5, 5), (4, 3, 3, 3), (2, 4, 3, 3)), ((2, 4, 6, 6), (2, 4, 1, 1),
+                                                          (2, 2, 6, 6))]
+    arrays = [(device.put(rng(1).normal(size=xs)), device.put(rng(2).normal(size=ws)))
+              for xs, ws, _ in shapes]
+    for _ in range(2):                          # the first round finds the algorithms
+        made.clear()
+        for x, w in arrays:
+            out = conv2d.conv2d(x, w, 1, 0)
+            conv2d.conv2d_grad(x, w, out, 1, 0)
+    assert made == [(shape, np.dtype(np.float64)) for xs, ws, ys in shapes
+                    for shape in (ys, xs, ws)]
+    state = loader.current()
+    spaces = [k for k in state.scratch if isinstance(k, tuple) and k[0] == "cudnn workspace"]
+    assert len(spaces) == 1 and state.scratch[spaces[0]].nbytes == 4096
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("relu,bias,residual", [(True, True, True), (True, True, False),
                                                 (False, True, True), (True, False, False)])

@@ -40,6 +40,29 @@ def trained(feeds, graphs=True, monkeypatch=None, optimizer=None):
     return losses, params, cuda.counts
 
 
+def test_the_capture_allocator_lends_a_freed_block_of_at_most_twice_the_size():
+    from minigraph.kernels.cuda import graphs
+
+    taken = []
+
+    def take(nbytes):
+        taken.append(nbytes)
+        return 4096 * len(taken)                # a block: its address
+
+    a = graphs.CaptureAllocator(take)
+    small, large = a(100), a(1000)
+    del small, large                            # both back with the allocator
+    reused = a(90)                              # the 100-byte block
+    assert int(reused) == 4096 and taken == [100, 1000]
+    fresh = a(400)                              # the 1000-byte one is too large for it
+    assert taken == [100, 1000, 400] and int(fresh) == 3 * 4096
+    again = a(600)
+    assert int(again) == 2 * 4096 and taken == [100, 1000, 400]
+    del again                                   # given back whole: 1000 bytes, not 600
+    assert int(a(1000)) == 2 * 4096 and taken == [100, 1000, 400]
+    assert len(a.blocks) == 3
+
+
 def test_replayed_steps_equal_steps_run_op_by_op(monkeypatch):
     feeds = batches(7)
     got, got_params, counts = trained(feeds, True, monkeypatch)
