@@ -9,9 +9,9 @@ the graph for its whole life (a block freed during the capture is lent again onl
 inside it, for an array of at most its size and at least half of it; after it, only
 to the graph's own arrays), so replaying never writes memory that something else was
 given since. `end()` instantiates the graph; `Graph.launch()` replays it on the
-stream. Anything that synchronises during the
-capture (a host read, a copy on the legacy stream) invalidates it: `end()` then
-raises CaptureError with the driver's reason, and nothing captured has run.
+stream. Anything that synchronises during the capture (a host read, a copy on the
+legacy stream) invalidates it: `end()` then raises CaptureError with the driver's
+reason, and nothing captured has run.
 """
 from __future__ import annotations
 
