@@ -187,8 +187,8 @@ def plan_for(kind, x, w, strides, paddings, dilations, groups):
 def _workspace(nbytes):
     """The address of room for `nbytes` (0 for none): the device's one cuDNN workspace
     for this thread, grown to the largest size asked, so that every call shares it (in a
-    CUDA graph too: a graph holds one workspace, not one per convolution). Safe: one
-    thread's calls run in order on the device's stream."""
+    CUDA graph too: a graph holds one workspace, not one for each size of workspace).
+    Safe: one thread's calls run in order on the device's stream."""
     if not nbytes:
         return 0
     state = device.current()
