@@ -93,6 +93,10 @@ def test_bad_inputs_name_the_op_and_the_slot():
             mg.Executor().run([mg.Operator("add_inplace", x=x, y=y, x_out=x)], scope)
     with pytest.raises(OpError, match="add_inplace: output 'x_out' must be the same Variable"):
         mg.Operator("add_inplace", x=x, y=y, x_out=y)
+    x.set(np.zeros((2, 3), np.int64))
+    y.set(np.zeros((2, 3), np.int64))
+    with pytest.raises(OpError, match="add_inplace: input 'x' must be a float"):
+        mg.Executor().run([mg.Operator("add_inplace", x=x, y=y, x_out=x)], scope)
     x.set(np.array(["a"]))
     with pytest.raises(OpError, match="fill_inplace: input 'x' must be a bool, int or float"):
         mg.Executor().run([mg.Operator("fill_inplace", x=x, x_out=x)], scope)

@@ -11,8 +11,8 @@ cudnn.benchmark): the fastest deterministic one (results never depend on timing;
 the fastest of any kind only where none is deterministic) that fits
 FIND_WORKSPACE_BYTES. The search runs on the first call with a new shape (it
 synchronises; a CUDA graph capture never sees it: captures come after a step
-that ran); every call then works in one workspace per device and thread, as large
-as the largest chosen algorithm needs (`_workspace`). Math: float32 with FMA math
+that ran); every call then works in one workspace per device and thread, grown as
+the chosen algorithms need (`_workspace`). Math: float32 with FMA math
 only (no TF32) unless minigraph.device.set_tf32(True) (tensor-op math); float64 as
 it is. A tensor of 2**31 elements or more runs in chunks of images that fit the
 API's int sizes. The C interface (prototypes, structs, enums, loading) is
@@ -21,7 +21,6 @@ kernels/cuda/cudnn_api.py.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import numpy as np
 
@@ -185,18 +184,11 @@ def plan_for(kind, x, w, strides, paddings, dilations, groups):
 
 
 def _workspace(nbytes):
-    """The address of room for `nbytes` (0 for none): the device's one cuDNN workspace
-    for this thread, grown to the largest size asked, so that every call shares it (in a
-    CUDA graph too: a graph holds one workspace, not one for each size of workspace).
-    Safe: one thread's calls run in order on the device's stream."""
-    if not nbytes:
-        return 0
-    state = device.current()
-    key = ("cudnn workspace", threading.get_ident())
-    have = state.scratch.get(key)
-    if have is None or have.nbytes < nbytes:
-        have = state.scratch[key] = loader.empty((nbytes,), np.uint8)
-    return int(have.gpudata)
+    """The address of room for `nbytes` (0 for none): the device's cuDNN workspace for
+    this thread (loader.scratch's buffer of owner "cudnn"), so that every call shares
+    one (in a CUDA graph too: a graph holds one workspace, not one for each size of
+    workspace)."""
+    return loader.scratch(nbytes, np.uint8, owner="cudnn") if nbytes else 0
 
 
 def _check(plan, name, code):

@@ -300,7 +300,7 @@ def pointers_of(arrays, module, name):
     return found
 
 
-def scratch(count, dtype):
+def scratch(count, dtype, owner=None):
     """The device address of room for `count` values of `dtype`, for temporaries
     that live between the launches of one launcher call (coefficients, split
     partials): one buffer per device and calling thread, grown as needed and
@@ -308,10 +308,11 @@ def scratch(count, dtype):
     launches run in order on the device's stream. No allocation once warm.
     A launcher holding scratch must not call another launcher that takes it.
     The buffer doubles when it grows, by at most SCRATCH_SLACK bytes more than
-    asked for (conv2d's columns may take hundreds of MiB)."""
+    asked for (conv2d's columns may take hundreds of MiB). `owner` (a name) gives
+    a buffer of its own, besides the launchers' shared one (cuDNN's workspace)."""
     state = current()
     nbytes = max(int(count), 1) * np.dtype(dtype).itemsize
-    key = threading.get_ident()
+    key = threading.get_ident() if owner is None else (owner, threading.get_ident())
     have = state.scratch.get(key)
     if have is None or have.nbytes < nbytes:
         doubled = 2 * have.nbytes if have is not None else 0

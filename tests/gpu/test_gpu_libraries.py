@@ -111,7 +111,7 @@ def test_cudnn_calls_share_one_workspace_and_allocate_only_their_outputs(libs, m
     assert made == [(shape, np.dtype(np.float64)) for xs, ws, ys in shapes
                     for shape in (ys, xs, ws)]
     state = loader.current()
-    spaces = [k for k in state.scratch if isinstance(k, tuple) and k[0] == "cudnn workspace"]
+    spaces = [k for k in state.scratch if isinstance(k, tuple) and k[0] == "cudnn"]
     assert len(spaces) == 1 and state.scratch[spaces[0]].nbytes == 4096
 
 
