@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels.cpu import bn_estimates
 from minigraph.kernels.cpu.batch_norm_stats import (
     as_3d,
     as_work,
@@ -57,36 +58,60 @@ def first_batch_rule(op, counter):
             and op.attrs.get("first_batch_sets_estimates", True))
 
 
-def blended_estimates(op, mean, unbiased, est_mean, est_var, counter):
-    """New (mean, var) estimates from a batch's per-channel mean and unbiased variance
-    (float64), in est's dtype: the batch itself under the first-batch rule, else the
-    momentum blend (momentum weights the old estimate; None: the cumulative average of
-    the counter + 1 batches seen). Never NaN or Inf: an OpError naming the op instead."""
-    dtype = est_mean.dtype
-    est_mean, est_var = est_mean.astype(np.float64), est_var.astype(np.float64)
+def estimate_rule(op, counter):
+    """How a training batch moves the estimates: ("batch", None) under the first-batch
+    rule (the batch sets them), ("momentum", m) for the momentum blend (m weights the
+    old estimate), ("average", 1 / (counter + 1)) for the cumulative average."""
     momentum = op.attrs["momentum"]
     if first_batch_rule(op, counter):
+        return "batch", None
+    if momentum is None:
+        return "average", 1.0 / (int(counter) + 1)
+    return "momentum", momentum
+
+
+def not_finite(op):
+    """The error of a batch whose statistics or new estimates are not finite."""
+    return OpError(f"{op.type}: the batch statistics are not finite (input 'x' holds NaN or "
+                   "Inf, or its variance overflows); the running estimates and the counter "
+                   "were left unchanged")
+
+
+def blended_estimates(op, mean, unbiased, est_mean, est_var, counter):
+    """New (mean, var) estimates from a batch's per-channel mean and unbiased variance
+    (float64), in est's dtype, by estimate_rule: the batch itself, est * m + batch *
+    (1 - m), or est + (batch - est) * w. Never NaN or Inf: an OpError naming the op
+    instead."""
+    dtype = est_mean.dtype
+    est_mean, est_var = est_mean.astype(np.float64), est_var.astype(np.float64)
+    kind, weight = estimate_rule(op, counter)
+    if kind == "batch":
         new = mean, unbiased
-    elif momentum is None:
-        w = 1.0 / (int(counter) + 1)
-        new = est_mean + (mean - est_mean) * w, est_var + (unbiased - est_var) * w
+    elif kind == "average":
+        new = (est_mean + (mean - est_mean) * weight,
+               est_var + (unbiased - est_var) * weight)
     else:
-        new = (momentum * est_mean + (1 - momentum) * mean,
-               momentum * est_var + (1 - momentum) * unbiased)
+        new = (weight * est_mean + (1 - weight) * mean,
+               weight * est_var + (1 - weight) * unbiased)
     with np.errstate(over="ignore", invalid="ignore"):
         new = tuple(v.astype(dtype) for v in new)
     if not np.isfinite(np.concatenate((mean, unbiased) + new)).all():
-        raise OpError(f"{op.type}: the batch statistics are not finite (input 'x' holds NaN "
-                      "or Inf, or its variance overflows); the running estimates and the "
-                      "counter were left unchanged")
+        raise not_finite(op)
     return new
 
 
 def updated_estimates(op, mean, var, n, est_mean, est_var, counter):
     """New (mean, var) estimates after a batch of n values per channel with biased
-    variance `var` (blended_estimates with the unbiased variance var * n / (n - 1))."""
+    variance `var` (blended_estimates with the unbiased variance var * n / (n - 1));
+    bn_estimates' native call, the same bits, where it applies."""
+    factor = n / (n - 1)
+    done = bn_estimates.blend(estimate_rule(op, counter), mean, var, factor, est_mean, est_var)
+    if done is not None:
+        if not done[2]:
+            raise not_finite(op)
+        return done[:2]
     with np.errstate(over="ignore", invalid="ignore"):
-        unbiased = var * (n / (n - 1))
+        unbiased = var * factor
     return blended_estimates(op, mean, unbiased, est_mean, est_var, counter)
 
 

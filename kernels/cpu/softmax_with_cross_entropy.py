@@ -1,11 +1,13 @@
 """CPU kernels of softmax_with_cross_entropy (ops/softmax_with_cross_entropy.py):
 log-sum-exp of the row-max-shifted logits in float64; a label outside [0, K) is an
-error naming it.
+error naming it. Float32 logits with hard labels run swce_native's one pass a row
+(the same arithmetic) where it applies.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels.cpu import swce_native
 from minigraph.schema import OpError
 
 
@@ -23,6 +25,9 @@ def softmax_with_cross_entropy_cpu(op, ins, ctx):
     max; with label_smoothing eps, loss = (1 - eps) (lse(z) - z[label]) + eps mean_k(lse(z) -
     z[k])."""
     logits, label = ins["logits"], ins["label"]
+    done = swce_native.forward(logits, label, op.attrs["label_smoothing"])
+    if done is not None:
+        return done
     check_labels(label, logits.shape[1])
     z = logits.astype(np.float64)
     z -= z.max(axis=1, keepdims=True)
@@ -41,6 +46,10 @@ def softmax_with_cross_entropy_grad_cpu(op, ins, ctx):
     onehot (1 - eps) onehot(label) + eps / K."""
     sm, label = ins["softmax"], ins["label"]
     dloss, dsoftmax = ins["dloss"], ins["dsoftmax"]
+    if dloss is not None and dsoftmax is None:
+        done = swce_native.backward(sm, label, dloss, op.attrs["label_smoothing"])
+        if done is not None:
+            return done
     dlogits = np.zeros(sm.shape, dtype=np.float64)
     if dloss is not None:
         check_labels(label, sm.shape[1])
