@@ -35,3 +35,20 @@ def test_the_mean_of_an_empty_batch_is_zero_with_an_empty_gradient():
     got = helper_test_op("mean", {"x": np.ones((0, 3))}, {},
                          lambda x: {"out": np.array(0.0)}, grad_wrt=("x",))
     assert got["out"].shape == ()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(), (7,), (64,), (3, 5, 7), (17, 130), (100_003,)])
+def test_mean_gives_np_mean_bits(shape, dtype):
+    """The kernel's float64 add.reduce / size is np.mean(x, dtype=float64) bit for bit,
+    also on a transposed (not C-contiguous) x."""
+    from minigraph.kernels.cpu.mean import mean_cpu
+
+    rng = np.random.default_rng(7)
+    for scale in (1e-4, 1.0, 1e4):
+        x = (rng.standard_normal(shape) * scale).astype(dtype)
+        for arr in (x, x.T):
+            got = mean_cpu(None, {"x": arr}, None)["out"]
+            want = np.asarray(np.mean(arr, dtype=np.float64), dtype=dtype)
+            assert got.dtype == want.dtype and got.shape == ()
+            assert got.tobytes() == want.tobytes()
