@@ -115,7 +115,7 @@ static int64_t bad_label(const int64_t *label, int64_t n, int64_t k)
     return -1;
 }
 
-static int64_t run_rows(pool_fn fn, job_t *proto, int64_t n, int threads)
+static void run_rows(pool_fn fn, job_t *proto, int64_t n, int threads)
 {
     job_t jobs[POOL_MAX_THREADS];
     const int64_t parts = pool_parts(threads, n);
@@ -124,7 +124,6 @@ static int64_t run_rows(pool_fn fn, job_t *proto, int64_t n, int threads)
         pool_share(n, parts, t, &jobs[t].begin, &jobs[t].end);
     }
     pool_run(fn, jobs, sizeof(job_t), parts);
-    return -1;
 }
 
 /* softmax (n, k) and loss (n,) of float32 logits (n, k), k >= 1, and int64 labels:
@@ -136,7 +135,8 @@ int64_t swce_forward(const float *logits, const int64_t *label, float *softmax, 
     if (bad >= 0) return bad;
     job_t proto = {.logits = logits, .label = label, .softmax = softmax, .loss = loss,
                    .eps = eps, .k = k};
-    return run_rows(forward_job, &proto, n, threads);
+    run_rows(forward_job, &proto, n, threads);
+    return -1;
 }
 
 /* dlogits (n, k) = (softmax - eps / k - (1 - eps) onehot(label)) * dloss[:, None], all
@@ -148,5 +148,6 @@ int64_t swce_backward(const float *sm, const int64_t *label, const float *dloss,
     if (bad >= 0) return bad;
     job_t proto = {.sm = sm, .label = label, .dloss = dloss, .dlogits = dlogits, .eps = eps,
                    .k = k};
-    return run_rows(backward_job, &proto, n, threads);
+    run_rows(backward_job, &proto, n, threads);
+    return -1;
 }

@@ -5,12 +5,13 @@ row instead of the dozen numpy calls of kernels/cpu/softmax_with_cross_entropy.p
 times their warm cost, each call's code gone from the caches since the last step).
 
 `forward(logits, label, eps)` gives {"softmax", "loss"} and `backward(sm, label,
-dloss, eps)` {"dlogits"}, or None where the native kernels do not apply: they are
-off or not built (native.reason says why), or an array is not C-contiguous or not
-float32 (labels: int64), or (backward) the gradient arrives through the softmax
-output too, or a label is outside [0, K) (nothing written). The caller then runs
-numpy, whose check names the bad label. Threads: `blocks.threads_for` the values, MIN_THREAD_VALUES
-a thread; results do not depend on the count.
+dloss, eps)` {"dlogits"} for a gradient through the loss alone (the caller runs
+numpy when one arrives through the softmax output too); both give None where the
+native kernels do not apply: they are off or not built (native.reason says why), an
+array is not C-contiguous or not float32 (labels: int64), or a label is outside
+[0, K) (nothing written). The caller then runs numpy, whose check names the bad
+label. Threads: `blocks.threads_for` the values, MIN_THREAD_VALUES a thread; results
+do not depend on the count.
 """
 from __future__ import annotations
 
