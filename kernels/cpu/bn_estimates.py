@@ -26,14 +26,16 @@ _RULES = {"batch": 0, "momentum": 1, "average": 2}
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _F64 = np.dtype(np.float64)
 _P, _L, _D, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
-_kernel = []
+_kernel = None
 
 
 def _load():
-    if not _kernel:
-        _kernel.append(native.typed_function(
-            "bn_estimates", "bn_estimates", [_L, _P, _P, _D, _I, _D, _D, _I, _P, _P, _P, _P]))
-    return _kernel[0]
+    """The typed C function bn_estimates, or None where the library cannot be built."""
+    global _kernel
+    if _kernel is None:
+        _kernel = native.typed_function(
+            "bn_estimates", "bn_estimates", [_L, _P, _P, _D, _I, _D, _D, _I, _P, _P, _P, _P])
+    return _kernel
 
 
 def available():
@@ -51,12 +53,15 @@ def blend(rule, mean, var, factor, est_mean, est_var):
     dtype = est_mean.dtype
     if not (native.enabled() and dtype in _TYPES and _contiguous(est_mean, dtype, c)
             and _contiguous(est_var, dtype, c) and _contiguous(mean, _F64, c)
-            and _contiguous(var, _F64, c)) or _load() is None:
+            and _contiguous(var, _F64, c)):
+        return None
+    fn = _load()
+    if fn is None:
         return None
     kind, weight = rule
     new_mean, new_var = np.empty(c, dtype), np.empty(c, dtype)
     weight = 0.0 if weight is None else float(weight)
-    bad = _kernel[0](c, address(mean), address(var), float(factor), _RULES[kind],
-                     weight, 1.0 - weight, int(dtype == _F64), address(est_mean),
-                     address(est_var), address(new_mean), address(new_var))
+    bad = fn(c, address(mean), address(var), float(factor), _RULES[kind], weight,
+             1.0 - weight, int(dtype == _F64), address(est_mean), address(est_var),
+             address(new_mean), address(new_var))
     return new_mean, new_var, not bad

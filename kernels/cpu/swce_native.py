@@ -30,6 +30,7 @@ _kernels = {}
 
 
 def _load(symbol):
+    """The typed C function `symbol`, or None where the library cannot be built."""
     if symbol not in _kernels:
         _kernels[symbol] = native.typed_function("swce_native", symbol, _ARGS, ctypes.c_int64)
     return _kernels[symbol]
@@ -50,12 +51,12 @@ def forward(logits, label, eps):
     """{"softmax": (N, K), "loss": (N,)} of float32 logits (N, K), K >= 1, and int64
     labels (N,), or None (see the module doc)."""
     n, k = logits.shape
-    if not (k and _applies(n, label, logits)) or _load("swce_forward") is None:
+    fn = _load("swce_forward") if k and _applies(n, label, logits) else None
+    if fn is None:
         return None
     softmax, loss = np.empty((n, k), np.float32), np.empty(n, np.float32)
-    bad = _kernels["swce_forward"](address(logits), address(label), address(softmax),
-                                   address(loss), n, k, float(eps),
-                                   blocks.threads_for(n * k, MIN_THREAD_VALUES))
+    bad = fn(address(logits), address(label), address(softmax), address(loss), n, k,
+             float(eps), blocks.threads_for(n * k, MIN_THREAD_VALUES))
     return None if bad >= 0 else {"softmax": softmax, "loss": loss}
 
 
@@ -63,11 +64,11 @@ def backward(sm, label, dloss, eps):
     """{"dlogits": (N, K)} = (sm - eps / K - (1 - eps) onehot(label)) * dloss[:, None]
     for float32 sm (N, K) and dloss (N,), int64 labels, or None (see the module doc)."""
     n, k = sm.shape
-    if not (k and dloss.shape == (n,) and _applies(n, label, sm, dloss)) \
-            or _load("swce_backward") is None:
+    fits = k and dloss.shape == (n,) and _applies(n, label, sm, dloss)
+    fn = _load("swce_backward") if fits else None
+    if fn is None:
         return None
     dlogits = np.empty((n, k), np.float32)
-    bad = _kernels["swce_backward"](address(sm), address(label), address(dloss),
-                                    address(dlogits), n, k, float(eps),
-                                    blocks.threads_for(n * k, MIN_THREAD_VALUES))
+    bad = fn(address(sm), address(label), address(dloss), address(dlogits), n, k,
+             float(eps), blocks.threads_for(n * k, MIN_THREAD_VALUES))
     return None if bad >= 0 else {"dlogits": dlogits}
