@@ -3,6 +3,7 @@ float64 reference for every remainder of the register tile, blocks of x's column
 packed and unpacked x, bias and relu, any number of threads; the few-columns kernel
 (fc_cols.h) the same way; and the packed copies of weights they keep."""
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -135,14 +136,16 @@ def test_a_weight_made_writeable_again_is_packed_again(n, table):
 
 @PACKED
 def test_a_freed_weight_lets_go_of_its_packed_copy(n, table):
+    """The packed copy goes with its weight, and no entry is left for a dead array
+    (checked by weak references: another array may take the freed one's id at once)."""
     x = np.ones((2, 4), np.float32)
     w = np.ones((4, n), np.float32)
     fc_native.forward(x, w)
-    key = id(w)
-    assert key in getattr(fc_native, table)
+    packed = weakref.ref(getattr(fc_native, table)[id(w)][2])
     del w
     gc.collect()
-    assert key not in getattr(fc_native, table)
+    assert packed() is None
+    assert all(entry[0]() is not None for entry in getattr(fc_native, table).values())
 
 
 def test_the_few_columns_packing():
