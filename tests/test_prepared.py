@@ -1,5 +1,6 @@
 """kernels/cpu/prepared.py: a bound form's kept output array and its prepared call."""
 import numpy as np
+import pytest
 
 from minigraph.kernels.cpu import prepared
 
@@ -37,3 +38,41 @@ def test_a_form_prepares_again_only_for_another_array():
     y = np.ones(3, np.float32)
     np.testing.assert_array_equal(run({"x": y})["out"], [2, 2, 2])
     assert len(prepares) == 3
+
+
+def test_a_read_only_view_of_the_same_memory_runs_the_prepared_call_of_a_streamed_slot():
+    """A batch fed again is a new read-only view every run: in a streamed slot the call
+    prepared on the last one runs on it. Any other array prepares again: a writeable
+    view of the same memory, a read-only view of other memory or of the same memory in
+    another layout, and any new array in a slot not streamed."""
+    prepares = []
+
+    def prepare(x, w):
+        prepares.append(x)
+        out = np.empty(x.shape, x.dtype)
+        return (lambda: np.multiply(x, w, out=out)), {"out": out}
+
+    def read_only(a):
+        view = a.view()
+        view.flags.writeable = False
+        return view
+
+    run = prepared.form(("x", "w"), prepare, streamed=("x",))
+    base = np.arange(6, dtype=np.float32).reshape(2, 3)
+    w = read_only(np.full(3, 2, np.float32))
+    outs = run({"x": read_only(base), "w": w})
+    base[0, 0] = 7                                    # the caller's array, written
+    assert run({"x": read_only(base), "w": w}) is outs and outs["out"][0, 0] == 14
+    assert len(prepares) == 1
+    np.testing.assert_array_equal(run({"x": base.view(), "w": w})["out"], base * 2)
+    assert len(prepares) == 2                         # writeable: another array
+    other = base.copy()
+    np.testing.assert_array_equal(run({"x": read_only(other), "w": w})["out"], other * 2)
+    transposed = read_only(base.reshape(3, 2).T)      # same address and shape, other strides
+    np.testing.assert_array_equal(run({"x": transposed, "w": w})["out"], transposed * 2)
+    assert len(prepares) == 4
+    run({"x": transposed, "w": read_only(w)})         # w is not streamed
+    assert len(prepares) == 5
+    assert prepared.same_memory(None, None) and not prepared.same_memory(None, base)
+    with pytest.raises(ValueError, match="streamed slots"):
+        prepared.form(("x", "w"), prepare, lists=("w",), streamed=("x",))

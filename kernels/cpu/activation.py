@@ -130,7 +130,7 @@ def bind_gelu(op):
             kept.update(key=(x.shape, x.dtype), out=out, outs={"out": out})
         call = gelu_native.prepared_forward(x, kept["out"])
         return None if call is None else (call, kept["outs"])
-    return prepared.form(("x",), prepare)
+    return prepared.form(("x",), prepare, streamed=("x",))
 
 
 def gelu_grad_cpu(op, ins, ctx):

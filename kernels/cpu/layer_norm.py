@@ -119,7 +119,7 @@ def bind_layer_norm(op):
             mean, var = stats.reshape((2, *x.shape[:begin]))
             kept.update(out_of=y, out={"y": y, "mean": mean, "variance": var})
         return call, kept["out"]
-    return prepared.form(("x", "scale", "bias"), prepare)
+    return prepared.form(("x", "scale", "bias"), prepare, streamed=("x",))
 
 
 def prepared_rows(x, scale, bias, begin, eps, kept):

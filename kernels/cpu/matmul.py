@@ -52,7 +52,7 @@ def bind_matmul(op):
             out = np.empty(x.shape[:-1] + (ys.shape[1],), x.dtype)
             kept.update(key=key, out2=out.reshape(-1, ys.shape[1]), outs={"out": out})
         return functools.partial(np.matmul, rows, ys, out=kept["out2"]), kept["outs"]
-    return prepared.form(("x", "y"), prepare)
+    return prepared.form(("x", "y"), prepare, streamed=("x",))
 
 
 def matmul_grad_cpu(op, ins, ctx):

@@ -211,7 +211,8 @@ def bind_fused_fc(op):
             if calls[-1] is None:
                 return None
         return _one_call(calls), kept["out"]
-    return prepared.form(("x", "y", "bias", "residual", "norm_scale", "norm_bias"), prepare)
+    return prepared.form(("x", "y", "bias", "residual", "norm_scale", "norm_bias"), prepare,
+                         streamed=("x", "residual"))
 
 
 def _fixed_key(x2, y, bias, relu):

@@ -214,7 +214,7 @@ def bind_pool2d(op):
         if a["global_pooling"]:
             return pool_native.prepared_global_avg(x, out), {"out": out}
         return pool_native.prepared_max_tiles(x, out, layout), {"out": out}
-    return prepared.form(("x",), prepare)
+    return prepared.form(("x",), prepare, streamed=("x",))
 
 
 def _global_max_grad(x, d, layout):

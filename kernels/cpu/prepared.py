@@ -9,19 +9,27 @@ import weakref
 import numpy as np
 
 
-def form(slots, prepare, lists=()):
+def form(slots, prepare, lists=(), streamed=()):
     """A bound form's run(ins): prepare(*arrays) -> (call, outs), or None where the call
     does not apply, is asked again only when an input of `slots` (in order; every slot
     of the op's schema is in ins, None where unbound) holds another array than at the
     last run (the slots of `lists` hold lists of arrays, a duplicable slot's: compared
     array by array); each run then calls call() and returns outs. While prepare says
-    None, run returns None (the kernel runs)."""
+    None, run returns None (the kernel runs). The slots of `streamed` (in a form without
+    lists) hold arrays that call() only reads as it runs, never what prepare made from
+    them: there a read-only view of the same memory counts as the same array
+    (same_memory: a batch fed again, which the executor stores as a new view every
+    run)."""
     kept = {"inputs": None, "ready": None}
     pick = operator.itemgetter(*slots)
     if len(slots) == 1:
         one = pick
         pick = lambda ins: (one(ins),)        # noqa: E731 - itemgetter of one slot
     listed = [slot in lists for slot in slots]
+    if (streamed and lists) or not set(streamed) <= set(slots):
+        raise ValueError(f"prepared.form: streamed slots {streamed} must be of {slots}, "
+                         "in a form without lists")
+    by_memory = [slot in streamed for slot in slots] if streamed else None
 
     def arrays_of(picked):
         """The picked arrays, each list's in its place."""
@@ -38,13 +46,30 @@ def form(slots, prepare, lists=()):
         seen = arrays_of(arrays) if lists else arrays
         held = kept["inputs"]
         if held is None or len(seen) != len(held) or not all(map(operator.is_, seen, held)):
-            kept["inputs"], kept["ready"] = seen, prepare(*arrays)
+            if (held is None or by_memory is None or len(seen) != len(held)
+                    or not all(a is b or (m and same_memory(a, b))
+                               for a, b, m in zip(seen, held, by_memory))):
+                kept["ready"] = prepare(*arrays)
+            kept["inputs"] = seen
         ready = kept["ready"]
         if ready is None:
             return None
         ready[0]()
         return ready[1]
     return run
+
+
+def same_memory(a, held):
+    """True when a call prepared to read `held` as it runs (held alive by its form, so
+    its memory is not reused) reads `a` as it is: the same object, or both read-only
+    arrays (as the executor stores a fed batch) with the same data address, shape,
+    strides and dtype."""
+    return a is held or (type(a) is np.ndarray and type(held) is np.ndarray
+                         and not a.flags.writeable and not held.flags.writeable
+                         and a.shape == held.shape and a.strides == held.strides
+                         and a.dtype == held.dtype
+                         and a.__array_interface__["data"][0]
+                         == held.__array_interface__["data"][0])
 
 
 def output(kept, shape, dtype):

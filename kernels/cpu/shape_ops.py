@@ -49,7 +49,7 @@ def bind_reshape(op):
         shape = out_shape(op, x.shape)
         out = prepared.output(kept, shape, x.dtype)
         return functools.partial(np.copyto, out, x.reshape(shape)), {"out": out}
-    return prepared.form(("x",), prepare)
+    return prepared.form(("x",), prepare, streamed=("x",))
 
 
 def reshape_grad_cpu(op, ins, ctx):
