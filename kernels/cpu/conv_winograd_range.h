@@ -18,27 +18,31 @@
  * makes all 16 outputs NaN; values near 3e37 overflow the transforms (inf - inf).
  *
  * Hence a tile is computed directly - each output from its own 3x3 window, as the
- * direct convolution does - when, over its window:
- *   - a value is not finite, or P overflows (P_win is not finite);
- *   - P_win max|g| > WG_LIMIT = FLT_MAX 2^-21: the transforms could overflow;
- *   - P_win > range * P_field for one of the tile's stored outputs (range: the
+ * direct convolution does - when, over its window (P2: the root of a position's sum of
+ * squares over the C channels, P2 <= P <= sqrt(C) P2, which is what the checks measure):
+ *   - a value is not finite, or P2 overflows (P2_win is not finite);
+ *   - sqrt(C) P2_win max|g| > WG_LIMIT = FLT_MAX 2^-21: P_win max|g| could be over
+ *     it, and the transforms could overflow;
+ *   - P2_win > range * P2_field for one of the tile's stored outputs (range: the
  *     caller's, conv_native.WINOGRAD_RANGE): a value outside that output's window
  *     would dominate its rounding error.
- * Otherwise every output's error is below about range E u max|g| P_field: within
- * range E (a few hundred for range 16) rounding units of the largest product its own
- * window holds, whatever lies outside that window. Outputs outside a non-finite
+ * Otherwise P_win <= sqrt(C) range P_field, and about range P_field where the
+ * channels' values are of one scale (P2 is then about P / sqrt(C) everywhere): every
+ * output's error is below about range E u max|g| P_field (sqrt(C) times that at
+ * most), within range E (a few hundred for range 16) rounding units of the largest
+ * product its own window holds, whatever lies outside that window. Outputs outside a non-finite
  * value's window stay finite, and those inside it are NaN or +-inf exactly as the
  * direct convolution makes them. The checks cost one pass over each image
- * (P per position) and 36 + 16 x 9 comparisons per tile; on data of one scale (any
+ * (P2 per position) and 36 + 16 x 9 comparisons per tile; on data of one scale (any
  * activations of a trained or random net) no tile goes direct. An all-zero window
- * (P_win = 0) stays Winograd: its outputs are exactly 0. */
+ * (P2_win = 0) stays Winograd: its outputs are exactly 0. */
 
 #define WG_LIMIT (__FLT_MAX__ / 2097152.0f)     /* FLT_MAX 2^-21 */
 
 /* The magnitudes of one image, in its mag array: sq (hb x wb: the sum over the
  * channels of value^2 at each position; wg_fill makes it for NCHW, wg_squares for
  * NHWC), then rm (hb x 4 tw: the largest of each 3 neighbours in a row of sq) and fm
- * (4 th x 4 tw: the largest P^2 of the 3x3 window of each output), made by
+ * (4 th x 4 tw: the largest P2^2 of the 3x3 window of each output), made by
  * wg_fields. NaN (a NaN value) counts as +inf. */
 #define WG_RM(a, mag) ((mag) + (a)->hb * (a)->wb)
 #define WG_FM(a, mag) (WG_RM(a, mag) + (a)->hb * 4 * (a)->tw)
@@ -91,8 +95,8 @@ static inline v8 wg_vmin(v8 u, v8 v)
 }
 
 /* rm and fm of an image from its sq (see above), eight values at a time. Returns 0
- * when no tile of the image can be wide (its largest P^2 is finite, within the limit
- * and at most range^2 times every stored output's P_field^2: the usual case, which
+ * when no tile of the image can be wide (its largest P2^2 is finite, within the limit
+ * and at most range^2 times every stored output's P2_field^2: the usual case, which
  * then checks no tile), else 1. */
 static int wg_fields(const wg_t *a, float *mag)
 {
@@ -142,8 +146,8 @@ static int wg_fields(const wg_t *a, float *mag)
 }
 
 /* 1 when tile (ty, tx) of the image whose magnitudes are `mag` is computed directly
- * (see the file comment): its 16 outputs' windows make up its 6x6 window, so P_win^2
- * is the largest of their fm values, P_field^2 that of each stored output's. */
+ * (see the file comment): its 16 outputs' windows make up its 6x6 window, so P2_win^2
+ * is the largest of their fm values, P2_field^2 that of each stored output's. */
 static int wg_wide(const wg_t *a, const float *mag, int64_t ty, int64_t tx)
 {
     int64_t width = 4 * a->tw;
