@@ -40,7 +40,8 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
   blocks of 5 inferences in a row ("infer", alone), so that a drift of the
   machine's speed slows both alike; the second table gives each framework's
   between / alone per round (the time an inference takes must not depend on what
-  the process did before it).
+  the process did before it) and the median over rounds of between - alone, the
+  time an inference loses after a step.
 - targets (minigraph / PyTorch, the median of the rounds' ratios): train <= 0.8,
   infer and infer between <= 0.6; infer between / alone <= 1.05.
 - floor: benchmarks/conv_gemm_floor.py's least time of the ResNet's conv
@@ -203,13 +204,14 @@ TIMED = ("train", "infer", "infer between")
 
 
 def timed_rounds(net, args):
-    """(minigraph, pytorch, ratios, between): each framework's times, the median over
+    """(minigraph, pytorch, ratios, between, lost): each framework's times, the median over
     `args.rounds` rounds that each run both frameworks back to back in fresh
     processes (so a slow spell of the machine lands on both sides of a round's
     ratio; minigraph first in even rounds, PyTorch first in odd ones, so that
     neither always runs on the later, warmer or colder, machine), every round's
     ratio per measurement, and every round's inference between training steps /
-    alone for each framework ({"minigraph": [...], "pytorch": [...]})."""
+    alone and between minus alone (ms) for each framework ({"minigraph": [...],
+    "pytorch": [...]})."""
     rounds = []
     for i in range(args.rounds):
         order = ("minigraph", "pytorch") if i % 2 == 0 else ("pytorch", "minigraph")
@@ -221,7 +223,9 @@ def timed_rounds(net, args):
     ratios = {w: [m[w] / t[w] for m, t in rounds] for w in TIMED}
     between = {fw: [r[i]["infer between"] / r[i]["infer"] for r in rounds]
                for i, fw in enumerate(("minigraph", "pytorch"))}
-    return mine, theirs, ratios, between
+    lost = {fw: [r[i]["infer between"] - r[i]["infer"] for r in rounds]
+            for i, fw in enumerate(("minigraph", "pytorch"))}
+    return mine, theirs, ratios, between, lost
 
 
 def spread(values):
@@ -242,7 +246,7 @@ def report(args):
           f"{'per round':>11} {'target':>7}")
     rows, table, steady, notes = {}, [], [], []
     for net in args.nets:
-        mine, theirs, ratios, between = timed_rounds(net, args)
+        mine, theirs, ratios, between, lost = timed_rounds(net, args)
         n, chw = NETS[net]
         name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what in TIMED:
@@ -255,12 +259,14 @@ def report(args):
                           spread(ratios[what]), f"<= {target} {verdict}"))
             label = ""
         b, bt = statistics.median(between["minigraph"]), statistics.median(between["pytorch"])
+        ms, mst = statistics.median(lost["minigraph"]), statistics.median(lost["pytorch"])
         verdict = "ok" if b <= BETWEEN_TARGET else "MISSED"
         print(f"{'':<22} (infer between / alone: minigraph {b:.2f} ({spread(between['minigraph'])}"
               f"), pytorch {bt:.2f} ({spread(between['pytorch'])}); <= {BETWEEN_TARGET} "
-              f"{verdict})")
+              f"{verdict}; between - alone: minigraph {ms:.3f} ms, pytorch {mst:.3f} ms)")
         steady.append((name, f"{b:.2f}", spread(between["minigraph"]), f"{bt:.2f}",
-                       spread(between["pytorch"]), f"<= {BETWEEN_TARGET} {verdict}"))
+                       spread(between["pytorch"]), f"{ms:.3f}", f"{mst:.3f}",
+                       f"<= {BETWEEN_TARGET} {verdict}"))
         unoptimised = (f"(infer, unoptimised net: {mine['infer (net)']:.2f} ms; ops run: train "
                        f"{mine['ops']['train']}, infer {mine['ops']['infer']})")
         print(f"{'':<22} {unoptimised}")
@@ -308,7 +314,8 @@ def markdown(setting, table, steady, notes):
     header = ("net (batch)", "step", "minigraph ms", "PyTorch ms", "ratio",
               "ratio per round", "target")
     header2 = ("net (batch)", "minigraph: infer between / alone", "per round",
-               "PyTorch: infer between / alone", "per round", "target")
+               "PyTorch: infer between / alone", "per round",
+               "minigraph: between - alone, ms", "PyTorch: between - alone, ms", "target")
     return "\n\n".join([machine_line(setting[0].upper() + setting[1:] + "."),
                          markdown_table(header, table), markdown_table(header2, steady),
                          "\n".join(f"- {note}" for note in notes)])
