@@ -36,8 +36,8 @@ WINOGRAD_MAX_SCRATCH = 1.0      # its scratch memory at most this times its outp
 WINOGRAD_MAX_SCRATCH_INFERENCE = 16.0   # the same for fused_conv2d (see winograd())
 DIRECT = 0.0                    # a max_scratch no Winograd conv fits: the direct kernel
 # a Winograd tile whose largest input magnitude (the root of the sum over channels of
-# x^2 at one position) is more than this times the largest one of an output's own 3x3 window
-# is computed directly (conv_winograd_range.h says why: the error analysis)
+# x^2 at one position) is more than this times the largest one of an output's own 3x3
+# window is computed directly (conv_winograd_range.h says why: the error analysis)
 WINOGRAD_RANGE = 16
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
