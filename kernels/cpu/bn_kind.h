@@ -1,9 +1,10 @@
 /* ---- bn_native.c's passes for one element type (included by bn_native.c) -----------
  * BN_KIND(T, S, V, VU, VI) defines, for T (float or double) in vectors V (VU: the same
- * unaligned, VI: of integers as wide), the passes of the file comment as functions
- * suffixed _S and their table kind_S: per channel (I > 1) channels_S, which sums a
- * tile of channels row by row and then, when fused, writes their outputs; per row
- * (I = 1) row_sums_S, row_apply_S, row_shifts_S and row_consts_S. */
+ * unaligned, VI: of integers as wide), the passes of bn_native.c's file comment as
+ * functions suffixed _S and their table kind_S: per channel (I > 1) channels_S, which
+ * takes a tile of channels at a time, their sums row by row in a pass of sums, then
+ * their outputs in a fused pass or an apply; per row (I = 1) row_sums_S, row_apply_S,
+ * row_shifts_S and row_consts_S. */
 #define BN_KIND(T, S, V, VU, VI)                                                               \
 static inline V load_##S(const T *p) { return *(const VU *)p; }                              \
 static inline void store_##S(T *p, V v) { *(VU *)p = v; }                                    \

@@ -1,8 +1,8 @@
 /* ---- norm_native.c's passes for one element type (included by norm_native.c) -------
  * NORM_KIND(T, S, V, VU) defines, for T (float or double) in vectors V (VU: the same
- * unaligned), the per-row work of the file comment as functions suffixed _S and their
- * table kind_S: a row's statistics and shift, the outputs, the gradient sums and dx,
- * and the statistics' stores and loads in T. */
+ * unaligned), the per-row work of norm_native.c's file comment as functions suffixed _S
+ * and their table kind_S: a row's statistics and shift, the outputs, the gradient sums
+ * and dx, and the statistics' stores and loads in T. */
 #define NORM_KIND(T, S, V, VU)                                                                 \
 static inline V load_##S(const T *p) { return *(const VU *)p; }                              \
                                                                                                \
