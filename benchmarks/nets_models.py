@@ -13,7 +13,11 @@ PyTorch twins are in nets_torch.py.
 - recipe (64x1x28x28, AdamW(1e-3, weight decay 0.01) with two parameter groups:
   the conv and fc weights decayed, biases and batch-norm scales and shifts not): a
   user's first CNN, conv32-BN-ReLU-maxpool, conv64-BN-ReLU-maxpool (3x3, padding
-  1), fc128-BN-ReLU, dropout 0.5, fc10.
+  1), fc128-BN-ReLU, dropout 0.5, fc10;
+- mobile (32x3x32x32, Momentum(0.1, 0.9)): a MobileNet-style net of depthwise
+  separable blocks, stem conv32-BN-ReLU, then per block a depthwise 3x3 conv
+  (groups = channels) and a pointwise 1x1 conv, each without bias, then BN-ReLU:
+  32->64, 64->128 stride 2, 128->128, 128->256 stride 2; global average pool, fc10.
 minigraph runs every BN-ReLU pair as one batch_norm_relu op
 (mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
 residual add stays a batch_norm. The Momentum nets' updates run as one
@@ -23,13 +27,14 @@ foreach=True, its counterpart).
 from __future__ import annotations
 
 NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32)), "mnist": (64, (1, 28, 28)),
-        "mlp": (128, (784,)), "recipe": (64, (1, 28, 28))}
+        "mlp": (128, (784,)), "recipe": (64, (1, 28, 28)), "mobile": (32, (3, 32, 32))}
 ADAM_NETS = ("mnist", "mlp")           # trained with Adam(1e-3)
 ADAMW_NETS = ("recipe",)               # AdamW(1e-3, WEIGHT_DECAY), two parameter groups
 LEARNING_RATE, MOMENTUM = 0.1, 0.9     # the others: Momentum
 WEIGHT_DECAY = 0.01
 STAGES = ((16, 1), (32, 2), (64, 2))
 RECIPE_CONVS = (32, 64)
+MOBILE_BLOCKS = ((64, 1), (128, 2), (128, 1), (256, 2))    # (pointwise filters, stride)
 
 
 def batch(net_name, seed=0, n=None):
@@ -75,6 +80,34 @@ def mg_resnet(seed=0, place=None):
     return net, image, logits, loss
 
 
+def mg_mobile(seed=0, place=None):
+    """(net, image, logits, loss): the MobileNet-style net built with the layer API
+    (on `place`, the CPU by default)."""
+    import minigraph as mg
+    from minigraph import layers as L
+
+    net = mg.Net(place=place, seed=seed)
+    image = L.data(net, "image", shape=(-1, 3, 32, 32))
+    label = L.data(net, "label", shape=(-1,), dtype="int64")
+
+    def conv_bn(x, filters, size, stride=1, groups=1):
+        h = L.conv2d(net, x, num_filters=filters, filter_size=size, stride=stride,
+                     padding=size // 2, groups=groups, bias=False)
+        return L.relu(net, L.batch_norm(net, h))
+
+    h, channels = conv_bn(image, 32, 3), 32
+    for filters, stride in MOBILE_BLOCKS:
+        h = conv_bn(conv_bn(h, channels, 3, stride, groups=channels), filters, 1)
+        channels = filters
+    h = L.pool2d(net, h, global_pooling=True, pool_type="avg")
+    logits = L.fc(net, L.flatten(net, h), size=10)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
+    mg.passes.fuse_batch_norm_relu(net)
+    mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
+    mg.passes.merge_updates(net)
+    return net, image, logits, loss
+
+
 def mg_cnn(net_name, seed=0, place=None):
     """(net, image, logits, loss): the MNIST CNN, the wide MLP (minimised with Adam)
     or the recipe (AdamW, two parameter groups), on `place` (the CPU by default)."""
@@ -113,6 +146,8 @@ def mg_net(net_name, place=None):
     """(net, image, logits, loss) of `net_name` on `place` (the CPU by default)."""
     if net_name == "resnet":
         return mg_resnet(place=place)
+    if net_name == "mobile":
+        return mg_mobile(place=place)
     if net_name in ADAM_NETS + ADAMW_NETS:
         return mg_cnn(net_name, place=place)
     import minigraph as mg

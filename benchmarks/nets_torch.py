@@ -7,6 +7,7 @@ from nets_models import (
     ADAM_NETS,
     ADAMW_NETS,
     LEARNING_RATE,
+    MOBILE_BLOCKS,
     MOMENTUM,
     RECIPE_CONVS,
     STAGES,
@@ -44,8 +45,17 @@ def torch_model(net_name):
                              nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64),
                              nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
 
-    def conv_bn(cin, cout, size, stride):
-        return [nn.Conv2d(cin, cout, size, stride, size // 2, bias=False), nn.BatchNorm2d(cout)]
+    def conv_bn(cin, cout, size, stride, groups=1):
+        return [nn.Conv2d(cin, cout, size, stride, size // 2, groups=groups, bias=False),
+                nn.BatchNorm2d(cout)]
+
+    if net_name == "mobile":
+        layers, cin = [*conv_bn(3, 32, 3, 1), nn.ReLU()], 32
+        for filters, stride in MOBILE_BLOCKS:
+            layers += [*conv_bn(cin, cin, 3, stride, groups=cin), nn.ReLU(),
+                       *conv_bn(cin, filters, 1, 1), nn.ReLU()]
+            cin = filters
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
 
     class Block(nn.Module):
         def __init__(self, cin, cout, stride):

@@ -1,8 +1,10 @@
 """CPU kernels of conv2d (ops/conv2d.py): where the native kernels take the conv
 (float32, one group, where a C compiler works: conv_native for NCHW, conv_native_nhwc
 for NHWC), the fastest on this machine of Winograd's kernel, the direct kernel and
-the im2col engine (timed at first use and kept per machine: choices.py), else the
-im2col engine of the layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc),
+the im2col engine (timed at first use and kept per machine: choices.py); for
+depthwise convs (NCHW float32, each group one input channel: conv_depthwise) the
+faster of the depthwise kernel and the im2col engine; else the im2col engine of the
+layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc),
 with lean work arrays, or up to the room a training step leaves them
 (KernelContext.room, OpSchema.work_room; the room also lets Winograd's kernel
 take a conv whose scratch outgrows its output: winograd_bound); and of
@@ -22,6 +24,7 @@ from minigraph.kernels import present
 from minigraph.kernels.cpu import (
     blocks,
     choices,
+    conv_depthwise,
     conv_im2col,
     conv_im2col_grad,
     conv_im2col_nhwc,
@@ -80,9 +83,12 @@ def conv2d_cpu(op, ins, ctx):
     def im2col():
         return run.numpy_forward(x, w, g, lean=True, room=ctx.room)
 
+    threads = blocks.get_num_threads()
+    if depthwise(op, g, x.dtype):
+        options = {"depthwise": lambda: conv_depthwise.forward(x, w, g, threads), "im2col": im2col}
+        return {"out": choose("conv2d", op, g, threads, options)}
     if not conv_native.supports(g, x.dtype):
         return {"out": im2col()}
-    threads = blocks.get_num_threads()
     options = {"direct": lambda: run.forward(x, w, g, threads, max_scratch=conv_native.DIRECT),
                "im2col": im2col}
     bound, extra = winograd_bound(conv_native.forward_winograd, g, threads,
@@ -121,6 +127,8 @@ def conv2d_grad_cpu(op, ins, ctx):
     x, w, d = ins["x"], ins["filter"], ins["dout"]
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
     need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
+    if depthwise(op, g, x.dtype):
+        return _depthwise_grad(op, x, w, d, g, ctx, need_dx, need_dw)
     if not conv_native.supports(g, x.dtype):
         dx, dw = run.numpy_backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw,
                                     room=ctx.room)
@@ -145,6 +153,31 @@ def conv2d_grad_cpu(op, ins, ctx):
     return present(dx=dx, dfilter=dw)
 
 
+def depthwise(op, g, dtype):
+    """True when the native depthwise kernels take this conv (conv_depthwise: NCHW,
+    float32, each group one input channel)."""
+    return op.attrs["data_layout"] == "NCHW" and conv_depthwise.supports(g, dtype)
+
+
+def _depthwise_grad(op, x, w, d, g, ctx, need_dx, need_dw):
+    """conv2d_grad_cpu's outputs where depthwise(): each the faster on this machine of
+    the depthwise kernel and the im2col engine."""
+    threads, dx, dw = blocks.get_num_threads(), None, None
+
+    def numpy(dx, dw):
+        return lambda: conv_im2col_grad.backward(x, w, d, g, need_dx=dx, need_dw=dw,
+                                                 room=ctx.room)[int(dw)]
+    if need_dx:
+        dx = choose("conv2d_dx", op, g, threads,
+                    {"depthwise": lambda: conv_depthwise.input_grad(w, d, g, threads),
+                     "im2col": numpy(True, False)})
+    if need_dw:
+        dw = choose("conv2d_dw", op, g, threads,
+                    {"depthwise": lambda: conv_depthwise.filter_grad(x, d, g, threads),
+                     "im2col": numpy(False, True)})
+    return present(dx=dx, dfilter=dw)
+
+
 def fused_conv2d_cpu(op, ins, ctx):
     """out = act(conv2d(x, filter) + bias + residual): as conv2d's kernel (the fastest
     of Winograd's, the direct and the im2col engine where the native kernels take the
@@ -166,6 +199,11 @@ def _fused_options(op, x, w, epilogue):
     run, relu, pool = ENGINES[layout], op.attrs["activation"] == "relu", _pools(op)
     options = {"im2col": _pooled(lambda: run.numpy_forward(x, w, g, **epilogue, relu=relu),
                                  pool, layout)}
+    if depthwise(op, g, x.dtype):
+        threads = blocks.get_num_threads()
+        options["depthwise"] = _pooled(lambda: conv_depthwise.forward(
+            x, w, g, threads, **epilogue, relu=relu), pool, layout)
+        return g, threads, options
     if not conv_native.supports(g, x.dtype):
         return g, None, options
     threads, bound = blocks.get_num_threads(), conv_native.WINOGRAD_MAX_SCRATCH_INFERENCE
@@ -223,7 +261,7 @@ def bind_fused_conv2d(op):
         if threads is None or 0 in shape:
             return None
         name = pick("fused_conv2d", op, g, threads, options, _extra(op, epilogue))
-        if name == "im2col":
+        if name not in ("direct", "winograd"):
             return None
         out = prepared.output(kept, shape, np.float32)
         return conv_native.prepared_forward(w, g, threads, bias, relu, out,
@@ -268,13 +306,15 @@ def choose(kind, op, g, threads, options, extra=""):
 
 def pick(kind, op, g, threads, options, extra=""):
     """The name of the option chosen for this conv on this machine (choices.pick: timed
-    at its first use, kept per machine; Winograd's where it is an option, else the
-    direct kernel, where nothing is timed or the conv makes fewer than MIN_CHOICE_WORK
+    at its first use, kept per machine, keyed by the shapes and the native library's
+    build; Winograd's where it is an option, else the direct kernel, else the depthwise
+    kernel, where nothing is timed or the conv makes fewer than MIN_CHOICE_WORK
     multiply-adds)."""
-    default = "winograd" if "winograd" in options else "direct"
-    if g.n * g.o * g.c * g.kh * g.kw * g.ho * g.wo < MIN_CHOICE_WORK:
+    default = next(k for k in ("winograd", "direct", "depthwise") if k in options)
+    if g.n * g.o * (g.c // g.groups) * g.kh * g.kw * g.ho * g.wo < MIN_CHOICE_WORK:
         return default
+    library = "conv_depthwise" if "depthwise" in options else "conv_native"
     key = (f"{op.attrs['data_layout']}|{g.n}x{g.c}x{g.h}x{g.w}|{g.o}x{g.kh}x{g.kw}"
            f"|s{g.sh}x{g.sw}|p{g.ph}x{g.pw}|d{g.dh}x{g.dw}|{extra}|t{threads}"
-           f"|b{native.build_key('conv_native')}")
+           f"|b{native.build_key(library)}")
     return choices.pick(kind, key, options, default)
