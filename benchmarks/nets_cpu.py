@@ -7,11 +7,12 @@ the `nets_cpu` section of docs/performance.md (benchmarks/report.py), replacing
 the last run's; --no-write only prints.
 
 Nets (the same architecture, batch and optimizer in both; benchmarks/nets_models.py
-builds minigraph's, nets_torch.py PyTorch's): digits, resnet, mnist, mlp and recipe
-(a user's first CNN: conv32 and conv64 blocks, AdamW with two parameter groups).
+builds minigraph's, nets_torch.py PyTorch's): digits, resnet, mnist, mlp, recipe
+(a user's first CNN: conv32 and conv64 blocks, AdamW with two parameter groups) and
+mobile (MobileNet-style depthwise separable blocks).
 minigraph runs every BN-ReLU pair as one batch_norm_relu op
 (mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
-residual add stays a batch_norm; the Momentum nets (digits, resnet) make their
+residual add stays a batch_norm; the Momentum nets (digits, resnet, mobile) make their
 updates in one merged_momentum op (mg.passes.merge_updates), PyTorch's SGD with
 foreach=True.
 
