@@ -56,18 +56,19 @@ def grad_like(op_type, ref_slot):
 
 
 def register_activation(op_type, keep, export, cpu_kernels, attrs=(), gpu_scalar=None,
-                        doc=__doc__, gpu_module=None, **fields):
-    """Register `op_type` (x -> out) and `<op_type>_grad` (keep, dout -> dx) with their
+                        doc=__doc__, gpu_module=None, grad_reuse=False, **fields):
+    """Register `op_type` (x -> out) and `<op_type>_grad` (keep, dout -> dx; with
+    grad_reuse its CPU kernel may write dx into a handed-over dout) with their
     exporter, their CPU kernels (forward, grad and, optionally, the forward's bound
-    form) and, on the GPU, the map kernels of
-    kernels/cuda/<gpu_module or op_type>.cu (`gpu_scalar`: the attribute, or tuple of
-    attributes, passed to them)."""
+    form) and, on the GPU, the map kernels of kernels/cuda/<gpu_module or op_type>.cu
+    (`gpu_scalar`: the attribute, or tuple of attributes, passed to them)."""
     schema = register(OpSchema(type=op_type, inputs=(Slot("x"),), outputs=(Slot("out"),),
                                attrs=attrs, infer=same_as_x(op_type), export=export,
                                grad=grad_maker(op_type + "_grad", keep=(keep,)), doc=doc,
                                **fields))
     register(grad_schema(schema, inputs=(Slot(keep), Slot("dout")),
                          outputs=(Slot("dx", optional=True),),
+                         reuse={"dx": ("dout",)} if grad_reuse else {},
                          infer=grad_like(op_type + "_grad", keep)))
     kernel(op_type, "cpu", cpu_kernels[0], bind=cpu_kernels[2] if len(cpu_kernels) > 2 else None)
     kernel(op_type + "_grad", "cpu", cpu_kernels[1])
@@ -115,13 +116,14 @@ kernel("relu", "gpu", cuda.relu_gpu, dtypes=GPU_FLOATS)
 kernel("relu_grad", "gpu", cuda.relu_grad_gpu, dtypes=GPU_FLOATS)
 
 register_activation("sigmoid", "out", onnx_export.unary("Sigmoid"),
-                    (cpu.sigmoid_cpu, cpu.sigmoid_grad_cpu))
-register_activation("tanh", "out", onnx_export.unary("Tanh"), (cpu.tanh_cpu, cpu.tanh_grad_cpu))
+                    (cpu.sigmoid_cpu, cpu.sigmoid_grad_cpu), grad_reuse=True)
+register_activation("tanh", "out", onnx_export.unary("Tanh"), (cpu.tanh_cpu, cpu.tanh_grad_cpu),
+                    grad_reuse=True)
 register_activation("gelu", "x", export_gelu, (cpu.gelu_cpu, cpu.gelu_grad_cpu, cpu.bind_gelu),
                     roles=("gelu",))
 register_activation("leaky_relu", "x", export_leaky_relu,
                     (cpu.leaky_relu_cpu, cpu.leaky_relu_grad_cpu),
-                    attrs=(float_attr("alpha", 0.01, finite),), gpu_scalar="alpha")
+                    attrs=(float_attr("alpha", 0.01, finite),), gpu_scalar="alpha", grad_reuse=True)
 
 
 # ---- examples ---------------------------------------------------------------------

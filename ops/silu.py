@@ -2,7 +2,8 @@
 
 silu_grad(x, dout): dx = dout * s * (1 + x * (1 - s)), s = sigmoid(x).
 x must be a float tensor; the CPU kernels (kernels/cpu/silu.py) compute in
-float64 and cast back; the GPU kernels are the two map lines of
+float64 and cast back, float32 in C where the native kernel applies
+(activation_native); the GPU kernels are the two map lines of
 kernels/cuda/silu.cu. In ONNX it is Mul(x, Sigmoid(x)). This module is the
 worked example of docs/adding_an_op.md.
 """
@@ -22,7 +23,8 @@ def export_silu(ctx, op):
     return [ctx.node("Sigmoid", [x], [s]), ctx.node("Mul", [x, s], [ctx.output(out)])]
 
 
-register_activation("silu", "x", export_silu, (cpu.silu_cpu, cpu.silu_grad_cpu), doc=__doc__)
+register_activation("silu", "x", export_silu, (cpu.silu_cpu, cpu.silu_grad_cpu), doc=__doc__,
+                    grad_reuse=True)
 
 
 def silu_examples(ex):

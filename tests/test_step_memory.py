@@ -276,6 +276,10 @@ def kernel_cases():
     for dtype in ("float32", "float64"):
         yield (mg.Operator("relu_grad", out=var("o"), dout=var("d"), dx=var("dx")),
                {"out": out.astype(dtype), "dout": x.astype(dtype)}, "dout")
+    for kind, keep in (("sigmoid", "out"), ("tanh", "out"), ("leaky_relu", "x"), ("silu", "x")):
+        for dtype in ("float32", "float64"):     # native float32, numpy float64
+            yield (mg.Operator(f"{kind}_grad", **{keep: var(keep)}, dout=var("d"), dx=var("dx")),
+                   {keep: out.astype(dtype), "dout": x.astype(dtype)}, "dout")
     yield (mg.Operator("add", x=var("a"), y=var("b"), out=var("s")),
            {"x": x, "y": x[:1, :, :1]}, "x")
     yield (mg.Operator("add", x=var("a2"), y=var("b2"), out=var("s2")),

@@ -1,14 +1,15 @@
 """CPU kernels of the activations (ops/activation.py): relu, sigmoid, tanh, gelu,
 leaky_relu and their gradients. Outputs keep x's dtype; sigmoid, tanh, gelu and
-leaky_relu compute in float64 and cast back (float32 gelu: in C, gelu_native); relu
-runs on the blocked engine, its gradient in C (relu_native) where it applies, and both
-write into a handed-over input (KernelContext.donated).
+leaky_relu compute in float64 and cast back, and float32 runs in C where the native
+kernels apply (gelu_native; activation_native: sigmoid, tanh, leaky_relu, and silu's);
+relu runs on the blocked engine, its gradient in C (relu_native) where it applies,
+and both write into a handed-over input (KernelContext.donated).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import blocks, gelu_native, prepared, relu_native
+from minigraph.kernels.cpu import activation_native, blocks, gelu_native, prepared, relu_native
 from minigraph.kernels.cpu.erf import normal_cdf
 
 INV_SQRT_2PI = 0.3989422804014327        # 1 / sqrt(2 pi)
@@ -75,28 +76,60 @@ def sigmoid64(x):
     return np.where(x >= 0, 1.0, e) / (1.0 + e)
 
 
+def native_forward(kind, x, alpha=0.0):
+    """`kind`'s float32 forward in C (activation_native), or None where it does not
+    apply."""
+    return activation_native.forward(kind, x, alpha)
+
+
+def into_dout(ins, ctx, dx):
+    """{"dx": dx}, its values copied into dout where dout is handed over (the op's reuse:
+    the native kernels write there)."""
+    d = ins["dout"]
+    if "dout" in ctx.donated and d.shape == dx.shape and d.dtype == dx.dtype:
+        np.copyto(d, dx)
+        return {"dx": d}
+    return {"dx": dx}
+
+
+def native_backward(kind, op, ins, ctx, v, alpha=0.0):
+    """`kind`'s float32 gradient in C for ins["dout"] (v: the op's out or x), written
+    into dout where it is handed over (the op's reuse), or None where it does not
+    apply."""
+    d = ins["dout"]
+    return activation_native.backward(kind, v, d, alpha, d if "dout" in ctx.donated else None)
+
+
 def sigmoid_cpu(op, ins, ctx):
-    """out = 1 / (1 + exp(-x)) (sigmoid64)."""
+    """out = 1 / (1 + exp(-x)) (sigmoid64; float32 in C where it applies)."""
     x = ins["x"]
-    return {"out": sigmoid64(work(x)).astype(x.dtype)}
+    out = native_forward("sigmoid", x)
+    return {"out": sigmoid64(work(x)).astype(x.dtype) if out is None else out}
 
 
 def sigmoid_grad_cpu(op, ins, ctx):
     """dx = dout * out * (1 - out)."""
+    dx = native_backward("sigmoid", op, ins, ctx, ins["out"])
+    if dx is not None:
+        return {"dx": dx}
     out, d = work(ins["out"]), ins["dout"]
-    return {"dx": (work(d) * out * (1.0 - out)).astype(d.dtype)}
+    return into_dout(ins, ctx, (work(d) * out * (1.0 - out)).astype(d.dtype))
 
 
 def tanh_cpu(op, ins, ctx):
-    """out = tanh(x)."""
+    """out = tanh(x) (float32 in C where it applies)."""
     x = ins["x"]
-    return {"out": np.tanh(work(x)).astype(x.dtype)}
+    out = native_forward("tanh", x)
+    return {"out": np.tanh(work(x)).astype(x.dtype) if out is None else out}
 
 
 def tanh_grad_cpu(op, ins, ctx):
     """dx = dout * (1 - out^2)."""
+    dx = native_backward("tanh", op, ins, ctx, ins["out"])
+    if dx is not None:
+        return {"dx": dx}
     out, d = work(ins["out"]), ins["dout"]
-    return {"dx": (work(d) * (1.0 - out * out)).astype(d.dtype)}
+    return into_dout(ins, ctx, (work(d) * (1.0 - out * out)).astype(d.dtype))
 
 
 def gelu_cpu(op, ins, ctx):
@@ -147,14 +180,21 @@ def gelu_grad_cpu(op, ins, ctx):
 
 
 def leaky_relu_cpu(op, ins, ctx):
-    """out = x where x > 0, else alpha * x."""
+    """out = x where x > 0, else alpha * x (float32 in C where it applies, the same
+    bits)."""
     x = ins["x"]
+    out = native_forward("leaky_relu", x, op.attrs["alpha"])
+    if out is not None:
+        return {"out": out}
     xw = work(x)
     return {"out": np.where(xw > 0, xw, op.attrs["alpha"] * xw).astype(x.dtype)}
 
 
 def leaky_relu_grad_cpu(op, ins, ctx):
     """dx = dout where x > 0, else alpha * dout."""
+    dx = native_backward("leaky_relu", op, ins, ctx, ins["x"], op.attrs["alpha"])
+    if dx is not None:
+        return {"dx": dx}
     x, d = ins["x"], ins["dout"]
     dw = work(d)
-    return {"dx": np.where(x > 0, dw, op.attrs["alpha"] * dw).astype(d.dtype)}
+    return into_dout(ins, ctx, np.where(x > 0, dw, op.attrs["alpha"] * dw).astype(d.dtype))

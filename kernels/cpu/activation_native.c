@@ -1,0 +1,130 @@
+/* Native CPU kernels of float32 leaky_relu, sigmoid, tanh and silu and their gradients
+ * (the numpy kernels, kernels/cpu/activation.py and silu.py, compute in float64 and are
+ * the reference these are tested against). Built by native.py, launched by
+ * activation_native.py.
+ *
+ * - leaky_relu: out = x where x > 0, else alpha x; dx = dout where x > 0, else alpha
+ *   dout; alpha x in double, rounded once: the numpy kernel's bits.
+ * - sigmoid: 1 / (1 + e) for x >= 0, e / (1 + e) below, e = exp(-|x|) (nothing
+ *   overflows); dx = dout out (1 - out).
+ * - tanh: for |x| < 0.625, x + x^3 P(x^2) (Cephes' tanhf polynomial: no cancellation
+ *   near 0); above, (1 - e) / (1 + e) with e = exp(-2 |x|), x's sign; dx = dout (1 -
+ *   out^2).
+ * - silu: x sigmoid(x); dx = dout s (1 + x (1 - s)), s = sigmoid(x).
+ * In float on 16 lanes at a time (vector_math.h's exp, within 2 ulp), so within a few
+ * float32 ulps of the float64 kernels; a NaN stays NaN. Values are split in contiguous
+ * ranges over up to `threads` threads (native_pool.h); each is computed one way, so
+ * results do not depend on the count. */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "native_pool.h"
+#include "vector_math.h"
+
+enum { LEAKY_RELU, SIGMOID, TANH, SILU };
+
+typedef struct {
+    const float *v, *dout;      /* v: x, or out for sigmoid's and tanh's gradients */
+    float *out;
+    double alpha;
+    int64_t begin, end;
+    int kind, grad;
+} job_t;
+
+static inline vf16 keep_nan(vf16 x, vf16 y) { return select_vf16((vi16)(x != x), x, y); }
+
+static inline vf16 sigmoid_v(vf16 x)
+{
+    const vf16 zero = {0};
+    const vf16 e = exp_vf16(-select_vf16((vi16)(x < zero), -x, x));
+    const vf16 r = 1.0f / (1.0f + e);
+    return keep_nan(x, select_vf16((vi16)(x >= zero), r, e * r));
+}
+
+static inline vf16 tanh_v(vf16 x)
+{
+    const vf16 zero = {0};
+    const vf16 a = select_vf16((vi16)(x < zero), -x, x), z = x * x;
+    vf16 p = zero - 5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const vf16 small = p * z * x + x;
+    const vf16 e = exp_vf16(-2.0f * a), big = (1.0f - e) / (1.0f + e);
+    const vf16 large = select_vf16((vi16)(x < zero), -big, big);
+    return keep_nan(x, select_vf16((vi16)(a < 0.625f), small, large));
+}
+
+/* One vector of results: the kind's forward of v, or its gradient for dout d. */
+static inline vf16 lanes(int kind, int grad, vf16 v, vf16 d)
+{
+    switch (kind * 2 + grad) {
+    case SIGMOID * 2: return sigmoid_v(v);
+    case SIGMOID * 2 + 1: return d * v * (1.0f - v);
+    case TANH * 2: return tanh_v(v);
+    case TANH * 2 + 1: return d * (1.0f - v * v);
+    case SILU * 2: return v * sigmoid_v(v);
+    default: {
+        const vf16 s = sigmoid_v(v);
+        return d * s * (1.0f + v * (1.0f - s));
+    }
+    }
+}
+
+static void leaky(const job_t *j)
+{
+    const float *x = j->v, *d = j->dout;
+    float *out = j->out;
+    const double alpha = j->alpha;
+    if (j->grad)
+        for (int64_t i = j->begin; i < j->end; i++)
+            out[i] = x[i] > 0 ? d[i] : (float)(alpha * (double)d[i]);
+    else
+        for (int64_t i = j->begin; i < j->end; i++)
+            out[i] = x[i] > 0 ? x[i] : (float)(alpha * (double)x[i]);
+}
+
+static void *run(void *arg)
+{
+    const job_t *j = arg;
+    if (j->kind == LEAKY_RELU) {
+        leaky(j);
+        return NULL;
+    }
+    const vf16 zero = {0};
+    int64_t i = j->begin;
+    for (; i + 16 <= j->end; i += 16) {
+        const vf16 d = j->grad ? *(const vf16u *)(j->dout + i) : zero;
+        *(vf16u *)(j->out + i) = lanes(j->kind, j->grad, *(const vf16u *)(j->v + i), d);
+    }
+    if (i < j->end) {                              /* the last few, through a vector */
+        float v[16] = {0}, d[16] = {0}, out[16];
+        const int64_t rest = j->end - i;
+        memcpy(v, j->v + i, sizeof(float) * rest);
+        if (j->grad) memcpy(d, j->dout + i, sizeof(float) * rest);
+        *(vf16u *)out = lanes(j->kind, j->grad, *(const vf16u *)v, *(const vf16u *)d);
+        memcpy(j->out + i, out, sizeof(float) * rest);
+    }
+    return NULL;
+}
+
+/* kind 0-3 (leaky_relu, sigmoid, tanh, silu): out[i] = its forward of v[i] (grad 0), or
+ * its gradient for dout[i] (grad 1; v is out for sigmoid and tanh, else x), i < n, on up
+ * to `threads` threads; out may be dout. Returns 0, or 1 for an unknown kind. */
+int activation_f32(int kind, int grad, const float *v, const float *dout, float *out,
+                   int64_t n, double alpha, int threads)
+{
+    if (kind < LEAKY_RELU || kind > SILU) return 1;
+    job_t jobs[POOL_MAX_THREADS];
+    const int64_t blocks16 = (n + 15) / 16, parts = pool_parts(threads, blocks16);
+    for (int64_t t = 0; t < parts; t++) {
+        int64_t b0, b1;
+        pool_share(blocks16, parts, t, &b0, &b1);
+        jobs[t] = (job_t){v, dout, out, alpha, b0 * 16 < n ? b0 * 16 : n,
+                          b1 * 16 < n ? b1 * 16 : n, kind, grad};
+    }
+    pool_run(run, jobs, sizeof(job_t), parts);
+    return 0;
+}
