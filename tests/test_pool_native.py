@@ -1,10 +1,10 @@
-"""The native max-pooling kernels (kernels/cpu/pool_native.c) against the numpy kernels
+"""The native pooling kernels (kernels/cpu/pool_native.c) against the numpy kernels
 they replace (kernels/cpu/pool2d.py, themselves checked against float64 references
 and finite differences in test_pool2d.py): the gradient's dx, bit for bit, on tiling,
 strided, overlapping and padded windows, ties, NaN and -inf, 1-3 threads; the 2x2
 tiles' forward, bit for bit, with NaN and infinities, in blocks of rows and their
-remainders; global average pooling against the float64 mean; and where the native
-kernels do not apply, None."""
+remainders; global average pooling against the float64 mean; average pooling and its
+gradient, bit for bit; and where the native kernels do not apply, None."""
 import numpy as np
 import pytest
 
@@ -269,3 +269,32 @@ def test_global_average_declines_what_it_does_not_take(monkeypatch):
     assert pool_native.global_avg(x[0]) is None                            # not 4-D
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert pool_native.global_avg(x) is None
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_average_pooling_and_its_gradient_are_the_numpy_kernels(case, threads, monkeypatch):
+    """float32 average pooling over each window's real elements, and its gradient (the
+    shares of overlapping windows added in tap order), bit for bit the numpy kernels'."""
+    monkeypatch.setattr(pool_native, "MIN_THREAD_VALUES", 1)
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    shape, *geometry = CASES[case]
+    attrs = dict(attrs_of(*geometry), pool_type="avg")
+    x, dout, hw = inputs(shape, attrs, np.float32)
+    x.reshape(-1)[::7] = np.inf
+    got, got_dx = pool_native.avg_pool(x, attrs, hw), pool_native.avg_pool(x, attrs, hw, dout)
+    with monkeypatch.context() as m:
+        m.setenv("MINIGRAPH_NATIVE", "0")
+        assert pool_native.avg_pool(x, attrs, hw) is None
+        want = pool2d_cpu(op_of(attrs), {"x": x}, None)["out"]
+        want_dx = pool2d_grad_cpu(op_of(attrs), {"x": x, "dout": dout}, None)["dx"]
+    assert got.tobytes() == want.tobytes() and got_dx.tobytes() == want_dx.tobytes()
+
+
+def test_average_pooling_declines_what_it_does_not_take():
+    attrs = dict(attrs_of((2, 2), (2, 2), (0, 0)), pool_type="avg")
+    x = rng.standard_normal((2, 3, 4, 4))
+    assert pool_native.avg_pool(x, attrs, (2, 2)) is None                 # float64
+    x = x.astype(np.float32)
+    assert pool_native.avg_pool(x[:, :, :, ::2], attrs, (2, 1)) is None   # not contiguous
+    assert pool_native.avg_pool(x, attrs, (2, 2), np.zeros((2, 3, 2, 3), np.float32)) is None

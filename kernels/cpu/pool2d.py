@@ -2,8 +2,9 @@
 padded copy (padding -inf for max, not counted by the average), and their gradients,
 in either layout: the spatial axes are (2, 3) in NCHW and (1, 2) in NHWC, and every
 function takes the layout from the attributes ("NCHW" when they have none). The
-max-pooling gradient, 2x2 tiles' forward and float32 NCHW global average pooling run
-the native kernels of pool_native where they apply (the forwards also as a bound
+max-pooling gradient, 2x2 tiles' forward, float32 NCHW global average pooling and
+float32 NCHW average pooling and its gradient run the native kernels of pool_native
+where they apply (the forwards also as a bound
 form's prepared calls: bind_pool2d); the numpy functions here are their reference.
 """
 from __future__ import annotations
@@ -178,6 +179,9 @@ def pool2d_cpu(op, ins, ctx):
     hw = out_hw(x.shape, a)
     if a["pool_type"] == "max":
         return {"out": window_max(x, a, hw)}
+    out = pool_native.avg_pool(x, a, hw) if layout == "NCHW" else None
+    if out is not None:
+        return {"out": out}
     xp = pad_hw(x, a["paddings"], layout=layout)
     total = np.zeros(_out_shape(x.shape, layout, hw), dtype=np.float64)
     for i, j in taps(a):
@@ -243,10 +247,10 @@ def pool2d_grad_cpu(op, ins, ctx):
             return {"dx": np.broadcast_to(d / (h * w), x.shape).astype(x.dtype)}
         return {"dx": _global_max_grad(x, d, layout)}
     hw = out_hw(x.shape, a)
-    if a["pool_type"] == "max":
-        dx = pool_native.max_pool_grad(x, d, a, hw, layout)
-        if dx is not None:
-            return {"dx": dx}
+    dx = (pool_native.max_pool_grad(x, d, a, hw, layout) if a["pool_type"] == "max" else
+          pool_native.avg_pool(x, a, hw, dout=d) if layout == "NCHW" else None)
+    if dx is not None:
+        return {"dx": dx}
     ph, pw = a["paddings"]
     where = window_argmax(x, a, hw) if a["pool_type"] == "max" else None
     padded = list(x.shape)

@@ -16,8 +16,8 @@
  * rows, then of each pair of neighbours in that row, NaN propagating (numpy's
  * maximum); float32 in one pass, eight windows at a time (the neighbours paired by
  * shuffles) on the pool's threads, float64 in two vectorized passes. And the
- * float32 NCHW forward of global average pooling (global_avg_pool). Other forwards
- * stay on numpy: one window at a time was no faster than its vectorized passes.
+ * float32 NCHW forward of global average pooling (global_avg_pool), and float32 NCHW
+ * average pooling and its gradient (pool_avg.h). Other forwards stay on numpy: one window at a time was no faster than its vectorized passes.
  * Built and loaded by native.py, launched by pool_native.py.
  *
  * Planes (one image's channel) are split in contiguous ranges over up to
@@ -381,4 +381,5 @@ int global_avg_pool(const float *x, float *out, int64_t planes, int64_t hw, int 
     return 0;
 }
 
+#include "pool_avg.h"
 #include "pool_native_nhwc.h"

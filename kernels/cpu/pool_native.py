@@ -26,13 +26,13 @@ MIN_THREAD_VALUES = 1 << 17      # values a thread must have to be worth waking
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _TYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_kernel = _tiles = _kernel_nhwc = _tiles_nhwc = _global_avg = None
+_kernel = _tiles = _kernel_nhwc = _tiles_nhwc = _global_avg = _avg = None
 
 
 def _load():
     """The typed C function max_pool_grad (and max_pool_tiles, and their NHWC
     versions), or None where the library cannot be built."""
-    global _kernel, _tiles, _kernel_nhwc, _tiles_nhwc, _global_avg
+    global _kernel, _tiles, _kernel_nhwc, _tiles_nhwc, _global_avg, _avg
     if _kernel is None:
         lib = native.library("pool_native")
         if lib is None:
@@ -42,9 +42,12 @@ def _load():
         lib.max_pool_tiles_nhwc.argtypes = [ctypes.c_int, _P, _P, _L, _L, _L]
         lib.max_pool_tiles_nhwc.restype = ctypes.c_int
         _tiles, _tiles_nhwc = lib.max_pool_tiles, lib.max_pool_tiles_nhwc
+        lib.avg_pool_f32.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L,
+                                     ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.avg_pool_f32.restype = ctypes.c_int
         lib.global_avg_pool.argtypes = [_P, _P, _L, _L, ctypes.c_int]
         lib.global_avg_pool.restype = ctypes.c_int
-        _global_avg = lib.global_avg_pool
+        _global_avg, _avg = lib.global_avg_pool, lib.avg_pool_f32
         lib.max_pool_grad_nhwc.argtypes = [ctypes.c_int, _P, _P, _P, _L, _L, _L, _L,
                                            ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         lib.max_pool_grad_nhwc.restype = ctypes.c_int
@@ -164,3 +167,27 @@ def max_pool_grad(x, dout, attrs, hw, layout="NCHW"):
         _kernel(f64, x.ctypes.data, dout.ctypes.data, dx.ctypes.data, n * c, h, w, geometry,
                 threads)
     return dx
+
+
+def avg_pool(x, attrs, hw, dout=None):
+    """Average pooling of float32 NCHW x (N, C, H, W) over the real elements of each
+    window (attrs: the op's resolved ksize, strides, paddings; hw = (Ho, Wo)), or, given
+    dout (N, C, Ho, Wo), its gradient dx (N, C, H, W); the numpy kernel's bits
+    (pool_avg.h). None where the native kernel does not apply."""
+    if not (native.enabled() and x.ndim == 4 and x.dtype == np.float32
+            and x.flags.c_contiguous and _load() is not None):
+        return None
+    n, c, h, w = x.shape
+    if dout is not None and not (dout.dtype == np.float32 and dout.flags.c_contiguous
+                                 and dout.shape == (n, c, *hw)):
+        return None
+    out = np.empty(x.shape if dout is not None else (n, c, *hw), np.float32)
+    if out.size:
+        geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
+                                        *attrs["paddings"])
+        if _avg(int(dout is not None), native.address(x), native.address(dout),
+                native.address(out), n * c, h, w, geometry,
+                blocks.threads_for(x.size, MIN_THREAD_VALUES)):
+            raise MemoryError("pool_native.avg_pool: the kernel's buffers could not be "
+                              "allocated")
+    return out
