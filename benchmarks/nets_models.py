@@ -17,7 +17,10 @@ PyTorch twins are in nets_torch.py.
 - mobile (32x3x32x32, Momentum(0.1, 0.9)): a MobileNet-style net of depthwise
   separable blocks, stem conv32-BN-ReLU, then per block a depthwise 3x3 conv
   (groups = channels) and a pointwise 1x1 conv, each without bias, then BN-ReLU:
-  32->64, 64->128 stride 2, 128->128, 128->256 stride 2; global average pool, fc10.
+  32->64, 64->128 stride 2, 128->128, 128->256 stride 2; global average pool, fc10;
+- cifar (64x3x32x32, Adam(1e-3)): a user's CIFAR CNN with other activations and
+  pooling, three blocks conv-BN-SiLU-avgpool (32, 64, 128; 3x3, padding 1), then
+  fc256-LeakyReLU(0.01), dropout 0.3, fc10.
 minigraph runs every BN-ReLU pair as one batch_norm_relu op
 (mg.passes.fuse_batch_norm_relu, before minimize); a BN whose output goes to a
 residual add stays a batch_norm. The Momentum nets' updates run as one
@@ -27,13 +30,15 @@ foreach=True, its counterpart).
 from __future__ import annotations
 
 NETS = {"digits": (64, (1, 8, 8)), "resnet": (32, (3, 32, 32)), "mnist": (64, (1, 28, 28)),
-        "mlp": (128, (784,)), "recipe": (64, (1, 28, 28)), "mobile": (32, (3, 32, 32))}
-ADAM_NETS = ("mnist", "mlp")           # trained with Adam(1e-3)
+        "mlp": (128, (784,)), "recipe": (64, (1, 28, 28)), "mobile": (32, (3, 32, 32)),
+        "cifar": (64, (3, 32, 32))}
+ADAM_NETS = ("mnist", "mlp", "cifar")  # trained with Adam(1e-3)
 ADAMW_NETS = ("recipe",)               # AdamW(1e-3, WEIGHT_DECAY), two parameter groups
 LEARNING_RATE, MOMENTUM = 0.1, 0.9     # the others: Momentum
 WEIGHT_DECAY = 0.01
 STAGES = ((16, 1), (32, 2), (64, 2))
 RECIPE_CONVS = (32, 64)
+CIFAR_CONVS = (32, 64, 128)
 MOBILE_BLOCKS = ((64, 1), (128, 2), (128, 1), (256, 2))    # (pointwise filters, stride)
 
 
@@ -109,8 +114,9 @@ def mg_mobile(seed=0, place=None):
 
 
 def mg_cnn(net_name, seed=0, place=None):
-    """(net, image, logits, loss): the MNIST CNN, the wide MLP (minimised with Adam)
-    or the recipe (AdamW, two parameter groups), on `place` (the CPU by default)."""
+    """(net, image, logits, loss): the MNIST CNN, the wide MLP, the CIFAR CNN (minimised
+    with Adam) or the recipe (AdamW, two parameter groups), on `place` (the CPU by
+    default)."""
     import minigraph as mg
     from minigraph import layers as L
 
@@ -118,7 +124,12 @@ def mg_cnn(net_name, seed=0, place=None):
     image = L.data(net, "image", shape=(-1,) + NETS[net_name][1])
     label = L.data(net, "label", shape=(-1,), dtype="int64")
     h = image
-    if net_name in ("mnist", "recipe"):
+    if net_name == "cifar":
+        for filters in CIFAR_CONVS:
+            h = L.conv2d(net, h, num_filters=filters, filter_size=3, padding=1)
+            h = L.pool2d(net, L.silu(net, L.batch_norm(net, h)), 2, pool_type="avg")
+        h = L.dropout(net, L.leaky_relu(net, L.fc(net, h, 256), alpha=0.01), p=0.3)
+    elif net_name in ("mnist", "recipe"):
         for filters in (16, 32) if net_name == "mnist" else RECIPE_CONVS:
             h = L.conv2d(net, h, num_filters=filters, filter_size=3, padding=1)
             h = L.pool2d(net, L.relu(net, L.batch_norm(net, h)), 2)

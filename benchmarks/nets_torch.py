@@ -6,6 +6,7 @@ from __future__ import annotations
 from nets_models import (
     ADAM_NETS,
     ADAMW_NETS,
+    CIFAR_CONVS,
     LEARNING_RATE,
     MOBILE_BLOCKS,
     MOMENTUM,
@@ -29,6 +30,14 @@ def torch_model(net_name):
                              nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2), nn.Dropout(0.25),
                              nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.BatchNorm1d(128),
                              nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 10))
+    if net_name == "cifar":
+        layers, cin = [], 3
+        for filters in CIFAR_CONVS:
+            layers += [nn.Conv2d(cin, filters, 3, padding=1), nn.BatchNorm2d(filters),
+                       nn.SiLU(), nn.AvgPool2d(2)]
+            cin = filters
+        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(cin * 4 * 4, 256),
+                             nn.LeakyReLU(0.01), nn.Dropout(0.3), nn.Linear(256, 10))
     if net_name == "recipe":
         (c1, c2) = RECIPE_CONVS
         return nn.Sequential(nn.Conv2d(1, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
