@@ -5,6 +5,8 @@
  * - gradient: each window's share dout / count in float, and each element's dx the sum
  *   in float, from 0, of the shares of the windows it is in, in the order of its taps
  *   in them (the numpy kernel adds the shares tap by tap).
+ * 2x2 windows at stride 2 without padding (the common layer) take a loop of their own,
+ * the same sums in the same order, and windows that do not overlap one of their own.
  * Planes in contiguous ranges over up to `threads` threads (native_pool.h), each plane
  * one thread's, so results do not depend on the count. g: ho wo kh kw sh sw ph pw. */
 
@@ -41,9 +43,20 @@ static void *avg_forward_planes(void *arg)
     int64_t *r0 = spans, *rn = r0 + ho, *c0 = rn + ho, *cn = c0 + wo;
     avg_spans(j->h, ho, g[2], g[4], g[6], r0, rn);
     avg_spans(j->w, wo, g[3], g[5], g[7], c0, cn);
+    const int tiles = g[2] == 2 && g[3] == 2 && g[4] == 2 && g[5] == 2 && !g[6] && !g[7];
     for (int64_t p = j->begin; p < j->end; p++) {
         const float *x = j->x + p * j->h * j->w;
         float *out = j->out + p * ho * wo;
+        if (tiles) {          /* 2x2 windows at stride 2, unpadded: the same sums, vectorized */
+            for (int64_t r = 0; r < ho; r++) {
+                const float *top = x + 2 * r * j->w, *bottom = top + j->w;
+                float *o = out + r * wo;
+                for (int64_t q = 0; q < wo; q++)
+                    o[q] = (float)((((0.0 + top[2 * q]) + top[2 * q + 1]) + bottom[2 * q]
+                                    + bottom[2 * q + 1]) / 4.0);
+            }
+            continue;
+        }
         for (int64_t r = 0; r < ho; r++)
             for (int64_t q = 0; q < wo; q++) {
                 double sum = 0.0;
@@ -91,12 +104,24 @@ static void *avg_grad_planes(void *arg)
     avg_spans(w, wo, g[3], g[5], g[7], c0, cn);
     avg_windows(h, ho, g[2], g[4], g[6], rat, rwin);
     avg_windows(w, wo, g[3], g[5], g[7], cat, cwin);
+    const int tiles = g[2] == 2 && g[3] == 2 && g[4] == 2 && g[5] == 2 && !g[6] && !g[7];
     for (int64_t p = j->begin; p < j->end; p++) {
         const float *d = j->dout + p * ho * wo;
         float *dx = j->out + p * h * w;
         for (int64_t r = 0; r < ho; r++)
             for (int64_t q = 0; q < wo; q++)
                 share[r * wo + q] = d[r * wo + q] / (float)(rn[r] * cn[q]);
+        if (tiles) {           /* 2x2 windows at stride 2, unpadded: each share 4 times */
+            for (int64_t y = 0; y < h; y++) {
+                float *row = dx + y * w;
+                const float *s = share + (y / 2) * wo;
+                int64_t c = 0;
+                if (y < 2 * ho)
+                    for (; c < 2 * wo; c++) row[c] = 0.0f + s[c / 2];
+                for (; c < w; c++) row[c] = 0.0f;
+            }
+            continue;
+        }
         if (g[4] >= g[2] && g[5] >= g[3]) {        /* no overlap: one window at most */
             for (int64_t y = 0; y < h; y++) {
                 const int64_t in = rat[y] < rat[y + 1];
