@@ -116,13 +116,14 @@ kernel("relu", "gpu", cuda.relu_gpu, dtypes=GPU_FLOATS)
 kernel("relu_grad", "gpu", cuda.relu_grad_gpu, dtypes=GPU_FLOATS)
 
 register_activation("sigmoid", "out", onnx_export.unary("Sigmoid"),
-                    (cpu.sigmoid_cpu, cpu.sigmoid_grad_cpu), grad_reuse=True)
-register_activation("tanh", "out", onnx_export.unary("Tanh"), (cpu.tanh_cpu, cpu.tanh_grad_cpu),
+                    (cpu.sigmoid_cpu, cpu.sigmoid_grad_cpu, cpu.bind_native("sigmoid")),
                     grad_reuse=True)
+register_activation("tanh", "out", onnx_export.unary("Tanh"),
+                    (cpu.tanh_cpu, cpu.tanh_grad_cpu, cpu.bind_native("tanh")), grad_reuse=True)
 register_activation("gelu", "x", export_gelu, (cpu.gelu_cpu, cpu.gelu_grad_cpu, cpu.bind_gelu),
                     roles=("gelu",))
 register_activation("leaky_relu", "x", export_leaky_relu,
-                    (cpu.leaky_relu_cpu, cpu.leaky_relu_grad_cpu),
+                    (cpu.leaky_relu_cpu, cpu.leaky_relu_grad_cpu, cpu.bind_native("leaky_relu")),
                     attrs=(float_attr("alpha", 0.01, finite),), gpu_scalar="alpha", grad_reuse=True)
 
 

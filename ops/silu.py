@@ -23,8 +23,8 @@ def export_silu(ctx, op):
     return [ctx.node("Sigmoid", [x], [s]), ctx.node("Mul", [x, s], [ctx.output(out)])]
 
 
-register_activation("silu", "x", export_silu, (cpu.silu_cpu, cpu.silu_grad_cpu), doc=__doc__,
-                    grad_reuse=True)
+register_activation("silu", "x", export_silu, (cpu.silu_cpu, cpu.silu_grad_cpu, cpu.bind_silu),
+                    doc=__doc__, grad_reuse=True)
 
 
 def silu_examples(ex):

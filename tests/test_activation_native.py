@@ -125,3 +125,25 @@ def test_what_it_does_not_take(monkeypatch):
     assert activation_native.forward("tanh", np.empty(0, np.float32)).size == 0
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
     assert activation_native.forward("tanh", x) is None
+
+
+@pytest.mark.parametrize("kind", sorted(activation_native.KINDS))
+def test_bound_forms_run_the_kernel_into_a_kept_array(kind):
+    """The forward's bound form (inference nets, minigraph.bound_run): the kernel's bits
+    into the same array every run, new values in the same input array read anew; None
+    (the kernel runs) for float64."""
+    import minigraph as mg
+    from minigraph.kernels.cpu import activation
+
+    scope = mg.Scope()
+    attrs = {"alpha": 0.2} if kind == "leaky_relu" else {}
+    op = mg.Operator(kind, x=scope.new_var("x"), out=scope.new_var("out"), **attrs)
+    run = activation.bind_native(kind)(op)
+    x = values(1000).copy()
+    first = run({"x": x})["out"]
+    for new in (x * 0.5 + 0.25, rng.standard_normal(x.size).astype(np.float32)):
+        x[...] = new
+        got = run({"x": x})["out"]
+        assert got is first
+        assert got.tobytes() == activation_native.forward(kind, x, 0.2).tobytes()
+    assert run({"x": x.astype(np.float64)}) is None

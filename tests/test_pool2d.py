@@ -43,11 +43,13 @@ def test_pool2d_float32(attrs):
 
 @pytest.mark.parametrize("attrs, dtype", [
     ({}, "float32"), ({}, "float64"), ({"data_layout": "NHWC"}, "float32"),
-    ({"global_pooling": True, "pool_type": "avg"}, "float32")])
+    ({"global_pooling": True, "pool_type": "avg"}, "float32"),
+    ({"pool_type": "avg"}, "float32"),
+    ({"pool_type": "avg", "ksize": 3, "strides": 2, "paddings": 1}, "float32")])
 def test_native_poolings_run_bound(attrs, dtype):
-    """2x2 max windows that tile the plane and float32 NCHW global average pooling have
-    a bound form (minigraph.bound_run): the kernel's bits into the same array every run,
-    new values in the same input array read anew; other poolings have none."""
+    """2x2 max windows that tile the plane and float32 NCHW average pooling (global or
+    not) have a bound form (minigraph.bound_run): the kernel's bits into the same array
+    every run, new values in the same input array read anew; other poolings have none."""
     from minigraph.kernels.cpu import pool_native
 
     if not pool_native.available():
@@ -66,8 +68,8 @@ def test_native_poolings_run_bound(attrs, dtype):
         got = run({"x": x})["out"]
         assert got is first and got.tobytes() == pool_kernels.pool2d_cpu(
             op, {"x": x}, None)["out"].tobytes()
-    for i, other in enumerate(({"pool_type": "avg"}, {"ksize": 3, "strides": 1},
-                               {"global_pooling": True})):
+    for i, other in enumerate(({"pool_type": "avg", "data_layout": "NHWC"},
+                               {"ksize": 3, "strides": 1}, {"global_pooling": True})):
         op = mg.Operator("pool2d", x=scope.new_var(f"x{i}"), out=scope.new_var(f"o{i}"),
                          **other)
         assert pool_kernels.bind_pool2d(op) is None

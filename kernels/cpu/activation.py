@@ -155,15 +155,32 @@ def gelu(x, out=None):
 def bind_gelu(op):
     """gelu_cpu's bound form (minigraph.bound_run): the native float32 kernel into the
     same array every run, its call prepared again only when x is another array."""
+    return bind_elementwise(gelu_native.prepared_forward)
+
+
+def bind_elementwise(prepared_forward):
+    """The bound form (minigraph.bound_run) of an elementwise forward whose native
+    float32 call prepared_forward(x, out) makes (None where it does not apply): into
+    the same array every run, prepared again only when x is another array."""
     kept = {"key": None}
 
     def prepare(x):
         if (x.shape, x.dtype) != kept["key"]:
             out = np.empty(x.shape, x.dtype)
             kept.update(key=(x.shape, x.dtype), out=out, outs={"out": out})
-        call = gelu_native.prepared_forward(x, kept["out"])
+        call = prepared_forward(x, kept["out"])
         return None if call is None else (call, kept["outs"])
     return prepared.form(("x",), prepare, streamed=("x",))
+
+
+def bind_native(kind):
+    """The binder of `kind`'s forward (activation_native: leaky_relu, sigmoid, tanh,
+    silu): bind(op) gives its bound form (bind_elementwise)."""
+    def bind(op):
+        alpha = op.attrs.get("alpha", 0.0)
+        return bind_elementwise(
+            lambda x, out: activation_native.prepared_forward(kind, x, out, alpha))
+    return bind
 
 
 def gelu_grad_cpu(op, ins, ctx):

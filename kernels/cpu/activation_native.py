@@ -65,6 +65,22 @@ def forward(kind, x, alpha=0.0):
     return _run(kind, 0, x, None, np.empty(x.shape, _F32), alpha)
 
 
+def prepared_forward(kind, x, out, alpha=0.0):
+    """forward(kind, x, alpha)'s call from x into `out` (both C-contiguous float32 of
+    one shape, not empty), prepared once: a function of no arguments that runs it on
+    what x holds then (a bound form's, minigraph.bound_run); None where forward would
+    return None."""
+    if not (x.size and _takes(x, out)):
+        return None
+    args = (KINDS[kind], 0, native.address(x), None, native.address(out), x.size,
+            float(alpha))
+    least = MIN_THREAD_VALUES[kind]
+
+    def call():
+        _kernel(*args, blocks.threads_for(x.size, least))
+    return call
+
+
 def backward(kind, v, dout, alpha=0.0, into=None):
     """dx of `kind` for dout (v: the op's out for sigmoid and tanh, else its x), into
     `into` (dout's shape, float32, C-contiguous; it may be dout) or a new array; None

@@ -191,15 +191,16 @@ def pool2d_cpu(op, ins, ctx):
 
 def bind_pool2d(op):
     """pool2d_cpu's bound form (minigraph.bound_run) where a native kernel runs the op
-    (max over 2x2 windows that tile the plane; float32 NCHW global average pooling):
-    into the same array every run, prepared again only for another input array. None
-    (the kernel runs) for the other poolings."""
+    (max over 2x2 windows that tile the plane; float32 NCHW average pooling, global or
+    not): into the same array every run, prepared again only for another input array.
+    None (the kernel runs) for the other poolings."""
     a = op.attrs
     layout = layout_of(a)
+    average = a["pool_type"] == "avg" and not a["global_pooling"] and layout == "NCHW"
     if a["global_pooling"]:
         if a["pool_type"] != "avg" or layout != "NCHW":
             return None
-    elif a["pool_type"] != "max" or a["ksize"] != (2, 2):
+    elif not average and (a["pool_type"] != "max" or a["ksize"] != (2, 2)):
         return None
     kept = {"out": None}
 
@@ -208,6 +209,9 @@ def bind_pool2d(op):
             if not pool_native.global_avg_takes(x):
                 return None
             shape = x.shape[:2] + (1, 1)
+        elif average:
+            takes = pool_native.avg_pool_takes(x)
+            shape = x.shape[:2] + tuple(out_hw(x.shape, a)) if takes else None
         elif x.ndim != 4 or not tiles(x, a, out_hw(x.shape, a)):
             return None
         else:
@@ -217,6 +221,8 @@ def bind_pool2d(op):
         out = prepared.output(kept, shape, x.dtype)
         if a["global_pooling"]:
             return pool_native.prepared_global_avg(x, out), {"out": out}
+        if average:
+            return pool_native.prepared_avg_pool(x, out, a, shape[2:]), {"out": out}
         return pool_native.prepared_max_tiles(x, out, layout), {"out": out}
     return prepared.form(("x",), prepare, streamed=("x",))
 

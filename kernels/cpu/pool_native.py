@@ -174,8 +174,7 @@ def avg_pool(x, attrs, hw, dout=None):
     window (attrs: the op's resolved ksize, strides, paddings; hw = (Ho, Wo)), or, given
     dout (N, C, Ho, Wo), its gradient dx (N, C, H, W); the numpy kernel's bits
     (pool_avg.h). None where the native kernel does not apply."""
-    if not (native.enabled() and x.ndim == 4 and x.dtype == np.float32
-            and x.flags.c_contiguous and _load() is not None):
+    if not avg_pool_takes(x):
         return None
     n, c, h, w = x.shape
     if dout is not None and not (dout.dtype == np.float32 and dout.flags.c_contiguous
@@ -183,11 +182,29 @@ def avg_pool(x, attrs, hw, dout=None):
         return None
     out = np.empty(x.shape if dout is not None else (n, c, *hw), np.float32)
     if out.size:
-        geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
-                                        *attrs["paddings"])
-        if _avg(int(dout is not None), native.address(x), native.address(dout),
-                native.address(out), n * c, h, w, geometry,
-                blocks.threads_for(x.size, MIN_THREAD_VALUES)):
+        prepared_avg_pool(x, out, attrs, hw, dout)()
+    return out
+
+
+def avg_pool_takes(x):
+    """True when avg_pool's native kernel takes x: float32 NCHW, C-contiguous, the
+    kernels built."""
+    return (native.enabled() and x.ndim == 4 and x.dtype == np.float32
+            and x.flags.c_contiguous and _load() is not None)
+
+
+def prepared_avg_pool(x, out, attrs, hw, dout=None):
+    """avg_pool(x, attrs, hw, dout) into `out` (C-contiguous float32 of its shape, not
+    empty; x and dout as avg_pool takes them) prepared once: a function of no arguments
+    that runs it on what x (dout) holds then (minigraph.bound_run)."""
+    n, c, h, w = x.shape
+    geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
+                                    *attrs["paddings"])
+    args = (int(dout is not None), native.address(x), native.address(dout),
+            native.address(out), n * c, h, w, geometry)
+
+    def call():
+        if _avg(*args, blocks.threads_for(x.size, MIN_THREAD_VALUES)):
             raise MemoryError("pool_native.avg_pool: the kernel's buffers could not be "
                               "allocated")
-    return out
+    return call

@@ -4,6 +4,7 @@ float64, cast back to x's dtype; float32 in C where the native kernel applies
 from __future__ import annotations
 
 from minigraph.kernels.cpu.activation import (
+    bind_native,
     into_dout,
     native_backward,
     native_forward,
@@ -20,6 +21,9 @@ def silu_cpu(op, ins, ctx):
         return {"out": out}
     xw = work(x)                                  # float64 (no copy when it already is)
     return {"out": (xw * sigmoid64(xw)).astype(x.dtype)}
+
+
+bind_silu = bind_native("silu")       # inference: the native kernel into a kept array
 
 
 def silu_grad_cpu(op, ins, ctx):
