@@ -201,3 +201,33 @@ def test_small_depthwise_convs_default_to_the_kernel_untimed(monkeypatch):
     _, _, g, _ = case((8, 64, 28, 28), 1, (3, 3), (1, 1), (1, 1), (1, 1))
     assert conv_ops.pick("conv2d", op, g, 2, options) == "im2col" and len(timed) == 1
     assert "|b" + native.build_key("conv_depthwise") in timed[0][1]
+
+
+def test_an_inference_net_runs_its_depthwise_convs_bound(monkeypatch):
+    """optimize_for_inference's depthwise fused_conv2d (bias and relu from the folded
+    batch norm) runs through its bound form, prepared once, with the bits of runs op by
+    op; one that pools its outputs runs its kernel (no bound form)."""
+    from test_bound_run import compiled_of, unbound
+
+    prepared = []
+    prepare = conv_depthwise.prepared_forward
+    monkeypatch.setattr(conv_depthwise, "prepared_forward",
+                        lambda *args: prepared.append(args) or prepare(*args))
+    net = mg.Net(seed=0)
+    image = layers.data(net, "image", shape=(-1, 8, 12, 12))
+    h = layers.conv2d(net, image, 16, 3, padding=1, groups=8, bias=False)
+    h = layers.relu(net, layers.batch_norm(net, h))
+    h = layers.pool2d(net, layers.relu(net, layers.conv2d(net, h, 16, 3, padding=1,
+                                                          groups=16)), 2)
+    logits = layers.fc(net, layers.flatten(net, h), 3)
+    fast = mg.passes.optimize_for_inference(net)
+    logits = fast.var(logits.name)
+    fed = np.empty((2, 8, 12, 12), np.float32)
+    for seed in range(3):
+        x = np.random.default_rng(seed).standard_normal(fed.shape).astype(np.float32)
+        fed[...] = x                                  # the same array, new values
+        got = fast.infer(feed={"image": fed}, fetch=[logits])[0]
+        assert got.tobytes() == unbound(fast, {"image": x}, [logits])[0].tobytes()
+    c = compiled_of(fast, [logits])
+    forms = [f for s, f in zip(c.steps, c.bound.forms) if s.op.type == "fused_conv2d"]
+    assert len(forms) == 2 and len(prepared) == 1

@@ -239,9 +239,9 @@ def _pooled(compute, pool, layout):
 
 def bind_fused_conv2d(op):
     """fused_conv2d_cpu's bound form (minigraph.bound_run) for NCHW: the native kernel
-    the op's choice names (Winograd's on the filter's kept transform, or the direct
-    kernel; pooling its outputs where the op does) into the same output array every
-    run, its C call prepared again only when
+    the op's choice names (Winograd's on the filter's kept transform, the direct kernel,
+    pooling its outputs where the op does, or the depthwise kernel where it does not)
+    into the same output array every run, its C call prepared again only when
     the filter or bias is another array, x or the residual of another shape or layout,
     the filter was made writeable (its transform is made anew) or the thread count
     changed. None (the kernel runs) where the arrays are not C-contiguous float32 or
@@ -261,9 +261,11 @@ def bind_fused_conv2d(op):
         if threads is None or 0 in shape:
             return None
         name = pick("fused_conv2d", op, g, threads, options, _extra(op, epilogue))
-        if name not in ("direct", "winograd"):
+        if name == "im2col" or (name == "depthwise" and pool):
             return None
         out = prepared.output(kept, shape, np.float32)
+        if name == "depthwise":
+            return conv_depthwise.prepared_forward(w, g, threads, bias, relu, out)
         return conv_native.prepared_forward(w, g, threads, bias, relu, out,
                                             name == "winograd", pool=pool)
 

@@ -88,6 +88,23 @@ def forward(x, w, g, threads, bias=None, residual=None, relu=False):
     return out
 
 
+def prepared_forward(w, g, threads, bias, relu, out):
+    """forward's outputs into `out` ((N, O, Ho, Wo) float32, C-contiguous) prepared
+    once: a function call(x, residual) that runs the kernel on x and the residual (None,
+    or C-contiguous float32 of out's shape) and what w and bias (C-contiguous float32 of
+    g's shapes, or None) hold then (minigraph.bound_run). call.transform: None (no
+    filter transform to keep)."""
+    lib, dims = _lib(), _dims(g, relu)
+    rest = (_ptr(w), _ptr(bias))
+    to, at, threads = _ptr(out), _ptr(dims), _threads(g, threads)
+
+    def call(x, residual):
+        _check(lib.conv_depthwise_forward(_ptr(x), *rest, _ptr(residual), to, at, threads),
+               "forward")
+    call.keep, call.transform = dims, None
+    return call
+
+
 def input_grad(w, d, g, threads):
     """dx (N, C, H, W) float32 of out = the depthwise conv of x with w, for dout `d`."""
     w = _float32(w, (g.o, 1, g.kh, g.kw), "filter")
