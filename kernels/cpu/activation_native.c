@@ -11,8 +11,9 @@
  *   near 0); above, (1 - e) / (1 + e) with e = exp(-2 |x|), x's sign; dx = dout (1 -
  *   out^2).
  * - silu: x sigmoid(x); dx = dout s (1 + x (1 - s)), s = sigmoid(x).
- * In float on 16 lanes at a time (vector_math.h's exp, within 2 ulp), so within a few
- * float32 ulps of the float64 kernels; a NaN stays NaN. Values are split in contiguous
+ * In float on vector_math.h's vl (16 lanes where the build target has AVX-512, else
+ * 8) with its exp (within 2 ulp), so within a few float32 ulps of the float64 kernels;
+ * a NaN stays NaN. Values are split in contiguous
  * ranges over up to `threads` threads (native_pool.h); each is computed one way, so
  * results do not depend on the count. */
 #include <stddef.h>
@@ -32,33 +33,33 @@ typedef struct {
     int kind, grad;
 } job_t;
 
-static inline vf16 keep_nan(vf16 x, vf16 y) { return select_vf16((vi16)(x != x), x, y); }
+static inline vl keep_nan(vl x, vl y) { return select_vl((vli)(x != x), x, y); }
 
-static inline vf16 sigmoid_v(vf16 x)
+static inline vl sigmoid_v(vl x)
 {
-    const vf16 zero = {0};
-    const vf16 e = exp_vf16(-select_vf16((vi16)(x < zero), -x, x));
-    const vf16 r = 1.0f / (1.0f + e);
-    return keep_nan(x, select_vf16((vi16)(x >= zero), r, e * r));
+    const vl zero = {0};
+    const vl e = exp_vl(-select_vl((vli)(x < zero), -x, x));
+    const vl r = 1.0f / (1.0f + e);
+    return keep_nan(x, select_vl((vli)(x >= zero), r, e * r));
 }
 
-static inline vf16 tanh_v(vf16 x)
+static inline vl tanh_v(vl x)
 {
-    const vf16 zero = {0};
-    const vf16 a = select_vf16((vi16)(x < zero), -x, x), z = x * x;
-    vf16 p = zero - 5.70498872745e-3f;
+    const vl zero = {0};
+    const vl a = select_vl((vli)(x < zero), -x, x), z = x * x;
+    vl p = zero - 5.70498872745e-3f;
     p = p * z + 2.06390887954e-2f;
     p = p * z - 5.37397155531e-2f;
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
-    const vf16 small = p * z * x + x;
-    const vf16 e = exp_vf16(-2.0f * a), big = (1.0f - e) / (1.0f + e);
-    const vf16 large = select_vf16((vi16)(x < zero), -big, big);
-    return keep_nan(x, select_vf16((vi16)(a < 0.625f), small, large));
+    const vl small = p * z * x + x;
+    const vl e = exp_vl(-2.0f * a), big = (1.0f - e) / (1.0f + e);
+    const vl large = select_vl((vli)(x < zero), -big, big);
+    return keep_nan(x, select_vl((vli)(a < 0.625f), small, large));
 }
 
 /* One vector of results: the kind's forward of v, or its gradient for dout d. */
-static inline vf16 lanes(int kind, int grad, vf16 v, vf16 d)
+static inline vl lanes(int kind, int grad, vl v, vl d)
 {
     switch (kind * 2 + grad) {
     case SIGMOID * 2: return sigmoid_v(v);
@@ -67,7 +68,7 @@ static inline vf16 lanes(int kind, int grad, vf16 v, vf16 d)
     case TANH * 2 + 1: return d * (1.0f - v * v);
     case SILU * 2: return v * sigmoid_v(v);
     default: {
-        const vf16 s = sigmoid_v(v);
+        const vl s = sigmoid_v(v);
         return d * s * (1.0f + v * (1.0f - s));
     }
     }
@@ -99,18 +100,18 @@ static void *run(void *arg)
         leaky(j);
         return NULL;
     }
-    const vf16 zero = {0};
+    const vl zero = {0};
     int64_t i = j->begin;
-    for (; i + 16 <= j->end; i += 16) {
-        const vf16 d = j->grad ? *(const vf16u *)(j->dout + i) : zero;
-        *(vf16u *)(j->out + i) = lanes(j->kind, j->grad, *(const vf16u *)(j->v + i), d);
+    for (; i + LANES <= j->end; i += LANES) {
+        const vl d = j->grad ? *(const vlu *)(j->dout + i) : zero;
+        *(vlu *)(j->out + i) = lanes(j->kind, j->grad, *(const vlu *)(j->v + i), d);
     }
     if (i < j->end) {                              /* the last few, through a vector */
-        float v[16] = {0}, d[16] = {0}, out[16];
+        float v[LANES] = {0}, d[LANES] = {0}, out[LANES];
         const int64_t rest = j->end - i;
         memcpy(v, j->v + i, sizeof(float) * rest);
         if (j->grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vf16u *)out = lanes(j->kind, j->grad, *(const vf16u *)v, *(const vf16u *)d);
+        *(vlu *)out = lanes(j->kind, j->grad, *(const vlu *)v, *(const vlu *)d);
         memcpy(j->out + i, out, sizeof(float) * rest);
     }
     return NULL;

@@ -1,10 +1,12 @@
 /* Native CPU kernels of gelu and its gradient for float32 (the float64 ones stay in
  * numpy, kernels/cpu/activation.py, which is also the reference these are tested
  * against): out = x Phi(x), dx = dout (Phi(x) + x phi(x)), Phi the standard normal's
- * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on 16 lanes at a time
- * (vector_math.h: erfc to a fractional error of 1.2e-7, the left tail included). Built and loaded by native.py, launched by
- * gelu_native.py. Values are split in contiguous ranges over up to `threads` threads
- * (native_pool.h); each is computed one way, so results do not depend on the count. */
+ * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on vector_math.h's vl
+ * (16 lanes with AVX-512, else 8; vector_math.h: erfc to a fractional error of 1.2e-7,
+ * the left tail included). Built and loaded by native.py, launched by gelu_native.py.
+ * Values are split in contiguous ranges of whole blocks of 16 over up to `threads`
+ * threads (native_pool.h); each is computed one way, so results do not depend on the
+ * count. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -18,28 +20,28 @@ typedef struct {
     int64_t begin, end;
 } job_t;
 
-static inline vf16 gelu_v(vf16 x, vf16 d, int grad)
+static inline vl gelu_v(vl x, vl d, int grad)
 {
-    if (!grad) return x * normal_cdf_vf16(x, NULL);
-    vf16 density;
-    const vf16 cdf = normal_cdf_vf16(x, &density);
+    if (!grad) return x * normal_cdf_vl(x, NULL);
+    vl density;
+    const vl cdf = normal_cdf_vl(x, &density);
     return d * (cdf + x * density);
 }
 
 static void run(const job_t *j, int grad)
 {
-    const vf16 zero = {0};
+    const vl zero = {0};
     int64_t i = j->begin;
-    for (; i + 16 <= j->end; i += 16) {
-        const vf16 d = grad ? *(const vf16u *)(j->dout + i) : zero;
-        *(vf16u *)(j->out + i) = gelu_v(*(const vf16u *)(j->x + i), d, grad);
+    for (; i + LANES <= j->end; i += LANES) {
+        const vl d = grad ? *(const vlu *)(j->dout + i) : zero;
+        *(vlu *)(j->out + i) = gelu_v(*(const vlu *)(j->x + i), d, grad);
     }
     if (i < j->end) {                              /* the last few, through a vector */
-        float x[16] = {0}, d[16] = {0}, out[16];
+        float x[LANES] = {0}, d[LANES] = {0}, out[LANES];
         const int64_t rest = j->end - i;
         memcpy(x, j->x + i, sizeof(float) * rest);
         if (grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vf16u *)out = gelu_v(*(const vf16u *)x, *(const vf16u *)d, grad);
+        *(vlu *)out = gelu_v(*(const vlu *)x, *(const vlu *)d, grad);
         memcpy(j->out + i, out, sizeof(float) * rest);
     }
 }

@@ -1,9 +1,8 @@
 """Launcher of the native CPU gelu and its gradient for float32 (gelu_native.c, built
 by native.py): x Phi(x) and dout (Phi(x) + x phi(x)), Phi from an erfc of fractional
-error 1.2e-7 in float on 16 lanes at a time, within a few float32 ulps of the float64
-numpy kernels
-(kernels/cpu/activation.py, the reference they are tested against; float64 stays
-there).
+error 1.2e-7 in float, 16 lanes at a time (8 without AVX-512), within a few float32
+ulps of the float64 numpy kernels (kernels/cpu/activation.py, the reference they are
+tested against; float64 stays there).
 
 `forward` and `backward` return None where the native kernel does not apply: it is
 off or not built (native.reason says why), or the arrays are not C-contiguous float32
