@@ -96,8 +96,8 @@ def test_conv2d_float32(x_shape, w_shape, attrs, cpu_engine):
 @pytest.mark.parametrize("wanted", [("dx", "dfilter"), ("dx",), ("dfilter",)])
 def test_conv2d_grad_float32(x_shape, w_shape, attrs, wanted, cpu_engine):
     """conv2d_grad on float32 against the float64 reference, both gradients or one:
-    the native kernels where they take the conv (grouped convs fall back to
-    conv_cpu), else conv_cpu."""
+    the native kernels where they take the conv (depthwise convs on conv_depthwise,
+    other grouped convs on conv_cpu), else conv_cpu."""
     x = rng.standard_normal(x_shape).astype("float32")
     w = rng.standard_normal(w_shape).astype("float32")
     want_out = conv_reference(x, w, **attrs)["out"]

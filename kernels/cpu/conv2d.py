@@ -69,8 +69,9 @@ def cpu_geometry(op, x, w):
 
 
 def conv2d_cpu(op, ins, ctx):
-    """out[n, o] = sum over the group's channels and taps of filter * window: where the
-    native kernels take the conv (conv_native, conv_native_nhwc: float32, one group),
+    """out[n, o] = sum over the group's channels and taps of filter * window: for a
+    depthwise conv (depthwise()), the faster of its kernel and the im2col engine; where
+    the native kernels take the conv (conv_native, conv_native_nhwc: float32, one group),
     Winograd's kernel (where its scratch memory stays within the output's), the direct
     kernel or the im2col engine, whichever was the fastest for the shape on this
     machine (choose); else the im2col engine. The im2col engine runs with lean work
@@ -117,7 +118,8 @@ def winograd_bound(takes, g, threads, room, out_floats):
 
 
 def conv2d_grad_cpu(op, ins, ctx):
-    """dx and dfilter (each only when bound): where the native kernels take the conv,
+    """dx and dfilter (each only when bound): for a depthwise conv, _depthwise_grad's;
+    where the native kernels take the conv,
     each the fastest on this machine (choose) of the native kernels (dfilter; dx as
     forward passes over dout, one per phase of the stride: Winograd's for a 3x3 conv
     of stride 1, or the direct kernel) and the layout's numpy engine; else that
@@ -181,9 +183,10 @@ def _depthwise_grad(op, x, w, d, g, ctx, need_dx, need_dw):
 def fused_conv2d_cpu(op, ins, ctx):
     """out = act(conv2d(x, filter) + bias + residual): as conv2d's kernel (the fastest
     of Winograd's, the direct and the im2col engine where the native kernels take the
-    conv), Winograd's with a larger scratch bound than conv2d's and its transform of
-    the filter kept (this op runs in inference nets only: no op writes its filter,
-    which is made read-only) and the im2col engine with full chunks."""
+    conv; of the depthwise kernel and the im2col engine for a depthwise conv),
+    Winograd's with a larger scratch bound than conv2d's and its transform of the
+    filter kept (this op runs in inference nets only: no op writes its filter, which
+    is made read-only) and the im2col engine with full chunks."""
     x, w = ins["x"], ins["filter"]
     epilogue = {"bias": ins.get("bias"), "residual": ins.get("residual")}
     g, threads, options = _fused_options(op, x, w, epilogue)
