@@ -92,7 +92,7 @@ def into_dout(ins, ctx, dx):
     return {"dx": dx}
 
 
-def native_backward(kind, op, ins, ctx, v, alpha=0.0):
+def native_backward(kind, ins, ctx, v, alpha=0.0):
     """`kind`'s float32 gradient in C for ins["dout"] (v: the op's out or x), written
     into dout where it is handed over (the op's reuse), or None where it does not
     apply."""
@@ -109,7 +109,7 @@ def sigmoid_cpu(op, ins, ctx):
 
 def sigmoid_grad_cpu(op, ins, ctx):
     """dx = dout * out * (1 - out)."""
-    dx = native_backward("sigmoid", op, ins, ctx, ins["out"])
+    dx = native_backward("sigmoid", ins, ctx, ins["out"])
     if dx is not None:
         return {"dx": dx}
     out, d = work(ins["out"]), ins["dout"]
@@ -125,7 +125,7 @@ def tanh_cpu(op, ins, ctx):
 
 def tanh_grad_cpu(op, ins, ctx):
     """dx = dout * (1 - out^2)."""
-    dx = native_backward("tanh", op, ins, ctx, ins["out"])
+    dx = native_backward("tanh", ins, ctx, ins["out"])
     if dx is not None:
         return {"dx": dx}
     out, d = work(ins["out"]), ins["dout"]
@@ -209,7 +209,7 @@ def leaky_relu_cpu(op, ins, ctx):
 
 def leaky_relu_grad_cpu(op, ins, ctx):
     """dx = dout where x > 0, else alpha * dout."""
-    dx = native_backward("leaky_relu", op, ins, ctx, ins["x"], op.attrs["alpha"])
+    dx = native_backward("leaky_relu", ins, ctx, ins["x"], op.attrs["alpha"])
     if dx is not None:
         return {"dx": dx}
     x, d = ins["x"], ins["dout"]

@@ -28,7 +28,7 @@ bind_silu = bind_native("silu")       # inference: the native kernel into a kept
 
 def silu_grad_cpu(op, ins, ctx):
     """dx = dout * s * (1 + x * (1 - s)), s = sigmoid(x)."""
-    dx = native_backward("silu", op, ins, ctx, ins["x"])
+    dx = native_backward("silu", ins, ctx, ins["x"])
     if dx is not None:
         return {"dx": dx}
     x, d = work(ins["x"]), ins["dout"]
