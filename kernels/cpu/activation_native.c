@@ -11,7 +11,7 @@
  *   near 0); above, (1 - e) / (1 + e) with e = exp(-2 |x|), x's sign; dx = dout (1 -
  *   out^2).
  * - silu: x sigmoid(x); dx = dout s (1 + x (1 - s)), s = sigmoid(x).
- * In float on vector_math.h's vl (16 lanes where the build target has AVX-512, else
+ * In float on vector_math.h's vn (16 lanes where the build target has AVX-512, else
  * 8) with its exp (within 2 ulp), so within a few float32 ulps of the float64 kernels;
  * a NaN stays NaN. Values are split in contiguous
  * ranges over up to `threads` threads (native_pool.h); each is computed one way, so
@@ -33,33 +33,33 @@ typedef struct {
     int kind, grad;
 } job_t;
 
-static inline vl keep_nan(vl x, vl y) { return select_vl((vli)(x != x), x, y); }
+static inline vn keep_nan(vn x, vn y) { return select_vn((vni)(x != x), x, y); }
 
-static inline vl sigmoid_v(vl x)
+static inline vn sigmoid_v(vn x)
 {
-    const vl zero = {0};
-    const vl e = exp_vl(-select_vl((vli)(x < zero), -x, x));
-    const vl r = 1.0f / (1.0f + e);
-    return keep_nan(x, select_vl((vli)(x >= zero), r, e * r));
+    const vn zero = {0};
+    const vn e = exp_vn(-select_vn((vni)(x < zero), -x, x));
+    const vn r = 1.0f / (1.0f + e);
+    return keep_nan(x, select_vn((vni)(x >= zero), r, e * r));
 }
 
-static inline vl tanh_v(vl x)
+static inline vn tanh_v(vn x)
 {
-    const vl zero = {0};
-    const vl a = select_vl((vli)(x < zero), -x, x), z = x * x;
-    vl p = zero - 5.70498872745e-3f;
+    const vn zero = {0};
+    const vn a = select_vn((vni)(x < zero), -x, x), z = x * x;
+    vn p = zero - 5.70498872745e-3f;
     p = p * z + 2.06390887954e-2f;
     p = p * z - 5.37397155531e-2f;
     p = p * z + 1.33314422036e-1f;
     p = p * z - 3.33332819422e-1f;
-    const vl small = p * z * x + x;
-    const vl e = exp_vl(-2.0f * a), big = (1.0f - e) / (1.0f + e);
-    const vl large = select_vl((vli)(x < zero), -big, big);
-    return keep_nan(x, select_vl((vli)(a < 0.625f), small, large));
+    const vn small = p * z * x + x;
+    const vn e = exp_vn(-2.0f * a), big = (1.0f - e) / (1.0f + e);
+    const vn large = select_vn((vni)(x < zero), -big, big);
+    return keep_nan(x, select_vn((vni)(a < 0.625f), small, large));
 }
 
 /* One vector of results: the kind's forward of v, or its gradient for dout d. */
-static inline vl lanes(int kind, int grad, vl v, vl d)
+static inline vn lanes(int kind, int grad, vn v, vn d)
 {
     switch (kind * 2 + grad) {
     case SIGMOID * 2: return sigmoid_v(v);
@@ -68,7 +68,7 @@ static inline vl lanes(int kind, int grad, vl v, vl d)
     case TANH * 2 + 1: return d * (1.0f - v * v);
     case SILU * 2: return v * sigmoid_v(v);
     default: {
-        const vl s = sigmoid_v(v);
+        const vn s = sigmoid_v(v);
         return d * s * (1.0f + v * (1.0f - s));
     }
     }
@@ -100,18 +100,18 @@ static void *run(void *arg)
         leaky(j);
         return NULL;
     }
-    const vl zero = {0};
+    const vn zero = {0};
     int64_t i = j->begin;
-    for (; i + LANES <= j->end; i += LANES) {
-        const vl d = j->grad ? *(const vlu *)(j->dout + i) : zero;
-        *(vlu *)(j->out + i) = lanes(j->kind, j->grad, *(const vlu *)(j->v + i), d);
+    for (; i + VN_LANES <= j->end; i += VN_LANES) {
+        const vn d = j->grad ? *(const vnu *)(j->dout + i) : zero;
+        *(vnu *)(j->out + i) = lanes(j->kind, j->grad, *(const vnu *)(j->v + i), d);
     }
     if (i < j->end) {                              /* the last few, through a vector */
-        float v[LANES] = {0}, d[LANES] = {0}, out[LANES];
+        float v[VN_LANES] = {0}, d[VN_LANES] = {0}, out[VN_LANES];
         const int64_t rest = j->end - i;
         memcpy(v, j->v + i, sizeof(float) * rest);
         if (j->grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vlu *)out = lanes(j->kind, j->grad, *(const vlu *)v, *(const vlu *)d);
+        *(vnu *)out = lanes(j->kind, j->grad, *(const vnu *)v, *(const vnu *)d);
         memcpy(j->out + i, out, sizeof(float) * rest);
     }
     return NULL;

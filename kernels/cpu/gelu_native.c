@@ -1,7 +1,7 @@
 /* Native CPU kernels of gelu and its gradient for float32 (the float64 ones stay in
  * numpy, kernels/cpu/activation.py, which is also the reference these are tested
  * against): out = x Phi(x), dx = dout (Phi(x) + x phi(x)), Phi the standard normal's
- * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on vector_math.h's vl
+ * CDF and phi its density exp(-x^2 / 2) / sqrt(2 pi), in float on vector_math.h's vn
  * (16 lanes with AVX-512, else 8; vector_math.h: erfc to a fractional error of 1.2e-7,
  * the left tail included). Built and loaded by native.py, launched by gelu_native.py.
  * Values are split in contiguous ranges of whole blocks of 16 over up to `threads`
@@ -20,28 +20,28 @@ typedef struct {
     int64_t begin, end;
 } job_t;
 
-static inline vl gelu_v(vl x, vl d, int grad)
+static inline vn gelu_v(vn x, vn d, int grad)
 {
-    if (!grad) return x * normal_cdf_vl(x, NULL);
-    vl density;
-    const vl cdf = normal_cdf_vl(x, &density);
+    if (!grad) return x * normal_cdf_vn(x, NULL);
+    vn density;
+    const vn cdf = normal_cdf_vn(x, &density);
     return d * (cdf + x * density);
 }
 
 static void run(const job_t *j, int grad)
 {
-    const vl zero = {0};
+    const vn zero = {0};
     int64_t i = j->begin;
-    for (; i + LANES <= j->end; i += LANES) {
-        const vl d = grad ? *(const vlu *)(j->dout + i) : zero;
-        *(vlu *)(j->out + i) = gelu_v(*(const vlu *)(j->x + i), d, grad);
+    for (; i + VN_LANES <= j->end; i += VN_LANES) {
+        const vn d = grad ? *(const vnu *)(j->dout + i) : zero;
+        *(vnu *)(j->out + i) = gelu_v(*(const vnu *)(j->x + i), d, grad);
     }
     if (i < j->end) {                              /* the last few, through a vector */
-        float x[LANES] = {0}, d[LANES] = {0}, out[LANES];
+        float x[VN_LANES] = {0}, d[VN_LANES] = {0}, out[VN_LANES];
         const int64_t rest = j->end - i;
         memcpy(x, j->x + i, sizeof(float) * rest);
         if (grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vlu *)out = gelu_v(*(const vlu *)x, *(const vlu *)d, grad);
+        *(vnu *)out = gelu_v(*(const vnu *)x, *(const vnu *)d, grad);
         memcpy(j->out + i, out, sizeof(float) * rest);
     }
 }

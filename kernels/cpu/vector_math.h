@@ -47,7 +47,7 @@ static inline vf16 recip_vf16(vf16 d)
 #endif
 }
 
-static inline vf recip_vf(vf d) { return 1.0f / d; }    /* vl is vf without AVX-512 */
+static inline vf recip_vf(vf d) { return 1.0f / d; }    /* vn is vf without AVX-512 */
 
 /* The functions below, for a vector type V of LANES floats (VI: as many int32): select_S,
  * exp_S, any_VI, normal_cdf_S; defined for vf (S = vf) and vf16 (S = vf16). */
@@ -126,23 +126,23 @@ static inline V normal_cdf_##S(V x, V *pdf)                                     
 DEFINE_VECTOR_MATH(vf, vi, vf, 8)
 DEFINE_VECTOR_MATH(vf16, vi16, vf16, 16)
 
-/* vl: the vector the build target runs natively, LANES floats - vf16 where it has
+/* vn: the vector the build target runs natively, VN_LANES floats - vf16 where it has
  * AVX-512, else vf (GCC splits a 16-float vector's arithmetic into AVX2 halves, but
  * not all of its compares and selects: gelu ran 10x slower on 16 lanes than on 8). */
 #if defined(__AVX512F__)
-#define LANES 16
-typedef vf16 vl;
-typedef vf16u vlu;
-typedef vi16 vli;
-#define exp_vl exp_vf16
-#define select_vl select_vf16
-#define normal_cdf_vl normal_cdf_vf16
+#define VN_LANES 16
+typedef vf16 vn;
+typedef vf16u vnu;
+typedef vi16 vni;
+#define exp_vn exp_vf16
+#define select_vn select_vf16
+#define normal_cdf_vn normal_cdf_vf16
 #else
-#define LANES 8
-typedef vf vl;
-typedef vfu vlu;
-typedef vi vli;
-#define exp_vl exp_vf
-#define select_vl select_vf
-#define normal_cdf_vl normal_cdf_vf
+#define VN_LANES 8
+typedef vf vn;
+typedef vfu vnu;
+typedef vi vni;
+#define exp_vn exp_vf
+#define select_vn select_vf
+#define normal_cdf_vn normal_cdf_vf
 #endif
