@@ -76,13 +76,23 @@ def mg_resnet(seed=0, place=None):
             out = conv_bn(conv_bn(h, filters, 3, s, True), filters, 3, 1, False)
             short = h if (s == 1 and channels == filters) else conv_bn(h, filters, 1, s, False)
             h, channels = layers.relu(net, layers.add(net, out, short)), filters
-    h = layers.pool2d(net, h, global_pooling=True, pool_type="avg")
-    logits = layers.fc(net, layers.flatten(net, h), size=10)
-    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    return (net, image, *pooled_head(net, h, label))
+
+
+def pooled_head(net, h, label):
+    """(logits, loss) of the ResNet and the mobile net after their last block h: global
+    average pool, fc10, mean cross entropy; then BN-ReLU pairs fused, Momentum
+    minimised and its updates merged."""
+    import minigraph as mg
+    from minigraph import layers as L
+
+    h = L.pool2d(net, h, global_pooling=True, pool_type="avg")
+    logits = L.fc(net, L.flatten(net, h), size=10)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
     mg.passes.fuse_batch_norm_relu(net)
     mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
     mg.passes.merge_updates(net)
-    return net, image, logits, loss
+    return logits, loss
 
 
 def mg_mobile(seed=0, place=None):
@@ -104,13 +114,7 @@ def mg_mobile(seed=0, place=None):
     for filters, stride in MOBILE_BLOCKS:
         h = conv_bn(conv_bn(h, channels, 3, stride, groups=channels), filters, 1)
         channels = filters
-    h = L.pool2d(net, h, global_pooling=True, pool_type="avg")
-    logits = L.fc(net, L.flatten(net, h), size=10)
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
-    mg.passes.fuse_batch_norm_relu(net)
-    mg.optimizer.Momentum(LEARNING_RATE, MOMENTUM).minimize(net, loss)
-    mg.passes.merge_updates(net)
-    return net, image, logits, loss
+    return (net, image, *pooled_head(net, h, label))
 
 
 def mg_cnn(net_name, seed=0, place=None):
