@@ -35,6 +35,9 @@
  * to out, as pool2d's max makes it (pool_native.c: rows first, then neighbours, NaN
  * propagating; conv_pool.h); the full-size outputs are never written to memory.
  *
+ * A 1x1 conv of stride 1 and no padding whose outputs fill `out` runs
+ * conv_pointwise.h's kernel instead: a matrix product per image on packed panels.
+ *
  * Included at the end: conv_filter_grad.h, the filter gradient (on the same
  * buffers); conv_winograd.h, Winograd's F(4x4, 3x3) for the forward passes of 3x3
  * convs of stride 1 (conv_native.py's winograd() picks); conv_nhwc.h, the
@@ -274,6 +277,11 @@ static int64_t clamp_threads(int64_t threads, int64_t units)
     return threads < 1 ? 1 : threads;
 }
 
+#include "conv_pointwise.h"
+
+/* 1 when conv2d_forward_f32 runs the pointwise kernel on these dims, else 0. */
+int conv2d_forward_pointwise(const int64_t *dims) { return pointwise(dims); }
+
 /* dims: n c h w o kh kw sh sw ph pw dh dw ho wo relu, then where the outputs go:
  * out (N, O, out_h, out_w), output (y, x) at (oy0 + osh y, ox0 + osw x), then pool (1:
  * out is (N, O, ho / 2, wo / 2), the max of each 2x2 window at stride 2; out_h, out_w
@@ -282,6 +290,7 @@ static int64_t clamp_threads(int64_t threads, int64_t units)
 int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
                        const float *residual, float *out, const int64_t *dims, int64_t threads)
 {
+    if (pointwise(dims)) return pointwise_forward(x, filter, bias, residual, out, dims, threads);
     conv_t a = {.x = x, .filter = filter, .bias = bias, .residual = residual, .out = out};
     setup(&a, dims);
     if (!a.koff) return 1;

@@ -2,7 +2,8 @@
 float32 NCHW convolutions of one group, any kernel size, stride, padding and
 dilation - the forward pass (with fused_conv2d's epilogue), the filter
 gradient, and the input gradient as forward passes over dout. Forward passes
-that `winograd` takes run Winograd's F(4x4, 3x3) (conv_winograd.h), the others
+that `winograd` takes run Winograd's F(4x4, 3x3) (conv_winograd.h), 1x1 convs of
+stride 1 and no padding a matrix product per image (conv_pointwise.h), the others
 the direct kernel; Winograd computes the tiles whose inputs span too wide a range
 directly (conv_winograd_range.h: WINOGRAD_RANGE), and a filter holding a NaN or an
 infinity runs the direct kernel. The channels-last (NHWC) launchers are in
@@ -48,6 +49,7 @@ def _lib():
     lib = native.library("conv_native")
     if lib is not None and not getattr(lib, "_typed", False):
         lib.conv2d_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
+        lib.conv2d_forward_pointwise.argtypes = [_P]
         lib.conv2d_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
         lib.conv2d_winograd_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L, _P, _P]
         lib.conv2d_winograd_filter_floats.argtypes = [_P]
@@ -115,7 +117,8 @@ def forward(x, w, g, threads, bias=None, residual=None, relu=False, max_scratch=
     The padding g.ph, g.pw goes before x's first row and column; rows and columns
     past x's end that the windows read are zeros (asymmetric padding: g.ho and
     g.wo need not be x's output size for symmetric padding). stats: a dict, given
-    "kernel" ("winograd" or "direct") and, for Winograd, "direct_tiles" (how many
+    "kernel" ("winograd", "direct" or "pointwise": conv_pointwise.h's kernel, which
+    takes 1x1 convs of stride 1 and no padding) and, for Winograd, "direct_tiles" (how many
     tiles it computed directly) and "tiles". fixed: `w` is a filter no op writes (an
     inference net's): Winograd's transform of it is kept (fixed_transform), and `w`
     made read-only. pool: out is pooled_shape(g), the max of each 2x2 window of the
@@ -145,10 +148,10 @@ def _forward_into(out, x, w, g, threads, bias=None, residual=None, relu=False, a
             run_winograd(args, _winograd_dims(g, relu, pool=pool), threads, g, stats,
                          w if fixed else None):
         return
+    dims = _dims(g, relu, out.shape, at, step, pool)
     if stats is not None:
-        stats["kernel"] = "direct"
-    if _lib().conv2d_forward_f32(*args, _ptr(_dims(g, relu, out.shape, at, step, pool)),
-                                 threads):
+        stats["kernel"] = "pointwise" if _lib().conv2d_forward_pointwise(_ptr(dims)) else "direct"
+    if _lib().conv2d_forward_f32(*args, _ptr(dims), threads):
         raise MemoryError("conv_native.forward: the kernel's buffers could not be allocated")
 
 
