@@ -68,7 +68,12 @@ static inline __attribute__((always_inline)) void pointwise_tile(
         for (int v = 0; v < PV; v++) acc[r][v] = (vf){0};
     for (int64_t k = 0; k < c; k++, xp += PV * VL, wp += PR) {
         vf bv[PV];
-        for (int v = 0; v < nv; v++) bv[v] = vf_load(xp + v * VL);
+        for (int v = 0; v < nv; v++) {
+            bv[v] = vf_load(xp + v * VL);
+#if VL == 8 && defined(__AVX2__)
+            __asm__("" : "+x"(bv[v]));  /* in a register: GCC would load it PR times */
+#endif
+        }
         for (int r = 0; r < PR; r++)
             for (int v = 0; v < nv; v++) acc[r][v] += wp[r] * bv[v];
     }
