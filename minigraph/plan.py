@@ -198,6 +198,6 @@ def _value_vars(op):
     found = list(op.output_vars())
     for slot in op.schema.inputs:
         v = op.inputs.get(slot.name)
-        if v is not None and not slot.shape_only:
+        if v is not None and slot.reads_values(op.attrs):
             found.extend(v if isinstance(v, list) else [v])
     return found

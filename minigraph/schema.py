@@ -34,12 +34,19 @@ class Meta(NamedTuple):
 class Slot:
     """One input or output of an op. A duplicable slot takes a list of Variables.
     shape_only: the kernels read only the input's shape and dtype, never its values
-    (a training step may then drop the values early; see minigraph.executor)."""
+    (a training step may then drop the values early; see minigraph.executor): True,
+    or a function of the op's attributes where that depends on them (average
+    pooling's gradient reads only x's shape, max pooling's its values)."""
 
     name: str
     optional: bool = False
     duplicable: bool = False
-    shape_only: bool = False
+    shape_only: bool | Callable = False
+
+    def reads_values(self, attrs):
+        """Whether an op with these attributes reads this input's values."""
+        only = self.shape_only(attrs) if callable(self.shape_only) else self.shape_only
+        return not only
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,15 @@ POOL = register(OpSchema(
     infer=infer_pool, validate=validate_pool, resolve_attrs=resolve, export=export_pool2d,
     doc=__doc__, roles=("pool",),
     grad=grad_maker("pool2d_grad")))   # dx from x and dout: the max is located again
-register(grad_schema(POOL, inputs=(Slot("x"), Slot("dout")),
+
+
+def averages(attrs):
+    """Whether pool2d_grad averages (then it reads only x's shape, so a training step
+    drops x's values once the forward pass has read them)."""
+    return attrs["pool_type"] == "avg"
+
+
+register(grad_schema(POOL, inputs=(Slot("x", shape_only=averages), Slot("dout")),
                      outputs=(Slot("dx", optional=True),),
                      infer=lambda ins, attrs: {"dx": ins["x"]}, validate=validate_pool))
 

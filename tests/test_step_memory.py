@@ -111,6 +111,33 @@ def test_add_grad_gets_shape_stand_ins_not_the_forward_values():
     assert y_strides != (0, 0, 0, 0)             # the shortcut: relu_grad needs its values
 
 
+@pytest.mark.parametrize("pool_type", ["avg", "max"])
+def test_average_pooling_grad_gets_a_stand_in_max_pooling_the_values(pool_type):
+    """pool2d_grad reads only x's shape for average pooling (a callable Slot.shape_only):
+    a training step drops the activation average pooling reads (a CIFAR CNN's silu
+    outputs) once the forward is done; max pooling's gradient locates the max again
+    in the values."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", shape=(-1, 3, 8, 8))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.silu(net, L.conv2d(net, img, 8, 3, padding=1))
+    h = L.pool2d(net, h, pool_size=2, pool_stride=2, pool_type=pool_type)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.flatten(net, h), 5),
+                                                    lbl))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    seen = []
+
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            seen.append(ins["x"].strides)
+            return plain(op, ins, ctx)
+        return spy
+
+    with spying("pool2d_grad", make_spy):
+        net.train(feed=feed(), fetch=[loss])
+    assert (seen == [(0, 0, 0, 0)]) == (pool_type == "avg"), seen
+
+
 def test_two_hundred_steps_keep_a_flat_memory_peak():
     """tracemalloc (numpy reports its arrays to it) over 200 steps: the peak and what
     stays between steps do not grow. Slack: Python's free lists of small objects fill

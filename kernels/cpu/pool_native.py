@@ -173,8 +173,9 @@ def avg_pool(x, attrs, hw, dout=None):
     """Average pooling of float32 NCHW x (N, C, H, W) over the real elements of each
     window (attrs: the op's resolved ksize, strides, paddings; hw = (Ho, Wo)), or, given
     dout (N, C, Ho, Wo), its gradient dx (N, C, H, W); the numpy kernel's bits
-    (pool_avg.h). None where the native kernel does not apply."""
-    if not avg_pool_takes(x):
+    (pool_avg.h); the gradient reads only x's shape (x may be a stand-in: the executor's
+    for a value dropped). None where the native kernel does not apply."""
+    if not avg_pool_takes(x, gradient=dout is not None):
         return None
     n, c, h, w = x.shape
     if dout is not None and not (dout.dtype == np.float32 and dout.flags.c_contiguous
@@ -186,11 +187,11 @@ def avg_pool(x, attrs, hw, dout=None):
     return out
 
 
-def avg_pool_takes(x):
-    """True when avg_pool's native kernel takes x: float32 NCHW, C-contiguous, the
-    kernels built."""
+def avg_pool_takes(x, gradient=False):
+    """True when avg_pool's native kernel takes x: float32 NCHW, C-contiguous (for the
+    forward pass), the kernels built."""
     return (native.enabled() and x.ndim == 4 and x.dtype == np.float32
-            and x.flags.c_contiguous and _load() is not None)
+            and (gradient or x.flags.c_contiguous) and _load() is not None)
 
 
 def prepared_avg_pool(x, out, attrs, hw, dout=None):
@@ -200,7 +201,8 @@ def prepared_avg_pool(x, out, attrs, hw, dout=None):
     n, c, h, w = x.shape
     geometry = (ctypes.c_int64 * 8)(*hw, *attrs["ksize"], *attrs["strides"],
                                     *attrs["paddings"])
-    args = (int(dout is not None), native.address(x), native.address(dout),
+    args = (int(dout is not None), None if dout is not None else native.address(x),
+            native.address(dout),
             native.address(out), n * c, h, w, geometry)
 
     def call():

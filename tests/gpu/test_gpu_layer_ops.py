@@ -233,3 +233,31 @@ def test_a_step_of_the_new_layers_reads_nothing_back(monkeypatch):
         flags = device.current().flags
         assert "accuracy" in flags
         assert moved == {"in": 2, "out": len(flags)}
+
+
+def test_average_pooling_trains_on_a_stand_in_like_on_the_cpu(device_place):
+    """A training step gives average pooling's gradient a stand-in for x (the values
+    dropped after the forward; Slot.shape_only): on the device, as on the CPU, the
+    gradient comes from the shapes and the step ends where the CPU's does."""
+    from minigraph import layers
+
+    def train(place):
+        net = mg.Net(place=place, seed=5)
+        x = layers.data(net, "x", shape=(-1, 3, 6, 6))
+        label = layers.data(net, "label", shape=(-1,), dtype="int64")
+        h = layers.silu(net, layers.conv2d(net, x, 4, 3, padding=1))
+        h = layers.pool2d(net, h, pool_size=3, pool_stride=2, pool_padding=1, pool_type="avg")
+        logits = layers.fc(net, layers.flatten(net, h), size=5)
+        loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+        mg.optimizer.SGD(learning_rate=0.1).minimize(net, loss)
+        rng = np.random.default_rng(0)
+        losses = [float(net.train(feed={"x": rng.standard_normal((4, 3, 6, 6)).astype(np.float32),
+                                        "label": rng.integers(0, 5, 4)}, fetch=[loss])[0])
+                  for _ in range(3)]
+        return losses, {v.name: np.array(v.get(), copy=True) for v in net.persistables()}
+
+    want_losses, want_state = train(mg.CPUPlace())
+    got_losses, got_state = train(device_place)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for name, want in want_state.items():
+        np.testing.assert_allclose(got_state[name], want, rtol=1e-4, atol=1e-6, err_msg=name)
