@@ -19,10 +19,11 @@
 #define PR (VL == 16 ? 8 : 4)
 #define PV 3
 
-/* v, kept in a register. With AVX2 (no broadcast operand to fold instead) GCC folds a
- * tile's load of x into each of its PR multiply-adds, loading it PR times: 16 loads a
- * step for 12 FMAs. Held, the tile ran 1.3-1.6x as fast; wgrad_native.c's tile, held
- * the same way, ran slower, so it is not. */
+/* v, kept in a register (as fc_native.c's FC_IN_REGISTERS keeps its tile's). With AVX2
+ * (no broadcast operand to fold instead) GCC folds a tile's load of x into each of its
+ * PR multiply-adds, loading it PR times: 16 loads a step for 12 FMAs. Held, the tile
+ * ran 1.3-1.6x as fast; wgrad_native.c's tile, held the same way, ran slower, so it
+ * is not. */
 static inline vf held(vf v)
 {
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -89,8 +90,8 @@ static inline __attribute__((always_inline)) void pointwise_tile(
 
 /* Image img of x into `image` as panels of PV VL pixels, each C rows of PV VL floats
  * (the last panel's lanes past P zeros): the tiles then read one stream (x's rows are
- * P floats apart, often a multiple of 4 KiB, which maps a panel's rows to a few of
- * L1's sets). */
+ * P floats apart, 4 KiB at 32x32 and 1 KiB at 16x16, which maps a panel's rows to a
+ * few of L1's sets). */
 static void pack_image(const conv_t *a, int64_t img, float *image)
 {
     const int64_t p = a->ho * a->wo, c = a->c;
