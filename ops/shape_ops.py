@@ -184,7 +184,8 @@ register(OpSchema(
     attrs=(int_attr("start_axis", 1), int_attr("stop_axis", -1)), infer=infer_flatten,
     grad=RESHAPE_GRAD, export=export_flatten, doc=__doc__))
 register(OpSchema(
-    type="reshape_grad", inputs=(Slot("x"), Slot("dout")), outputs=(Slot("dx", optional=True),),
+    type="reshape_grad", inputs=(Slot("x", shape_only=True), Slot("dout")),
+    outputs=(Slot("dx", optional=True),),
     infer=infer_reshape_grad, no_export="a gradient op (training only)"))
 TRANSPOSE = register(OpSchema(
     type="transpose", inputs=(Slot("x"),), outputs=(Slot("out"),),

@@ -138,6 +138,29 @@ def test_average_pooling_grad_gets_a_stand_in_max_pooling_the_values(pool_type):
     assert (seen == [(0, 0, 0, 0)]) == (pool_type == "avg"), seen
 
 
+def test_reshape_grad_gets_a_stand_in():
+    """reshape_grad (reshape's and flatten's) reads only x's shape: a training step
+    drops x's value once the forward is done (a language model's logits, reshaped
+    for the loss, need not live through backward for their shape)."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", shape=(-1, 3, 8, 8))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    h = L.reshape(net, L.conv2d(net, img, 2, 3, padding=1), (-1, 2 * 8 * 8))
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, h, 5), lbl))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    seen = []
+
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            seen.append((ins["x"].strides, ins["x"].shape))
+            return plain(op, ins, ctx)
+        return spy
+
+    with spying("reshape_grad", make_spy):
+        net.train(feed=feed(), fetch=[loss])
+    assert seen == [((0, 0, 0, 0), (16, 2, 8, 8))], seen
+
+
 def test_two_hundred_steps_keep_a_flat_memory_peak():
     """tracemalloc (numpy reports its arrays to it) over 200 steps: the peak and what
     stays between steps do not grow. Slack: Python's free lists of small objects fill
