@@ -95,7 +95,7 @@ CONCAT = register(OpSchema(
     attrs=(int_attr("axis", 0),), infer=infer_concat, grad=grad_concat, export=export_concat,
     doc=__doc__))
 register(OpSchema(
-    type="concat_grad", inputs=(Slot("x", duplicable=True), Slot("dout")),
+    type="concat_grad", inputs=(Slot("x", duplicable=True, shape_only=True), Slot("dout")),
     outputs=(Slot("dx", optional=True),),
     attrs=CONCAT.attrs + (int_attr("index", 0, non_negative),), infer=infer_concat_grad,
     no_export="a gradient op (training only)"))

@@ -161,6 +161,31 @@ def test_reshape_grad_gets_a_stand_in():
     assert seen == [((0, 0, 0, 0), (16, 2, 8, 8))], seen
 
 
+def test_concat_grad_gets_stand_ins():
+    """concat_grad reads only the shapes of concat's inputs: a training step drops
+    the ones nothing else needs once the forward is done."""
+    net = mg.Net(seed=0)
+    img = L.data(net, "image", shape=(-1, 3, 8, 8))
+    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    both = L.concat(net, [L.conv2d(net, img, 2, 3, padding=1),
+                          L.conv2d(net, img, 3, 1)], axis=1)
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.flatten(net, both), 5),
+                                                    lbl))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    seen = []
+
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            seen.append([(x.strides, x.shape) for x in ins["x"]])
+            return plain(op, ins, ctx)
+        return spy
+
+    with spying("concat_grad", make_spy):
+        net.train(feed=feed(), fetch=[loss])
+    want = [((0, 0, 0, 0), (16, 2, 8, 8)), ((0, 0, 0, 0), (16, 3, 8, 8))]
+    assert seen == [want, want], seen
+
+
 def test_two_hundred_steps_keep_a_flat_memory_peak():
     """tracemalloc (numpy reports its arrays to it) over 200 steps: the peak and what
     stays between steps do not grow. Slack: Python's free lists of small objects fill
