@@ -282,6 +282,8 @@ def test_average_pooling_and_its_gradient_are_the_numpy_kernels(case, threads, m
     attrs = dict(attrs_of(*geometry), pool_type="avg")
     x, dout, hw = inputs(shape, attrs, np.float32)
     x.reshape(-1)[::7] = np.inf
+    dout.reshape(-1)[1::5] = -0.0                      # shares of +0.0 (0 + -0.0 / n)
+    dout.reshape(-1)[2::11] = 3e-45                    # subnormal shares, rounded
     got, got_dx = pool_native.avg_pool(x, attrs, hw), pool_native.avg_pool(x, attrs, hw, dout)
     with monkeypatch.context() as m:
         m.setenv("MINIGRAPH_NATIVE", "0")

@@ -85,6 +85,45 @@ static void avg_windows(int64_t size, int64_t out, int64_t k, int64_t s, int64_t
     at[size] = n;
 }
 
+/* The gradient of 2x2 windows at stride 2, unpadded, on one plane: dx's rows 2r and
+ * 2r + 1 both hold 0 + d's row r / 4, each value twice, 8 shares at a time (the
+ * last 1-7 through AVX-512's masked moves, else one by one; then zeros: an odd last
+ * row or column no window reads). The operations of the loop below. */
+static void avg_grad_tiles(const float *d, float *dx, int64_t ho, int64_t wo, int64_t h,
+                           int64_t w)
+{
+    for (int64_t r = 0; r < ho; r++) {
+        float *top = dx + 2 * r * w, *bottom = top + w;
+        const float *src = d + r * wo;
+        int64_t q = 0;
+        for (; q + 8 <= wo; q += 8) {
+            v8f s = (v8f){0} + *(const v8fu *)(src + q) / 4.0f;
+            v8f lo = V8_SHUFFLE(s, s, 0, 0, 1, 1, 2, 2, 3, 3);
+            v8f hi = V8_SHUFFLE(s, s, 4, 4, 5, 5, 6, 6, 7, 7);
+            *(v8fu *)(top + 2 * q) = *(v8fu *)(bottom + 2 * q) = lo;
+            *(v8fu *)(top + 2 * q + 8) = *(v8fu *)(bottom + 2 * q + 8) = hi;
+        }
+#if !defined(__AVX512F__)               /* AVX2's masked stores took longer than these */
+        for (; q < wo; q++) top[2 * q] = top[2 * q + 1] = bottom[2 * q] = bottom[2 * q + 1] =
+            0.0f + src[q] / 4.0f;
+#endif
+        if (q < wo) {                              /* the last 1-7: masked moves */
+            const int64_t left = wo - q, first = 2 * left < 8 ? 2 * left : 8;
+            v8f s = (v8f){0} + v8f_load_part(src + q, left) / 4.0f;
+            v8f lo = V8_SHUFFLE(s, s, 0, 0, 1, 1, 2, 2, 3, 3);
+            v8f hi = V8_SHUFFLE(s, s, 4, 4, 5, 5, 6, 6, 7, 7);
+            v8f_store_part(top + 2 * q, lo, first);
+            v8f_store_part(bottom + 2 * q, lo, first);
+            if (2 * left > 8) {
+                v8f_store_part(top + 2 * q + 8, hi, 2 * left - 8);
+                v8f_store_part(bottom + 2 * q + 8, hi, 2 * left - 8);
+            }
+        }
+        if (w > 2 * wo) top[2 * wo] = bottom[2 * wo] = 0.0f;
+    }
+    if (h > 2 * ho) memset(dx + 2 * ho * w, 0, (size_t)w * sizeof(float));
+}
+
 static void *avg_grad_planes(void *arg)
 {
     avg_job_t *j = arg;
@@ -108,6 +147,10 @@ static void *avg_grad_planes(void *arg)
     for (int64_t p = j->begin; p < j->end; p++) {
         const float *d = j->dout + p * ho * wo;
         float *dx = j->out + p * h * w;
+        if (tiles && (VL == 16 || wo >= 8)) {   /* AVX2, rows of 1-7: the loop below */
+            avg_grad_tiles(d, dx, ho, wo, h, w);
+            continue;
+        }
         for (int64_t r = 0; r < ho; r++)
             for (int64_t q = 0; q < wo; q++)
                 share[r * wo + q] = d[r * wo + q] / (float)(rn[r] * cn[q]);
