@@ -4,7 +4,9 @@ pixel counts with and without a ragged last vector and panel, output channels sh
 tile, few images, every epilogue and thread count."""
 import numpy as np
 import pytest
-from references import conv2d, conv2d_grad
+from references import conv2d_grad
+from test_conv_native import close
+from test_conv_native import reference as conv_reference
 
 from minigraph.kernels.cpu import conv_im2col, conv_native, native
 
@@ -43,17 +45,7 @@ def pointwise_case(x_shape, o):
 
 
 def reference(x, w, bias=None, residual=None, relu=False):
-    out = conv2d(x, w, strides=(1, 1), paddings=(0, 0), dilations=(1, 1))
-    if bias is not None:
-        out = out + np.asarray(bias, np.float64).reshape(-1, 1, 1)
-    if residual is not None:
-        out = out + residual
-    return np.maximum(out, 0.0) if relu else out
-
-
-def close(got, want):
-    assert got.dtype == np.float32 and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()))
+    return conv_reference(x, w, (1, 1), (0, 0), (1, 1), bias, residual, relu)
 
 
 def direct(x, w, g, threads, **epilogue):

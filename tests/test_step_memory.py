@@ -111,79 +111,68 @@ def test_add_grad_gets_shape_stand_ins_not_the_forward_values():
     assert y_strides != (0, 0, 0, 0)             # the shortcut: relu_grad needs its values
 
 
+def x_seen(op_type, net, loss):
+    """Per call of op_type's kernel in one training step of `net`: (strides, shape) of
+    its input x (of each array, for a list)."""
+    seen = []
+
+    def make_spy(plain):
+        def spy(op, ins, ctx):
+            xs = ins["x"] if isinstance(ins["x"], list) else [ins["x"]]
+            seen.append([(x.strides, x.shape) for x in xs])
+            return plain(op, ins, ctx)
+        return spy
+
+    with spying(op_type, make_spy):
+        net.train(feed=feed(), fetch=[loss])
+    return seen
+
+
+def trained_on(h, net, lbl):
+    """The mean cross entropy of fc(flatten(h)) minimized by SGD in `net`."""
+    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.flatten(net, h), 5),
+                                                    lbl))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    return loss
+
+
+def image_net():
+    net = mg.Net(seed=0)
+    return (net, L.data(net, "image", shape=(-1, 3, 8, 8)),
+            L.data(net, "label", shape=(-1,), dtype="int64"))
+
+
 @pytest.mark.parametrize("pool_type", ["avg", "max"])
 def test_average_pooling_grad_gets_a_stand_in_max_pooling_the_values(pool_type):
     """pool2d_grad reads only x's shape for average pooling (a callable Slot.shape_only):
     a training step drops the activation average pooling reads (a CIFAR CNN's silu
     outputs) once the forward is done; max pooling's gradient locates the max again
     in the values."""
-    net = mg.Net(seed=0)
-    img = L.data(net, "image", shape=(-1, 3, 8, 8))
-    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    net, img, lbl = image_net()
     h = L.silu(net, L.conv2d(net, img, 8, 3, padding=1))
     h = L.pool2d(net, h, pool_size=2, pool_stride=2, pool_type=pool_type)
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.flatten(net, h), 5),
-                                                    lbl))
-    mg.optimizer.SGD(0.1).minimize(net, loss)
-    seen = []
-
-    def make_spy(plain):
-        def spy(op, ins, ctx):
-            seen.append(ins["x"].strides)
-            return plain(op, ins, ctx)
-        return spy
-
-    with spying("pool2d_grad", make_spy):
-        net.train(feed=feed(), fetch=[loss])
-    assert (seen == [(0, 0, 0, 0)]) == (pool_type == "avg"), seen
+    ((strides, shape),), = x_seen("pool2d_grad", net, trained_on(h, net, lbl))
+    assert shape == (16, 8, 8, 8) and (strides == (0, 0, 0, 0)) == (pool_type == "avg")
 
 
 def test_reshape_grad_gets_a_stand_in():
     """reshape_grad (reshape's and flatten's) reads only x's shape: a training step
     drops x's value once the forward is done (a language model's logits, reshaped
     for the loss, need not live through backward for their shape)."""
-    net = mg.Net(seed=0)
-    img = L.data(net, "image", shape=(-1, 3, 8, 8))
-    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    net, img, lbl = image_net()
     h = L.reshape(net, L.conv2d(net, img, 2, 3, padding=1), (-1, 2 * 8 * 8))
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, h, 5), lbl))
-    mg.optimizer.SGD(0.1).minimize(net, loss)
-    seen = []
-
-    def make_spy(plain):
-        def spy(op, ins, ctx):
-            seen.append((ins["x"].strides, ins["x"].shape))
-            return plain(op, ins, ctx)
-        return spy
-
-    with spying("reshape_grad", make_spy):
-        net.train(feed=feed(), fetch=[loss])
-    assert seen == [((0, 0, 0, 0), (16, 2, 8, 8))], seen
+    seen = x_seen("reshape_grad", net, trained_on(h, net, lbl))   # flatten's, then reshape's
+    assert seen == [[((0, 0), (16, 128))], [((0, 0, 0, 0), (16, 2, 8, 8))]], seen
 
 
 def test_concat_grad_gets_stand_ins():
     """concat_grad reads only the shapes of concat's inputs: a training step drops
     the ones nothing else needs once the forward is done."""
-    net = mg.Net(seed=0)
-    img = L.data(net, "image", shape=(-1, 3, 8, 8))
-    lbl = L.data(net, "label", shape=(-1,), dtype="int64")
+    net, img, lbl = image_net()
     both = L.concat(net, [L.conv2d(net, img, 2, 3, padding=1),
                           L.conv2d(net, img, 3, 1)], axis=1)
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, L.fc(net, L.flatten(net, both), 5),
-                                                    lbl))
-    mg.optimizer.SGD(0.1).minimize(net, loss)
-    seen = []
-
-    def make_spy(plain):
-        def spy(op, ins, ctx):
-            seen.append([(x.strides, x.shape) for x in ins["x"]])
-            return plain(op, ins, ctx)
-        return spy
-
-    with spying("concat_grad", make_spy):
-        net.train(feed=feed(), fetch=[loss])
     want = [((0, 0, 0, 0), (16, 2, 8, 8)), ((0, 0, 0, 0), (16, 3, 8, 8))]
-    assert seen == [want, want], seen
+    assert x_seen("concat_grad", net, trained_on(both, net, lbl)) == [want, want]
 
 
 def test_two_hundred_steps_keep_a_flat_memory_peak():
