@@ -62,6 +62,9 @@ def test_a_plan_run_again_goes_through_the_bound_forms_with_the_bits_of_a_plain_
     assert {t for t in BOUND if forms.get(t)} == set(BOUND), forms
     for a, b in zip(first, second):
         assert a.tobytes() == b.tobytes()
+    kept = [step.op.output_vars()[0].value for step, form in zip(c.steps, c.bound.forms)
+            if form is not None]        # each form's first (layer_norm's variance: a row)
+    assert all(v.ctypes.data % 64 == 0 for v in kept)           # prepared.aligned_empty
     other = r.standard_normal((5, 4, 16)).astype(np.float32)     # new values, one shape
     got = net.infer(feed={"x": other}, fetch=[h, logits])
     want = unbound(net, {"x": other}, [h, logits])

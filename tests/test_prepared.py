@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from minigraph import handover
 from minigraph.kernels.cpu import prepared
 
 
@@ -15,6 +16,22 @@ def test_the_output_is_kept_for_its_shape_and_dtype_and_made_anew_for_others():
     other_dtype = prepared.output(kept, (3, 2), np.float64)
     assert other_dtype is not other_shape and other_dtype.dtype == np.float64
     assert kept["out"] is other_dtype
+    assert all(a.ctypes.data % 64 == 0 for a in (first, other_shape, other_dtype))
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), np.float32), (7, np.float64),
+                                          ((), np.int64), ((4, 3), np.int8)])
+def test_aligned_empty_starts_a_cache_line_and_is_never_donated(shape, dtype):
+    for _ in range(8):                  # malloc's 16-byte steps: some start off a line
+        a = prepared.aligned_empty(shape, dtype)
+        assert a.ctypes.data % 64 == 0
+        assert a.shape == ((shape,) if isinstance(shape, int) else shape)
+        assert a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        a[...] = 1                      # its whole memory is its own to write
+        assert (a == 1).all()
+        assert not handover._plain(a)   # a view of a larger array: no kernel writes into it
+    empty = prepared.aligned_empty((2, 0, 4), np.float32)    # no memory to align
+    assert empty.shape == (2, 0, 4) and empty.dtype == np.float32
 
 
 def test_a_form_prepares_again_only_for_another_array():

@@ -166,7 +166,7 @@ def bind_elementwise(prepared_forward):
 
     def prepare(x):
         if (x.shape, x.dtype) != kept["key"]:
-            out = np.empty(x.shape, x.dtype)
+            out = prepared.aligned_empty(x.shape, x.dtype)
             kept.update(key=(x.shape, x.dtype), out=out, outs={"out": out})
         call = prepared_forward(x, kept["out"])
         return None if call is None else (call, kept["outs"])

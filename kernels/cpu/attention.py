@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from minigraph.kernels.cpu import attention_native
+from minigraph.kernels.cpu import attention_native, prepared
 from minigraph.kernels.cpu.dropout import seed_of
 from minigraph.kernels.cpu.philox import philox_words, uniforms24
 
@@ -225,8 +225,10 @@ def bind_attention(op):
         if done is None:
             if (q.shape, q.dtype) != kept["key"]:
                 n, tq, _ = q.shape
-                kept.update(key=(q.shape, q.dtype), out=np.empty(q.shape, q.dtype),
-                            lse=np.empty((n, heads, tq), q.dtype) if op.wants("lse") else None)
+                lse = prepared.aligned_empty((n, heads, tq), q.dtype) if op.wants("lse") \
+                    else None
+                kept.update(key=(q.shape, q.dtype),
+                            out=prepared.aligned_empty(q.shape, q.dtype), lse=lse)
             kept["q"], kept["call"] = q, attention_native.prepared_packed(
                 q, k, v, heads, variant, scale_of(a, q.shape[2] // heads), kept["out"],
                 kept["lse"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import rows_native
+from minigraph.kernels.cpu import prepared, rows_native
 
 
 def reduce_to(g, shape, dtype):
@@ -40,7 +40,8 @@ def bind_add(op):
         x, y = ins["x"], ins["y"]
         key = (x.shape, y.shape, x.dtype, y.dtype)
         if key != kept["key"]:
-            out = np.empty(np.broadcast_shapes(x.shape, y.shape), np.result_type(x, y))
+            out = prepared.aligned_empty(np.broadcast_shapes(x.shape, y.shape),
+                                         np.result_type(x, y))
             # rows_native.add splits only arrays of 2 * MIN_THREAD_ADD values or more
             threads = x.shape == y.shape and x.size >= 2 * rows_native.MIN_THREAD_ADD
             kept.update(key=key, out=out, outs={"out": out}, threads=threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minigraph.kernels.cpu import prepared
 from minigraph.schema import OpError
 
 
@@ -34,7 +35,7 @@ def bind_embedding(op):
         ids, w = ins["ids"], ins["w"]
         key = (ids.shape, w.shape, w.dtype)
         if key != kept["key"]:
-            out = np.empty(ids.shape + w.shape[1:], w.dtype)
+            out = prepared.aligned_empty(ids.shape + w.shape[1:], w.dtype)
             kept.update(key=key, out=out, outs={"out": out})
         if ids.size == 1:               # a generated token's: one row, one check
             i = int(ids.reshape(-1)[0])

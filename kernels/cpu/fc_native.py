@@ -212,15 +212,8 @@ def _kept_copy(table, w, size, pack_into):
     kept in `table` (prepared.kept)."""
     def pack():
         k, n = w.shape
-        packed = _aligned(size(k, n))
+        packed = prepared.aligned_empty(size(k, n), np.float32)
         pack_into(_ptr(np.ascontiguousarray(w)), k, n, _ptr(packed))
         return packed
     return prepared.kept(table, w, None, pack)
 
-
-def _aligned(size):
-    """An empty float32 vector of `size` values starting on a 64-byte line, so that
-    each row of a panel is one line."""
-    room = np.empty(size + 16, dtype=np.float32)
-    skip = (-room.ctypes.data % 64) // 4
-    return room[skip:skip + size]

@@ -133,8 +133,9 @@ def prepared_rows(x, scale, bias, begin, eps, kept):
     key = (x.shape, x.dtype)
     if key != kept.get("key"):
         rows, length = math.prod(x.shape[:begin]), math.prod(x.shape[begin:])
-        kept.update(key=key, rows=(rows, length), y=np.empty(x.shape, x.dtype),
-                    stats=np.empty((2, rows), x.dtype))
+        kept.update(key=key, rows=(rows, length),
+                    y=prepared.aligned_empty(x.shape, x.dtype),
+                    stats=prepared.aligned_empty((2, rows), x.dtype))
     call = norm_native.prepared_forward(x, *kept["rows"], eps, scale, bias, kept["y"],
                                         kept["stats"])
     return None if call is None else (kept["y"], kept["stats"], call)

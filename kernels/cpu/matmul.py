@@ -49,7 +49,7 @@ def bind_matmul(op):
         ys = _t(y, a["transpose_y"])
         key = (x.shape, ys.shape, x.dtype)
         if key != kept["key"]:
-            out = np.empty(x.shape[:-1] + (ys.shape[1],), x.dtype)
+            out = prepared.aligned_empty(x.shape[:-1] + (ys.shape[1],), x.dtype)
             kept.update(key=key, out2=out.reshape(-1, ys.shape[1]), outs={"out": out})
         return functools.partial(np.matmul, rows, ys, out=kept["out2"]), kept["outs"]
     return prepared.form(("x", "y"), prepare, streamed=("x",))

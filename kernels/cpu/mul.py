@@ -189,7 +189,7 @@ def bind_fused_fc(op):
             return None
         key = (x.shape, y.shape, x.dtype)
         if key != kept["key"]:
-            out2 = np.empty((math.prod(x.shape[:n]), y.shape[1]), x.dtype)
+            out2 = prepared.aligned_empty((math.prod(x.shape[:n]), y.shape[1]), x.dtype)
             kept.update(key=key, out2=out2, out={"out": out2.reshape(shape)})
         x2, out2 = x.reshape(kept["out2"].shape[0], -1), kept["out2"]
         if op.attrs["weight_fixed"] and fc_native.supports(x2, y):
@@ -305,7 +305,7 @@ def bind_fused_fc_group(op):
         key = (x.shape, x.dtype, tuple(y.shape for y in ys))
         if key != kept["key"]:
             rows = math.prod(x.shape[:n])
-            outs2 = [np.empty((rows, y.shape[1]), x.dtype) for y in ys]
+            outs2 = [prepared.aligned_empty((rows, y.shape[1]), x.dtype) for y in ys]
             kept.update(key=key, outs2=outs2, out={"out": [
                 o.reshape(x.shape[:n] + (o.shape[1],)) for o in outs2]})
         outs2 = kept["outs2"]

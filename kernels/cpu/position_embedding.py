@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minigraph.kernels.cpu import rows_native
+from minigraph.kernels.cpu import prepared, rows_native
 from minigraph.kernels.cpu.kv_cache import advanced, cache_offset
 from minigraph.schema import OpError
 
@@ -41,7 +41,7 @@ def bind_position_embedding(op):
         x, w, length = ins["x"], ins["w"], ins["length"]
         key = (x.shape, x.dtype, w.dtype)
         if key != kept["key"]:
-            out = np.empty(x.shape, np.result_type(x, w))
+            out = prepared.aligned_empty(x.shape, np.result_type(x, w))
             if out.dtype != x.dtype:
                 return None
             kept.update(key=key, out=out)
