@@ -84,9 +84,10 @@ def output(kept, shape, dtype):
 
 def aligned_empty(shape, dtype):
     """An uninitialised C-contiguous array whose first value starts a 64-byte cache line
-    (malloc gives 16 bytes): the native kernels' vector loads and stores of its rows
-    then straddle no more lines than the rows' lengths make them (a 128x2048 product
-    into an unaligned output took 2-5% longer). For arrays kept and reused (bound
+    (malloc aligns to 16 bytes): the native kernels' vector loads and stores of its rows
+    then straddle no more lines than the rows' lengths make them, whatever malloc's
+    state (fc_native's 128x784 and 128x2048 by 2048 products took 4-5% longer into
+    outputs 32 or 48 bytes past a line, 1% at 16). For arrays kept and reused (bound
     forms' outputs, packed weights): it views a larger array, so it is never donated
     to a kernel to write into (minigraph.handover)."""
     dtype = np.dtype(dtype)
