@@ -5,7 +5,10 @@ MiB of memory (no computation, no threads: caches emptied) and after a Python lo
 that reads the clock for as long as a training step takes (no memory traffic, no
 threads), with the CPU time every thread of the process spent meanwhile; the same
 for the CNNs of --nets. Then the machine without minigraph: how long a few tiny
-pieces of work take right after themselves and after a Python loop of 1, 4 and 16 ms.
+pieces of work take right after themselves, after a Python loop of 1, 4 and 16 ms,
+after 4 ms of a C loop that touches no memory (a register count and the clock, built
+with the C compiler native kernels use; the column is left out without one) and after
+sleeping 4 ms.
 
     python benchmarks/between_steps.py [--threads 2] [--rounds 15]
                                        [--nets mlp mnist digits recipe] [--no-write]
@@ -36,9 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +55,28 @@ MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
 CASES = ("alone", "after a training step", "after a step and 150 ms",
          "after writing 256 MiB", "after Python as long as a step")
 PROBE_WAITS_MS = (0, 1, 4, 16)  # the Python loop before each piece of the machine's table
+PROBE_OTHER_MS = 4              # the C loop's and the sleep's
+SPIN_C = r"""
+#include <stdint.h>
+#include <time.h>
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+/* Busy for `ns` nanoseconds on registers: a count between readings of the clock. */
+uint64_t spin_ns(uint64_t ns)
+{
+    uint64_t end = now_ns() + ns, count = 0;
+    while (now_ns() < end)
+        for (int i = 0; i < 256; i++) {
+            count++;
+            __asm__ volatile("" : "+r"(count));    /* kept in a register, not folded */
+        }
+    return count;
+}
+"""
 PROBE_RUNS = 60
 FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches emptied
 
@@ -145,16 +172,43 @@ def probe():
     work = {"numpy copy of 4 bytes": lambda: numpy.copyto(small_out, small),
             "numpy copy of 64 KiB": lambda: numpy.copyto(out, src),
             "Python loop of 200 additions": python_loop}
-    times = {(name, wait): [] for name in work for wait in PROBE_WAITS_MS}
-    for _ in range(PROBE_RUNS):         # every case in turn: a drift slows them alike
-        for (name, wait), runs in times.items():
-            if wait:
-                busy(wait / 1e3)
-            else:
-                work[name]()            # the same work right before
-            runs.append(timed(work[name]) * 1e6)
-    return {name: [statistics.median(times[name, wait]) for wait in PROBE_WAITS_MS]
-            for name in work}
+    with tempfile.TemporaryDirectory() as tmp:
+        spin = c_spin(tmp)
+        befores = {f"python {wait}": (lambda wait=wait: busy(wait / 1e3))
+                   for wait in PROBE_WAITS_MS[1:]}
+        if spin is not None:
+            befores["c"] = lambda: spin(PROBE_OTHER_MS * 1_000_000)
+        befores["sleep"] = lambda: time.sleep(PROBE_OTHER_MS / 1e3)
+        times = {(name, before): [] for name in work for before in ("itself", *befores)}
+        for _ in range(PROBE_RUNS):     # every case in turn: a drift slows them alike
+            for (name, before), runs in times.items():
+                befores.get(before, work[name])()   # "itself": the same work right before
+                runs.append(timed(work[name]) * 1e6)
+    return {"columns": ["itself", *befores],
+            "rows": {name: [statistics.median(times[name, before])
+                            for before in ("itself", *befores)] for name in work}}
+
+
+def c_spin(tmp):
+    """SPIN_C's spin_ns(ns) built in the directory `tmp` and loaded, or None without a
+    C compiler ($CC, cc or gcc) or where the build fails."""
+    import ctypes
+    import shlex
+
+    compiler = shlex.split(os.environ.get("CC", "")) or [
+        found for found in (shutil.which("cc"), shutil.which("gcc")) if found][:1]
+    if not compiler:
+        return None
+    source, library = os.path.join(tmp, "spin.c"), os.path.join(tmp, "spin.so")
+    with open(source, "w") as f:
+        f.write(SPIN_C)
+    built = subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", library, source],
+                           capture_output=True, timeout=60)
+    if built.returncode != 0:
+        return None
+    spin = ctypes.CDLL(library).spin_ns
+    spin.argtypes, spin.restype = [ctypes.c_uint64], ctypes.c_uint64
+    return spin
 
 
 def busy(seconds):
@@ -198,8 +252,12 @@ def main(argv=None):
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe"],
                           capture_output=True, text=True, check=True)
     probed = json.loads(done.stdout.strip().splitlines()[-1])
-    waits = [f"after {w} ms of Python, us" for w in PROBE_WAITS_MS[1:]]
-    probe_rows = [(name, *(f"{v:.1f}" for v in times)) for name, times in probed.items()]
+    titles = {"itself": "right after itself, us",
+              **{f"python {w}": f"after {w} ms of Python, us" for w in PROBE_WAITS_MS[1:]},
+              "c": f"after {PROBE_OTHER_MS} ms of a C loop, us",
+              "sleep": f"after sleeping {PROBE_OTHER_MS} ms, us"}
+    probe_rows = [(name, *(f"{v:.1f}" for v in times))
+                  for name, times in probed["rows"].items()]
     for row in probe_rows:
         print(" | ".join(row))
     text = "\n\n".join([machine_line(
@@ -210,10 +268,11 @@ def main(argv=None):
         f"{load:.2f} before."),
         markdown_table(header, rows),
         f"The machine alone (a process with numpy and no minigraph): medians of "
-        f"{PROBE_RUNS} runs of each piece of work, each right after a Python loop that "
-        "reads the clock for the time given or right after the same work, the cases in "
-        "turn:",
-        markdown_table(("work", "right after itself, us", *waits), probe_rows)])
+        f"{PROBE_RUNS} runs of each piece of work, each right after the same work, a "
+        "Python loop that reads the clock for the time given, a C loop that counts in a "
+        "register between readings of the clock (no memory touched) or a sleep, the "
+        "cases in turn:",
+        markdown_table(("work", *(titles[c] for c in probed["columns"])), probe_rows)])
     write_section("between_steps", text, enabled=not args.no_write)
 
 
