@@ -135,9 +135,14 @@ def test_switched_off_with_the_other_native_kernels(monkeypatch):
 
 
 def test_bad_shapes_name_the_argument():
-    x, w, g, _ = case((1, 4, 5, 5), 1, (3, 3), (1, 1), (1, 1), (1, 1))
+    x, w, g, _ = case((1, 4, 5, 6), 1, (3, 3), (1, 1), (1, 1), (1, 1))
     with pytest.raises(ValueError, match=r"conv_depthwise: filter has shape \(4, 1, 2, 2\)"):
         conv_depthwise.forward(x, w[:, :, :2, :2], g, 1)
+    with pytest.raises(ValueError, match=r"conv_depthwise: x has shape \(1, 4, 5, 6\), "
+                                         r"expected \(1, 5, 6, 4\)"):
+        conv_depthwise.forward_nhwc(x, w, g, 1)     # channels first given to channels last
+    with pytest.raises(ValueError, match=r"conv_depthwise: dout has shape"):
+        conv_depthwise.input_grad_nhwc(w, np.zeros((1, 4, 5, 6), np.float32), g, 1)
 
 
 def test_calls_from_many_threads_at_once():
@@ -233,3 +238,68 @@ def test_an_inference_net_runs_its_depthwise_convs_bound(monkeypatch):
     c = compiled_of(fast, [logits])
     forms = [f for s, f in zip(c.steps, c.bound.forms) if s.op.type == "fused_conv2d"]
     assert len(forms) == 2 and len(prepared) == 1
+
+
+def last(a):
+    """a (N, C, H, W) as a C-contiguous (N, H, W, C) array."""
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 9, 3), (1, 1, 1, 5), (3, 17, 33, 16), (2, 4, 4, 40)])
+def test_the_transposes_between_layouts(shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    for threads in (1, 2, 3):
+        first = conv_depthwise._channels_first(x, threads)
+        assert first.flags.c_contiguous and np.array_equal(first, x.transpose(0, 3, 1, 2))
+        assert np.array_equal(conv_depthwise._channels_last(first, threads), x)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_channels_last_runs_give_the_channels_first_kernels_bits(geometry):
+    x, w, g, _ = case(*geometry)
+    d = rng.standard_normal((g.n, g.o, g.ho, g.wo)).astype(np.float32)
+    b = rng.standard_normal(g.o).astype(np.float32)
+    r = rng.standard_normal(d.shape).astype(np.float32)
+    for threads in (1, 3):
+        assert np.array_equal(conv_depthwise.forward_nhwc(last(x), w, g, threads),
+                              last(conv_depthwise.forward(x, w, g, threads)))
+        assert np.array_equal(
+            conv_depthwise.forward_nhwc(last(x), w, g, threads, bias=b, residual=last(r),
+                                        relu=True),
+            last(conv_depthwise.forward(x, w, g, threads, bias=b, residual=r, relu=True)))
+        assert np.array_equal(conv_depthwise.input_grad_nhwc(w, last(d), g, threads),
+                              last(conv_depthwise.input_grad(w, d, g, threads)))
+        assert np.array_equal(conv_depthwise.filter_grad_nhwc(last(x), last(d), g, threads),
+                              conv_depthwise.filter_grad(x, d, g, threads))
+
+
+def test_a_channels_last_net_trains_and_infers_on_the_depthwise_kernels(monkeypatch):
+    """NHWC depthwise convs train on the kernels (forward, dx and dfilter through the
+    transposes) with the float64 reference's values, and the inference net's fused
+    convs (batch norm folded, relu, 2x2 max pooling) run them too."""
+    counted = {n: spy(monkeypatch, n) for n in ("forward", "input_grad", "filter_grad")}
+    net = mg.Net(seed=5)
+    image = layers.data(net, "image", shape=(-1, 12, 12, 8))
+    label = layers.data(net, "label", shape=(-1,), dtype="int64")
+    conv = layers.conv2d(net, image, num_filters=8, filter_size=3, padding=1, groups=8,
+                         bias=False, data_layout="NHWC", name="dw")
+    h = layers.relu(net, layers.batch_norm(net, conv, data_layout="NHWC"))
+    h = layers.pool2d(net, h, 2, data_layout="NHWC")
+    h = layers.conv2d(net, h, num_filters=16, filter_size=3, padding=1, groups=8,
+                      data_layout="NHWC")
+    logits = layers.fc(net, h, 10)
+    loss = layers.mean(net, layers.softmax_with_cross_entropy(net, logits, label))
+    mg.optimizer.SGD(0.1).minimize(net, loss)
+    x = rng.standard_normal((4, 12, 12, 8)).astype(np.float32)
+    (first,) = net.infer(feed={"image": x}, fetch=[conv])
+    w = net.var("dw.w").get()
+    close(first, last(conv2d(x.transpose(0, 3, 1, 2), w, strides=(1, 1), paddings=(1, 1),
+                             dilations=(1, 1), groups=8)))
+    net.train(feed={"image": x, "label": rng.integers(0, 10, 4)})
+    assert {n: len(c) for n, c in counted.items()} == \
+        {"forward": 3, "input_grad": 1, "filter_grad": 2}
+    fast = mg.passes.optimize_for_inference(net)
+    (got,) = fast.infer(feed={"image": x}, fetch=[logits.name])
+    assert len(counted["forward"]) == 5
+    (want,) = net.infer(feed={"image": x}, fetch=[logits])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

@@ -2,8 +2,9 @@
 (float32, one group, where a C compiler works: conv_native for NCHW, conv_native_nhwc
 for NHWC), the fastest on this machine of Winograd's kernel, the direct kernel and
 the im2col engine (timed at first use and kept per machine: choices.py); for
-depthwise convs (NCHW float32, each group one input channel: conv_depthwise) the
-faster of the depthwise kernel and the im2col engine; else the im2col engine of the
+depthwise convs (float32, each group one input channel: conv_depthwise, channels last
+between transposes) the faster of the depthwise kernel and the im2col engine; else
+the im2col engine of the
 layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc),
 with lean work arrays, or up to the room a training step leaves them
 (KernelContext.room, OpSchema.work_room; the room also lets Winograd's kernel
@@ -61,6 +62,15 @@ ENGINES = {
 }
 
 
+def depthwise_kernels(layout):
+    """(forward, input_grad, filter_grad) of conv_depthwise for `layout` (channels last:
+    the *_nhwc entry points, between transposes); looked up at each call."""
+    if layout == "NHWC":
+        return (conv_depthwise.forward_nhwc, conv_depthwise.input_grad_nhwc,
+                conv_depthwise.filter_grad_nhwc)
+    return conv_depthwise.forward, conv_depthwise.input_grad, conv_depthwise.filter_grad
+
+
 def cpu_geometry(op, x, w):
     """The CPU engine's Geometry of this op on x and filter (either layout)."""
     a = op.attrs
@@ -86,7 +96,8 @@ def conv2d_cpu(op, ins, ctx):
 
     threads = blocks.get_num_threads()
     if depthwise(op, g, x.dtype):
-        options = {"depthwise": lambda: conv_depthwise.forward(x, w, g, threads), "im2col": im2col}
+        forward = depthwise_kernels(op.attrs["data_layout"])[0]
+        options = {"depthwise": lambda: forward(x, w, g, threads), "im2col": im2col}
         return {"out": choose("conv2d", op, g, threads, options)}
     if not conv_native.supports(g, x.dtype):
         return {"out": im2col()}
@@ -130,7 +141,7 @@ def conv2d_grad_cpu(op, ins, ctx):
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
     need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
     if depthwise(op, g, x.dtype):
-        return _depthwise_grad(op, x, w, d, g, ctx, need_dx, need_dw)
+        return _depthwise_grad(op, run, x, w, d, g, ctx, need_dx, need_dw)
     if not conv_native.supports(g, x.dtype):
         dx, dw = run.numpy_backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw,
                                     room=ctx.room)
@@ -156,26 +167,27 @@ def conv2d_grad_cpu(op, ins, ctx):
 
 
 def depthwise(op, g, dtype):
-    """True when the native depthwise kernels take this conv (conv_depthwise: NCHW,
-    float32, each group one input channel)."""
-    return op.attrs["data_layout"] == "NCHW" and conv_depthwise.supports(g, dtype)
+    """True when the native depthwise kernels take this conv (conv_depthwise: float32,
+    each group one input channel; channels last between transposes)."""
+    return conv_depthwise.supports(g, dtype)
 
 
-def _depthwise_grad(op, x, w, d, g, ctx, need_dx, need_dw):
+def _depthwise_grad(op, run, x, w, d, g, ctx, need_dx, need_dw):
     """conv2d_grad_cpu's outputs where depthwise(): each the faster on this machine of
-    the depthwise kernel and the im2col engine."""
+    the depthwise kernel and the im2col engine of the layout (`run`: its Engines)."""
     threads, dx, dw = blocks.get_num_threads(), None, None
+    _, input_grad, filter_grad = depthwise_kernels(op.attrs["data_layout"])
 
     def numpy(dx, dw):
-        return lambda: conv_im2col_grad.backward(x, w, d, g, need_dx=dx, need_dw=dw,
-                                                 room=ctx.room)[int(dw)]
+        return lambda: run.numpy_backward(x, w, d, g, need_dx=dx, need_dw=dw,
+                                          room=ctx.room)[int(dw)]
     if need_dx:
         dx = choose("conv2d_dx", op, g, threads,
-                    {"depthwise": lambda: conv_depthwise.input_grad(w, d, g, threads),
+                    {"depthwise": lambda: input_grad(w, d, g, threads),
                      "im2col": numpy(True, False)})
     if need_dw:
         dw = choose("conv2d_dw", op, g, threads,
-                    {"depthwise": lambda: conv_depthwise.filter_grad(x, d, g, threads),
+                    {"depthwise": lambda: filter_grad(x, d, g, threads),
                      "im2col": numpy(False, True)})
     return present(dx=dx, dfilter=dw)
 
@@ -204,7 +216,8 @@ def _fused_options(op, x, w, epilogue):
                                  pool, layout)}
     if depthwise(op, g, x.dtype):
         threads = blocks.get_num_threads()
-        options["depthwise"] = _pooled(lambda: conv_depthwise.forward(
+        forward = depthwise_kernels(layout)[0]
+        options["depthwise"] = _pooled(lambda: forward(
             x, w, g, threads, **epilogue, relu=relu), pool, layout)
         return g, threads, options
     if not conv_native.supports(g, x.dtype):
