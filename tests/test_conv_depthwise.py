@@ -119,6 +119,17 @@ def test_a_nan_reaches_the_outputs_whose_windows_read_it():
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).sum() == 9
 
 
+def test_a_nan_reaches_the_channels_last_outputs_whose_windows_read_it():
+    x, w, g, attrs = case((1, 20, 6, 6), 1, (3, 3), (1, 1), (1, 1), (1, 1))
+    x[0, 17, 2, 3] = np.nan                         # a channel of the second vector
+    w[3, 0, 0, 0] = np.inf                          # inf x the zero border: nan
+    got = conv_depthwise.forward_nhwc(last(x), w, g, 2)
+    want = last(conv_depthwise.forward(x, w, g, 2))
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[..., 17]).sum() == 9 and np.isnan(got[0, 0, :, 3]).all()
+    assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+
+
 def test_what_the_kernels_take():
     def geometry(x_shape, w_shape, groups):
         return conv_im2col.geometry(x_shape, w_shape, (1, 1), (1, 1), (1, 1), groups)
@@ -274,10 +285,12 @@ def test_channels_last_runs_give_the_channels_first_kernels_bits(geometry):
 
 
 def test_a_channels_last_net_trains_and_infers_on_the_depthwise_kernels(monkeypatch):
-    """NHWC depthwise convs train on the kernels (forward, dx and dfilter through the
-    transposes) with the float64 reference's values, and the inference net's fused
-    convs (batch norm folded, relu, 2x2 max pooling) run them too."""
-    counted = {n: spy(monkeypatch, n) for n in ("forward", "input_grad", "filter_grad")}
+    """NHWC depthwise convs train on the kernels (multiplier 1's forward channels last,
+    multiplier 2's and the gradients through the transposes) with the float64
+    reference's values, and the inference net's fused convs (batch norm folded, relu,
+    2x2 max pooling) run them too."""
+    counted = {n: spy(monkeypatch, n) for n in ("forward_nhwc", "forward", "input_grad",
+                                                "filter_grad")}
     net = mg.Net(seed=5)
     image = layers.data(net, "image", shape=(-1, 12, 12, 8))
     label = layers.data(net, "label", shape=(-1,), dtype="int64")
@@ -295,11 +308,13 @@ def test_a_channels_last_net_trains_and_infers_on_the_depthwise_kernels(monkeypa
     w = net.var("dw.w").get()
     close(first, last(conv2d(x.transpose(0, 3, 1, 2), w, strides=(1, 1), paddings=(1, 1),
                              dilations=(1, 1), groups=8)))
+    assert {n: len(c) for n, c in counted.items()} == \
+        {"forward_nhwc": 1, "forward": 0, "input_grad": 0, "filter_grad": 0}
     net.train(feed={"image": x, "label": rng.integers(0, 10, 4)})
     assert {n: len(c) for n, c in counted.items()} == \
-        {"forward": 3, "input_grad": 1, "filter_grad": 2}
+        {"forward_nhwc": 3, "forward": 1, "input_grad": 1, "filter_grad": 2}
     fast = mg.passes.optimize_for_inference(net)
     (got,) = fast.infer(feed={"image": x}, fetch=[logits.name])
-    assert len(counted["forward"]) == 5
+    assert (len(counted["forward_nhwc"]), len(counted["forward"])) == (5, 2)
     (want,) = net.infer(feed={"image": x}, fetch=[logits])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())

@@ -23,8 +23,8 @@
  * input channel) planes, dfilter the input channels, in contiguous ranges
  * (native_pool.h); each result is computed by one thread in one way, so results do not
  * depend on the number of threads. Each returns 0, or 1 where a buffer could not be
- * allocated (nothing is written then by the threads that failed). Channels-last convs
- * run these kernels between transposes (conv_depthwise_transpose, at the end). */
+ * allocated (nothing is written then by the threads that failed). Channels-last convs:
+ * conv_depthwise_nhwc.h (included at the end). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -336,51 +336,5 @@ int conv_depthwise_filter_grad(const float *x, const float *d, float *dw, const 
     return run(dims, filter_job, dims[1], x, NULL, NULL, NULL, d, dw, threads);
 }
 
-/* dst (n, cols, rows) = src (n, rows, cols), each image's matrix transposed: NHWC to
- * NCHW (rows = h w, cols = c) and back (rows = c, cols = h w) for the channels-last
- * entry points (conv_depthwise.py). Blocks of TB x TB values, so that the lines each
- * block reads and writes are used whole while in L1; within a block the values go
- * along the longer side's lines (the TB lines of the other side are then a row or a
- * column of the shorter apart: TB lines 4 KiB apart would share one of L1's sets);
- * each thread takes a range of (image, block of rows) units. */
-#define TB 16
 
-typedef struct {
-    const float *src;
-    float *dst;
-    int64_t rows, cols, blocks, begin, end;
-} transpose_job_t;
-
-static void *transpose_job(void *arg)
-{
-    const transpose_job_t *j = arg;
-    const int64_t rows = j->rows, cols = j->cols;
-    for (int64_t u = j->begin; u < j->end; u++) {
-        const int64_t i0 = u % j->blocks * TB, i1 = i0 + TB < rows ? i0 + TB : rows;
-        const float *restrict s = j->src + u / j->blocks * rows * cols;
-        float *restrict d = j->dst + u / j->blocks * rows * cols;
-        for (int64_t c0 = 0; c0 < cols; c0 += TB) {
-            const int64_t c1 = c0 + TB < cols ? c0 + TB : cols;
-            if (cols <= rows)       /* the side read or written across lines: the shorter */
-                for (int64_t c = c0; c < c1; c++)
-                    for (int64_t i = i0; i < i1; i++) d[c * rows + i] = s[i * cols + c];
-            else
-                for (int64_t i = i0; i < i1; i++)
-                    for (int64_t c = c0; c < c1; c++) d[c * rows + i] = s[i * cols + c];
-        }
-    }
-    return NULL;
-}
-
-void conv_depthwise_transpose(const float *src, float *dst, int64_t n, int64_t rows,
-                              int64_t cols, int64_t threads)
-{
-    const int64_t blocks = (rows + TB - 1) / TB, units = n * blocks;
-    transpose_job_t jobs[POOL_MAX_THREADS];
-    const int64_t parts = pool_parts(threads, units);
-    for (int64_t t = 0; t < parts; t++) {
-        jobs[t] = (transpose_job_t){src, dst, rows, cols, blocks, 0, 0};
-        pool_share(units, parts, t, &jobs[t].begin, &jobs[t].end);
-    }
-    pool_run(transpose_job, jobs, sizeof(transpose_job_t), parts);
-}
+#include "conv_depthwise_nhwc.h"

@@ -9,11 +9,13 @@ as one small product per channel; these run each plane as vectors of output colu
 times them against the im2col engine, the reference they are tested against). Sizes
 come as conv_im2col.Geometry.
 
-Channels-last (NHWC) depthwise convs run the same kernels between transposes
-(`forward_nhwc`, `input_grad_nhwc`, `filter_grad_nhwc`: x, dout and a residual to
-channels first, the result back, by conv_depthwise_transpose on the kernels' threads),
-so they give the NCHW kernels' bits; numpy's im2col engine for NHWC took 64 times as
-long as the NCHW kernel on a MobileNet-sized depthwise conv.
+Channels-last (NHWC) depthwise convs (`forward_nhwc`, `input_grad_nhwc`,
+`filter_grad_nhwc`, conv_depthwise_nhwc.h) give the NCHW kernels' bits: the forward
+pass of channel multiplier 1 (MobileNet's) reads channels last as they lie; the other
+multipliers and the gradients run the NCHW kernels between transposes (x, dout and a
+residual to channels first, the result back, by conv_depthwise_transpose on the
+kernels' threads). numpy's im2col engine for NHWC took 64 times as long as the NCHW
+kernel on a MobileNet-sized depthwise conv.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def _lib():
         lib.conv_depthwise_forward.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv_depthwise_input_grad.argtypes = [_P, _P, _P, _P, _L]
         lib.conv_depthwise_filter_grad.argtypes = [_P, _P, _P, _P, _L]
+        lib.conv_depthwise_forward_nhwc.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv_depthwise_transpose.argtypes = [_P, _P, _L, _L, _L, _L]
         lib.conv_depthwise_transpose.restype = None
         lib._typed = True
@@ -141,14 +144,25 @@ def filter_grad(x, d, g, threads):
 
 def forward_nhwc(x, w, g, threads, bias=None, residual=None, relu=False):
     """forward for channels-last x (N, H, W, C) and residual (N, Ho, Wo, O): out (N, Ho,
-    Wo, O), forward's bits (x and the residual transposed to channels first, the result
-    back)."""
+    Wo, O), forward's bits (multiplier 1: read as they lie; else x and the residual
+    transposed to channels first, the result back)."""
     x = _float32(x, (g.n, g.h, g.w, g.c), "x")
-    if residual is not None:
-        residual = _channels_first(_float32(residual, (g.n, g.ho, g.wo, g.o), "residual"),
-                                   threads)
-    return _channels_last(forward(_channels_first(x, threads), w, g, threads, bias=bias,
-                                  residual=residual, relu=relu), threads)
+    out_shape = (g.n, g.ho, g.wo, g.o)
+    residual = None if residual is None else _float32(residual, out_shape, "residual")
+    if g.o != g.c:
+        if residual is not None:
+            residual = _channels_first(residual, threads)
+        return _channels_last(forward(_channels_first(x, threads), w, g, threads, bias=bias,
+                                      residual=residual, relu=relu), threads)
+    w = _float32(w, (g.o, 1, g.kh, g.kw), "filter")
+    bias = None if bias is None else _float32(bias, (g.o,), "bias")
+    out = np.empty(out_shape, dtype=np.float32)
+    if out.size:
+        _check(_lib().conv_depthwise_forward_nhwc(_ptr(x), _ptr(w), _ptr(bias),
+                                                  _ptr(residual), _ptr(out),
+                                                  _ptr(_dims(g, relu)), _threads(g, threads)),
+               "forward_nhwc")
+    return out
 
 
 def input_grad_nhwc(w, d, g, threads):
