@@ -2,8 +2,8 @@
 (float32, one group, where a C compiler works: conv_native for NCHW, conv_native_nhwc
 for NHWC), the fastest on this machine of Winograd's kernel, the direct kernel and
 the im2col engine (timed at first use and kept per machine: choices.py); for
-depthwise convs (float32, each group one input channel: conv_depthwise, channels last
-between transposes) the faster of the depthwise kernel and the im2col engine; else
+depthwise convs (float32, each group one input channel: conv_depthwise, either
+layout) the faster of the depthwise kernel and the im2col engine; else
 the im2col engine of the
 layout (conv_im2col and conv_im2col_grad, conv_im2col_nhwc),
 with lean work arrays, or up to the room a training step leaves them
@@ -64,7 +64,7 @@ ENGINES = {
 
 def depthwise_kernels(layout):
     """(forward, input_grad, filter_grad) of conv_depthwise for `layout` (channels last:
-    the *_nhwc entry points, between transposes); looked up at each call."""
+    the *_nhwc entry points); looked up at each call."""
     if layout == "NHWC":
         return (conv_depthwise.forward_nhwc, conv_depthwise.input_grad_nhwc,
                 conv_depthwise.filter_grad_nhwc)
@@ -168,7 +168,7 @@ def conv2d_grad_cpu(op, ins, ctx):
 
 def depthwise(op, g, dtype):
     """True when the native depthwise kernels take this conv (conv_depthwise: float32,
-    each group one input channel; channels last between transposes)."""
+    each group one input channel; either layout)."""
     return conv_depthwise.supports(g, dtype)
 
 
