@@ -20,6 +20,8 @@ typedef struct {
     int failed;
 } nhwc_job_t;
 
+static const float nhwc_zeros[VL] __attribute__((aligned(64)));
+
 static inline vf load_n(const float *p, int64_t count)
 {
     return count == VL ? vf_load(p) : vf_load_part(p, count);
@@ -54,11 +56,12 @@ static inline __attribute__((always_inline)) void nhwc_tile(
         const float *row = x + iy * w * c;
         for (int64_t k = 0; k < kw; k++) {
             const vf wv = load_n(wt + (i * kw + k) * c + c0, count);
-            for (int p = 0; p < n; p++) {
+            for (int p = 0; p < n; p++) {      /* a tap outside x reads zeros: the same
+                                                     multiply-add as inside (no select of
+                                                     values, which GCC may not fuse) */
                 const int64_t ix = x0 + p * sw + k * dw;
-                const vf xv = row_in && ix >= 0 && ix < w ? load_n(row + ix * c, count)
-                                                          : (vf){0};
-                acc[p] += wv * xv;
+                const float *at = row_in && ix >= 0 && ix < w ? row + ix * c : nhwc_zeros;
+                acc[p] += wv * load_n(at, count);
             }
         }
     }
