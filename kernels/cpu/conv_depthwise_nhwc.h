@@ -49,19 +49,18 @@ static inline __attribute__((always_inline)) void nhwc_tile(
                 for (int p = 0; p < n; p++) acc[p] += wv * vf_load(row + (p * sw + k * dw) * c);
             }
         }
-    } else
-    for (int64_t i = 0; i < g->kh; i++) {
-        const int64_t iy = y * g->sh - g->ph + i * g->dh;
-        const int row_in = iy >= 0 && iy < h;
-        const float *row = x + iy * w * c;
-        for (int64_t k = 0; k < kw; k++) {
-            const vf wv = load_n(wt + (i * kw + k) * c + c0, count);
-            for (int p = 0; p < n; p++) {      /* a tap outside x reads zeros: the same
-                                                     multiply-add as inside (no select of
-                                                     values, which GCC may not fuse) */
-                const int64_t ix = x0 + p * sw + k * dw;
-                const float *at = row_in && ix >= 0 && ix < w ? row + ix * c : nhwc_zeros;
-                acc[p] += wv * load_n(at, count);
+    } else {    /* a tap outside x reads a vector of zeros: the same multiply-add as one
+                   inside (GCC did not fuse a multiply-add of a selected zero value) */
+        for (int64_t i = 0; i < g->kh; i++) {
+            const int64_t iy = y0 + i * g->dh;
+            const float *row = iy >= 0 && iy < h ? x + iy * w * c : NULL;
+            for (int64_t k = 0; k < kw; k++) {
+                const vf wv = load_n(wt + (i * kw + k) * c + c0, count);
+                for (int p = 0; p < n; p++) {
+                    const int64_t ix = x0 + p * sw + k * dw;
+                    acc[p] += wv * load_n(row && ix >= 0 && ix < w ? row + ix * c : nhwc_zeros,
+                                          count);
+                }
             }
         }
     }
