@@ -6,19 +6,11 @@
  * taps in the NCHW kernel's order (i, then k), a tap outside x adding the filter value
  * times zero as the NCHW kernel's zeroed border does, then its epilogue: the NCHW
  * kernel's operations on the same values, so the two give the same bits. Each thread
- * takes a range of (image, output row) units and transposes the filter to [taps][C]
- * first. Other multipliers, and the gradients, run the NCHW kernels between
+ * takes a range of (image, output row) units (conv_depthwise.c's run) and transposes
+ * the filter to [taps][C] first. Other multipliers, and the gradients, run the NCHW kernels between
  * transposes (conv_depthwise_transpose). */
 
 #define NT 4                    /* output pixels per channels-last tile */
-
-typedef struct {
-    const geo_t *g;
-    const float *x, *w, *bias, *res;
-    float *out;
-    int64_t begin, end;
-    int failed;
-} nhwc_job_t;
 
 static const float nhwc_zeros[VL] __attribute__((aligned(64)));
 
@@ -30,7 +22,7 @@ static inline vf load_n(const float *p, int64_t count)
 /* Pixels q0 .. q0 + n - 1 (n <= NT) of output row y of image img, channels c0 ..
  * c0 + count - 1, with the filter transposed to wt [taps][C]. */
 static inline __attribute__((always_inline)) void nhwc_tile(
-    const nhwc_job_t *j, const float *wt, int64_t img, int64_t y, int64_t q0, const int n,
+    const job_t *j, const float *wt, int64_t img, int64_t y, int64_t q0, const int n,
     int64_t c0, int64_t count)
 {
     const geo_t *g = j->g;
@@ -77,7 +69,7 @@ static inline __attribute__((always_inline)) void nhwc_tile(
 
 static void *nhwc_forward_job(void *arg)
 {
-    nhwc_job_t *j = arg;
+    job_t *j = arg;
     const geo_t *g = j->g;
     const int64_t taps = g->kh * g->kw;
     float *wt = malloc((size_t)(taps * g->c + VL) * sizeof(float));
@@ -114,20 +106,8 @@ int conv_depthwise_forward_nhwc(const float *x, const float *w, const float *bia
                                 const float *res, float *out, const int64_t *dims,
                                 int64_t threads)
 {
-    geo_t g = geometry(dims);
-    if (!g.table) return 1;
-    const int64_t units = g.n * g.ho;
-    nhwc_job_t jobs[POOL_MAX_THREADS];
-    const int64_t parts = pool_parts(threads, units);
-    for (int64_t t = 0; t < parts; t++) {
-        jobs[t] = (nhwc_job_t){&g, x, w, bias, res, out, 0, 0, 0};
-        pool_share(units, parts, t, &jobs[t].begin, &jobs[t].end);
-    }
-    pool_run(nhwc_forward_job, jobs, sizeof(nhwc_job_t), parts);
-    int failed = 0;
-    for (int64_t t = 0; t < parts; t++) failed |= jobs[t].failed;
-    free(g.table);
-    return failed;
+    return run(dims, nhwc_forward_job, dims[0] * dims[13], x, w, bias, res, NULL, out,
+               threads);
 }
 
 /* dst (n, cols, rows) = src (n, rows, cols), each image's matrix transposed: NHWC to
