@@ -191,7 +191,8 @@ def probe():
 
 def c_spin(tmp):
     """SPIN_C's spin_ns(ns) built in the directory `tmp` and loaded, or None without a
-    C compiler ($CC, cc or gcc) or where the build fails."""
+    C compiler ($CC, cc or gcc, as kernels/cpu/native.py finds it: this process imports
+    no minigraph) or where the build fails."""
     import ctypes
     import shlex
 

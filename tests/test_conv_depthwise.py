@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import all_right_from_threads
 from references import conv2d, conv2d_grad
+from test_conv_native_nhwc import nhwc
 
 import minigraph as mg
 from minigraph import layers
@@ -123,8 +124,8 @@ def test_a_nan_reaches_the_channels_last_outputs_whose_windows_read_it():
     x, w, g, attrs = case((1, 20, 6, 6), 1, (3, 3), (1, 1), (1, 1), (1, 1))
     x[0, 17, 2, 3] = np.nan                         # a channel of the second vector
     w[3, 0, 0, 0] = np.inf                          # inf x the zero border: nan
-    got = conv_depthwise.forward_nhwc(last(x), w, g, 2)
-    want = last(conv_depthwise.forward(x, w, g, 2))
+    got = conv_depthwise.forward_nhwc(nhwc(x), w, g, 2)
+    want = nhwc(conv_depthwise.forward(x, w, g, 2))
     assert np.array_equal(np.isnan(got), np.isnan(want))
     assert np.isnan(got[..., 17]).sum() == 9 and np.isnan(got[0, 0, :, 3]).all()
     assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
@@ -154,6 +155,10 @@ def test_bad_shapes_name_the_argument():
         conv_depthwise.forward_nhwc(x, w, g, 1)     # channels first given to channels last
     with pytest.raises(ValueError, match=r"conv_depthwise: dout has shape"):
         conv_depthwise.input_grad_nhwc(w, np.zeros((1, 4, 5, 6), np.float32), g, 1)
+    with pytest.raises(ValueError, match=r"conv_depthwise: residual has shape \(1, 4, 5, 6\)"):
+        conv_depthwise.forward_nhwc(nhwc(x), w, g, 1, residual=x)
+    with pytest.raises(ValueError, match=r"conv_depthwise: x has shape"):
+        conv_depthwise.filter_grad_nhwc(x, np.zeros((1, 5, 6, 4), np.float32), g, 1)
 
 
 def test_calls_from_many_threads_at_once():
@@ -251,11 +256,6 @@ def test_an_inference_net_runs_its_depthwise_convs_bound(monkeypatch):
     assert len(forms) == 2 and len(prepared) == 1
 
 
-def last(a):
-    """a (N, C, H, W) as a C-contiguous (N, H, W, C) array."""
-    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))
-
-
 @pytest.mark.parametrize("shape", [(2, 7, 9, 3), (1, 1, 1, 5), (3, 17, 33, 16), (2, 4, 4, 40)])
 def test_the_transposes_between_layouts(shape):
     x = rng.standard_normal(shape).astype(np.float32)
@@ -272,15 +272,15 @@ def test_channels_last_runs_give_the_channels_first_kernels_bits(geometry):
     b = rng.standard_normal(g.o).astype(np.float32)
     r = rng.standard_normal(d.shape).astype(np.float32)
     for threads in (1, 3):
-        assert np.array_equal(conv_depthwise.forward_nhwc(last(x), w, g, threads),
-                              last(conv_depthwise.forward(x, w, g, threads)))
+        assert np.array_equal(conv_depthwise.forward_nhwc(nhwc(x), w, g, threads),
+                              nhwc(conv_depthwise.forward(x, w, g, threads)))
         assert np.array_equal(
-            conv_depthwise.forward_nhwc(last(x), w, g, threads, bias=b, residual=last(r),
+            conv_depthwise.forward_nhwc(nhwc(x), w, g, threads, bias=b, residual=nhwc(r),
                                         relu=True),
-            last(conv_depthwise.forward(x, w, g, threads, bias=b, residual=r, relu=True)))
-        assert np.array_equal(conv_depthwise.input_grad_nhwc(w, last(d), g, threads),
-                              last(conv_depthwise.input_grad(w, d, g, threads)))
-        assert np.array_equal(conv_depthwise.filter_grad_nhwc(last(x), last(d), g, threads),
+            nhwc(conv_depthwise.forward(x, w, g, threads, bias=b, residual=r, relu=True)))
+        assert np.array_equal(conv_depthwise.input_grad_nhwc(w, nhwc(d), g, threads),
+                              nhwc(conv_depthwise.input_grad(w, d, g, threads)))
+        assert np.array_equal(conv_depthwise.filter_grad_nhwc(nhwc(x), nhwc(d), g, threads),
                               conv_depthwise.filter_grad(x, d, g, threads))
 
 
@@ -306,7 +306,7 @@ def test_a_channels_last_net_trains_and_infers_on_the_depthwise_kernels(monkeypa
     x = rng.standard_normal((4, 12, 12, 8)).astype(np.float32)
     (first,) = net.infer(feed={"image": x}, fetch=[conv])
     w = net.var("dw.w").get()
-    close(first, last(conv2d(x.transpose(0, 3, 1, 2), w, strides=(1, 1), paddings=(1, 1),
+    close(first, nhwc(conv2d(x.transpose(0, 3, 1, 2), w, strides=(1, 1), paddings=(1, 1),
                              dilations=(1, 1), groups=8)))
     assert {n: len(c) for n, c in counted.items()} == \
         {"forward_nhwc": 1, "forward": 0, "input_grad": 0, "filter_grad": 0}

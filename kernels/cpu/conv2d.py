@@ -80,7 +80,7 @@ def cpu_geometry(op, x, w):
 
 def conv2d_cpu(op, ins, ctx):
     """out[n, o] = sum over the group's channels and taps of filter * window: for a
-    depthwise conv (depthwise()), the faster of its kernel and the im2col engine; where
+    depthwise conv (conv_depthwise.supports), the faster of its kernel and the im2col engine; where
     the native kernels take the conv (conv_native, conv_native_nhwc: float32, one group),
     Winograd's kernel (where its scratch memory stays within the output's), the direct
     kernel or the im2col engine, whichever was the fastest for the shape on this
@@ -95,7 +95,7 @@ def conv2d_cpu(op, ins, ctx):
         return run.numpy_forward(x, w, g, lean=True, room=ctx.room)
 
     threads = blocks.get_num_threads()
-    if depthwise(op, g, x.dtype):
+    if conv_depthwise.supports(g, x.dtype):
         forward = depthwise_kernels(op.attrs["data_layout"])[0]
         options = {"depthwise": lambda: forward(x, w, g, threads), "im2col": im2col}
         return {"out": choose("conv2d", op, g, threads, options)}
@@ -140,7 +140,7 @@ def conv2d_grad_cpu(op, ins, ctx):
     x, w, d = ins["x"], ins["filter"], ins["dout"]
     g, run = cpu_geometry(op, x, w), ENGINES[op.attrs["data_layout"]]
     need_dx, need_dw = op.wants("dx"), op.wants("dfilter")
-    if depthwise(op, g, x.dtype):
+    if conv_depthwise.supports(g, x.dtype):
         return _depthwise_grad(op, run, x, w, d, g, ctx, need_dx, need_dw)
     if not conv_native.supports(g, x.dtype):
         dx, dw = run.numpy_backward(x, w, d, g, need_dx=need_dx, need_dw=need_dw,
@@ -166,15 +166,10 @@ def conv2d_grad_cpu(op, ins, ctx):
     return present(dx=dx, dfilter=dw)
 
 
-def depthwise(op, g, dtype):
-    """True when the native depthwise kernels take this conv (conv_depthwise: float32,
-    each group one input channel; either layout)."""
-    return conv_depthwise.supports(g, dtype)
-
-
 def _depthwise_grad(op, run, x, w, d, g, ctx, need_dx, need_dw):
-    """conv2d_grad_cpu's outputs where depthwise(): each the faster on this machine of
-    the depthwise kernel and the im2col engine of the layout (`run`: its Engines)."""
+    """conv2d_grad_cpu's outputs for a depthwise conv (conv_depthwise.supports): each the
+    faster on this machine of the depthwise kernel and the im2col engine of the layout
+    (`run`: its Engines)."""
     threads, dx, dw = blocks.get_num_threads(), None, None
     _, input_grad, filter_grad = depthwise_kernels(op.attrs["data_layout"])
 
@@ -214,7 +209,7 @@ def _fused_options(op, x, w, epilogue):
     run, relu, pool = ENGINES[layout], op.attrs["activation"] == "relu", _pools(op)
     options = {"im2col": _pooled(lambda: run.numpy_forward(x, w, g, **epilogue, relu=relu),
                                  pool, layout)}
-    if depthwise(op, g, x.dtype):
+    if conv_depthwise.supports(g, x.dtype):
         threads = blocks.get_num_threads()
         forward = depthwise_kernels(layout)[0]
         options["depthwise"] = _pooled(lambda: forward(
