@@ -108,6 +108,9 @@ ROLES = {
                 "and x_num_col_dims, optional bias and residual inputs and `activation`; "
                 "`normalize`: x is layer_norm'd first (norm_scale, norm_bias, norm_epsilon)",
     "fused_fc_group": "fused_fc products of one x (lists y, bias, out), normalize as fused_fc",
+    "fused_separable_conv": "a depthwise fused_conv (x, dw_filter, dw_bias, dw_activation, "
+                            "its conv attributes), then a 1x1 one (filter, bias, residual, "
+                            "activation) in one op",
     "merged_update": "several parameters' updates in one op: param, grad and every other "
                      "list aligned by parameter (cut the lists to update fewer)",
     "clip_gradients": "scales the gradient list x in place (out[i] is x[i]) by what all of "

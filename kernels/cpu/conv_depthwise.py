@@ -68,12 +68,12 @@ def _dims(g, relu=False):
                      g.ho, g.wo, int(bool(relu))], dtype=np.int64)
 
 
-def _float32(array, shape, name):
-    """`array` as a C-contiguous float32 array of `shape` (a copy only where needed)."""
+def _float32(array, shape, name, who="conv_depthwise"):
+    """`array` as a C-contiguous float32 array of `shape` (a copy only where needed); a
+    ValueError naming `who` and `name` where the shape differs."""
     array = np.ascontiguousarray(array, dtype=np.float32)
     if array.shape != tuple(shape):
-        raise ValueError(f"conv_depthwise: {name} has shape {array.shape}, expected "
-                         f"{tuple(shape)}")
+        raise ValueError(f"{who}: {name} has shape {array.shape}, expected {tuple(shape)}")
     return array
 
 

@@ -313,3 +313,4 @@ int conv2d_forward_f32(const float *x, const float *filter, const float *bias,
 #include "conv_filter_grad.h"
 #include "conv_winograd.h"
 #include "conv_nhwc.h"
+#include "conv_separable.h"

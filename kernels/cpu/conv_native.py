@@ -59,6 +59,7 @@ def _lib():
         lib.conv2d_winograd_scratch.restype = _L
         lib.conv2d_nhwc_forward_f32.argtypes = [_P, _P, _P, _P, _P, _P, _L]
         lib.conv2d_nhwc_filter_grad_f32.argtypes = [_P, _P, _P, _P, _L]
+        lib.conv_separable_forward.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L]
         lib._typed = True
     return lib
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from minigraph.kernels import present
+from minigraph.kernels.cpu.conv_separable import parts
 from minigraph.kernels.cuda import (
     activation,
     broadcast,
@@ -201,3 +202,14 @@ def _fused_nhwc(op, ins):
     if op.attrs["activation"] == "relu":
         activation.relu(out, out=out)
     return out
+
+
+def fused_separable_conv2d_gpu(op, ins, ctx):
+    """fused_separable_conv2d: fused_conv2d_gpu on the depthwise conv, then on the 1x1
+    conv (conv_separable.parts)."""
+    depthwise, pointwise = parts(op)
+    mid = fused_conv2d_gpu(depthwise, {"x": ins["x"], "filter": ins["dw_filter"],
+                                       "bias": ins.get("dw_bias")}, ctx)["out"]
+    return fused_conv2d_gpu(pointwise, {"x": mid, "filter": ins["filter"],
+                                        "bias": ins.get("bias"),
+                                        "residual": ins.get("residual")}, ctx)

@@ -8,7 +8,8 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
     optimize_for_inference(net)   fold_batch_norm, remove_dropout, then fuse_conv2d
                                   (conv+bias+residual+relu+2x2 max pool) and fuse_fc
                                   (mul+bias+residual+relu or gelu; also the infer branch
-                                  of a training net, in place)
+                                  of a training net, in place), then fuse_separable_conv2d
+                                  (a depthwise fused conv + a 1x1 one, NCHW)
     remove_dropout(net)           an inference net's dropouts removed, in place
     fuse_batch_norm_relu(net)     batch_norm + relu -> batch_norm_relu, in place, in both
                                   branches (and their grad ops after minimize)
@@ -19,10 +20,12 @@ declare (roles, OpSchema.weight, sync_variant, presummed, replication).
 from minigraph.passes.fold_bn import FoldNote, fold_batch_norm
 from minigraph.passes.fuse import FuseNote, fuse_conv2d, fuse_fc, optimize_for_inference
 from minigraph.passes.fuse_bn_relu import FusedPair, fuse_batch_norm_relu
+from minigraph.passes.fuse_separable import fuse_separable_conv2d
 from minigraph.passes.merge_updates import MergedRun, merge_updates
 from minigraph.passes.remove_dropout import remove_dropout
 from minigraph.passes.sync_bn import convert_sync_batchnorm
 
 __all__ = ["FoldNote", "FuseNote", "FusedPair", "MergedRun", "convert_sync_batchnorm",
-           "fold_batch_norm", "fuse_batch_norm_relu", "fuse_conv2d", "fuse_fc", "merge_updates",
-           "optimize_for_inference", "remove_dropout"]
+           "fold_batch_norm", "fuse_batch_norm_relu", "fuse_conv2d", "fuse_fc",
+           "fuse_separable_conv2d", "merge_updates", "optimize_for_inference",
+           "remove_dropout"]

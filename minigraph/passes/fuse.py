@@ -75,14 +75,18 @@ def optimize_for_inference(net, fetches=None, verbose=False):
     fetches as in fold_batch_norm, by default the net's predictions): batch norms
     folded into the convolutions and fc layers before them (fold_batch_norm), its
     dropouts removed (remove_dropout: in inference they copy), then conv2d chains
-    fused (fuse_conv2d), then fc chains (fuse_fc). `net` is untouched; the new net's
-    `reports` hold the four passes' notes. Fetch from it
-    by name, or fetch nothing to get its default fetches."""
+    fused (fuse_conv2d), then fc chains (fuse_fc), then depthwise and 1x1 conv pairs
+    (fuse_separable_conv2d). `net` is untouched; the new net's `reports` hold the five
+    passes' notes. Fetch from it by name, or fetch nothing to get its default
+    fetches."""
+    from minigraph.passes.fuse_separable import fuse_separable_conv2d  # it imports fuse
+
     check_net(net, "optimize_for_inference")
     fast = fold(net, fetches, verbose, "optimize_for_inference")
     remove_dropout(fast, verbose=verbose)
     fuse_conv2d(fast, verbose=verbose)
     fuse_fc(fast, verbose=verbose)
+    fuse_separable_conv2d(fast, verbose=verbose)
     return fast
 
 
