@@ -181,8 +181,9 @@ def spy(monkeypatch, name):
 
 def test_the_conv_ops_run_on_the_depthwise_kernels(monkeypatch):
     """A net of depthwise convs trains on the depthwise kernels (forward, dx and
-    dfilter), and its inference net's fused convs (the batch norm folded in, then
-    relu and 2x2 max pooling) run them too, as the numpy engine would."""
+    dfilter), and its inference net's first fused conv (the batch norm folded in, then
+    relu and 2x2 max pooling) runs them too, as the numpy engine would; the second, a
+    depthwise conv before a 1x1 conv, runs with it as one fused_separable_conv2d."""
     counted = {n: spy(monkeypatch, n) for n in ("forward", "input_grad", "filter_grad")}
     net = mg.Net(seed=3)
     image = layers.data(net, "image", shape=(-1, 8, 12, 12))
@@ -200,16 +201,17 @@ def test_the_conv_ops_run_on_the_depthwise_kernels(monkeypatch):
     assert {n: len(c) for n, c in counted.items()} == \
         {"forward": 2, "input_grad": 1, "filter_grad": 2}
     fast = mg.passes.optimize_for_inference(net)
-    assert [op.type for op in fast.ops("infer")].count("fused_conv2d") >= 2
+    types = [op.type for op in fast.ops("infer")]
+    assert types.count("fused_conv2d") == 1 and types.count("fused_separable_conv2d") == 1
     (got,) = fast.infer(feed={"image": feed["image"]}, fetch=[logits.name])
-    assert len(counted["forward"]) == 4
+    assert len(counted["forward"]) == 3
     (want,) = net.infer(feed={"image": feed["image"]}, fetch=[logits])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     from test_bound_run import unbound
 
     monkeypatch.setenv("MINIGRAPH_NATIVE", "0")         # op by op: no prepared C call
     (numpy,) = unbound(fast, {"image": feed["image"]}, [logits.name])
-    assert len(counted["forward"]) == 6                  # net.infer's two, then none
+    assert len(counted["forward"]) == 5                  # net.infer's two, then none
     np.testing.assert_allclose(got, numpy, rtol=1e-4, atol=1e-5 * np.abs(numpy).max())
 
 

@@ -169,7 +169,8 @@ def test_optimize_for_inference_equals_net_infer(layout):
     assert "relu" not in types and "add" not in types         # all inside the fused ops
     assert "conv2d + add + relu" in [" + ".join(n.ops[:1] + n.ops[-2:]) for n in
                                      fast.reports["fuse_conv2d"]]       # the block's second conv
-    assert fast.applied == ("fold_batch_norm", "remove_dropout", "fuse_conv2d", "fuse_fc")
+    assert fast.applied == ("fold_batch_norm", "remove_dropout", "fuse_conv2d", "fuse_fc",
+                            "fuse_separable_conv2d")
     assert [str(n) for n in fast.reports["fuse_fc"]] == [
         "mul + elementwise_add -> fused_fc computing 'head.out'"]
     assert "fused_conv2d" not in [op.type for op in net.ops("infer")]   # source untouched

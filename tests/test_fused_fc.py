@@ -175,7 +175,8 @@ def test_optimize_for_inference_fuses_each_fc_layer():
         "mul + elementwise_add + relu -> fused_fc computing 'relu_0.out'",
         "mul + elementwise_add + relu -> fused_fc computing 'relu_1.out'",
         "mul + elementwise_add -> fused_fc computing 'head.out'"]
-    assert fast.applied == ("fold_batch_norm", "remove_dropout", "fuse_conv2d", "fuse_fc")
+    assert fast.applied == ("fold_batch_norm", "remove_dropout", "fuse_conv2d", "fuse_fc",
+                            "fuse_separable_conv2d")
     assert "fused_fc" not in [op.type for op in net.ops("infer")]      # source untouched
 
 

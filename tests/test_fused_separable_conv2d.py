@@ -283,3 +283,28 @@ def test_onnx_export_runs_the_two_convs(tmp_path):
     (want,) = fast.infer(feed={"image": x}, fetch=[logits.name])
     for runtime, (got,) in onnx_outputs(path, {"image": x}).items():
         assert_close(got, want, runtime)
+
+
+def test_a_large_op_times_both_ways_a_small_one_runs_the_kernel_untimed(monkeypatch):
+    """Choices by measurement (choices.pick, kept per machine): the separable kernel
+    against the two convs where they make conv2d.MIN_CHOICE_WORK multiply-adds or more;
+    below that the kernel, untimed."""
+    native_only()
+    picked, pick = [], choices.pick
+
+    def spy(kind, key, options, default):
+        if kind != "fused_separable_conv2d":
+            return pick(kind, key, options, default)
+        picked.append(tuple(sorted(options)))
+        return "two"
+    monkeypatch.setattr(choices, "pick", spy)
+    monkeypatch.setattr(mg.kernels.cpu.blocks, "get_num_threads", lambda: 2)
+    attrs = {"paddings": 1, "groups": 8, "dw_activation": "relu", "activation": "relu"}
+    small = inputs_for((2, 8, 6, 6), 1, 5, {"paddings": 1})
+    helper_test_op("fused_separable_conv2d", small, attrs, separable_reference,
+                   atol=2e-5, rtol=1e-4)
+    assert picked == []
+    large = inputs_for((8, 8, 32, 32), 1, 64, {"paddings": 1})
+    helper_test_op("fused_separable_conv2d", large, attrs, separable_reference,
+                   atol=5e-5, rtol=1e-4)
+    assert picked and set(picked) == {("separable", "two")}

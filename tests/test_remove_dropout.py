@@ -33,7 +33,8 @@ def test_optimize_for_inference_removes_every_dropout_with_the_same_values():
     types = [op.type for op in fast.section("trunk")]
     assert "dropout" not in types
     assert len(fast.reports["remove_dropout"]) == 2
-    assert fast.applied == ("fold_batch_norm", "remove_dropout", "fuse_conv2d", "fuse_fc")
+    assert fast.applied == ("fold_batch_norm", "remove_dropout", "fuse_conv2d", "fuse_fc",
+                            "fuse_separable_conv2d")
     x = rng.standard_normal((7, 6)).astype(np.float32)
     (want,) = net.infer(feed={"x": x}, fetch=[logits])
     for _ in range(3):                                   # checked, then bound runs

@@ -119,11 +119,15 @@ def _options(op, ins, ctx):
 
 
 def _pick(g, ins, threads, options):
-    """The option chosen for these shapes on this machine (choices.pick; untimed, the
-    separable kernel)."""
+    """The option chosen for these shapes on this machine (choices.pick; the separable
+    kernel untimed where the two convs make fewer than conv2d.MIN_CHOICE_WORK
+    multiply-adds)."""
+    o = ins["filter"].shape[0]
+    if g.n * g.ho * g.wo * g.o * (g.kh * g.kw + o) < conv2d.MIN_CHOICE_WORK:
+        return "separable"
     present = "|".join(s for s in ("dw_bias", "bias", "residual") if ins.get(s) is not None)
     key = (f"{g.n}x{g.c}x{g.h}x{g.w}|{g.o}x{g.kh}x{g.kw}|s{g.sh}x{g.sw}|p{g.ph}x{g.pw}"
-           f"|d{g.dh}x{g.dw}|{ins['filter'].shape[0]}|{present}|t{threads}"
+           f"|d{g.dh}x{g.dw}|{o}|{present}|t{threads}"
            f"|b{native.build_key('conv_native')}|{native.build_key('conv_depthwise')}")
     return choices.pick("fused_separable_conv2d", key, options, "separable")
 
