@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from minigraph.operator import Operator
 from minigraph.passes.fold_bn import fold
-from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids
+from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids, record
 from minigraph.passes.remove_dropout import remove_dropout
 from minigraph.schema import op_for_role
 
@@ -217,11 +217,7 @@ def _fuse(net, name, role, fused_type, chain_of, verbose, section="trunk", attrs
         for op in chain[:-1]:
             net.remove_op(section, op)
         notes.append(FuseNote(tuple(op.type for op in chain), out.name, fused_type))
-    net.mark_applied(name, notes)
-    if verbose:
-        for note in notes:
-            print(f"{name}: {note}")
-    return notes
+    return record(net, name, notes, verbose)
 
 
 def _fc_chain(ops, mul, kept):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minigraph.operator import Operator
-from minigraph.passes.infer_clone import check_net
+from minigraph.passes.infer_clone import check_net, record
 from minigraph.schema import get_schema, ops_with_role
 
 NAME = "fuse_batch_norm_relu"
@@ -74,11 +74,7 @@ def fuse_batch_norm_relu(net, verbose=False):
         net.remove_op(section, relu)
         notes.append(FusedPair(section, bn.outputs["y"].name, relu.outputs["out"].name,
                                fused_type, grads is not None))
-    net.mark_applied(NAME, notes)
-    if verbose:
-        for note in notes:
-            print(f"{NAME}: {note}")
-    return notes
+    return record(net, NAME, notes, verbose)
 
 
 def _fused_types():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from minigraph.operator import Operator
 from minigraph.passes.fuse import FuseNote, _only_reader
-from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids
+from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids, record
 from minigraph.schema import op_for_role
 
 NAME = "fuse_separable_conv2d"
@@ -47,11 +47,7 @@ def fuse_separable_conv2d(net, verbose=False):
         net.replace_op("trunk", pw, fused)
         net.remove_op("trunk", dw)
         notes.append(FuseNote((dw.type, pw.type), out.name, fused_type))
-    net.mark_applied(NAME, notes)
-    if verbose:
-        for note in notes:
-            print(f"{NAME}: {note}")
-    return notes
+    return record(net, NAME, notes, verbose)
 
 
 def _depthwise(op):

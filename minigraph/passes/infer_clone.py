@@ -52,6 +52,17 @@ def check_infer_only(net, who):
                          "mg.passes.fold_batch_norm(net) returns")
 
 
+def record(net, name, notes, verbose):
+    """Mark the pass `name` applied to `net` with its notes (Net.mark_applied: kept as
+    net.reports[name]), print each note as "name: note" where `verbose`, and return
+    the notes."""
+    net.mark_applied(name, notes)
+    if verbose:
+        for note in notes:
+            print(f"{name}: {note}")
+    return notes
+
+
 def kept_ids(net):
     """The ids of the Variables a rewrite must leave computed: the net's default fetches
     and their twins."""

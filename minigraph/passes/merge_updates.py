@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minigraph.operator import Operator
-from minigraph.passes.infer_clone import check_net
+from minigraph.passes.infer_clone import check_net, record
 from minigraph.schema import get_schema
 
 NAME = "merge_updates"
@@ -75,11 +75,7 @@ def merge_updates(net, verbose=False):
             net.remove_op("update", op)
         notes.append(MergedRun(run[0].type, merged.type,
                                tuple(op.inputs["param"].name for op in run)))
-    net.mark_applied(NAME, notes)
-    if verbose:
-        for note in notes:
-            print(f"{NAME}: {note}")
-    return notes
+    return record(net, NAME, notes, verbose)
 
 
 def _key(op):
