@@ -46,9 +46,19 @@ static float *pack_pointwise(const float *filter, int64_t o, int64_t c)
     return packed;
 }
 
+/* Inlined into the tile with AVX-512, whose 32 registers hold the tile through it: the
+ * accumulators are not spilled for a call (0-6% faster on six 1x1 convs of 32-64
+ * images, the same bits). With AVX2's 16, inlined, the tile's loop ran 1.3-1.8x as
+ * long. */
+#if VL == 16
+#define STORE_POINTWISE_KIND inline __attribute__((always_inline))
+#else
+#define STORE_POINTWISE_KIND __attribute__((noinline))
+#endif
+
 /* acc (+ bias) (+ residual) (then max(., 0)) of channels blk PR .. (at most `rows`)
  * to the nv vectors at pixel p0 of image img, the last one `tail` lanes (VL: whole). */
-static __attribute__((noinline)) void store_pointwise(const conv_t *a, vf acc[PR][PV],
+static STORE_POINTWISE_KIND void store_pointwise(const conv_t *a, vf acc[PR][PV],
                                                       int nv, int64_t tail, int64_t rows,
                                                       int64_t oc0, int64_t img, int64_t p0)
 {
