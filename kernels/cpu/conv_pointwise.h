@@ -58,9 +58,9 @@ static float *pack_pointwise(const float *filter, int64_t o, int64_t c)
 
 /* acc (+ bias) (+ residual) (then max(., 0)) of channels blk PR .. (at most `rows`)
  * to the nv vectors at pixel p0 of image img, the last one `tail` lanes (VL: whole). */
-static STORE_POINTWISE_KIND void store_pointwise(const conv_t *a, vf acc[PR][PV],
-                                                      int nv, int64_t tail, int64_t rows,
-                                                      int64_t oc0, int64_t img, int64_t p0)
+static STORE_POINTWISE_KIND void store_pointwise(const conv_t *a, vf acc[PR][PV], int nv,
+                                                 int64_t tail, int64_t rows, int64_t oc0,
+                                                 int64_t img, int64_t p0)
 {
     const int64_t plane = a->ho * a->wo;
     const float *const bias = a->bias;

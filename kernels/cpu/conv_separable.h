@@ -10,7 +10,8 @@
 
 typedef struct {
     const geo_t *g;             /* the depthwise conv */
-    const conv_t *a;            /* the pointwise conv (its x: a thread's planes) */
+    const conv_t *a;            /* the pointwise conv (x unset: a thread's copy of it
+                                   reads the thread's planes) */
     const float *x, *dw_filter, *dw_bias, *packed;
     int64_t *next;
     int failed;
