@@ -45,12 +45,11 @@ def parts(op):
 
 
 def forward(x, dw_filter, w, g, threads, dw_bias=None, dw_relu=False, bias=None,
-            residual=None, relu=False, out=None):
+            residual=None, relu=False):
     """out (N, O, Ho, Wo) float32 = the 1x1 conv with w (O, C m, 1, 1) (+ bias[o])
     (+ residual) (then max(., 0)) of the depthwise conv `g` (conv_im2col.Geometry, C m
     output channels) of x with dw_filter (C m, 1, kh, kw) (+ dw_bias) (then max(., 0)
-    where dw_relu), on up to `threads` threads (at most one an image), into `out` where
-    given (C-contiguous float32 of that shape)."""
+    where dw_relu), on up to `threads` threads (at most one an image)."""
     def f32(array, shape, name):
         return conv_depthwise._float32(array, shape, name, "conv_separable.forward")
     x = f32(x, (g.n, g.c, g.h, g.w), "x")
@@ -61,7 +60,7 @@ def forward(x, dw_filter, w, g, threads, dw_bias=None, dw_relu=False, bias=None,
     bias = None if bias is None else f32(bias, (o,), "bias")
     shape = (g.n, o, g.ho, g.wo)
     residual = None if residual is None else f32(residual, shape, "residual")
-    out = np.empty(shape, np.float32) if out is None else out
+    out = np.empty(shape, np.float32)
     if out.size:
         _call(x, dw_filter, dw_bias, w, bias, residual, out, conv_depthwise._dims(g, dw_relu),
               relu, threads)

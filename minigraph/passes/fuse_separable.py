@@ -20,7 +20,6 @@ from minigraph.passes.infer_clone import check_infer_only, check_net, kept_ids, 
 from minigraph.schema import op_for_role
 
 NAME = "fuse_separable_conv2d"
-DEPTHWISE_ATTRS = ("strides", "paddings", "dilations", "groups", "data_layout")
 
 
 def fuse_separable_conv2d(net, verbose=False):
@@ -40,7 +39,7 @@ def fuse_separable_conv2d(net, verbose=False):
         fused = Operator(fused_type, x=dw.inputs["x"], dw_filter=dw.inputs["filter"],
                          filter=pw.inputs["filter"],
                          **{s: v for s, v in optional.items() if v is not None}, out=out,
-                         **{k: dw.attrs[k] for k in DEPTHWISE_ATTRS},
+                         **{k: v for k, v in dw.attrs.items() if k not in ("activation", "pool")},
                          dw_activation=dw.attrs["activation"],
                          activation=pw.attrs["activation"])
         fused.layer = pw.layer
