@@ -305,3 +305,17 @@ def test_a_large_op_times_both_ways_a_small_one_runs_the_kernel_untimed(monkeypa
     helper_test_op("fused_separable_conv2d", large, attrs, separable_reference,
                    atol=5e-5, rtol=1e-4)
     assert picked and set(picked) == {("separable", "two")}
+
+
+def test_the_bound_form_leaves_arrays_it_cannot_take_to_the_kernel():
+    """Non-contiguous or float64 arrays: the bound form returns None (the kernel runs);
+    C-contiguous float32 ones: the separable kernel's output, the same array each run."""
+    native_only()
+    op = build(x_shape=(4, 4, 8, 8))
+    run = separable.bind_fused_separable_conv2d(op)
+    ins = inputs_for((4, 4, 8, 8), 1, 6, {"paddings": 1})
+    with choices.forcing({"fused_separable_conv2d": "separable"}):
+        first = run(ins)["out"]
+        assert run({**ins, "x": ins["x"] + 1})["out"] is first
+        assert run({**ins, "x": ins["x"][:, :, :, ::-1]}) is None
+        assert run({k: v.astype(np.float64) for k, v in ins.items()}) is None
