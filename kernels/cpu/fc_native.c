@@ -1,8 +1,9 @@
 /* Native CPU kernel of fused_fc (fc_native.py holds the contract): float32
  * out = act(x @ w + bias), x (M, K) and w (K, N) row-major, act = relu or the
  * identity, with w packed once. The few-rows kernels on unpacked weights (a generated
- * token's products) are fc_rows.h's, and those of a few columns on a packed weight (a
- * classifier's last product) fc_cols.h's, both included at the end.
+ * token's products) are fc_rows.h's, those of a few columns on a packed weight (a
+ * classifier's last product) fc_cols.h's, and the one for an x mostly of zeros (a
+ * relu's output) fc_sparse.h's, all included at the end.
  *
  * A packed weight holds ceil(N / FC_NR) panels, each the K rows of FC_NR
  * consecutive columns (zeros past column N): two vectors of native_simd.h's VL
@@ -148,18 +149,12 @@ static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, int64
     memcpy(acc, sums, sizeof(sums));
 }
 
-/* Row tile i by panel j over the block of columns p0 .. p0 + kc: added to out
- * (first: written), then (last) the bias and relu. */
-static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
+/* The sums acc of ROWS rows from row0 by panel j over a block of x's columns: added
+ * to out (first: written), then (last) the bias and relu. Rows past M are dropped. */
+static void write_sums(const fc_t *a, int64_t row0, int64_t rows, int64_t j, int first,
+                       int last, vf acc[][2])
 {
-    vf acc[FC_MR][2];
-    int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
-    if (rows == FC_MR)
-        tile_sums(a, row0, j, p0, kc, FC_MR, acc);
-    else
-        tile_sums(a, row0, j, p0, kc, FC_MR4, acc);
     if (rows > a->m - row0) rows = a->m - row0;
-    int first = p0 == 0, last = p0 + kc == a->k;
     int64_t n0 = j * FC_NR, cols = a->n - n0 < FC_NR ? a->n - n0 : FC_NR;
     const float *bias = NULL;       /* set on the last block only (zeros without one):
                                        finish() adds it and applies relu where set */
@@ -189,6 +184,18 @@ static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
                                   bias == NULL ? NULL : bias + VL, (int)a->relu));
         memcpy(to, row, (size_t)cols * sizeof(float));
     }
+}
+
+/* Row tile i by panel j over the block of columns p0 .. p0 + kc (write_sums). */
+static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
+{
+    vf acc[FC_MR][2];
+    int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
+    if (rows == FC_MR)
+        tile_sums(a, row0, j, p0, kc, FC_MR, acc);
+    else
+        tile_sums(a, row0, j, p0, kc, FC_MR4, acc);
+    write_sums(a, row0, rows, j, p0 == 0, p0 + kc == a->k, acc);
 }
 
 /* Row tiles i0 .. i1 by panels j0 .. j1, block by block of x's columns, so that the
@@ -293,3 +300,4 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
 
 #include "fc_rows.h"
 #include "fc_cols.h"
+#include "fc_sparse.h"

@@ -14,6 +14,10 @@ A weight of at most COLS_MAX columns (a classifier's last product) is packed
 transposed instead, for fc_cols.h's kernel: a panel would be mostly zeros. Each
 output is still summed by one thread in one order.
 
+Where every value of the weight is finite (checked once, as it is packed), the product
+runs fc_sparse.h's entry, which skips x's zeros where rows sampled from x are mostly
+zeros (a relu's output) and is the dense kernel otherwise: the same bits either way.
+
 `supports(x, w)` says whether the kernel takes a product: float32, built (native.
 reason says why not) and at least MIN_WORK multiply-adds (the size from which
 OpenBLAS would run it on threads), or at most COLS_MAX columns at any size. Where
@@ -53,6 +57,7 @@ _F32 = np.dtype(np.float32)
 _ptr = native.address
 _packed = {}                # id(weight array) -> (weakref to it, None, packed copy)
 _packed_cols = {}           # the same for fc_cols_f32's transposed copies
+_finite = {}                # the same for whether each value of the weight is finite
 
 
 def _lib():
@@ -60,8 +65,8 @@ def _lib():
     if lib is not None and not getattr(lib, "_typed", False):
         lib.fc_packed_size.argtypes, lib.fc_packed_size.restype = [_L, _L], _L
         lib.fc_pack_weight_f32.argtypes, lib.fc_pack_weight_f32.restype = [_P, _L, _L, _P], None
-        lib.fc_forward_f32.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L]
-        lib.fc_forward_f32.restype = ctypes.c_int
+        for product in (lib.fc_forward_f32, lib.fc_sparse_f32):
+            product.argtypes, product.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
         lib.fc_cols_packed_size.argtypes, lib.fc_cols_packed_size.restype = [_L, _L], _L
         lib.fc_cols_pack_f32.argtypes, lib.fc_cols_pack_f32.restype = [_P, _L, _L, _P], None
         lib.fc_cols_f32.argtypes, lib.fc_cols_f32.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
@@ -107,7 +112,8 @@ def prepared_forward(x, w, bias, relu, out):
     if n <= COLS_MAX:
         fn, packed = _lib().fc_cols_f32, packed_columns(w)
     else:
-        fn, packed = _lib().fc_forward_f32, packed_weight(w)
+        packed = packed_weight(w)
+        fn = _lib().fc_sparse_f32 if finite_weight(w) else _lib().fc_forward_f32
     args = (_ptr(x), _ptr(packed), _ptr(bias), _ptr(out), m, k, n, int(bool(relu)))
 
     def call():
@@ -199,6 +205,13 @@ def packed_weight(w):
     is freed; `w` is made read-only, so what was packed stays what it holds
     (prepared.kept)."""
     return _kept_copy(_packed, w, _lib().fc_packed_size, _lib().fc_pack_weight_f32)
+
+
+def finite_weight(w):
+    """True when every value of w is finite (no inf or NaN), so that the sums may skip
+    x's zeros (fc_sparse.h): found at w's first use and kept as packed_weight keeps its
+    panels."""
+    return prepared.kept(_finite, w, None, lambda: bool(np.isfinite(w).all()))
 
 
 def packed_columns(w):

@@ -1,0 +1,153 @@
+"""The native product for an x mostly of zeros (kernels/cpu/fc_sparse.h): the bits of
+the dense kernel (fc_forward_f32) on the same packed weight for every remainder of its
+groups of panels, parts and blocks of x's columns, rows past a pass, any number of
+threads, bias and relu, zeros of either sign, NaN and inf in x; the float64 reference
+through fc_native.forward; and the dense kernel wherever a weight is not finite or x is
+mostly nonzero."""
+import ctypes
+
+import numpy as np
+import pytest
+from helpers import native_built, native_products
+
+from minigraph.kernels.cpu import fc_native, native
+
+rng = np.random.default_rng(11)
+
+pytestmark = native_built("fc_native")
+small_products = native_products(fc_native)
+
+# x's columns: one, short of a part (64), a part, past it, blocks split evenly (513:
+# 257 + 256, 1100: 367 + 367 + 366); the weight's columns: whole groups of panels (3
+# panels of 32 with AVX-512, 6 of 16 with AVX2: 96) and every remainder of groups and
+# panels; rows: one, a few, past a pass of 128
+SHAPES = [(1, 1, 17), (5, 63, 33), (7, 64, 100), (9, 65, 129), (130, 513, 200),
+          (300, 130, 64), (3, 1100, 520), (128, 784, 256), (2, 20, 18), (129, 200, 47),
+          (4, 96, 96), (6, 70, 80)]
+
+
+def reference(x, w, bias, relu):
+    with np.errstate(invalid="ignore"):                 # 0 * inf: NaN, as in float32
+        out = x.astype(np.float64) @ w.astype(np.float64)
+    if bias is not None:
+        out += bias
+    return np.maximum(out, 0.0) if relu else out
+
+
+def relu_like(m, k, density):
+    """float32 (m, k): standard normal values where a uniform draw is below `density`,
+    +0.0 and -0.0 elsewhere (a relu's output has both)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    zeros = rng.random((m, k)) >= density
+    x[zeros] = np.where(rng.random(zeros.sum()) < 0.5, 0.0, -0.0)
+    return x
+
+
+def both_kernels(x, w, bias, relu, threads):
+    """(dense, sparse): fc_forward_f32's and fc_sparse_f32's out on w packed once."""
+    lib = native.library("fc_native")
+    fc_native._lib()
+    packed = fc_native.packed_weight(w)
+    outs = []
+    for fn in (lib.fc_forward_f32, lib.fc_sparse_f32):
+        out = np.full((x.shape[0], w.shape[1]), 7.0, np.float32)
+        rc = fn(x.ctypes.data, packed.ctypes.data,
+                None if bias is None else bias.ctypes.data, out.ctypes.data, *x.shape,
+                w.shape[1], int(relu), threads)
+        assert rc == 0
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("density", [0.0, 0.3, 0.55])
+@pytest.mark.parametrize("bias, relu", [(True, True), (False, False)])
+def test_the_dense_kernels_bits(m, k, n, density, bias, relu):
+    x = relu_like(m, k, density)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    for threads in (1, 2, 3):
+        dense, sparse = both_kernels(x, w, b, relu, threads)
+        np.testing.assert_array_equal(sparse.view(np.int32), dense.view(np.int32))
+
+
+@pytest.mark.parametrize("m, k, n", [(7, 64, 100), (130, 513, 200)])
+def test_nan_inf_and_signed_zeros_in_x(m, k, n):
+    """NaN and inf in x are not zeros (they reach every sum of their row as in the dense
+    kernel); a row of -0.0 only gives the bias, as in the dense kernel."""
+    x = relu_like(m, k, 0.3)
+    x[1, 3], x[2, 5], x[3, 9] = np.nan, np.inf, -np.inf
+    x[4] = -0.0
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    for relu in (False, True):
+        dense, sparse = both_kernels(x, w, b, relu, 2)
+        np.testing.assert_array_equal(sparse.view(np.int32), dense.view(np.int32))
+        assert np.isnan(sparse[1]).all()
+        assert (np.isinf(sparse[2]) | (relu and sparse[2] == 0)).all()
+        np.testing.assert_array_equal(sparse[4], np.maximum(b, 0) if relu else b)
+
+
+@pytest.mark.parametrize("m, k, n", [(128, 784, 256), (3, 1100, 520), (9, 65, 129)])
+def test_forward_against_the_float64_reference(m, k, n):
+    x = relu_like(m, k, 0.4)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    got = fc_native.forward(x, w, b, relu=True)
+    want = reference(x, w, b, True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * np.sqrt(k) * abs(want).max())
+    assert fc_native.finite_weight(w)
+
+
+def inf_where_x_is_zero(m, k, n):
+    """x mostly zeros whose column 5 is all zeros, and w with inf in row 5."""
+    x = relu_like(m, k, 0.3)
+    x[:, 5] = 0.0
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[5, 2] = np.inf
+    return x, w
+
+
+def test_a_weight_not_finite_takes_the_dense_kernel():
+    """0 * inf is NaN: fc_sparse_f32, which skips the zeros, is only for finite weights,
+    so forward runs the dense kernel on this one and gives the reference's NaNs. Run
+    directly on it, fc_sparse_f32 shows it skips them on mostly zero x (column 2 is
+    finite) and is the dense kernel on mostly nonzero x."""
+    x, w = inf_where_x_is_zero(20, 70, 40)
+    got = fc_native.forward(x, w)
+    assert not fc_native.finite_weight(w)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(reference(x, w, None, False)))
+    assert np.isnan(got[:, 2]).all()
+    dense, sparse = both_kernels(x, w, None, False, 2)
+    assert np.isnan(dense[:, 2]).all() and np.isfinite(sparse).all()
+    x[x == 0] = 1.0                                  # mostly nonzero: the dense kernel
+    x[:, 5] = 0.0
+    dense, sparse = both_kernels(x, w, None, False, 2)
+    np.testing.assert_array_equal(sparse.view(np.int32), dense.view(np.int32))
+    assert np.isnan(sparse[:, 2]).all()
+
+
+def test_finite_weight_is_found_once_a_weight(monkeypatch):
+    w = np.ones((8, 40), np.float32)
+    calls = []
+    real = np.isfinite
+    monkeypatch.setattr(np, "isfinite", lambda a: calls.append(a.shape) or real(a))
+    assert fc_native.finite_weight(w) and fc_native.finite_weight(w)
+    assert calls == [(8, 40)] and not w.flags.writeable
+    w.flags.writeable = True
+    w[0, 0] = np.nan                                  # a changed weight is looked at again
+    assert not fc_native.finite_weight(w) and calls == [(8, 40), (8, 40)]
+
+
+def test_prepared_forward_chooses_by_the_weight():
+    """The prepared call runs fc_sparse_f32 on a finite weight, fc_forward_f32 else."""
+    lib = native.library("fc_native")
+    x = relu_like(6, 30, 0.3)
+    out = np.empty((6, 40), np.float32)
+    seen = []
+    for w in (np.ones((30, 40), np.float32), inf_where_x_is_zero(6, 30, 40)[1]):
+        call = fc_native.prepared_forward(x, w, None, False, out)
+        seen.append(next(c.cell_contents for c in call.__closure__
+                         if isinstance(c.cell_contents, ctypes._CFuncPtr)))
+    assert [fn.__name__ for fn in seen] == ["fc_sparse_f32", "fc_forward_f32"]
+    assert seen[0] is lib.fc_sparse_f32
