@@ -106,7 +106,9 @@ def prepared_forward(x, w, bias, relu, out):
     function of no arguments that runs it on what x and bias hold then (minigraph.
     bound_run), on the weight packed once (packed_weight: `w` made read-only); x and
     bias C-contiguous float32, as supports() takes them (with at most COLS_MAX columns:
-    fc_cols_f32 on the weight packed transposed, packed_columns). forward's bits."""
+    fc_cols_f32 on the weight packed transposed, packed_columns; else fc_sparse_f32
+    where every value of w is finite, finite_weight, fc_forward_f32 where not).
+    forward's bits."""
     m, k = x.shape
     n, work = w.shape[1], m * k * w.shape[1]
     if n <= COLS_MAX:
