@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import native_built, native_products
 
-from minigraph.kernels.cpu import fc_native, native
+from minigraph.kernels.cpu import fc_native
 
 rng = np.random.default_rng(11)
 
@@ -45,8 +45,7 @@ def relu_like(m, k, density):
 
 def both_kernels(x, w, bias, relu, threads):
     """(dense, sparse): fc_forward_f32's and fc_sparse_f32's out on w packed once."""
-    lib = native.library("fc_native")
-    fc_native._lib()
+    lib = fc_native._lib()                           # the library, its functions typed
     packed = fc_native.packed_weight(w)
     outs = []
     for fn in (lib.fc_forward_f32, lib.fc_sparse_f32):
@@ -141,7 +140,7 @@ def test_finite_weight_is_found_once_a_weight(monkeypatch):
 
 def test_prepared_forward_chooses_by_the_weight():
     """The prepared call runs fc_sparse_f32 on a finite weight, fc_forward_f32 else."""
-    lib = native.library("fc_native")
+    lib = fc_native._lib()
     x = relu_like(6, 30, 0.3)
     out = np.empty((6, 40), np.float32)
     seen = []
