@@ -53,7 +53,9 @@ typedef struct {
     int64_t m, k, n, relu, panels, threads;
     int64_t tiles, tiles6, mp;             /* row tiles, those of FC_MR rows; their rows */
     int64_t kc, group, chunks;             /* columns a block; a unit: at most group
-                                              panels, or a panel by 1 / chunks of the rows */
+                                              panels, or a panel by 1 / chunks of the rows
+                                              (fc_sparse.h: a group of its panels by 1 /
+                                              chunks of the rows) */
     int64_t next_rows, packed_rows, next_unit, next_panel;     /* the shared counters */
 } fc_t;
 
