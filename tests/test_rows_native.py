@@ -162,6 +162,28 @@ def test_sum_squares_against_float64(monkeypatch, dtype, threads, n):
     assert rows_native.sum_squares(a.reshape(-1, 1)) == got
 
 
+@pytest.mark.parametrize("n", [31, 32, 100, 4099])
+def test_sum_squares_adds_in_its_documented_order(monkeypatch, n):
+    """One thread: four sums of 8 lanes (value i + 8 v + l of each block of 32 in lane l
+    of sum v), then lane by lane (sum 0 + sum 1) + (sum 2 + sum 3), the lanes in order,
+    then the last n % 32 values in order: the same bits with 8-double vectors and with
+    AVX2's 4-double ones. float32 values, whose float64 squares are exact, so a fused
+    multiply-add rounds as the separate add; magnitudes far apart, so the order shows."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: 1)
+    a = (rng.standard_normal(n) * rng.choice([1e-8, 1.0, 1e8], size=n)).astype(np.float32)
+    squares = a.astype(np.float64) ** 2
+    whole = n // 32 * 32
+    sums = np.zeros((4, 8))
+    for block in squares[:whole].reshape(-1, 4, 8):
+        sums = sums + block
+    want = 0.0
+    for lane in (sums[0] + sums[1]) + (sums[2] + sums[3]):
+        want += lane
+    for value in squares[whole:]:
+        want += value
+    assert rows_native.sum_squares(a) == want
+
+
 def test_sum_squares_of_non_finite_values_and_what_it_leaves_to_numpy(monkeypatch):
     a = np.ones(100, np.float32)
     a[50] = np.inf

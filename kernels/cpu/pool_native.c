@@ -352,19 +352,20 @@ int max_pool_tiles(int f64, const void *x, void *out, int64_t rows, int64_t w,
     return 0;
 }
 
-typedef double v8d __attribute__((vector_size(64)));
-
-/* float32 planes [begin, end) of hw values each (tiles_job_t's w) to their means. */
+/* float32 planes [begin, end) of hw values each (tiles_job_t's w) to their means: eight
+ * lanes' sums, in 8 / VD vectors of native_simd.h's VD doubles. */
 static void *global_avg_planes(void *arg) {
     const tiles_job_t *j = arg;
     const int64_t hw = j->w;
     for (int64_t p = j->begin; p < j->end; p++) {
         const float *x = j->x + p * hw;
-        v8d acc = {0};
+        vd acc[8 / VD] = {{0}};
         int64_t e = 0;
-        for (; e + 8 <= hw; e += 8) acc += __builtin_convertvector(load8(x + e), v8d);
-        double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3]))
-                     + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; e + 8 <= hw; e += 8)
+            for (int h = 0; h < 8 / VD; h++) acc[h] += vd_of_floats(x + e + VD * h);
+        double l[8];
+        memcpy(l, acc, sizeof l);
+        double sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
         for (; e < hw; e++) sum += x[e];
         j->out[p] = (float)(sum / (double)hw);
     }

@@ -7,8 +7,9 @@
  * order, then rounded once to float32. That is the order of numpy's
  * np.add.reduce(a, axis=0, dtype=np.float64) for C >= 2 (rows_native.py says why),
  * so the bits are numpy's. Each column's order is fixed: the columns are vectorized
- * (8 doubles a vector, 128 columns a pass down the rows where a thread's range has
- * them, else 64) and split in contiguous ranges of 64 over up to `threads` threads
+ * (native_simd.h's VD doubles a vector; passes down the rows of ROWS_WIDE columns where
+ * a thread's range has them, then of half as many, then of one vector, then of one
+ * column) and split in contiguous ranges of 64 over up to `threads` threads
  * (native_pool.h), so results do not depend on the count.
  *
  * The adds: out = a + b (the same number of values) and out[i][j] = x[i][j] + bias[j],
@@ -19,12 +20,14 @@
 #include <stdint.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 
 #define ROWS_BLOCK 64               /* columns the threads' ranges are made of */
-#define ROWS_WIDE 128               /* columns a pass down the rows, where a range has them */
-
-typedef double vd8 __attribute__((vector_size(64)));
-typedef float vf8u __attribute__((vector_size(32), aligned(4)));
+#if VD == 8                         /* columns a pass down the rows, where a range has them */
+#define ROWS_WIDE 128               /* 16 of AVX-512's 32 registers */
+#else
+#define ROWS_WIDE 32                /* 8 of AVX2's 16 (16 would leave none for the loads) */
+#endif
 
 typedef struct {
     const float *a;
@@ -32,19 +35,18 @@ typedef struct {
     int64_t rows, cols, begin, end;  /* the job's columns [begin, end) */
 } sum_job_t;
 
-/* out[c .. c + width) = the columns' sums down all the rows (width: a multiple of 8 up to
- * ROWS_WIDE, kept in registers). */
+/* out[c .. c + width) = the columns' sums down all the rows (width: a multiple of VD up
+ * to ROWS_WIDE, kept in registers). */
 static inline __attribute__((always_inline)) void sum_block(const sum_job_t *j, int64_t c,
                                                             int width)
 {
-    vd8 acc[ROWS_WIDE / 8] = {{0}};
+    vd acc[ROWS_WIDE / VD] = {{0}};
     for (int64_t i = 0; i < j->rows; i++) {
         const float *row = j->a + i * j->cols + c;
-        for (int v = 0; v < width / 8; v++)
-            acc[v] += __builtin_convertvector(*(const vf8u *)(row + 8 * v), vd8);
+        for (int v = 0; v < width / VD; v++) acc[v] += vd_of_floats(row + VD * v);
     }
-    for (int v = 0; v < width / 8; v++)
-        for (int l = 0; l < 8; l++) j->out[c + 8 * v + l] = (float)acc[v][l];
+    for (int v = 0; v < width / VD; v++)
+        for (int l = 0; l < VD; l++) j->out[c + VD * v + l] = (float)acc[v][l];
 }
 
 static void *sum_columns(void *arg)
@@ -52,7 +54,8 @@ static void *sum_columns(void *arg)
     const sum_job_t *j = arg;
     int64_t c = j->begin;
     for (; c + ROWS_WIDE <= j->end; c += ROWS_WIDE) sum_block(j, c, ROWS_WIDE);
-    for (; c + ROWS_BLOCK <= j->end; c += ROWS_BLOCK) sum_block(j, c, ROWS_BLOCK);
+    for (; c + ROWS_WIDE / 2 <= j->end; c += ROWS_WIDE / 2) sum_block(j, c, ROWS_WIDE / 2);
+    for (; c + VD <= j->end; c += VD) sum_block(j, c, VD);
     for (; c < j->end; c++) {          /* the last columns, one at a time */
         double acc = 0.0;
         for (int64_t i = 0; i < j->rows; i++) acc += (double)j->a[i * j->cols + c];
@@ -149,25 +152,28 @@ typedef struct {
     double sum;
 } squares_job_t;
 
-typedef double vd8u __attribute__((vector_size(64), aligned(8)));
+/* VD values of a as doubles */
+static inline vd some_float(const float *a) { return vd_of_floats(a); }
+static inline vd some_double(const double *a) { return *(const vdu *)a; }
 
-/* 8 values of a as doubles */
-static inline vd8 eight_float(const float *a) { return __builtin_convertvector(*(const vf8u *)a, vd8); }
-static inline vd8 eight_double(const double *a) { return *(const vd8u *)a; }
-
+/* Four sums of 8 lanes each, a lane's value at a + i + 8 v + l (v < 4, l < 8), held as
+ * 32 / VD vectors of VD lanes (the same sums with AVX2's 4 doubles as AVX-512's 8). */
 #define SQUARES_RANGE(T)                                                                 \
     static double squares_##T(const T *a, int64_t begin, int64_t end)                  \
     {                                                                                   \
-        vd8 acc[4] = {{0}};                                                             \
+        enum { H = 8 / VD };                                                            \
+        vd acc[4 * H] = {{0}};                                                          \
         int64_t i = begin;                                                              \
         for (; i + 32 <= end; i += 32)                                                  \
-            for (int v = 0; v < 4; v++) {                                               \
-                const vd8 d = eight_##T(a + i + 8 * v);                                 \
+            for (int v = 0; v < 4 * H; v++) {                                           \
+                const vd d = some_##T(a + i + VD * v);                                  \
                 acc[v] += d * d;                                                        \
             }                                                                           \
-        const vd8 both = (acc[0] + acc[1]) + (acc[2] + acc[3]);                         \
         double sum = 0.0;                                                               \
-        for (int l = 0; l < 8; l++) sum += both[l];                                     \
+        for (int h = 0; h < H; h++) {                                                   \
+            const vd both = (acc[h] + acc[H + h]) + (acc[2 * H + h] + acc[3 * H + h]);  \
+            for (int l = 0; l < VD; l++) sum += both[l];                                \
+        }                                                                               \
         for (; i < end; i++) sum += (double)a[i] * (double)a[i];                        \
         return sum;                                                                     \
     }
@@ -184,8 +190,8 @@ static void *squares_job(void *arg)
 }
 
 /* The float64 sum of the squares of n values (float64 where f64, else float32, each
- * squared in float64): contiguous ranges on up to `threads` threads, each summed in
- * vectors of 8 doubles, 4 at a time, then the ranges' sums added in order (the same
+ * squared in float64): contiguous ranges on up to `threads` threads, each summed as
+ * SQUARES_RANGE says, then the ranges' sums added in order (the same
  * result for a given number of threads). */
 double rows_sum_squares(int f64, const void *a, int64_t n, int threads)
 {
@@ -212,14 +218,13 @@ typedef struct {
 
 /* out = x * s, the product p taken in double and rounded to T, +0.0 where p is 0: the bits
  * of numpy's x.astype(float64) * s + 0.0 rounded to T (adding 0.0 to a nonzero double
- * changes nothing, to a zero makes it +0.0). No add, so no multiply-add to fuse; 8 values
+ * changes nothing, to a zero makes it +0.0). No add, so no multiply-add to fuse; VD values
  * a vector (a zero's sign bit cleared by a mask), the last ones one at a time. */
-typedef int64_t vl8 __attribute__((vector_size(64)));
-typedef float vf8 __attribute__((vector_size(32)));
+typedef int64_t vdl __attribute__((vector_size(VD * 8)));
 
-static inline vd8 nonzero_or_plus(vd8 p) { return (vd8)((vl8)p & ~(vl8)(p == 0.0)); }
-static inline void put8_float(float *to, vd8 p) { *(vf8u *)to = __builtin_convertvector(p, vf8); }
-static inline void put8_double(double *to, vd8 p) { *(vd8u *)to = p; }
+static inline vd nonzero_or_plus(vd p) { return (vd)((vdl)p & ~(vdl)(p == 0.0)); }
+static inline void put_float(float *to, vd p) { *(vfhu *)to = __builtin_convertvector(p, vfh); }
+static inline void put_double(double *to, vd p) { *(vdu *)to = p; }
 
 #define SCALE_RANGE(T)                                                                   \
     static void scale_##T(const scale_job_t *j)                                         \
@@ -229,7 +234,7 @@ static inline void put8_double(double *to, vd8 p) { *(vd8u *)to = p; }
         const double s = j->s;                                                          \
         const int64_t end = j->end;                                                     \
         int64_t i = j->begin;                                                           \
-        for (; i + 8 <= end; i += 8) put8_##T(out + i, nonzero_or_plus(eight_##T(x + i) * s)); \
+        for (; i + VD <= end; i += VD) put_##T(out + i, nonzero_or_plus(some_##T(x + i) * s)); \
         for (; i < end; i++) {                                                          \
             const double p = (double)x[i] * s;                                          \
             out[i] = p == 0.0 ? (T)0 : (T)p;                                            \
