@@ -13,7 +13,7 @@
 
 /* GCC's predictive commoning keeps a tile's input values for the next output (three
  * taps across read overlapping values), which leaves AVX2's 16 registers short: its
- * tiles spilled their sums to the stack at every output and took 1.3-1.6x as long.
+ * tiles spilled their sums to the stack at every output and took 1.3-1.8x as long.
  * AVX-512's 32 registers hold them: there it stays (0-7% faster with it). */
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__AVX512F__)
 #define FG_NO_PREDICTIVE_COMMONING

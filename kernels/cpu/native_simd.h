@@ -28,13 +28,14 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));
 typedef int vfi __attribute__((vector_size(VL * 4)));
 
 /* vd: VD doubles, the widest double vector the target holds in one register (8 with
- * AVX-512, 4 otherwise); vd_of_floats widens VD floats. A wider generic vector, such as
- * 8 doubles with AVX2, is lowered through the stack at every operation (4-9x slower). */
+ * AVX-512, 4 otherwise; vdu: read or written at any double's address); vfh: VD floats.
+ * vd_of_floats widens VD floats. A wider generic vector, such as 8 doubles with AVX2,
+ * is lowered through the stack at every operation (kernels ran 2.5-10x slower). */
 #define VD (VL / 2)
 typedef double vd __attribute__((vector_size(VD * 8)));
 typedef double vdu __attribute__((vector_size(VD * 8), aligned(8)));
-typedef float vfhu __attribute__((vector_size(VD * 4), aligned(4)));
 typedef float vfh __attribute__((vector_size(VD * 4)));
+typedef float vfhu __attribute__((vector_size(VD * 4), aligned(4)));
 static inline vd vd_of_floats(const float *p) { return __builtin_convertvector(*(const vfhu *)p, vd); }
 
 /* VL, for the launchers and tests (native.vector_floats) */
