@@ -5,7 +5,8 @@ MiB of memory (no computation, no threads: caches emptied) and after a Python lo
 that reads the clock for as long as a training step takes (no memory traffic, no
 threads), with the CPU time every thread of the process spent meanwhile; the same
 for the CNNs of --nets. Then the machine without minigraph: how long a few tiny
-pieces of work take right after themselves, after a Python loop of 1, 4 and 16 ms,
+pieces of work, and a C product of about 0.1 ms that times itself (its data read in
+order), take right after themselves, after a Python loop of 1, 4 and 16 ms,
 after 4 ms of a C loop that touches no memory (a register count and the clock, built
 with the C compiler native kernels use; the column is left out without one) and after
 sleeping 4 ms.
@@ -56,7 +57,7 @@ CASES = ("alone", "after a training step", "after a step and 150 ms",
          "after writing 256 MiB", "after Python as long as a step")
 PROBE_WAITS_MS = (0, 1, 4, 16)  # the Python loop before each piece of the machine's table
 PROBE_OTHER_MS = 4              # the C loop's and the sleep's
-SPIN_C = r"""
+PROBES_C = r"""
 #include <stdint.h>
 #include <time.h>
 static uint64_t now_ns(void)
@@ -75,6 +76,29 @@ uint64_t spin_ns(uint64_t ns)
             __asm__ volatile("" : "+r"(count));    /* kept in a register, not folded */
         }
     return count;
+}
+/* A product of 64x256 by 256x128 floats (224 KiB in all, read in order): work of about
+   0.1 ms whose data streams in, timed by itself (no Python around it). */
+enum { PM = 64, PK = 256, PN = 128 };
+float probe_a[PM * PK], probe_b[PK * PN], probe_c[PM * PN];  /* not static: kept */
+void product_init(void)
+{
+    for (int i = 0; i < PM * PK; i++) probe_a[i] = (float)(i % 7);
+    for (int i = 0; i < PK * PN; i++) probe_b[i] = (float)(i % 5);
+}
+uint64_t product_ns(void)
+{
+    uint64_t start = now_ns();
+    for (int i = 0; i < PM; i++) {
+        float *c = probe_c + i * PN;
+        for (int j = 0; j < PN; j++) c[j] = 0.0f;
+        for (int k = 0; k < PK; k++) {
+            float a = probe_a[i * PK + k];
+            const float *b = probe_b + k * PN;
+            for (int j = 0; j < PN; j++) c[j] += a * b[j];
+        }
+    }
+    return now_ns() - start;
 }
 """
 PROBE_RUNS = 60
@@ -149,10 +173,10 @@ def worker(args):
 
 
 def timed(fn):
-    """fn()'s wall time in seconds."""
+    """fn()'s wall time in seconds, or the time it returns (work that times itself)."""
     t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    own = fn()
+    return time.perf_counter() - t0 if own is None else own
 
 
 def probe():
@@ -167,13 +191,16 @@ def probe():
         total = 0
         for i in range(200):
             total += i
-        return total
 
     work = {"numpy copy of 4 bytes": lambda: numpy.copyto(small_out, small),
             "numpy copy of 64 KiB": lambda: numpy.copyto(out, src),
             "Python loop of 200 additions": python_loop}
     with tempfile.TemporaryDirectory() as tmp:
-        spin = c_spin(tmp)
+        lib = c_probes(tmp)
+        spin = None if lib is None else lib.spin_ns
+        if lib is not None:
+            lib.product_init()
+            work["C product of 224 KiB, its own time"] = lambda: lib.product_ns() / 1e9
         befores = {f"python {wait}": (lambda wait=wait: busy(wait / 1e3))
                    for wait in PROBE_WAITS_MS[1:]}
         if spin is not None:
@@ -189,10 +216,11 @@ def probe():
                             for before in ("itself", *befores)] for name in work}}
 
 
-def c_spin(tmp):
-    """SPIN_C's spin_ns(ns) built in the directory `tmp` and loaded, or None without a
-    C compiler ($CC, cc or gcc, as kernels/cpu/native.py finds it: this process imports
-    no minigraph) or where the build fails."""
+def c_probes(tmp):
+    """PROBES_C built in the directory `tmp` and loaded (spin_ns(ns), product_init(),
+    product_ns()), or None without a C compiler ($CC, cc or gcc, as
+    kernels/cpu/native.py finds it: this process imports no minigraph) or where the
+    build fails."""
     import ctypes
     import shlex
 
@@ -200,16 +228,18 @@ def c_spin(tmp):
         found for found in (shutil.which("cc"), shutil.which("gcc")) if found][:1]
     if not compiler:
         return None
-    source, library = os.path.join(tmp, "spin.c"), os.path.join(tmp, "spin.so")
+    source, library = os.path.join(tmp, "probes.c"), os.path.join(tmp, "probes.so")
     with open(source, "w") as f:
-        f.write(SPIN_C)
+        f.write(PROBES_C)
     built = subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", library, source],
                            capture_output=True, timeout=60)
     if built.returncode != 0:
         return None
-    spin = ctypes.CDLL(library).spin_ns
-    spin.argtypes, spin.restype = [ctypes.c_uint64], ctypes.c_uint64
-    return spin
+    lib = ctypes.CDLL(library)
+    lib.spin_ns.argtypes, lib.spin_ns.restype = [ctypes.c_uint64], ctypes.c_uint64
+    lib.product_ns.argtypes, lib.product_ns.restype = [], ctypes.c_uint64
+    lib.product_init.argtypes, lib.product_init.restype = [], None
+    return lib
 
 
 def busy(seconds):
@@ -269,7 +299,8 @@ def main(argv=None):
         f"{load:.2f} before."),
         markdown_table(header, rows),
         f"The machine alone (a process with numpy and no minigraph): medians of "
-        f"{PROBE_RUNS} runs of each piece of work, each right after the same work, a "
+        f"{PROBE_RUNS} runs of each piece of work (wall time; the C product's own time, "
+        "without the Python call around it), each right after the same work, a "
         "Python loop that reads the clock for the time given, a C loop that counts in a "
         "register between readings of the clock (no memory touched) or a sleep, the "
         "cases in turn:",
