@@ -93,26 +93,43 @@ static void leaky(const job_t *j)
     for (; i < j->end; i++) out[i] = x[i] > 0 ? from[i] : (float)(alpha * (double)from[i]);
 }
 
+/* One job's range for a constant kind and grad: each call below is a loop of its own.
+ * With the switch inside one loop, every vector branched and loaded its constants again,
+ * and AVX2 builds, whose vectors are half as wide, took 1.3-1.9x the time of AVX-512
+ * ones (1.0-1.4x with a loop per function). */
+static inline __attribute__((always_inline)) void run_kind(const job_t *j, const int kind,
+                                                           const int grad)
+{
+    const float *v = j->v, *dout = j->dout;
+    float *out = j->out;
+    const int64_t end = j->end;
+    const vn zero = {0};
+    int64_t i = j->begin;
+    for (; i + VN_LANES <= end; i += VN_LANES) {
+        const vn d = grad ? *(const vnu *)(dout + i) : zero;
+        *(vnu *)(out + i) = lanes(kind, grad, *(const vnu *)(v + i), d);
+    }
+    if (i < end) {                                 /* the last few, through a vector */
+        float vs[VN_LANES] = {0}, ds[VN_LANES] = {0}, outs[VN_LANES];
+        const int64_t rest = end - i;
+        memcpy(vs, v + i, sizeof(float) * rest);
+        if (grad) memcpy(ds, dout + i, sizeof(float) * rest);
+        *(vnu *)outs = lanes(kind, grad, *(const vnu *)vs, *(const vnu *)ds);
+        memcpy(out + i, outs, sizeof(float) * rest);
+    }
+}
+
 static void *run(void *arg)
 {
     const job_t *j = arg;
-    if (j->kind == LEAKY_RELU) {
-        leaky(j);
-        return NULL;
-    }
-    const vn zero = {0};
-    int64_t i = j->begin;
-    for (; i + VN_LANES <= j->end; i += VN_LANES) {
-        const vn d = j->grad ? *(const vnu *)(j->dout + i) : zero;
-        *(vnu *)(j->out + i) = lanes(j->kind, j->grad, *(const vnu *)(j->v + i), d);
-    }
-    if (i < j->end) {                              /* the last few, through a vector */
-        float v[VN_LANES] = {0}, d[VN_LANES] = {0}, out[VN_LANES];
-        const int64_t rest = j->end - i;
-        memcpy(v, j->v + i, sizeof(float) * rest);
-        if (j->grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vnu *)out = lanes(j->kind, j->grad, *(const vnu *)v, *(const vnu *)d);
-        memcpy(j->out + i, out, sizeof(float) * rest);
+    switch (j->kind * 2 + j->grad) {
+    case SIGMOID * 2: run_kind(j, SIGMOID, 0); break;
+    case SIGMOID * 2 + 1: run_kind(j, SIGMOID, 1); break;
+    case TANH * 2: run_kind(j, TANH, 0); break;
+    case TANH * 2 + 1: run_kind(j, TANH, 1); break;
+    case SILU * 2: run_kind(j, SILU, 0); break;
+    case SILU * 2 + 1: run_kind(j, SILU, 1); break;
+    default: leaky(j);
     }
     return NULL;
 }

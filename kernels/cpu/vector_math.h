@@ -14,12 +14,13 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
-/* Any lane of m set: one test instruction on AVX-512 (a loop over the lanes extracts
- * each: as much work as the rest of a gelu), else that loop. */
+/* Any lane of m set: one test instruction where the build target has AVX-512 (16 lanes)
+ * or AVX (8 lanes), else a loop that extracts each lane (on AVX-512, as much work as the
+ * rest of a gelu). */
 static inline int any_lane(const int32_t *lanes, int count)
 {
     int any = 0;
@@ -32,7 +33,11 @@ static inline int any_vi16(vi16 m) { return _mm512_test_epi32_mask((__m512i)m, (
 #else
 static inline int any_vi16(vi16 m) { return any_lane((const int32_t *)&m, 16); }
 #endif
+#if defined(__AVX__)
+static inline int any_vi(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+#else
 static inline int any_vi(vi m) { return any_lane((const int32_t *)&m, 8); }
+#endif
 
 /* 1 / d for d in [1, 6] (erfc's t): the target's reciprocal estimate refined by Newton
  * steps to within an ulp of the quotient (a division takes as long as the rest of a
