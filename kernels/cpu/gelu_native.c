@@ -30,19 +30,22 @@ static inline vn gelu_v(vn x, vn d, int grad)
 
 static void run(const job_t *j, int grad)
 {
+    const float *x = j->x, *dout = j->dout;
+    float *out = j->out;
+    const int64_t end = j->end;     /* locals: stores to out would make j's be read again */
     const vn zero = {0};
     int64_t i = j->begin;
-    for (; i + VN_LANES <= j->end; i += VN_LANES) {
-        const vn d = grad ? *(const vnu *)(j->dout + i) : zero;
-        *(vnu *)(j->out + i) = gelu_v(*(const vnu *)(j->x + i), d, grad);
+    for (; i + VN_LANES <= end; i += VN_LANES) {
+        const vn d = grad ? *(const vnu *)(dout + i) : zero;
+        *(vnu *)(out + i) = gelu_v(*(const vnu *)(x + i), d, grad);
     }
-    if (i < j->end) {                              /* the last few, through a vector */
-        float x[VN_LANES] = {0}, d[VN_LANES] = {0}, out[VN_LANES];
-        const int64_t rest = j->end - i;
-        memcpy(x, j->x + i, sizeof(float) * rest);
-        if (grad) memcpy(d, j->dout + i, sizeof(float) * rest);
-        *(vnu *)out = gelu_v(*(const vnu *)x, *(const vnu *)d, grad);
-        memcpy(j->out + i, out, sizeof(float) * rest);
+    if (i < end) {                                 /* the last few, through a vector */
+        float xs[VN_LANES] = {0}, ds[VN_LANES] = {0}, outs[VN_LANES];
+        const int64_t rest = end - i;
+        memcpy(xs, x + i, sizeof(float) * rest);
+        if (grad) memcpy(ds, dout + i, sizeof(float) * rest);
+        *(vnu *)outs = gelu_v(*(const vnu *)xs, *(const vnu *)ds, grad);
+        memcpy(out + i, outs, sizeof(float) * rest);
     }
 }
 
