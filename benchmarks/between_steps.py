@@ -5,7 +5,7 @@ MiB of memory (no computation, no threads: caches emptied) and after a Python lo
 that reads the clock for as long as a training step takes (no memory traffic, no
 threads), with the CPU time every thread of the process spent meanwhile; the same
 for the CNNs of --nets. Then the machine without minigraph: how long a few tiny
-pieces of work, and a C product of about 0.1 ms that times itself (its data read in
+pieces of work, and a C product of 0.1-0.2 ms that times itself (its data read in
 order), take right after themselves, after a Python loop of 1, 4 and 16 ms,
 after 4 ms of a C loop that touches no memory (a register count and the clock, built
 with the C compiler native kernels use; the column is left out without one) and after
@@ -77,8 +77,8 @@ uint64_t spin_ns(uint64_t ns)
         }
     return count;
 }
-/* A product of 64x256 by 256x128 floats (224 KiB in all, read in order): work of about
-   0.1 ms whose data streams in, timed by itself (no Python around it). */
+/* A product of 64x256 by 256x128 floats (224 KiB in all, read in order): work of
+   0.1-0.2 ms whose data streams in, timed by itself (no Python around it). */
 enum { PM = 64, PK = 256, PN = 128 };
 float probe_a[PM * PK], probe_b[PK * PN], probe_c[PM * PN];  /* not static: kept */
 void product_init(void)
