@@ -18,7 +18,6 @@
  * results do not depend on the count. */
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "native_pool.h"
 #include "vector_math.h"
@@ -110,12 +109,8 @@ static inline __attribute__((always_inline)) void run_kind(const job_t *j, const
         *(vnu *)(out + i) = lanes(kind, grad, *(const vnu *)(v + i), d);
     }
     if (i < end) {                                 /* the last few, through a vector */
-        float vs[VN_LANES] = {0}, ds[VN_LANES] = {0}, outs[VN_LANES];
-        const int64_t rest = end - i;
-        memcpy(vs, v + i, sizeof(float) * rest);
-        if (grad) memcpy(ds, dout + i, sizeof(float) * rest);
-        *(vnu *)outs = lanes(kind, grad, *(const vnu *)vs, *(const vnu *)ds);
-        memcpy(out + i, outs, sizeof(float) * rest);
+        const vn d = grad ? vn_load_first(dout + i, end - i) : zero;
+        vn_store_first(out + i, lanes(kind, grad, vn_load_first(v + i, end - i), d), end - i);
     }
 }
 

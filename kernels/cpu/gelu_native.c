@@ -9,7 +9,6 @@
  * count. */
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "native_pool.h"
 #include "vector_math.h"
@@ -40,12 +39,8 @@ static void run(const job_t *j, int grad)
         *(vnu *)(out + i) = gelu_v(*(const vnu *)(x + i), d, grad);
     }
     if (i < end) {                                 /* the last few, through a vector */
-        float xs[VN_LANES] = {0}, ds[VN_LANES] = {0}, outs[VN_LANES];
-        const int64_t rest = end - i;
-        memcpy(xs, x + i, sizeof(float) * rest);
-        if (grad) memcpy(ds, dout + i, sizeof(float) * rest);
-        *(vnu *)outs = gelu_v(*(const vnu *)xs, *(const vnu *)ds, grad);
-        memcpy(out + i, outs, sizeof(float) * rest);
+        const vn d = grad ? vn_load_first(dout + i, end - i) : zero;
+        vn_store_first(out + i, gelu_v(vn_load_first(x + i, end - i), d, grad), end - i);
     }
 }
 

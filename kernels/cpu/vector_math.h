@@ -5,6 +5,7 @@
  * depend on the width). Each kernel's .c includes this
  * (native.py puts it in the source). */
 #include <stdint.h>
+#include <string.h>
 
 typedef float vf __attribute__((vector_size(32)));
 typedef float vfu __attribute__((vector_size(32), aligned(4)));
@@ -151,3 +152,20 @@ typedef vi vni;
 #define select_vn select_vf
 #define normal_cdf_vn normal_cdf_vf
 #endif
+
+/* The first `count` (< VN_LANES) floats at p as a vector whose other lanes are 0, and
+ * the first `count` lanes of v stored at p: a range's last few values go through one
+ * vector. */
+static inline vn vn_load_first(const float *p, int64_t count)
+{
+    float lanes[VN_LANES] = {0};
+    memcpy(lanes, p, sizeof(float) * count);
+    return *(const vnu *)lanes;
+}
+
+static inline void vn_store_first(float *p, vn v, int64_t count)
+{
+    float lanes[VN_LANES];
+    *(vnu *)lanes = v;
+    memcpy(p, lanes, sizeof(float) * count);
+}
