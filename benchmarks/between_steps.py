@@ -197,14 +197,12 @@ def probe():
             "Python loop of 200 additions": python_loop}
     with tempfile.TemporaryDirectory() as tmp:
         lib = c_probes(tmp)
-        spin = None if lib is None else lib.spin_ns
+        befores = {f"python {wait}": (lambda wait=wait: busy(wait / 1e3))
+                   for wait in PROBE_WAITS_MS[1:]}
         if lib is not None:
             lib.product_init()
             work["C product of 224 KiB, its own time"] = lambda: lib.product_ns() / 1e9
-        befores = {f"python {wait}": (lambda wait=wait: busy(wait / 1e3))
-                   for wait in PROBE_WAITS_MS[1:]}
-        if spin is not None:
-            befores["c"] = lambda: spin(PROBE_OTHER_MS * 1_000_000)
+            befores["c"] = lambda: lib.spin_ns(PROBE_OTHER_MS * 1_000_000)
         befores["sleep"] = lambda: time.sleep(PROBE_OTHER_MS / 1e3)
         times = {(name, before): [] for name in work for before in ("itself", *befores)}
         for _ in range(PROBE_RUNS):     # every case in turn: a drift slows them alike
