@@ -38,9 +38,9 @@ imports numpy only (--probe). It prints both tables and writes them into the
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +48,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from idle_loop import SPIN_C, build_c  # noqa: E402
 
 MODES = {"minigraph": {}, "MINIGRAPH_BLAS_POOL=0": {"MINIGRAPH_BLAS_POOL": "0"},
          "MINIGRAPH_BLAS_POOL=0 OPENBLAS_THREAD_TIMEOUT=4": {
@@ -57,28 +58,10 @@ CASES = ("alone", "after a training step", "after a step and 150 ms",
          "after writing 256 MiB", "after Python as long as a step")
 PROBE_WAITS_MS = (0, 1, 4, 16)  # the Python loop before each piece of the machine's table
 PROBE_OTHER_MS = 4              # the C loop's and the sleep's
-PROBES_C = r"""
-#include <stdint.h>
-#include <time.h>
-static uint64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-/* Busy for `ns` nanoseconds on registers: a count between readings of the clock. */
-uint64_t spin_ns(uint64_t ns)
-{
-    uint64_t end = now_ns() + ns, count = 0;
-    while (now_ns() < end)
-        for (int i = 0; i < 256; i++) {
-            count++;
-            __asm__ volatile("" : "+r"(count));    /* kept in a register, not folded */
-        }
-    return count;
-}
+PRODUCT_C = r"""
 /* A product of 64x256 by 256x128 floats (224 KiB in all, read in order): work of
-   0.1-0.2 ms whose data streams in, timed by itself (no Python around it). */
+   0.1-0.2 ms whose data streams in, timed by itself (no Python around it; now_ns
+   comes from idle_loop.SPIN_C, built before it). */
 enum { PM = 64, PK = 256, PN = 128 };
 float probe_a[PM * PK], probe_b[PK * PN], probe_c[PM * PN];  /* not static: kept */
 void product_init(void)
@@ -215,28 +198,13 @@ def probe():
 
 
 def c_probes(tmp):
-    """PROBES_C built in the directory `tmp` and loaded (spin_ns(ns), product_init(),
-    product_ns()), or None without a C compiler ($CC, cc or gcc, as
-    kernels/cpu/native.py finds it: this process imports no minigraph) or where the
-    build fails."""
-    import ctypes
-    import shlex
-
-    compiler = shlex.split(os.environ.get("CC", "")) or [
-        found for found in (shutil.which("cc"), shutil.which("gcc")) if found][:1]
-    if not compiler:
-        return None
-    source, library = os.path.join(tmp, "probes.c"), os.path.join(tmp, "probes.so")
-    with open(source, "w") as f:
-        f.write(PROBES_C)
-    built = subprocess.run([*compiler, "-O2", "-shared", "-fPIC", "-o", library, source],
-                           capture_output=True, timeout=60)
-    if built.returncode != 0:
-        return None
-    lib = ctypes.CDLL(library)
-    lib.spin_ns.argtypes, lib.spin_ns.restype = [ctypes.c_uint64], ctypes.c_uint64
-    lib.product_ns.argtypes, lib.product_ns.restype = [], ctypes.c_uint64
-    lib.product_init.argtypes, lib.product_init.restype = [], None
+    """idle_loop.SPIN_C and PRODUCT_C built in the directory `tmp` and loaded (spin_ns(ns),
+    product_init(), product_ns()), or None without a C compiler or where the build
+    fails (idle_loop.build_c)."""
+    lib = build_c(SPIN_C + PRODUCT_C, tmp)
+    if lib is not None:
+        lib.product_ns.argtypes, lib.product_ns.restype = [], ctypes.c_uint64
+        lib.product_init.argtypes, lib.product_init.restype = [], None
     return lib
 
 

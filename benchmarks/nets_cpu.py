@@ -38,11 +38,16 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
   unoptimised `net.infer`, for reference.
 - infer between: the same inference timed right after each of `--repeat` training
   steps (a loop that evaluates mid-epoch), in blocks of 5 that alternate with
-  blocks of 5 inferences in a row ("infer", alone), so that a drift of the
-  machine's speed slows both alike; the second table gives each framework's
-  between / alone per round (the time an inference takes must not depend on what
-  the process did before it) and the median over rounds of between - alone, the
-  time an inference loses after a step.
+  blocks of 5 inferences in a row ("infer", alone) and blocks of 5 that each
+  follow an idle loop as long as the framework's training step (benchmarks/
+  idle_loop.py: C on registers, no memory touched, no framework called), so that a
+  drift of the machine's speed slows them alike; the second table gives each
+  framework's between / alone per round (the time an inference takes must not
+  depend on what the process did before it), after the idle loop / alone (what the
+  machine alone takes from an inference after that much time on other work: the
+  floor of between / alone on this machine), between / after the idle loop (what
+  the training step itself takes) and the median over rounds of between - alone,
+  the time an inference loses after a step.
 - targets (minigraph / PyTorch, the median of the rounds' ratios): train <= 0.8,
   infer and infer between <= 0.6; infer between / alone <= 1.05.
 - floor: benchmarks/conv_gemm_floor.py's least time of the ResNet's conv
@@ -68,16 +73,15 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 
+from kernel_time import kernel_share, tiny_overhead, wrap_kernels
 from nets_models import NETS, batch, mg_net, mg_optimized
-from timing import alone_and_between_ms, median_ms
+from timing import alone_and_between_ms, idle_as_long_as, median_ms
 
 TARGETS = {"train": 0.8, "infer": 0.6, "infer between": 0.6}   # minigraph / PyTorch
 BETWEEN_TARGET = 1.05          # minigraph's inference between training steps / alone
@@ -112,77 +116,13 @@ def mg_worker(args):
     def infer():
         fast.infer(feed={"image": x}, fetch=[name])
 
-    result["infer"], result["infer between"] = alone_and_between_ms(step, infer, args.repeat,
-                                                                    args.warmup)
+    result["infer"], result["infer between"], result["infer after idle"] = alone_and_between_ms(
+        step, infer, args.repeat, args.warmup, idle=idle_as_long_as(result["train"]))
     result["infer (net)"] = median_ms(lambda: net.infer(feed={"image": x}, fetch=[logits]),
                                       args.repeat, args.warmup)
     result["ops"] = {"train": len(net.plan("train", (loss,)).ops),
                      "infer": len(fast.plan("infer", (fast.var(name),)).ops)}
     return result
-
-
-def wrap_kernels():
-    """Wrap every registered CPU kernel with a timer; returns [seconds inside kernels]."""
-    from minigraph.schema import get_schema, registered_ops
-
-    spent = [0.0]
-    for op_type in registered_ops():
-        kernels = get_schema(op_type).kernels
-        if "cpu" in kernels:
-            kernels["cpu"] = tuple(dataclasses.replace(k, fn=_timed(k.fn, spent))
-                                   for k in kernels["cpu"])
-    return spent
-
-
-def _timed(fn, spent):
-    clock = time.perf_counter
-
-    def timed(op, ins, ctx):
-        t = clock()
-        try:
-            return fn(op, ins, ctx)
-        finally:
-            spent[0] += clock() - t
-    return timed
-
-
-def kernel_share(step, spent, ops, repeat, warmup):
-    for _ in range(warmup):
-        step()
-    per_op = []
-    for _ in range(repeat):
-        spent[0] = 0.0
-        t = time.perf_counter()
-        step()
-        total = time.perf_counter() - t
-        per_op.append((total - spent[0]) / ops * 1e6)
-    return {"overhead_us": statistics.median(per_op), "ops": ops}
-
-
-def tiny_overhead(repeat, count=100):
-    """Per-op executor overhead on `count` relus over a (2, 3) tensor, through net.infer."""
-    import numpy as np
-
-    import minigraph as mg
-    from minigraph import layers
-    from minigraph.schema import KernelContext
-
-    net = mg.Net(seed=0)
-    h = x = layers.data(net, "x", shape=(2, 3))
-    for _ in range(count):
-        h = layers.relu(net, h)
-    value = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
-    op = net.ops("infer")[0]
-    ins = {"x": value}
-    kernel, ctx = op.schema.kernel_for("cpu", ins), KernelContext()
-
-    def kernels():
-        for _ in range(count):
-            kernel(op, ins, ctx)
-
-    run = median_ms(lambda: net.infer(feed={x.name: value}, fetch=[h]), repeat * 5, 5)
-    bare = median_ms(kernels, repeat * 5, 5)
-    return {"tiny_run_us": run * 1e3 / count, "tiny_kernel_us": bare * 1e3 / count}
 
 
 # ---- the driver -------------------------------------------------------------------
@@ -205,14 +145,12 @@ TIMED = ("train", "infer", "infer between")
 
 
 def timed_rounds(net, args):
-    """(minigraph, pytorch, ratios, between, lost): each framework's times, the median over
+    """(minigraph, pytorch, ratios, steady): each framework's times, the median over
     `args.rounds` rounds that each run both frameworks back to back in fresh
     processes (so a slow spell of the machine lands on both sides of a round's
     ratio; minigraph first in even rounds, PyTorch first in odd ones, so that
     neither always runs on the later, warmer or colder, machine), every round's
-    ratio per measurement, and every round's inference between training steps /
-    alone and between minus alone (ms) for each framework ({"minigraph": [...],
-    "pytorch": [...]})."""
+    ratio per measurement, and steady_rounds's lists."""
     rounds = []
     for i in range(args.rounds):
         order = ("minigraph", "pytorch") if i % 2 == 0 else ("pytorch", "minigraph")
@@ -222,15 +160,43 @@ def timed_rounds(net, args):
                                for w in (*TIMED, "infer (net)")}}
     theirs = {w: statistics.median(r[1][w] for r in rounds) for w in TIMED}
     ratios = {w: [m[w] / t[w] for m, t in rounds] for w in TIMED}
-    between = {fw: [r[i]["infer between"] / r[i]["infer"] for r in rounds]
-               for i, fw in enumerate(("minigraph", "pytorch"))}
-    lost = {fw: [r[i]["infer between"] - r[i]["infer"] for r in rounds]
-            for i, fw in enumerate(("minigraph", "pytorch"))}
-    return mine, theirs, ratios, between, lost
+    return mine, theirs, ratios, steady_rounds(rounds)
+
+
+def steady_rounds(rounds):
+    """From the rounds' (minigraph, pytorch) results, every round's inference between
+    training steps / alone, after the idle loop / alone, between / after the idle loop
+    and between minus alone (ms) for each framework ({"between": {"minigraph": [...],
+    "pytorch": [...]}, "idle": ..., "step": ..., "lost": ...}; "idle" and "step" leave
+    out rounds without the idle loop: no C compiler)."""
+    sides = {"between": lambda r: r["infer between"] / r["infer"],
+             "idle": lambda r: r["infer after idle"] / r["infer"],
+             "step": lambda r: r["infer between"] / r["infer after idle"],
+             "lost": lambda r: r["infer between"] - r["infer"]}
+    return {what: {fw: [side(r[i]) for r in rounds
+                        if what in ("between", "lost") or r[i]["infer after idle"]]
+                   for i, fw in enumerate(("minigraph", "pytorch"))}
+            for what, side in sides.items()}
 
 
 def spread(values):
     return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def steady_row(rounds):
+    """The second table's cells for one net from steady_rounds's per-round lists: for
+    minigraph, then PyTorch, between / alone, after the idle loop / alone and between /
+    after the idle loop (medians over rounds, their range in brackets; "-" without the
+    idle loop) and between - alone (ms); then the verdict on minigraph's between /
+    alone."""
+    cells = []
+    for fw in ("minigraph", "pytorch"):
+        for what in ("between", "idle", "step"):
+            got = rounds[what][fw]
+            cells.append(f"{statistics.median(got):.2f} ({spread(got)})" if got else "-")
+        cells.append(f"{statistics.median(rounds['lost'][fw]):.3f}")
+    b = statistics.median(rounds["between"]["minigraph"])
+    return (*cells, f"<= {BETWEEN_TARGET} {'ok' if b <= BETWEEN_TARGET else 'MISSED'}")
 
 
 def report(args):
@@ -240,14 +206,16 @@ def report(args):
                f"medians of {args.repeat} steps after {args.warmup} warm-up steps; {args.rounds} "
                "rounds of both frameworks back to back (minigraph first in every other round); "
                "times: the median over rounds, ratio: the median of the rounds' ratios; "
-               "infer between: each inference right after a training step")
+               "infer between: each inference right after a training step; after idle: "
+               "right after a C loop as long as the framework's training step that touches "
+               "no memory and calls nothing (benchmarks/idle_loop.py)")
     setting += f"; load average before: {os.getloadavg()[0]:.2f}"
     print(setting)
     print(f"{'net (batch)':<22} {'':<13} {'minigraph ms':>12} {'pytorch ms':>11} {'ratio':>6} "
           f"{'per round':>11} {'target':>7}")
     rows, table, steady, notes = {}, [], [], []
     for net in args.nets:
-        mine, theirs, ratios, between, lost = timed_rounds(net, args)
+        mine, theirs, ratios, steady_rounds = timed_rounds(net, args)
         n, chw = NETS[net]
         name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what in TIMED:
@@ -259,15 +227,11 @@ def report(args):
             table.append((name, what, f"{mine[what]:.2f}", f"{theirs[what]:.2f}", f"{r:.2f}",
                           spread(ratios[what]), f"<= {target} {verdict}"))
             label = ""
-        b, bt = statistics.median(between["minigraph"]), statistics.median(between["pytorch"])
-        ms, mst = statistics.median(lost["minigraph"]), statistics.median(lost["pytorch"])
-        verdict = "ok" if b <= BETWEEN_TARGET else "MISSED"
-        print(f"{'':<22} (infer between / alone: minigraph {b:.2f} ({spread(between['minigraph'])}"
-              f"), pytorch {bt:.2f} ({spread(between['pytorch'])}); <= {BETWEEN_TARGET} "
-              f"{verdict}; between - alone: minigraph {ms:.3f} ms, pytorch {mst:.3f} ms)")
-        steady.append((name, f"{b:.2f}", spread(between["minigraph"]), f"{bt:.2f}",
-                       spread(between["pytorch"]), f"{ms:.3f}", f"{mst:.3f}",
-                       f"<= {BETWEEN_TARGET} {verdict}"))
+        row = steady_row(steady_rounds)
+        print(f"{'':<22} (inference between / alone, after an idle loop / alone, between / "
+              f"after the idle loop; between - alone, ms: minigraph {', '.join(row[0:4])}; "
+              f"pytorch {', '.join(row[4:8])}; {row[8]})")
+        steady.append((name, *row))
         unoptimised = (f"(infer, unoptimised net: {mine['infer (net)']:.2f} ms; ops run: train "
                        f"{mine['ops']['train']}, infer {mine['ops']['infer']})")
         print(f"{'':<22} {unoptimised}")
@@ -314,9 +278,11 @@ def markdown(setting, table, steady, notes):
 
     header = ("net (batch)", "step", "minigraph ms", "PyTorch ms", "ratio",
               "ratio per round", "target")
-    header2 = ("net (batch)", "minigraph: infer between / alone", "per round",
-               "PyTorch: infer between / alone", "per round",
-               "minigraph: between - alone, ms", "PyTorch: between - alone, ms", "target")
+    header2 = ("net (batch)", "minigraph: between / alone", "minigraph: after idle / alone",
+               "minigraph: between / after idle", "minigraph: between - alone, ms",
+               "PyTorch: between / alone", "PyTorch: after idle / alone",
+               "PyTorch: between / after idle", "PyTorch: between - alone, ms",
+               "target (between / alone)")
     return "\n\n".join([machine_line(setting[0].upper() + setting[1:] + "."),
                          markdown_table(header, table), markdown_table(header2, steady),
                          "\n".join(f"- {note}" for note in notes)])

@@ -16,7 +16,7 @@ from nets_models import (
     batch,
 )
 from peak_memory import rss_peak
-from timing import alone_and_between_ms, median_ms
+from timing import alone_and_between_ms, idle_as_long_as, median_ms
 
 
 def torch_model(net_name):
@@ -137,6 +137,6 @@ def torch_worker(args):
         step()
         model.eval()
 
-    result["infer"], result["infer between"] = alone_and_between_ms(train_step, infer,
-                                                                    args.repeat, args.warmup)
+    result["infer"], result["infer between"], result["infer after idle"] = alone_and_between_ms(
+        train_step, infer, args.repeat, args.warmup, idle=idle_as_long_as(result["train"]))
     return result

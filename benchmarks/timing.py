@@ -23,25 +23,43 @@ def median_ms(fn, repeat, warmup=3, cycle=1):
     return statistics.median(times) * 1e3
 
 
-def alone_and_between_ms(before, fn, repeat, warmup=3, block=5):
-    """(alone, between): the medians in ms of fn()'s wall time over `repeat` calls
-    each, alone (calls in a row) and right after an untimed call of before() (an
-    evaluation between training steps), in alternating blocks of `block` calls of
-    either kind (so that a machine whose speed drifts over seconds slows both
-    alike), after `warmup` untimed calls of each kind."""
+def alone_and_between_ms(before, fn, repeat, warmup=3, block=5, idle=None):
+    """(alone, between, after idle): the medians in ms of fn()'s wall time over `repeat`
+    calls each, alone (calls in a row), right after an untimed call of before() (an
+    evaluation between training steps) and, where `idle` is given (else None), right
+    after an untimed call of idle() (benchmarks/idle_loop.py's loop as long as before():
+    what the machine alone takes from a call that follows other work), in alternating
+    blocks of `block` calls of each kind (so that a machine whose speed drifts over
+    seconds slows them alike), after `warmup` untimed calls of each kind (each
+    call of before() or idle() followed by one of fn())."""
     def timed():
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
 
+    kinds = {"alone": None, "between": before}
+    if idle is not None:
+        kinds["idle"] = idle
     for _ in range(warmup):
-        fn()
-        before()
-    alone, between = [], []
-    while len(alone) < repeat or len(between) < repeat:
-        for _ in range(min(block, repeat - len(alone))):
-            alone.append(timed())
-        for _ in range(min(block, repeat - len(between))):
-            before()
-            between.append(timed())
-    return statistics.median(alone) * 1e3, statistics.median(between) * 1e3
+        for first in kinds.values():
+            if first is not None:
+                first()
+            fn()
+    times = {kind: [] for kind in kinds}
+    while any(len(runs) < repeat for runs in times.values()):
+        for kind, first in kinds.items():
+            for _ in range(min(block, repeat - len(times[kind]))):
+                if first is not None:
+                    first()
+                times[kind].append(timed())
+    alone, between = (statistics.median(times[k]) * 1e3 for k in ("alone", "between"))
+    return alone, between, statistics.median(times["idle"]) * 1e3 if idle else None
+
+
+def idle_as_long_as(ms):
+    """A call of benchmarks/idle_loop.py's C loop for `ms` milliseconds (a training step's
+    time, for alone_and_between_ms's idle), or None where no C compiler builds it."""
+    from idle_loop import idle_loop
+
+    idle = idle_loop()
+    return None if idle is None else (lambda: idle(ms / 1e3))

@@ -43,3 +43,29 @@ def test_single_calls_are_the_default(monkeypatch):
     step, calls = stepper(clock, (0.010, 0.010, 0.050))
     assert timing.median_ms(step, repeat=6, warmup=3) == pytest.approx(10.0)
     assert calls[0] == 3 + 6
+
+
+def test_alone_between_and_after_idle_alternate_in_blocks(monkeypatch):
+    clock = [0.0]
+    timing = load_timing(monkeypatch, clock)
+    last = ["alone"]
+
+    def before():
+        clock[0] += 1.0
+        last[0] = "between"
+
+    def idle():
+        clock[0] += 1.0
+        last[0] = "idle"
+
+    order = []
+
+    def fn():               # slower right after a step, slower still after the idle loop
+        order.append(last[0])
+        clock[0] += {"alone": 0.010, "between": 0.012, "idle": 0.015}[last[0]]
+        last[0] = "alone"
+
+    got = timing.alone_and_between_ms(before, fn, repeat=6, warmup=1, block=3, idle=idle)
+    assert got == pytest.approx((10.0, 12.0, 15.0))
+    assert order[3:] == (["alone"] * 3 + ["between"] * 3 + ["idle"] * 3) * 2
+    assert timing.alone_and_between_ms(before, fn, repeat=4, warmup=0)[2] is None
