@@ -2,9 +2,11 @@
 registers alone (a count between readings of the clock; no memory touched, no call into
 any framework), built with the C compiler in a temporary directory.
 
-A process that ran such a loop has done nothing that could evict a framework's data or
-change its threads' state: whatever an inference loses after it, the machine took
-(other processes, the hypervisor, the kernel's ticks), not the framework. nets_cpu.py
+A process that ran such a loop has done nothing that could evict a framework's data:
+what an inference loses after it, the machine took (other processes, the hypervisor,
+the kernel's ticks), beside what any pause costs the framework's own threads (its
+idle workers go to sleep, as they would while the program reads its next batch; on
+one thread, with no workers, the losses were alike: docs/performance.md). nets_cpu.py
 times each inference after one as long as a training step beside the inference right
 after a training step; between_steps.py uses the loop in its machine table.
 """

@@ -36,6 +36,8 @@ def _timed(fn, spent):
 
 
 def kernel_share(step, spent, ops, repeat, warmup):
+    """{"overhead_us": the median over `repeat` calls of step() (after `warmup`) of its
+    time outside the kernels wrap_kernels timed (`spent`) per op, in us; "ops": ops}."""
     for _ in range(warmup):
         step()
     per_op = []

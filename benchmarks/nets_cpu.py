@@ -215,7 +215,7 @@ def report(args):
           f"{'per round':>11} {'target':>7}")
     rows, table, steady, notes = {}, [], [], []
     for net in args.nets:
-        mine, theirs, ratios, steady_rounds = timed_rounds(net, args)
+        mine, theirs, ratios, per_round = timed_rounds(net, args)
         n, chw = NETS[net]
         name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what in TIMED:
@@ -227,7 +227,7 @@ def report(args):
             table.append((name, what, f"{mine[what]:.2f}", f"{theirs[what]:.2f}", f"{r:.2f}",
                           spread(ratios[what]), f"<= {target} {verdict}"))
             label = ""
-        row = steady_row(steady_rounds)
+        row = steady_row(per_round)
         print(f"{'':<22} (inference between / alone, after an idle loop / alone, between / "
               f"after the idle loop; between - alone, ms: minigraph {', '.join(row[0:4])}; "
               f"pytorch {', '.join(row[4:8])}; {row[8]})")
