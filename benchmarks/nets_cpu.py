@@ -174,7 +174,7 @@ def steady_rounds(rounds):
              "step": lambda r: r["infer between"] / r["infer after idle"],
              "lost": lambda r: r["infer between"] - r["infer"]}
     return {what: {fw: [side(r[i]) for r in rounds
-                        if what in ("between", "lost") or r[i]["infer after idle"]]
+                        if what in ("between", "lost") or r[i]["infer after idle"] is not None]
                    for i, fw in enumerate(("minigraph", "pytorch"))}
             for what, side in sides.items()}
 

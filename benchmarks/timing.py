@@ -52,8 +52,8 @@ def alone_and_between_ms(before, fn, repeat, warmup=3, block=5, idle=None):
                 if first is not None:
                     first()
                 times[kind].append(timed())
-    alone, between = (statistics.median(times[k]) * 1e3 for k in ("alone", "between"))
-    return alone, between, statistics.median(times["idle"]) * 1e3 if idle else None
+    medians = {kind: statistics.median(runs) * 1e3 for kind, runs in times.items()}
+    return medians["alone"], medians["between"], medians.get("idle")
 
 
 def idle_as_long_as(ms):
