@@ -175,10 +175,10 @@ def version_tuple(text):
 def check_env(outputs):
     """The env step's verdict: (problem or None, notes). A problem: pycuda older than
     the gpu extra's pin with a CUDA 13 toolkit (it cannot build against CUDA 13's
-    headers). Warnings: nvcc newer than the driver, a compute mode other than
-    Default, pycuda or nccl4py below their pins, no usable NCCL (backend='auto' then
-    falls back to MPI), no cuBLAS, cuDNN or cuda-bindings (each line says what running
-    without it costs)."""
+    headers), or minigraph not installed (every later step would fail). Warnings:
+    nvcc newer than the driver, a compute mode other than Default, pycuda or nccl4py
+    below their pins, no usable NCCL (backend='auto' then falls back to MPI), no
+    cuBLAS, cuDNN or cuda-bindings (each line says what running without it costs)."""
     notes, problem = [], None
     driver = re.search(r"CUDA Version\s*:\s*(\d+)\.(\d+)", outputs[0])
     nvcc = re.search(r"release (\d+)\.(\d+)", outputs[2])
@@ -205,6 +205,10 @@ def check_env(outputs):
                            f"pip install '{pin}'")
             else:
                 notes.append(f"WARNING: {name} {have} is older than the pin ({pin})")
+    if re.search(r"No module named 'minigraph", probe):
+        return ("minigraph is not installed in this interpreter (minigraph.kernels and "
+                "minigraph.ops exist only through the install): pip install -e . in the "
+                "repository root"), notes
     for label, hint in (("cuBLAS", "nvidia-cublas (CUDA 13 drivers) or nvidia-cublas-cu12"),
                         ("cuDNN", "nvidia-cudnn-cu13 or nvidia-cudnn-cu12"),
                         ("CUDA graphs", "cuda-bindings")):

@@ -328,3 +328,16 @@ def test_env_says_which_gpu_library_is_missing_and_what_it_costs():
     assert blas and "hand-written scalar fp32 GEMM" in blas[0] and "nvidia-cublas" in blas[0]
     assert not any("no cuDNN" in n for n in notes)
     assert any("no CUDA graphs" in n and "one by one" in n for n in notes)
+
+
+def test_env_fails_when_minigraph_is_not_installed():
+    """Run from a checkout that was never installed, the probe's library lines fail on
+    the import: the step fails with the command to run, not three missing-library
+    warnings."""
+    probe = versions() + "".join(
+        f"{label}: unavailable (ModuleNotFoundError: No module named 'minigraph')\n"
+        for label in ("cuBLAS", "cuDNN", "CUDA graphs"))
+    problem, notes = gc.check_env([SMI, QUERY, "Cuda compilation tools, release 13.0, V13.0",
+                                   "g++ 12", probe])
+    assert "minigraph is not installed" in problem and "pip install -e ." in problem
+    assert not any("no cuBLAS" in n for n in notes)
