@@ -56,6 +56,10 @@ the rounds' ratios (the verdict) and their range (this machine's speed drifts by
   executor's overhead per op is (step time - time inside kernels) / ops run,
   the wrapper's own cost included. "tiny ops" times a net of 100 relus on a
   (2, 3) tensor against calling the kernel 100 times.
+- --profile: after each net's rounds, a process of each framework prints its
+  costliest op types of a training step and of an inference (benchmarks/
+  op_profile.py: net.profile, torch.profiler's self CPU time), and minigraph's
+  kernel choices for the net's shapes on this machine; printed, not written.
 - memory: peak resident memory a training step needs above the model, its
   optimizer state and the batch. In a fresh process with glibc's mmap
   threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_=65536, so freed arrays go
@@ -81,6 +85,7 @@ import sys
 
 from kernel_time import kernel_share, tiny_overhead, wrap_kernels
 from nets_models import NETS, batch, mg_net, mg_optimized
+from op_profile import STEPS, mg_profile, profile_lines, recording_choices
 from timing import alone_and_between_ms, idle_as_long_as, median_ms
 
 TARGETS = {"train": 0.8, "infer": 0.6, "infer between": 0.6}   # minigraph / PyTorch
@@ -95,6 +100,7 @@ def mg_worker(args):
         timers = wrap_kernels()
     if args.what == "tiny":
         return tiny_overhead(args.repeat)
+    used = recording_choices() if args.what == "profile" else None
     net, image, logits, loss = mg_net(args.net)
     x, y = batch(args.net)
     feed = {"image": x, "label": y}
@@ -109,6 +115,10 @@ def mg_worker(args):
     if args.what == "overhead":
         ops = len(net.plan("train", (loss,)).ops)
         return kernel_share(step, timers, ops, args.repeat, args.warmup)
+    if args.what == "profile":
+        for _ in range(args.warmup):
+            step()
+        return mg_profile(net, loss, mg_optimized(net), logits.name, feed, STEPS, used)
     result = {"train": median_ms(step, args.repeat, args.warmup)}
     fast = mg_optimized(net)
     name = logits.name
@@ -236,6 +246,10 @@ def report(args):
                        f"{mine['ops']['train']}, infer {mine['ops']['infer']})")
         print(f"{'':<22} {unoptimised}")
         notes.append(f"{net}: {unoptimised[1:-1]}")
+        if args.profile:
+            for line in profile_lines(net, worker_result("minigraph", net, "profile", args),
+                                      worker_result("pytorch", net, "profile", args)):
+                print(f"{'':<22} ({line})")
         rows[net] = (mine, theirs)
     if args.times_only:
         return rows, markdown(setting, table, steady, notes)
@@ -315,12 +329,16 @@ def main(argv=None):
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
     parser.add_argument("--times-only", action="store_true",
                         help="time the steps only: no overhead or memory measurements")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print each framework's costliest op types per step "
+                             "and minigraph's kernel choices (processes of their own, "
+                             "after each net's rounds; not written)")
     parser.add_argument("--no-write", action="store_true",
                         help="print the table only; do not replace the 'nets_cpu' section "
                              "of docs/performance.md")
     parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
     parser.add_argument("--net", choices=sorted(NETS), help=argparse.SUPPRESS)
-    parser.add_argument("--what", choices=("time", "overhead", "tiny", "memory"),
+    parser.add_argument("--what", choices=("time", "overhead", "tiny", "memory", "profile"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is None:

@@ -125,8 +125,6 @@ def torch_worker(args):
             step()
         opt.zero_grad(set_to_none=True)
         return {"peak_mb": rss_peak(step, args.mem_steps)}
-    result = {"train": median_ms(step, args.repeat, args.warmup)}
-    model.eval()
 
     def infer():
         with torch.inference_mode():
@@ -137,6 +135,15 @@ def torch_worker(args):
         step()
         model.eval()
 
+    if args.what == "profile":
+        from op_profile import STEPS, torch_profile
+
+        for _ in range(args.warmup):
+            train_step()
+            infer()
+        return torch_profile(train_step, infer, STEPS)
+    result = {"train": median_ms(step, args.repeat, args.warmup)}
+    model.eval()
     result["infer"], result["infer between"], result["infer after idle"] = alone_and_between_ms(
         train_step, infer, args.repeat, args.warmup, idle=idle_as_long_as(result["train"]))
     return result

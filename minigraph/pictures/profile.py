@@ -9,7 +9,9 @@ path, its compiled plan and kernels. For a timed step only, the kernels the
 plan picked (minigraph.executor's `Compiled.kernels`) are wrapped by timers,
 and put back after it: an unprofiled run never pays for profiling. On a GPU
 each timer synchronises the device before and after its kernel, so a
-kernel's time is its own.
+kernel's time is its own. On the CPU a timed inference step runs each op's
+kernel rather than its bound form (minigraph.bound_run), which would run past
+the timer; untimed steps run the bound forms.
 
 The step total is the wall time of the untimed `net.train` / `net.infer`
 calls, as benchmarks/nets_cpu.py measures it (the timers' own cost is not in
@@ -266,6 +268,7 @@ def _install(compiled, place):
             timer = _Timer(fn, sync)
             compiled.kernels[i] = timer
             found.append((compiled, i, timer))
+    compiled.bound = None       # bound forms (CPU inference) would run past the timers
     return found
 
 
@@ -273,6 +276,7 @@ def _uninstall(timers):
     for compiled, i, timer in timers:
         if compiled.kernels[i] is timer:
             compiled.kernels[i] = timer.fn
+        compiled.bound = None   # made again for the kernels themselves
 
 
 def _snapshot(net):
