@@ -3,22 +3,13 @@ steps / alone, after the idle loop / alone and between / after the idle loop fro
 rounds' own times, the verdict on minigraph's between / alone."""
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmark_modules import import_benchmarks
 
 
 @pytest.fixture(scope="module")
 def nets_cpu():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import nets_cpu
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return nets_cpu
+    return import_benchmarks("nets_cpu")[0]
 
 
 def rounds(nets_cpu, times):

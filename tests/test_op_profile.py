@@ -3,26 +3,17 @@ minigraph's kernel choices for the net's own shapes, and the lines printed."""
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
 import pytest
+from benchmark_modules import import_benchmarks
 
 import minigraph as mg
 from minigraph.kernels.cpu import choices
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import nets_cpu
-        import op_profile
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return nets_cpu, op_profile
+    return import_benchmarks("nets_cpu", "op_profile")
 
 
 def test_top_rows_are_the_costliest_without_the_rest(bench):
