@@ -115,9 +115,7 @@ def mg_worker(args):
     if args.what == "overhead":
         ops = len(net.plan("train", (loss,)).ops)
         return kernel_share(step, timers, ops, args.repeat, args.warmup)
-    if args.what == "profile":
-        for _ in range(args.warmup):
-            step()
+    if args.what == "profile":              # net.profile warms the plans up itself
         return mg_profile(net, loss, mg_optimized(net), logits.name, feed, STEPS, used)
     result = {"train": median_ms(step, args.repeat, args.warmup)}
     fast = mg_optimized(net)

@@ -276,6 +276,7 @@ def _uninstall(timers):
     for compiled, i, timer in timers:
         if compiled.kernels[i] is timer:
             compiled.kernels[i] = timer.fn
+    for compiled in {id(c): c for c, _, _ in timers}.values():
         compiled.bound = None   # made again for the kernels themselves
 
 
