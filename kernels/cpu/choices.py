@@ -1,8 +1,10 @@
 """Which kernel runs a product or a convolution of a given shape: chosen by timing the
 candidates on this machine at their first use, and kept per machine.
 
-A kernel launcher that has more than one way to compute an op (fused_fc and a weight
-gradient (mul.weight_grad): the native kernel or BLAS's product; a convolution:
+A kernel launcher that has more than one way to compute an op (fused_fc, and mul's
+products in training (mul.product, mul_grad's input gradient): the native kernel or
+BLAS's product; a weight gradient (mul.weight_grad): either native kernel or BLAS's
+product; a convolution:
 Winograd, the direct native kernel or the im2col engine on BLAS; each only where the
 op's memory rules allow it) calls `choose(kind, key, options, default)` (or `pick`, for
 the name of the option without running it, as a bound form does). The first
@@ -55,7 +57,8 @@ MARGIN = 0.9
 MAX_FILE_BYTES = 1 << 20
 KINDS = {               # the options each kind of choice may name
     "fc": ("native", "blas"),
-    "fc_dw": ("native", "blas"),
+    "mm": ("native", "blas"),
+    "fc_dw": ("native", "panels", "blas"),
     "conv2d": ("winograd", "direct", "im2col"),
     "conv2d_dx": ("winograd", "direct", "im2col"),
     "conv2d_dw": ("direct", "im2col"),

@@ -50,6 +50,8 @@
 typedef struct {
     const float *x, *wp, *bias;
     float *out, *xp;                       /* xp: x packed, or NULL */
+    const float *w;                        /* fc_train.h: the weight unpacked, else NULL */
+    int64_t xt, wt;                        /* x (K, M) and w (N, K) read transposed */
     int64_t m, k, n, relu, panels, threads;
     int64_t tiles, tiles6, mp;             /* row tiles, those of FC_MR rows; their rows */
     int64_t kc, group, chunks;             /* columns a block; a unit: at most group
@@ -61,6 +63,7 @@ typedef struct {
 
 typedef struct {
     fc_t *a;
+    float *blocks;      /* fc_train.h: this thread's two packed blocks of the weight */
 } fc_job_t;
 
 int64_t fc_packed_size(int64_t k, int64_t n)
@@ -87,19 +90,22 @@ static inline int64_t tile_row(const fc_t *a, int64_t i)
     return i < a->tiles6 ? i * FC_MR : a->tiles6 * FC_MR + (i - a->tiles6) * FC_MR4;
 }
 
-/* The rows of tile i of x, every block of columns, into xp: in each block, the
- * tile's values of a column side by side; rows past M repeat row M - 1. */
+/* The rows of tile i of x (of x's transpose where a->xt), every block of columns,
+ * into xp: in each block, the tile's values of a column side by side; rows past M
+ * repeat row M - 1. */
 static void pack_rows(const fc_t *a, int64_t i)
 {
     int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
-    const float *src[FC_MR];
-    for (int64_t r = 0; r < rows; r++)
-        src[r] = a->x + (row0 + r < a->m ? row0 + r : a->m - 1) * a->k;
+    int64_t at[FC_MR], step = a->xt ? a->m : 1;     /* row r's column q: at[r] + q step */
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t row = row0 + r < a->m ? row0 + r : a->m - 1;
+        at[r] = a->xt ? row : row * a->k;
+    }
     for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
         int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
         float *dst = a->xp + p0 * a->mp + row0 * kc;
         for (int64_t q = p0; q < p0 + kc; q++)
-            for (int64_t r = 0; r < rows; r++) *dst++ = src[r][q];
+            for (int64_t r = 0; r < rows; r++) *dst++ = a->x[at[r] + q * step];
     }
 }
 
@@ -113,14 +119,14 @@ static inline vf finish(vf v, const float *to, int first, const float *bias, int
     return v;
 }
 
-/* The sums of the tile of ROWS rows from row0 (a constant: FC_MR or FC_MR4) by panel
- * j over the block of columns p0 .. p0 + kc, into acc. */
-static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, int64_t row0,
-                                                            int64_t j, int64_t p0,
+/* The sums of the tile of ROWS rows from row0 (a constant: FC_MR or FC_MR4) by a
+ * panel's block of columns p0 .. p0 + kc, whose kc rows of FC_NR values start at wb,
+ * into acc. */
+static inline __attribute__((always_inline)) void tile_sums(const fc_t *a, const float *wb,
+                                                            int64_t row0, int64_t p0,
                                                             int64_t kc, const int ROWS,
                                                             vf acc[FC_MR][2])
 {
-    const float *wb = a->wp + (j * a->k + p0) * FC_NR;
     vf c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     vf c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
 #define FC_SUMS(STEP)                                                                  \
@@ -188,22 +194,34 @@ static void write_sums(const fc_t *a, int64_t row0, int64_t rows, int64_t j, int
     }
 }
 
-/* Row tile i by panel j over the block of columns p0 .. p0 + kc (write_sums). */
-static void tile(const fc_t *a, int64_t i, int64_t j, int64_t p0, int64_t kc)
+/* Row tile i by panel j over the block of columns p0 .. p0 + kc, the panel's block
+ * at wb (write_sums). */
+static void tile(const fc_t *a, const float *wb, int64_t i, int64_t j, int64_t p0,
+                 int64_t kc)
 {
     vf acc[FC_MR][2];
     int64_t row0 = tile_row(a, i), rows = i < a->tiles6 ? FC_MR : FC_MR4;
     if (rows == FC_MR)
-        tile_sums(a, row0, j, p0, kc, FC_MR, acc);
+        tile_sums(a, wb, row0, p0, kc, FC_MR, acc);
     else
-        tile_sums(a, row0, j, p0, kc, FC_MR4, acc);
+        tile_sums(a, wb, row0, p0, kc, FC_MR4, acc);
     write_sums(a, row0, rows, j, p0 == 0, p0 + kc == a->k, acc);
 }
 
+static void run_train_unit(const fc_t *a, float *blocks, int64_t j0, int64_t j1, int64_t i0,
+                           int64_t i1);
+
 /* Row tiles i0 .. i1 by panels j0 .. j1, block by block of x's columns, so that the
- * unit's outputs stay in cache over the blocks. */
-static void run_unit(const fc_t *a, int64_t j0, int64_t j1, int64_t i0, int64_t i1)
+ * unit's outputs stay in cache over the blocks; each panel's block read from the
+ * packed weight, or (`blocks` not NULL) packed there from the unpacked one as it is
+ * needed (fc_train.h). */
+static void run_unit(const fc_t *a, float *blocks, int64_t j0, int64_t j1, int64_t i0,
+                     int64_t i1)
 {
+    if (blocks != NULL) {
+        run_train_unit(a, blocks, j0, j1, i0, i1);
+        return;
+    }
     for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
         int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
         for (int64_t j = j0; j < j1; j++) {
@@ -217,7 +235,7 @@ static void run_unit(const fc_t *a, int64_t j0, int64_t j1, int64_t i0, int64_t 
                 for (int64_t l = (i - i0) * share; l < (i - i0 + 1) * share && l < lines; l++)
                     for (int64_t line = 0; line < FC_NR; line += 16)
                         __builtin_prefetch(next + l * FC_NR + line, 0, 2);
-                tile(a, i, j, p0, kc);
+                tile(a, a->wp + (j * a->k + p0) * FC_NR, i, j, p0, kc);
             }
         }
     }
@@ -232,6 +250,7 @@ static void run_unit(const fc_t *a, int64_t j0, int64_t j1, int64_t i0, int64_t 
 static void *multiply_job(void *arg)
 {
     fc_t *a = ((fc_job_t *)arg)->a;
+    float *blocks = ((fc_job_t *)arg)->blocks;
     int64_t u;
     if (a->xp != NULL) {        /* first the row tiles no thread took yet, then the wait */
         while ((u = __atomic_fetch_add(&a->next_rows, 1, __ATOMIC_RELAXED)) < a->tiles) {
@@ -245,7 +264,8 @@ static void *multiply_job(void *arg)
         while ((u = __atomic_fetch_add(&a->next_unit, 1, __ATOMIC_RELAXED))
                < a->panels * a->chunks) {
             int64_t j = u / a->chunks, c = u % a->chunks;
-            run_unit(a, j, j + 1, a->tiles * c / a->chunks, a->tiles * (c + 1) / a->chunks);
+            run_unit(a, blocks, j, j + 1, a->tiles * c / a->chunks,
+                     a->tiles * (c + 1) / a->chunks);
         }
         return NULL;
     }
@@ -257,9 +277,36 @@ static void *multiply_job(void *arg)
             size = size < 1 ? 1 : size > a->group ? a->group : size;
         } while (!__atomic_compare_exchange_n(&a->next_panel, &j0, j0 + size, 0,
                                               __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-        run_unit(a, j0, j0 + size, 0, a->tiles);
+        run_unit(a, blocks, j0, j0 + size, 0, a->tiles);
         j0 = __atomic_load_n(&a->next_panel, __ATOMIC_RELAXED);
     }
+}
+
+/* a's row tiles, blocks of columns and units of work for x (a->m, a->k) by a->n
+ * columns on at most `threads` threads (a->threads: at most one a tile). */
+static void plan_units(fc_t *a, int64_t threads)
+{
+    int64_t m = a->m, k = a->k;
+    a->panels = (a->n + FC_NR - 1) / FC_NR;
+    a->threads = threads;
+    a->chunks = 1;
+    /* M = FC_MR q + r: the last r rows in a tile of FC_MR4 where r is 3 or 4 (or M
+     * is), the last FC_MR + r in two where r is 1 or 2 */
+    int64_t r = m % FC_MR, tiles4 = r == 0 || r == 5 ? 0 : r >= 3 || m < FC_MR ? 1 : 2;
+    int64_t left = m - tiles4 * FC_MR4;
+    a->tiles6 = left > 0 ? (left + FC_MR - 1) / FC_MR : 0;
+    a->tiles = a->tiles6 + tiles4;
+    a->mp = a->tiles6 * FC_MR + tiles4 * FC_MR4;
+    int64_t parts = (k + FC_KC - 1) / FC_KC;
+    a->kc = (k + parts - 1) / parts;
+    a->group = a->panels / (4 * a->threads);    /* at first, four units a thread at least */
+    if (a->group > FC_GROUP) a->group = FC_GROUP;
+    if (a->group < 1) a->group = 1;
+    if (a->panels < 4 * a->threads) a->chunks = (4 * a->threads + a->panels - 1) / a->panels;
+    if (a->chunks > a->tiles) a->chunks = a->tiles;
+    if (a->threads > a->tiles * a->panels) a->threads = a->tiles * a->panels;
+    if (a->threads < 1) a->threads = 1;
+    if (a->threads > POOL_MAX_THREADS) a->threads = POOL_MAX_THREADS;
 }
 
 /* out (M, N) = act(x (M, K) @ w + bias) with wp = fc_pack_weight_f32(w), bias
@@ -270,25 +317,8 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
                    int64_t k, int64_t n, int64_t relu, int64_t threads)
 {
     fc_t a = {.x = x, .wp = wp, .bias = bias, .out = out, .m = m, .k = k, .n = n,
-              .relu = relu, .panels = (n + FC_NR - 1) / FC_NR, .threads = threads,
-              .chunks = 1};
-    /* M = FC_MR q + r: the last r rows in a tile of FC_MR4 where r is 3 or 4 (or M
-     * is), the last FC_MR + r in two where r is 1 or 2 */
-    int64_t r = m % FC_MR, tiles4 = r == 0 || r == 5 ? 0 : r >= 3 || m < FC_MR ? 1 : 2;
-    int64_t left = m - tiles4 * FC_MR4;
-    a.tiles6 = left > 0 ? (left + FC_MR - 1) / FC_MR : 0;
-    a.tiles = a.tiles6 + tiles4;
-    a.mp = a.tiles6 * FC_MR + tiles4 * FC_MR4;
-    int64_t parts = (k + FC_KC - 1) / FC_KC;
-    a.kc = (k + parts - 1) / parts;
-    a.group = a.panels / (4 * a.threads);    /* at first, four units a thread at least */
-    if (a.group > FC_GROUP) a.group = FC_GROUP;
-    if (a.group < 1) a.group = 1;
-    if (a.panels < 4 * a.threads) a.chunks = (4 * a.threads + a.panels - 1) / a.panels;
-    if (a.chunks > a.tiles) a.chunks = a.tiles;
-    if (a.threads > a.tiles * a.panels) a.threads = a.tiles * a.panels;
-    if (a.threads < 1) a.threads = 1;
-    if (a.threads > POOL_MAX_THREADS) a.threads = POOL_MAX_THREADS;
+              .relu = relu};
+    plan_units(&a, threads);
     fc_job_t jobs[POOL_MAX_THREADS];
     for (int64_t t = 0; t < a.threads; t++) jobs[t] = (fc_job_t){&a};
     if (a.panels >= FC_PACK_PANELS) {
@@ -303,3 +333,4 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
 #include "fc_rows.h"
 #include "fc_cols.h"
 #include "fc_sparse.h"
+#include "fc_train.h"

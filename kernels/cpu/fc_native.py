@@ -70,6 +70,8 @@ def _lib():
         lib.fc_cols_packed_size.argtypes, lib.fc_cols_packed_size.restype = [_L, _L], _L
         lib.fc_cols_pack_f32.argtypes, lib.fc_cols_pack_f32.restype = [_P, _L, _L, _P], None
         lib.fc_cols_f32.argtypes, lib.fc_cols_f32.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
+        lib.fc_train_f32.argtypes = [_P, _L, _P, _L, _P] + [_L] * 4
+        lib.fc_train_f32.restype = ctypes.c_int
         lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 5 + [_L] * 5, ctypes.c_int
         lib.fc_rows_group_f32.argtypes = [_P] * 6 + [_L] * 5
         lib.fc_rows_group_f32.restype = ctypes.c_int
@@ -220,6 +222,36 @@ def packed_columns(w):
     """w (K, N <= COLS_MAX) float32 transposed for fc_cols.h (each column's values side
     by side), kept as packed_weight keeps its panels."""
     return _kept_copy(_packed_cols, w, _lib().fc_cols_packed_size, _lib().fc_cols_pack_f32)
+
+
+def train_supports(x, w, x_transposed=False, w_transposed=False):
+    """True when train_product takes x and w so transposed: float32 2-D C-contiguous
+    arrays whose product chains and has at least MIN_WORK multiply-adds, and the
+    native kernels built."""
+    if not (x.ndim == 2 and w.ndim == 2 and x.dtype == _F32 and w.dtype == _F32
+            and x.flags.c_contiguous and w.flags.c_contiguous):
+        return False
+    (m, k), (k2, n) = x.shape[::-1] if x_transposed else x.shape, \
+        w.shape[::-1] if w_transposed else w.shape
+    return k == k2 and min(m, k, n) >= 1 and m * k * n >= MIN_WORK and _lib() is not None
+
+
+def train_product(x, w, x_transposed=False, w_transposed=False):
+    """A @ B as a new (M, N) float32 array by fc_train_f32 (fc_train.h), with A = x (M,
+    K) or x.T for x (K, M) where x_transposed, and B = w (K, N) or w.T for w (N, K)
+    where w_transposed (a layer's forward, input-gradient and weight-gradient
+    products on a weight that changes every step: packed block by block as it is
+    used, never whole); x and w as train_supports takes them. Each output is summed
+    by one thread in one order: the same bits on any number of threads."""
+    (m, k), n = x.shape[::-1] if x_transposed else x.shape, \
+        w.shape[0] if w_transposed else w.shape[1]
+    out = np.empty((m, n), np.float32)
+    threads = max(1, min(blocks.get_num_threads(), m * k * n // MIN_THREAD_WORK))
+    if _lib().fc_train_f32(_ptr(x), int(x_transposed), _ptr(w), int(w_transposed),
+                           _ptr(out), m, k, n, threads):
+        raise MemoryError("fc_native.train_product: the packed copies could not be "
+                          "allocated")
+    return out
 
 
 def _kept_copy(table, w, size, pack_into):

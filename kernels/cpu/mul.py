@@ -1,15 +1,18 @@
-"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by BLAS (by
-fc_native's few-rows kernel for float32 products of at most fc_native.ROWS_MAX rows:
-a generated token's); and of fused_fc (ops/fused_fc.py): the same product with its
-bias and relu, by the native kernel on the weight packed once (fc_native.py) or by
-BLAS with the bias and relu in place, whichever was the faster for the shape on this
-machine (choices.py; the native kernel where nothing is timed) where the native
-kernel takes the product, else as mul's product with the bias and relu in place
-(mul's and elementwise_add's bits), then a residual and gelu (add's and gelu's bits);
-and of fused_fc_group (ops/fused_fc_group.py): its products in one call to
-fc_native's few-rows group kernel, else each as fused_fc's; either fused op first
-normalises x by layer_norm's kernel where it was folded in. Weight gradients run
-wgrad_native's kernel or BLAS's product, whichever was the faster (weight_grad).
+"""CPU kernels of mul (ops/mul.py): x flattened to a matrix, times y, by fc_native's
+few-rows kernel for float32 products of at most fc_native.ROWS_MAX rows (a generated
+token's), else by fc_native's training kernel (the weight packed block by block as it
+is used) or BLAS, whichever was the faster for the shape on this machine (choices.py,
+kind "mm"); mul_grad's input gradient the same way; and of fused_fc (ops/fused_fc.py):
+the same product with its bias and relu, by the native kernel on the weight packed
+once (fc_native.py) or by BLAS with the bias and relu in place, whichever was the
+faster for the shape on this machine (choices.py; the native kernel where nothing is
+timed) where the native kernel takes the product, else by BLAS's product with the
+bias and relu in place (mul's and elementwise_add's bits where mul runs on BLAS),
+then a residual and gelu (add's and gelu's bits); and of fused_fc_group (ops/
+fused_fc_group.py): its products in one call to fc_native's few-rows group kernel,
+else each as fused_fc's; either fused op first normalises x by layer_norm's kernel
+where it was folded in. Weight gradients run wgrad_native's kernel, fc_native's
+training kernel or BLAS's product, whichever was the faster (weight_grad).
 """
 from __future__ import annotations
 
@@ -38,10 +41,28 @@ def as_matrix(x, n):
 
 def product(x2, y):
     """x2 @ y: by fc_native's kernel for a few rows on the weight as it lies where it
-    takes them (a generated token's products), else by BLAS."""
+    takes them (a generated token's products), else by fc_native's training kernel or
+    BLAS, whichever was the faster for the shape on this machine where the kernel
+    takes the product (trained_product), else by BLAS."""
     if fc_native.rows_supports(x2, y):
         return fc_native.rows_forward(x2, y)
-    return x2 @ y
+    return trained_product(x2, y)
+
+
+def trained_product(a, b, a_transposed=False, b_transposed=False):
+    """A @ B with A = a or a.T, B = b or b.T: by fc_native.train_product (the weight
+    packed block by block as it is used) or BLAS, whichever was the faster for the
+    shape and transposes on this machine (choices.py, kind "mm"; BLAS where nothing
+    is timed) where the kernel takes the product, else by BLAS."""
+    left, right = (a.T if a_transposed else a), (b.T if b_transposed else b)
+    if not fc_native.train_supports(a, b, a_transposed, b_transposed):
+        return left @ right
+    (m, k), n = left.shape, right.shape[1]
+    key = (f"{m}x{k}x{n}|{'tn'[not a_transposed]}{'tn'[not b_transposed]}"
+           f"|t{blocks.get_num_threads()}|b{native.build_key('fc_native')}")
+    return choices.choose("mm", key, {
+        "native": lambda: fc_native.train_product(a, b, a_transposed, b_transposed),
+        "blas": lambda: left @ right}, "blas")
 
 
 def mul_cpu(op, ins, ctx):
@@ -56,15 +77,21 @@ def mul_cpu(op, ins, ctx):
 
 
 def weight_grad(x2, d2):
-    """x2.T @ d2 (x2 (R, K), d2 (R, M)): by wgrad_native's kernel or BLAS, whichever
-    was the faster for the shape on this machine where the kernel takes the product
-    (choices.py, kind "fc_dw"), else by BLAS (blas_weight_grad)."""
-    if not wgrad_native.supports(x2, d2):
+    """x2.T @ d2 (x2 (R, K), d2 (R, M)): by wgrad_native's kernel, fc_native's
+    training kernel (x2 read transposed) or BLAS, whichever was the faster for the
+    shape on this machine among those that take the product (choices.py, kind
+    "fc_dw"), else by BLAS (blas_weight_grad)."""
+    options = {"blas": lambda: blas_weight_grad(x2, d2)}
+    if wgrad_native.supports(x2, d2):
+        options["native"] = lambda: wgrad_native.product(x2, d2)
+    if fc_native.train_supports(x2, d2, True, False):
+        options["panels"] = lambda: fc_native.train_product(x2, d2, True, False)
+    if len(options) == 1:
         return blas_weight_grad(x2, d2)
     (r, k), m = x2.shape, d2.shape[1]
-    key = f"{r}x{k}x{m}|t{blocks.get_num_threads()}|b{native.build_key('wgrad_native')}"
-    return choices.choose("fc_dw", key, {"native": lambda: wgrad_native.product(x2, d2),
-                                         "blas": lambda: blas_weight_grad(x2, d2)}, "blas")
+    key = (f"{r}x{k}x{m}|t{blocks.get_num_threads()}"
+           f"|b{native.build_key('wgrad_native')}{native.build_key('fc_native')}")
+    return choices.choose("fc_dw", key, options, "blas")
 
 
 def blas_weight_grad(x2, d2):
@@ -88,7 +115,7 @@ def mul_grad_cpu(op, ins, ctx):
     d2 = d.reshape(math.prod(x.shape[:n]), y.shape[1])
     out = {}
     if op.wants("dx"):
-        out["dx"] = (d2 @ y.T).reshape(x.shape)
+        out["dx"] = trained_product(d2, y, b_transposed=True).reshape(x.shape)
     if op.wants("dy"):
         out["dy"] = weight_grad(as_matrix(x, n), d2)
     return out
@@ -100,8 +127,8 @@ def fused_fc_cpu(op, ins, ctx):
     kernel where it takes the product and the weight is fixed (it makes y read-only),
     fc_native's few-rows kernel (with a residual of the product's shape), else BLAS's
     product with the bias and relu in place; then what is left of the residual and
-    activation. The unfused ops' bits: layer_norm's, mul's, elementwise_add's, add's,
-    relu's (NaN stays NaN) and gelu's."""
+    activation. The unfused ops' bits: layer_norm's, mul's (where its product runs on
+    BLAS), elementwise_add's, add's, relu's (NaN stays NaN) and gelu's."""
     x, y, bias, residual = normalized_x(op, ins), ins["y"], ins.get("bias"), ins.get("residual")
     n, act = op.attrs["x_num_col_dims"], op.attrs["activation"]
     x2, shape = as_matrix(x, n), x.shape[:n] + (y.shape[1],)
@@ -151,10 +178,11 @@ def _bound_x(op, x, norm_scale, norm_bias, kept):
 def _product_bias_relu(x2, y, bias, relu):
     """act(x2 @ y + bias), act = max(., 0) (NaN stays NaN) where relu: fc_native's
     few-rows kernel where it takes the product, else BLAS's product with the bias and
-    relu in place on it (mul's and elementwise_add's bits)."""
+    relu in place on it (the bits of the bound form's _blas_into, and of mul and
+    elementwise_add where mul's product runs on BLAS)."""
     if fc_native.rows_supports(x2, y, bias):
         return fc_native.rows_forward(x2, y, bias, relu)
-    out = product(x2, y)
+    out = x2 @ y
     if bias is not None:
         out += bias
     if relu:
