@@ -12,8 +12,6 @@
  * output is summed by one thread in one order, block by block as fc_forward_f32
  * sums it: the same bits on any number of threads. */
 
-#define FC_TRAIN_AHEAD 16 /* rows of w a block's packing prefetches ahead, w not transposed */
-
 /* Rows q0 .. q1 of the block of columns p0 .. p0 + kc of the weight's panel j (rows
  * p0 + q of the product's right side, columns j FC_NR ..) into `block`, rows of FC_NR
  * values, zeros past column N; q0 a multiple of 8. The right side is w (K, N), or w^T
@@ -25,10 +23,6 @@ static void pack_block(const fc_t *a, float *block, int64_t j, int64_t p0, int64
     if (!a->wt) {
         const float *src = a->w + (p0 + q0) * a->n + n0;
         for (int64_t q = q0; q < q1; q++, src += a->n) {
-            if (p0 + q + FC_TRAIN_AHEAD < a->k) {
-                __builtin_prefetch(src + FC_TRAIN_AHEAD * a->n, 0, 3);
-                __builtin_prefetch(src + FC_TRAIN_AHEAD * a->n + cols - 1, 0, 3);
-            }
             if (cols == FC_NR) {
                 vf_store(block + q * FC_NR, vf_load(src));
                 vf_store(block + q * FC_NR + VL, vf_load(src + VL));
@@ -58,6 +52,19 @@ static void pack_block(const fc_t *a, float *block, int64_t j, int64_t p0, int64
     }
 }
 
+/* The lines pack_block reads for rows q0 .. q1 of panel j's block from p0 (w not
+ * transposed), prefetched into L2 while a tile runs: its rows of w lie N apart, and
+ * with N a power of two they would fall into the same few sets of L1. */
+static void prefetch_rows(const fc_t *a, int64_t j, int64_t p0, int64_t q0, int64_t q1)
+{
+    int64_t n0 = j * FC_NR, cols = a->n - n0 < FC_NR ? a->n - n0 : FC_NR;
+    const float *src = a->w + (p0 + q0) * a->n + n0;
+    for (int64_t q = q0; q < q1; q++, src += a->n) {
+        __builtin_prefetch(src, 0, 2);
+        __builtin_prefetch(src + cols - 1, 0, 2);
+    }
+}
+
 /* run_unit for an unpacked weight: row tiles i0 .. i1 by panels j0 .. j1 in
  * run_unit's order, each (block, panel) packed into one of the two buffers at
  * `blocks` during the tiles of the one before. */
@@ -77,8 +84,9 @@ static void run_train_unit(const fc_t *a, float *blocks, int64_t j0, int64_t j1,
             int64_t share = a->wt ? next_kc
                                   : ((next_kc + (i1 - i0) - 1) / (i1 - i0) + 7) / 8 * 8;
             for (int64_t i = i0; i < i1; i++) {
-                tile(a, now, i, j, p0, kc);
                 int64_t q0 = (i - i0) * share, q1 = q0 + share < next_kc ? q0 + share : next_kc;
+                if (!a->wt && q0 < q1) prefetch_rows(a, next_j, next_p0, q0, q1);
+                tile(a, now, i, j, p0, kc);
                 if (q0 < q1) pack_block(a, next, next_j, next_p0, q0, q1);
             }
             float *done = now;
