@@ -61,6 +61,28 @@ def test_the_same_bits_on_any_number_of_threads(m, k, n, x_transposed, w_transpo
         np.testing.assert_array_equal(out, outs[0])
 
 
+@pytest.mark.parametrize("x_transposed, w_transposed", [(False, False), (False, True),
+                                                        (True, False)])
+def test_nan_and_infinities_spread_as_in_the_reference(x_transposed, w_transposed):
+    """A NaN of x and an infinity of w reach the outputs they reach in the float64
+    product, and only those (no padding of a panel or a tile mixes them in)."""
+    x, w, a, b = operands(13, 70, 45, x_transposed, w_transposed)
+    a[4, 9] = np.nan
+    b[30, 40] = np.inf
+    b[31, 2] = -np.inf
+    a[7, 31] = 0.0                                  # 0 * -inf: NaN in row 7's column 2
+    got = fc_native.train_product(x, w, x_transposed, w_transposed)
+    with np.errstate(invalid="ignore"):
+        want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    scale = (np.abs(np.nan_to_num(a, nan=0, posinf=0, neginf=0)).astype(np.float64)
+             @ np.abs(np.nan_to_num(b, nan=0, posinf=0, neginf=0)))
+    assert (np.abs(got[finite] - want[finite]) <= 4e-7 * scale[finite]).all()
+
+
 def test_what_it_leaves_to_blas(monkeypatch):
     """float64, a view that is not C-contiguous, sides that do not chain, other ranks,
     too little work, MINIGRAPH_NATIVE=0."""
