@@ -100,24 +100,39 @@ def test_what_it_leaves_to_blas(monkeypatch):
     assert not fc_native.train_supports(x, w)
 
 
+def counting_kernel(monkeypatch):
+    """A list that grows by one at each call of fc_native.train_product from now on."""
+    calls, kernel = [], fc_native.train_product
+
+    def counted(*args):
+        calls.append(args)
+        return kernel(*args)
+    monkeypatch.setattr(fc_native, "train_product", counted)
+    return calls
+
+
 @pytest.mark.parametrize("name", ["native", "blas"])
-def test_mul_and_its_input_gradient_on_either_option(name):
+def test_mul_and_its_input_gradient_on_either_option(name, monkeypatch):
     """mul's product (trained_product) and mul_grad's input gradient d @ y^T on each
     option of the choice, against the float64 reference (finite differences: the
-    op's test below)."""
+    op's test below); the kernel runs where it is the option."""
     x, y, _, _ = operands(70, 40, 300, False, False)
     d = rng.standard_normal((70, 300)).astype(np.float32)
+    calls = counting_kernel(monkeypatch)
     with choices.forcing({"mm": name}):
         close(mul.product(x, y), x, y)
         close(mul.trained_product(d, y, b_transposed=True), d, y.T)
+    assert len(calls) == (2 if name == "native" else 0)
 
 
 @pytest.mark.parametrize("name", ["panels", "native", "blas"])
-def test_weight_gradients_on_each_option(name):
+def test_weight_gradients_on_each_option(name, monkeypatch):
     x, d = operands(256, 48, 80, False, False)[:2]
     d = rng.standard_normal((256, 80)).astype(np.float32)
+    calls = counting_kernel(monkeypatch)
     with choices.forcing({"fc_dw": name}):
         close(mul.weight_grad(x, d), x.T, d)
+    assert len(calls) == (name == "panels")
 
 
 @pytest.mark.parametrize("name", ["native", "blas"])

@@ -231,8 +231,8 @@ def train_supports(x, w, x_transposed=False, w_transposed=False):
     if not (x.ndim == 2 and w.ndim == 2 and x.dtype == _F32 and w.dtype == _F32
             and x.flags.c_contiguous and w.flags.c_contiguous):
         return False
-    (m, k), (k2, n) = x.shape[::-1] if x_transposed else x.shape, \
-        w.shape[::-1] if w_transposed else w.shape
+    m, k = x.shape[::-1] if x_transposed else x.shape
+    k2, n = w.shape[::-1] if w_transposed else w.shape
     return k == k2 and min(m, k, n) >= 1 and m * k * n >= MIN_WORK and _lib() is not None
 
 
@@ -243,8 +243,8 @@ def train_product(x, w, x_transposed=False, w_transposed=False):
     products on a weight that changes every step: packed block by block as it is
     used, never whole); x and w as train_supports takes them. Each output is summed
     by one thread in one order: the same bits on any number of threads."""
-    (m, k), n = x.shape[::-1] if x_transposed else x.shape, \
-        w.shape[0] if w_transposed else w.shape[1]
+    m, k = x.shape[::-1] if x_transposed else x.shape
+    n = w.shape[0] if w_transposed else w.shape[1]
     out = np.empty((m, n), np.float32)
     threads = max(1, min(blocks.get_num_threads(), m * k * n // MIN_THREAD_WORK))
     if _lib().fc_train_f32(_ptr(x), int(x_transposed), _ptr(w), int(w_transposed),

@@ -4,13 +4,13 @@
  * into one of its two buffers, which stay in L2, while its row tiles run on the block
  * packed before in the other: a share of the next block after each tile, so that the
  * packing's loads from memory overlap the tiles' arithmetic (w^T's block all after
- * the first tile: see run_train_unit). The tiles read a buffer
- * as they read a packed weight's block. Either side may be read transposed, for a
- * training step's three products of a layer: x @ w (the forward), dout @ w^T (the
- * input gradient) and x^T @ dout (the weight gradient); x is packed by row tiles as
- * fc_forward_f32 packs it (pack_rows reads the transpose's columns as rows). Each
- * output is summed by one thread in one order, block by block as fc_forward_f32
- * sums it: the same bits on any number of threads. */
+ * the first tile: see run_train_unit). The tiles read a buffer as they read a packed
+ * weight's block. Either side may be read transposed, for a training step's three
+ * products of a layer: x @ w (the forward), dout @ w^T (the input gradient) and
+ * x^T @ dout (the weight gradient); x is packed by row tiles as fc_forward_f32 packs
+ * it (pack_rows reads the transpose's columns as rows). Each output is summed by one
+ * thread in one order, block by block as fc_forward_f32 sums it: the same bits on any
+ * number of threads. */
 
 /* Rows q0 .. q1 of the block of columns p0 .. p0 + kc of the weight's panel j (rows
  * p0 + q of the product's right side, columns j FC_NR ..) into `block`, rows of FC_NR

@@ -58,8 +58,9 @@ def trained_product(a, b, a_transposed=False, b_transposed=False):
     if not fc_native.train_supports(a, b, a_transposed, b_transposed):
         return left @ right
     (m, k), n = left.shape, right.shape[1]
-    key = (f"{m}x{k}x{n}|{'tn'[not a_transposed]}{'tn'[not b_transposed]}"
-           f"|t{blocks.get_num_threads()}|b{native.build_key('fc_native')}")
+    sides = ("t" if a_transposed else "n") + ("t" if b_transposed else "n")
+    key = (f"{m}x{k}x{n}|{sides}|t{blocks.get_num_threads()}"
+           f"|b{native.build_key('fc_native')}")
     return choices.choose("mm", key, {
         "native": lambda: fc_native.train_product(a, b, a_transposed, b_transposed),
         "blas": lambda: left @ right}, "blas")
