@@ -150,3 +150,81 @@ def test_prepared_forward_chooses_by_the_weight():
                          if isinstance(c.cell_contents, ctypes._CFuncPtr)))
     assert [fn.__name__ for fn in seen] == ["fc_sparse_f32", "fc_forward_f32"]
     assert seen[0] is lib.fc_sparse_f32
+
+
+# Training's products (fc_train_sparse_f32): inner sizes of one block (its group's block
+# kept over the units of the same group: rows past a pass) and of several, every
+# remainder of groups and panels, either side transposed
+TRAIN_SHAPES = [(5, 63, 33), (9, 65, 129), (130, 513, 200), (300, 130, 100), (3, 1100, 47),
+                (129, 200, 96), (64, 8, 17)]
+
+
+def train_kernels(x, xt, w, wt, threads):
+    """(dense, sparse, code): fc_train_f32's and fc_train_sparse_f32's out for A = x or
+    x^T by B = w or w^T, and the return code of fc_train_sparse_f32."""
+    lib = fc_native._lib()
+    m, k = x.shape[::-1] if xt else x.shape
+    n = w.shape[0] if wt else w.shape[1]
+    outs, codes = [], []
+    for fn in (lib.fc_train_f32, lib.fc_train_sparse_f32):
+        out = np.full((m, n), 7.0, np.float32)
+        codes.append(fn(x.ctypes.data, int(xt), w.ctypes.data, int(wt), out.ctypes.data, m,
+                        k, n, threads))
+        outs.append(out)
+    assert codes[0] == 0
+    return outs[0], outs[1], codes[1]
+
+
+def train_operands(m, k, n, xt, wt, density):
+    """x relu-like as A (M, K) (laid out (K, M) where xt) and w (K, N) ((N, K) where wt),
+    and A and B."""
+    a = relu_like(m, k, density)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    x = np.ascontiguousarray(a.T) if xt else a
+    w = np.ascontiguousarray(b.T) if wt else b
+    return x, w, a, b
+
+
+@pytest.mark.parametrize("m, k, n", TRAIN_SHAPES)
+@pytest.mark.parametrize("xt, wt", [(False, False), (False, True), (True, False),
+                                    (True, True)])
+@pytest.mark.parametrize("density", [0.0, 0.4, 0.9])
+def test_the_training_kernels_bits(m, k, n, xt, wt, density):
+    """The one-row tiles where A is mostly zeros (code 0), fc_train_f32 where it is
+    mostly not (code 2): fc_train_f32's bits on any number of threads."""
+    x, w, _, _ = train_operands(m, k, n, xt, wt, density)
+    for threads in (1, 2, 3):
+        dense, sparse, code = train_kernels(x, xt, w, wt, threads)
+        assert code == (2 if density > 0.6 else 0)
+        np.testing.assert_array_equal(sparse.view(np.int32), dense.view(np.int32))
+
+
+@pytest.mark.parametrize("xt, wt", [(False, False), (True, False), (False, True)])
+def test_training_against_the_float64_reference(xt, wt):
+    x, w, a, b = train_operands(70, 600, 130, xt, wt, 0.4)
+    got = fc_native.train_product(x, w, xt, wt)
+    want = reference(a, b, None, False)
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    np.testing.assert_array_less(np.abs(got - want), 4e-7 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("xt, wt", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("row", [5, 600])
+def test_a_block_not_finite_sums_every_column(xt, wt, row):
+    """A block of the weight with an inf (in the first block of x's columns, or the
+    second) sums every column there, so x's zeros meet it as in fc_train_f32 (NaN in
+    every row), while the finite blocks skip them: fc_train_f32's bits either way; NaN
+    and inf in x reach their rows' sums."""
+    x, w, a, b = train_operands(40, 1100, 100, xt, wt, 0.3)
+    a[:, row] = 0.0
+    b[row, 2] = np.inf
+    a[3, 9], a[4, 700] = np.nan, -np.inf
+    x = np.ascontiguousarray(a.T) if xt else a
+    w = np.ascontiguousarray(b.T) if wt else b
+    dense, sparse, code = train_kernels(x, xt, w, wt, 2)
+    assert code == 0
+    np.testing.assert_array_equal(sparse.view(np.int32), dense.view(np.int32))
+    want = reference(a, b, None, False)
+    np.testing.assert_array_equal(np.isnan(sparse), np.isnan(want))
+    assert np.isnan(sparse[:, 2]).all() and np.isnan(sparse[3]).all()
+    assert np.isinf(sparse[4, 3:]).all()

@@ -135,6 +135,19 @@ def test_weight_gradients_on_each_option(name, monkeypatch):
     assert len(calls) == (name == "panels")
 
 
+def test_a_relus_output_through_mul_and_its_weight_gradient(monkeypatch):
+    """A mostly zero x (a relu's output), whose products skip its zeros (fc_sparse.h),
+    through mul's product and the weight gradient x^T @ d on the kernel."""
+    x = np.maximum(rng.standard_normal((70, 300)).astype(np.float32) - 0.3, 0.0)
+    y = rng.standard_normal((300, 130)).astype(np.float32)
+    d = rng.standard_normal((70, 130)).astype(np.float32)
+    calls = counting_kernel(monkeypatch)
+    with choices.forcing({"mm": "native", "fc_dw": "panels"}):
+        close(mul.product(x, y), x, y)
+        close(mul.weight_grad(x, d), x.T, d)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("name", ["native", "blas"])
 def test_the_mul_op_and_its_gradients_on_either_option(name):
     """The op in float64 on BLAS (the kernel takes float32 only: finite differences need
@@ -166,6 +179,8 @@ def test_the_avx2_build_against_the_reference(tmp_path, monkeypatch):
         for m, k, n in [(7, 40, 23), (13, 513, 17), (64, 77, 30), (5, 3, 2)]:
             for flags in [(False, False), (False, True), (True, False)]:
                 x, w, a, b = operands(m, k, n, *flags)
+                close(fc_native.train_product(x, w, *flags), a, b)
+                x[rng.random(x.shape) < 0.6] = 0.0           # fc_sparse.h's tiles
                 close(fc_native.train_product(x, w, *flags), a, b)
     finally:
         native._load.cache_clear()

@@ -2,9 +2,9 @@
  * out = act(x @ w + bias), x (M, K) and w (K, N) row-major, act = relu or the
  * identity, with w packed once. The few-rows kernels on unpacked weights (a generated
  * token's products) are fc_rows.h's, those of a few columns on a packed weight (a
- * classifier's last product) fc_cols.h's, the one for an x mostly of zeros (a relu's
- * output) fc_sparse.h's, and training's products on weights packed block by block as
- * they are used fc_train.h's, all included at the end.
+ * classifier's last product) fc_cols.h's, training's products on weights packed block
+ * by block as they are used fc_train.h's, and those for an x mostly of zeros (a relu's
+ * output, on a packed weight or in training) fc_sparse.h's, all included at the end.
  *
  * A packed weight holds ceil(N / FC_NR) panels, each the K rows of FC_NR
  * consecutive columns (zeros past column N): two vectors of native_simd.h's VL
@@ -333,5 +333,5 @@ int fc_forward_f32(const float *x, const float *wp, const float *bias, float *ou
 
 #include "fc_rows.h"
 #include "fc_cols.h"
-#include "fc_sparse.h"
 #include "fc_train.h"
+#include "fc_sparse.h"

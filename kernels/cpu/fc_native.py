@@ -17,6 +17,8 @@ output is still summed by one thread in one order.
 Where every value of the weight is finite (checked once, as it is packed), the product
 runs fc_sparse.h's entry, which skips x's zeros where rows sampled from x are mostly
 zeros (a relu's output) and is the dense kernel otherwise: the same bits either way.
+The training products (train_product) skip A's zeros the same way, on each block of the
+weight whose values are all finite (checked as it is packed), with fc_train_f32's bits.
 
 `supports(x, w)` says whether the kernel takes a product: float32, built (native.
 reason says why not) and at least MIN_WORK multiply-adds (the size from which
@@ -70,8 +72,8 @@ def _lib():
         lib.fc_cols_packed_size.argtypes, lib.fc_cols_packed_size.restype = [_L, _L], _L
         lib.fc_cols_pack_f32.argtypes, lib.fc_cols_pack_f32.restype = [_P, _L, _L, _P], None
         lib.fc_cols_f32.argtypes, lib.fc_cols_f32.restype = [_P] * 4 + [_L] * 5, ctypes.c_int
-        lib.fc_train_f32.argtypes = [_P, _L, _P, _L, _P] + [_L] * 4
-        lib.fc_train_f32.restype = ctypes.c_int
+        for product in (lib.fc_train_f32, lib.fc_train_sparse_f32):
+            product.argtypes, product.restype = [_P, _L, _P, _L, _P] + [_L] * 4, ctypes.c_int
         lib.fc_rows_f32.argtypes, lib.fc_rows_f32.restype = [_P] * 5 + [_L] * 5, ctypes.c_int
         lib.fc_rows_group_f32.argtypes = [_P] * 6 + [_L] * 5
         lib.fc_rows_group_f32.restype = ctypes.c_int
@@ -241,14 +243,16 @@ def train_product(x, w, x_transposed=False, w_transposed=False):
     K) or x.T for x (K, M) where x_transposed, and B = w (K, N) or w.T for w (N, K)
     where w_transposed (a layer's forward, input-gradient and weight-gradient
     products on a weight that changes every step: packed block by block as it is
-    used, never whole); x and w as train_supports takes them. Each output is summed
-    by one thread in one order: the same bits on any number of threads."""
+    used, never whole); x and w as train_supports takes them. Where rows sampled from
+    A are mostly zeros (a relu's output), fc_train_sparse_f32 (fc_sparse.h) skips A's
+    zeros, with fc_train_f32's bits. Each output is summed by one thread in one order:
+    the same bits on any number of threads."""
     m, k = x.shape[::-1] if x_transposed else x.shape
     n = w.shape[0] if w_transposed else w.shape[1]
     out = np.empty((m, n), np.float32)
     threads = max(1, min(blocks.get_num_threads(), m * k * n // MIN_THREAD_WORK))
-    if _lib().fc_train_f32(_ptr(x), int(x_transposed), _ptr(w), int(w_transposed),
-                           _ptr(out), m, k, n, threads):
+    if _lib().fc_train_sparse_f32(_ptr(x), int(x_transposed), _ptr(w), int(w_transposed),
+                                  _ptr(out), m, k, n, threads) == 1:
         raise MemoryError("fc_native.train_product: the packed copies could not be "
                           "allocated")
     return out

@@ -17,7 +17,13 @@
  * once per FC_MR rows: with more than FC_SP_DENSITY of nonzero values in rows sampled
  * from x, fc_forward_f32 runs instead (2-core AMD EPYC, 128x2048 by 2048 on 2 threads,
  * a relu's output 43% nonzero: 1.4 times as fast with AVX-512, 1.3 with AVX2; as fast
- * at about 65% nonzero). */
+ * at about 65% nonzero).
+ *
+ * fc_train_sparse_f32 is fc_train_f32's product the same way (the bits of fc_train_f32,
+ * which sums in fc_forward_f32's blocks and order): a thread packs a group's block of
+ * the weight (fc_train.h's pack_block, either side transposed) into a buffer of its
+ * own and checks its values, then runs the one-row tiles on it, or on every column where
+ * a value is not finite; x^T (a weight gradient's A) is first copied as rows. */
 #define FC_SP_PANELS (48 / VL) /* panels a register tile: 6 vectors of sums, their part
                                   of the weight 24 KiB (3 panels with AVX-512, 6 else) */
 #define FC_SP_KC 64          /* columns of x a part of a block (one 64-bit mask) */
@@ -45,15 +51,16 @@ static inline uint64_t nonzero_bits(const float *x, int64_t count)
     return bits;
 }
 
-/* Row r's sums by PANELS panels from j0 over x's columns s0 + q for the bits q set in
- * `bits`, added to acc (PANELS pairs of vectors) in the order of the columns. */
+/* Row r's sums by PANELS panels over x's columns s0 + q for the bits q set in `bits`,
+ * added to acc (PANELS pairs of vectors) in the order of the columns; the panels' rows
+ * of column s0 start at wb, `stride` floats from one panel to the next. */
 static inline __attribute__((always_inline)) void sparse_sums(const fc_t *a, int64_t r,
-                                                              int64_t j0, int64_t s0,
+                                                              const float *wb,
+                                                              int64_t stride, int64_t s0,
                                                               uint64_t bits,
                                                               const int PANELS, vf *acc)
 {
-    const float *xr = a->x + r * a->k + s0, *wb = a->wp + (j0 * a->k + s0) * FC_NR;
-    int64_t stride = a->k * FC_NR;
+    const float *xr = a->x + r * a->k + s0;
     for (; bits; bits &= bits - 1) {
         int q = __builtin_ctzll(bits);
         float xq = xr[q];
@@ -65,11 +72,57 @@ static inline __attribute__((always_inline)) void sparse_sums(const fc_t *a, int
     }
 }
 
+/* The values of rows 0 .. count / FC_NR of a packed block: 1 where all are finite. */
+static int block_finite(const float *block, int64_t count)
+{
+    vf sum = {0};
+    for (int64_t i = 0; i < count; i += VL) sum += vf_load(block + i) * (vf){0};
+    for (int l = 0; l < VL; l++)
+        if (sum[l] != 0) return 0;          /* inf * 0 and NaN * 0 are NaN */
+    return 1;
+}
+
+/* The next block of a group's panels (fc_train_sparse_f32), packed FC_SP_AHEAD rows at
+ * a time while the block before runs, the rows after those prefetched into L2. */
+typedef struct {
+    float *to;                              /* FC_KC rows a panel */
+    int64_t j0, panels, p0, kc, done, every, tick;
+    int finite;                             /* the values packed so far are finite */
+} ahead_t;
+
+#define FC_SP_AHEAD 8                       /* rows a share (pack_block's 8 by 8) */
+
+/* `rows` more rows of h's block (to its end at most), then the next share prefetched. */
+static void pack_rows_ahead(const fc_t *a, ahead_t *h, int64_t rows)
+{
+    int64_t q0 = h->done, q1 = q0 + rows < h->kc ? q0 + rows : h->kc;
+    int64_t q2 = q1 + FC_SP_AHEAD < h->kc ? q1 + FC_SP_AHEAD : h->kc;
+    for (int64_t p = 0; p < h->panels; p++) {
+        float *block = h->to + p * FC_KC * FC_NR;
+        pack_block(a, block, h->j0 + p, h->p0, q0, q1);
+        h->finite &= block_finite(block + q0 * FC_NR, (q1 - q0) * FC_NR);
+        if (!a->wt && q1 < q2) prefetch_rows(a, h->j0 + p, h->p0, q1, q2);
+    }
+    h->done = q1;
+}
+
+static void pack_ahead(const fc_t *a, ahead_t *h)
+{
+    if (h->done < h->kc) pack_rows_ahead(a, h, FC_SP_AHEAD);
+}
+
 /* Rows r0 .. r0 + rows (at most FC_SP_ROWS) by the panels j0 .. j0 + PANELS over the
- * block of columns p0 .. p0 + kc, part by part. */
-static inline __attribute__((always_inline)) void sparse_block(const fc_t *a, int64_t j0,
-                                                               int64_t r0, int64_t rows,
-                                                               int64_t p0, int64_t kc,
+ * block of columns p0 .. p0 + kc, part by part; the panels' rows of column p0 start at
+ * wb, `stride` floats apart, and the rows of the weight up to `end` are in reach (the
+ * next part's prefetched from there). `dense`: every column's product, zeros too (a
+ * block of the weight with a value that is not finite). `ahead`: the next block being
+ * packed (a share after every few rows), or NULL. */
+static inline __attribute__((always_inline)) void sparse_block(const fc_t *a, const float *wb,
+                                                               int64_t stride, int64_t end,
+                                                               int64_t j0, int64_t r0,
+                                                               int64_t rows, int64_t p0,
+                                                               int64_t kc, int dense,
+                                                               ahead_t *ahead,
                                                                const int PANELS)
 {
     float kept[FC_SP_ROWS][2 * FC_SP_PANELS * VL] __attribute__((aligned(64)));
@@ -78,19 +131,22 @@ static inline __attribute__((always_inline)) void sparse_block(const fc_t *a, in
         int64_t count = p0 + kc - s0 < FC_SP_KC ? p0 + kc - s0 : FC_SP_KC;
         int fresh = s0 == p0, ends = s0 + count == p0 + kc;
         for (int64_t r = 0; r < rows; r++)
-            bits[r] = nonzero_bits(a->x + (r0 + r) * a->k + s0, count);
+            bits[r] = dense ? ~0ull >> (64 - count)
+                            : nonzero_bits(a->x + (r0 + r) * a->k + s0, count);
         int64_t next = s0 + count;          /* the next part, prefetched over the rows */
-        int64_t lines = next >= a->k ? 0 : (a->k - next < FC_SP_KC ? a->k - next : FC_SP_KC)
-                                               * FC_NR / 16;          /* 64-byte lines */
+        int64_t lines = next >= end ? 0 : (end - next < FC_SP_KC ? end - next : FC_SP_KC)
+                                              * FC_NR / 16;           /* 64-byte lines */
         int64_t share = (PANELS * lines + rows - 1) / rows;
+        const float *part = wb + (s0 - p0) * FC_NR;
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t l = r * share; l < (r + 1) * share && l < PANELS * lines; l++)
-                __builtin_prefetch(a->wp + ((j0 + l / lines) * a->k + next) * FC_NR
+                __builtin_prefetch(wb + l / lines * stride + (next - p0) * FC_NR
                                    + l % lines * 16, 0, 3);
             vf acc[2 * FC_SP_PANELS];
             for (int v = 0; v < 2 * PANELS; v++)
                 acc[v] = fresh ? (vf){0} : vf_load(kept[r] + v * VL);
-            sparse_sums(a, r0 + r, j0, s0, bits[r], PANELS, acc);
+            sparse_sums(a, r0 + r, part, stride, s0, bits[r], PANELS, acc);
+            if (ahead != NULL && ++ahead->tick % ahead->every == 0) pack_ahead(a, ahead);
             if (!ends) {
                 for (int v = 0; v < 2 * PANELS; v++) vf_store(kept[r] + v * VL, acc[v]);
                 continue;
@@ -110,23 +166,80 @@ static inline __attribute__((always_inline)) void sparse_unit(const fc_t *a, int
     for (int64_t p0 = 0; p0 < a->k; p0 += a->kc) {
         int64_t kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
         for (int64_t r = r0; r < r1; r += FC_SP_ROWS)
-            sparse_block(a, j0, r, r1 - r < FC_SP_ROWS ? r1 - r : FC_SP_ROWS, p0, kc, PANELS);
+            sparse_block(a, a->wp + (j0 * a->k + p0) * FC_NR, a->k * FC_NR, a->k, j0, r,
+                         r1 - r < FC_SP_ROWS ? r1 - r : FC_SP_ROWS, p0, kc, 0, NULL, PANELS);
+    }
+}
+
+/* sparse_unit on a weight packed as it is used (fc_train.h's pack_block) into two
+ * buffers of FC_KC rows a panel: the unit's first block of the PANELS panels at once,
+ * each next one a share at a time while the one before runs (pack_ahead); each block's
+ * values checked. Where K is one block, the group's block stays in the first buffer for
+ * the next unit of the same group (held: the group's first panel and whether its
+ * values are finite). */
+static inline __attribute__((always_inline)) void sparse_train_unit(const fc_t *a,
+                                                                    float *buffers,
+                                                                    int64_t held[2],
+                                                                    int64_t j0, int64_t r0,
+                                                                    int64_t r1,
+                                                                    const int PANELS)
+{
+    const int64_t stride = (int64_t)FC_KC * FC_NR;
+    float *now = buffers, *next = buffers + FC_SP_PANELS * stride;
+    int64_t kc = a->k < a->kc ? a->k : a->kc;
+    if (held[0] != j0 || a->k > a->kc) {
+        ahead_t first = {.to = now, .j0 = j0, .panels = PANELS, .kc = kc, .finite = 1};
+        pack_rows_ahead(a, &first, kc);
+        held[0] = j0;
+        held[1] = first.finite;
+    }
+    int finite = (int)held[1];
+    for (int64_t p0 = 0; p0 < a->k; p0 += kc) {
+        kc = a->k - p0 < a->kc ? a->k - p0 : a->kc;
+        int64_t next_p0 = p0 + kc, next_kc = a->k - next_p0 < a->kc ? a->k - next_p0 : a->kc;
+        int64_t steps = (kc + FC_SP_KC - 1) / FC_SP_KC * (r1 - r0);     /* rows run */
+        int64_t shares = (next_kc + FC_SP_AHEAD - 1) / FC_SP_AHEAD;
+        ahead_t ahead = {.to = next, .j0 = j0, .panels = PANELS, .p0 = next_p0,
+                         .kc = next_p0 < a->k ? next_kc : 0, .finite = 1,
+                         .every = shares > 0 && steps > shares ? steps / shares : 1};
+        if (!a->wt && ahead.kc > 0)
+            for (int p = 0; p < PANELS; p++)
+                prefetch_rows(a, j0 + p, next_p0, 0,
+                              FC_SP_AHEAD < ahead.kc ? FC_SP_AHEAD : ahead.kc);
+        for (int64_t r = r0; r < r1; r += FC_SP_ROWS)
+            sparse_block(a, now, stride, p0 + kc, j0, r,
+                         r1 - r < FC_SP_ROWS ? r1 - r : FC_SP_ROWS, p0, kc, !finite,
+                         ahead.kc > 0 ? &ahead : NULL, PANELS);
+        if (ahead.kc == 0) break;
+        pack_rows_ahead(a, &ahead, ahead.kc);                /* what is left of it */
+        finite = ahead.finite;
+        float *done = now;
+        now = next;
+        next = done;
     }
 }
 
 /* Units of work from the shared counter: a group of FC_SP_PANELS panels (fewer at the
- * end) by a chunk of the rows (a->chunks of them). */
+ * end) by a chunk of the rows (a->chunks of them), on the packed weight or (the job's
+ * `blocks` not NULL) on blocks packed there as they are used. */
 static void *sparse_job(void *arg)
 {
     fc_t *a = ((fc_job_t *)arg)->a;
-    int64_t u, groups = (a->panels + FC_SP_PANELS - 1) / FC_SP_PANELS;
+    float *buffer = ((fc_job_t *)arg)->blocks;
+    int64_t u, groups = (a->panels + FC_SP_PANELS - 1) / FC_SP_PANELS, held[2] = {-1, 0};
     while ((u = __atomic_fetch_add(&a->next_unit, 1, __ATOMIC_RELAXED)) < groups * a->chunks) {
         int64_t j0 = u / a->chunks * FC_SP_PANELS, c = u % a->chunks;
         int64_t r0 = a->m * c / a->chunks, r1 = a->m * (c + 1) / a->chunks;
         int64_t left = a->panels - j0;
         switch (left < FC_SP_PANELS ? left : FC_SP_PANELS) {     /* PANELS a constant */
-#define FC_SP_CASE(P) \
-        case P: sparse_unit(a, j0, r0, r1, P < FC_SP_PANELS ? P : FC_SP_PANELS); break;
+#define FC_SP_CASE(P)                                                                  \
+        case P:                                                                       \
+            if (buffer != NULL)                                                       \
+                sparse_train_unit(a, buffer, held, j0, r0, r1,                        \
+                                  P < FC_SP_PANELS ? P : FC_SP_PANELS);               \
+            else                                                                      \
+                sparse_unit(a, j0, r0, r1, P < FC_SP_PANELS ? P : FC_SP_PANELS);      \
+            break;
         FC_SP_CASE(1) FC_SP_CASE(2) FC_SP_CASE(3) FC_SP_CASE(4) FC_SP_CASE(5) FC_SP_CASE(6)
 #undef FC_SP_CASE
         }
@@ -134,16 +247,39 @@ static void *sparse_job(void *arg)
     return NULL;
 }
 
-/* The share of nonzero values (NaN included) in FC_SP_SAMPLE rows spread over x's. */
-static double sampled_density(const float *x, int64_t m, int64_t k)
+/* The share of nonzero values (NaN included) in FC_SP_SAMPLE rows spread over the M
+ * rows of x (M, K), or of x^T for x (K, M) where xt. */
+static double sampled_density(const float *x, int64_t xt, int64_t m, int64_t k)
 {
     int64_t rows = m < FC_SP_SAMPLE ? m : FC_SP_SAMPLE, nonzero = 0;
     for (int64_t s = 0; s < rows; s++) {
-        const float *row = x + (s * m / rows) * k;
+        int64_t row = s * m / rows;
+        if (xt) {
+            for (int64_t q = 0; q < k; q++) nonzero += x[q * m + row] != 0;
+            continue;
+        }
         for (int64_t q = 0; q < k; q += 64)
-            nonzero += __builtin_popcountll(nonzero_bits(row + q, k - q < 64 ? k - q : 64));
+            nonzero += __builtin_popcountll(nonzero_bits(x + row * k + q,
+                                                         k - q < 64 ? k - q : 64));
     }
     return (double)nonzero / (double)(rows * k);
+}
+
+/* a's blocks (fc_forward_f32's), units and threads for the one-row tiles. */
+static void plan_sparse(fc_t *a, int64_t threads)
+{
+    a->panels = (a->n + FC_NR - 1) / FC_NR;
+    int64_t parts = (a->k + FC_KC - 1) / FC_KC;
+    a->kc = (a->k + parts - 1) / parts;
+    int64_t groups = (a->panels + FC_SP_PANELS - 1) / FC_SP_PANELS;
+    /* chunks of at most FC_SP_ROWS rows, and at least two units a thread where M allows */
+    int64_t wanted = (2 * threads + groups - 1) / groups;
+    a->chunks = (a->m + FC_SP_ROWS - 1) / FC_SP_ROWS;
+    if (a->chunks < wanted) a->chunks = wanted;
+    if (a->chunks > a->m) a->chunks = a->m;
+    a->threads = threads < groups * a->chunks ? threads : groups * a->chunks;
+    if (a->threads < 1) a->threads = 1;
+    if (a->threads > POOL_MAX_THREADS) a->threads = POOL_MAX_THREADS;
 }
 
 /* fc_forward_f32's out, arguments and result (its bits), for a packed weight whose
@@ -152,23 +288,61 @@ static double sampled_density(const float *x, int64_t m, int64_t k)
 int fc_sparse_f32(const float *x, const float *wp, const float *bias, float *out, int64_t m,
                   int64_t k, int64_t n, int64_t relu, int64_t threads)
 {
-    if (sampled_density(x, m, k) > FC_SP_DENSITY)
+    if (sampled_density(x, 0, m, k) > FC_SP_DENSITY)
         return fc_forward_f32(x, wp, bias, out, m, k, n, relu, threads);
     fc_t a = {.x = x, .wp = wp, .bias = bias, .out = out, .m = m, .k = k, .n = n,
-              .relu = relu, .panels = (n + FC_NR - 1) / FC_NR};
-    int64_t parts = (k + FC_KC - 1) / FC_KC;
-    a.kc = (k + parts - 1) / parts;         /* fc_forward_f32's blocks */
-    int64_t groups = (a.panels + FC_SP_PANELS - 1) / FC_SP_PANELS;
-    /* chunks of at most FC_SP_ROWS rows, and at least two units a thread where M allows */
-    int64_t wanted = (2 * threads + groups - 1) / groups;
-    a.chunks = (m + FC_SP_ROWS - 1) / FC_SP_ROWS;
-    if (a.chunks < wanted) a.chunks = wanted;
-    if (a.chunks > m) a.chunks = m;
-    a.threads = threads < groups * a.chunks ? threads : groups * a.chunks;
-    if (a.threads < 1) a.threads = 1;
-    if (a.threads > POOL_MAX_THREADS) a.threads = POOL_MAX_THREADS;
+              .relu = relu};
+    plan_sparse(&a, threads);
     fc_job_t jobs[POOL_MAX_THREADS];
     for (int64_t t = 0; t < a.threads; t++) jobs[t] = (fc_job_t){&a};
     pool_run(sparse_job, jobs, sizeof(fc_job_t), a.threads);
+    return 0;
+}
+
+/* dst (cols, rows) = src (rows, cols) transposed, 8 by 8 values at a time. */
+static void transpose_into(const float *src, int64_t rows, int64_t cols, float *dst)
+{
+    int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+    for (int64_t r = 0; r < r8; r += 8)
+        for (int64_t c = 0; c < c8; c += 8) {
+            v8f t[8];
+            for (int l = 0; l < 8; l++) t[l] = *(const v8fu *)(src + (r + l) * cols + c);
+            transpose8(t);
+            for (int l = 0; l < 8; l++) *(v8fu *)(dst + (c + l) * rows + r) = t[l];
+        }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = r < r8 ? c8 : 0; c < cols; c++) dst[c * rows + r] = src[r * cols + c];
+}
+
+/* fc_train_f32's out, arguments and result (its bits): the one-row tiles on blocks of
+ * the weight packed as they are used where the rows sampled from A (x, or x^T where xt)
+ * are at most FC_SP_DENSITY nonzero (x^T first copied to rows), a block with a value
+ * that is not finite summing every column; else fc_train_f32 itself. Returns 0 (the
+ * one-row tiles ran), 2 (fc_train_f32 ran and succeeded) or 1 (buffers could not be
+ * allocated: out is untouched). */
+int fc_train_sparse_f32(const float *x, int64_t xt, const float *w, int64_t wt, float *out,
+                        int64_t m, int64_t k, int64_t n, int64_t threads)
+{
+    if (sampled_density(x, xt, m, k) > FC_SP_DENSITY)
+        return fc_train_f32(x, xt, w, wt, out, m, k, n, threads) ? 1 : 2;
+    fc_t a = {.x = x, .w = w, .wt = wt, .out = out, .m = m, .k = k, .n = n};
+    plan_sparse(&a, threads);
+    size_t each = (size_t)2 * FC_SP_PANELS * FC_KC * FC_NR;
+    float *rows = xt ? malloc((size_t)(m * k) * sizeof(float)) : NULL;
+    float *buffers = aligned_alloc(64, (size_t)a.threads * each * sizeof(float));
+    if ((xt && rows == NULL) || buffers == NULL) {
+        free(rows);
+        free(buffers);
+        return 1;
+    }
+    if (xt) {
+        transpose_into(x, k, m, rows);
+        a.x = rows;
+    }
+    fc_job_t jobs[POOL_MAX_THREADS];
+    for (int64_t t = 0; t < a.threads; t++) jobs[t] = (fc_job_t){&a, buffers + t * each};
+    pool_run(sparse_job, jobs, sizeof(fc_job_t), a.threads);
+    free(rows);
+    free(buffers);
     return 0;
 }
