@@ -2,9 +2,10 @@
 the dense kernel (fc_forward_f32) on the same packed weight for every remainder of its
 groups of panels, parts and blocks of x's columns, rows past a pass, any number of
 threads, bias and relu, zeros of either sign, NaN and inf in x; the float64 reference
-through fc_native.forward; and the dense kernel wherever a weight is not finite or x is
-mostly nonzero."""
+through fc_native.forward; the dense kernel wherever a weight is not finite or x is
+mostly nonzero; and the training kernels' failed allocation, raised as MemoryError."""
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -228,3 +229,48 @@ def test_a_block_not_finite_sums_every_column(xt, wt, row):
     np.testing.assert_array_equal(np.isnan(sparse), np.isnan(want))
     assert np.isnan(sparse[:, 2]).all() and np.isnan(sparse[3]).all()
     assert np.isinf(sparse[4, 3:]).all()
+
+
+FAILED_ALLOCATION = """
+import resource
+import numpy as np
+import minigraph as mg
+from minigraph.kernels.cpu import fc_native
+
+mg.set_num_threads(2)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4096, 4096)).astype(np.float32)    # A = x^T: copied to rows,
+x[rng.random(x.shape) < 0.7] = 0.0                           # 64 MiB, by the C kernel
+w = rng.standard_normal((4096, 8)).astype(np.float32)
+fc_native.train_product(x[:64, :64].copy(), w[:64], True, False)  # the library, the pool
+limit = resource.getrlimit(resource.RLIMIT_AS)
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (16 << 20), limit[1]))
+try:
+    fc_native.train_product(x, w, True, False)
+    print("no error")
+except MemoryError as e:
+    print("MemoryError:", e)
+resource.setrlimit(resource.RLIMIT_AS, limit)
+got = fc_native.train_product(x, w, True, False)
+want = x.T.astype(np.float64) @ w.astype(np.float64)
+print("after:", float(np.max(np.abs(got - want) / (np.abs(x.T) @ np.abs(w) + 1e-30))))
+"""
+
+
+def test_a_failed_allocation_raises_memory_error():
+    """Where the C kernel cannot allocate its copy of x^T (the address space capped a
+    little above what the process holds), train_product raises MemoryError, and the
+    same product runs right once the cap is lifted: nothing was left half-done (a
+    subprocess, with a hard timeout)."""
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc/self/statm here")
+    done = subprocess.run([sys.executable, "-c", FAILED_ALLOCATION], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "MemoryError: fc_native.train_product: the packed copies" in done.stdout
+    assert float(done.stdout.split("after:")[1]) < 4e-7
