@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -107,6 +110,17 @@ def floor(threads, repeat):
         products, copies = products + ms, copies + cp
     return {"convs": rows, "forward_ms": products + copies,
             "train_ms": 3 * products + 2 * copies}
+
+
+def against_pytorch(threads, theirs):
+    """This script's floor, run in a process of its own, against PyTorch's ResNet times
+    `theirs` ({"train": ms, "infer": ms}): a line for nets_cpu.py's notes."""
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", "--threads",
+                           str(threads)], capture_output=True, text=True, check=True)
+    f = json.loads(done.stdout.strip().splitlines()[-1])
+    return (f"floor of any numpy im2col engine, conv products and column copies alone: "
+            f"infer {f['forward_ms']:.2f} ms = {f['forward_ms'] / theirs['infer']:.2f}x "
+            f"PyTorch, train {f['train_ms']:.2f} ms = {f['train_ms'] / theirs['train']:.2f}x")
 
 
 def main(argv=None):

@@ -22,32 +22,37 @@ other down many times over when they share a process on a few cores. Each
 framework gets `--threads` threads (mg.set_num_threads, which also limits BLAS
 through threadpoolctl; torch.set_num_threads). Results come back as JSON.
 
-Timings alternate: --rounds rounds (default 7), each a fresh process of either
-framework back to back, minigraph first in even rounds and PyTorch first in odd
-ones; the table shows the median over rounds of each side's time, the median of
-the rounds' ratios (the verdict) and their range (this machine's speed drifts by
-2x over minutes, so a lone pair of processes can be far off).
+Timings run in lockstep (benchmarks/lockstep.py): --rounds rounds (default 7),
+each a fresh process of either framework, both alive, taking turns in --slices
+(5) blocks of training steps and of inferences (--repeat steps in all, each block
+at least 50 ms), the waiting one blocked on a pipe, minigraph's block first in
+even slices of even rounds: a shared machine's speed moves by 2x within seconds,
+and a pair of blocks a few milliseconds apart sees the same spell. A round's
+ratio is the median of its blocks' paired ratios; the table shows the median over
+rounds of each side's time, the median of the rounds' ratios (the verdict) and
+their range.
 
-- train: median wall time of one training step (forward, backward, update; the
-  loss fetched / `.item()`), after --warmup (20) warm-up steps: past the 17 first
-  steps in which minigraph measures each op on one thread and on all
+- train: a block's median wall time of one training step (forward, backward,
+  update; the loss fetched / `.item()`), after --warmup (20) warm-up steps: past the
+  17 first steps in which minigraph measures each op on one thread and on all
   (minigraph.op_threads).
-- infer: median time of one inference batch: minigraph's net after
+- infer: the same of one inference batch: minigraph's net after
   `mg.passes.optimize_for_inference` (batch norms folded, ops fused), PyTorch's
   model in eval mode under torch.inference_mode(). "infer (net)" is minigraph's
   unoptimised `net.infer`, for reference.
-- infer between: the same inference timed right after each of `--repeat` training
-  steps (a loop that evaluates mid-epoch), in blocks of 5 that alternate with
-  blocks of 5 inferences in a row ("infer", alone) and blocks of 5 that each
-  follow an idle loop as long as the framework's training step (benchmarks/
+- infer between: after the blocks, each process in turn times the same inference
+  right after each of --repeat training steps (a loop that evaluates mid-epoch), in
+  blocks of 5 that alternate with blocks of 5 inferences in a row (alone) and of 5
+  that each follow an idle loop as long as its training step (benchmarks/
   idle_loop.py: C on registers, no memory touched, no framework called), so that a
   drift of the machine's speed slows them alike; the second table gives each
   framework's between / alone per round (the time an inference takes must not
   depend on what the process did before it), after the idle loop / alone (what the
   machine alone takes from an inference after that much time on other work: the
   floor of between / alone on this machine), between / after the idle loop (what
-  the training step itself takes) and the median over rounds of between - alone,
-  the time an inference loses after a step.
+  the training step itself takes) and the median over rounds of between - alone.
+  The note under each net gives the most CPU time a waiting process spent during
+  the other's turns in a round (0 when the turns did not overlap).
 - targets (minigraph / PyTorch, the median of the rounds' ratios): train <= 0.8,
   infer and infer between <= 0.6; infer between / alone <= 1.05.
 - floor: benchmarks/conv_gemm_floor.py's least time of the ResNet's conv
@@ -83,10 +88,12 @@ import statistics
 import subprocess
 import sys
 
+from conv_gemm_floor import against_pytorch
 from kernel_time import kernel_share, tiny_overhead, wrap_kernels
+from lockstep import serve, take_turns
 from nets_models import NETS, batch, mg_net, mg_optimized
 from op_profile import STEPS, mg_profile, profile_lines, recording_choices
-from timing import alone_and_between_ms, idle_as_long_as, median_ms
+from timing import lockstep_commands, median_ms
 
 TARGETS = {"train": 0.8, "infer": 0.6, "infer between": 0.6}   # minigraph / PyTorch
 BETWEEN_TARGET = 1.05          # minigraph's inference between training steps / alone
@@ -117,58 +124,96 @@ def mg_worker(args):
         return kernel_share(step, timers, ops, args.repeat, args.warmup)
     if args.what == "profile":              # net.profile warms the plans up itself
         return mg_profile(net, loss, mg_optimized(net), logits.name, feed, STEPS, used)
-    result = {"train": median_ms(step, args.repeat, args.warmup)}
+    for _ in range(args.warmup):
+        step()
     fast = mg_optimized(net)
     name = logits.name
 
     def infer():
         fast.infer(feed={"image": x}, fetch=[name])
 
-    result["infer"], result["infer between"], result["infer after idle"] = alone_and_between_ms(
-        step, infer, args.repeat, args.warmup, idle=idle_as_long_as(result["train"]))
-    result["infer (net)"] = median_ms(lambda: net.infer(feed={"image": x}, fetch=[logits]),
-                                      args.repeat, args.warmup)
-    result["ops"] = {"train": len(net.plan("train", (loss,)).ops),
-                     "infer": len(fast.plan("infer", (fast.var(name),)).ops)}
-    return result
+    def extras():
+        return {"infer (net)": median_ms(lambda: net.infer(feed={"image": x}, fetch=[logits]),
+                                         args.repeat, args.warmup),
+                "ops": {"train": len(net.plan("train", (loss,)).ops),
+                        "infer": len(fast.plan("infer", (fast.var(name),)).ops)}}
+
+    for _ in range(args.warmup):
+        infer()
+    serve(lockstep_commands(step, infer, args.repeat, args.warmup, args.block,
+                            extras=extras))
 
 
 # ---- the driver -------------------------------------------------------------------
+
+def worker_command(framework, net, what, args):
+    """The command line of a worker process of this script."""
+    return [sys.executable, os.path.abspath(__file__), "--worker", framework, "--net", net,
+            "--what", what, "--threads", str(args.threads), "--repeat", str(args.repeat),
+            "--warmup", str(args.warmup), "--mem-steps", str(args.mem_steps),
+            "--block", str(block_size(args))]
+
+
+def block_size(args):
+    """Steps (or inferences) per lockstep block: --repeat in all over --slices blocks."""
+    return max(1, -(-args.repeat // args.slices))
+
 
 def worker_result(framework, net, what, args):
     """Run one measurement in a fresh process; its JSON result."""
     env = dict(os.environ)
     if what == "memory":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--net", net,
-           "--what", what, "--threads", str(args.threads), "--repeat", str(args.repeat),
-           "--warmup", str(args.warmup), "--mem-steps", str(args.mem_steps)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(worker_command(framework, net, what, args), env=env,
+                          capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{framework} {net} {what} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 TIMED = ("train", "infer", "infer between")
+FRAMEWORKS = ("minigraph", "pytorch")
+
+
+def lockstep_round(net, args, first):
+    """One round: fresh processes of both frameworks taking turns (lockstep.take_turns:
+    --slices slices of a training block and an inference block each, `first`'s block
+    first in even slices), then each one's "steady" times. Returns ((minigraph,
+    pytorch) results: the median block's times for train and infer, steady's for the
+    rest; each slice's paired ratio for "train" and "infer"; the waiting side's CPU ms)."""
+    order = (first, *(fw for fw in FRAMEWORKS if fw != first))
+    blocks, steady, waiting = take_turns(
+        {fw: worker_command(fw, net, "time", args) for fw in order}, args.slices,
+        ("train", "infer"), ("steady",))
+    results = tuple({**steady[fw]["steady"], **{what: statistics.median(blocks[fw][what])
+                                                 for what in ("train", "infer")}}
+                    for fw in FRAMEWORKS)
+    paired = {what: [m / t for m, t in zip(blocks["minigraph"][what], blocks["pytorch"][what])]
+              for what in ("train", "infer")}
+    return results, paired, waiting
 
 
 def timed_rounds(net, args):
-    """(minigraph, pytorch, ratios, steady): each framework's times, the median over
-    `args.rounds` rounds that each run both frameworks back to back in fresh
-    processes (so a slow spell of the machine lands on both sides of a round's
-    ratio; minigraph first in even rounds, PyTorch first in odd ones, so that
-    neither always runs on the later, warmer or colder, machine), every round's
-    ratio per measurement, and steady_rounds's lists."""
-    rounds = []
+    """(minigraph, pytorch, ratios, steady, waiting): each framework's times, the
+    median over `args.rounds` lockstep rounds (minigraph's process first in even
+    rounds, PyTorch's in odd ones, and so its blocks in even slices); per measurement
+    every round's ratio (train, infer: the median of its slices' paired ratios; infer
+    between: the steady times' ratio); steady_rounds's lists; the most CPU ms a
+    waiting process spent in a round."""
+    rounds, ratios, waits = [], {w: [] for w in TIMED}, []
     for i in range(args.rounds):
-        order = ("minigraph", "pytorch") if i % 2 == 0 else ("pytorch", "minigraph")
-        got = {fw: worker_result(fw, net, "time", args) for fw in order}
-        rounds.append((got["minigraph"], got["pytorch"]))
+        results, paired, waiting = lockstep_round(net, args, FRAMEWORKS[i % 2])
+        rounds.append(results)
+        for what in ("train", "infer"):
+            ratios[what].append(statistics.median(paired[what]))
+        ratios["infer between"].append(results[0]["infer between"] /
+                                       results[1]["infer between"])
+        waits.append(waiting)
     mine = {**rounds[0][0], **{w: statistics.median(r[0][w] for r in rounds)
                                for w in (*TIMED, "infer (net)")}}
     theirs = {w: statistics.median(r[1][w] for r in rounds) for w in TIMED}
-    ratios = {w: [m[w] / t[w] for m, t in rounds] for w in TIMED}
-    return mine, theirs, ratios, steady_rounds(rounds)
+    waited = None if None in waits else max(waits)
+    return mine, theirs, ratios, steady_rounds(rounds), waited
 
 
 def steady_rounds(rounds):
@@ -177,10 +222,10 @@ def steady_rounds(rounds):
     and between minus alone (ms) for each framework ({"between": {"minigraph": [...],
     "pytorch": [...]}, "idle": ..., "step": ..., "lost": ...}; "idle" and "step" leave
     out rounds without the idle loop: no C compiler)."""
-    sides = {"between": lambda r: r["infer between"] / r["infer"],
-             "idle": lambda r: r["infer after idle"] / r["infer"],
+    sides = {"between": lambda r: r["infer between"] / r["infer alone"],
+             "idle": lambda r: r["infer after idle"] / r["infer alone"],
              "step": lambda r: r["infer between"] / r["infer after idle"],
-             "lost": lambda r: r["infer between"] - r["infer"]}
+             "lost": lambda r: r["infer between"] - r["infer alone"]}
     return {what: {fw: [side(r[i]) for r in rounds
                         if what in ("between", "lost") or r[i]["infer after idle"] is not None]
                    for i, fw in enumerate(("minigraph", "pytorch"))}
@@ -210,11 +255,15 @@ def steady_row(rounds):
 def report(args):
     """Run every measurement, print the tables and the notes under them; returns the
     same as markdown (tables and a list) for docs/performance.md."""
-    setting = (f"threads: {args.threads} per framework, each measurement in its own process; "
-               f"medians of {args.repeat} steps after {args.warmup} warm-up steps; {args.rounds} "
-               "rounds of both frameworks back to back (minigraph first in every other round); "
-               "times: the median over rounds, ratio: the median of the rounds' ratios; "
-               "infer between: each inference right after a training step; after idle: "
+    setting = (f"threads: {args.threads} per framework, each framework in its own process; "
+               f"{args.rounds} rounds, each a fresh process of both frameworks, alive together "
+               f"and taking turns after {args.warmup} warm-up steps: {args.slices} blocks of "
+               f"{block_size(args)} training steps and of {block_size(args)} inferences each, "
+               "the two frameworks' blocks alternating (the one waiting blocked on a pipe); "
+               "a round's train and infer ratio: the median of its blocks' paired ratios; "
+               "times: the median over rounds of the median block, ratio: the median of the "
+               f"rounds' ratios; infer between: medians of {args.repeat} inferences each "
+               "right after a training step (its ratio a round's two medians'); after idle: "
                "right after a C loop as long as the framework's training step that touches "
                "no memory and calls nothing (benchmarks/idle_loop.py)")
     setting += f"; load average before: {os.getloadavg()[0]:.2f}"
@@ -223,7 +272,7 @@ def report(args):
           f"{'per round':>11} {'target':>7}")
     rows, table, steady, notes = {}, [], [], []
     for net in args.nets:
-        mine, theirs, ratios, per_round = timed_rounds(net, args)
+        mine, theirs, ratios, per_round, waited = timed_rounds(net, args)
         n, chw = NETS[net]
         name = label = f"{net} ({n}x{'x'.join(map(str, chw))})"
         for what in TIMED:
@@ -241,7 +290,9 @@ def report(args):
               f"pytorch {', '.join(row[4:8])}; {row[8]})")
         steady.append((name, *row))
         unoptimised = (f"(infer, unoptimised net: {mine['infer (net)']:.2f} ms; ops run: train "
-                       f"{mine['ops']['train']}, infer {mine['ops']['infer']})")
+                       f"{mine['ops']['train']}, infer {mine['ops']['infer']}; CPU time of the "
+                       f"waiting process during the other's turns, most in a round: "
+                       f"{'unknown' if waited is None else f'{waited:.1f} ms'})")
         print(f"{'':<22} {unoptimised}")
         notes.append(f"{net}: {unoptimised[1:-1]}")
         if args.profile:
@@ -252,7 +303,9 @@ def report(args):
     if args.times_only:
         return rows, markdown(setting, table, steady, notes)
     if "resnet" in rows:
-        notes.append(gemm_floor(args, rows["resnet"][1]))
+        line = against_pytorch(args.threads, rows["resnet"][1])
+        print(f"{'':<22} ({line})")
+        notes.append("ResNet: " + line)
     print()
     for net in args.nets:
         o = worker_result("minigraph", net, "overhead", args)
@@ -300,20 +353,6 @@ def markdown(setting, table, steady, notes):
                          "\n".join(f"- {note}" for note in notes)])
 
 
-def gemm_floor(args, theirs):
-    """Print benchmarks/conv_gemm_floor.py's floor (run in a process of its own) of
-    the ResNet's convs against PyTorch's times; returns the line printed."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conv_gemm_floor.py")
-    done = subprocess.run([sys.executable, script, "--json", "--threads", str(args.threads)],
-                          capture_output=True, text=True, check=True)
-    f = json.loads(done.stdout.strip().splitlines()[-1])
-    line = (f"floor of any numpy im2col engine, conv products and column copies alone: "
-            f"infer {f['forward_ms']:.2f} ms = {f['forward_ms'] / theirs['infer']:.2f}x "
-            f"PyTorch, train {f['train_ms']:.2f} ms = {f['train_ms'] / theirs['train']:.2f}x")
-    print(f"{'':<22} ({line})")
-    return "ResNet: " + line
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -324,6 +363,10 @@ def main(argv=None):
     parser.add_argument("--mem-steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7,
                         help="fresh minigraph and PyTorch processes per timing, alternated")
+    parser.add_argument("--slices", type=int, default=5,
+                        help="blocks per round that the two processes take in turn "
+                             "(--repeat steps in all)")
+    parser.add_argument("--block", type=int, default=6, help=argparse.SUPPRESS)
     parser.add_argument("--nets", nargs="+", choices=sorted(NETS), default=list(NETS))
     parser.add_argument("--times-only", action="store_true",
                         help="time the steps only: no overhead or memory measurements")
@@ -346,11 +389,13 @@ def main(argv=None):
         write_section("nets_cpu", section, enabled=not args.no_write)
         return
     if args.worker == "minigraph":
-        print(json.dumps(mg_worker(args)))
+        result = mg_worker(args)
     else:
         from nets_torch import torch_worker
 
-        print(json.dumps(torch_worker(args)))
+        result = torch_worker(args)
+    if result is not None:              # a "time" worker has served its answers instead
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ timed and measured the same way, in a process of its own (nets_cpu.py runs this
 through its --worker pytorch mode; PyTorch is a benchmark-only dependency)."""
 from __future__ import annotations
 
+from lockstep import serve
 from nets_models import (
     ADAM_NETS,
     ADAMW_NETS,
@@ -16,7 +17,7 @@ from nets_models import (
     batch,
 )
 from peak_memory import rss_peak
-from timing import alone_and_between_ms, idle_as_long_as, median_ms
+from timing import lockstep_commands
 
 
 def torch_model(net_name):
@@ -142,8 +143,11 @@ def torch_worker(args):
             train_step()
             infer()
         return torch_profile(train_step, infer, STEPS)
-    result = {"train": median_ms(step, args.repeat, args.warmup)}
+    model.train()
+    for _ in range(args.warmup):
+        step()
     model.eval()
-    result["infer"], result["infer between"], result["infer after idle"] = alone_and_between_ms(
-        train_step, infer, args.repeat, args.warmup, idle=idle_as_long_as(result["train"]))
-    return result
+    for _ in range(args.warmup):
+        infer()
+    serve(lockstep_commands(step, infer, args.repeat, args.warmup, args.block,
+                            between=train_step, modes=(model.train, model.eval)))

@@ -63,3 +63,37 @@ def idle_as_long_as(ms):
 
     idle = idle_loop()
     return None if idle is None else (lambda: idle(ms / 1e3))
+
+
+def lockstep_commands(step, infer, repeat, warmup, block, between=None, modes=(None, None),
+                      extras=None):
+    """A worker's commands for benchmarks/lockstep.py's serve: "train" and "infer", the
+    median ms of a block of `block` training steps or inferences (after lockstep's
+    untimed calls; modes: callables run first, that put a model in training or
+    evaluation mode, or None), and "steady": alone_and_between_ms's times of the
+    inference alone, right after `between` (a training step that leaves the model as
+    inference wants it; default `step`) and after an idle loop as long as the median
+    training block so far ({"infer alone", "infer between", "infer after idle"}), with
+    extras()'s items. The caller has warmed both up."""
+    from lockstep import block_ms
+
+    trained = []
+    train_mode, infer_mode = (m or (lambda: None) for m in modes)
+
+    def train():
+        train_mode()
+        trained.append(block_ms(step, block))
+        return trained[-1]
+
+    def inference():
+        infer_mode()
+        return block_ms(infer, block)
+
+    def steady():
+        infer_mode()
+        idle = idle_as_long_as(statistics.median(trained)) if trained else None
+        times = alone_and_between_ms(between or step, infer, repeat, warmup, idle=idle)
+        return {**dict(zip(("infer alone", "infer between", "infer after idle"), times)),
+                **(extras() if extras else {})}
+
+    return {"train": train, "infer": inference, "steady": steady}

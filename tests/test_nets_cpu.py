@@ -15,7 +15,7 @@ def nets_cpu():
 def rounds(nets_cpu, times):
     """steady_rounds of rounds whose (alone, between, after idle) times are `times`."""
     def result(alone, between, idle):
-        return {"infer": alone, "infer between": between, "infer after idle": idle}
+        return {"infer alone": alone, "infer between": between, "infer after idle": idle}
     return nets_cpu.steady_rounds([(result(*m), result(*t))
                                    for m, t in zip(times["minigraph"], times["pytorch"])])
 

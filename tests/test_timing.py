@@ -69,3 +69,31 @@ def test_alone_between_and_after_idle_alternate_in_blocks(monkeypatch):
     assert got == pytest.approx((10.0, 12.0, 15.0))
     assert order[3:] == (["alone"] * 3 + ["between"] * 3 + ["idle"] * 3) * 2
     assert timing.alone_and_between_ms(before, fn, repeat=4, warmup=0)[2] is None
+
+
+def test_lockstep_commands_time_blocks_in_their_modes(monkeypatch):
+    clock = [0.0]
+    timing = load_timing(monkeypatch, clock)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))     # timing imports lockstep
+    modes, idles = [], []
+
+    def step():
+        clock[0] += 0.004
+
+    def infer():            # in the wrong mode a thousand times slower
+        clock[0] += 0.001 if modes[-1] == "eval" else 1.0
+
+    monkeypatch.setattr(timing, "idle_as_long_as",
+                        lambda ms: idles.append(ms) or (lambda: None))
+    commands = timing.lockstep_commands(
+        step, infer, repeat=4, warmup=0, block=3,
+        modes=(lambda: modes.append("train"), lambda: modes.append("eval")),
+        extras=lambda: {"ops": 3})
+    assert commands["train"]() == pytest.approx(4.0)
+    assert commands["train"]() == pytest.approx(4.0)
+    assert commands["infer"]() == pytest.approx(1.0)
+    got = commands["steady"]()
+    assert modes == ["train", "train", "eval", "eval"]
+    assert idles == [pytest.approx(4.0)]          # the idle loop: the training blocks' median
+    assert got == {"infer alone": pytest.approx(1.0), "infer between": pytest.approx(1.0),
+                   "infer after idle": pytest.approx(1.0), "ops": 3}
