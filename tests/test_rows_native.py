@@ -98,8 +98,49 @@ def test_the_adds_are_numpys_on_any_number_of_threads(monkeypatch, dtype, thread
         np.testing.assert_array_equal(bits(into), bits(want_bias))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_a_bias_per_channel_is_numpys_broadcast_add(monkeypatch, dtype, threads):
+    """x + bias[c] along axis 1 of NCHW (and axis 0, 2 of other shapes): numpy's bits,
+    in place too, on any number of threads."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(rows_native, "MIN_THREAD_ADD", 1)
+    for shape, axis in (((2, 3, 1, 1), 1), ((5, 7, 4, 9), 1), ((64, 16, 8, 8), 1),
+                        ((3, 17, 33), 1), ((6, 5), 0), ((2, 3, 4, 5), 2), ((7, 3, 2), 0)):
+        x, bias = special(shape, dtype), special((shape[axis],), dtype)
+        view = bias.reshape(bias.shape + (1,) * (len(shape) - axis - 1))
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = x + view
+            got = rows_native.add_channel_bias(x, bias, axis, np.empty_like(x))
+            np.testing.assert_array_equal(bits(got), bits(want))
+            into = x.copy()
+            assert rows_native.add_channel_bias(into, bias, axis, into) is into
+        np.testing.assert_array_equal(bits(into), bits(want))
+
+
+def test_what_a_bias_per_channel_leaves_to_numpy(monkeypatch):
+    """The last axis (add_bias's), an axis past the dims, a bias of another length or
+    dtype, no values, a view, too few values, MINIGRAPH_NATIVE=0."""
+    monkeypatch.setattr(blocks, "get_num_threads", lambda: 2)
+    x = values(64, 16 * 64).reshape(64, 16, 8, 8)
+    b = x[0, :, 0, 0].copy()
+    assert rows_native.add_channel_bias(x, x[0, 0, 0].copy(), 3) is None
+    assert rows_native.add_channel_bias(x, b, 4) is None
+    assert rows_native.add_channel_bias(x, b, -1) is None
+    assert rows_native.add_channel_bias(x, b[:15].copy(), 1) is None
+    assert rows_native.add_channel_bias(x, b.astype(np.float64), 1) is None
+    assert rows_native.add_channel_bias(x[:0], b, 1) is None
+    assert rows_native.add_channel_bias(x[:, :, :, ::2], b, 1) is None
+    assert rows_native.add_channel_bias(x[:4], b, 1) is None          # 4096 values
+    fresh = rows_native.add_channel_bias(x, b, 1)                      # out None: a new array
+    assert fresh is not x and np.array_equal(bits(fresh), bits(x + b.reshape(16, 1, 1)))
+    monkeypatch.setenv("MINIGRAPH_NATIVE", "0")
+    assert rows_native.add_channel_bias(x, b, 1) is None
+
+
 def test_the_ops_add_on_the_threads_with_numpys_bits(monkeypatch):
-    """elementwise_add (a bias), add and sum (of gradients) of arrays large enough."""
+    """elementwise_add (a bias, and a conv's bias per channel), add and sum (of
+    gradients) of arrays large enough."""
     from minigraph.kernels.cpu import binary, elementwise
     from minigraph.schema import KernelContext
 
@@ -110,15 +151,20 @@ def test_the_ops_add_on_the_threads_with_numpys_bits(monkeypatch):
     real = rows_native._add
     monkeypatch.setattr(rows_native, "_add", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(blocks, "get_num_threads", lambda: 2)
+    class Conv:
+        attrs = {"axis": 1}
+
     x, y, z = (special((600, 256), np.float32) for _ in range(3))
     b = special((256,), np.float32)
+    planes, c = special((60, 16, 8, 8), np.float32), special((16,), np.float32)
     ctx = KernelContext(None)
     with np.errstate(invalid="ignore", over="ignore"):
         got = [elementwise.elementwise_add_cpu(Op, {"x": x, "y": b}, ctx)["out"],
                binary.add_cpu(Op, {"x": x, "y": y}, ctx)["out"],
-               elementwise.sum_cpu(Op, {"x": [x, y, z]}, ctx)["out"]]
-        want = [x + b, x + y, (x + y) + z]
-    assert len(calls) == 4
+               elementwise.sum_cpu(Op, {"x": [x, y, z]}, ctx)["out"],
+               elementwise.elementwise_add_cpu(Conv, {"x": planes, "y": c}, ctx)["out"]]
+        want = [x + b, x + y, (x + y) + z, planes + c.reshape(16, 1, 1)]
+    assert len(calls) == 5
     for g, w in zip(got, want):
         np.testing.assert_array_equal(bits(g), bits(w))
 

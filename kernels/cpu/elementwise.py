@@ -29,7 +29,9 @@ def elementwise_add_cpu(op, ins, ctx):
         done = rows_native.add_bias(x, y, into)
         return {"out": np.add(x, y, out=into) if done is None else done}
     start = y_start(x.ndim, y.ndim, op.attrs["axis"])
-    return {"out": np.add(x, y_view(x.ndim, y, start), out=x if "x" in ctx.donated else None)}
+    into = x if "x" in ctx.donated else None
+    done = rows_native.add_channel_bias(x, y, start, into) if y.ndim == 1 else None
+    return {"out": np.add(x, y_view(x.ndim, y, start), out=into) if done is None else done}
 
 
 def elementwise_add_grad_cpu(op, ins, ctx):

@@ -12,10 +12,11 @@
  * column) and split in contiguous ranges of 64 over up to `threads` threads
  * (native_pool.h), so results do not depend on the count.
  *
- * The adds: out = a + b (the same number of values) and out[i][j] = x[i][j] + bias[j],
+ * The adds: out = a + b (the same number of values), out[i][j] = x[i][j] + bias[j] and
+ * out[i][j] = x[i][j] + bias[i % channels] (a channel's bias over an NCHW plane),
  * float32 or float64, each value one IEEE add, as numpy's (the bits are numpy's, on
  * any number of threads); out may be a or x (in place). Contiguous ranges of values
- * (of rows, for the bias) go to up to `threads` threads; so do the sum of squares's
+ * (of rows, for a bias) go to up to `threads` threads; so do the sum of squares's
  * and the product's (see theirs below). */
 #include <stdint.h>
 
@@ -93,6 +94,7 @@ typedef struct {
     const void *a, *b;
     void *out;
     int64_t cols, begin, end;        /* the job's values (rows, with a bias) [begin, end) */
+    int64_t channels;                /* a row's bias: b[row % channels] (bias 2) */
     int bias, f64;
 } add_job_t;
 
@@ -105,6 +107,17 @@ typedef struct {
         if (!j->bias) {                                                                 \
             IVDEP                                                                       \
             for (int64_t i = begin; i < end; i++) out[i] = a[i] + b[i];                 \
+            return;                                                                     \
+        }                                                                               \
+        if (j->bias == 2) {                                                             \
+            const int64_t channels = j->channels;                                       \
+            for (int64_t r = begin; r < end; r++) {                                     \
+                const T *row = a + r * cols;                                            \
+                const T v = b[r % channels];                                            \
+                T *to = out + r * cols;                                                 \
+                IVDEP                                                                   \
+                for (int64_t c = 0; c < cols; c++) to[c] = row[c] + v;                  \
+            }                                                                           \
             return;                                                                     \
         }                                                                               \
         for (int64_t r = begin; r < end; r++) {                                         \
@@ -128,18 +141,18 @@ static void *add_job(void *arg)
     return NULL;
 }
 
-/* out = a + b over n values (bias 0), or out[i][j] = a[i][j] + b[j] over n rows of
- * `cols` values (bias 1); float64 where f64, else float32; on up to `threads` threads.
- * Returns 0. */
+/* out = a + b over n values (bias 0), or out[i][j] = a[i][j] + b[j] (bias 1) or + b[i %
+ * channels] (bias 2) over n rows of `cols` values; float64 where f64, else float32; on
+ * up to `threads` threads. Returns 0. */
 int rows_add(int f64, int bias, const void *a, const void *b, void *out, int64_t n,
-             int64_t cols, int threads)
+             int64_t cols, int64_t channels, int threads)
 {
     add_job_t jobs[POOL_MAX_THREADS];
     const int64_t parts = pool_parts(threads, n);
     for (int64_t t = 0; t < parts; t++) {
         int64_t begin, end;
         pool_share(n, parts, t, &begin, &end);
-        jobs[t] = (add_job_t){a, b, out, cols, begin, end, bias, f64};
+        jobs[t] = (add_job_t){a, b, out, cols, begin, end, channels, bias, f64};
     }
     pool_run(add_job, jobs, sizeof(add_job_t), parts);
     return 0;
