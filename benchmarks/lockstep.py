@@ -86,9 +86,15 @@ class Pair:
     def __init__(self, commands, env=None, timeout_s=600.0):
         self.timeout_s = timeout_s
         self.errs = {name: tempfile.TemporaryFile("w+") for name in commands}
-        self.procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             stderr=self.errs[name], text=True, env=env)
-                      for name, cmd in commands.items()}
+        self.procs = {}
+        try:
+            for name, cmd in commands.items():
+                self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE,
+                                                    stdout=subprocess.PIPE,
+                                                    stderr=self.errs[name], text=True, env=env)
+        except OSError:                 # a command that cannot start: stop the other
+            self.close(kill=True)
+            raise
         self.waiting_ms = 0.0
         for name in self.procs:
             line = self._line(name)
