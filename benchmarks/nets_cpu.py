@@ -22,15 +22,13 @@ other down many times over when they share a process on a few cores. Each
 framework gets `--threads` threads (mg.set_num_threads, which also limits BLAS
 through threadpoolctl; torch.set_num_threads). Results come back as JSON.
 
-Timings run in lockstep (benchmarks/lockstep.py): --rounds rounds (default 7),
-each a fresh process of either framework, both alive, taking turns in --slices
-(5) blocks of training steps and of inferences (--repeat steps in all, each block
-at least 50 ms), the waiting one blocked on a pipe, minigraph's block first in
-even slices of even rounds: a shared machine's speed moves by 2x within seconds,
-and a pair of blocks a few milliseconds apart sees the same spell. A round's
-ratio is the median of its blocks' paired ratios; the table shows the median over
-rounds of each side's time, the median of the rounds' ratios (the verdict) and
-their range.
+Timings run in lockstep (benchmarks/lockstep.py): --rounds (7) rounds, each a fresh
+process of either framework, both alive, taking turns in --slices (5) blocks of
+training steps and of inferences (--repeat steps in all, a block at least 50 ms),
+the one waiting blocked on a pipe: a shared machine's speed moves by 2x within
+seconds, and blocks milliseconds apart see the same spell. A round's ratio is the
+median of its blocks' paired ratios; the table shows the median over rounds of each
+side's time, the median of the rounds' ratios (the verdict) and their range.
 
 - train: a block's median wall time of one training step (forward, backward,
   update; the loss fetched / `.item()`), after --warmup (20) warm-up steps: past the
