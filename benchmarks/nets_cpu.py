@@ -170,24 +170,24 @@ def worker_result(framework, net, what, args):
 
 
 TIMED = ("train", "infer", "infer between")
+IN_TURNS = ("train", "infer")          # what the processes time in lockstep blocks
 FRAMEWORKS = ("minigraph", "pytorch")
 
 
 def lockstep_round(net, args, first):
     """One round: fresh processes of both frameworks taking turns (lockstep.take_turns:
-    --slices slices of a training block and an inference block each, `first`'s block
-    first in even slices), then each one's "steady" times. Returns ((minigraph,
-    pytorch) results: the median block's times for train and infer, steady's for the
-    rest; each slice's paired ratio for "train" and "infer"; the waiting side's CPU ms)."""
+    --slices slices of IN_TURNS blocks, `first`'s first in even slices), then each one's
+    "steady" times. Returns ((minigraph, pytorch) results: the median block's times for
+    IN_TURNS, steady's for the rest; each slice's paired ratio; the waiting CPU ms)."""
     order = (first, *(fw for fw in FRAMEWORKS if fw != first))
     blocks, steady, waiting = take_turns(
         {fw: worker_command(fw, net, "time", args) for fw in order}, args.slices,
-        ("train", "infer"), ("steady",))
+        IN_TURNS, ("steady",))
     results = tuple({**steady[fw]["steady"], **{what: statistics.median(blocks[fw][what])
-                                                 for what in ("train", "infer")}}
+                                                 for what in IN_TURNS}}
                     for fw in FRAMEWORKS)
     paired = {what: [m / t for m, t in zip(blocks["minigraph"][what], blocks["pytorch"][what])]
-              for what in ("train", "infer")}
+              for what in IN_TURNS}
     return results, paired, waiting
 
 
@@ -202,7 +202,7 @@ def timed_rounds(net, args):
     for i in range(args.rounds):
         results, paired, waiting = lockstep_round(net, args, FRAMEWORKS[i % 2])
         rounds.append(results)
-        for what in ("train", "infer"):
+        for what in IN_TURNS:
             ratios[what].append(statistics.median(paired[what]))
         ratios["infer between"].append(results[0]["infer between"] /
                                        results[1]["infer between"])
@@ -226,7 +226,7 @@ def steady_rounds(rounds):
              "lost": lambda r: r["infer between"] - r["infer alone"]}
     return {what: {fw: [side(r[i]) for r in rounds
                         if what in ("between", "lost") or r[i]["infer after idle"] is not None]
-                   for i, fw in enumerate(("minigraph", "pytorch"))}
+                   for i, fw in enumerate(FRAMEWORKS)}
             for what, side in sides.items()}
 
 
@@ -241,7 +241,7 @@ def steady_row(rounds):
     idle loop) and between - alone (ms); then the verdict on minigraph's between /
     alone."""
     cells = []
-    for fw in ("minigraph", "pytorch"):
+    for fw in FRAMEWORKS:
         for what in ("between", "idle", "step"):
             got = rounds[what][fw]
             cells.append(f"{statistics.median(got):.2f} ({spread(got)})" if got else "-")
@@ -375,7 +375,7 @@ def main(argv=None):
     parser.add_argument("--no-write", action="store_true",
                         help="print the table only; do not replace the 'nets_cpu' section "
                              "of docs/performance.md")
-    parser.add_argument("--worker", choices=("minigraph", "pytorch"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--net", choices=sorted(NETS), help=argparse.SUPPRESS)
     parser.add_argument("--what", choices=("time", "overhead", "tiny", "memory", "profile"),
                         help=argparse.SUPPRESS)
