@@ -60,6 +60,8 @@ typedef struct {
                                               (fc_sparse.h: a group of its panels by 1 /
                                               chunks of the rows) */
     int64_t next_rows, packed_rows, next_unit, next_panel;     /* the shared counters */
+    const uint64_t *masks;                 /* fc_sparse.h: x's nonzero values, words a row */
+    int64_t words;
 } fc_t;
 
 typedef struct {
