@@ -175,15 +175,14 @@ static inline __attribute__((always_inline)) void sparse_block(const fc_t *a, co
         int64_t next = s0 + count;          /* the next part, prefetched over the rows */
         int64_t lines = next >= end ? 0 : (end - next < FC_SP_KC ? end - next : FC_SP_KC)
                                               * FC_NR / 16;           /* 64-byte lines */
-        int64_t share = (PANELS * lines + rows - 1) / rows, line = 0;
+        int64_t share = (PANELS * lines + rows - 1) / rows, line = 0, panel = 0;
         const float *part = wb + (s0 - p0) * FC_NR, *fetch = wb + (next - p0) * FC_NR;
-        const float *fetch_end = wb + PANELS * stride;
         for (int64_t r = 0; r < rows; r++) {
-            for (int64_t l = 0; l < share && fetch < fetch_end; l++) {
-                __builtin_prefetch(fetch + line * 16, 0, 3);
+            for (int64_t l = 0; l < share && panel < PANELS; l++) {
+                __builtin_prefetch(fetch + panel * stride + line * 16, 0, 3);
                 if (++line == lines) {
                     line = 0;
-                    fetch += stride;
+                    panel++;
                 }
             }
             vf acc[2 * FC_SP_PANELS];
