@@ -11,7 +11,7 @@
  * the panels' row of the weight. A part of the panels (24 KiB) stays in L1 while up
  * to FC_SP_ROWS rows run on it, the next part being prefetched; sums that
  * do not end a block wait in `kept` for the next part. The masks of all of x's parts
- * are found once (x_masks), before any sums: every group of panels reads them.
+ * are found once (find_masks), before any sums: every group of panels reads them.
  *
  * A one-row tile reads the weight once a nonzero value where fc_forward_f32's reads it
  * once per FC_MR rows: with more than FC_SP_DENSITY of nonzero values in rows sampled
@@ -51,14 +51,17 @@ static inline uint64_t nonzero_bits(const float *x, int64_t count)
     return bits;
 }
 
-/* a->masks: for each row of a->x and each part of each block (sparse_block's), the
- * part's nonzero_bits, a->words a row; 1 where they cannot be allocated (malloc). */
-static int x_masks(fc_t *a)
+/* How many masks a block of x's columns has (one a part of FC_SP_KC columns). */
+static inline int64_t block_words(const fc_t *a)
 {
-    int64_t per_block = (a->kc + FC_SP_KC - 1) / FC_SP_KC;
-    a->words = (a->k + a->kc - 1) / a->kc * per_block;
-    uint64_t *masks = malloc((size_t)(a->m * a->words + 1) * sizeof(uint64_t));
-    if (masks == NULL) return 1;
+    return (a->kc + FC_SP_KC - 1) / FC_SP_KC;
+}
+
+/* Fills masks (m * a->words words, a->words set by plan_sparse) and points a->masks at
+ * it: for each row of a->x and each part of each block (sparse_block's), the part's
+ * nonzero_bits. */
+static void find_masks(fc_t *a, uint64_t *masks)
+{
     for (int64_t r = 0; r < a->m; r++)
         for (int64_t p0 = 0, w = r * a->words; p0 < a->k; p0 += a->kc) {
             int64_t end = p0 + a->kc < a->k ? p0 + a->kc : a->k;
@@ -67,7 +70,6 @@ static int x_masks(fc_t *a)
                                         end - s0 < FC_SP_KC ? end - s0 : FC_SP_KC);
         }
     a->masks = masks;
-    return 0;
 }
 
 /* Row r's sums by PANELS panels over x's columns s0 + q for the bits q set in `bits`,
@@ -167,8 +169,7 @@ static inline __attribute__((always_inline)) void sparse_block(const fc_t *a, co
                                                                const int PANELS)
 {
     float kept[FC_SP_ROWS][2 * FC_SP_PANELS * VL] __attribute__((aligned(64)));
-    const uint64_t *masks = a->masks + r0 * a->words
-                              + p0 / a->kc * ((a->kc + FC_SP_KC - 1) / FC_SP_KC);
+    const uint64_t *masks = a->masks + r0 * a->words + p0 / a->kc * block_words(a);
     for (int64_t s0 = p0; s0 < p0 + kc; s0 += FC_SP_KC, masks++) {
         int64_t count = p0 + kc - s0 < FC_SP_KC ? p0 + kc - s0 : FC_SP_KC;
         int fresh = s0 == p0, ends = s0 + count == p0 + kc;
@@ -313,6 +314,7 @@ static void plan_sparse(fc_t *a, int64_t threads)
     a->panels = (a->n + FC_NR - 1) / FC_NR;
     int64_t parts = (a->k + FC_KC - 1) / FC_KC;
     a->kc = (a->k + parts - 1) / parts;
+    a->words = parts * block_words(a);                  /* find_masks's, a row */
     int64_t groups = (a->panels + FC_SP_PANELS - 1) / FC_SP_PANELS;
     /* chunks of at most FC_SP_ROWS rows, and at least two units a thread where M allows */
     int64_t wanted = (2 * threads + groups - 1) / groups;
@@ -335,11 +337,13 @@ int fc_sparse_f32(const float *x, const float *wp, const float *bias, float *out
     fc_t a = {.x = x, .wp = wp, .bias = bias, .out = out, .m = m, .k = k, .n = n,
               .relu = relu};
     plan_sparse(&a, threads);
-    if (x_masks(&a)) return fc_forward_f32(x, wp, bias, out, m, k, n, relu, threads);
+    uint64_t *masks = malloc((size_t)(m * a.words + 1) * sizeof(uint64_t));
+    if (masks == NULL) return fc_forward_f32(x, wp, bias, out, m, k, n, relu, threads);
+    find_masks(&a, masks);
     fc_job_t jobs[POOL_MAX_THREADS];
     for (int64_t t = 0; t < a.threads; t++) jobs[t] = (fc_job_t){&a};
     pool_run(sparse_job, jobs, sizeof(fc_job_t), a.threads);
-    free((void *)a.masks);
+    free(masks);
     return 0;
 }
 
@@ -374,24 +378,22 @@ int fc_train_sparse_f32(const float *x, int64_t xt, const float *w, int64_t wt, 
     size_t each = (size_t)2 * FC_SP_PANELS * FC_KC * FC_NR;
     float *rows = xt ? malloc((size_t)(m * k) * sizeof(float)) : NULL;
     float *buffers = aligned_alloc(64, (size_t)a.threads * each * sizeof(float));
-    if ((xt && rows == NULL) || buffers == NULL) {
+    uint64_t *masks = malloc((size_t)(m * a.words + 1) * sizeof(uint64_t));
+    if ((xt && rows == NULL) || buffers == NULL || masks == NULL) {
         free(rows);
         free(buffers);
+        free(masks);
         return 1;
     }
     if (xt) {
         transpose_into(x, k, m, rows);
         a.x = rows;
     }
-    if (x_masks(&a)) {
-        free(rows);
-        free(buffers);
-        return 1;
-    }
+    find_masks(&a, masks);
     fc_job_t jobs[POOL_MAX_THREADS];
     for (int64_t t = 0; t < a.threads; t++) jobs[t] = (fc_job_t){&a, buffers + t * each};
     pool_run(sparse_job, jobs, sizeof(fc_job_t), a.threads);
-    free((void *)a.masks);
+    free(masks);
     free(rows);
     free(buffers);
     return 0;
