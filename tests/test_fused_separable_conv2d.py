@@ -20,6 +20,11 @@ GEOMETRIES = [
     ((2, 3, 9, 9), 1, 4, {"paddings": 2, "dilations": 2}),
     ((4, 16, 8, 8), 1, 20, {"paddings": 1}),
     ((2, 5, 7, 11), 1, 3, {"strides": (1, 2), "paddings": (0, 1)}),
+    # channels past a whole vector (8 or 16), rows of 8 + 4 + 2 + 1 pixels, stride 2
+    # on an odd plane, and a row of input past the last one read
+    ((3, 20, 15, 15), 1, 7, {"paddings": 1}),
+    ((2, 40, 13, 12), 1, 9, {"strides": 2, "paddings": 1}),
+    ((2, 17, 10, 30), 1, 4, {"strides": (2, 1), "paddings": (0, 2)}),
 ]
 
 

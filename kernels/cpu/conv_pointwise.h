@@ -32,11 +32,21 @@ static inline vf held(vf v)
     return v;
 }
 
+/* `count` floats at a cache line's start (64 bytes: no vector read or written in them
+ * spans two lines), zeroed where `zero`; NULL when memory ran out. */
+static float *line_floats(int64_t count, int zero)
+{
+    const size_t bytes = ((size_t)count * sizeof(float) + 63) / 64 * 64;
+    float *p = aligned_alloc(64, bytes ? bytes : 64);
+    if (p && zero) memset(p, 0, bytes);
+    return p;
+}
+
 /* The filter (O x C) as blocks of PR rows, each C x PR (rows past O: row O - 1). */
 static float *pack_pointwise(const float *filter, int64_t o, int64_t c)
 {
     int64_t blocks = (o + PR - 1) / PR;
-    float *packed = malloc((size_t)(blocks * PR * c + 1) * sizeof(float));
+    float *packed = line_floats(blocks * PR * c + 1, 0);
     if (!packed) return NULL;
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t r = 0; r < PR; r++) {
@@ -147,7 +157,7 @@ static void *pointwise_job(void *p)
     const conv_t *a = job->a;
     const int64_t pixels = a->ho * a->wo, units = a->n * job->slices;
     const int64_t panels = (pixels + PV * VL - 1) / (PV * VL);
-    float *image = malloc((size_t)(panels * a->c * PV * VL + 1) * sizeof(float));
+    float *image = line_floats(panels * a->c * PV * VL + 1, 0);
     if (!image) { job->failed = 1; return NULL; }
     int64_t shown = -1;
     for (int64_t u; (u = __atomic_fetch_add(job->next, 1, __ATOMIC_RELAXED)) < units;) {

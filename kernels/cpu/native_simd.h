@@ -78,6 +78,41 @@ static inline __attribute__((always_inline)) void transpose8(v8f r[8])
     }
 }
 
+/* r[0 .. VL) transposed in place: r[j][i] = old r[i][j]. With AVX-512, 16 x 16 in four
+ * rounds of shuffles: pairs of rows interleaved, then pairs of those, then 128-bit
+ * lanes exchanged twice. */
+static inline __attribute__((always_inline)) void vf_transpose(vf r[VL])
+{
+#if VL == 16
+    __m512 a[16], b[16];
+    for (int k = 0; k < 16; k += 2) {
+        a[k] = _mm512_unpacklo_ps((__m512)r[k], (__m512)r[k + 1]);
+        a[k + 1] = _mm512_unpackhi_ps((__m512)r[k], (__m512)r[k + 1]);
+    }
+#define PAIRS(HALF, x, y) _mm512_castpd_ps(_mm512_unpack##HALF##_pd(_mm512_castps_pd(x), \
+                                                                   _mm512_castps_pd(y)))
+    for (int g = 0; g < 16; g += 4) {     /* b[g + m], lane L: column 4 L + m of rows g .. g + 3 */
+        b[g] = PAIRS(lo, a[g], a[g + 2]);
+        b[g + 1] = PAIRS(hi, a[g], a[g + 2]);
+        b[g + 2] = PAIRS(lo, a[g + 1], a[g + 3]);
+        b[g + 3] = PAIRS(hi, a[g + 1], a[g + 3]);
+    }
+#undef PAIRS
+    for (int m = 0; m < 4; m++) {
+        const __m512 c0 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0x44);
+        const __m512 c1 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0xEE);
+        const __m512 c2 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0x44);
+        const __m512 c3 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0xEE);
+        r[m] = (vf)_mm512_shuffle_f32x4(c0, c2, 0x88);
+        r[4 + m] = (vf)_mm512_shuffle_f32x4(c0, c2, 0xDD);
+        r[8 + m] = (vf)_mm512_shuffle_f32x4(c1, c3, 0x88);
+        r[12 + m] = (vf)_mm512_shuffle_f32x4(c1, c3, 0xDD);
+    }
+#else
+    transpose8((v8f *)r);
+#endif
+}
+
 #if defined(__AVX2__)
 static inline __m256i v8f_lanes_below(int64_t count)
 {
