@@ -16,8 +16,8 @@
  * its taps in order from the same values, the border's zeros included, then adds its
  * bias and takes the relu: the bits of conv_depthwise.c's forward_plane
  * (conv_depthwise_rows.h), which the kernel runs otherwise, a plane at a time on rows
- * of pixels (stride 2 split into phases), then packing the planes. On the mobile net's
- * four blocks that took 1.3-2.7x as long (docs/performance.md). */
+ * of pixels (stride 2 split into phases), then packing the planes: on the mobile net's
+ * four blocks, slower (cycles a block: docs/performance.md, nets_cpu's mobile net). */
 #include "conv_depthwise_rows.h"
 
 typedef struct {
