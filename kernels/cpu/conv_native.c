@@ -15,10 +15,10 @@
  * koff = ((q C + ci) hb + i dh) wb + s, with q = j dw % sw and s = j dw / sw;
  * output row y starts at y sh wb.
  *
- * The forward tile is MR output channels by NV vectors of VL outputs (native_simd.h:
- * 16 with AVX-512, else 8; vector v: row v / vpr, columns VL (v % vpr) ..; with
- * AVX-512 and rows of at most 8 outputs, rows 2v and 2v + 1, 8 lanes each, two
- * loads of the buffer a vector): one broadcast filter
+ * The forward tile is MR output channels (8 with AVX-512, else 4) by NV vectors of VL
+ * outputs (native_simd.h: 16 with AVX-512, else 8; vector v: row v / vpr, columns VL
+ * (v % vpr) ..; with AVX-512 and rows of at most 8 outputs, rows 2v and 2v + 1, 8
+ * lanes each, two loads of the buffer a vector): one broadcast filter
  * value times NV loaded vectors per tap, the filter read in place (O rows
  * of C kh kw; a last block short of MR repeats row O - 1 and does not store
  * it). Outputs past wo in a vector are computed on the buffer's zeros and
@@ -50,7 +50,12 @@
 #include "native_pool.h"
 #include "native_simd.h"
 
-#define MR 4
+#if VL == 16
+#define MR 8           /* 24 sums of 32 registers: a value loaded from the buffer serves
+                          8 output channels (2-core Xeon, stride-2 convs: 1.1-1.2x MR 4) */
+#else
+#define MR 4           /* 12 sums of 16 registers */
+#endif
 #define NV 3
 #define MAX_THREADS 64
 #define MAX_PHASES 64      /* conv_native.py's supports() keeps to it */
