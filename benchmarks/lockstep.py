@@ -10,8 +10,10 @@ the ratio of a pair of blocks is the comparison.
 
 Worker side: `serve(commands)` answers commands read from stdin, one JSON line each;
 `block_ms(fn, block)` is a block's median time. Driver side: `Pair` starts the two
-workers, waits until both are ready, and `ask`s one at a time while the other waits
-on its pipe (blocked in a read: it spends no CPU time, which `waiting_ms` checks).
+workers one after the other, each warming up alone (a framework's first-use work, such
+as minigraph's kernel builds and the kernel choices it times, then has the machine to
+itself), and `ask`s one at a time while the other waits on its pipe (blocked in a
+read: it spends no CPU time, which `waiting_ms` checks).
 """
 from __future__ import annotations
 
@@ -77,27 +79,27 @@ def cpu_ns(pid):
 
 
 class Pair:
-    """Two workers (name -> command line) started at once; `ask(name, command)` runs
-    one command on one of them while the other waits. `waiting_ms` sums the CPU time
-    the waiting side spent during the other's commands (None where /proc is not
-    readable): near 0 when the turns do not overlap. A worker that exits, or answers
-    nothing for `timeout_s`, is a RuntimeError with its stderr (both are stopped)."""
+    """Two workers (name -> command line), each started once the one before is ready;
+    `ask(name, command)` runs one command on one of them while the other waits.
+    `waiting_ms` sums the CPU time the waiting side spent during the other's commands
+    (None where /proc is not readable): near 0 when the turns do not overlap. A worker
+    that exits, or answers nothing for `timeout_s`, is a RuntimeError with its stderr
+    (both are stopped)."""
 
     def __init__(self, commands, env=None, timeout_s=600.0):
         self.timeout_s = timeout_s
         self.errs = {name: tempfile.TemporaryFile("w+") for name in commands}
         self.procs = {}
-        try:
-            for name, cmd in commands.items():
+        self.waiting_ms = 0.0
+        for name, cmd in commands.items():
+            try:
                 self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE,
                                                     stderr=self.errs[name], text=True, env=env)
-        except OSError:                 # a command that cannot start: stop the other
-            self.close(kill=True)
-            raise
-        self.waiting_ms = 0.0
-        for name in self.procs:
-            line = self._line(name)
+            except OSError:             # a command that cannot start: stop the other
+                self.close(kill=True)
+                raise
+            line = self._line(name)     # its warm-up, alone on the machine
             if line != READY:
                 self._fail(name, f"sent {line!r} where it should say {READY!r}")
 

@@ -7,6 +7,7 @@ import io
 import json
 import sys
 import textwrap
+import time
 
 import pytest
 from benchmark_modules import BENCHMARKS, import_benchmarks
@@ -65,6 +66,8 @@ WORKER = textwrap.dedent("""
         sys.exit("no net for you")
     if "hang" in sys.argv:
         time.sleep(60)
+    if "late" in sys.argv:                      # a warm-up of 0.3 s
+        time.sleep(0.3)
 
     def busy():                                 # 0.1 s of work on this thread
         end = time.perf_counter() + 0.1
@@ -113,6 +116,22 @@ def test_a_worker_that_answers_nothing_is_stopped(lockstep, tmp_path):
     with pytest.raises(RuntimeError, match=r"worker b answered nothing in 2 s"):
         lockstep.Pair({"a": worker(tmp_path, "A"), "b": worker(tmp_path, "B", "hang")},
                       timeout_s=2)
+
+
+def test_the_second_worker_starts_once_the_first_is_ready(lockstep, tmp_path, monkeypatch):
+    """Warm-ups never overlap: what one framework times at first use (minigraph's
+    kernel choices) is not slowed by the other's start."""
+    starts, real = [], lockstep.subprocess.Popen
+
+    def popen(cmd, **kw):
+        starts.append(time.perf_counter())
+        return real(cmd, **kw)
+    monkeypatch.setattr(lockstep.subprocess, "Popen", popen)
+    begun = time.perf_counter()
+    with lockstep.Pair({"a": worker(tmp_path, "A", "late"), "b": worker(tmp_path, "B")},
+                       timeout_s=30) as pair:
+        assert pair.ask("b", "busy") == "B"
+    assert starts[0] - begun < 0.2 and starts[1] - starts[0] >= 0.3
 
 
 def test_a_worker_that_cannot_start_stops_the_other(lockstep, tmp_path, monkeypatch):
