@@ -55,14 +55,15 @@ def copy_sources(dst):
 
 
 def can_build_offline():
-    """Whether this environment's setuptools can build the wheel by itself: the
-    version pyproject.toml's build-system asks for (77, whose bdist_wheel is built in
-    and which reads the license as an SPDX string)."""
+    """Whether this environment's setuptools can build the wheel by itself: at least
+    the version pyproject.toml's build-system asks for (77 and later have bdist_wheel
+    built in and read the license as an SPDX string)."""
     try:
         version = importlib.metadata.version("setuptools")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:1]) >= (77,)
+    wanted = re.search(r'"setuptools>=(\d+)"', (REPO / "pyproject.toml").read_text())
+    return int(re.findall(r"\d+", version)[0]) >= int(wanted.group(1))
 
 
 @pytest.fixture(scope="module")
