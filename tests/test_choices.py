@@ -48,21 +48,73 @@ def needs_native():
         pytest.skip("no native kernels here")
 
 
-def test_a_choice_is_timed_once_then_kept_in_the_machines_file(fresh):
+def test_a_choice_is_timed_in_two_processes_then_kept_in_the_machines_file(fresh):
     first = options()
     got = choices.choose(KIND, "shape-a", first, "direct")
     assert got in ("direct", "im2col")
     assert all(o.calls >= 1 + choices.ROUNDS for o in first.values())   # timed
+    again = options()                            # the same process: not timed again
+    assert choices.choose(KIND, "shape-a", again, "direct") == got
+    assert sum(o.calls for o in again.values()) == 1
     path = choices.path()
     assert path is not None and path.parent == fresh and path.name.startswith("choices-")
     doc = json.loads(path.read_text())
     assert doc["format"] == choices.FORMAT and doc["cpu"] == native.cpu_identity()
     entry = doc["choices"][f"{KIND}|shape-a"]
     assert entry["pick"] == got and set(entry["ms"]) == {"direct", "im2col"}
-    choices.forget()                             # a new process: read from the file
+    assert entry["runs"] == 1
+    choices.forget()                             # a second process: timed again
+    second = options()
+    choices.choose(KIND, "shape-a", second, "direct")
+    assert all(o.calls >= 1 + choices.ROUNDS for o in second.values())
+    entry = json.loads(path.read_text())["choices"][f"{KIND}|shape-a"]
+    assert entry["runs"] == choices.PROCESSES == 2
+    choices.forget()                             # a third: read from the file
+    third = options()
+    got = choices.choose(KIND, "shape-a", third, "direct")
+    assert got == entry["pick"] and sum(o.calls for o in third.values()) == 1
+
+
+def run_process(clock, seconds, key="loaded"):
+    """A fresh process's choice between direct and im2col (the default: direct) taking
+    `seconds` (a pair) on the fake clock; (its pick, the options)."""
+    choices.forget()
+    opts = {name: Clocked(name, t, clock) for name, t in zip(("direct", "im2col"), seconds)}
+    return choices.choose(KIND, key, opts, "direct"), opts
+
+
+def test_a_choice_timed_under_load_is_put_right_by_the_next_process(fresh, monkeypatch):
+    """Each option's least time over the processes decides: im2col timed at 4x its time
+    alone (another program loading the CPU) loses in the first process and wins in the
+    second; a third runs it untimed, and a slower second process changes nothing."""
+    clock = type("Clock", (), {"now": 0.0, "perf_counter": lambda self: self.now})()
+    monkeypatch.setattr(choices, "time", clock)
+    assert run_process(clock, (1.0, 2.0))[0] == "direct"        # im2col under load
+    assert run_process(clock, (1.0, 0.5))[0] == "im2col"        # alone
+    entry = json.loads(choices.path().read_text())["choices"][f"{KIND}|loaded"]
+    assert entry == {"pick": "im2col", "ms": {"direct": 1000.0, "im2col": 500.0}, "runs": 2}
+    pick, opts = run_process(clock, (1.0, 0.5))
+    assert pick == "im2col" and (opts["direct"].calls, opts["im2col"].calls) == (0, 1)
+    assert run_process(clock, (1.0, 0.5), "steady")[0] == "im2col"
+    assert run_process(clock, (0.9, 3.0), "steady")[0] == "im2col"   # loaded: least times
+    entry = json.loads(choices.path().read_text())["choices"][f"{KIND}|steady"]
+    assert entry["ms"] == {"direct": 900.0, "im2col": 500.0}
+
+
+def test_an_entry_timed_by_one_process_is_timed_once_more(fresh):
+    """A file's entry without a count of processes (an older minigraph's) counts as
+    one process's: timed again at the first pick, its times the least of both, then
+    kept."""
+    choices.choose(KIND, "warm", options(), "direct")
+    ms = {"direct": 1e-4, "im2col": 1e3}
+    opts = write_then_choose(choices.path(), valid(pick="direct", runs=None, ms=ms))
+    assert all(o.calls >= 1 + choices.ROUNDS for o in opts.values())
+    entry = json.loads(choices.path().read_text())["choices"][f"{KIND}|shape-e"]
+    assert entry["runs"] == 2 and entry["ms"]["direct"] == 1e-4 and entry["ms"]["im2col"] < 1e3
+    choices.forget()
     again = options()
-    assert choices.choose(KIND, "shape-a", again, "direct") == got
-    assert again[got].calls == 1 and sum(o.calls for o in again.values()) == 1
+    assert choices.choose(KIND, "shape-e", again, "direct") == entry["pick"] == "direct"
+    assert sum(o.calls for o in again.values()) == 1
 
 
 class Clocked(Counted):
@@ -132,9 +184,11 @@ def write_then_choose(path, data):
     return opts
 
 
-def valid(pick="im2col", cpu=None):
+def valid(pick="im2col", cpu=None, runs=choices.PROCESSES, ms=None):
+    entry = {"pick": pick, **({} if runs is None else {"runs": runs}),
+             **({} if ms is None else {"ms": ms})}
     return json.dumps({"format": choices.FORMAT, "cpu": cpu or native.cpu_identity(),
-                       "choices": {f"{KIND}|shape-e": {"pick": pick}}}).encode()
+                       "choices": {f"{KIND}|shape-e": entry}}).encode()
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "pickle", "not an object",

@@ -14,7 +14,14 @@ than one option takes at most 1 / MARGIN^2 (about 1.23) times the fastest's time
 close call, which a drift of this machine's speed could decide), CLOSE_ROUNDS more
 rounds of those. An option replaces the default only where it takes at most MARGIN
 of the default's time (so that noise does not flip a choice). Later calls run the
-chosen option at once. Every option computes
+chosen option at once.
+
+A choice is final once PROCESSES processes have timed it: a process that finds a
+choice timed by fewer (in the machine's file) times it again at its first pick, and
+each option's least time over all those processes decides. Another program loading
+the CPU only ever makes an option slower, so a choice that the first process timed
+under load (an option 3-5x its time alone) is put right by the next one that runs
+alone, and is then kept. Every option computes
 the same result up to float32 rounding (each is tested against the same float64
 reference), so a choice changes the time, not the result beyond the tests'
 tolerances.
@@ -52,6 +59,7 @@ from minigraph.kernels.cpu import native, native_cache
 ENV = "MINIGRAPH_TUNE"
 FORMAT = 1
 ROUNDS = 3
+PROCESSES = 2           # processes whose timings make a choice final
 CLOSE_ROUNDS = 6
 MARGIN = 0.9
 MAX_FILE_BYTES = 1 << 20
@@ -66,8 +74,10 @@ KINDS = {               # the options each kind of choice may name
 }
 
 _lock = threading.RLock()
-_table = None           # key -> {"pick": option name, "ms": {name: least ms}}; None until read
+_table = None           # key -> {"pick": option name, "ms": {name: least ms}, "runs":
+                        # processes that timed it}; None until read
 _path = None            # where the table is kept, or None (memory only)
+_timed_here = set()     # keys this process timed (never timed twice in one process)
 _forced = {}
 
 
@@ -85,7 +95,8 @@ def choose(kind, key, options, default):
 
 def pick(kind, key, options, default):
     """The name of the option chosen for (kind, key), as choose runs it: timed (each
-    option called) at the first pick of the key, looked up after."""
+    option called) at the first pick of the key in each process until PROCESSES
+    processes have timed it, looked up after."""
     forced = _forced.get(kind)
     if forced in options:
         return forced
@@ -93,11 +104,19 @@ def pick(kind, key, options, default):
         return default
     full = f"{kind}|{key}"
     with _lock:
-        name = _choices().get(full, {}).get("pick")
-    if name in options:
-        return name
-    name, times = _measure(options, default)
-    _remember(full, name, times)
+        entry = _choices().get(full, {})
+        name = entry.get("pick")
+        if name in options and (entry.get("runs", 1) >= PROCESSES or full in _timed_here):
+            return name
+    times = _measure(options)
+    earlier = entry.get("ms", {}) if name in options else {}
+    for option, ms in earlier.items():
+        if option in times:
+            times[option] = min(times[option], ms / 1e3)
+    name = _decide(times, default)
+    with _lock:
+        _timed_here.add(full)
+    _remember(full, name, times, entry.get("runs", 1) + 1 if earlier else 1)
     return name
 
 
@@ -133,10 +152,11 @@ def forget():
     global _table, _path
     with _lock:
         _table, _path = None, None
+        _timed_here.clear()
 
 
-def _measure(options, default):
-    """(the name to run, {name: least seconds}) after timing every option."""
+def _measure(options):
+    """{name: least seconds} of every option, timed in alternating rounds."""
     names = list(options)
     for name in names:
         options[name]()                                   # warm: packing, first touch
@@ -153,10 +173,14 @@ def _measure(options, default):
             t = time.perf_counter()
             options[name]()
             best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def _decide(best, default):
+    """The option to run, from each one's least time: the fastest where it takes at
+    most MARGIN of the default's time, else the default."""
     fastest = min(best, key=best.get)
-    if best[fastest] > MARGIN * best[default]:
-        fastest = default
-    return fastest, best
+    return default if best[fastest] > MARGIN * best[default] else fastest
 
 
 def _identity():
@@ -205,16 +229,20 @@ def _read(path):
             times = entry.get("ms")
             ok = isinstance(times, dict) and all(
                 n in KINDS[kind] and isinstance(t, (int, float)) for n, t in times.items())
-            table[key] = {"pick": name, **({"ms": times} if ok else {})}
+            runs = entry.get("runs", 1)
+            table[key] = {"pick": name, **({"ms": times} if ok else {}),
+                          "runs": runs if type(runs) is int and runs >= 1 else 1}
     return table
 
 
-def _remember(key, name, times):
-    """Keep the choice in memory and, where there is a file, write the whole table
-    back (atomically; a failed write leaves the old file and costs nothing else)."""
+def _remember(key, name, times, runs):
+    """Keep the choice (timed by `runs` processes) in memory and, where there is a
+    file, write the whole table back (atomically; a failed write leaves the old file
+    and costs nothing else)."""
     with _lock:
         table = _choices()
-        table[key] = {"pick": name, "ms": {n: round(t * 1e3, 4) for n, t in times.items()}}
+        table[key] = {"pick": name, "ms": {n: round(t * 1e3, 4) for n, t in times.items()},
+                      "runs": runs}
         if _path is None:
             return
         doc = {"format": FORMAT, "cpu": _identity(), "choices": table}
