@@ -20,11 +20,10 @@ A choice is final once PROCESSES processes have timed it: a process that finds a
 choice timed by fewer (in the machine's file) times it again at its first pick, and
 each option's least time over all those processes decides. Another program loading
 the CPU only ever makes an option slower, so a choice that the first process timed
-under load (an option 3-5x its time alone) is put right by the next one that runs
-alone, and is then kept. Every option computes
-the same result up to float32 rounding (each is tested against the same float64
-reference), so a choice changes the time, not the result beyond the tests'
-tolerances.
+under such load (some options at several times their time alone) is put right by
+the next one that runs alone, and is then kept. Every option computes the same
+result up to float32 rounding (each is tested against the same float64 reference),
+so a choice changes the time, not the result beyond the tests' tolerances.
 
 Choices are kept in memory and in one file per machine beside the native kernels
 (native_cache.cache_dir()): `choices-<digest>.json`, the digest of this CPU's model
