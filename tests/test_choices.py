@@ -101,20 +101,21 @@ def test_a_choice_timed_under_load_is_put_right_by_the_next_process(fresh, monke
     assert entry["ms"] == {"direct": 900.0, "im2col": 500.0}
 
 
-def test_an_entry_timed_by_one_process_is_timed_once_more(fresh):
+def test_an_entry_timed_by_one_process_is_timed_once_more(fresh, monkeypatch):
     """A file's entry without a count of processes (an older minigraph's) counts as
     one process's: timed again at the first pick, its times the least of both, then
     kept."""
     choices.choose(KIND, "warm", options(), "direct")
-    ms = {"direct": 1e-4, "im2col": 1e3}
-    opts = write_then_choose(choices.path(), valid(pick="direct", runs=None, ms=ms))
-    assert all(o.calls >= 1 + choices.ROUNDS for o in opts.values())
+    choices.path().write_bytes(valid(pick="direct", runs=None,
+                                     ms={"direct": 100.0, "im2col": 5000.0}))
+    clock = type("Clock", (), {"now": 0.0, "perf_counter": lambda self: self.now})()
+    monkeypatch.setattr(choices, "time", clock)
+    pick, opts = run_process(clock, (1.0, 0.2), "shape-e")
+    assert pick == "direct" and all(o.calls >= 1 + choices.ROUNDS for o in opts.values())
     entry = json.loads(choices.path().read_text())["choices"][f"{KIND}|shape-e"]
-    assert entry["runs"] == 2 and entry["ms"]["direct"] == 1e-4 and entry["ms"]["im2col"] < 1e3
-    choices.forget()
-    again = options()
-    assert choices.choose(KIND, "shape-e", again, "direct") == entry["pick"] == "direct"
-    assert sum(o.calls for o in again.values()) == 1
+    assert entry == {"pick": "direct", "ms": {"direct": 100.0, "im2col": 200.0}, "runs": 2}
+    pick, opts = run_process(clock, (1.0, 0.2), "shape-e")
+    assert pick == "direct" and (opts["direct"].calls, opts["im2col"].calls) == (1, 0)
 
 
 class Clocked(Counted):
