@@ -118,6 +118,25 @@ def test_an_entry_timed_by_one_process_is_timed_once_more(fresh, monkeypatch):
     assert pick == "direct" and (opts["direct"].calls, opts["im2col"].calls) == (1, 0)
 
 
+def test_a_write_keeps_the_entries_another_process_wrote_meanwhile(fresh):
+    """Two processes that time at once (the ranks of one host) each write the whole
+    file: the second writer takes in the first's entries of keys it does not hold."""
+    choices.choose(KIND, "mine", options(), "direct")
+    path = choices.path()
+    doc = json.loads(path.read_text())                      # another process's write
+    doc["choices"][f"{KIND}|theirs"] = {"pick": "im2col", "ms": {"im2col": 1.0}, "runs": 2}
+    doc["choices"][f"{KIND}|mine"] = {"pick": "im2col", "runs": 2}
+    path.write_text(json.dumps(doc))
+    choices.choose(KIND, "later", options(), "direct")      # this process writes again
+    written = json.loads(path.read_text())["choices"]
+    assert {f"{KIND}|mine", f"{KIND}|theirs", f"{KIND}|later"} <= set(written)
+    assert written[f"{KIND}|theirs"]["pick"] == "im2col"    # taken in, and used here:
+    assert written[f"{KIND}|mine"]["runs"] == 1             # this process's own kept
+    opts = options()
+    assert choices.choose(KIND, "theirs", opts, "direct") == "im2col"
+    assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
+
+
 class Clocked(Counted):
     """An option that takes `seconds` on a fake clock."""
 

@@ -31,7 +31,10 @@ and instruction-set flags (native.cpu_identity()), which the file also holds. Ke
 name the threads and the kernels' build (native.build_key: their source, flags and
 compiler), so another thread count, a changed kernel or a build for another
 instruction set (CC="cc -mno-avx512f") chooses anew. The file is
-written atomically (a temporary file, fsynced, renamed), is JSON (never unpickled),
+written atomically (a temporary file, fsynced, renamed), each write first taking in
+the entries other processes wrote since for keys this one does not hold (processes
+that time at once, such as the ranks of one host, keep each other's choices), is
+JSON (never unpickled),
 and is read defensively: only a regular file of this user's that no one else can
 write, at most MAX_FILE_BYTES, of the expected format, for this CPU, whose entries
 name options of their kind; anything else is ignored (its choices measured again)
@@ -236,14 +239,16 @@ def _read(path):
 
 def _remember(key, name, times, runs):
     """Keep the choice (timed by `runs` processes) in memory and, where there is a
-    file, write the whole table back (atomically; a failed write leaves the old file
-    and costs nothing else)."""
+    file, write the whole table back with the file's entries of keys not held here
+    (atomically; a failed write leaves the old file and costs nothing else)."""
     with _lock:
         table = _choices()
         table[key] = {"pick": name, "ms": {n: round(t * 1e3, 4) for n, t in times.items()},
                       "runs": runs}
         if _path is None:
             return
+        for other, entry in _read(_path).items():
+            table.setdefault(other, entry)
         doc = {"format": FORMAT, "cpu": _identity(), "choices": table}
         try:
             _write_atomically(_path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
