@@ -30,15 +30,14 @@ Choices are kept in memory and in one file per machine beside the native kernels
 and instruction-set flags (native.cpu_identity()), which the file also holds. Keys
 name the threads and the kernels' build (native.build_key: their source, flags and
 compiler), so another thread count, a changed kernel or a build for another
-instruction set (CC="cc -mno-avx512f") chooses anew. The file is
-written atomically (a temporary file, fsynced, renamed), each write first taking in
-the entries other processes wrote since for keys this one does not hold (processes
-that time at once, such as the ranks of one host, keep each other's choices), is
-JSON (never unpickled),
-and is read defensively: only a regular file of this user's that no one else can
-write, at most MAX_FILE_BYTES, of the expected format, for this CPU, whose entries
-name options of their kind; anything else is ignored (its choices measured again)
-and the file rewritten. Where the cache directory is not private (native_cache.
+instruction set (CC="cc -mno-avx512f") chooses anew. The file is written
+atomically (a temporary file, fsynced, renamed), each write first taking in the
+entries other processes wrote since for keys this one does not hold (processes that
+time at once, such as the ranks of one host, keep each other's choices). It is JSON
+(never unpickled), read defensively: only a regular file of this user's that no one
+else can write, at most MAX_FILE_BYTES, of the expected format, for this CPU, whose
+entries name options of their kind; anything else is ignored (its choices measured
+again) and the file rewritten. Where the cache directory is not private (native_cache.
 check_private) or cannot be written, choices live in memory only.
 
 With MINIGRAPH_TUNE=0, or MINIGRAPH_NATIVE=0 (every kernel on numpy), nothing is
