@@ -4,6 +4,7 @@ foreign or untrusted files ignored and rewritten, never unpickled; every option 
 fused_fc and the convolutions giving the float64 reference's result; and nothing
 timed where tuning or the native kernels are off. No test asserts which option is
 faster: only that a choice is made, kept and honoured."""
+import fcntl
 import json
 import os
 import pickle
@@ -135,6 +136,45 @@ def test_a_write_keeps_the_entries_another_process_wrote_meanwhile(fresh):
     opts = options()
     assert choices.choose(KIND, "theirs", opts, "direct") == "im2col"
     assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
+
+
+def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeypatch):
+    """No other process can take the lock (flock of choices-<digest>.lock) while this one
+    reads the file and writes it back, so neither loses the other's entries."""
+    choices.choose(KIND, "first", options(), "direct")
+    lock = choices.path().with_suffix(".lock")
+    assert lock.exists() and lock.stat().st_mode & 0o777 == 0o600
+    held, real = [], choices._write_atomically
+
+    def write(target, text):
+        fd = os.open(lock, os.O_RDWR)           # another open file: what another process has
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        real(target, text)
+
+    monkeypatch.setattr(choices, "_write_atomically", write)
+    choices.choose(KIND, "second", options(), "direct")
+    assert held == [True]
+    fd = os.open(lock, os.O_RDWR)                # and let go after
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+
+
+def test_a_symlinked_lock_is_not_followed(fresh, tmp_path):
+    choices.choose(KIND, "first", options(), "direct")
+    lock = choices.path().with_suffix(".lock")
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    lock.unlink()
+    lock.symlink_to(target)
+    choices.choose(KIND, "second", options(), "direct")     # written without the lock
+    assert f"{KIND}|second" in json.loads(choices.path().read_text())["choices"]
+    assert target.read_text() == "keep" and lock.is_symlink()
 
 
 class Clocked(Counted):

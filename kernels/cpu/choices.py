@@ -32,8 +32,9 @@ name the threads and the kernels' build (native.build_key: their source, flags a
 compiler), so another thread count, a changed kernel or a build for another
 instruction set (CC="cc -mno-avx512f") chooses anew. The file is written
 atomically (a temporary file, fsynced, renamed), each write first taking in the
-entries other processes wrote since for keys this one does not hold (processes that
-time at once, such as the ranks of one host, keep each other's choices). It is JSON
+entries other processes wrote since for keys this one does not hold, under an
+exclusive lock of `choices-<digest>.lock` beside it (processes that time at once,
+such as the ranks of one host, keep each other's choices). It is JSON
 (never unpickled), read defensively: only a regular file of this user's that no one
 else can write, at most MAX_FILE_BYTES, of the expected format, for this CPU, whose
 entries name options of their kind; anything else is ignored (its choices measured
@@ -47,6 +48,7 @@ timed: each op runs its default. `forcing({kind: name})` runs a given option
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -246,13 +248,32 @@ def _remember(key, name, times, runs):
                       "runs": runs}
         if _path is None:
             return
-        for other, entry in _read(_path).items():
-            table.setdefault(other, entry)
-        doc = {"format": FORMAT, "cpu": _identity(), "choices": table}
-        try:
-            _write_atomically(_path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        except OSError:
-            pass
+        with _file_locked(_path):
+            for other, entry in _read(_path).items():
+                table.setdefault(other, entry)
+            doc = {"format": FORMAT, "cpu": _identity(), "choices": table}
+            try:
+                _write_atomically(_path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+            except OSError:
+                pass
+
+
+@contextlib.contextmanager
+def _file_locked(path):
+    """Holds an exclusive lock (flock) of the file `path` with .lock for .json, made
+    where missing (never through a symlink), so that no other process reads and
+    rewrites `path` meanwhile; without one where it cannot be opened or locked."""
+    try:
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                        # closing the last descriptor unlocks
 
 
 def _write_atomically(target, text):
