@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -163,6 +164,21 @@ def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeyp
     fd = os.open(lock, os.O_RDWR)                # and let go after
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.close(fd)
+
+
+def test_a_lock_held_elsewhere_delays_a_write_at_most_lock_wait_s(fresh, monkeypatch):
+    choices.choose(KIND, "first", options(), "direct")
+    monkeypatch.setattr(choices, "LOCK_WAIT_S", 0.2)
+    fd = os.open(choices.path().with_suffix(".lock"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)                      # a process stopped holding it
+    try:
+        start = time.monotonic()
+        choices.choose(KIND, "second", options(), "direct")
+        waited = time.monotonic() - start
+    finally:
+        os.close(fd)
+    assert 0.2 <= waited < 5
+    assert f"{KIND}|second" in json.loads(choices.path().read_text())["choices"]
 
 
 def test_a_symlinked_lock_is_not_followed(fresh, tmp_path):

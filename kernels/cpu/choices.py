@@ -56,6 +56,7 @@ import pathlib
 import tempfile
 import threading
 import time
+from time import monotonic, sleep  # the lock's wait (tests replace `time`'s clock)
 
 from minigraph.kernels.cpu import native, native_cache
 
@@ -66,6 +67,7 @@ PROCESSES = 2           # processes whose timings make a choice final
 CLOSE_ROUNDS = 6
 MARGIN = 0.9
 MAX_FILE_BYTES = 1 << 20
+LOCK_WAIT_S = 2.0       # the longest a write waits for another process's lock of the file
 KINDS = {               # the options each kind of choice may name
     "fc": ("native", "blas"),
     "mm": ("native", "blas"),
@@ -262,15 +264,25 @@ def _remember(key, name, times, runs):
 def _file_locked(path):
     """Holds an exclusive lock (flock) of the file `path` with .lock for .json, made
     where missing (never through a symlink), so that no other process reads and
-    rewrites `path` meanwhile; without one where it cannot be opened or locked."""
+    rewrites `path` meanwhile; without one where it cannot be opened, or locked
+    within LOCK_WAIT_S (a process stopped while it holds the lock stalls no other)."""
     try:
         fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError:
         yield
         return
     try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if monotonic() > deadline:
+                    break
+                sleep(0.001)
+            except OSError:
+                break
         yield
     finally:
         os.close(fd)                        # closing the last descriptor unlocks
