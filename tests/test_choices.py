@@ -15,7 +15,7 @@ import pytest
 from references import conv2d as conv_reference
 from references import conv2d_grad as conv_grad_reference
 
-from minigraph.kernels.cpu import choices, conv_im2col, conv_native, fc_native, native
+from minigraph.kernels.cpu import choices, conv_im2col, conv_native, fc_native, native, native_cache
 
 KIND = "conv2d_dw"
 
@@ -145,7 +145,7 @@ def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeyp
     choices.choose(KIND, "first", options(), "direct")
     lock = choices.path().with_suffix(".lock")
     assert lock.exists() and lock.stat().st_mode & 0o777 == 0o600
-    held, real = [], choices._write_atomically
+    held, real = [], native_cache.write_text
 
     def write(target, text):
         fd = os.open(lock, os.O_RDWR)           # another open file: what another process has
@@ -158,7 +158,7 @@ def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeyp
             os.close(fd)
         real(target, text)
 
-    monkeypatch.setattr(choices, "_write_atomically", write)
+    monkeypatch.setattr(native_cache, "write_text", write)
     choices.choose(KIND, "second", options(), "direct")
     assert held == [True]
     fd = os.open(lock, os.O_RDWR)                # and let go after

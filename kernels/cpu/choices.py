@@ -52,8 +52,6 @@ import fcntl
 import hashlib
 import json
 import os
-import pathlib
-import tempfile
 import threading
 import time
 from time import monotonic, sleep  # the lock's wait (tests replace `time`'s clock)
@@ -255,7 +253,7 @@ def _remember(key, name, times, runs):
                 table.setdefault(other, entry)
             doc = {"format": FORMAT, "cpu": _identity(), "choices": table}
             try:
-                _write_atomically(_path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+                native_cache.write_text(_path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
             except OSError:
                 pass
 
@@ -286,16 +284,3 @@ def _file_locked(path):
         yield
     finally:
         os.close(fd)                        # closing the last descriptor unlocks
-
-
-def _write_atomically(target, text):
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    finally:
-        pathlib.Path(tmp).unlink(missing_ok=True)

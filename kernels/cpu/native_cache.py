@@ -153,13 +153,19 @@ def _unsafe(directory, where, st, what):
 
 
 def write_digest(target, digest):
-    """`<target>.sha256` holding `digest`, written to a temporary file, fsynced and
-    renamed into place (so a reader sees a whole digest or none)."""
-    path = target.with_name(target.name + DIGEST_SUFFIX)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """`<target>.sha256` holding `digest` (write_text: a reader sees a whole digest or
+    none)."""
+    write_text(target.with_name(target.name + DIGEST_SUFFIX), digest + "\n")
+
+
+def write_text(path, text):
+    """`path` (mode 0644) holding `text`, written to a temporary file beside it, fsynced
+    and renamed into place: a reader sees the whole text or what was there before. An
+    OSError leaves `path` as it was and no temporary file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(digest + "\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
