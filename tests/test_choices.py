@@ -166,6 +166,16 @@ def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeyp
     os.close(fd)
 
 
+@pytest.mark.parametrize("runs", [0, -3, "2", 2.0, True, None, [2]])
+def test_a_count_of_processes_that_is_not_a_positive_int_counts_as_one(fresh, runs):
+    """A planted or damaged "runs" never makes a choice final: it is timed again."""
+    choices.choose(KIND, "warm", options(), "direct")
+    doc = json.loads(valid(pick="im2col"))
+    doc["choices"][f"{KIND}|shape-e"]["runs"] = runs
+    opts = write_then_choose(choices.path(), json.dumps(doc).encode())
+    assert all(o.calls >= 1 + choices.ROUNDS for o in opts.values())
+
+
 def test_a_lock_held_elsewhere_delays_a_write_at_most_lock_wait_s(fresh, monkeypatch):
     choices.choose(KIND, "first", options(), "direct")
     monkeypatch.setattr(choices, "LOCK_WAIT_S", 0.2)
