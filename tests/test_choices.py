@@ -248,6 +248,22 @@ def test_forcing_runs_the_named_option(fresh):
     assert opts["direct"].calls == 0 and not list(fresh.glob("choices-*"))
 
 
+def test_forcing_names_the_option_of_a_conv_too_small_to_be_timed():
+    """conv2d.pick runs its default untimed below MIN_CHOICE_WORK, and what forcing
+    names there too (so that two runs can be made to take the same kernels)."""
+    from types import SimpleNamespace
+
+    from minigraph.kernels.cpu import conv2d as kernels
+
+    g = SimpleNamespace(n=1, o=1, c=1, groups=1, kh=1, kw=1, ho=1, wo=1)
+    opts = {"winograd": None, "direct": None}
+    assert kernels.pick("conv2d", None, g, 1, opts) == "winograd"
+    with choices.forcing({"conv2d": "direct"}):
+        assert kernels.pick("conv2d", None, g, 1, opts) == "direct"
+    with choices.forcing({"conv2d": "im2col"}):                 # not an option here
+        assert kernels.pick("conv2d", None, g, 1, opts) == "winograd"
+
+
 def test_another_cpu_has_a_file_of_its_own(fresh, monkeypatch):
     choices.choose(KIND, "shape-d", options(), "direct")
     mine = choices.path()

@@ -9,6 +9,7 @@ from helpers import helper_test_op, same_as_twin, trained_on
 import minigraph as mg
 from minigraph import layers as L
 from minigraph.initializer import Normal
+from minigraph.kernels.cpu import blocks, choices
 
 rng = np.random.default_rng(0)
 
@@ -254,9 +255,10 @@ def wide_net(seed=0):
 
 def test_in_a_training_net_fuse_fc_fuses_the_infer_branch_and_leaves_the_weights_trainable():
     """The infer branch's chains become fused_fc ops with weight_fixed=False: net.infer
-    gives an unfused twin's bits before and after training steps (the weights are
-    never packed nor made read-only, so the optimizer's in-place updates show), and
-    the train branch, backward and updates keep their ops."""
+    gives an unfused twin's bits (its products on BLAS) before and after training
+    steps (the weights are never packed nor made read-only, so the optimizer's
+    in-place updates show), and the train branch, backward and updates keep their
+    ops."""
     plain, plain_logits = wide_net()
     net, logits = wide_net()
     before = {s: [op.type for op in net.section(s)] for s in ("train", "backward", "update")}
@@ -272,14 +274,18 @@ def test_in_a_training_net_fuse_fc_fuses_the_infer_branch_and_leaves_the_weights
     assert {s: [op.type for op in net.section(s)] for s in before} == before
     r = np.random.default_rng(4)
     x = r.standard_normal((24, 32, 16)).astype(np.float32)
-    for step in range(3):
-        (got,) = net.infer(feed={"x": x}, fetch=[logits])
-        (want,) = plain.infer(feed={"x": x}, fetch=[plain_logits])
-        assert got.tobytes() == want.tobytes(), step
-        assert net.var("a.w").get().flags.writeable and net.var("b.w").get().flags.writeable
-        feed = {"x": x, "label": r.integers(0, 5, 24)}
-        net.train(feed=feed)
-        plain.train(feed=feed)
+    # the twin's products on BLAS, as fused_fc's with a trainable weight, and one
+    # thread, whose steps choose no threads per op (each net would choose its own)
+    with choices.forcing({"mm": "blas"}), blocks.num_threads(1):
+        for step in range(3):
+            (got,) = net.infer(feed={"x": x}, fetch=[logits])
+            (want,) = plain.infer(feed={"x": x}, fetch=[plain_logits])
+            assert got.tobytes() == want.tobytes(), step
+            assert net.var("a.w").get().flags.writeable
+            assert net.var("b.w").get().flags.writeable
+            feed = {"x": x, "label": r.integers(0, 5, 24)}
+            net.train(feed=feed)
+            plain.train(feed=feed)
     fast = mg.passes.optimize_for_inference(net)       # a copy: its weights are fixed
     assert [op.attrs["weight_fixed"] for op in fast.section("trunk")
             if op.type == "fused_fc"] == [True] * 4     # "pre" fused there too

@@ -100,9 +100,9 @@ def pick(kind, key, options, default):
     """The name of the option chosen for (kind, key), as choose runs it: timed (each
     option called) at the first pick of the key in each process until PROCESSES
     processes have timed it, looked up after."""
-    forced = _forced.get(kind)
-    if forced in options:
-        return forced
+    name = forced(kind, options)
+    if name is not None:
+        return name
     if len(options) == 1 or not enabled():
         return default
     full = f"{kind}|{key}"
@@ -121,6 +121,13 @@ def pick(kind, key, options, default):
         _timed_here.add(full)
     _remember(full, name, times, entry.get("runs", 1) + 1 if earlier else 1)
     return name
+
+
+def forced(kind, options):
+    """The option `forcing` names for choices of `kind`, where `options` has it; else
+    None."""
+    name = _forced.get(kind)
+    return name if name in options else None
 
 
 @contextlib.contextmanager

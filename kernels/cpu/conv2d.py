@@ -322,10 +322,10 @@ def pick(kind, op, g, threads, options, extra=""):
     at its first use, kept per machine, keyed by the shapes and the native library's
     build; Winograd's where it is an option, else the direct kernel, else the depthwise
     kernel, where nothing is timed or the conv makes fewer than MIN_CHOICE_WORK
-    multiply-adds)."""
+    multiply-adds; the option choices.forcing names, where it is one)."""
     default = next(k for k in ("winograd", "direct", "depthwise") if k in options)
     if g.n * g.o * (g.c // g.groups) * g.kh * g.kw * g.ho * g.wo < MIN_CHOICE_WORK:
-        return default
+        return choices.forced(kind, options) or default
     library = "conv_depthwise" if "depthwise" in options else "conv_native"
     key = (f"{op.attrs['data_layout']}|{g.n}x{g.c}x{g.h}x{g.w}|{g.o}x{g.kh}x{g.kw}"
            f"|s{g.sh}x{g.sw}|p{g.ph}x{g.pw}|d{g.dh}x{g.dw}|{extra}|t{threads}"
