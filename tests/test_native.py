@@ -25,13 +25,13 @@ def fresh(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler here")
 def test_built_once_then_loaded_from_the_cache(fresh):
-    assert native.library("conv_native") is not None
-    built = sorted(fresh.glob("conv_native-*"))     # the first library loaded in a process
+    assert native.library("relu_native") is not None
+    built = sorted(fresh.glob("relu_native-*"))     # the first library loaded in a process
     assert [p.name.split(".", 1)[1] for p in built] == ["so", "so.sha256"]   # brings blas_pool
     stamp = built[0].stat().st_mtime_ns
     everything = sorted(fresh.iterdir())
     native._load.cache_clear()
-    assert native.library("conv_native") is not None
+    assert native.library("relu_native") is not None
     assert sorted(fresh.iterdir()) == everything and built[0].stat().st_mtime_ns == stamp
 
 
@@ -123,14 +123,14 @@ def test_unwritable_cache_builds_in_a_temporary_directory_removed_once_loaded(
     (tmp_path / "tmp").mkdir()
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)
-    assert native.library("conv_native") is not None
+    assert native.library("relu_native") is not None
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
 @pytest.mark.skipif(not shutil.which("gcc"), reason="no gcc here")
 def test_cc_may_carry_arguments(fresh, monkeypatch):
     monkeypatch.setenv("CC", f"{shutil.which('gcc')} -Wall")
-    assert native.library("conv_native") is not None
+    assert native.library("relu_native") is not None
 
 
 # ---- a damaged, planted or unbuildable cache entry (run in fresh processes: a bad
@@ -229,7 +229,7 @@ def test_the_library_is_fsynced_before_it_is_renamed_into_the_cache(fresh, monke
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    assert native.library("conv_native") is not None
+    assert native.library("relu_native") is not None
     renames = [e for e in events if e[0] == "replace" and e[2].endswith(".so")]
     assert renames, events
     tmp = renames[0][1]
@@ -363,13 +363,13 @@ def test_the_vector_width_follows_the_build_target(fresh, monkeypatch):
     told otherwise (CC="cc -mno-avx512f") builds AVX2's, under a key of its own."""
     held_back = "-mno-avx512f" in (os.environ.get("CC") or "").split()   # the AVX2 runs
     want = 16 if _cpu_has("avx512f") and not held_back else 8
-    assert native.vector_floats("fc_native") == want
-    first = native.build_key("fc_native")
-    assert first and first in next(fresh.glob("fc_native-*.so")).name
+    assert native.vector_floats("wgrad_native") == want
+    first = native.build_key("wgrad_native")
+    assert first and first in next(fresh.glob("wgrad_native-*.so")).name
     if want == 16:
         native._load.cache_clear()
         cc = (os.environ.get("CC") or "cc").split()
         monkeypatch.setenv("CC", " ".join(cc + ["-mno-avx512f"]))
-        assert native.vector_floats("fc_native") == 8
-        assert len(list(fresh.glob("fc_native-*.so"))) == 2
-        assert native.build_key("fc_native") != first       # kernel choices made anew
+        assert native.vector_floats("wgrad_native") == 8
+        assert len(list(fresh.glob("wgrad_native-*.so"))) == 2
+        assert native.build_key("wgrad_native") != first       # kernel choices made anew
