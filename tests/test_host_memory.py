@@ -37,10 +37,12 @@ SCRIPT = textwrap.dedent("""
 
 def run_script(**env):
     """(tuned, page faults per step) of SCRIPT in a fresh process with `env` and none of
-    the caller's malloc or minigraph settings; the native kernels must be on (with the
-    numpy kernels glibc keeps every block of these steps even untuned)."""
+    the caller's malloc or minigraph settings but its kernel cache; the native kernels
+    must be on (with the numpy kernels glibc keeps every block of these steps even
+    untuned)."""
     clean = {k: v for k, v in os.environ.items()
-             if not (k.startswith(("MALLOC_", "MINIGRAPH_")) or k == "GLIBC_TUNABLES")}
+             if k == "MINIGRAPH_CACHE"
+             or not (k.startswith(("MALLOC_", "MINIGRAPH_")) or k == "GLIBC_TUNABLES")}
     clean["MINIGRAPH_SPIN_US"] = "0"    # no watch, so never contended cores (pytest's
                                         # other workers): its steps would run on one thread
     out = subprocess.run([sys.executable, "-c", SCRIPT], env={**clean, **env},
