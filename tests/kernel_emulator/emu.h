@@ -1,7 +1,7 @@
 // A CPU stand-in for the CUDA device runtime, force-included (g++ -include)
 // when a kernels/*.cu file is compiled for the tests' emulator.
 //
-// Each block runs as blockDim cooperative fibers (ucontext) on one OS thread;
+// Each block runs as blockDim cooperative fibers (runtime.cpp) on one OS thread;
 // a fiber gives up the processor only at __syncthreads() and warp shuffles,
 // in a shuffled order, so missing barriers and warp-level mistakes show up
 // as wrong results. Blocks run one after another in an order shuffled per

@@ -6,7 +6,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#if !defined(__x86_64__) || defined(EMU_UCONTEXT)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <random>
@@ -45,9 +47,81 @@ size_t dynamic_size = 0;
 unsigned char* dynamic_shared() { return dynamic_at; }
 
 namespace {
+// A fiber's saved context, and the switch between two. On x86-64 a few instructions
+// that save the callee-saved registers and the FP control words on the old stack and
+// restore them from the new one; ucontext's getcontext/swapcontext also save and
+// restore the signal mask, a system call on every switch (most of the time of the
+// emulated GPU tests).
+// Elsewhere, or built with -DEMU_UCONTEXT: ucontext.
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+struct Context {
+  void* sp = nullptr;
+};
+extern "C" void emu_switch_stack(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl emu_switch_stack
+  .hidden emu_switch_stack
+  .type emu_switch_stack, @function
+emu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size emu_switch_stack, .-emu_switch_stack
+)");
+
+void switch_context(Context* from, Context* to) { emu_switch_stack(&from->sp, to->sp); }
+
+// `ctx` starts `entry` on `stack` at its first switch (entry must never return).
+void start_context(Context* ctx, char* stack, size_t bytes, void (*entry)()) {
+  uint32_t words[2] = {0, 0};                 // MXCSR, the x87 control word
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(words[0]), "=m"(words[1]));
+  uintptr_t* sp = reinterpret_cast<uintptr_t*>(
+      reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t(15));
+  *--sp = 0;                                  // entry's return address: none
+  *--sp = reinterpret_cast<uintptr_t>(entry);  // where the switch's ret goes
+  for (int r = 0; r < 6; ++r) *--sp = 0;       // rbp, rbx, r12-r15
+  *--sp = uint64_t(words[1]) << 32 | words[0];
+  ctx->sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+void switch_context(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+
+void start_context(Context* ctx, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&ctx->uc);
+  ctx->uc.uc_stack.ss_sp = stack;
+  ctx->uc.uc_stack.ss_size = bytes;
+  ctx->uc.uc_link = nullptr;
+  makecontext(&ctx->uc, entry, 0);
+}
+#endif
+
 struct Fiber {
   FiberState state;
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;
   bool done = false;
   int wait = 0;        // 0: runnable, 1: block barrier, 2: warp barrier
@@ -64,7 +138,7 @@ struct Barrier {
   }
 };
 
-ucontext_t scheduler;
+Context scheduler;
 std::vector<Fiber> fibers;
 Fiber* running = nullptr;
 Barrier block_barrier;
@@ -84,7 +158,8 @@ void fiber_main() {
   Barrier& wb = warp_barriers[f->state.warp];
   wb.alive--;
   wb.arrive_last_check();
-  // returning switches to uc_link (the scheduler)
+  switch_context(&f->ctx, &scheduler);        // done: never resumed
+  abort();
 }
 
 void wait_on(int kind, Barrier& b) {
@@ -97,7 +172,7 @@ void wait_on(int kind, Barrier& b) {
   }
   f->wait = kind;
   f->wait_gen = gen;
-  swapcontext(&f->ctx, &scheduler);
+  switch_context(&f->ctx, &scheduler);
 }
 
 bool runnable(const Fiber& f) {
@@ -110,7 +185,7 @@ bool runnable(const Fiber& f) {
 
 void syncthreads() { wait_on(1, block_barrier); }
 
-void abandon_fiber() { swapcontext(&running->ctx, &scheduler); }
+void abandon_fiber() { switch_context(&running->ctx, &scheduler); }
 
 void warp_exchange(int warp, uint64_t bits, int src_lane, uint64_t* out) {
   Fiber* f = running;
@@ -267,11 +342,7 @@ extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned
       f.done = false;
       f.wait = 0;
       f.shuffle_seq = 0;
-      getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack;
-      f.ctx.uc_stack.ss_size = STACK_BYTES;
-      f.ctx.uc_link = &scheduler;
-      makecontext(&f.ctx, fiber_main, 0);
+      start_context(&f.ctx, f.stack, STACK_BYTES, fiber_main);
     }
     unsigned done = 0;
     while (done < threads) {
@@ -288,7 +359,7 @@ extern "C" int emu_launch(void (*fn)(void**), unsigned gx, unsigned gy, unsigned
         f.wait = 0;
         running = &f;
         current = &f.state;
-        swapcontext(&scheduler, &f.ctx);
+        switch_context(&scheduler, &f.ctx);
         progress = true;
         if (misaligned.seen) break;          // the fiber was abandoned: the launch fails
         if (f.done) ++done;
