@@ -59,7 +59,7 @@ struct Context {
 };
 extern "C" void emu_switch_stack(void** save_sp, void* load_sp);
 asm(R"(
-  .text
+  .pushsection .text
   .p2align 4
   .globl emu_switch_stack
   .hidden emu_switch_stack
@@ -87,6 +87,7 @@ emu_switch_stack:
   popq %rbp
   ret
   .size emu_switch_stack, .-emu_switch_stack
+  .popsection
 )");
 
 void switch_context(Context* from, Context* to) { emu_switch_stack(&from->sp, to->sp); }
