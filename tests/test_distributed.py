@@ -288,7 +288,7 @@ def test_two_ranks_that_share_no_directory_train_and_rank_0_writes_the_checkpoin
     net, _ = mpmd_train.build(sync=True)
     mg.io.load(net, homes[0] / "ckpt.npz")                    # strict: every persistable
     assert {mpmd_train.digest(net)} == digests
-    if seeded[0]:                          # each rank built the rest in its own cache
+    if all(seeded):                        # each rank built the rest in its own cache
         for home in homes:
             assert built_in(home / "cache") - set(SEEDED), f"nothing built in {home / 'cache'}"
 
