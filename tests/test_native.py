@@ -2,6 +2,7 @@
 what runs where they cannot be built."""
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -373,3 +374,65 @@ def test_the_vector_width_follows_the_build_target(fresh, monkeypatch):
         assert native.vector_floats("wgrad_native") == 8
         assert len(list(fresh.glob("wgrad_native-*.so"))) == 2
         assert native.build_key("wgrad_native") != first       # kernel choices made anew
+
+
+# ---- GCC fuses every multiply-add, whatever CPU it tunes for ----
+
+GCC_12 = "gcc (Debian 12.2.0-14+deb12u1) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc."
+CLANG_16 = "clang version 16.0.6\nTarget: x86_64-pc-linux-gnu\nThread model: posix"
+CHAIN = """
+typedef float v8 __attribute__((vector_size(32)));
+float dot(const float *a, const float *b, long n)
+{
+    v8 acc = {0};
+    for (long i = 0; i < n; i += 8) acc += *(const v8 *)(a + i) * *(const v8 *)(b + i);
+    return acc[0];
+}
+"""
+
+
+def flag_sets_built_with(monkeypatch, version):
+    """The flags of each build native.library tries with a compiler that says `version`
+    (every build refused, so all the flag sets are tried)."""
+    tried = []
+
+    def refuse(source, compiler, flags, *rest):
+        tried.append(flags)
+        raise OSError("not built: the test reads the flags only")
+
+    monkeypatch.setattr(native.native_build, "compiler_version", lambda *args: version)
+    monkeypatch.setattr(native.native_build, "build", refuse)
+    assert native.library("relu_native") is None
+    return tried
+
+
+def test_gcc_and_only_gcc_is_told_to_fuse_every_multiply_add(fresh, monkeypatch):
+    assert native.is_gcc(GCC_12)
+    assert native.is_gcc("x86_64-linux-gnu-gcc-12 (Debian 12.2.0-14) 12.2.0\n"
+                         "Copyright (C) 2022 Free Software Foundation, Inc.")
+    assert not native.is_gcc("gcc (GCC) 7.5.0\nCopyright (C) 2017 Free Software Foundation")
+    assert not native.is_gcc(CLANG_16) and not native.is_gcc("")
+    with_gcc = flag_sets_built_with(monkeypatch, GCC_12)
+    assert with_gcc and all(native.GCC_FUSE_ALL[0] in flags for flags in with_gcc)
+    native._load.cache_clear()
+    with_clang = flag_sets_built_with(monkeypatch, CLANG_16)
+    assert with_clang and not any(native.GCC_FUSE_ALL[0] in flags for flags in with_clang)
+
+
+@pytest.mark.skipif(not shutil.which("gcc") or os.uname().machine != "x86_64",
+                    reason="needs gcc on x86-64")
+def test_a_sum_carried_through_a_loop_is_one_multiply_add_when_tuned_for_zen3(tmp_path):
+    """GCC tuned for AMD Zen 3 (as -march=native makes it there) splits such a multiply-add
+    in a multiply and an add unless told GCC_FUSE_ALL; the separable conv then lost the
+    bits of the depthwise and pointwise kernels it promises (tests/
+    test_fused_separable_conv2d.py failed on that CPU)."""
+    source = tmp_path / "chain.c"
+    source.write_text(CHAIN)
+    flags = ["-O3", "-mavx2", "-mfma", "-mtune=znver3", *native.GCC_FUSE_ALL,
+             "-std=c11", "-ffp-contract=fast"]
+    done = subprocess.run(["gcc", *flags, "-S", "-o", "-", str(source)], capture_output=True,
+                          text=True, timeout=60)
+    if "znver3" in done.stderr:
+        pytest.skip("this gcc does not know Zen 3")
+    assert done.returncode == 0, done.stderr
+    assert "vfmadd" in done.stdout and "vmulps" not in done.stdout

@@ -56,6 +56,11 @@ from minigraph.kernels.cpu import native_build
 from minigraph.kernels.cpu import native_cache as cache
 
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))     # the second where -march=native fails
+# GCC tuned for some CPUs (-march=native on AMD Zen 2 and 3: avoid-fma-max-bits 256)
+# leaves a multiply-add whose sum feeds the next one in a loop as a multiply and an
+# add, so kernels that promise each other's bits (the separable conv and the depthwise
+# conv then the pointwise one) round differently there; 0 fuses every one it can
+GCC_FUSE_ALL = ("--param=avoid-fma-max-bits=0",)
 # -ffp-contract=fast: ISO C mode would not fuse a * b + c into one multiply-add;
 # -fno-math-errno: a sqrt that may set errno is a call, and a loop with a call in it
 # is not vectorized (the kernels never read errno; the results are the same)
@@ -289,6 +294,7 @@ def _load_or_build(name):
         if directory is not None:
             cache.remove_stale_temporaries(directory)
         for flags in FLAG_SETS:
+            flags = flags + (GCC_FUSE_ALL if is_gcc(version) else ())
             key = hashlib.sha256("\0".join(
                 (source, *compiler, *flags, *COMMON_FLAGS, version,
                  cpu_identity())).encode()).hexdigest()[:20]
@@ -308,6 +314,13 @@ def _load_or_build(name):
             except (OSError, subprocess.SubprocessError) as err:
                 errors.append(f"{' '.join(flags)}: {str(err).strip()[:300]}")
     raise _Refused(f"building {name}.c failed with {' '.join(compiler)}: " + "; ".join(errors))
+
+
+def is_gcc(version):
+    """True when `version` (the compiler's --version output) is GCC's from version 8
+    on, which takes GCC_FUSE_ALL (clang does not)."""
+    m = re.match(r"\S*(?:gcc|cc|g\+\+)\S* \(.*\) (\d+)\.", version)
+    return bool(m) and "Free Software Foundation" in version and int(m.group(1)) >= 8
 
 
 class _Notice:
