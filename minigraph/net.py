@@ -18,12 +18,12 @@ and record what they did with `mark_applied`.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 
 from minigraph import feeds, net_build, net_freeze
 from minigraph.executor import Executor, check_place
+from minigraph.fair_lock import FairRLock
 from minigraph.operator import as_operator
 from minigraph.plan import Plan
 from minigraph.scope import Scope, Variable, check_reserved_name
@@ -63,7 +63,7 @@ class Net:
         self._update_every = None        # (k, step counter): see update_every
         self.trained = ()                # the parameters the optimizer updates (minimize)
         self.frozen_at_minimize = ()     # the parameters frozen then (see net_freeze)
-        self._lock = threading.RLock()
+        self._lock = FairRLock()           # steps, saves and loads, in turn
         self._running = 0
 
     # ---- sections and rewrites ---------------------------------------------

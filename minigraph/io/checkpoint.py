@@ -32,7 +32,7 @@ from minigraph.io.npz import (
     Archive,
     CheckpointError,
     header_arrays,
-    write_npz,
+    npz_bytes,
 )
 from minigraph.journal import deferred_signals
 from minigraph.scope import host_array
@@ -77,9 +77,9 @@ def save(net, path, parts=None):
             if var.name in arrays:
                 raise ValueError(f"save {str(path)!r}: the persistable name {var.name!r} is "
                                  "reserved for the checkpoint's own entries")
-            value = host_array(var)
-            arrays[var.name] = value.copy() if value is var.value else value
-    return atomic_write(path, lambda f: write_npz(f, arrays))
+            arrays[var.name] = host_array(var)
+        data = npz_bytes(arrays)        # the copy of this step's values
+    return atomic_write(path, lambda f: f.write(data))
 
 
 def load(net, path, strict=True, parts=None):

@@ -19,7 +19,6 @@ previous model as it was. Version 1 directories (`params.npz`) still load.
 from __future__ import annotations
 
 import hashlib
-import io as _bytes_io
 import os
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ from minigraph.io.model_format import (
     records_of,
     same_value,
 )
-from minigraph.io.npz import CHECKPOINT_FORMAT, Archive, header_arrays, write_npz
+from minigraph.io.npz import CHECKPOINT_FORMAT, Archive, header_arrays, npz_bytes
 from minigraph.net import Net
 from minigraph.operator import Operator
 from minigraph.plan import prune
@@ -118,9 +117,7 @@ def save_inference(net, dirname, feeds, fetches):
         if any(v.value is None for v in persist):
             net.initialize()
         params.update({v.name: np.asarray(v.get()) for v in persist})
-    blob = _bytes_io.BytesIO()
-    write_npz(blob, params)
-    data = blob.getvalue()
+    data = npz_bytes(params)
     digest = hashlib.sha256(data).hexdigest()
     model = {
         "format": FORMAT_NAME,
