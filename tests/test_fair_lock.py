@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import minigraph as mg
+from minigraph import fair_lock
 from minigraph import layers as L
 from minigraph.fair_lock import FairRLock
 
@@ -66,23 +67,70 @@ def test_waiters_get_it_in_the_order_they_asked_and_a_releaser_asking_again_queu
     assert order == ["a", "b", "c", "releaser"]
 
 
-def test_an_interrupted_wait_leaves_the_queue(monkeypatch):
-    lock, release = FairRLock(), threading.Event()
-    holder = start(lambda: (lock.acquire(), release.wait(10), lock.release()))
-    wait_for(lambda: lock._owner is not None)
+class InterruptedWaiter:
+    """Stands in for a waiting thread's lock: its wait ends in a KeyboardInterrupt,
+    at once (still queued) or once the lock was handed over (after_hand_over)."""
 
-    def interrupted(timeout=None):
+    def __init__(self, after_hand_over):
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.after_hand_over = after_hand_over
+
+    def acquire(self):
+        if self.after_hand_over:
+            self.lock.acquire()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(lock._cond, "wait", interrupted)
+    def release(self):
+        self.lock.release()
+
+
+@pytest.mark.parametrize("after_hand_over", [False, True], ids=["queued", "handed-over"])
+def test_an_interrupted_wait_leaves_the_queue_and_the_lock_free(monkeypatch, after_hand_over):
+    lock, release = FairRLock(), threading.Event()
+
+    def hold():
+        with lock:
+            if after_hand_over:          # released once the main thread waits
+                wait_for(lambda: len(lock._queue) == 1)
+            else:
+                release.wait(10)
+
+    holder = start(hold)
+    wait_for(lambda: lock._owner is not None)
+    monkeypatch.setattr(fair_lock, "_waiter", lambda: InterruptedWaiter(after_hand_over))
     with pytest.raises(KeyboardInterrupt):
         lock.acquire()
-    monkeypatch.undo()
-    assert not lock._queue
     release.set()
     holder.join(10)
-    with lock:
-        assert lock.held()
+    assert not lock._queue and lock._owner is None and not lock._held.locked()
+    start(lambda: (lock.acquire(), lock.release())).join(10)
+    assert not lock._held.locked()
+
+
+def test_a_release_between_a_failed_try_and_joining_the_queue_is_not_lost(monkeypatch):
+    """The holder releases after the waiter found the lock taken and before it joined
+    the queue, so the release saw no one to hand it to: the waiter takes it itself."""
+    lock, go, released, got = FairRLock(), threading.Event(), threading.Event(), []
+
+    def hold():
+        with lock:
+            go.wait(10)
+        released.set()
+
+    def late_waiter():
+        go.set()
+        released.wait(10)
+        return real_waiter()
+
+    real_waiter = fair_lock._waiter
+    holder = start(hold)
+    wait_for(lambda: lock._owner is not None)
+    monkeypatch.setattr(fair_lock, "_waiter", late_waiter)
+    waiter = start(lambda: (lock.acquire(), got.append(1), lock.release()))
+    waiter.join(10)
+    holder.join(10)
+    assert got == [1] and not lock._held.locked()
 
 
 def test_a_training_loop_in_another_thread_lets_an_inference_in_after_its_step():
