@@ -87,10 +87,6 @@ class FairRLock:
             self._owner, self._depth = ident, 1
             waiter.release()
 
-    def held(self):
-        """Whether the calling thread holds the lock."""
-        return self._owner == threading.get_ident()
-
     __enter__ = acquire
 
     def __exit__(self, *exc):

@@ -382,6 +382,22 @@ def run_on_thread(fn, name="worker", timeout=120):
     return out.get("value")
 
 
+def save_fails_mid_write(monkeypatch, error):
+    """Make mg.io.save's atomic write write a few bytes of the file, then raise `error`
+    (as a disk that fills up would), through the real atomic_write."""
+    from minigraph.io import checkpoint
+
+    real_atomic_write = checkpoint.atomic_write
+
+    def partial(path, write):
+        def write_part(f):
+            f.write(b"PK\x03\x04 the first bytes")
+            raise error
+        return real_atomic_write(path, write_part)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", partial)
+
+
 def native_products(module):
     """An autouse fixture for the tests of a native product kernel's launcher `module`
     (its MIN_WORK and MIN_THREAD_WORK): small test products run natively, on as many

@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import save_fails_mid_write
 
 import minigraph as mg
 from minigraph import io
@@ -112,15 +113,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypat
     old = path.read_bytes()
     trained_net_b, _ = trained_net(seed=1, steps=1)
 
-    real_atomic_write = io.checkpoint.atomic_write
-
-    def half_then_fail(path, write):
-        def write_half(f):
-            f.write(b"PK\x03\x04 half a zip")
-            raise OSError("disk full")
-        return real_atomic_write(path, write_half)
-
-    monkeypatch.setattr(io.checkpoint, "atomic_write", half_then_fail)
+    save_fails_mid_write(monkeypatch, OSError("disk full"))
     with pytest.raises(OSError, match="disk full"):
         io.save(trained_net_b, path)
     assert path.read_bytes() == old

@@ -10,6 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
+from helpers import save_fails_mid_write
 
 import minigraph as mg
 from minigraph import io
@@ -65,12 +66,14 @@ class RepeatedChunkDeflater:
         self._chunk, self._deflated = chunk, None
 
     def compress(self, data):
-        if data is self._chunk and self._deflated is not None:
-            return self._deflated
-        out = self._zlib.compress(data) + self._zlib.flush(zlib.Z_FULL_FLUSH)
-        if data is self._chunk:
-            self._deflated = out
-        return out
+        if data is not self._chunk:
+            return self._deflate(data)
+        if self._deflated is None:
+            self._deflated = self._deflate(data)
+        return self._deflated
+
+    def _deflate(self, data):
+        return self._zlib.compress(data) + self._zlib.flush(zlib.Z_FULL_FLUSH)
 
     def flush(self):
         return self._zlib.flush()
@@ -346,15 +349,7 @@ def test_a_failed_save_names_the_users_path_not_the_temporary_file(tmp_path):
 def test_a_full_disk_error_names_the_users_path(tmp_path, monkeypatch):
     import errno
 
-    real_atomic_write = io.checkpoint.atomic_write
-
-    def disk_fills_mid_write(path, write):
-        def write_part(f):
-            f.write(b"PK\x03\x04 the first bytes")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_atomic_write(path, write_part)
-
-    monkeypatch.setattr(io.checkpoint, "atomic_write", disk_fills_mid_write)
+    save_fails_mid_write(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(OSError) as err:
         io.save(small_net(), tmp_path / "ck.npz")
     assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "ck.npz")
