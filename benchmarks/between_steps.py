@@ -9,7 +9,9 @@ pieces of work, and a C product of 0.1-0.2 ms that times itself (its data read i
 order), take right after themselves, after a Python loop of 1, 4 and 16 ms,
 after 4 ms of a C loop that touches no memory (a register count and the clock, built
 with the C compiler native kernels use; the column is left out without one) and after
-sleeping 4 ms.
+sleeping 4 ms; and how often the machine takes the CPU from a loop that only reads
+the clock (the hypervisor's or the kernel's interruptions), with what each costs a
+chain of dependent loads from scattered memory that the CPU touched before the loop.
 
     python benchmarks/between_steps.py [--threads 2] [--rounds 15]
                                        [--nets mlp mnist digits recipe] [--no-write]
@@ -84,7 +86,58 @@ uint64_t product_ns(void)
     return now_ns() - start;
 }
 """
+INTERRUPT_C = r"""
+/* The machine's interruptions: for `ns`, read the clock and count each jump of at
+   least `gap_ns` between two readings (the CPU was taken: an interrupt, the
+   hypervisor, another task), their lengths into `lengths` (at most `cap`). */
+uint64_t gaps_ns(uint64_t ns, uint64_t gap_ns, uint64_t *lengths, uint64_t cap)
+{
+    uint64_t start = now_ns(), prev = start, count = 0;
+    for (;;) {
+        uint64_t t = now_ns();
+        if (t - prev >= gap_ns) {
+            if (count < cap) lengths[count] = t - prev;
+            count++;
+        }
+        prev = t;
+        if (t - start >= ns) return count;
+    }
+}
+/* 512 pointers a page and a line apart (so each has its own page and cache set),
+   linked in a shuffled cycle: dependent loads from scattered memory, as an
+   interpreter's. chain_ns() follows the cycle once and returns its time. */
+enum { CHAIN_LINES = 512, CHAIN_STRIDE = 4096 + 64 };
+char chain_mem[CHAIN_LINES * CHAIN_STRIDE];     /* not static: the tests follow it */
+void chain_init(void)
+{
+    int order[CHAIN_LINES];
+    uint32_t seed = 12345;
+    for (int i = 0; i < CHAIN_LINES; i++) order[i] = i;
+    for (int i = CHAIN_LINES - 1; i > 0; i--) {
+        seed = seed * 1664525u + 1013904223u;
+        int j = (int)((seed >> 8) % (uint32_t)(i + 1)), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    for (int i = 0; i < CHAIN_LINES; i++)
+        *(char **)(chain_mem + order[i] * CHAIN_STRIDE) =
+            chain_mem + order[(i + 1) % CHAIN_LINES] * CHAIN_STRIDE;
+}
+uint64_t chain_ns(void)
+{
+    char *p = chain_mem;
+    uint64_t start = now_ns();
+    __asm__ volatile("" : "+r"(p) : : "memory");    /* the loads stay between the reads */
+    for (int i = 0; i < CHAIN_LINES; i++) p = *(char **)p;
+    __asm__ volatile("" : "+r"(p) : : "memory");
+    return now_ns() - start;
+}
+"""
 PROBE_RUNS = 60
+GAP_NS = 3000                  # a jump of the clock this long: the CPU was taken
+GAP_SECONDS = 2.0              # how long the interruptions are counted
+CHAIN_WAIT_NS = 500_000        # the loop before each walk of the chain
+CHAIN_RUNS = 600
 FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches emptied
 
 
@@ -163,8 +216,9 @@ def timed(fn):
 
 
 def probe():
-    """The machine without minigraph: {piece of work: [median us right after itself,
-    then after a Python loop of each PROBE_WAITS_MS ms]}."""
+    """The machine without minigraph: {"columns": the befores, "rows": {piece of work:
+    [median us right after itself, then after each before]}, "interruptions":
+    interruptions(), or None without a C compiler}."""
     import numpy
 
     small, src = numpy.ones(1, numpy.float32), numpy.ones(16 << 10, numpy.float32)
@@ -187,24 +241,55 @@ def probe():
             work["C product of 224 KiB, its own time"] = lambda: lib.product_ns() / 1e9
             befores["c"] = lambda: lib.spin_ns(PROBE_OTHER_MS * 1_000_000)
         befores["sleep"] = lambda: time.sleep(PROBE_OTHER_MS / 1e3)
+        taken = interruptions(lib) if lib is not None else None
         times = {(name, before): [] for name in work for before in ("itself", *befores)}
         for _ in range(PROBE_RUNS):     # every case in turn: a drift slows them alike
             for (name, before), runs in times.items():
                 befores.get(before, work[name])()   # "itself": the same work right before
                 runs.append(timed(work[name]) * 1e6)
-    return {"columns": ["itself", *befores],
+    return {"columns": ["itself", *befores], "interruptions": taken,
             "rows": {name: [statistics.median(times[name, before])
                             for before in ("itself", *befores)] for name in work}}
 
 
+def interruptions(lib):
+    """How often and how long the machine takes the CPU from a loop that only reads the
+    clock, and what that costs scattered loads: {"per second", "median us", "p90 us",
+    "share" (of the time), "chain": [its walk's median us right after itself, then
+    after CHAIN_WAIT_NS of the clock loop in which the CPU was taken 0 times, 1 time,
+    2 or more times (None where no loop had that many)]}."""
+    cap = 1 << 20
+    lengths = (ctypes.c_uint64 * cap)()
+    count = lib.gaps_ns(int(GAP_SECONDS * 1e9), GAP_NS, lengths, cap)
+    taken = sorted(lengths[:min(count, cap)]) or [0]
+    lib.chain_init()
+    walks = {"itself": [], 0: [], 1: [], 2: []}
+    for _ in range(CHAIN_RUNS):
+        lib.chain_ns()
+        walks["itself"].append(lib.chain_ns())
+        gaps = lib.gaps_ns(CHAIN_WAIT_NS, GAP_NS, lengths, cap)
+        walks[min(gaps, 2)].append(lib.chain_ns())
+    return {"per second": count / GAP_SECONDS, "median us": statistics.median(taken) / 1e3,
+            "p90 us": taken[int(0.9 * (len(taken) - 1))] / 1e3,
+            "share": sum(taken) / (GAP_SECONDS * 1e9),
+            "chain": [statistics.median(runs) / 1e3 if runs else None
+                      for runs in walks.values()]}
+
+
 def c_probes(tmp):
-    """idle_loop.SPIN_C and PRODUCT_C built in the directory `tmp` and loaded (spin_ns(ns),
-    product_init(), product_ns()), or None without a C compiler or where the build
+    """idle_loop.SPIN_C, PRODUCT_C and INTERRUPT_C built in the directory `tmp` and
+    loaded (spin_ns(ns), product_init(), product_ns(), gaps_ns(ns, gap_ns, lengths,
+    cap), chain_init(), chain_ns()), or None without a C compiler or where the build
     fails (idle_loop.build_c)."""
-    lib = build_c(SPIN_C + PRODUCT_C, tmp)
+    lib = build_c(SPIN_C + PRODUCT_C + INTERRUPT_C, tmp)
     if lib is not None:
         lib.product_ns.argtypes, lib.product_ns.restype = [], ctypes.c_uint64
         lib.product_init.argtypes, lib.product_init.restype = [], None
+        lib.gaps_ns.argtypes = [ctypes.c_uint64, ctypes.c_uint64,
+                                ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64]
+        lib.gaps_ns.restype = ctypes.c_uint64
+        lib.chain_init.argtypes, lib.chain_init.restype = [], None
+        lib.chain_ns.argtypes, lib.chain_ns.restype = [], ctypes.c_uint64
     return lib
 
 
@@ -257,6 +342,18 @@ def main(argv=None):
                   for name, times in probed["rows"].items()]
     for row in probe_rows:
         print(" | ".join(row))
+    taken = probed["interruptions"]
+    taken_rows = [] if taken is None else [(
+        f"{taken['per second']:.0f}", f"{taken['median us']:.1f}", f"{taken['p90 us']:.1f}",
+        f"{100 * taken['share']:.2f} %",
+        *("-" if v is None else f"{v:.2f}" for v in taken["chain"]))]
+    taken_header = (f"taken for {GAP_NS / 1e3:.0f} us or more, per second", "median us",
+                    "90th percentile us", "share of the time",
+                    "chain right after itself, us",
+                    *(f"chain after {CHAIN_WAIT_NS / 1e6:g} ms taken {n}, us"
+                      for n in ("0 times", "once", "2 or more times")))
+    for row in taken_rows:
+        print(" | ".join(row))
     text = "\n\n".join([machine_line(
         f"The optimized inference nets of nets_cpu.py ({', '.join(args.nets)}), "
         f"{args.threads} threads, each net and mode in its own process; medians over "
@@ -270,7 +367,15 @@ def main(argv=None):
         "Python loop that reads the clock for the time given, a C loop that counts in a "
         "register between readings of the clock (no memory touched) or a sleep, the "
         "cases in turn:",
-        markdown_table(("work", *(titles[c] for c in probed["columns"])), probe_rows)])
+        markdown_table(("work", *(titles[c] for c in probed["columns"])), probe_rows),
+        *([] if taken is None else [
+            f"How often the machine takes the CPU from a C loop that only reads the clock "
+            f"({GAP_SECONDS:g} s; a jump of {GAP_NS / 1e3:g} us or more between two readings "
+            f"counts), and a walk of a chain of 512 pointers a page apart in shuffled order "
+            f"(dependent loads from scattered memory), medians of {CHAIN_RUNS}: right after "
+            f"itself, and after {CHAIN_WAIT_NS / 1e6:g} ms of that loop by how often the CPU "
+            f"was taken during it:",
+            markdown_table(taken_header, taken_rows)])])
     write_section("between_steps", text, enabled=not args.no_write)
 
 
