@@ -30,12 +30,15 @@ drift of the machine's speed slows them alike): 5 timed, then 5 with the CPU tim
 of every thread read around them (reading /proc is work of its own, which would
 slow a small net's inference). A thread's CPU time is the first field of
 /proc/self/task/<tid>/schedstat (nanoseconds; Linux; it is brought up to date at
-the kernel's ticks, so a short inference may count some of what ran before it).
-The table: the median wall time of an inference, and the median CPU time of
-OpenBLAS's own workers, of the calling thread and of every other thread (the
-native kernels' pools) during one. The machine's table comes from a process that
-imports numpy only (--probe). It prints both tables and writes them into the
-`between_steps` section of docs/performance.md; --no-write only prints.
+the kernel's ticks and switches, so a short inference may count some of what ran
+before it, and a thread that spins through it may count none), its time ready but
+waiting for a CPU the second. The table: the median wall time of an inference, and
+the median CPU time of OpenBLAS's own workers, of the calling thread and of every
+other thread (the native kernels' pools) during one, and the time all of them
+waited for a CPU (where a spinning thread holds a core another needs). The machine's
+tables come from a process that imports numpy only (--probe). It prints the tables
+and writes them into the `between_steps` section of docs/performance.md; --no-write
+only prints.
 """
 from __future__ import annotations
 
@@ -142,12 +145,14 @@ FLUSH_FLOATS = 64 << 20        # 256 MiB written between inferences: caches empt
 
 
 def thread_cpu_ns():
-    """{tid: nanoseconds on a CPU} of every thread of this process."""
+    """{tid: (nanoseconds on a CPU, nanoseconds ready but waiting for one)} of every
+    thread of this process."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[int(tid)] = int(f.read().split()[0])
+                ran, waited = f.read().split()[:2]
+            out[int(tid)] = (int(ran), int(waited))
         except (OSError, ValueError):
             pass
     return out
@@ -198,13 +203,14 @@ def worker(args):
                 c0 = thread_cpu_ns()
                 infer()
                 c1 = thread_cpu_ns()
-                spent = {t: (c1[t] - c0.get(t, 0)) / 1e6 for t in c1}
+                spent = {t: (c1[t][0] - c0.get(t, (0, 0))[0]) / 1e6 for t in c1}
+                waited = sum(c1[t][1] - c0.get(t, (0, 0))[1] for t in c1) / 1e6
                 cpus[case].append((sum(v for t, v in spent.items() if t in blas),
                                    spent.get(os.getpid(), 0.0),
                                    sum(v for t, v in spent.items()
-                                       if t not in blas and t != os.getpid())))
+                                       if t not in blas and t != os.getpid()), waited))
     return {case: [statistics.median(walls[case])]
-            + [statistics.median(r[i] for r in cpus[case]) for i in range(3)]
+            + [statistics.median(r[i] for r in cpus[case]) for i in range(4)]
             for case in CASES}
 
 
@@ -317,7 +323,8 @@ def main(argv=None):
     from report import machine_line, markdown_table, write_section
 
     header = ("net", "mode", "inference", "wall ms", "OpenBLAS's workers, CPU ms",
-              "calling thread, CPU ms", "other threads, CPU ms")
+              "calling thread, CPU ms", "other threads, CPU ms",
+              "all threads waiting for a CPU, ms")
     rows = []
     load = os.getloadavg()[0]
     print(f"load average before: {load:.2f}")

@@ -84,3 +84,19 @@ def test_interruptions_reports_rates_and_the_chain_by_count(between_steps, probe
     assert 0 < taken["median us"] <= taken["p90 us"]
     itself, *by_count = taken["chain"]
     assert itself > 0 and by_count[:2] == [None, None] and by_count[2] > 0
+
+
+def test_thread_times_count_this_threads_work(between_steps):
+    import threading
+    import time
+
+    me = threading.get_native_id()
+    before = between_steps.thread_cpu_ns()
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:
+        pass
+    after = between_steps.thread_cpu_ns()
+    ran = after[me][0] - before[me][0]
+    assert ran > 20_000_000                               # most of the 50 ms, in ns
+    assert all(len(t) == 2 and min(t) >= 0 for t in after.values())
+    assert after[me][1] >= before[me][1]                  # the wait only grows
