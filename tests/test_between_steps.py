@@ -92,11 +92,11 @@ def test_thread_times_count_this_threads_work(between_steps):
 
     me = threading.get_native_id()
     before = between_steps.thread_cpu_ns()
-    end = time.perf_counter() + 0.05
-    while time.perf_counter() < end:
+    end = time.thread_time() + 0.03                      # 30 ms on a CPU, however loaded
+    while time.thread_time() < end:
         pass
     after = between_steps.thread_cpu_ns()
     ran = after[me][0] - before[me][0]
-    assert ran > 20_000_000                               # most of the 50 ms, in ns
+    assert 20_000_000 < ran < 10**10                      # schedstat lags by a tick at most
     assert all(len(t) == 2 and min(t) >= 0 for t in after.values())
     assert after[me][1] >= before[me][1]                  # the wait only grows
