@@ -25,7 +25,9 @@ class FairRLock:
     `_held` is locked while a thread owns the lock; uncontended, acquire and
     release touch only it. A thread that finds it locked joins the queue and
     blocks on a lock of its own, which the thread that hands it the FairRLock
-    releases after setting `_owner`."""
+    releases after setting `_owner`. A Ctrl-C that lands between taking `_held` and
+    owning it, or between disowning it and releasing it, gives it back before the
+    KeyboardInterrupt goes on."""
 
     def __init__(self):
         self._held = threading.Lock()
@@ -42,9 +44,14 @@ class FairRLock:
         if self._owner == me:
             self._depth += 1
             return True
-        if self._held.acquire(False):
-            self._owner, self._depth = me, 1
-            return True
+        try:
+            if self._held.acquire(False):
+                self._owner, self._depth = me, 1
+                return True
+        except BaseException:            # an interrupt between taking _held and owning it
+            if self._owner is None and self._held.locked():
+                self._held.release()
+            raise
         entry = (me, _waiter())
         with self._mutex:
             self._queue.append(entry)
@@ -72,8 +79,13 @@ class FairRLock:
         if self._depth > 1:
             self._depth -= 1
             return
-        self._owner, self._depth = None, 0
-        self._held.release()
+        try:
+            self._owner, self._depth = None, 0
+            self._held.release()
+        except BaseException:            # an interrupt between disowning and releasing
+            if self._owner is None and self._held.locked():
+                self._held.release()
+            raise
         if self._queue:
             with self._mutex:
                 self._hand_over_if_free()

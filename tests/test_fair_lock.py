@@ -133,6 +133,49 @@ def test_a_release_between_a_failed_try_and_joining_the_queue_is_not_lost(monkey
     assert got == [1] and not lock._held.locked()
 
 
+class InterruptedLock:
+    """A threading.Lock whose next acquire(False) takes it and whose next release
+    does not, each then raising KeyboardInterrupt: a Ctrl-C that lands between
+    FairRLock taking `_held` and owning it, or between disowning and releasing it."""
+
+    def __init__(self, when):
+        self.lock, self.when = threading.Lock(), when
+
+    def acquire(self, blocking=True):
+        got = self.lock.acquire(blocking)
+        if self.when == "acquire":
+            self.when = None
+            raise KeyboardInterrupt
+        return got
+
+    def release(self):
+        if self.when == "release":
+            self.when = None
+            raise KeyboardInterrupt
+        self.lock.release()
+
+    def locked(self):
+        return self.lock.locked()
+
+
+@pytest.mark.parametrize("when", ["acquire", "release"])
+def test_a_ctrl_c_inside_acquire_or_release_leaves_the_lock_free(when):
+    """Such an interrupt during io.load left `_held` taken with no owner, and the
+    next load waited for ever."""
+    lock = FairRLock()
+    lock._held = InterruptedLock(when)
+    if when == "release":
+        lock.acquire()
+    with pytest.raises(KeyboardInterrupt):
+        lock.acquire() if when == "acquire" else lock.release()
+    assert lock._owner is None and not lock._held.locked()
+    taken = threading.Event()
+    other = threading.Thread(target=lambda: (lock.acquire(), taken.set(), lock.release()))
+    other.start()
+    other.join(5)
+    assert taken.is_set() and not lock._held.locked()
+
+
 def test_a_training_loop_in_another_thread_lets_an_inference_in_after_its_step():
     """With Python's own lock the loop took it back at once: an inference asked for
     from another thread waited for hundreds of steps."""
