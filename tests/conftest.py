@@ -23,6 +23,24 @@ QUICK = ("test_scope", "test_operator", "test_schema", "test_net", "test_executo
          "test_layer_norm", "test_inference_model", "test_onnx_export", "test_render_layers")
 
 
+def pytest_configure(config):
+    """Where Python writes no bytecode (PYTHONDONTWRITEBYTECODE), every process a test
+    starts (the CLI, ranks, probes, examples) would compile minigraph's ~270 modules
+    again, about a second each: compile them once, into their __pycache__ as Python
+    does by default, in the process that starts the run (not in each xdist worker)."""
+    if not sys.dont_write_bytecode or hasattr(config, "workerinput"):
+        return
+    import compileall
+
+    import minigraph.examples
+    import minigraph.kernels
+    import minigraph.ops
+
+    for package in (minigraph, minigraph.ops, minigraph.kernels, minigraph.examples):
+        for path in package.__path__:
+            compileall.compile_dir(path, quiet=2)
+
+
 def pytest_collection_modifyitems(items):
     """Mark the tests of the QUICK modules `quick`."""
     for item in items:
