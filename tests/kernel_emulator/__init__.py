@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import math
-import pathlib
-import shutil
 import struct
 import subprocess
-import tempfile
 import threading
 import weakref
 from types import SimpleNamespace
@@ -45,11 +41,8 @@ from minigraph.kernels.cuda import loader
 from minigraph.kernels.cuda.launch import DeviceInfo, KernelResources
 from minigraph.place import GPUPlace
 
-HERE = pathlib.Path(__file__).parent
-CXX = shutil.which("g++")
-CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-w")
-KERNEL_FLAGS = ("-fsanitize=alignment",)       # the kernel module only: handled in runtime.cpp
-LINK_FLAGS = ("-shared", "-Wl,--no-undefined")
+from .build import C_TYPES, BuildError, build  # noqa: F401 (BuildError, build: its API)
+
 SHARED_LIMIT = 48 * 1024      # bytes of shared memory a block may have (static + dynamic)
 OPTIN_LIMIT = 227 * 1024      # ... once the kernel's function attribute allows more (sm_90)
 MAX_GRID = (2**31 - 1, 65535, 65535)
@@ -57,12 +50,6 @@ MAX_BLOCK = (1024, 1024, 64)
 PAD = 64                      # canary bytes on each side of an array
 CANARY = 0xA5
 POISON = 0xFF                 # fresh arrays: NaN for floats, -1 for ints
-
-C_TYPES = {"P": ("void*", ctypes.c_void_p), "q": ("long long", ctypes.c_longlong),
-           "Q": ("unsigned long long", ctypes.c_ulonglong), "i": ("int", ctypes.c_int),
-           "I": ("unsigned", ctypes.c_uint), "d": ("double", ctypes.c_double),
-           "f": ("float", ctypes.c_float)}
-
 
 class EmulatorError(RuntimeError):
     """A launch failed in the emulator (deadlock, out-of-bounds write, misaligned
@@ -137,51 +124,6 @@ def to_device(values, offset=0):
 
 
 _build_lock = threading.Lock()
-
-
-def build(module, signatures, kdir=None):
-    """Compile <kdir>/<module>.cu (kdir: kernels/cuda) with emu.h and call wrappers
-    for `signatures` ({entry point: format}); the library's path (cached by
-    content)."""
-    kdir = pathlib.Path(kdir) if kdir is not None else loader.kernel_dir()
-    sources = [kdir / f"{module}.cu", *sorted(kdir.glob("*.cuh")), HERE / "emu.h",
-               HERE / "runtime.cpp"]
-    wrappers = ["#include <stddef.h>"]
-    for name, fmt in sorted(signatures.items()):
-        params = ", ".join(C_TYPES[c][0] for c in fmt)
-        args = ", ".join(f"*({C_TYPES[c][0]}*)a[{i}]" for i, c in enumerate(fmt))
-        wrappers.append(f'extern "C" void {name}({params});')
-        wrappers.append(f'extern "C" void emu_wrap_{name}(void** a) {{ {name}({args}); }}')
-    wrapper_src = "\n".join(wrappers) + "\n"
-    digest = hashlib.sha256()
-    for p in sources:
-        digest.update(p.read_bytes())
-    digest.update(wrapper_src.encode())
-    digest.update(" ".join(CXX_FLAGS + KERNEL_FLAGS + LINK_FLAGS).encode())
-    out_dir = pathlib.Path(tempfile.gettempdir()) / "minigraph-kernel-emulator"
-    out_dir.mkdir(exist_ok=True)
-    lib = out_dir / f"{module}-{digest.hexdigest()[:16]}.so"
-    if not lib.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            tmp = pathlib.Path(tmp)
-            (tmp / "wrappers.cpp").write_text(wrapper_src)
-            target = tmp / lib.name
-            include = ["-I", str(kdir), "-I", str(HERE)]
-            steps = [[CXX, *CXX_FLAGS, *KERNEL_FLAGS, *include, "-x", "c++", "-include",
-                      str(HERE / "emu.h"), "-c", str(kdir / f"{module}.cu"), "-o",
-                      str(tmp / "kernels.o")],
-                     [CXX, *CXX_FLAGS, *include, "-c", str(tmp / "wrappers.cpp"), "-o",
-                      str(tmp / "wrappers.o")],
-                     [CXX, *CXX_FLAGS, *include, "-c", str(HERE / "runtime.cpp"), "-o",
-                      str(tmp / "runtime.o")],
-                     [CXX, *LINK_FLAGS, str(tmp / "kernels.o"), str(tmp / "wrappers.o"),
-                      str(tmp / "runtime.o"), "-o", str(target)]]
-            for cmd in steps:
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode:
-                    raise EmulatorError(f"g++ failed on {module}.cu:\n{done.stderr[-4000:]}")
-            shutil.move(str(target), lib)
-    return lib
 
 
 def _shared_variables(lib_path):
