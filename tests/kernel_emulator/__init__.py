@@ -41,7 +41,7 @@ from minigraph.kernels.cuda import loader
 from minigraph.kernels.cuda.launch import DeviceInfo, KernelResources
 from minigraph.place import GPUPlace
 
-from .libraries import C_TYPES, BuildError, build  # noqa: F401 (BuildError, build: its API)
+from .toolchain import C_TYPES, BuildError, build  # noqa: F401 (BuildError, build: its API)
 
 SHARED_LIMIT = 48 * 1024      # bytes of shared memory a block may have (static + dynamic)
 OPTIN_LIMIT = 227 * 1024      # ... once the kernel's function attribute allows more (sm_90)

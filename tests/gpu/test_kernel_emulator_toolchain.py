@@ -1,4 +1,4 @@
-"""Building for the kernel emulator (tests/kernel_emulator/libraries.py): runtime.cpp is
+"""Building for the kernel emulator (tests/kernel_emulator/toolchain.py): runtime.cpp is
 compiled once per cache and linked into every module's library, each library runs
 its kernels with a runtime state of its own, and g++'s refusal names the module."""
 from __future__ import annotations
@@ -36,7 +36,7 @@ def empty_cache(tmp_path, monkeypatch):
         calls.append([str(c) for c in cmd])
         return real(cmd, *args, **kwargs)
 
-    monkeypatch.setattr(kernel_emulator.libraries.subprocess, "run", recording)
+    monkeypatch.setattr(kernel_emulator.toolchain.subprocess, "run", recording)
     return calls
 
 
