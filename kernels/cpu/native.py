@@ -24,9 +24,12 @@ Nothing unverified is loaded:
     An entry that fails (truncated, empty, garbage, another library, no
     digest) is built again and replaced.
 
-The whole build (the compiler's version, then each flag set) must finish
-within MINIGRAPH_NATIVE_BUILD_TIMEOUT seconds (DEFAULT_BUILD_TIMEOUT_S); a
-compiler still running then is killed with its children. A build that takes
+Processes building into one cache take turns (a flock on the directory), so
+processes started together (a job's ranks) build each library once and the others
+load it; one that waited MINIGRAPH_NATIVE_BUILD_TIMEOUT seconds for its turn builds on
+its own. The build itself (the compiler's version, then each flag set) must finish
+within that many seconds (DEFAULT_BUILD_TIMEOUT_S); a compiler still running then is
+killed with its children. A build that takes
 longer than NOTICE_AFTER_S says on stderr what it is building. Where the
 cache cannot be written the library is built in a temporary directory for
 this process only, removed once loaded.
@@ -38,6 +41,7 @@ are the reference the native ones are tested against.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -305,8 +309,13 @@ def _load_or_build(name):
                 if lib is not None:
                     return lib
             try:
-                return native_build.build(source, compiler, flags + COMMON_FLAGS, directory,
-                                          filename, deadline)
+                with _build_turn(directory, limit) as waited:
+                    deadline += waited            # the wait is not the build's time
+                    lib = None if directory is None else cache.load_verified(directory / filename)
+                    if lib is not None:           # another process built it meanwhile
+                        return lib
+                    return native_build.build(source, compiler, flags + COMMON_FLAGS,
+                                              directory, filename, deadline)
             except subprocess.TimeoutExpired:
                 errors.append(f"{' '.join(flags)}: did not finish within the build limit of "
                               f"{limit:g} s ({BUILD_TIMEOUT_ENV})")
@@ -314,6 +323,12 @@ def _load_or_build(name):
             except (OSError, subprocess.SubprocessError) as err:
                 errors.append(f"{' '.join(flags)}: {str(err).strip()[:300]}")
     raise _Refused(f"building {name}.c failed with {' '.join(compiler)}: " + "; ".join(errors))
+
+
+def _build_turn(directory, wait_s):
+    """The cache's build turn (native_cache.build_turn); none without a cache."""
+    return contextlib.nullcontext(0.0) if directory is None else \
+        cache.build_turn(directory, wait_s)
 
 
 def is_gcc(version):

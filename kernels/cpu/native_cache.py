@@ -6,7 +6,8 @@ it, is writable by no other user (`check_private`), the entry is a regular file 
 this user's (or root's) that no one else can write, and its bytes, read from the
 same open file that is then loaded, match the SHA-256 in `<entry>.sha256`
 (`load_verified`). The builder writes that digest (`write_digest`) after the
-library is complete, fsynced and renamed into place.
+library is complete, fsynced and renamed into place. Builders take turns on the
+directory (`build_turn`), so processes started together build each entry once.
 """
 from __future__ import annotations
 
@@ -172,6 +173,35 @@ def write_text(path, text):
         os.replace(tmp, path)
     finally:
         pathlib.Path(tmp).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def build_turn(directory, wait_s):
+    """Take the cache directory's build turn for the block: an exclusive flock on the
+    directory itself (no lock file is left behind), released when the block ends or
+    the process dies. Processes started together (pytest's workers, a job's ranks)
+    then build each entry once and the others load it: the caller looks for the entry
+    again inside the block. Yields the seconds it waited. After `wait_s` it stops
+    waiting and the block runs without the turn, as where flock does not exist."""
+    try:
+        import fcntl
+    except ImportError:               # not POSIX: each process builds for itself
+        yield 0.0
+        return
+    start = time.monotonic()
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - start >= wait_s:
+                    break             # the holder is stuck: build without the turn
+                time.sleep(0.02)
+        yield time.monotonic() - start
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temporaries(directory):

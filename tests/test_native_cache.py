@@ -1,0 +1,97 @@
+"""The native kernels' cache takes builds in turn (kernels/cpu/native_cache.py's
+build_turn): processes started together on an empty cache build a library once and
+the others load it; a turn held past the build limit is waited for no longer; the
+turn leaves no file behind. (The cache's other checks: test_native.py.)"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minigraph.kernels.cpu import native_cache
+
+CC = shutil.which("gcc") or shutil.which("cc")
+pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler here")
+
+PROBE = """
+import numpy as np
+from minigraph.kernels.cpu import native, relu_native
+lib = native.library("relu_native")
+print("LOADED" if lib is not None else "NOT LOADED", "|", native.reason("relu_native"))
+if lib is not None:
+    out = np.array([1.0, 0.0, 2.0], np.float32)
+    dx = np.full(3, np.nan, np.float32)
+    assert relu_native.relu_grad(out, np.ones(3, np.float32), dx)
+    assert dx.tolist() == [1.0, 0.0, 1.0]
+    print("KERNEL OK")
+"""
+
+
+def start_probe(cache, **env):
+    full = {**os.environ, "MINIGRAPH_CACHE": str(cache), **env}
+    full.pop("MINIGRAPH_NATIVE", None)
+    return subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=full)
+
+
+def logging_compiler(tmp_path):
+    """A $CC that writes each command line it is given to a log, then runs the real
+    compiler; (its path, the log's path)."""
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{CC}" "$@"\n')
+    cc.chmod(0o755)
+    return cc, log
+
+
+def compiled_libraries(log):
+    """The libraries the logged compiler built, one name per build, in order (loading
+    relu_native also builds blas_pool, the BLAS thread callback)."""
+    return [re.search(r"/\.([a-z_]+)-[0-9a-f]+\.so\.", line).group(1)
+            for line in log.read_text().splitlines() if "--version" not in line]
+
+
+def test_processes_started_together_build_a_library_once(tmp_path):
+    cc, log = logging_compiler(tmp_path)
+    cache = tmp_path / "cache"
+    probes = [start_probe(cache, CC=str(cc)) for _ in range(3)]
+    outputs = [p.communicate(timeout=120)[0] for p in probes]
+    for p, out in zip(probes, outputs):
+        assert p.returncode == 0 and "KERNEL OK" in out, out
+    built = compiled_libraries(log)
+    assert "relu_native" in built and len(built) == len(set(built)), built
+    assert len(list(cache.glob("relu_native-*.so"))) == 1
+
+
+def test_a_turn_held_past_the_build_limit_is_not_waited_for_longer(tmp_path):
+    """A holder that never lets go (a stuck process) costs a waiting process the build
+    limit, then it builds on its own."""
+    cc, log = logging_compiler(tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    with native_cache.build_turn(cache, 1) as waited:
+        assert waited < 1
+        start = time.monotonic()
+        probe = start_probe(cache, CC=str(cc), MINIGRAPH_NATIVE_BUILD_TIMEOUT="3")
+        out = probe.communicate(timeout=60)[0]
+        took = time.monotonic() - start
+    assert probe.returncode == 0 and "KERNEL OK" in out, out
+    built = compiled_libraries(log)
+    assert "relu_native" in built and len(built) == len(set(built)), built
+    assert 3 * len(built) <= took < 60, took       # each library waited 3 s, no more
+
+
+def test_the_turn_is_one_holders_at_a_time_and_leaves_no_file(tmp_path):
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    with native_cache.build_turn(directory, 1) as first:
+        with native_cache.build_turn(directory, 0.2) as second:
+            assert first < 0.2 <= second < 2    # a second descriptor waits, then gives up
+    with native_cache.build_turn(directory, 1) as third:
+        assert third < 0.2                      # released when the first block ended
+    assert list(directory.iterdir()) == []
