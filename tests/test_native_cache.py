@@ -95,3 +95,19 @@ def test_the_turn_is_one_holders_at_a_time_and_leaves_no_file(tmp_path):
     with native_cache.build_turn(directory, 1) as third:
         assert third < 0.2                      # released when the first block ended
     assert list(directory.iterdir()) == []
+
+
+def test_a_file_system_without_locks_builds_without_turns(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    with native_cache.build_turn(directory, 5) as waited:
+        assert waited < 1
+    with native_cache.build_turn(tmp_path / "missing", 5) as waited:
+        assert waited == 0.0

@@ -29,10 +29,9 @@ processes started together (a job's ranks) build each library once and the other
 load it; one that waited MINIGRAPH_NATIVE_BUILD_TIMEOUT seconds for its turn builds on
 its own. The build itself (the compiler's version, then each flag set) must finish
 within that many seconds (DEFAULT_BUILD_TIMEOUT_S); a compiler still running then is
-killed with its children. A build that takes
-longer than NOTICE_AFTER_S says on stderr what it is building. Where the
-cache cannot be written the library is built in a temporary directory for
-this process only, removed once loaded.
+killed with its children. A build that takes longer than NOTICE_AFTER_S says on
+stderr what it is building. Where the cache cannot be written the library is built
+in a temporary directory for this process only, removed once loaded.
 
 Where no compiler works, $CC cannot be split into a command, the build runs
 out of time, the cache is unsafe, or MINIGRAPH_NATIVE=0, `library` returns
