@@ -39,6 +39,17 @@ def start_probe(cache, **env):
                             stderr=subprocess.STDOUT, text=True, env=full)
 
 
+def output_of(probe, timeout):
+    """The probe's output once it has ended; killed (and the test failed) after
+    `timeout` seconds."""
+    try:
+        return probe.communicate(timeout=timeout)[0]
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
+
+
 def logging_compiler(tmp_path):
     """A $CC that writes each command line it is given to a log, then runs the real
     compiler; (its path, the log's path)."""
@@ -60,7 +71,13 @@ def test_processes_started_together_build_a_library_once(tmp_path):
     cc, log = logging_compiler(tmp_path)
     cache = tmp_path / "cache"
     probes = [start_probe(cache, CC=str(cc)) for _ in range(3)]
-    outputs = [p.communicate(timeout=120)[0] for p in probes]
+    try:
+        outputs = [output_of(p, 120) for p in probes]
+    finally:
+        for p in probes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, out in zip(probes, outputs):
         assert p.returncode == 0 and "KERNEL OK" in out, out
     built = compiled_libraries(log)
@@ -78,7 +95,7 @@ def test_a_turn_held_past_the_build_limit_is_not_waited_for_longer(tmp_path):
         assert waited < 1
         start = time.monotonic()
         probe = start_probe(cache, CC=str(cc), MINIGRAPH_NATIVE_BUILD_TIMEOUT="3")
-        out = probe.communicate(timeout=60)[0]
+        out = output_of(probe, 60)
         took = time.monotonic() - start
     assert probe.returncode == 0 and "KERNEL OK" in out, out
     built = compiled_libraries(log)
