@@ -5,6 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import native_probe
 import numpy as np
 import pytest
 
@@ -137,32 +138,7 @@ def test_cc_may_carry_arguments(fresh, monkeypatch):
 # ---- a damaged, planted or unbuildable cache entry (run in fresh processes: a bad
 # library can kill the process that loads it, and a process loads a path only once) ----
 
-PROBE = """
-import numpy as np
-from minigraph.kernels.cpu import native, relu_native
-lib = native.library("relu_native")
-print("LOADED" if lib is not None else "NOT LOADED", "|", native.reason("relu_native"))
-if lib is not None:
-    rng = np.random.default_rng(0)
-    out = np.maximum(rng.standard_normal(1000).astype(np.float32), 0)
-    dout = rng.standard_normal(1000).astype(np.float32)
-    dx = np.full_like(dout, np.nan)
-    assert relu_native.relu_grad(out, dout, dx)
-    np.testing.assert_array_equal(dx, np.where(out > 0, dout, 0))
-    print("KERNEL OK")
-"""
-
-
-def probe(cache, timeout=60, **env):
-    """Run PROBE in a fresh interpreter with MINIGRAPH_CACHE=cache: (returncode, output)."""
-    import subprocess
-    import sys
-
-    full = {**os.environ, "MINIGRAPH_CACHE": str(cache), **env}
-    full.pop("MINIGRAPH_NATIVE", None)
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          env=full, timeout=timeout)
-    return done.returncode, done.stdout + done.stderr
+probe = native_probe.run          # (returncode, output) of a fresh process on a cache
 
 
 def built_entry(cache):

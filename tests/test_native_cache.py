@@ -4,39 +4,17 @@ the others load it; a turn held past the build limit is waited for no longer; th
 turn leaves no file behind. (The cache's other checks: test_native.py.)"""
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
+import native_probe
 import pytest
 
 from minigraph.kernels.cpu import native_cache
 
 CC = shutil.which("gcc") or shutil.which("cc")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler here")
-
-PROBE = """
-import numpy as np
-from minigraph.kernels.cpu import native, relu_native
-lib = native.library("relu_native")
-print("LOADED" if lib is not None else "NOT LOADED", "|", native.reason("relu_native"))
-if lib is not None:
-    out = np.array([1.0, 0.0, 2.0], np.float32)
-    dx = np.full(3, np.nan, np.float32)
-    assert relu_native.relu_grad(out, np.ones(3, np.float32), dx)
-    assert dx.tolist() == [1.0, 0.0, 1.0]
-    print("KERNEL OK")
-"""
-
-
-def start_probe(cache, **env):
-    full = {**os.environ, "MINIGRAPH_CACHE": str(cache), **env}
-    full.pop("MINIGRAPH_NATIVE", None)
-    return subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=full)
 
 
 def output_of(probe, timeout):
@@ -70,7 +48,7 @@ def compiled_libraries(log):
 def test_processes_started_together_build_a_library_once(tmp_path):
     cc, log = logging_compiler(tmp_path)
     cache = tmp_path / "cache"
-    probes = [start_probe(cache, CC=str(cc)) for _ in range(3)]
+    probes = [native_probe.start(cache, CC=str(cc)) for _ in range(3)]
     try:
         outputs = [output_of(p, 120) for p in probes]
     finally:
@@ -94,7 +72,7 @@ def test_a_turn_held_past_the_build_limit_is_not_waited_for_longer(tmp_path):
     with native_cache.build_turn(cache, 1) as waited:
         assert waited < 1
         start = time.monotonic()
-        probe = start_probe(cache, CC=str(cc), MINIGRAPH_NATIVE_BUILD_TIMEOUT="3")
+        probe = native_probe.start(cache, CC=str(cc), MINIGRAPH_NATIVE_BUILD_TIMEOUT="3")
         out = output_of(probe, 60)
         took = time.monotonic() - start
     assert probe.returncode == 0 and "KERNEL OK" in out, out
