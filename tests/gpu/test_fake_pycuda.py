@@ -14,12 +14,15 @@ its tests here:
   48 KiB of dynamic shared memory only after the function's
   MAX_DYNAMIC_SHARED_SIZE_BYTES attribute allows it (set_attribute, at most the
   device's opt-in);
-- compile needs no context (given arch); module_from_buffer does.
+- compile needs no context (given arch); module_from_buffer does;
+- every fake GPU runs its kernels on one emulated device, made once whichever thread asks.
 """
 from __future__ import annotations
 
 import shutil
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -182,3 +185,31 @@ def test_dynamic_shared_memory_past_48_kib_needs_the_function_attribute(cuda):
     del a, fn
     cuda.drv.Context.pop()
     ctx.detach()
+
+
+def test_ranks_on_threads_share_one_emulated_device(monkeypatch):
+    """Ranks asking for the emulator at once get one backend, so a kernel library is
+    loaded once (a second load resets the runtime's shared memory table). The backend
+    is made slowly here, so threads that checked before it was made would make their own."""
+    import kernel_emulator
+
+    class SlowBackend(kernel_emulator.EmuBackend):
+        def __init__(self, **kwargs):
+            time.sleep(0.05)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(kernel_emulator, "EmuBackend", SlowBackend)
+    fake = fake_pycuda.FakeCuda(devices=2)
+    start = threading.Barrier(8)
+
+    def ask():
+        start.wait()
+        return fake.emulator()
+
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask())) for i in range(8)]
+    got = {}
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got) == 8 and len({id(b) for b in got.values()}) == 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import struct
 import subprocess
@@ -57,6 +58,10 @@ class EmulatorError(RuntimeError):
 
 
 _live = weakref.WeakSet()
+# Ranks run on threads (test_nccl.py), but a library's runtime state (fibers, barriers,
+# shared memory) is one, and ctypes lets go of the GIL: one launch at a time, and _live
+# is changed and listed under the same lock (a set changed while listed raises).
+_launch_lock = threading.Lock()
 aliased = set()           # (kernel name, (i, j)): pointer arguments i and j were one address
 
 
@@ -78,7 +83,8 @@ class EmuArray:
         self._raw[self._start:self._start + self.nbytes] = fill
         self.gpudata = self._raw.ctypes.data + self._start
         self.flags = SimpleNamespace(c_contiguous=True)
-        _live.add(self)
+        with _launch_lock:
+            _live.add(self)
 
     @property
     def ndim(self):
@@ -126,6 +132,7 @@ def to_device(values, offset=0):
 _build_lock = threading.Lock()
 
 
+@functools.cache
 def _shared_variables(lib_path):
     """[(offset in the library, size)] of its __shared__ variables: the function
     statics (mangled _ZZ...) in .bss (no initialiser: CUDA gives shared memory
@@ -150,11 +157,12 @@ def load(path):
     lib.emu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
         ctypes.c_void_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int,
         ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong)]
-    variables, launch_at = _shared_variables(path)
+    variables, launch_at = _shared_variables(str(path))
     base = ctypes.cast(lib.emu_launch, ctypes.c_void_p).value - launch_at
     addresses = (ctypes.c_ulonglong * max(len(variables), 1))(*(base + at for at, _ in variables))
     sizes = (ctypes.c_ulonglong * max(len(variables), 1))(*(n for _, n in variables))
-    lib.emu_set_shared(len(variables), addresses, sizes)
+    with _launch_lock:          # a library loaded again is the same state: not mid-launch
+        lib.emu_set_shared(len(variables), addresses, sizes)
     return lib
 
 
@@ -206,19 +214,22 @@ class EmuKernel:
             *(ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values))
         err = ctypes.create_string_buffer(1024)
         used = ctypes.c_ulonglong(0)
-        self._seed[0] += 1
-        self.launches += 1
         limit = SHARED_LIMIT if self.max_dynamic is None else OPTIN_LIMIT
-        rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err, len(err),
-                                  limit, shared, ctypes.byref(used))
-        self.shared_used = max(self.shared_used, used.value)
+        with _launch_lock:
+            self._seed[0] += 1
+            self.launches += 1
+            rc = self._lib.emu_launch(self._fn, *grid, *block, argv, self._seed[0], err,
+                                      len(err), limit, shared, ctypes.byref(used))
+            self.shared_used = max(self.shared_used, used.value)
         if rc:
             raise EmulatorError(f"{self.name}: {err.value.decode()}")
         if self.max_dynamic is not None and self.shared_used + self.max_dynamic > OPTIN_LIMIT:
             raise EmulatorError(f"{self.name}: {self.shared_used} bytes of static shared memory "
                                 f"and MAX_DYNAMIC_SHARED_SIZE_BYTES={self.max_dynamic}: more "
                                 f"than the {OPTIN_LIMIT} a block may opt in to")
-        for a in list(_live):
+        with _launch_lock:
+            live = list(_live)
+        for a in live:
             a.check()
 
 
@@ -293,8 +304,8 @@ class EmuBackend:
     def _lib(self, module):
         if module not in self._libs:
             with _build_lock:
-                path = build(module, loader.signature_table()[module])
-            self._libs[module] = load(path)
+                if module not in self._libs:
+                    self._libs[module] = load(build(module, loader.signature_table()[module]))
         return self._libs[module]
 
     def kernel(self, module, name, fmt):

@@ -207,10 +207,13 @@ class FakeCuda:
             self.enqueue(stream, lambda: ctypes.memmove(dest, src, nbytes))
 
     def emulator(self):
-        if self._emu is None:
-            import kernel_emulator
+        """The one emulated device behind every fake GPU (made once, whichever thread
+        asks first)."""
+        with self.emu_lock:
+            if self._emu is None:
+                import kernel_emulator
 
-            self._emu = kernel_emulator.EmuBackend(sm_count=self.sm_count)
+                self._emu = kernel_emulator.EmuBackend(sm_count=self.sm_count)
         return self._emu
 
     # ---- installing ----------------------------------------------------------------
