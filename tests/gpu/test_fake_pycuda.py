@@ -15,7 +15,8 @@ its tests here:
   MAX_DYNAMIC_SHARED_SIZE_BYTES attribute allows it (set_attribute, at most the
   device's opt-in);
 - compile needs no context (given arch); module_from_buffer does;
-- every fake GPU runs its kernels on one emulated device, made once whichever thread asks.
+- every fake GPU runs its kernels on one emulated device, made once whichever thread asks;
+- ranks on threads that allocate at once each own what they allocated.
 """
 from __future__ import annotations
 
@@ -213,3 +214,33 @@ def test_ranks_on_threads_share_one_emulated_device(monkeypatch):
     for t in threads:
         t.join(timeout=60)
     assert len(got) == 8 and len({id(b) for b in got.values()}) == 1
+
+
+def test_two_ranks_allocating_at_once_keep_their_memory_apart(cuda):
+    """The driver's table of which context owns an address stays sorted when ranks on
+    threads allocate at once (insort is not atomic): every address names its own GPU."""
+    from pycuda.tools import DeviceMemoryPool
+
+    start = threading.Barrier(2, timeout=60)
+    held = {}
+
+    def rank(index):
+        ctx = cuda.drv.Device(index).retain_primary_context()
+        ctx.push()
+        pool = DeviceMemoryPool()
+        start.wait()
+        held[index] = (ctx, [pool.allocate(64) for _ in range(5000)])
+        wrong = sum(cuda.owner(int(a)) is not ctx for a in held[index][1])
+        held[index][1].clear()
+        pool.stop_holding()
+        cuda.drv.Context.pop()
+        ctx.detach()
+        return wrong
+
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, rank(i))) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == {0: 0, 1: 0}

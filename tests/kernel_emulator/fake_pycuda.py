@@ -67,6 +67,7 @@ class FakeCuda:
         self._tls = threading.local()
         self._stacks = {}
         self._owners = []           # sorted (start, end, ctx)
+        self._owners_lock = threading.Lock()
         self._top = 1 << 20            # the next fake address (kernels that do nothing)
         self._emu = None
         self.emu_lock = threading.Lock()
@@ -132,21 +133,24 @@ class FakeCuda:
 
     def _track(self, alloc):
         if self.strict:
-            bisect.insort(self._owners, (alloc.addr, alloc.addr + alloc.nbytes, alloc.ctx),
-                          key=lambda t: t[0])
+            with self._owners_lock:     # ranks on threads allocate at once; insort is not atomic
+                bisect.insort(self._owners, (alloc.addr, alloc.addr + alloc.nbytes, alloc.ctx),
+                              key=lambda t: t[0])
 
     def _untrack(self, alloc):
         if self.strict:
-            i = bisect.bisect_left(self._owners, alloc.addr, key=lambda t: t[0])
-            if i < len(self._owners) and self._owners[i][0] == alloc.addr:
-                del self._owners[i]
+            with self._owners_lock:
+                i = bisect.bisect_left(self._owners, alloc.addr, key=lambda t: t[0])
+                if i < len(self._owners) and self._owners[i][0] == alloc.addr:
+                    del self._owners[i]
 
     def owner(self, address):
         """The context owning device `address`, or None."""
-        i = bisect.bisect_right(self._owners, address, key=lambda t: t[0]) - 1
-        if i >= 0 and self._owners[i][0] <= address < max(self._owners[i][1],
-                                                           self._owners[i][0] + 1):
-            return self._owners[i][2]
+        with self._owners_lock:
+            i = bisect.bisect_right(self._owners, address, key=lambda t: t[0]) - 1
+            if i >= 0 and self._owners[i][0] <= address < max(self._owners[i][1],
+                                                               self._owners[i][0] + 1):
+                return self._owners[i][2]
         return None
 
     def check_clean(self):
@@ -161,8 +165,9 @@ class FakeCuda:
     def reserve(self, nbytes):
         """A fresh device address range of `nbytes` (with a gap after it), for
         allocations that hold no host buffer (run_kernels=False)."""
-        addr = self._top
-        self._top += -(-max(int(nbytes), 1) // 256) * 256 + 256 * 64
+        with self._owners_lock:
+            addr = self._top
+            self._top += -(-max(int(nbytes), 1) // 256) * 256 + 256 * 64
         return addr
 
     def enqueue(self, stream, work):
