@@ -201,14 +201,13 @@ def test_ranks_on_threads_share_one_emulated_device(monkeypatch):
 
     monkeypatch.setattr(kernel_emulator, "EmuBackend", SlowBackend)
     fake = fake_pycuda.FakeCuda(devices=2)
-    start = threading.Barrier(8)
+    start, got = threading.Barrier(8, timeout=60), {}
 
-    def ask():
+    def ask(i):
         start.wait()
-        return fake.emulator()
+        got[i] = fake.emulator()
 
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, ask())) for i in range(8)]
-    got = {}
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -221,26 +220,23 @@ def test_two_ranks_allocating_at_once_keep_their_memory_apart(cuda):
     threads allocate at once (insort is not atomic): every address names its own GPU."""
     from pycuda.tools import DeviceMemoryPool
 
-    start = threading.Barrier(2, timeout=60)
-    held = {}
+    start, wrong = threading.Barrier(2, timeout=60), {}
 
     def rank(index):
         ctx = cuda.drv.Device(index).retain_primary_context()
         ctx.push()
         pool = DeviceMemoryPool()
         start.wait()
-        held[index] = (ctx, [pool.allocate(64) for _ in range(5000)])
-        wrong = sum(cuda.owner(int(a)) is not ctx for a in held[index][1])
-        held[index][1].clear()
+        blocks = [pool.allocate(64) for _ in range(5000)]
+        wrong[index] = sum(cuda.owner(int(b)) is not ctx for b in blocks)
+        del blocks
         pool.stop_holding()
         cuda.drv.Context.pop()
         ctx.detach()
-        return wrong
 
-    got = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, rank(i))) for i in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(i,)) for i in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert got == {0: 0, 1: 0}
+    assert wrong == {0: 0, 1: 0}
