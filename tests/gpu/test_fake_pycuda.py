@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import run_on_thread
+from helpers import all_right_from_threads, run_on_thread
 from kernel_emulator import fake_pycuda
 from kernel_emulator.fake_memory import FakeDriverError
 
@@ -200,19 +200,14 @@ def test_ranks_on_threads_share_one_emulated_device(monkeypatch):
             super().__init__(**kwargs)
 
     monkeypatch.setattr(kernel_emulator, "EmuBackend", SlowBackend)
-    fake = fake_pycuda.FakeCuda(devices=2)
-    start, got = threading.Barrier(8, timeout=60), {}
+    fake, made = fake_pycuda.FakeCuda(devices=2), []
 
-    def ask(i):
-        start.wait()
-        got[i] = fake.emulator()
+    def ask():
+        made.append(fake.emulator())        # kept: a freed backend's id could come again
+        return True
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert len(got) == 8 and len({id(b) for b in got.values()}) == 1
+    assert all_right_from_threads(ask, threads=8, calls=1)
+    assert len(made) == 8 and all(b is made[0] for b in made)
 
 
 def test_two_ranks_allocating_at_once_keep_their_memory_apart(cuda):

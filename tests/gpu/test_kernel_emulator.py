@@ -19,16 +19,14 @@ Probe kernels are compiled from a source written here; the real ones from kernel
 """
 from __future__ import annotations
 
-import os
-import pathlib
 import shutil
 import struct
-import subprocess
-import sys
+import threading
 
 import kernel_emulator
 import numpy as np
 import pytest
+from helpers import run_in_forked_child
 from kernel_emulator import EmuArray, EmuKernel, EmulatorError, to_device
 
 from minigraph.kernels.cuda import loader
@@ -262,55 +260,37 @@ def test_a_write_past_the_dynamic_shared_memory_fails_the_launch(probes):
 
 # ---- ranks on threads -----------------------------------------------------------------------
 
-THREADED_LAUNCHES = r"""
-import sys, threading
-import numpy as np
-import kernel_emulator
-from kernel_emulator import EmuArray, EmuKernel
-
-path = sys.argv[1]
-lib = kernel_emulator.load(path)
-wrong = []
-start, ranks_done = threading.Barrier(3), threading.Event()
-
-def rank(seed):
-    run = EmuKernel(lib, "probe_shared_read", "P", [seed])
-    start.wait()
-    for _ in range(200):
-        out = EmuArray((8 * 32,), np.float32)
-        run((8, 1, 1), (32, 1, 1), (out.gpudata,))
-        got = out.get().reshape(8, 32)
-        if not ((got[0] == 1).all() and np.isnan(got[1:]).all()):
-            wrong.append(seed)
-
-def loader():
-    start.wait()
-    while not ranks_done.is_set():
-        kernel_emulator.load(path)      # the same library: its runtime state is set again
-
-threads = [threading.Thread(target=rank, args=(s,)) for s in (1, 2)]
-threads.append(threading.Thread(target=loader))
-for t in threads:
-    t.start()
-for t in threads[:2]:
-    t.join()
-ranks_done.set()
-threads[2].join()
-print("wrong", len(wrong))
-"""
-
-
-def test_launches_from_two_threads_run_one_at_a_time(probes, tmp_path):
+def test_launches_from_two_threads_run_one_at_a_time(probes):
     """Ranks run on threads (test_nccl.py) and ctypes lets go of the GIL, but a library's
     fibers and shared memory table are one: two launches at once, or a launch while the
     library is loaded again, crashed the process or mixed two blocks' shared memory.
-    Run in a process of its own, as a crash would end it."""
-    (tmp_path / "threaded.py").write_text(THREADED_LAUNCHES)
-    lib = kernel_emulator.build("probes", SIGNATURES, kdir=probes.kdir)
-    here = pathlib.Path(kernel_emulator.__file__).parent.parent
-    paths = [str(here), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    done = subprocess.run([sys.executable, str(tmp_path / "threaded.py"), str(lib)],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-2000:]}"
-    assert done.stdout.split() == ["wrong", "0"], done.stdout
+    Run in a forked child, as a crash would end the process."""
+    path = kernel_emulator.build("probes", SIGNATURES, kdir=probes.kdir)
+
+    def ranks_and_a_loader(queue):
+        wrong, ranks_done = [], threading.Event()
+
+        def rank(seed):
+            run = probes("probe_shared_read", seed)
+            for _ in range(200):
+                out = EmuArray((8 * 32,), np.float32)
+                run((8, 1, 1), (32, 1, 1), (out.gpudata,))
+                got = out.get().reshape(8, 32)
+                if not ((got[0] == 1).all() and np.isnan(got[1:]).all()):
+                    wrong.append(seed)
+
+        def loader():
+            while not ranks_done.is_set():
+                kernel_emulator.load(path)     # the same library: its state is set again
+
+        ranks = [threading.Thread(target=rank, args=(s,)) for s in (1, 2)]
+        again = threading.Thread(target=loader)
+        for t in (again, *ranks):
+            t.start()
+        for t in ranks:
+            t.join()
+        ranks_done.set()
+        again.join()
+        queue.put(len(wrong))
+
+    assert run_in_forked_child(ranks_and_a_loader) == (0, 0)

@@ -68,8 +68,8 @@ class FakeCuda:
         self._tls = threading.local()
         self._stacks = {}
         self._owners = []           # sorted (start, end, ctx)
-        self._owners_lock = threading.Lock()
         self._top = 1 << 20            # the next fake address (kernels that do nothing)
+        self._owners_lock = threading.Lock()    # of both: ranks on threads allocate at once
         self._emu = None
         self.emu_lock = threading.Lock()
         self.hang = threading.Event()   # set: events never complete until released
@@ -134,7 +134,7 @@ class FakeCuda:
 
     def _track(self, alloc):
         if self.strict:
-            with self._owners_lock:     # ranks on threads allocate at once; insort is not atomic
+            with self._owners_lock:     # insort runs the key, Python, between search and insert
                 bisect.insort(self._owners, (alloc.addr, alloc.addr + alloc.nbytes, alloc.ctx),
                               key=lambda t: t[0])
 
