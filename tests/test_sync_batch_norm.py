@@ -35,7 +35,7 @@ def test_schema_matches_batch_norm():
 
 def test_cpu_and_gpu_kernels_are_registered():
     for op_type in ("sync_batch_norm", "sync_batch_norm_grad"):
-        assert set(get_schema(op_type).kernels) == {"cpu", "gpu"}   # GPU: test_gpu_batch_norm.py
+        assert set(get_schema(op_type).kernels) == {"cpu", "gpu"}   # GPU: test_gpu_sync_batch_norm.py
 
 
 def test_layer_sync_flag_builds_sync_op_in_both_branches():

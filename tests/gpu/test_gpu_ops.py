@@ -33,8 +33,8 @@ CASES = {f"{t}-{name}": (t, inputs, attrs, grads) for t in registered_ops()
 TESTED_ELSEWHERE = {
     "clip_by_global_norm": "test_gpu_layer_ops.py (a list in, the same list out, in place)",
     "c_allreduce_avg": "test_nccl.py and test_gpu_dispatch.py (one world, two ranks)",
-    "c_avg_presummed": "test_gpu_batch_norm.py (test_c_avg_presummed_matches_the_cpu)",
-    "c_scale_by_batch_share": "test_gpu_batch_norm.py (uneven per-rank batches)",
+    "c_avg_presummed": "test_gpu_sync_batch_norm.py (test_c_avg_presummed_matches_the_cpu)",
+    "c_scale_by_batch_share": "test_gpu_sync_batch_norm.py (uneven batches, mpiexec)",
 }
 
 
