@@ -294,7 +294,7 @@ def test_the_newer_layers_survive_the_file(tmp_path):
     assert got.shape == (4, 5, 2) and got.tobytes() == want.tobytes()
 
 
-# ---- a tampered graph, the layers of its ops ------------------------------------------
+# ---- a tampered graph, the layers of its ops -------------------------------------------
 
 def test_a_model_whose_op_writes_a_parameter_is_refused(model_dir):
     """A tampered model.json whose op wrote fc2.b in place loaded, and every infer()
