@@ -148,6 +148,19 @@ def cpu_engine(request, monkeypatch):
 
 
 @pytest.fixture
+def fresh_choices(monkeypatch, tmp_path):
+    """An empty cache directory (its path) and no timed kernel choices held by this
+    process (kernels/cpu/choices.py), none forced; no choices held afterwards either."""
+    from minigraph.kernels.cpu import choices
+
+    monkeypatch.setenv("MINIGRAPH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(choices.ENV, raising=False)
+    choices.forget()
+    yield tmp_path / "cache"
+    choices.forget()
+
+
+@pytest.fixture
 def one_rank(monkeypatch):
     """A world of one: a LocalComm as the current communicator."""
     import minigraph as mg

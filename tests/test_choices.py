@@ -1,33 +1,21 @@
 """Kernels chosen by timing on the machine (kernels/cpu/choices.py): a choice made once
 and kept in a per-machine file beside the native kernels, keyed by the CPU; damaged,
 foreign or untrusted files ignored and rewritten, never unpickled; every option of
-fused_fc and the convolutions giving the float64 reference's result; and nothing
-timed where tuning or the native kernels are off. No test asserts which option is
-faster: only that a choice is made, kept and honoured."""
+fused_fc and the convolutions giving the float64 reference's result
+(test_choices_results.py); and nothing timed where tuning or the native kernels are
+off. No test asserts which option is faster: only that a choice is made, kept and
+honoured."""
 import fcntl
 import json
 import os
 import pickle
 import time
 
-import numpy as np
 import pytest
-from references import conv2d as conv_reference
-from references import conv2d_grad as conv_grad_reference
 
-from minigraph.kernels.cpu import choices, conv_im2col, conv_native, fc_native, native, native_cache
+from minigraph.kernels.cpu import choices, native, native_cache
 
 KIND = "conv2d_dw"
-
-
-@pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """An empty cache directory and no choices held by this process (restored after)."""
-    monkeypatch.setenv("MINIGRAPH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(choices.ENV, raising=False)
-    choices.forget()
-    yield tmp_path / "cache"
-    choices.forget()
 
 
 class Counted:
@@ -45,12 +33,7 @@ def options():
     return {"direct": Counted("direct"), "im2col": Counted("im2col")}
 
 
-def needs_native():
-    if not native.enabled() or native.library("conv_native") is None:
-        pytest.skip("no native kernels here")
-
-
-def test_a_choice_is_timed_in_two_processes_then_kept_in_the_machines_file(fresh):
+def test_a_choice_is_timed_in_two_processes_then_kept_in_the_machines_file(fresh_choices):
     first = options()
     got = choices.choose(KIND, "shape-a", first, "direct")
     assert got in ("direct", "im2col")
@@ -59,7 +42,7 @@ def test_a_choice_is_timed_in_two_processes_then_kept_in_the_machines_file(fresh
     assert choices.choose(KIND, "shape-a", again, "direct") == got
     assert sum(o.calls for o in again.values()) == 1
     path = choices.path()
-    assert path is not None and path.parent == fresh and path.name.startswith("choices-")
+    assert path is not None and path.parent == fresh_choices and path.name.startswith("choices-")
     doc = json.loads(path.read_text())
     assert doc["format"] == choices.FORMAT and doc["cpu"] == native.cpu_identity()
     entry = doc["choices"][f"{KIND}|shape-a"]
@@ -85,7 +68,7 @@ def run_process(clock, seconds, key="loaded"):
     return choices.choose(KIND, key, opts, "direct"), opts
 
 
-def test_a_choice_timed_under_load_is_put_right_by_the_next_process(fresh, monkeypatch):
+def test_a_choice_timed_under_load_is_put_right_by_the_next_process(fresh_choices, monkeypatch):
     """Each option's least time over the processes decides: im2col timed at 4x its time
     alone (another program loading the CPU) loses in the first process and wins in the
     second; a third runs it untimed, and a slower second process changes nothing."""
@@ -103,7 +86,7 @@ def test_a_choice_timed_under_load_is_put_right_by_the_next_process(fresh, monke
     assert entry["ms"] == {"direct": 900.0, "im2col": 500.0}
 
 
-def test_an_entry_timed_by_one_process_is_timed_once_more(fresh, monkeypatch):
+def test_an_entry_timed_by_one_process_is_timed_once_more(fresh_choices, monkeypatch):
     """A file's entry without a count of processes (an older minigraph's) counts as
     one process's: timed again at the first pick, its times the least of both, then
     kept."""
@@ -120,7 +103,7 @@ def test_an_entry_timed_by_one_process_is_timed_once_more(fresh, monkeypatch):
     assert pick == "direct" and (opts["direct"].calls, opts["im2col"].calls) == (1, 0)
 
 
-def test_a_write_keeps_the_entries_another_process_wrote_meanwhile(fresh):
+def test_a_write_keeps_the_entries_another_process_wrote_meanwhile(fresh_choices):
     """Two processes that time at once (the ranks of one host) each write the whole
     file: the second writer takes in the first's entries of keys it does not hold."""
     choices.choose(KIND, "mine", options(), "direct")
@@ -139,7 +122,7 @@ def test_a_write_keeps_the_entries_another_process_wrote_meanwhile(fresh):
     assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
 
 
-def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeypatch):
+def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh_choices, monkeypatch):
     """No other process can take the lock (flock of choices-<digest>.lock) while this one
     reads the file and writes it back, so neither loses the other's entries."""
     choices.choose(KIND, "first", options(), "direct")
@@ -167,7 +150,7 @@ def test_a_write_holds_the_files_lock_from_its_read_to_its_rename(fresh, monkeyp
 
 
 @pytest.mark.parametrize("runs", [0, -3, "2", 2.0, True, None, [2]])
-def test_a_count_of_processes_that_is_not_a_positive_int_counts_as_one(fresh, runs):
+def test_a_count_of_processes_that_is_not_a_positive_int_counts_as_one(fresh_choices, runs):
     """A planted or damaged "runs" never makes a choice final: it is timed again."""
     choices.choose(KIND, "warm", options(), "direct")
     doc = json.loads(valid(pick="im2col"))
@@ -176,7 +159,7 @@ def test_a_count_of_processes_that_is_not_a_positive_int_counts_as_one(fresh, ru
     assert all(o.calls >= 1 + choices.ROUNDS for o in opts.values())
 
 
-def test_a_lock_held_elsewhere_delays_a_write_at_most_lock_wait_s(fresh, monkeypatch):
+def test_a_lock_held_elsewhere_delays_a_write_at_most_lock_wait_s(fresh_choices, monkeypatch):
     choices.choose(KIND, "first", options(), "direct")
     monkeypatch.setattr(choices, "LOCK_WAIT_S", 0.2)
     fd = os.open(choices.path().with_suffix(".lock"), os.O_RDWR)
@@ -191,7 +174,7 @@ def test_a_lock_held_elsewhere_delays_a_write_at_most_lock_wait_s(fresh, monkeyp
     assert f"{KIND}|second" in json.loads(choices.path().read_text())["choices"]
 
 
-def test_a_symlinked_lock_is_not_followed(fresh, tmp_path):
+def test_a_symlinked_lock_is_not_followed(fresh_choices, tmp_path):
     choices.choose(KIND, "first", options(), "direct")
     lock = choices.path().with_suffix(".lock")
     target = tmp_path / "elsewhere"
@@ -217,7 +200,7 @@ class Clocked(Counted):
 
 @pytest.mark.parametrize("slower, more, pick", [(1.05, True, "direct"), (1.2, True, "im2col"),
                                                (1.3, False, "im2col"), (3.0, False, "im2col")])
-def test_a_close_call_is_timed_for_more_rounds(fresh, monkeypatch, slower, more, pick):
+def test_a_close_call_is_timed_for_more_rounds(fresh_choices, monkeypatch, slower, more, pick):
     """Where both options take at most 1 / MARGIN^2 times the faster's time, both get
     CLOSE_ROUNDS more rounds, else none; the faster replaces the default (direct) only
     where it takes at most MARGIN of its time."""
@@ -230,7 +213,7 @@ def test_a_close_call_is_timed_for_more_rounds(fresh, monkeypatch, slower, more,
         assert option.calls == 1 + rounds + (name == pick)
 
 
-def test_the_default_runs_untimed_where_tuning_is_off(fresh, monkeypatch):
+def test_the_default_runs_untimed_where_tuning_is_off(fresh_choices, monkeypatch):
     for env in ({choices.ENV: "0"}, {"MINIGRAPH_NATIVE": "0"}):
         with monkeypatch.context() as m:
             for k, v in env.items():
@@ -238,14 +221,14 @@ def test_the_default_runs_untimed_where_tuning_is_off(fresh, monkeypatch):
             opts = options()
             assert choices.choose(KIND, "shape-b", opts, "im2col") == "im2col"
             assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
-    assert not list(fresh.glob("choices-*"))
+    assert not list(fresh_choices.glob("choices-*"))
 
 
-def test_forcing_runs_the_named_option(fresh):
+def test_forcing_runs_the_named_option(fresh_choices):
     opts = options()
     with choices.forcing({KIND: "im2col"}):
         assert choices.choose(KIND, "shape-c", opts, "direct") == "im2col"
-    assert opts["direct"].calls == 0 and not list(fresh.glob("choices-*"))
+    assert opts["direct"].calls == 0 and not list(fresh_choices.glob("choices-*"))
 
 
 def test_forcing_names_the_option_of_a_conv_too_small_to_be_timed():
@@ -264,7 +247,7 @@ def test_forcing_names_the_option_of_a_conv_too_small_to_be_timed():
         assert kernels.pick("conv2d", None, g, 1, opts) == "winograd"
 
 
-def test_another_cpu_has_a_file_of_its_own(fresh, monkeypatch):
+def test_another_cpu_has_a_file_of_its_own(fresh_choices, monkeypatch):
     choices.choose(KIND, "shape-d", options(), "direct")
     mine = choices.path()
     monkeypatch.setattr(native, "cpu_identity", lambda: "another CPU\nflags: avx2")
@@ -296,7 +279,7 @@ def valid(pick="im2col", cpu=None, runs=choices.PROCESSES, ms=None):
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "pickle", "not an object",
                                     "wrong format", "foreign cpu", "unknown option",
                                     "option of another kind", "wrong types", "too large"])
-def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(fresh, damage):
+def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(fresh_choices, damage):
     choices.choose(KIND, "warm", options(), "direct")        # makes the file and its path
     path = choices.path()
     data = {"garbage": b"\x00\xff not json",
@@ -318,14 +301,14 @@ def test_a_damaged_or_foreign_file_is_ignored_and_rewritten(fresh, damage):
     assert doc["choices"][f"{KIND}|shape-e"]["pick"] in ("direct", "im2col")
 
 
-def test_a_valid_file_is_honoured(fresh):
+def test_a_valid_file_is_honoured(fresh_choices):
     choices.choose(KIND, "warm", options(), "direct")
     opts = write_then_choose(choices.path(), valid(pick="im2col"))
     assert (opts["im2col"].calls, opts["direct"].calls) == (1, 0)
 
 
 @pytest.mark.parametrize("how", ["symlink", "writable by others"])
-def test_an_untrusted_file_is_not_read(fresh, how, tmp_path):
+def test_an_untrusted_file_is_not_read(fresh_choices, how, tmp_path):
     choices.choose(KIND, "warm", options(), "direct")
     path = choices.path()
     if how == "symlink":
@@ -342,7 +325,7 @@ def test_an_untrusted_file_is_not_read(fresh, how, tmp_path):
     assert all(o.calls > 1 for o in opts.values())
 
 
-def test_a_failed_write_leaves_the_old_file_and_no_temporary(fresh, monkeypatch):
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(fresh_choices, monkeypatch):
     choices.choose(KIND, "shape-f", options(), "direct")
     path = choices.path()
     before = path.read_bytes()
@@ -353,114 +336,15 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(fresh, monkeypatch)
     monkeypatch.setattr(os, "replace", failing)
     choices.choose(KIND, "shape-g", options(), "direct")    # chosen, kept in memory
     assert path.read_bytes() == before
-    assert [p.name for p in fresh.iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in fresh_choices.iterdir() if p.name.startswith(".")] == []
     assert f"{KIND}|shape-g" in choices.chosen()
 
 
-def test_an_unsafe_cache_directory_keeps_choices_in_memory(fresh):
-    fresh.mkdir(parents=True)
-    os.chmod(fresh, 0o777)
+def test_an_unsafe_cache_directory_keeps_choices_in_memory(fresh_choices):
+    fresh_choices.mkdir(parents=True)
+    os.chmod(fresh_choices, 0o777)
     try:
         assert choices.choose(KIND, "shape-h", options(), "direct") in ("direct", "im2col")
-        assert choices.path() is None and not list(fresh.glob("choices-*"))
+        assert choices.path() is None and not list(fresh_choices.glob("choices-*"))
     finally:
-        os.chmod(fresh, 0o700)
-
-
-# ---- every option computes the same result -----------------------------------------
-
-def close(got, want):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max()))
-
-
-@pytest.mark.parametrize("columns", [1000, 10])        # panels; few columns (fc_cols.h)
-@pytest.mark.parametrize("name", ["native", "blas"])
-def test_fused_fc_gives_the_reference_whichever_option_runs(name, columns, fresh):
-    import minigraph as mg
-    from minigraph.kernels.cpu import mul
-
-    if fc_native._lib() is None:
-        pytest.skip("no native kernels here")
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((64, 300)).astype(np.float32)
-    w = rng.standard_normal((300, columns)).astype(np.float32)
-    b = rng.standard_normal(columns).astype(np.float32)
-    op = type("Op", (), {"attrs": {"x_num_col_dims": 1, "activation": "relu",
-                         "weight_fixed": True, "normalize": False}})()
-    with choices.forcing({"fc": name}), mg.kernels.cpu.blocks.num_threads(2):
-        got = mul.fused_fc_cpu(op, {"x": x, "y": w, "bias": b}, None)["out"]
-    close(got, np.maximum(x.astype(np.float64) @ w + b, 0))
-
-
-def test_a_fixed_products_native_option_is_timed_as_it_runs(fresh, monkeypatch):
-    """The bound form times fc_native's call prepared once (the weight packed, the
-    arguments made), as the chosen option then runs, not a preparation per call: a
-    small product's would cost more than its arithmetic."""
-    from minigraph.kernels.cpu import mul
-
-    if fc_native._lib() is None:
-        pytest.skip("no native kernels here")
-    made = []
-    real = fc_native.prepared_forward
-
-    def counted(*args):
-        made.append(args)
-        return real(*args)
-    monkeypatch.setattr(fc_native, "prepared_forward", counted)
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((64, 128)).astype(np.float32)
-    w = rng.standard_normal((128, 10)).astype(np.float32)
-    out = np.empty((64, 10), np.float32)
-    call = mul._fixed_product(x, w, None, False, out)        # timed: a fresh choice
-    call()
-    assert len(made) == 1
-    close(out, x.astype(np.float64) @ w)
-
-
-CONVS = [((16, 16, 14, 14), (32, 16, 3, 3), (1, 1), (1, 1)),   # Winograd, direct, im2col
-         ((3, 8, 9, 9), (12, 8, 3, 3), (2, 2), (1, 1)),        # strided: direct, im2col
-         ((2, 1, 28, 28), (32, 1, 3, 3), (1, 1), (1, 1))]      # one channel
-
-
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-@pytest.mark.parametrize("x_shape, w_shape, strides, paddings", CONVS)
-def test_every_conv_option_gives_the_reference(x_shape, w_shape, strides, paddings, layout,
-                                               fresh, monkeypatch):
-    """conv2d, its two gradients and fused_conv2d on each option the conv has (Winograd
-    only where it takes the shape), against the float64 reference."""
-    from minigraph.kernels.cpu import conv2d as kernels
-
-    needs_native()
-    monkeypatch.setattr(kernels, "MIN_CHOICE_WORK", 0)
-    rng = np.random.default_rng(9)
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    w = (rng.standard_normal(w_shape) * 0.3).astype(np.float32)
-    attrs = {"strides": strides, "paddings": paddings, "dilations": (1, 1), "groups": 1,
-             "data_layout": layout, "activation": "relu"}
-    want = conv_reference(x.astype(np.float64), w.astype(np.float64), strides=strides,
-                          paddings=paddings, dilations=(1, 1))
-    d = rng.standard_normal(want.shape).astype(np.float32)
-    wants = {"dx", "dfilter"}
-    op = type("Op", (), {"attrs": attrs, "wants": lambda self, slot: slot in wants})()
-    to = (lambda a: a.transpose(0, 2, 3, 1).copy()) if layout == "NHWC" else (lambda a: a)
-    back = (lambda a: a.transpose(0, 3, 1, 2)) if layout == "NHWC" else (lambda a: a)
-    dx_want, dw_want = conv_grad_reference(x.astype(np.float64), w.astype(np.float64),
-                                           d.astype(np.float64), strides=strides,
-                                           paddings=paddings)
-    g = conv_im2col.geometry(x_shape, w_shape, strides, paddings, (1, 1), 1)
-    names = ["direct", "im2col"] + (["winograd"] if conv_native.forward_winograd(g, 2) else [])
-    assert names[-1] == "winograd" or strides != (1, 1) or x_shape[1] < 8
-    for name in names:
-        forced = {"conv2d": name, "conv2d_dx": name, "conv2d_dw": name, "fused_conv2d": name}
-        with choices.forcing(forced):
-            out = kernels.conv2d_cpu(op, {"x": to(x), "filter": w}, Ctx())["out"]
-            fused = kernels.fused_conv2d_cpu(op, {"x": to(x), "filter": w}, Ctx())["out"]
-            grads = kernels.conv2d_grad_cpu(op, {"x": to(x), "filter": w, "dout": to(d)}, Ctx())
-        close(back(out), want)
-        close(back(fused), np.maximum(want, 0))
-        close(grads["dfilter"], dw_want)
-        close(back(grads["dx"]), dx_want)
-
-
-class Ctx:
-    room = None
+        os.chmod(fresh_choices, 0o700)
