@@ -1,57 +1,18 @@
 """Checkpoints by part (minigraph.checkpoint_match): fine-tuning with a new optimizer,
 parameters-only files, selections a file cannot satisfy, optimizer state named under
-its optimizer, GradientMerge's k_steps, names a net refuses, and load_parameters from
-plain mappings and np.savez files."""
+its optimizer, GradientMerge's k_steps, names a net refuses, and version 1 files
+(load_parameters: test_load_parameters.py)."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
 import pytest
+from checkpoint_nets import LABELS, build, feed, same, snapshot, trained
 
 import minigraph as mg
 from minigraph import io
 from minigraph import layers as L
-
-rng = np.random.default_rng(0)
-IMAGES = rng.standard_normal((32, 1, 8, 8)).astype(np.float32)
-LABELS = (IMAGES[:, 0, :4, :4].mean(axis=(1, 2)) > IMAGES[:, 0, 4:, 4:].mean(axis=(1, 2)))
-
-
-def build(head="head", classes=2, opt=None, seed=0):
-    """image -> conv c1 -> batch norm bn1 -> relu -> max pool -> fc fc1 (16) -> relu
-    -> fc `head` (classes); minimised by `opt` when given: (net, loss)."""
-    net = mg.Net(seed=seed)
-    image = L.data(net, "image", shape=(-1, 1, 8, 8))
-    label = L.data(net, "label", shape=(-1,), dtype="int64")
-    h = L.conv2d(net, image, num_filters=4, filter_size=3, padding=1, name="c1")
-    h = L.pool2d(net, L.relu(net, L.batch_norm(net, h, name="bn1")), 2)
-    h = L.relu(net, L.fc(net, h, 16, name="fc1"))
-    logits = L.fc(net, h, classes, name=head)
-    loss = L.mean(net, L.softmax_with_cross_entropy(net, logits, label))
-    if opt is not None:
-        opt.minimize(net, loss)
-    return net, loss
-
-
-def feed(labels=LABELS):
-    return {"image": IMAGES, "label": labels.astype(np.int64)}
-
-
-def trained(tmp_path, steps=5, opt=None):
-    net, loss = build(opt=opt or mg.optimizer.Adam(0.01))
-    for _ in range(steps):
-        net.train(feed=feed(), fetch=[loss])
-    return net, io.save(net, tmp_path / "ck.npz")
-
-
-def snapshot(net):
-    return {v.name: v.get() for v in net.persistables()}
-
-
-def same(a, b, names):
-    return all(a[n].tobytes() == b[n].tobytes() for n in names)
-
 
 # ---- fine-tuning ------------------------------------------------------------------------
 
@@ -251,113 +212,6 @@ def test_a_parameter_named_like_a_gradient_no_longer_receives_one():
     h = L.fc(net, x, 3, name="fc1")
     with pytest.raises(ValueError, match="reserved"):
         L.fc(net, h, 2, param_attr=mg.ParamAttr(name="fc1.w@GRAD"))
-
-
-# ---- load_parameters -----------------------------------------------------------------------
-
-def torch_names(net):
-    """A state_dict as PyTorch would name this net's parameters and buffers (Linear
-    weights transposed, as torch stores them (out, in))."""
-    sd = {}
-    for v in net.persistables():
-        if v.name.startswith("adam_"):
-            continue
-        layer, what = v.name.split(".", 1)
-        key = {"w": "weight", "b": "bias", "scale": "weight", "bias": "bias",
-               "estimated_mean": "running_mean", "estimated_var": "running_var",
-               "num_batches": "num_batches_tracked"}[what]
-        value = v.get()
-        sd[f"model.{layer}.{key}"] = value.T.copy() if layer in ("fc1", "head") and \
-            what == "w" else value
-    return sd
-
-
-def from_torch(name):
-    layer, key = name.split(".")[1:]
-    what = {"running_mean": "estimated_mean", "running_var": "estimated_var",
-            "num_batches_tracked": "num_batches"}.get(key)
-    if what is None:
-        what = ("scale" if layer.startswith("bn") else "w") if key == "weight" else \
-            ("bias" if layer.startswith("bn") else "b")
-    return f"{layer}.{what}"
-
-
-def test_load_parameters_from_a_renamed_state_dict(tmp_path):
-    a, _ = trained(tmp_path)
-    sd = torch_names(a)
-    for key in ("model.fc1.weight", "model.head.weight"):
-        sd[key] = sd[key].T.copy()              # what a porting script does
-    b, _ = build(opt=mg.optimizer.Adam(0.003), seed=5)
-    state = {n: v for n, v in snapshot(b).items() if n.startswith("adam_")}
-    names = mg.io.load_parameters(b, sd, rename=from_torch)
-    assert sorted(names) == sorted(n for n in snapshot(a) if not n.startswith("adam_"))
-    assert same(snapshot(b), snapshot(a), names)
-    assert same(snapshot(b), state, state) and b.optimizer.learning_rate == 0.003
-
-
-def test_load_parameters_names_each_mismatch_and_changes_nothing(tmp_path):
-    a, _ = trained(tmp_path)
-    sd = {n: v.get() for n, v in ((v.name, v) for v in a.persistables())
-          if not n.startswith("adam_")}
-    sd["fc1.w"] = sd["fc1.w"].T.copy()                       # torch's layout, not ours
-    sd["c1.b"] = sd["c1.b"].astype(np.float64)
-    sd["head.b"] = sd["head.b"][:1]
-    sd["bn1.estimated_var"] = -sd["bn1.estimated_var"]
-    b, _ = build(opt=mg.optimizer.Adam(0.01), seed=5)
-    before = snapshot(b)
-    with pytest.raises(io.CheckpointError) as err:
-        io.load_parameters(b, sd)
-    msg = str(err.value)
-    assert "3 problem(s); nothing was loaded" in msg
-    assert "wrong shape for 'fc1.w': the net has (64, 16), the file (16, 64)" in msg
-    assert "wrong dtype for 'c1.b': the net has float32, the file float64" in msg
-    assert "wrong shape for 'head.b'" in msg
-    assert same(snapshot(b), before, before)
-    sd["fc1.w"], sd["c1.b"], sd["head.b"] = (a.var(n).get() for n in ("fc1.w", "c1.b", "head.b"))
-    with pytest.raises(io.CheckpointError, match="variance estimate 'bn1.estimated_var'"):
-        io.load_parameters(b, sd)
-    assert same(snapshot(b), before, before)
-
-
-def test_load_parameters_strict_false_and_what_it_never_sets(tmp_path):
-    a, _ = trained(tmp_path)
-    b, _ = build(head="head2", opt=mg.optimizer.Adam(0.01), seed=5)
-    sd = {"fc1.w": a.var("fc1.w").get(), "ghost": np.zeros(3, np.float32),
-          "adam_0.fc1.w.moment1": np.ones((64, 16), np.float32), "skip.me": np.zeros(1)}
-    moment = b.var("adam_0.fc1.w.moment1").get()
-    missing, unexpected = io.load_parameters(
-        b, sd, strict=False, rename=lambda n: None if n.startswith("skip") else n)
-    assert "c1.w" in missing and "fc1.w" not in missing and "adam_0.fc1.w.moment1" not in missing
-    assert sorted(unexpected) == ["adam_0.fc1.w.moment1", "ghost"]
-    assert np.array_equal(b.var("fc1.w").get(), a.var("fc1.w").get())
-    assert np.array_equal(b.var("adam_0.fc1.w.moment1").get(), moment)
-    with pytest.raises(io.CheckpointError, match="unexpected 'adam_0.fc1.w.moment1': optimizer "
-                                                 "state, which load_parameters never sets"):
-        io.load_parameters(b, sd, rename={"skip.me": None})
-    with pytest.raises(io.CheckpointError, match="rename gives 'fc1.w' for both"):
-        io.load_parameters(b, sd, strict=False, rename={"ghost": "fc1.w"})
-
-
-def test_load_parameters_from_a_plain_savez_file(tmp_path):
-    a, ck = trained(tmp_path)
-    model = {n: v for n, v in snapshot(a).items() if not n.startswith("adam_")}
-    np.savez(tmp_path / "plain.npz", **model)
-    np.savez_compressed(tmp_path / "packed.npz", **model)
-    for path in (tmp_path / "plain.npz", tmp_path / "packed.npz"):
-        b, _ = build(opt=mg.optimizer.Adam(0.01), seed=5)
-        assert sorted(io.load_parameters(b, path)) == sorted(model)
-        assert same(snapshot(b), model, model)
-    with pytest.raises(io.CheckpointError, match="a minigraph checkpoint .* load its parameters "
-                                                 "with mg.io.load\\(net, path, "
-                                                 "parts=\\['parameters'\\]\\)"):
-        io.load_parameters(b, ck)
-    np.savez(tmp_path / "objects.npz", fc1=np.array([{"a": 1}], dtype=object))
-    with pytest.raises(io.CheckpointError, match="object arrays are not allowed"):
-        io.load_parameters(b, tmp_path / "objects.npz", strict=False)
-    with pytest.raises(TypeError, match="source must be a mapping of names to arrays"):
-        io.load_parameters(b, [1, 2])
-    with pytest.raises(io.CheckpointError, match="'fc1.w' holds object, not numbers"):
-        io.load_parameters(b, {"fc1.w": np.array([None])}, strict=False)
 
 
 # ---- version 1 files (written before optimizer state was named under its optimizer) ----
