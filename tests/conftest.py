@@ -19,8 +19,8 @@ import kernel_emulator  # noqa: E402
 # ONNX, the layer view) in under a minute on two cores; the whole suite is `pytest`.
 QUICK = ("test_scope", "test_operator", "test_schema", "test_net", "test_executor",
          "test_backward", "test_batch_norm", "test_batch_norm_grad", "test_layers",
-         "test_optimizer", "test_io", "test_fold_bn", "test_journal", "test_feeds",
-         "test_layer_norm", "test_inference_model", "test_inference_model_atomic",
+         "test_optimizer", "test_io", "test_io_contents", "test_fold_bn", "test_journal",
+         "test_feeds", "test_layer_norm", "test_inference_model", "test_inference_model_atomic",
          "test_onnx_export", "test_render_layers")
 
 

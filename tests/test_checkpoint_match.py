@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from checkpoint_nets import LABELS, build, feed, same, snapshot, trained
+from checkpoint_cases import LABELS, build, feed, same, snapshot, trained
 
 import minigraph as mg
 from minigraph import io

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from checkpoint_nets import build, same, snapshot, trained
+from checkpoint_cases import build, same, snapshot, trained
 
 import minigraph as mg
 from minigraph import io

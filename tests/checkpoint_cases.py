@@ -1,7 +1,9 @@
-"""The small net the checkpoint-by-part tests train, save and load: build() makes it
-(conv c1, batch norm bn1, fc fc1, a head), trained() trains and saves it, and
-snapshot() / same() compare persistables bit for bit."""
+"""What the checkpoint tests share: a small net (build() makes it: conv c1, batch norm
+bn1, fc fc1, a head; trained() trains and saves it), snapshot() / same() to compare
+persistables bit for bit, and rewrite() to change a checkpoint file."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -52,3 +54,23 @@ def snapshot(net):
 def same(a, b, names):
     """Whether snapshots `a` and `b` hold the same bytes for each of `names`."""
     return all(a[n].tobytes() == b[n].tobytes() for n in names)
+
+
+def rewrite(src, dst, change):
+    """Copy the checkpoint `src` to `dst` with change(arrays) applied; its manifest
+    follows (removed arrays leave it, new ones join the parameters) unless the
+    change touches the manifest itself."""
+    with np.load(src) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    manifest = str(arrays["__manifest__"])
+    change(arrays)
+    if "__manifest__" in arrays and str(arrays["__manifest__"]) == manifest:
+        m = json.loads(manifest)
+        parts = {p: [n for n in names if n in arrays] for p, names in m["parts"].items()}
+        listed = {n for names in parts.values() for n in names}
+        parts.setdefault("parameters", []).extend(
+            n for n in arrays if n not in listed and not n.startswith("__"))
+        arrays["__manifest__"] = np.array(json.dumps({**m, "parts": parts}))
+    with open(dst, "wb") as f:
+        io.write_npz(f, arrays)
+    return dst
