@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from helpers import helper_test_op, same_as_twin, trained_on
 from onnx_helpers import max_differences
-from references import layer_norm as ln_reference
+from references_norms import layer_norm as ln_reference
 from test_fused_fc import fused_reference
 from test_onnx_attention import node_types
 

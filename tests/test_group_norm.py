@@ -4,8 +4,8 @@ one, the errors naming `groups`, the layers."""
 import numpy as np
 import pytest
 from helpers import helper_test_op
-from references import group_norm as gn_reference
-from references import instance_norm as in_reference
+from references_norms import group_norm as gn_reference
+from references_norms import instance_norm as in_reference
 
 import minigraph as mg
 from minigraph import layers as L

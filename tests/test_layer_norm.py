@@ -3,7 +3,7 @@ finite differences, stable statistics, a batch of one, bad input, the layer."""
 import numpy as np
 import pytest
 from helpers import helper_test_op
-from references import layer_norm as reference
+from references_norms import layer_norm as reference
 
 import minigraph as mg
 from minigraph import layers as L

@@ -6,9 +6,9 @@ engines (the native kernels and the numpy engine)."""
 import numpy as np
 import pytest
 from helpers import all_right_from_threads, helper_test_op, run_in_forked_child
-from references import group_norm as gn_reference
-from references import instance_norm as in_reference
-from references import layer_norm as ln_reference
+from references_norms import group_norm as gn_reference
+from references_norms import instance_norm as in_reference
+from references_norms import layer_norm as ln_reference
 
 from minigraph.kernels.cpu import blocks, native, norm_native
 

@@ -5,9 +5,9 @@ finite differences; the layers' arguments checked when they are built."""
 import numpy as np
 import pytest
 from helpers import helper_test_op
-from references import group_norm as gn_reference
-from references import instance_norm as in_reference
-from references import layer_norm as ln_reference
+from references_norms import group_norm as gn_reference
+from references_norms import instance_norm as in_reference
+from references_norms import layer_norm as ln_reference
 
 import minigraph as mg
 from minigraph import layers as L

@@ -6,8 +6,8 @@ batches; the layer forks the net, and inputs without a batch axis (spatial_dims)
 import numpy as np
 import pytest
 from helpers import helper_test_op
-from references import instance_norm as in_reference
-from references import tracked_instance_norm as reference
+from references_norms import instance_norm as in_reference
+from references_norms import tracked_instance_norm as reference
 
 import minigraph as mg
 from minigraph import layers as L
