@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import all_right_from_threads, run_in_forked_child
 from references import batch_norm_grad, batch_stats, bn_normalize
+from thread_helpers import all_right_from_threads, run_in_forked_child
 
 from minigraph.kernels.cpu import batch_norm as bn_kernels
 from minigraph.kernels.cpu import batch_norm_stats, blocks, bn_native, native

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import all_right_from_threads
 from references import conv2d, conv2d_grad
 from test_conv_native_nhwc import nhwc
+from thread_helpers import all_right_from_threads
 
 import minigraph as mg
 from minigraph import layers

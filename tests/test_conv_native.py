@@ -6,8 +6,8 @@ import weakref
 
 import numpy as np
 import pytest
-from helpers import all_right_from_threads, run_in_forked_child
 from references import conv2d, conv2d_grad
+from thread_helpers import all_right_from_threads, run_in_forked_child
 
 from minigraph.kernels.cpu import conv_im2col as conv_cpu
 from minigraph.kernels.cpu import conv_native, conv_native_nhwc, native

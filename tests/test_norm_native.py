@@ -5,10 +5,11 @@ one value; determinism, bad arguments, threads and forks; and the ops on both
 engines (the native kernels and the numpy engine)."""
 import numpy as np
 import pytest
-from helpers import all_right_from_threads, helper_test_op, run_in_forked_child
+from helpers import helper_test_op
 from references_norms import group_norm as gn_reference
 from references_norms import instance_norm as in_reference
 from references_norms import layer_norm as ln_reference
+from thread_helpers import all_right_from_threads, run_in_forked_child
 
 from minigraph.kernels.cpu import blocks, native, norm_native
 

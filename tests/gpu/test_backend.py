@@ -16,8 +16,8 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import run_on_thread
 from kernel_emulator import fake_pycuda
+from thread_helpers import run_on_thread
 
 import minigraph as mg
 from minigraph import device

@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 import pytest
-from helpers import all_right_from_threads, run_on_thread
 from kernel_emulator import fake_pycuda
 from kernel_emulator.fake_memory import FakeDriverError
+from thread_helpers import all_right_from_threads, run_on_thread
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the emulator")
 

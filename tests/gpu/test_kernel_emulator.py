@@ -26,8 +26,8 @@ import threading
 import kernel_emulator
 import numpy as np
 import pytest
-from helpers import run_in_forked_child
 from kernel_emulator import EmuArray, EmuKernel, EmulatorError, to_device
+from thread_helpers import run_in_forked_child
 
 from minigraph.kernels.cuda import loader
 
