@@ -1,8 +1,8 @@
 """A small GPT of the transformer layers and generation (minigraph.generation): weight
 tying through a name, the KV cache (cached passes equal full ones, never persistable,
 training untouched, a full cache named in the error, reset, a new batch, one cache to
-a net, the kv_cache_write op against its reference), sampling, generation with and without the
-cache, and inference models of a cached net refused by name."""
+a net, the kv_cache_write op against its reference), sampling, generation with and
+without the cache, and inference models of a cached net refused by name."""
 from __future__ import annotations
 
 import numpy as np
