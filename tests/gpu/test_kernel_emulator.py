@@ -22,12 +22,13 @@ from __future__ import annotations
 import shutil
 import struct
 import threading
+import time
 
 import kernel_emulator
 import numpy as np
 import pytest
 from kernel_emulator import EmuArray, EmuKernel, EmulatorError, to_device
-from thread_helpers import run_in_forked_child
+from thread_helpers import all_right_from_threads, run_in_forked_child
 
 from minigraph.kernels.cuda import loader
 
@@ -294,3 +295,27 @@ def test_launches_from_two_threads_run_one_at_a_time(probes):
         queue.put(len(wrong))
 
     assert run_in_forked_child(ranks_and_a_loader) == (0, 0)
+
+
+def test_ranks_asking_for_a_kernel_at_once_share_it(monkeypatch):
+    """Threads first asking for one kernel at once get one object: with one each, a
+    rank's allow_shared (the function attribute) was not the attribute another rank's
+    launch read. The kernel is made slowly here, so every thread makes its own."""
+    class SlowKernel(EmuKernel):
+        def __init__(self, *args):
+            time.sleep(0.05)
+            super().__init__(*args)
+
+    backend = kernel_emulator.EmuBackend()
+    name, fmt = next(iter(loader.signature_table()["fill"].items()))
+    backend._lib("fill")                         # built before the threads start
+    monkeypatch.setattr(kernel_emulator, "EmuKernel", SlowKernel)
+    got = []
+
+    def ask():
+        got.append(backend.kernel("fill", name, fmt))
+        return True
+
+    assert all_right_from_threads(ask, threads=8, calls=1)
+    assert len(got) == 8 and all(k is got[0] for k in got)
+    assert isinstance(got[0]._launch, SlowKernel)

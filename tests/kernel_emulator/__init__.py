@@ -310,15 +310,18 @@ class EmuBackend:
 
     def kernel(self, module, name, fmt):
         key = (module, name)
-        if key not in self._kernels:
+        kernel = self._kernels.get(key)
+        if kernel is None:
             expected = loader.signature_table()[module].get(name)
             if expected != fmt:
                 raise EmulatorError(f"{module}.{name}: launched with format {fmt!r}, "
                                     f"SIGNATURES says {expected!r}")
             run = EmuKernel(self._lib(module), name, fmt, self._seed)
-            self._kernels[key] = loader.Kernel(name, fmt, run, KernelResources(32, 0),
-                                               allow_shared=run.allow_shared)
-        return self._kernels[key]
+            # setdefault is atomic: ranks on threads asking at once all get the first one
+            # made, so one function attribute (allow_shared) and one tally serve them all
+            kernel = self._kernels.setdefault(key, loader.Kernel(
+                name, fmt, run, KernelResources(32, 0), allow_shared=run.allow_shared))
+        return kernel
 
     def empty(self, shape, dtype):
         return EmuArray(shape, dtype)
